@@ -1,0 +1,16 @@
+"""Distributed optimizers on flat parameter vectors, one module each.
+
+=============  ================================================================
+name           algorithm
+=============  ================================================================
+``sgd``        data-parallel SGD with Allreduce (the baseline)
+=============  ================================================================
+
+Create one with :func:`create`; see :class:`~mpiopt.algorithms.base.Algorithm`
+for the protocol they share.
+"""
+
+from .base import Algorithm, StepRecord
+from .registry import algorithm_class, available, create, register
+
+__all__ = ["Algorithm", "StepRecord", "algorithm_class", "available", "create", "register"]

@@ -1,0 +1,320 @@
+"""The algorithm protocol: one small base class over flat parameter vectors.
+
+Every algorithm works on one contiguous 1-D float array of parameters (numpy
+on CPU, cupy on GPU; a torch model's parameters are views into such a buffer).
+A subclass writes its math in :meth:`Algorithm._step` and lists its state;
+the base class does the rest that every algorithm needs in the same way:
+
+- validation of the flat buffers and the cross-rank agreement check in
+  :meth:`setup` (parameter count, dtype, algorithm, hyperparameters);
+- the NaN/Inf policy for gradients;
+- per-step accounting (:class:`StepRecord`: bytes from the ledger, time split
+  into communication, waiting and the algorithm's own computation);
+- ``state_dict``/``load_state_dict`` from the declared state names.
+
+Example
+-------
+>>> alg = mpiopt.create("sgd", topology, lr=0.1, momentum=0.9)
+>>> alg.setup(params)
+>>> for batch in data:
+...     loss, grad = compute(params, batch)
+...     alg.step(params, grad, loss=loss)
+>>> alg.finish(params)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, Dict, Mapping, Optional, Tuple
+
+import numpy as np
+
+from ..arrays import array_module, to_numpy
+from ..comm import MAX, Topology
+
+__all__ = ["Algorithm", "StepRecord", "check_positive", "check_range", "check_choice"]
+
+NAN_POLICIES = ("raise", "skip")
+
+
+@dataclass
+class StepRecord:
+    """What one ``step`` cost this rank.
+
+    Attributes
+    ----------
+    step : int
+        Step counter after the step (1 for the first step).
+    loss : float or None
+        The loss passed to ``step``.
+    bytes_sent, bytes_recv : int
+        Payload exchanged with other ranks during the step (ledger convention).
+    comm_seconds : float
+        Time blocked in blocking MPI calls.
+    wait_seconds : float
+        Time blocked waiting for nonblocking operations to complete.
+    algo_seconds : float
+        The algorithm's own computation (update, compression): the step's wall
+        time less the two above.
+    skipped : bool
+        The step was skipped because some rank's gradient was not finite.
+    """
+
+    step: int
+    loss: Optional[float]
+    bytes_sent: int
+    bytes_recv: int
+    comm_seconds: float
+    wait_seconds: float
+    algo_seconds: float
+    skipped: bool = False
+
+    def as_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def check_positive(name: str, value: Any, *, allow_zero: bool = False, integer: bool = False) -> Any:
+    """Validate a number (> 0, or >= 0 with ``allow_zero``); the error names ``name`` and ``value``."""
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or (not integer and not np.isfinite(value)):
+        want = "an integer" if integer else "a finite number"
+        raise TypeError(f"{name} must be {want}, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    return value
+
+
+def check_range(name: str, value: Any, low: float, high: float, *, high_open: bool = False) -> float:
+    """Validate ``low <= value <= high`` (``< high`` with ``high_open``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+        raise TypeError(f"{name} must be a finite number, got {value!r}")
+    if not (low <= value <= high) or (high_open and value == high):
+        raise ValueError(f"{name} must be in [{low}, {high}{')' if high_open else ']'}, got {value!r}")
+    return float(value)
+
+
+def check_choice(name: str, value: Any, choices: Tuple[str, ...]) -> str:
+    """Validate that ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value
+
+
+class Algorithm:
+    """Base class of every distributed optimizer in :mod:`mpiopt.algorithms`.
+
+    Subclasses set :attr:`name`, validate their hyperparameters in
+    ``__init__`` (calling ``super().__init__``), allocate state in
+    :meth:`_allocate`, do the math in :meth:`_step` and list their state in
+    :attr:`state_arrays` and :attr:`state_scalars`.
+
+    Parameters
+    ----------
+    topology : Topology
+        The communicators to use.
+    lr : float
+        Learning rate (``eta``); schedulers may change :attr:`lr` between steps.
+    nan_policy : {"raise", "skip"}
+        What a non-finite gradient does.  ``raise`` (default): a
+        ``FloatingPointError`` on that rank, which aborts the job.  ``skip``:
+        every rank skips the step together (one extra 1-byte Allreduce per
+        step, so the decision is collective).
+    """
+
+    name: ClassVar[str] = ""
+    #: Attribute names of arrays (or None) that make up the state.
+    state_arrays: ClassVar[Tuple[str, ...]] = ()
+    #: Attribute names of scalars (int, float, bool, str) that make up the state.
+    state_scalars: ClassVar[Tuple[str, ...]] = ()
+
+    def __init__(self, topology: Topology, *, lr: float, nan_policy: str = "raise") -> None:
+        if not isinstance(topology, Topology):
+            raise TypeError(f"topology must be an mpiopt.Topology, got {type(topology).__name__}")
+        self.topology = topology
+        self.lr = float(check_positive("lr", lr))
+        self.nan_policy = check_choice("nan_policy", nan_policy, NAN_POLICIES)
+        self.steps = 0
+        self.last: Optional[StepRecord] = None
+        self.num_params: Optional[int] = None
+        self.dtype: Optional[np.dtype] = None
+        self._flag = np.zeros(1, dtype=np.uint8)
+
+    # -- what subclasses provide -----------------------------------------------------
+    def hyperparameters(self) -> Dict[str, Any]:
+        """The hyperparameters as plain data (checked for agreement, saved in checkpoints)."""
+        raise NotImplementedError
+
+    def _allocate(self, params: Any) -> None:
+        """Allocate state for ``params`` (called once by :meth:`setup`)."""
+
+    def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
+        """The update rule: change ``params`` in place."""
+        raise NotImplementedError
+
+    def _finish(self, params: Any) -> None:
+        """Complete any communication still in flight."""
+
+    # -- the protocol ------------------------------------------------------------------
+    @property
+    def ledger(self):
+        """What this rank sent and received (shared by the topology's communicators)."""
+        return self.topology.ledger
+
+    def setup(self, params: Any) -> None:
+        """Check the flat parameter buffer, check that all ranks agree, allocate state.
+
+        Raises
+        ------
+        SetupMismatchError
+            On every rank, when ranks differ in parameter count, dtype,
+            algorithm or hyperparameters.
+        """
+        self._check_flat("params", params)
+        self.topology.world.agree(
+            {
+                "algorithm": self.name,
+                "num_params": int(params.size),
+                "dtype": str(params.dtype),
+                "hyperparameters": self.hyperparameters(),
+            },
+            what=f"{self.name} set-up",
+        )
+        self.num_params = int(params.size)
+        self.dtype = np.dtype(params.dtype)
+        self._allocate(params)
+
+    def step(self, params: Any, grad: Any, loss: Optional[float] = None) -> StepRecord:
+        """Apply one step: read ``grad``, communicate as the algorithm says, update ``params`` in place.
+
+        Parameters
+        ----------
+        params, grad : array
+            Flat buffers of ``num_params`` elements (same dtype as at set-up).
+        loss : float, optional
+            This rank's training loss for the step (needed by LSGD's leader
+            election; recorded by every algorithm).
+
+        Returns
+        -------
+        StepRecord
+            Bytes and times of this step (also kept as :attr:`last`).
+        """
+        if self.num_params is None:
+            raise RuntimeError(f"{type(self).__name__}.setup(params) must be called before step()")
+        self._check_flat("params", params)
+        self._check_flat("grad", grad)
+        before = self.ledger.snapshot()
+        started = time.perf_counter()
+        skipped = not self._gradient_ok(grad)
+        if not skipped:
+            self._step(params, grad, loss)
+            self.steps += 1
+        self.last = self._record(before, started, loss, skipped)
+        return self.last
+
+    def finish(self, params: Any) -> None:
+        """Complete anything in flight (DaSGD's averaging, asynchronous exchanges)."""
+        if self.num_params is not None:
+            self._finish(params)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Arrays and scalars only (host numpy copies), never a communicator."""
+        arrays = {}
+        for key in self.state_arrays:
+            value = getattr(self, key)
+            arrays[key] = None if value is None else to_numpy(value).copy()
+        return {
+            "algorithm": self.name,
+            "steps": self.steps,
+            "lr": self.lr,
+            "hyperparameters": self.hyperparameters(),
+            "arrays": arrays,
+            "scalars": {key: getattr(self, key) for key in self.state_scalars},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (after :meth:`setup`).
+
+        Raises
+        ------
+        ValueError
+            When the state belongs to another algorithm or has other shapes.
+        """
+        if self.num_params is None:
+            raise RuntimeError(f"{type(self).__name__}.setup(params) must be called before load_state_dict()")
+        if state.get("algorithm") != self.name:
+            raise ValueError(f"state is for algorithm {state.get('algorithm')!r}, not {self.name!r}")
+        missing = (set(self.state_arrays) - set(state["arrays"])) | (set(self.state_scalars) - set(state["scalars"]))
+        if missing:
+            raise ValueError(f"state for {self.name!r} lacks {sorted(missing)}")
+        for key in self.state_arrays:
+            self._load_array(key, state["arrays"][key])
+        for key in self.state_scalars:
+            setattr(self, key, state["scalars"][key])
+        self.steps = int(state["steps"])
+        self.lr = float(state["lr"])
+
+    # -- helpers for subclasses ---------------------------------------------------------
+    def _load_array(self, key: str, value: Optional[np.ndarray]) -> None:
+        current = getattr(self, key)
+        if value is None or current is None:
+            if value is not None:
+                setattr(self, key, array_module(self._like).asarray(value))
+            else:
+                setattr(self, key, None)
+            return
+        if tuple(np.shape(value)) != tuple(current.shape):
+            raise ValueError(f"state array {key!r} has shape {np.shape(value)}, expected {tuple(current.shape)}")
+        current[...] = array_module(current).asarray(value)
+
+    @property
+    def _like(self) -> Any:
+        """An array of this algorithm's backend (set by subclasses that keep arrays)."""
+        for key in self.state_arrays:
+            value = getattr(self, key, None)
+            if value is not None:
+                return value
+        return np.empty(0)
+
+    def _check_flat(self, what: str, arr: Any) -> None:
+        if not hasattr(arr, "ndim") or not hasattr(arr, "dtype"):
+            raise TypeError(f"{what} must be a 1-D numpy or cupy array, got {type(arr).__name__}")
+        if arr.ndim != 1 or not arr.flags.c_contiguous:
+            raise ValueError(f"{what} must be a contiguous 1-D array, got shape {arr.shape}")
+        if array_module(arr).dtype(arr.dtype).kind != "f":
+            raise TypeError(f"{what} must be a floating-point array, got dtype {arr.dtype}")
+        if self.num_params is not None and (arr.size != self.num_params or arr.dtype != self.dtype):
+            raise ValueError(
+                f"{what} has {arr.size} elements of {arr.dtype}; set-up was {self.num_params} of {self.dtype}"
+            )
+
+    def _gradient_ok(self, grad: Any) -> bool:
+        xp = array_module(grad)
+        # One reduction first; only if it is not finite, find out precisely.
+        ok = bool(xp.isfinite(grad.sum())) or bool(xp.isfinite(grad).all())
+        if self.nan_policy == "raise":
+            if not ok:
+                raise FloatingPointError(
+                    f"{self.name}: non-finite gradient on rank {self.topology.rank} at step {self.steps + 1} "
+                    "(nan_policy='raise'; use nan_policy='skip' to skip such steps on every rank)"
+                )
+            return True
+        self._flag[0] = 0 if ok else 1
+        self.topology.world.Allreduce(self._flag, op=MAX)
+        return not self._flag[0]
+
+    def _record(self, before: Any, started: float, loss: Optional[float], skipped: bool) -> StepRecord:
+        elapsed = time.perf_counter() - started
+        delta = self.ledger.since(before)
+        comm, wait = delta.blocked_seconds()
+        return StepRecord(
+            step=self.steps,
+            loss=None if loss is None else float(loss),
+            bytes_sent=delta.bytes_sent,
+            bytes_recv=delta.bytes_recv,
+            comm_seconds=comm,
+            wait_seconds=wait,
+            algo_seconds=max(0.0, elapsed - comm - wait),
+            skipped=skipped,
+        )

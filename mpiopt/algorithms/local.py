@@ -1,0 +1,79 @@
+"""The local optimizer step shared by every algorithm: torch.optim.SGD's rule.
+
+``g = grad + weight_decay * x``; with momentum ``b = momentum * b + (1 -
+dampening) * g`` (``b = g`` at the first step), then ``g = g + momentum * b``
+(Nesterov) or ``g = b``; finally ``x = x - lr * g``.  Written with ``out=``
+arguments so a step allocates nothing after the first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from ..arrays import array_module
+from .base import check_positive, check_range
+
+__all__ = ["LocalSGD"]
+
+
+class LocalSGD:
+    """Momentum SGD on a flat buffer, exactly as ``torch.optim.SGD`` defines it.
+
+    Parameters
+    ----------
+    momentum : float
+        Momentum factor in [0, 1).
+    dampening : float
+        Dampening for momentum in [0, 1].
+    nesterov : bool
+        Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
+    weight_decay : float
+        L2 penalty added to the gradient.
+    """
+
+    def __init__(self, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0) -> None:
+        self.momentum = check_range("momentum", momentum, 0.0, 1.0, high_open=True)
+        self.dampening = check_range("dampening", dampening, 0.0, 1.0)
+        self.weight_decay = float(check_positive("weight_decay", weight_decay, allow_zero=True))
+        if not isinstance(nesterov, bool):
+            raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
+        if nesterov and (self.momentum == 0 or self.dampening != 0):
+            raise ValueError(f"nesterov=True needs momentum > 0 and dampening = 0, got momentum={momentum}, dampening={dampening}")
+        self.nesterov = nesterov
+        self.buffer: Optional[Any] = None  # momentum buffer, allocated at the first step
+        self._work: Optional[Any] = None
+        self._nesterov: Optional[Any] = None
+
+    def hyperparameters(self) -> Dict[str, Any]:
+        return {"momentum": self.momentum, "dampening": self.dampening, "nesterov": self.nesterov, "weight_decay": self.weight_decay}
+
+    def allocate(self, params: Any) -> None:
+        """Scratch space for ``params``; the momentum buffer appears at the first step."""
+        xp = array_module(params)
+        self._work = xp.empty_like(params)
+        self._nesterov = xp.empty_like(params) if self.nesterov else None
+
+    def apply(self, params: Any, grad: Any, lr: float) -> None:
+        """``params -= lr * direction(grad)`` in place; ``grad`` is left unchanged."""
+        xp = array_module(params)
+        g = self._work
+        if self.weight_decay:
+            xp.multiply(params, self.weight_decay, out=g)
+            g += grad
+        else:
+            g[...] = grad
+        if self.momentum:
+            if self.buffer is None:
+                self.buffer = g.copy()
+            else:
+                self.buffer *= self.momentum
+                if self.dampening:
+                    g *= 1.0 - self.dampening  # g is replaced by the buffer below (no Nesterov here)
+                self.buffer += g
+            if self.nesterov:
+                xp.multiply(self.buffer, self.momentum, out=self._nesterov)
+                g += self._nesterov
+            else:
+                g[...] = self.buffer
+        g *= lr
+        params -= g

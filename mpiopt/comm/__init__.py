@@ -1,0 +1,35 @@
+"""Communication layer: every byte mpiopt sends goes through here.
+
+- :class:`Comm` wraps a duplicated mpi4py communicator and records bytes and
+  time of every call in a :class:`Ledger`.
+- :class:`Topology` holds the world, group (node) and leaders communicators.
+- :mod:`~mpiopt.comm.buffers` passes numpy, torch and cupy buffers to MPI,
+  directly or staged through host memory.
+- :func:`abort_on_exception` makes an exception on one rank end the job.
+"""
+
+from .abort import abort_job, abort_on_exception
+from .buffers import gpu_aware_mpi, is_gpu_array, nbytes
+from .communicator import ANY_SOURCE, ANY_TAG, MAX, MIN, SUM, Comm, Request, SetupMismatchError
+from .ledger import Ledger, OpStats
+from .topology import GROUP_SIZE_ENV, Topology
+
+__all__ = [
+    "Comm",
+    "Request",
+    "Topology",
+    "Ledger",
+    "OpStats",
+    "SetupMismatchError",
+    "abort_on_exception",
+    "abort_job",
+    "gpu_aware_mpi",
+    "is_gpu_array",
+    "nbytes",
+    "SUM",
+    "MAX",
+    "MIN",
+    "ANY_SOURCE",
+    "ANY_TAG",
+    "GROUP_SIZE_ENV",
+]

@@ -1,0 +1,390 @@
+"""``Comm``: the one place where mpiopt talks MPI.
+
+A :class:`Comm` wraps a ``Dup()`` of an mpi4py intracommunicator (so our
+traffic never matches a user's messages) and exposes exactly the operations
+the algorithms need.  Every call is recorded in a :class:`~mpiopt.comm.Ledger`
+(bytes exchanged with other ranks and wall time, see the ledger's module for
+the byte convention).  There is deliberately no pass-through of other
+mpi4py attributes: anything that bypasses the ledger would make the byte and
+time figures lie.
+
+Buffers may be numpy arrays, torch tensors (CPU or CUDA) or cupy arrays; see
+:mod:`mpiopt.comm.buffers`.  Blocking and nonblocking variants of an operation
+share one code path (:meth:`Comm._run`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import time
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+from .buffers import HostStaging, as_mpi_buffer, gpu_aware_mpi, nbytes
+from .ledger import Ledger
+
+__all__ = ["Comm", "Request", "SetupMismatchError", "SUM", "MAX", "MIN", "ANY_SOURCE", "ANY_TAG"]
+
+SUM = MPI.SUM
+MAX = MPI.MAX
+MIN = MPI.MIN
+ANY_SOURCE = MPI.ANY_SOURCE
+ANY_TAG = MPI.ANY_TAG
+
+# (value, rank) pairs for leader election: float64 + int32, padded like the C struct.
+_DOUBLE_INT = np.dtype([("value", np.float64), ("rank", np.int32)], align=True)
+
+
+class SetupMismatchError(ValueError):
+    """Ranks disagree on something that must be identical everywhere."""
+
+
+class Request:
+    """Handle of a nonblocking operation.
+
+    The operation's wall time (posting to completion) and the time spent
+    blocked in :meth:`Wait` are added to the ledger when it completes; staged
+    GPU buffers are copied back at that moment.
+    """
+
+    def __init__(self, ledger: Ledger, op: str, request: MPI.Request, writebacks: List[Callable[[], None]], started: float):
+        self._ledger = ledger
+        self._op = op
+        self._request = request
+        self._writebacks = writebacks
+        self._started = started
+        self.done = False
+
+    def _complete(self, waited: float) -> None:
+        for writeback in self._writebacks:
+            writeback()
+        self.done = True
+        self._ledger.add_time(self._op, time.perf_counter() - self._started, waited)
+
+    def Test(self) -> bool:
+        """Advance the operation; True once it has completed."""
+        if not self.done and self._request.Test():
+            self._complete(0.0)
+        return self.done
+
+    def Wait(self) -> None:
+        """Block until the operation completes."""
+        if self.done:
+            return
+        t0 = time.perf_counter()
+        self._request.Wait()
+        self._complete(time.perf_counter() - t0)
+
+
+class Comm:
+    """An MPI intracommunicator with a byte/time ledger.
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Intracomm, optional
+        The communicator to wrap (default ``MPI.COMM_WORLD``).  It is
+        duplicated unless ``dup=False``.
+    name : str
+        Prefix of the ledger's operation names (``"world"``, ``"group"``, ...).
+    ledger : Ledger, optional
+        Shared ledger; a new one by default.
+    gpu_aware : bool, optional
+        Whether the MPI library takes GPU memory directly; detected when
+        omitted (see :func:`mpiopt.comm.buffers.gpu_aware_mpi`).
+    dup : bool
+        Duplicate ``comm`` (default).  Communicators made by :meth:`Split` are
+        new already and are not duplicated again.
+    """
+
+    def __init__(
+        self,
+        comm: Optional[MPI.Intracomm] = None,
+        *,
+        name: str = "world",
+        ledger: Optional[Ledger] = None,
+        gpu_aware: Optional[bool] = None,
+        dup: bool = True,
+    ) -> None:
+        base = MPI.COMM_WORLD if comm is None else comm
+        if not isinstance(base, MPI.Intracomm):
+            raise TypeError(f"comm must be an mpi4py Intracomm, got {type(base).__name__}")
+        self._comm = base.Dup() if dup else base
+        self.name = name
+        self.ledger = Ledger() if ledger is None else ledger
+        self.gpu_aware, self.gpu_aware_reason = gpu_aware_mpi(gpu_aware)
+        self._staging = HostStaging()
+
+    # -- identity --------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._comm.Get_rank()
+
+    @property
+    def size(self) -> int:
+        return self._comm.Get_size()
+
+    def __repr__(self) -> str:
+        return f"Comm(name={self.name!r}, rank={self.rank}, size={self.size})"
+
+    def Free(self) -> None:
+        """Release the underlying communicator."""
+        if self._comm != MPI.COMM_NULL:
+            self._comm.Free()
+
+    def Split(self, color: int, key: int, name: str) -> Optional["Comm"]:
+        """Sub-communicator of ranks with the same ``color``; None where ``color`` is negative."""
+        raw = self._comm.Split(MPI.UNDEFINED if color < 0 else color, key)
+        if raw == MPI.COMM_NULL:
+            return None
+        return Comm(raw, name=name, ledger=self.ledger, gpu_aware=self.gpu_aware, dup=False)
+
+    def Split_shared(self, name: str) -> "Comm":
+        """Sub-communicator of the ranks that share memory (one node)."""
+        raw = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        return Comm(raw, name=name, ledger=self.ledger, gpu_aware=self.gpu_aware, dup=False)
+
+    # -- the shared code path ------------------------------------------------------
+    def _run(
+        self,
+        op: str,
+        sent: int,
+        recv: int,
+        call: Callable[..., Any],
+        buffers: Sequence[Tuple[Any, bool, bool]],
+        nonblocking: bool = False,
+    ) -> Any:
+        """Stage ``buffers`` (``(buf, read, write)`` triples), run ``call`` on them, record.
+
+        For nonblocking calls ``call`` returns an ``MPI.Request`` and a
+        :class:`Request` is returned whose completion records the time.
+        """
+        started = time.perf_counter()
+        mpi_bufs, writebacks = [], []
+        for i, (buf, read, write) in enumerate(buffers):
+            mpi_buf, writeback = as_mpi_buffer(
+                buf, gpu_aware=self.gpu_aware, staging=self._staging, slot=f"{op}:{i}", read=read, write=write
+            )
+            mpi_bufs.append(mpi_buf)
+            if writeback is not None:
+                writebacks.append(writeback)
+        name = f"{self.name}.{op}"
+        result = call(*mpi_bufs)
+        if nonblocking:
+            self.ledger.record(name, sent, recv)
+            return Request(self.ledger, name, result, writebacks, started)
+        for writeback in writebacks:
+            writeback()
+        self.ledger.record(name, sent, recv, time.perf_counter() - started)
+        return result
+
+    def _others(self, n: int) -> int:
+        """Bytes exchanged with other ranks: none at a world size of one."""
+        return n if self.size > 1 else 0
+
+    # -- reductions ------------------------------------------------------------------
+    def _allreduce(self, buf: Any, out: Optional[Any], op: MPI.Op, nonblocking: bool) -> Any:
+        n = self._others(nbytes(buf))
+        fn = self._comm.Iallreduce if nonblocking else self._comm.Allreduce
+        name = "Iallreduce" if nonblocking else "Allreduce"
+        if out is None:
+            return self._run(name, n, n, lambda b: fn(MPI.IN_PLACE, b, op), [(buf, True, True)], nonblocking)
+        if nbytes(out) != nbytes(buf):
+            raise ValueError(f"out has {nbytes(out)} bytes, buf has {nbytes(buf)}: they must match")
+        return self._run(name, n, n, lambda b, o: fn(b, o, op), [(buf, True, False), (out, False, True)], nonblocking)
+
+    def Allreduce(self, buf: Any, out: Optional[Any] = None, op: MPI.Op = SUM) -> None:
+        """Reduce ``buf`` over all ranks into ``out`` (in place when ``out`` is None)."""
+        self._allreduce(buf, out, op, nonblocking=False)
+
+    def Iallreduce(self, buf: Any, out: Optional[Any] = None, op: MPI.Op = SUM) -> Request:
+        """Nonblocking :meth:`Allreduce`; the buffers must not be touched until the request completes."""
+        return self._allreduce(buf, out, op, nonblocking=True)
+
+    def Reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: MPI.Op = SUM) -> None:
+        """Reduce ``sendbuf`` (``size`` equal blocks) and leave block ``rank`` in ``recvbuf``."""
+        block = nbytes(recvbuf)
+        if nbytes(sendbuf) != block * self.size:
+            raise ValueError(f"sendbuf has {nbytes(sendbuf)} bytes; expected size x recvbuf = {block * self.size}")
+        others = block * (self.size - 1)
+        self._run(
+            "Reduce_scatter", others, others,
+            lambda s, r: self._comm.Reduce_scatter_block(s, r, op), [(sendbuf, True, False), (recvbuf, False, True)],
+        )
+
+    def elect_min(self, value: float) -> Tuple[float, int]:
+        """Smallest ``value`` over all ranks and the rank holding it (ties: lowest rank).
+
+        One Allreduce with ``MPI.MINLOC`` of a (float64, int32) pair.  NaN
+        counts as larger than any number, so a diverged rank is never elected.
+        """
+        pair = np.zeros(1, dtype=_DOUBLE_INT)
+        pair["value"] = np.inf if np.isnan(value) else value
+        pair["rank"] = self.rank
+        n = self._others(pair.nbytes)
+        self._run("elect_min", n, n, lambda b: self._comm.Allreduce(MPI.IN_PLACE, [b, MPI.DOUBLE_INT], MPI.MINLOC), [(pair, True, True)])
+        return float(pair["value"][0]), int(pair["rank"][0])
+
+    # -- gathers and scatters -----------------------------------------------------------------
+    def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
+        """Gather every rank's ``sendbuf`` into ``recvbuf`` (``size`` blocks, rank order)."""
+        s = nbytes(sendbuf)
+        if nbytes(recvbuf) != s * self.size:
+            raise ValueError(f"recvbuf has {nbytes(recvbuf)} bytes; expected size x sendbuf = {s * self.size}")
+        self._run("Allgather", self._others(s), s * (self.size - 1), self._comm.Allgather, [(sendbuf, True, False), (recvbuf, False, True)])
+
+    def Allgatherv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int]) -> None:
+        """Gather blocks of different lengths; ``counts[r]`` elements from rank ``r``, packed in rank order."""
+        counts = [int(c) for c in counts]
+        if len(counts) != self.size:
+            raise ValueError(f"counts has {len(counts)} entries; expected one per rank ({self.size})")
+        item = nbytes(recvbuf) // max(1, _numel(recvbuf))
+        if _numel(sendbuf) != counts[self.rank]:
+            raise ValueError(f"sendbuf has {_numel(sendbuf)} elements but counts[{self.rank}] = {counts[self.rank]}")
+        if _numel(recvbuf) < sum(counts):
+            raise ValueError(f"recvbuf has {_numel(recvbuf)} elements; counts need {sum(counts)}")
+        sent = self._others(counts[self.rank] * item)
+        recv = (sum(counts) - counts[self.rank]) * item
+        self._run(
+            "Allgatherv", sent, recv,
+            lambda s, r: self._comm.Allgatherv(s, [r, counts]), [(sendbuf, True, False), (recvbuf, False, True)],
+        )
+
+    def Alltoall(self, sendbuf: Any, recvbuf: Any) -> None:
+        """Send block ``j`` of ``sendbuf`` to rank ``j``; receive rank ``j``'s block ``rank`` into block ``j``."""
+        if nbytes(sendbuf) != nbytes(recvbuf) or nbytes(sendbuf) % self.size:
+            raise ValueError(
+                f"Alltoall needs equal send and receive sizes divisible by {self.size}; got {nbytes(sendbuf)} and {nbytes(recvbuf)}"
+            )
+        others = nbytes(sendbuf) // self.size * (self.size - 1)
+        self._run("Alltoall", others, others, self._comm.Alltoall, [(sendbuf, True, False), (recvbuf, False, True)])
+
+    def Alltoallv(self, sendbuf: Any, sendcounts: Sequence[int], recvbuf: Any, recvcounts: Sequence[int]) -> None:
+        """Alltoall with per-rank element counts (blocks packed in rank order)."""
+        sendcounts, recvcounts = [int(c) for c in sendcounts], [int(c) for c in recvcounts]
+        if len(sendcounts) != self.size or len(recvcounts) != self.size:
+            raise ValueError(f"sendcounts and recvcounts need {self.size} entries; got {len(sendcounts)} and {len(recvcounts)}")
+        item = nbytes(sendbuf) // max(1, _numel(sendbuf))
+        sent = (sum(sendcounts) - sendcounts[self.rank]) * item
+        recv = (sum(recvcounts) - recvcounts[self.rank]) * item
+        self._run(
+            "Alltoallv", sent, recv,
+            lambda s, r: self._comm.Alltoallv([s, sendcounts], [r, recvcounts]), [(sendbuf, True, False), (recvbuf, False, True)],
+        )
+
+    def Bcast(self, buf: Any, root: int = 0) -> None:
+        """Copy the root's ``buf`` into every rank's ``buf``."""
+        self._check_rank(root, "root")
+        n = self._others(nbytes(buf))
+        is_root = self.rank == root
+        self._run("Bcast", n if is_root else 0, 0 if is_root else n, lambda b: self._comm.Bcast(b, root), [(buf, is_root, not is_root)])
+
+    def Barrier(self) -> None:
+        """Wait for every rank."""
+        self._run("Barrier", 0, 0, self._comm.Barrier, [])
+
+    # -- point to point -----------------------------------------------------------------------
+    def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
+        """Blocking send of ``buf`` to ``dest``."""
+        self._check_rank(dest, "dest")
+        self._run("Send", nbytes(buf), 0, lambda b: self._comm.Send(b, dest, tag), [(buf, True, False)])
+
+    def Isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
+        """Nonblocking send; ``buf`` must not change until the request completes."""
+        self._check_rank(dest, "dest")
+        return self._run("Isend", nbytes(buf), 0, lambda b: self._comm.Isend(b, dest, tag), [(buf, True, False)], True)
+
+    def Recv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> MPI.Status:
+        """Blocking receive into ``buf``; returns the status (source, tag)."""
+        status = MPI.Status()
+        self._run("Recv", 0, nbytes(buf), lambda b: self._comm.Recv(b, source, tag, status), [(buf, False, True)])
+        return status
+
+    def Irecv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
+        """Nonblocking receive into ``buf``."""
+        return self._run("Irecv", 0, nbytes(buf), lambda b: self._comm.Irecv(b, source, tag), [(buf, False, True)], True)
+
+    def Iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Optional[MPI.Status]:
+        """Status of a pending message matching ``source`` and ``tag``, or None."""
+        status = MPI.Status()
+        return status if self._comm.Iprobe(source, tag, status) else None
+
+    # -- small control data (pickled objects) ---------------------------------------------
+    def allreduce_obj(self, obj: Any, op: MPI.Op = SUM) -> Any:
+        """Reduce a small Python object (a number, a tuple) over all ranks."""
+        n = self._others(len(pickle.dumps(obj)))
+        return self._run("allreduce_obj", n, n, lambda: self._comm.allreduce(obj, op), [])
+
+    def allgather_obj(self, obj: Any) -> List[Any]:
+        """Every rank's small Python object, in rank order."""
+        n = len(pickle.dumps(obj))
+        result = self._run("allgather_obj", self._others(n), 0, lambda: self._comm.allgather(obj), [])
+        self.ledger.record(f"{self.name}.allgather_obj", 0, sum(len(pickle.dumps(o)) for o in result) - n, calls=0)
+        return result
+
+    def bcast_obj(self, obj: Any, root: int = 0) -> Any:
+        """The root's small Python object on every rank."""
+        self._check_rank(root, "root")
+        is_root = self.rank == root
+        n = len(pickle.dumps(obj)) if is_root else 0
+        result = self._run("bcast_obj", self._others(n), 0, lambda: self._comm.bcast(obj, root), [])
+        if not is_root:
+            self.ledger.record(f"{self.name}.bcast_obj", 0, len(pickle.dumps(result)), calls=0)
+        return result
+
+    # -- agreement and totals --------------------------------------------------------------
+    def agree(self, signature: Mapping[str, Any], what: str = "set-up") -> None:
+        """Check that every rank passes an identical ``signature``; raise the same error everywhere if not.
+
+        Parameters
+        ----------
+        signature : mapping
+            JSON-serialisable description (parameter count, dtype, algorithm
+            name, hyperparameters, ...).
+        what : str
+            Words for the error message.
+
+        Raises
+        ------
+        SetupMismatchError
+            On every rank, naming each key that differs and each rank's value.
+        """
+        text = json.dumps(signature, sort_keys=True, default=repr)
+        digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), dtype=np.uint8).copy()
+        lowest = digest.copy()
+        highest = digest.copy()
+        self.Allreduce(lowest, op=MIN)
+        self.Allreduce(highest, op=MAX)
+        if np.array_equal(lowest, highest):
+            return
+        everyone = self.allgather_obj(json.loads(text))
+        keys = sorted(set().union(*everyone))
+        lines = []
+        for key in keys:
+            values = [sig.get(key, "<missing>") for sig in everyone]
+            if any(v != values[0] for v in values):
+                per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+                lines.append(f"  {key}: {per_rank}")
+        raise SetupMismatchError(f"ranks disagree on the {what} ({self.name} communicator):\n" + "\n".join(lines))
+
+    def ledger_totals(self) -> Ledger:
+        """The ledger summed over the ranks of this communicator (a collective call; not itself recorded)."""
+        ops = sorted(set().union(*self._comm.allgather(sorted(self.ledger.ops))))
+        table = np.array([self.ledger[op].as_tuple() for op in ops], dtype=np.float64).reshape(len(ops), -1)
+        self._comm.Allreduce(MPI.IN_PLACE, table, MPI.SUM)
+        out = Ledger()
+        for op, row in zip(ops, table):
+            out.record(op, int(row[1]), int(row[2]), float(row[3]), calls=int(row[0]))
+            out.ops[op].wait_seconds = float(row[4])
+        return out
+
+    def _check_rank(self, value: int, name: str) -> None:
+        if not (0 <= value < self.size):
+            raise ValueError(f"{name} must be a rank in [0, {self.size}), got {value}")
+
+
+def _numel(buf: Any) -> int:
+    return buf.numel() if hasattr(buf, "numel") and callable(buf.numel) else int(buf.size)

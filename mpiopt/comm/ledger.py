@@ -1,0 +1,158 @@
+"""Byte and time accounting for every communication call.
+
+The ledger keeps running totals per operation name (``"world.Allreduce"``,
+``"group.Bcast"``, ...), never a list of calls, so a week-long run uses
+constant memory.  Per-step figures come from the difference of two snapshots
+(:meth:`Ledger.snapshot` and :meth:`Ledger.since`).
+
+Byte convention
+---------------
+Bytes are *payload bytes exchanged with other ranks*, as the MPI standard's
+semantics define them, independent of the algorithm the MPI library picks
+(ring, tree, ...).  A rank's own contribution never counts:
+
+=================  ===============================  =================================
+operation          sent by this rank                received by this rank
+=================  ===============================  =================================
+Allreduce(n)       n                                n
+Bcast(n)           n at the root, 0 elsewhere       0 at the root, n elsewhere
+Allgather(s)       s                                (P-1) s
+Allgatherv         own count                        sum of the others' counts
+Alltoall(b/block)  (P-1) b                          (P-1) b
+Reduce_scatter     n - own block                    (P-1) own block
+Send/Isend(n)      n                                0
+Recv/Irecv(n)      0                                n
+=================  ===============================  =================================
+
+At one rank every collective moves 0 bytes (nothing crosses a wire).  Object
+variants count the pickled size.  Times are wall seconds: for a nonblocking
+call from posting until the request completes (``seconds``), with the part
+spent blocked inside ``Wait`` also kept apart (``wait_seconds``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Dict, Iterator, Mapping, Optional
+
+__all__ = ["OpStats", "Ledger", "NONBLOCKING_OPS"]
+
+# Operations whose ``seconds`` run from posting to completion (overlapping
+# other work); only their ``wait_seconds`` is time this rank was blocked.
+NONBLOCKING_OPS = frozenset({"Iallreduce", "Isend", "Irecv"})
+
+
+@dataclass
+class OpStats:
+    """Running totals for one operation name."""
+
+    calls: int = 0
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+    def __sub__(self, other: "OpStats") -> "OpStats":
+        return OpStats(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
+
+    def __add__(self, other: "OpStats") -> "OpStats":
+        return OpStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def as_tuple(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+
+@dataclass
+class Ledger:
+    """Per-operation totals of calls, bytes and seconds for one rank.
+
+    Several :class:`~mpiopt.comm.Comm` objects (world, group, leaders) may
+    share one ledger; their operation names carry the communicator's name.
+    """
+
+    ops: Dict[str, OpStats] = field(default_factory=dict)
+
+    def record(self, op: str, sent: int, recv: int, seconds: float = 0.0, calls: int = 1) -> OpStats:
+        """Add one call's bytes and time to ``op``'s totals and return the totals."""
+        stats = self.ops.get(op)
+        if stats is None:
+            stats = self.ops[op] = OpStats()
+        stats.calls += calls
+        stats.bytes_sent += int(sent)
+        stats.bytes_recv += int(recv)
+        stats.seconds += seconds
+        return stats
+
+    def add_time(self, op: str, seconds: float, wait_seconds: float = 0.0) -> None:
+        """Add time to an operation already recorded (nonblocking completion)."""
+        stats = self.ops[op]
+        stats.seconds += seconds
+        stats.wait_seconds += wait_seconds
+
+    # -- reading -------------------------------------------------------------
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self.ops))
+
+    def __getitem__(self, op: str) -> OpStats:
+        return self.ops.get(op, OpStats())
+
+    def total(self) -> OpStats:
+        """Totals over all operations."""
+        out = OpStats()
+        for stats in self.ops.values():
+            out = out + stats
+        return out
+
+    def blocked_seconds(self) -> "tuple[float, float]":
+        """Time this rank spent blocked in MPI: (in blocking calls, waiting on nonblocking ones)."""
+        comm = wait = 0.0
+        for op, stats in self.ops.items():
+            if op.rsplit(".", 1)[-1] in NONBLOCKING_OPS:
+                wait += stats.wait_seconds
+            else:
+                comm += stats.seconds
+        return comm, wait
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.total().bytes_sent
+
+    @property
+    def bytes_recv(self) -> int:
+        return self.total().bytes_recv
+
+    def snapshot(self) -> "Ledger":
+        """An independent copy, to be subtracted later with :meth:`since`."""
+        return Ledger({op: OpStats(*s.as_tuple()) for op, s in self.ops.items()})
+
+    def since(self, earlier: "Ledger") -> "Ledger":
+        """What was recorded after ``earlier`` (a snapshot of this ledger)."""
+        diff = {}
+        for op, stats in self.ops.items():
+            delta = stats - earlier[op]
+            if delta.calls or delta.bytes_sent or delta.bytes_recv or delta.seconds:
+                diff[op] = delta
+        return Ledger(diff)
+
+    def reset(self) -> None:
+        """Forget every total."""
+        self.ops.clear()
+
+    def as_dict(self) -> Dict[str, Dict[str, float]]:
+        """Plain nested dict (for JSON and HDF5 metadata)."""
+        return {op: dict(zip((f.name for f in fields(OpStats)), s.as_tuple())) for op, s in sorted(self.ops.items())}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Mapping[str, float]]) -> "Ledger":
+        """Inverse of :meth:`as_dict`."""
+        return cls({op: OpStats(**dict(v)) for op, v in data.items()})
+
+    def table(self, title: Optional[str] = None) -> str:
+        """A Markdown table of the totals, one row per operation."""
+        lines = [f"### {title}", ""] if title else []
+        lines.append("| operation | calls | bytes sent | bytes received | seconds | waiting s |")
+        lines.append("|---|---:|---:|---:|---:|---:|")
+        for op in self:
+            s = self.ops[op]
+            lines.append(f"| {op} | {s.calls} | {s.bytes_sent} | {s.bytes_recv} | {s.seconds:.6f} | {s.wait_seconds:.6f} |")
+        return "\n".join(lines)

@@ -1,0 +1,34 @@
+"""Launch ``mpiexec`` from tests, with a hard time limit."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import List, Tuple
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def mpiexec() -> str:
+    """The mpiexec next to this Python (the MPICH wheel's), else the one on PATH."""
+    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = local if os.path.exists(local) else shutil.which("mpiexec")
+    if found is None:
+        pytest.fail("no mpiexec found: install the 'mpich' extra or a system MPI")
+    return found
+
+
+def run_mpi(n: int, args: List[str], timeout: float = 60, env: dict = None) -> Tuple[int, str, float]:
+    """Run ``mpiexec -n n python args...``; return (exit code, stdout+stderr, seconds)."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    started = time.monotonic()
+    proc = subprocess.run(
+        [mpiexec(), "-n", str(n), sys.executable] + args,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, cwd=ROOT, env=full_env,
+    )
+    return proc.returncode, proc.stdout, time.monotonic() - started

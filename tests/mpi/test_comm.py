@@ -1,0 +1,200 @@
+"""Comm: results of every wrapped call, and ledger bytes equal to the buffer sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from mpiopt.comm import Comm, SetupMismatchError
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture
+def comm():
+    c = Comm()
+    yield c
+    c.Free()
+
+
+def one(ledger, op):
+    """The single recorded call of ``op`` (asserting there was exactly one)."""
+    stats = ledger[f"world.{op}"]
+    assert stats.calls == 1, f"{op}: {stats.calls} calls recorded"
+    return stats.bytes_sent, stats.bytes_recv
+
+
+def rank_data(rank: int, n: int, dtype=np.float32) -> np.ndarray:
+    return (np.arange(n) + 1000 * rank).astype(dtype)
+
+
+@pytest.mark.parametrize("n", [1, 13, 1000])
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_allreduce(comm, n, kind):
+    P, r = comm.size, comm.rank
+    data = rank_data(r, n)
+    buf = torch.from_numpy(data.copy()) if kind == "torch" else data.copy()
+    comm.Allreduce(buf)
+    expect = sum(rank_data(q, n, np.float64) for q in range(P))
+    out = np.zeros(n, np.float32)
+    comm.Allreduce(data, out=out, op=MPI.MAX)
+    result = buf.numpy() if kind == "torch" else buf
+    np.testing.assert_allclose(result, expect, rtol=1e-6)
+    np.testing.assert_array_equal(out, rank_data(P - 1, n))
+    stats = comm.ledger["world.Allreduce"]
+    wire = 4 * n if P > 1 else 0
+    assert (stats.calls, stats.bytes_sent, stats.bytes_recv) == (2, 2 * wire, 2 * wire)
+
+
+def test_iallreduce_records_on_completion(comm):
+    P = comm.size
+    buf = rank_data(comm.rank, 100)
+    out = np.empty_like(buf)
+    req = comm.Iallreduce(buf, out=out)
+    while not req.Test():
+        pass
+    req.Wait()  # a second completion is a no-op
+    np.testing.assert_allclose(out, sum(rank_data(q, 100, np.float64) for q in range(P)))
+    assert one(comm.ledger, "Iallreduce") == ((400, 400) if P > 1 else (0, 0))
+    assert comm.ledger["world.Iallreduce"].seconds > 0
+
+
+def test_allgather_and_allgatherv(comm):
+    P, r = comm.size, comm.rank
+    send = np.full(7, r, dtype=np.uint8)
+    recv = np.empty(7 * P, dtype=np.uint8)
+    comm.Allgather(send, recv)
+    np.testing.assert_array_equal(recv, np.repeat(np.arange(P), 7))
+    assert one(comm.ledger, "Allgather") == ((7 if P > 1 else 0), 7 * (P - 1))
+
+    counts = [q + 1 for q in range(P)]
+    sendv = np.full(counts[r], r, dtype=np.int32)
+    recvv = np.empty(sum(counts), dtype=np.int32)
+    comm.Allgatherv(sendv, recvv, counts)
+    np.testing.assert_array_equal(recvv, np.repeat(np.arange(P), counts))
+    assert one(comm.ledger, "Allgatherv") == ((4 * counts[r] if P > 1 else 0), 4 * (sum(counts) - counts[r]))
+
+
+def test_alltoall_and_alltoallv(comm):
+    P, r = comm.size, comm.rank
+    send = (np.arange(P * 3) + 100 * r).astype(np.float64)
+    recv = np.empty_like(send)
+    comm.Alltoall(send, recv)
+    expect = np.concatenate([(np.arange(3) + 3 * r + 100 * q) for q in range(P)])
+    np.testing.assert_array_equal(recv, expect)
+    assert one(comm.ledger, "Alltoall") == (8 * 3 * (P - 1),) * 2
+
+    # Rank r sends q+1 copies of r to rank q.
+    sendcounts = [q + 1 for q in range(P)]
+    sendv = np.full(sum(sendcounts), r, dtype=np.int64)
+    recvcounts = [r + 1] * P
+    recvv = np.empty(sum(recvcounts), dtype=np.int64)
+    comm.Alltoallv(sendv, sendcounts, recvv, recvcounts)
+    np.testing.assert_array_equal(recvv, np.repeat(np.arange(P), r + 1))
+    assert one(comm.ledger, "Alltoallv") == (8 * (sum(sendcounts) - sendcounts[r]), 8 * (r + 1) * (P - 1))
+
+
+def test_reduce_scatter(comm):
+    P, r = comm.size, comm.rank
+    send = np.arange(P * 5, dtype=np.float32) * (r + 1)
+    recv = np.empty(5, dtype=np.float32)
+    comm.Reduce_scatter(send, recv)
+    total = P * (P + 1) / 2
+    np.testing.assert_allclose(recv, np.arange(5 * r, 5 * r + 5) * total)
+    assert one(comm.ledger, "Reduce_scatter") == (20 * (P - 1),) * 2
+
+
+@pytest.mark.parametrize("root_from_end", [0, 1])
+def test_bcast(comm, root_from_end):
+    P, r = comm.size, comm.rank
+    root = max(0, P - 1 - root_from_end)
+    buf = np.full(11, r, dtype=np.float32)
+    comm.Bcast(buf, root=root)
+    np.testing.assert_array_equal(buf, np.full(11, root))
+    n = 44 if P > 1 else 0
+    assert one(comm.ledger, "Bcast") == ((n, 0) if r == root else (0, n))
+
+
+def test_elect_min_ties_to_lowest_rank(comm):
+    P, r = comm.size, comm.rank
+    value, leader = comm.elect_min(5.0 if r % 2 else 1.0)
+    assert (value, leader) == (1.0, 0)
+    value, leader = comm.elect_min(float("nan") if r == 0 else float(P - r))
+    assert (value, leader) == ((1.0, P - 1) if P > 1 else (np.inf, 0))
+    assert comm.ledger["world.elect_min"].bytes_sent == (2 * 16 if P > 1 else 0)
+
+
+def test_point_to_point_ring(comm):
+    P, r = comm.size, comm.rank
+    send = np.full(9, r, dtype=np.float32)
+    recv = np.empty(9, dtype=np.float32)
+    rreq = comm.Irecv(recv, source=(r - 1) % P, tag=3)
+    sreq = comm.Isend(send, dest=(r + 1) % P, tag=3)
+    sreq.Wait()
+    rreq.Wait()
+    np.testing.assert_array_equal(recv, np.full(9, (r - 1) % P))
+    assert one(comm.ledger, "Isend") == (36, 0)
+    assert one(comm.ledger, "Irecv") == (0, 36)
+
+
+def test_object_variants(comm):
+    P, r = comm.size, comm.rank
+    assert comm.allreduce_obj(r + 1) == P * (P + 1) // 2
+    assert comm.allgather_obj(("r", r)) == [("r", q) for q in range(P)]
+    assert comm.bcast_obj({"x": r} if r == 0 else None) == {"x": 0}
+    assert comm.ledger["world.allgather_obj"].calls == 1
+
+
+def test_ledger_totals_and_reset(comm):
+    P = comm.size
+    comm.Allreduce(np.ones(10, np.float32))
+    totals = comm.ledger_totals()
+    wire = 40 * P if P > 1 else 0
+    assert (totals["world.Allreduce"].calls, totals["world.Allreduce"].bytes_sent) == (P, wire)
+    before = comm.ledger.snapshot()
+    comm.Allreduce(np.ones(3, np.float64))
+    delta = comm.ledger.since(before)
+    assert list(delta) == ["world.Allreduce"] and delta.bytes_sent == (24 if P > 1 else 0)
+    comm.ledger.reset()
+    assert comm.ledger.total().calls == 0
+
+
+def test_bad_arguments_name_the_problem(comm):
+    with pytest.raises(ValueError, match="root must be a rank"):
+        comm.Bcast(np.zeros(2), root=comm.size)
+    with pytest.raises(ValueError, match="recvbuf has"):
+        comm.Allgather(np.zeros(2), np.zeros(2 * comm.size + 1))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        comm.Allreduce(np.zeros((4, 4))[:, 0])
+    with pytest.raises(TypeError, match="numpy/cupy array or a torch tensor"):
+        comm.Allreduce([1.0, 2.0])
+
+
+def test_agree_passes_when_equal(comm):
+    comm.agree({"num_params": 10, "dtype": "float32", "algorithm": "sgd", "hyper": {"lr": 0.1}})
+
+
+@pytest.mark.mpi(min_size=2)
+def test_agree_mismatch_same_error_on_every_rank(comm):
+    r = comm.rank
+    sig = {"num_params": 1000 + (r == 1), "dtype": "float32", "algorithm": "sgd", "hyper": {"lr": 0.1}}
+    with pytest.raises(SetupMismatchError) as err:
+        comm.agree(sig, what="test set-up")
+    message = str(err.value)
+    everyone = comm.allgather_obj(message)
+    assert all(m == message for m in everyone), everyone
+    assert "num_params" in message and "rank 1: 1001" in message and "rank 0: 1000" in message
+    assert "dtype" not in message
+
+
+def test_gpu_aware_override(comm, monkeypatch):
+    from mpiopt.comm.buffers import gpu_aware_mpi
+
+    assert gpu_aware_mpi(True) == (True, "argument")
+    monkeypatch.setenv("MPIOPT_GPU_AWARE", "0")
+    assert gpu_aware_mpi() == (False, "MPIOPT_GPU_AWARE=0")
+    monkeypatch.setenv("MPIOPT_GPU_AWARE", "maybe")
+    with pytest.raises(ValueError, match="MPIOPT_GPU_AWARE"):
+        gpu_aware_mpi()

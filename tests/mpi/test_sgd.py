@@ -1,0 +1,153 @@
+"""Data-parallel SGD: torch.optim.SGD on the averaged gradient; bytes; NaN policy; resume; agreement."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import mpiopt
+from mpiopt.comm import SetupMismatchError
+
+pytestmark = pytest.mark.mpi
+
+D = 257
+SETTINGS = [
+    dict(momentum=0.9, nesterov=True, weight_decay=1e-2),
+    dict(momentum=0.9, dampening=0.1, weight_decay=1e-3),
+    dict(momentum=0.0, weight_decay=0.0),
+]
+
+
+def rank_grads(steps: int, rank: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng([seed, rank]).standard_normal((steps, D)).astype(np.float32)
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_matches_torch_sgd_on_the_averaged_gradient(topology, settings):
+    P, steps, lr = topology.size, 50, 0.05
+    x0 = np.random.default_rng(1).standard_normal(D).astype(np.float32)
+    params = x0.copy()
+    alg = mpiopt.create("sgd", topology, lr=lr, **settings)
+    alg.setup(params)
+    mine = rank_grads(steps, topology.rank)
+    for g in mine:
+        alg.step(params, g)
+    # Reference: torch.optim.SGD fed the float64 mean of every rank's gradient.
+    mean = np.mean([rank_grads(steps, r) for r in range(P)], axis=0, dtype=np.float64).astype(np.float32)
+    ref = torch.nn.Parameter(torch.from_numpy(x0.copy()))
+    opt = torch.optim.SGD([ref], lr=lr, **settings)
+    for g in mean:
+        ref.grad = torch.from_numpy(g)
+        opt.step()
+    expect = ref.detach().numpy()
+    rel = np.max(np.abs(params - expect)) / np.max(np.abs(expect))
+    assert rel < (2e-6 if P == 1 else 1e-5), rel
+
+
+def test_one_allreduce_of_4d_bytes_per_step(topology):
+    params = np.zeros(D, np.float32)
+    alg = mpiopt.create("sgd", topology, lr=0.1)
+    alg.setup(params)
+    record = alg.step(params, np.ones(D, np.float32), loss=1.5)
+    wire = 4 * D if topology.size > 1 else 0
+    assert (record.bytes_sent, record.bytes_recv, record.loss, record.step) == (wire, wire, 1.5, 1)
+    assert record.comm_seconds >= 0 and record.algo_seconds >= 0
+    assert topology.ledger["world.Allreduce"].calls == 1 + 2  # the step + the set-up agreement check
+
+
+def test_nan_raise_names_the_rank(topology):
+    params = np.zeros(D, np.float32)
+    alg = mpiopt.create("sgd", topology, lr=0.1)
+    alg.setup(params)
+    grad = np.zeros(D, np.float32)
+    grad[3] = np.nan
+    with pytest.raises(FloatingPointError, match=f"non-finite gradient on rank {topology.rank} at step 1"):
+        alg.step(params, grad)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_nan_skip_is_collective(topology):
+    params = np.zeros(D, np.float32)
+    alg = mpiopt.create("sgd", topology, lr=0.1, nan_policy="skip")
+    alg.setup(params)
+    grad = np.ones(D, np.float32)
+    if topology.rank == 1:
+        grad[0] = np.inf
+    record = alg.step(params, grad)
+    assert record.skipped and alg.steps == 0 and not params.any()
+    record = alg.step(params, np.ones(D, np.float32))
+    assert not record.skipped and alg.steps == 1
+    np.testing.assert_allclose(params, -0.1)
+
+
+def test_state_dict_resume_is_bitwise(topology):
+    grads = rank_grads(20, topology.rank, seed=5)
+    settings = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
+    params = np.ones(D, np.float32)
+    alg = mpiopt.create("sgd", topology, **settings)
+    alg.setup(params)
+    for g in grads[:10]:
+        alg.step(params, g)
+    state, saved = alg.state_dict(), params.copy()
+    for g in grads[10:]:
+        alg.step(params, g)
+    again = mpiopt.create("sgd", topology, **settings)
+    resumed = saved.copy()
+    again.setup(resumed)
+    again.load_state_dict(state)
+    for g in grads[10:]:
+        again.step(resumed, g)
+    assert np.array_equal(params, resumed) and again.steps == alg.steps == 20
+
+
+def test_load_state_dict_rejects_foreign_state(topology):
+    alg = mpiopt.create("sgd", topology, lr=0.1)
+    alg.setup(np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match="state is for algorithm 'lsgd'"):
+        alg.load_state_dict({"algorithm": "lsgd"})
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(lr=-1.0), ValueError, "lr must be > 0, got -1.0"),
+        (dict(lr="fast"), TypeError, "lr must be a finite number, got 'fast'"),
+        (dict(momentum=1.0), ValueError, r"momentum must be in \[0.0, 1.0\), got 1.0"),
+        (dict(nesterov=True), ValueError, "nesterov=True needs momentum > 0"),
+        (dict(nan_policy="ignore"), ValueError, "nan_policy must be one of 'raise', 'skip'; got 'ignore'"),
+        (dict(bogus=1), TypeError, "bogus"),
+    ],
+)
+def test_bad_hyperparameters(topology, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        mpiopt.create("sgd", topology, **kwargs)
+
+
+def test_bad_buffers(topology):
+    alg = mpiopt.create("sgd", topology, lr=0.1)
+    with pytest.raises(RuntimeError, match="setup"):
+        alg.step(np.zeros(3, np.float32), np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="contiguous 1-D"):
+        alg.setup(np.zeros((2, 2), np.float32))
+    with pytest.raises(TypeError, match="floating-point"):
+        alg.setup(np.zeros(3, np.int32))
+    alg.setup(np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="grad has 4 elements of float32; set-up was 3 of float32"):
+        alg.step(np.zeros(3, np.float32), np.zeros(4, np.float32))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_disagree_get_the_same_error(topology):
+    lr = 0.1 if topology.rank else 0.2
+    alg = mpiopt.create("sgd", topology, lr=lr)
+    with pytest.raises(SetupMismatchError) as err:
+        alg.setup(np.zeros(D + (topology.rank == 1), np.float32))
+    messages = topology.world.allgather_obj(str(err.value))
+    assert len(set(messages)) == 1
+    assert "num_params" in messages[0] and f"rank 1: {D + 1}" in messages[0]
+
+
+def test_unknown_algorithm(topology):
+    with pytest.raises(ValueError, match="unknown algorithm 'adam'; available: .*sgd"):
+        mpiopt.create("adam", topology)

@@ -1,0 +1,32 @@
+# Source me: make (or reuse) the virtual environment and install mpiopt into it.
+#
+#   source tools/setup.sh
+#
+# Idempotent and fast when nothing changed: the install is redone only when
+# pyproject.toml or constraints.txt change.  MPIOPT_VENV picks the folder
+# (default .venv); MPIOPT_EXTRAS the extras (default: mpich,torch,plot,test;
+# drop mpich on a cluster whose mpi4py uses the site MPI, see README).
+set -e
+MPIOPT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+MPIOPT_VENV="${MPIOPT_VENV:-$MPIOPT_ROOT/.venv}"
+MPIOPT_EXTRAS="${MPIOPT_EXTRAS:-mpich,torch,plot,test}"
+PYTHON="${PYTHON:-python3}"
+
+if [ ! -x "$MPIOPT_VENV/bin/python" ]; then
+    echo "mpiopt setup: creating the virtual environment $MPIOPT_VENV"
+    if ! "$PYTHON" -m venv "$MPIOPT_VENV"; then
+        echo "mpiopt setup: '$PYTHON -m venv' failed. On Debian/Ubuntu: sudo apt-get install python3-venv" >&2
+        return 1 2>/dev/null || exit 1
+    fi
+fi
+_want="$(cat "$MPIOPT_ROOT/pyproject.toml" "$MPIOPT_ROOT/constraints.txt" | sha256sum | cut -c1-16) $MPIOPT_EXTRAS"
+_stamp="$MPIOPT_VENV/.mpiopt-installed"
+if [ "$(cat "$_stamp" 2>/dev/null)" != "$_want" ]; then
+    echo "mpiopt setup: installing mpiopt[$MPIOPT_EXTRAS] (pinned by constraints.txt)"
+    PIP_CONSTRAINT="$MPIOPT_ROOT/constraints.txt" "$MPIOPT_VENV/bin/python" -m pip install -q \
+        --disable-pip-version-check -e "$MPIOPT_ROOT[$MPIOPT_EXTRAS]"
+    echo "$_want" > "$_stamp"
+fi
+export PATH="$MPIOPT_VENV/bin:$PATH"
+export VIRTUAL_ENV="$MPIOPT_VENV"
+set +e

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up (tools/setup.sh) and run the whole test suite:
+#   1. tests without MPI (tests/unit) and end-to-end runs of the CLI (tests/e2e);
+#   2. the MPI tests (tests/mpi) under mpiexec at 1, 2, 3 and 4 ranks.
+# Extra arguments go to every pytest run (e.g. -k ledger, -x).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source tools/setup.sh || exit 1
+
+results="$(mktemp -d)"
+export MPIOPT_TEST_LOGDIR="$results"
+# Backstop for a whole mpiexec run; each test has its own limit (setup.cfg).
+export MPIEXEC_TIMEOUT="${MPIEXEC_TIMEOUT:-900}"
+status=0
+
+echo "== tests without MPI: tests/unit tests/e2e"
+python -m pytest -p no:cacheprovider --junitxml="$results/junit-serial.xml" tests/unit tests/e2e "$@" || status=1
+
+for n in ${MPIOPT_TEST_RANKS:-1 2 3 4}; do
+    echo "== MPI tests at $n rank(s): mpiexec -n $n python tools/run_mpi_pytest.py tests/mpi"
+    mpiexec -n "$n" python tools/run_mpi_pytest.py --junitxml="$results/junit-mpi$n.xml" tests/mpi "$@" || status=1
+done
+
+python tools/junit_summary.py "$results"/junit-*.xml || status=1
+exit $status
