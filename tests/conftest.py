@@ -12,7 +12,6 @@ instead of hanging.
 from __future__ import annotations
 
 import os
-import sys
 import time
 import traceback
 
@@ -51,13 +50,13 @@ def pytest_runtest_call(item):
     deadline = time.monotonic() + VERDICT_DEADLINE
     while not request.Test():
         if time.monotonic() > deadline:
+            from mpiopt.comm import abort_job
+
             own = "".join(traceback.format_exception(*excinfo)) if failed else "(this rank passed)\n"
-            sys.stderr.write(
+            abort_job(
                 f"\nmpiopt tests: {item.nodeid}: rank {rank} of {size} waited {VERDICT_DEADLINE:.0f} s for the "
                 f"other ranks' verdict; some rank is stuck. Aborting the job.\n{own}"
             )
-            sys.stderr.flush()
-            MPI.COMM_WORLD.Abort(1)
         time.sleep(0.001)
     bad = [r for r in range(size) if flags[r]]
     if bad and not failed:

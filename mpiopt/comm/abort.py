@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import traceback
 from types import TracebackType
 from typing import Optional, Type
@@ -17,6 +18,7 @@ from typing import Optional, Type
 __all__ = ["abort_on_exception", "abort_job"]
 
 _installed = False
+ABORT_GRACE_SECONDS = 1.0
 
 
 def abort_job(message: str, code: int = 1) -> None:
@@ -26,6 +28,9 @@ def abort_job(message: str, code: int = 1) -> None:
     sys.stderr.write(message)
     sys.stderr.flush()
     sys.stdout.flush()
+    # The launcher forwards our output through pipes and stops forwarding
+    # once it kills the job: give it a moment to deliver the traceback.
+    time.sleep(ABORT_GRACE_SECONDS)
     MPI.COMM_WORLD.Abort(code)
 
 

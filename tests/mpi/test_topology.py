@@ -39,7 +39,7 @@ def test_acceptance_examples(world_size):
     layout = topo.world.allgather_obj((topo.group_index, topo.group.size, topo.leaders.size if topo.is_leader else None))
     expected = {
         1: [(0, 1, 1)],
-        2: [(0, 2, 2), (0, 2, None)],
+        2: [(0, 2, 1), (0, 2, None)],
         3: [(0, 2, 2), (0, 2, None), (1, 1, 2)],
         4: [(0, 2, 2), (0, 2, None), (1, 2, 2), (1, 2, None)],
     }[world_size]
