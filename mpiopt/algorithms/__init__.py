@@ -4,6 +4,9 @@
 name           algorithm
 =============  ================================================================
 ``sgd``        data-parallel SGD with Allreduce (the baseline)
+``easgd``      elastic averaging SGD and EAMSGD (centre held on every rank)
+``lsgd``       leader SGD: local leaders in node groups, a global leader
+``dasgd``      local SGD with delayed averaging (overlapped Iallreduce)
 =============  ================================================================
 
 Create one with :func:`create`; see :class:`~mpiopt.algorithms.base.Algorithm`

@@ -138,6 +138,7 @@ class Algorithm:
         self.last: Optional[StepRecord] = None
         self.num_params: Optional[int] = None
         self.dtype: Optional[np.dtype] = None
+        self._xp = np  # the parameters' array module, set by setup()
         self._flag = np.zeros(1, dtype=np.uint8)
 
     # -- what subclasses provide -----------------------------------------------------
@@ -182,6 +183,7 @@ class Algorithm:
         )
         self.num_params = int(params.size)
         self.dtype = np.dtype(params.dtype)
+        self._xp = array_module(params)
         self._allocate(params)
 
     def step(self, params: Any, grad: Any, loss: Optional[float] = None) -> StepRecord:
@@ -259,23 +261,12 @@ class Algorithm:
     def _load_array(self, key: str, value: Optional[np.ndarray]) -> None:
         current = getattr(self, key)
         if value is None or current is None:
-            if value is not None:
-                setattr(self, key, array_module(self._like).asarray(value))
-            else:
-                setattr(self, key, None)
+            # Arrays that appear lazily (a momentum buffer) take the parameters' backend.
+            setattr(self, key, None if value is None else self._xp.array(value))
             return
         if tuple(np.shape(value)) != tuple(current.shape):
             raise ValueError(f"state array {key!r} has shape {np.shape(value)}, expected {tuple(current.shape)}")
         current[...] = array_module(current).asarray(value)
-
-    @property
-    def _like(self) -> Any:
-        """An array of this algorithm's backend (set by subclasses that keep arrays)."""
-        for key in self.state_arrays:
-            value = getattr(self, key, None)
-            if value is not None:
-                return value
-        return np.empty(0)
 
     def _check_flat(self, what: str, arr: Any) -> None:
         if not hasattr(arr, "ndim") or not hasattr(arr, "dtype"):

@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional
 from ..arrays import array_module
 from .base import check_positive, check_range
 
-__all__ = ["LocalSGD"]
+__all__ = ["LocalSGD", "LocalStepState"]
 
 
 class LocalSGD:
@@ -77,3 +77,21 @@ class LocalSGD:
                 g[...] = self.buffer
         g *= lr
         params -= g
+
+
+class LocalStepState:
+    """Mixin for algorithms whose local step is a :class:`LocalSGD` in ``self.local``.
+
+    Exposes its momentum buffer as the state attribute ``momentum_buffer``
+    (list it in ``state_arrays``).
+    """
+
+    local: LocalSGD
+
+    @property
+    def momentum_buffer(self) -> Optional[Any]:
+        return self.local.buffer
+
+    @momentum_buffer.setter
+    def momentum_buffer(self, value: Optional[Any]) -> None:
+        self.local.buffer = value

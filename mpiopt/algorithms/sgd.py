@@ -13,14 +13,14 @@ from typing import Any, Dict, Optional
 from ..arrays import array_module
 from ..comm import Topology
 from .base import Algorithm
-from .local import LocalSGD
+from .local import LocalSGD, LocalStepState
 from .registry import register
 
 __all__ = ["SGD"]
 
 
 @register
-class SGD(Algorithm):
+class SGD(LocalStepState, Algorithm):
     """Synchronous data-parallel SGD with Allreduce.
 
     Parameters
@@ -52,15 +52,6 @@ class SGD(Algorithm):
         super().__init__(topology, lr=lr, nan_policy=nan_policy)
         self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
         self._average: Optional[Any] = None
-
-    # The momentum buffer lives in the local optimizer; expose it as state.
-    @property
-    def momentum_buffer(self) -> Optional[Any]:
-        return self.local.buffer
-
-    @momentum_buffer.setter
-    def momentum_buffer(self, value: Optional[Any]) -> None:
-        self.local.buffer = value
 
     def hyperparameters(self) -> Dict[str, Any]:
         return self.local.hyperparameters()

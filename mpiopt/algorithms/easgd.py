@@ -1,0 +1,180 @@
+"""EASGD and EAMSGD: elastic averaging SGD, synchronous, without a parameter server.
+
+Zhang, Choromanska and LeCun, "Deep learning with Elastic Averaging SGD",
+NeurIPS 2015 (arXiv:1412.6651); ALGORITHMS.md "EASGD and EAMSGD".
+
+Every worker runs local SGD (:class:`~mpiopt.algorithms.local.LocalSGD`);
+after every ``period``-th step (``tau``) the workers and the centre variable
+``c`` pull towards each other, the synchronous update of Zhang et al.,
+eqs. (5)-(6), with both right-hand sides evaluated at the same ``x_i``::
+
+    x_i <- x_i - alpha (x_i - c)
+    c   <- c + alpha sum_i (x_i - c)  =  c + beta (mean_i x_i - c),   beta = N alpha
+
+with ``alpha = eta rho`` (``rho`` the elastic coefficient of the paper's
+objective ``f(x_i) + rho/2 ||x_i - c||^2``) and ``N`` workers.  The centre's
+update needs only ``sum_i x_i``: one Allreduce of the parameters per pull
+(4 bytes per float32 parameter each way), and every rank keeps its own,
+identical copy of ``c`` (an extra model in memory, no server rank).
+
+Order within a step: the local SGD step first, then (when the step count is
+a multiple of ``period``) the elastic pull, from the parameters after that
+local step.  This is the schedule of the paper's Algorithm 1 (pull every
+``tau`` steps, then keep stepping from the pulled point), and of the
+reference LSGD code's EASGD; eqs. (5)-(6) with ``tau = 1`` instead take the
+gradient and the elastic difference at the same ``x_t``.
+
+EAMSGD (the paper's Algorithm 2) is the same with Nesterov momentum
+``delta`` in the local steps: ``momentum=delta, nesterov=True`` (the paper
+uses ``delta = 0.99``).
+
+The centre starts as the world average of the parameters given to
+:meth:`~mpiopt.algorithms.base.Algorithm.setup` (one Allreduce): the
+common initial model when all ranks start from the same one, as in the
+paper.
+
+Example
+-------
+>>> alg = mpiopt.create("easgd", topology, lr=0.05, beta=0.9, period=4)
+>>> alg.setup(params)
+>>> for batch in data:
+...     loss, grad = compute(params, batch)
+...     alg.step(params, grad, loss=loss)
+>>> alg.center        # the centre variable, the model to evaluate
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+from ..arrays import array_module
+from ..comm import Topology
+from .base import Algorithm, check_positive
+from .local import LocalSGD, LocalStepState
+from .registry import register
+
+__all__ = ["EASGD", "DEFAULT_BETA", "moving_rates"]
+
+#: beta = N alpha when neither alpha nor beta is given (Zhang et al. 2015,
+#: experiments: beta = 0.9, so alpha = 0.9 / N); the reference LSGD code
+#: runs EASGD with beta = 0.43.
+DEFAULT_BETA = 0.9
+
+
+def moving_rates(alpha: Optional[float], beta: Optional[float], workers: int) -> Tuple[float, float]:
+    """``(alpha, beta)`` from whichever of the two is given (``beta = workers * alpha``).
+
+    Raises
+    ------
+    ValueError
+        When both are given, one is negative, or the pull is unstable: the
+        distance between the workers' mean and the centre is multiplied by
+        ``1 - alpha - beta`` at each pull, so ``alpha (N + 1) < 2`` is needed.
+    TypeError
+        When the one given is not a finite number.
+    """
+    if alpha is not None and beta is not None:
+        raise ValueError(f"give alpha or beta (= N alpha), not both; got alpha={alpha!r}, beta={beta!r}")
+    if alpha is None:
+        name, value = "beta", DEFAULT_BETA if beta is None else beta
+        beta = float(check_positive("beta", value, allow_zero=True))
+        alpha = beta / workers
+    else:
+        name, value = "alpha", alpha
+        alpha = float(check_positive("alpha", alpha, allow_zero=True))
+        beta = alpha * workers
+    if alpha + beta >= 2.0:
+        raise ValueError(
+            f"{name}={value!r} gives alpha={alpha:g}, beta={beta:g} at {workers} ranks: the elastic pull is "
+            f"unstable unless alpha + beta = alpha (N + 1) < 2"
+        )
+    return alpha, beta
+
+
+@register
+class EASGD(LocalStepState, Algorithm):
+    """Synchronous elastic averaging SGD (EASGD; EAMSGD with Nesterov momentum).
+
+    Parameters
+    ----------
+    topology : Topology
+        Communicators; the workers are the ranks of ``topology.world``.
+    lr : float
+        Learning rate ``eta`` of the local steps.
+    alpha : float, optional
+        Moving rate ``alpha = eta rho``: how far a worker moves towards the
+        centre at a pull.  Give ``alpha`` or ``beta``, not both.
+    beta : float, optional
+        ``beta = N alpha``: how far the centre moves towards the workers'
+        mean.  Default 0.9 (the paper) when neither is given; the reference
+        LSGD code uses 0.43.
+    period : int
+        ``tau``: a pull after every ``period``-th step (>= 1).
+    momentum, dampening, nesterov, weight_decay
+        The local optimizer, as in ``torch.optim.SGD``; EAMSGD is
+        ``momentum=0.99, nesterov=True``.
+    nan_policy : {"raise", "skip"}
+        See :class:`~mpiopt.algorithms.base.Algorithm`.
+
+    Attributes
+    ----------
+    center : array
+        The centre variable ``c`` (same on every rank), the model to evaluate.
+    """
+
+    name = "easgd"
+    state_arrays = ("center", "momentum_buffer")
+
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        lr: float = 0.1,
+        alpha: Optional[float] = None,
+        beta: Optional[float] = None,
+        period: int = 4,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        nan_policy: str = "raise",
+    ) -> None:
+        super().__init__(topology, lr=lr, nan_policy=nan_policy)
+        self.alpha, self.beta = moving_rates(alpha, beta, topology.size)
+        self.period = check_positive("period", period, integer=True)
+        self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
+        self.center: Optional[Any] = None
+        self._mean: Optional[Any] = None  # receives sum_i x_i
+        self._work: Optional[Any] = None
+
+    def hyperparameters(self) -> Dict[str, Any]:
+        return {"alpha": self.alpha, "beta": self.beta, "period": self.period, **self.local.hyperparameters()}
+
+    def _allocate(self, params: Any) -> None:
+        xp = array_module(params)
+        self.local.allocate(params)
+        self._mean = xp.empty_like(params)
+        self._work = xp.empty_like(params)
+        world = self.topology.world
+        self.center = xp.empty_like(params)
+        world.Allreduce(params, out=self.center)
+        self.center /= world.size
+
+    def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
+        self.local.apply(params, grad, self.lr)
+        if (self.steps + 1) % self.period == 0:  # the base class counts the step after _step returns
+            self._elastic_pull(params)
+
+    def _elastic_pull(self, params: Any) -> None:
+        """Zhang et al. eqs. (5)-(6) without the gradient term: workers and centre pull together."""
+        world, center, mean, work = self.topology.world, self.center, self._mean, self._work
+        world.Allreduce(params, out=mean)
+        mean /= world.size
+        # x_i <- x_i - alpha (x_i - c), with the centre before it moves.
+        array_module(params).subtract(params, center, out=work)
+        work *= self.alpha
+        params -= work
+        # c <- c + alpha sum_i (x_i - c) = c + beta (mean - c), from the same (pre-pull) x_i.
+        mean -= center
+        mean *= self.beta
+        center += mean

@@ -1,0 +1,310 @@
+"""LSGD: leader stochastic gradient descent, synchronous, with local and global leaders.
+
+Teng, Gao, Chalus, Choromanska, Goldfarb and Weller, "Leader Stochastic
+Gradient Descent for Distributed Training of Deep Learning Models",
+NeurIPS 2019 (arXiv:1905.10395); ALGORITHMS.md "LSGD".
+
+Each worker ``x_ji`` (worker ``i`` of group ``j``) minimises
+``f(x_ji) + lambda/2 ||x_ji - xl_j||^2 + lambda_G/2 ||x_ji - xg||^2``: it is
+pulled towards its local leader ``xl_j``, the worker of its group
+(``topology.group``) with the lowest loss, and towards the global leader
+``xg``, the lowest-loss worker of ``topology.world``.  The leaders are real
+workers, not averages, so the stationary points are those of ``f``; EASGD's
+average of workers sitting in symmetric minima can be a saddle or a maximum
+(the paper's "curse of symmetry").  One group is single-leader LSGD.
+
+Communication-efficient form: local steps, a local pull after every
+``period``-th step (``tau``), a global pull after every ``global_period``-th
+step (``tau_G``).  A pull is an election (:meth:`Comm.elect_min`: Allreduce
+MINLOC of one (float64 loss, int32 rank) pair, 16 bytes with padding) and a
+Bcast of the leader's parameters (4 bytes per float32 parameter) in the group
+(local) or the world (global) communicator.  The leader is not moved by its
+own pull (``x - x_leader = 0``) but still sends its parameters.
+
+Election
+--------
+Each worker's loss is the running mean of the last ``loss_window`` losses
+passed to ``step`` (the authors' code: the last 10 training losses; steps
+skipped by ``nan_policy="skip"`` record none); ties go to the lowest rank,
+and a worker whose mean is NaN is never elected.
+
+Pull forms
+----------
+``pull_form="paper"`` (default), the paper's update::
+
+    x_{t+1} = x_t - eta d_t - lambda (x_t - xl_t) - lambda_G (x_t - xg_t)
+
+where ``eta d_t`` is the local optimizer's step from ``x_t`` and the leaders'
+parameters ``xl_t, xg_t`` are also those of step ``t`` (broadcast before this
+step's local step, so the leader is elected by losses measured at the very
+point it sends): the gradient step and the pulls are simultaneous, and a step
+due for both pulls takes both differences from the same ``x_t``.
+
+``pull_form="convex"``, the authors' code: the local step first, then
+``x <- (1 - c) x + c xl`` with ``c = pull_local``, then (when due)
+``x <- (1 - c_G) x + c_G xg`` with ``c_G = pull_global``, each mix from the
+parameters as they are at that moment (the leader's too).
+
+With ``c = lambda``, ``(1 - c) x + c xl = x - lambda (x - xl)``: a single
+pull is the same algebraic update in both forms.  What differs is where it
+is applied: the paper pulls ``x_t`` (the point where the gradient was taken)
+towards the leader's ``x_t``; the code pulls the point after the local step
+towards the leader's point after its local step.  Two pulls on one step add
+in the paper (``lambda + lambda_G`` when the leaders coincide) and compose in
+the code (``1 - (1 - c)(1 - c_G)``).  The rounding differs too.
+
+Proximal pull
+-------------
+With ``proximal = p > 0``, every local step is followed by a pull
+``x <- x - p (x - x_copy)`` (``(1 - p) x + p x_copy`` in the convex form)
+towards ``x_copy``, the leader's parameters received at the latest pull (the
+global leader's when both pulls fell on that step); none before the first
+pull.  The authors' code pulls by ``p1 / tau`` towards the last local leader
+and by ``p2 / tau_G`` towards the last global leader after each local step;
+``proximal`` is that per-step strength, towards one copy.
+
+Order within a step
+-------------------
+Record the loss; ("paper") elect, receive the leaders and take the pull
+differences at ``x_t``; the local SGD step; the proximal pull; then the pulls
+due (local before global).
+
+With one group (``topology.num_groups == 1``) the local and global leaders
+are the same worker (same ranks, losses and tie order), so a step due for
+both pulls elects and broadcasts once.  ``pull_local=0`` (or
+``pull_global=0``) turns that pull off, traffic included; with one group,
+``pull_local=0`` is the authors' single-leader set-up.
+
+Example
+-------
+>>> topology = mpiopt.Topology(group_size=4)      # local leaders in groups of 4
+>>> alg = mpiopt.create("lsgd", topology, lr=0.1, global_period=16)
+>>> alg.setup(params)
+>>> for batch in data:
+...     loss, grad = compute(params, batch)
+...     alg.step(params, grad, loss=loss)        # loss is required
+>>> alg.last_global_leader                       # world rank of the latest global leader
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..arrays import array_module
+from ..comm import Comm, Topology
+from .base import Algorithm, check_choice, check_positive, check_range
+from .local import LocalSGD, LocalStepState
+from .registry import register
+
+__all__ = ["LSGD", "PULL_FORMS"]
+
+PULL_FORMS = ("paper", "convex")
+
+
+@register
+class LSGD(LocalStepState, Algorithm):
+    """Synchronous leader SGD (Teng et al. 2019) with local (group) and global (world) leaders.
+
+    Parameters
+    ----------
+    topology : Topology
+        Communicators: local leaders within ``topology.group``, the global
+        leader over ``topology.world``.
+    lr : float
+        Learning rate of the local steps (authors' script: 0.1).
+    pull_local, pull_global : float
+        ``lambda`` and ``lambda_G`` in [0, 1] (authors: 0.1 and 0.1); 0 turns
+        that pull off.
+    period : int, optional
+        ``tau``, steps between local pulls; default ``global_period // 4``
+        (at least 1), as in the authors' scripts.
+    global_period : int
+        ``tau_G``, steps between global pulls, >= ``period`` (paper: 4, 16
+        or 64; default 16).
+    pull_form : {"paper", "convex"}
+        The paper's simultaneous update or the authors' code's convex mix
+        after the local step (module docstring).
+    proximal : float
+        Per-step pull in [0, 1) towards the latest leader copy; 0 (default)
+        turns it off.
+    loss_window : int
+        Number of recent losses whose mean elects the leaders (>= 1).
+    momentum, dampening, nesterov, weight_decay
+        The local optimizer, as in ``torch.optim.SGD``; defaults from the
+        authors' scripts (Nesterov momentum 0.9, weight decay 1e-4).
+    nan_policy : {"raise", "skip"}
+        See :class:`~mpiopt.algorithms.base.Algorithm`.
+
+    Attributes
+    ----------
+    last_local_leader, last_global_leader : int
+        World rank of the latest local (this rank's group) and global
+        leader; -1 before the first such pull.
+    """
+
+    name = "lsgd"
+    state_arrays = ("momentum_buffer", "leader_copy", "recent_losses")
+    state_scalars = ("losses_seen", "last_local_leader", "last_global_leader")
+
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        lr: float = 0.1,
+        pull_local: float = 0.1,
+        pull_global: float = 0.1,
+        period: Optional[int] = None,
+        global_period: int = 16,
+        pull_form: str = "paper",
+        proximal: float = 0.0,
+        loss_window: int = 4,
+        momentum: float = 0.9,
+        dampening: float = 0.0,
+        nesterov: bool = True,
+        weight_decay: float = 1e-4,
+        nan_policy: str = "raise",
+    ) -> None:
+        super().__init__(topology, lr=lr, nan_policy=nan_policy)
+        self.pull_local = check_range("pull_local", pull_local, 0.0, 1.0)
+        self.pull_global = check_range("pull_global", pull_global, 0.0, 1.0)
+        self.global_period = check_positive("global_period", global_period, integer=True)
+        if period is None:
+            period = max(1, global_period // 4)
+        self.period = check_positive("period", period, integer=True)
+        if self.period > self.global_period:
+            raise ValueError(f"period must be <= global_period ({global_period}), got {period}")
+        self.pull_form = check_choice("pull_form", pull_form, PULL_FORMS)
+        self.proximal = check_range("proximal", proximal, 0.0, 1.0, high_open=True)
+        self.loss_window = check_positive("loss_window", loss_window, integer=True)
+        self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
+        self.recent_losses = np.zeros(self.loss_window)  # ring buffer of losses (host floats)
+        self.losses_seen = 0
+        self.last_local_leader = -1
+        self.last_global_leader = -1
+        self._leader: Optional[Any] = None  # the latest leader's parameters (Bcast buffer)
+        self._pull: Optional[Any] = None  # "paper": the pull differences taken at x_t
+        self._work: Optional[Any] = None
+        self._group_world_ranks: List[int] = []  # group rank -> world rank
+
+    # -- state ---------------------------------------------------------------------------
+    # The leader copy is state only for the proximal pull; otherwise every
+    # pull overwrites it before it is read.
+    @property
+    def leader_copy(self) -> Optional[Any]:
+        return self._leader if self.proximal else None
+
+    @leader_copy.setter
+    def leader_copy(self, value: Optional[Any]) -> None:
+        if value is not None:
+            self._leader[...] = value
+
+    def hyperparameters(self) -> Dict[str, Any]:
+        return {
+            "pull_local": self.pull_local,
+            "pull_global": self.pull_global,
+            "period": self.period,
+            "global_period": self.global_period,
+            "pull_form": self.pull_form,
+            "proximal": self.proximal,
+            "loss_window": self.loss_window,
+            **self.local.hyperparameters(),
+        }
+
+    # -- the algorithm --------------------------------------------------------------------
+    def _allocate(self, params: Any) -> None:
+        xp = array_module(params)
+        self.local.allocate(params)
+        self._leader = xp.empty_like(params)
+        self._work = xp.empty_like(params)
+        self._pull = xp.empty_like(params) if self.pull_form == "paper" else None
+        self._group_world_ranks = self.topology.group.allgather_obj(self.topology.rank)
+
+    def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
+        """One step in the order of the module docstring ("Order within a step")."""
+        self._record_loss(loss)
+        due = self._pulls_due(self.steps + 1)  # the base class counts the step after _step returns
+        me = self.topology.rank
+        if self.pull_form == "paper":
+            pulling = False
+            for scope, coeff, fetch in due:
+                if self._fetch_leader(params, scope, fetch) != me:
+                    self._add_difference(params, coeff, first=not pulling)
+                    pulling = True
+            self._local_step(params, grad)
+            if pulling:
+                params -= self._pull
+        else:
+            self._local_step(params, grad)
+            for scope, coeff, fetch in due:
+                if self._fetch_leader(params, scope, fetch) != me:
+                    self._move_towards_leader(params, coeff)
+
+    def _record_loss(self, loss: Optional[float]) -> None:
+        if loss is None:
+            raise ValueError(
+                "lsgd: step() needs this rank's training loss (step(params, grad, loss=...)): "
+                "the lowest running-mean loss elects the leaders"
+            )
+        self.recent_losses[self.losses_seen % self.loss_window] = float(loss)
+        self.losses_seen += 1
+
+    def running_loss(self) -> float:
+        """Mean of the last ``loss_window`` losses (fewer before the window fills): the election's value."""
+        return float(self.recent_losses[: min(self.losses_seen, self.loss_window)].mean())
+
+    def _pulls_due(self, step: int) -> List[Tuple[str, float, bool]]:
+        """``(scope, coefficient, fetch)`` of the pulls after ``step``, local first.
+
+        ``fetch`` is False for a global pull that follows a local one in a
+        single group: the leader and its parameters are already at hand.
+        """
+        due = []
+        if self.pull_local and step % self.period == 0:
+            due.append(("local", self.pull_local, True))
+        if self.pull_global and step % self.global_period == 0:
+            due.append(("global", self.pull_global, not due or self.topology.num_groups > 1))
+        return due
+
+    def _fetch_leader(self, params: Any, scope: str, fetch: bool) -> int:
+        """Elect the leader of ``scope`` and receive its parameters; its world rank."""
+        if not fetch:
+            self.last_global_leader = self.last_local_leader
+            return self.last_global_leader
+        comm: Comm = self.topology.group if scope == "local" else self.topology.world
+        _, root = comm.elect_min(self.running_loss())
+        if comm.rank == root:
+            self._leader[...] = params
+        comm.Bcast(self._leader, root=root)
+        if scope == "local":
+            self.last_local_leader = self._group_world_ranks[root]
+            return self.last_local_leader
+        self.last_global_leader = root
+        return root
+
+    def _add_difference(self, params: Any, coeff: float, first: bool) -> None:
+        """Paper form: accumulate ``coeff (x_t - x_leader)`` into the pull buffer."""
+        target = self._pull if first else self._work
+        array_module(params).subtract(params, self._leader, out=target)
+        target *= coeff
+        if not first:
+            self._pull += target
+
+    def _local_step(self, params: Any, grad: Any) -> None:
+        """The local optimizer's step, then the proximal pull towards the latest leader copy."""
+        self.local.apply(params, grad, self.lr)
+        if self.proximal and max(self.last_local_leader, self.last_global_leader) >= 0:
+            self._move_towards_leader(params, self.proximal)
+
+    def _move_towards_leader(self, params: Any, coeff: float) -> None:
+        """Pull ``params`` towards the leader copy by ``coeff``, in the arithmetic of ``pull_form``."""
+        xp, work = array_module(params), self._work
+        if self.pull_form == "paper":
+            xp.subtract(params, self._leader, out=work)  # x <- x - c (x - x_leader)
+            work *= coeff
+            params -= work
+        else:
+            xp.multiply(self._leader, coeff, out=work)  # x <- (1 - c) x + c x_leader
+            params *= 1.0 - coeff
+            params += work

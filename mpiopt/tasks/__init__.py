@@ -1,0 +1,5 @@
+"""Workloads for tests, benchmarks and the papers' claims (numpy, small, generated on the fly).
+
+- :mod:`~mpiopt.tasks.symmetric`: a non-convex objective with symmetric minima (LSGD vs EASGD).
+- :mod:`~mpiopt.tasks.logistic`: logistic regression with per-rank data (DaSGD vs SGD).
+"""
