@@ -1,0 +1,214 @@
+"""Async-MSGD: momentum SGD with stale gradients (Liu, Li, Shi, Zhou, Zhao, NeurIPS 2018).
+
+The update (ALGORITHMS.md "Async-MSGD")
+
+    x_{k+1} = x_k - eta g(x_{k - tau_k}; xi_k) + mu (x_k - x_{k-1})          (1)
+
+is heavy-ball momentum where the gradient was computed at an iterate
+``tau_k`` updates old.  It runs where ``x`` lives, once per arriving
+gradient: on the parameter server of :func:`mpiopt.asyncrt.run_async`
+(:meth:`AsyncMSGD.run`, real asynchrony, ``tau_k`` measured) or in
+:func:`mpiopt.asyncrt.simulate` (:meth:`AsyncMSGD.simulate`, one process,
+``tau_k`` fixed or random).  Both call the same function,
+:meth:`AsyncMSGDRule.__call__`, which is the step of
+:class:`~mpiopt.algorithms.local.LocalSGD` (torch.optim.SGD's momentum
+rule, dampening 0).
+
+Why torch's rule is (1)
+-----------------------
+``torch.optim.SGD`` keeps a buffer ``b``: ``b_0 = g_0``, ``b_k = mu b_{k-1} +
+g_k`` and ``x_{k+1} = x_k - eta b_k``.  Then ``eta b_{k-1} = x_{k-1} - x_k``, so
+
+    x_{k+1} = x_k - eta g_k - mu eta b_{k-1} = x_k - eta g_k + mu (x_k - x_{k-1}),
+
+and the first step ``x_1 = x_0 - eta g_0`` is (1) with ``x_{-1} = x_0`` (no
+momentum before the first update).  The two agree while ``eta`` is constant;
+if a scheduler changes ``eta``, torch's form (ours) scales the whole buffer
+by the new rate, (1) only the new gradient.
+
+API (the protocol's ``step`` does not fit a server loop)
+--------------------------------------------------------
+>>> alg = mpiopt.create("async_msgd", topology, lr=0.01, momentum=0.5)
+>>> alg.setup(params)
+>>> result = alg.run(params, worker_fn, steps)       # collective; rank 0 serves
+>>> result.histogram()                                # {staleness: count}
+>>> alg.simulate(params, worker_fn, steps, delay=4)   # deterministic, no MPI
+
+``worker_fn(params, step, out) -> loss`` writes a stochastic gradient for the
+given (possibly stale, read-only) parameters into ``out``.  ``step(params,
+grad)`` applies one gradient on this rank without communicating: the
+server's update, with the base class's checks and accounting.  The momentum
+buffer lives where the updates are applied, on rank 0; on the workers it
+stays None.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Union
+
+import numpy as np
+
+from ..asyncrt import (
+    DEFAULT_MAX_SLEEP,
+    SERVER,
+    Arrival,
+    AsyncResult,
+    FixedDelay,
+    RandomDelay,
+    UntilFn,
+    WorkerFn,
+    run_async,
+    simulate,
+)
+from ..comm import Topology
+from .base import Algorithm, check_positive
+from .local import LocalSGD
+from .registry import register
+
+__all__ = ["AsyncMSGD", "AsyncMSGDRule"]
+
+
+class AsyncMSGDRule:
+    """The update (1) on its own, without MPI: an ``apply`` for both drivers of :mod:`mpiopt.asyncrt`.
+
+    Parameters
+    ----------
+    lr : float
+        Step size ``eta`` (> 0).
+    momentum : float
+        ``mu`` in [0, 1).
+    """
+
+    def __init__(self, lr: float, momentum: float) -> None:
+        self.lr = float(check_positive("lr", lr))
+        self.local = LocalSGD(momentum=momentum)
+
+    @property
+    def momentum(self) -> float:
+        return self.local.momentum
+
+    def allocate(self, params: np.ndarray) -> None:
+        """Scratch space for ``params`` (call once before the first update)."""
+        self.local.allocate(params)
+
+    def __call__(self, params: np.ndarray, grad: np.ndarray, arrival: Optional[Arrival] = None) -> None:
+        """(1): ``params`` is ``x_k``, ``grad`` is ``g(x_{k - tau_k})``; ``params`` becomes ``x_{k+1}``."""
+        self.local.apply(params, grad, self.lr)
+
+
+@register
+class AsyncMSGD(Algorithm):
+    """Asynchronous momentum SGD on a parameter server.
+
+    Parameters
+    ----------
+    topology : Topology
+        World rank 0 serves; the other ranks compute gradients.
+    lr : float
+        Step size ``eta``.  Default 0.01.
+    momentum : float
+        ``mu`` in [0, 1).  Default 0.9, the synchronous MSGD value the paper
+        starts from; its point is that ``mu`` must come down as the staleness
+        grows (docs/async.md has the measured trade-off).
+    nan_policy : {"raise"}
+        A non-finite gradient raises ``FloatingPointError`` on the server
+        (with :func:`mpiopt.abort_on_exception`, as in every mpiopt job, that
+        ends all ranks).  ``"skip"`` is refused: the base class decides it
+        with a collective, which a server applying one worker's gradient
+        cannot call.
+    """
+
+    name = "async_msgd"
+    state_arrays = ("momentum_buffer",)
+
+    def __init__(self, topology: Topology, *, lr: float = 0.01, momentum: float = 0.9, nan_policy: str = "raise") -> None:
+        if nan_policy != "raise":
+            raise ValueError(
+                f"nan_policy must be 'raise' for async_msgd (skipping is decided collectively, not asynchronously), got {nan_policy!r}"
+            )
+        # The rule owns lr (see the property below), so it must exist before the base class sets lr.
+        self.rule = AsyncMSGDRule(lr, momentum)
+        super().__init__(topology, lr=lr, nan_policy=nan_policy)
+
+    # One learning rate for the rule and for schedulers that set ``alg.lr``.
+    @property
+    def lr(self) -> float:
+        return self.rule.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.rule.lr = float(value)
+
+    @property
+    def momentum_buffer(self) -> Optional[Any]:
+        return self.rule.local.buffer
+
+    @momentum_buffer.setter
+    def momentum_buffer(self, value: Optional[Any]) -> None:
+        self.rule.local.buffer = value
+
+    def hyperparameters(self) -> Dict[str, Any]:
+        return {"momentum": self.rule.momentum}
+
+    def _allocate(self, params: Any) -> None:
+        self.rule.allocate(params)
+
+    def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
+        self.rule(params, grad)
+
+    def _apply(self, params: np.ndarray, grad: np.ndarray, arrival: Arrival) -> None:
+        # Through ``step`` for the NaN check and the per-update record (``alg.last``).
+        self.step(params, grad, loss=arrival.loss)
+
+    def _check_ready(self, params: np.ndarray) -> None:
+        if self.num_params is None:
+            raise RuntimeError(f"{type(self).__name__}.setup(params) must be called before running")
+        self._check_flat("params", params)
+
+    def run(
+        self,
+        params: np.ndarray,
+        worker_fn: WorkerFn,
+        steps: int,
+        *,
+        until: Optional[UntilFn] = None,
+        max_sleep: float = DEFAULT_MAX_SLEEP,
+    ) -> AsyncResult:
+        """Train asynchronously on every rank of the world (a collective call).
+
+        Parameters
+        ----------
+        params : numpy.ndarray
+            Rank 0's are ``x_0``; on return every rank holds the final ones.
+        worker_fn : callable
+            ``worker_fn(params, step, out) -> loss``: this rank's gradient.
+        steps : int
+            Gradients this rank computes (ranks may differ; rank 0's is used
+            only at world size 1, where it also computes).
+        until, max_sleep
+            See :func:`mpiopt.asyncrt.run_async`.
+
+        Returns
+        -------
+        AsyncResult
+            Staleness histogram and per-rank counts, the same on every rank.
+        """
+        self._check_ready(params)
+        world = self.topology.world
+        result = run_async(world, params, self._apply, worker_fn, steps, until=until, max_sleep=max_sleep)
+        if world.size > 1 and world.rank != SERVER:
+            self.steps += result.version  # the server counted them in ``step``
+        return result
+
+    def simulate(
+        self,
+        params: np.ndarray,
+        worker_fn: WorkerFn,
+        steps: int,
+        *,
+        delay: Union[int, FixedDelay, RandomDelay] = 0,
+        until: Optional[UntilFn] = None,
+    ) -> AsyncResult:
+        """Deterministic mode on this rank alone: see :func:`mpiopt.asyncrt.simulate`."""
+        self._check_ready(params)
+        return simulate(params, self._apply, worker_fn, steps, delay=delay, until=until)

@@ -1,0 +1,121 @@
+"""What the two drivers share: the callback types, an arrival's description, the result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, NamedTuple, Optional
+
+import numpy as np
+
+__all__ = ["Arrival", "AsyncResult", "ApplyFn", "WorkerFn", "UntilFn", "staleness_counts", "check_run_arguments"]
+
+
+class Arrival(NamedTuple):
+    """One message as the server applies it.
+
+    Attributes
+    ----------
+    worker : int
+        World rank of the sender (0 in the deterministic mode and at one rank).
+    step : int
+        The sender's index of this payload (its ``worker_fn`` step argument).
+    version : int
+        Server version the payload was computed at (the ``s`` of ``x_s``).
+    staleness : int
+        ``tau = server version at application - version``.
+    loss : float or None
+        What the worker function returned for this payload.
+    """
+
+    worker: int
+    step: int
+    version: int
+    staleness: int
+    loss: Optional[float]
+
+
+#: ``worker_fn(params, step, out) -> loss``: write the payload (a gradient)
+#: for the read-only ``params`` into ``out``; ``step`` numbers this worker's
+#: payloads from 0 (the deterministic mode has one stream: ``step = k``).
+WorkerFn = Callable[[np.ndarray, int, np.ndarray], Optional[float]]
+#: ``apply(params, payload, arrival)``: the server's update, in place on ``params``.
+ApplyFn = Callable[[np.ndarray, np.ndarray, Arrival], None]
+#: ``until(params, version) -> bool``: checked after every applied update; True ends the run.
+UntilFn = Callable[[np.ndarray, int], bool]
+
+
+def staleness_counts(histogram: Dict[int, int]) -> np.ndarray:
+    """``{staleness: count}`` as a dense int64 array indexed by staleness."""
+    counts = np.zeros(max(histogram, default=-1) + 1, dtype=np.int64)
+    for tau, n in histogram.items():
+        counts[tau] = n
+    return counts
+
+
+@dataclass
+class AsyncResult:
+    """The outcome of an asynchronous run, identical on every rank except ``sent`` and ``idle_seconds``.
+
+    Attributes
+    ----------
+    version : int
+        Updates applied in all (the server's final version).
+    staleness : numpy.ndarray
+        ``staleness[t]`` = number of applied updates whose staleness was ``t``.
+    applied : numpy.ndarray
+        ``applied[r]`` = updates applied from world rank ``r``.
+    sent : int
+        Payloads this rank sent (its own count; ``applied[rank]`` when none was lost).
+    stopped_early : bool
+        ``until`` ended the run before every worker had done its steps.
+    idle_seconds : float
+        This rank's time spent waiting: the server for arrivals, a worker
+        for the server's replies (polling; not in the ledger's wait time).
+    """
+
+    version: int
+    staleness: np.ndarray
+    applied: np.ndarray
+    sent: int
+    stopped_early: bool = False
+    idle_seconds: float = 0.0
+
+    @property
+    def mean_staleness(self) -> float:
+        """Average staleness of the applied updates (0 when none was applied)."""
+        total = int(self.staleness.sum())
+        return float(np.arange(self.staleness.size) @ self.staleness) / total if total else 0.0
+
+    @property
+    def max_staleness(self) -> int:
+        """Largest staleness seen (0 when none was applied)."""
+        nonzero = np.flatnonzero(self.staleness)
+        return int(nonzero[-1]) if nonzero.size else 0
+
+    def histogram(self) -> Dict[int, int]:
+        """``{staleness: count}`` for the values that occurred."""
+        return {int(t): int(n) for t, n in enumerate(self.staleness) if n}
+
+    def as_dict(self) -> Dict[str, Any]:
+        """Plain data (for JSON and checkpoints' metadata)."""
+        return {
+            "version": self.version,
+            "staleness": self.histogram(),
+            "applied": [int(n) for n in self.applied],
+            "sent": self.sent,
+            "stopped_early": self.stopped_early,
+            "idle_seconds": self.idle_seconds,
+        }
+
+
+
+def check_run_arguments(params: Any, steps: Any) -> None:
+    """The checks both drivers make: a flat host float array and a step count >= 0."""
+    if not isinstance(params, np.ndarray):
+        raise TypeError(
+            f"params must be a numpy array (the asynchronous runtime keeps them in host memory), got {type(params).__name__}"
+        )
+    if params.ndim != 1 or not params.flags.c_contiguous or params.dtype.kind != "f":
+        raise ValueError(f"params must be a contiguous 1-D float array, got shape {params.shape} of {params.dtype}")
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
+        raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
