@@ -1,0 +1,143 @@
+"""Benchmark of the sign and sparse kernels (numpy, one process), as ratios to numpy baselines.
+
+``python -m mpiopt.bench.kernels [--d 25000000] [--P 8] [--repeat 5] [--density 0.001]``
+
+Every kernel and both baselines are timed once per round, interleaved, for
+``--repeat`` rounds after one warm-up round; the tables report medians, so
+machine noise hits kernel and baseline alike.  Bytes are counted per kernel as
+stated in the table (the bytes that must cross memory at least once); the
+baseline for throughput is ``np.copyto`` of the float32 vector into an
+existing array (8d bytes: 4d read, 4d written), and the baseline for top-k is
+one ``np.abs`` pass into an existing array.  Goals (from the issue): pack,
+vote and unpack at least 0.3x the copy's bytes per second; top-k at 0.1%
+density within 5x the time of the ``np.abs`` pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ..kernels import density_to_k, majority_vote, pack_signs, packed_nbytes, regtopk_scores, topk_indices, unpack_signs
+
+__all__ = ["main"]
+
+THROUGHPUT_GOAL = 0.3  # x the copy's bytes per second
+TOPK_GOAL = 5.0  # x the time of one np.abs pass
+
+
+def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m mpiopt.bench.kernels", description=__doc__.splitlines()[0])
+    parser.add_argument("--d", type=int, default=25_000_000, help="vector length (default 25,000,000)")
+    parser.add_argument("--P", dest="voters", type=int, default=8, help="voters in the majority vote (default 8)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed rounds; medians are reported (default 5)")
+    parser.add_argument("--density", type=float, default=0.001, help="top-k density (default 0.001)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the inputs")
+    args = parser.parse_args(argv)
+    for name in ("d", "voters", "repeat"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{'P' if name == 'voters' else name} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def _medians(kernels: Dict[str, Callable[[], object]], repeat: int) -> Dict[str, float]:
+    """Median seconds per kernel over ``repeat`` interleaved rounds (after a warm-up round)."""
+    times: Dict[str, List[float]] = {name: [] for name in kernels}
+    for round_ in range(repeat + 1):
+        for name, run in kernels.items():
+            start = time.perf_counter()
+            run()
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(samples) for name, samples in times.items()}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the benchmark and print two markdown tables; returns 0.
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        Command-line arguments (default: ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        The exit status, 0 (missed goals are reported, not failed).
+    """
+    args = _parse(argv)
+    d, voters = args.d, args.voters
+    rng = np.random.default_rng(args.seed)
+    x = rng.standard_normal(d, dtype=np.float32)
+    nbytes = packed_nbytes(d)
+    packed = pack_signs(x)
+    # The Allgather receive buffer: one word-aligned row per voter (voted in place).
+    stack = rng.integers(0, 256, (voters, packed_nbytes(d, align=8)), dtype=np.uint8)
+    k = density_to_k(d, args.density)
+    none_sent = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float32)
+    prev_aggregate = np.zeros(d, dtype=np.float32)
+    copy_out, unpack_out, abs_out, score_out = (np.empty_like(x) for _ in range(4))
+
+    # name: (bytes counted, what they are, kernel)
+    streaming = {
+        "numpy copy (baseline)": (8 * d, "4d read + 4d written", lambda: np.copyto(copy_out, x)),
+        "x.copy() (for reference)": (8 * d, "4d read + 4d written, fresh pages", x.copy),
+        'pack_signs(nan_policy="unchecked")': (
+            4 * d + nbytes,
+            "4d read + d/8 written",
+            lambda: pack_signs(x, nan_policy="unchecked"),
+        ),
+        "pack_signs (default NaN check)": (
+            4 * d + nbytes,
+            "4d read + d/8 written (+ a max() per cached block)",
+            lambda: pack_signs(x),
+        ),
+        "unpack_signs (float32)": (nbytes + 4 * d, "d/8 read + 4d written", lambda: unpack_signs(packed, d, out=unpack_out)),
+        f"majority_vote, P = {voters}": (
+            (voters + 1) * nbytes,
+            "P d/8 read + d/8 written",
+            lambda: majority_vote(stack, d),
+        ),
+    }
+    selection = {
+        "np.abs (baseline)": lambda: np.abs(x, out=abs_out),
+        f"topk_indices, k = {k}": lambda: topk_indices(x, k),
+        "regtopk_scores (first round)": lambda: regtopk_scores(x, *none_sent, prev_aggregate, 8, 5.0, out=score_out),
+        "topk_indices(scores, absolute=False)": lambda: topk_indices(score_out, k, absolute=False),
+    }
+    medians = _medians({**{n: run for n, (_, _, run) in streaming.items()}, **selection}, args.repeat)
+
+    print(f"d = {d:,}, P = {voters}, top-k density {args.density} (k = {k:,}), median of {args.repeat} rounds")
+    print(f"numpy {np.__version__}, Python {platform.python_version()}, {platform.machine()}\n")
+    copy_rate = 8 * d / medians["numpy copy (baseline)"]
+    print("| kernel | bytes counted | median ms | GB/s | x copy GB/s | goal >= 0.3 |")
+    print("| --- | --- | ---: | ---: | ---: | --- |")
+    for name, (moved, what, _) in streaming.items():
+        ratio = moved / medians[name] / copy_rate
+        if name.startswith(("numpy copy", "x.copy")):
+            goal = "baseline" if name.startswith("numpy copy") else "-"
+        else:
+            goal = "met" if ratio >= THROUGHPUT_GOAL else "MISSED"
+        print(f"| {name} | {what} | {1e3 * medians[name]:.2f} | {moved / medians[name] / 1e9:.1f} | {ratio:.2f} | {goal} |")
+    abs_time = medians["np.abs (baseline)"]
+    print("\n| kernel | median ms | x np.abs time | goal <= 5 |")
+    print("| --- | ---: | ---: | --- |")
+    for name in selection:
+        ratio = medians[name] / abs_time
+        if name.startswith("np.abs"):
+            goal = "baseline"
+        elif name.startswith("topk_indices, k"):
+            goal = "met" if ratio <= TOPK_GOAL else "MISSED"
+        else:
+            goal = "(for RegTop-k)"
+        print(f"| {name} | {1e3 * medians[name]:.2f} | {ratio:.2f} | {goal} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,287 @@
+"""Top-k, RegTop-k, error feedback and the sparse payloads against plain numpy references."""
+
+import math
+
+import numpy as np
+import pytest
+
+from mpiopt.arrays import to_numpy
+from mpiopt.kernels import (
+    decode,
+    density_to_k,
+    encode,
+    encoded_nbytes,
+    error_feedback,
+    payload_format,
+    regtopk_scores,
+    scatter_add,
+    topk_indices,
+)
+from mpiopt.kernels import sparse
+
+SIZES = [1, 7, 8, 9, 63, 64, 65, 1000, 4097]
+DENSITIES = [0.001, 0.01, 0.3, 1.0]
+
+
+
+def awkward(rng, d, kind):
+    """float32 inputs: random, heavily tied (small integers with +-0.0), or all negative."""
+    if kind == "normal":
+        return rng.standard_normal(d).astype(np.float32)
+    if kind == "ties":
+        return rng.integers(-3, 4, d).astype(np.float32) * np.where(rng.random(d) < 0.5, -1, 1).astype(np.float32)
+    return -rng.uniform(0.5, 1.0, d).astype(np.float32)
+
+
+def reference_topk(scores, k):
+    """Stable sort by descending score (lowest index first among ties), first k, sorted by index."""
+    return np.sort(np.argsort(-scores, kind="stable")[:k])
+
+
+def test_density_to_k():
+    assert density_to_k(1000, 7) == 7
+    assert density_to_k(1000, 0.01) == 10
+    assert density_to_k(25_000_000, 0.001) == 25_000
+    assert density_to_k(1000, 1e-9) == 1
+    assert density_to_k(1000, 1.0) == 1000 and density_to_k(1000, 1) == 1
+    assert density_to_k(10, np.int64(3)) == 3 and density_to_k(10, np.float32(0.5)) == 5
+
+
+@pytest.mark.parametrize(
+    "value, error, message",
+    [
+        (0, ValueError, "density_or_count must be >= 1 and <= 10, got 0"),
+        (11, ValueError, "density_or_count must be >= 1 and <= 10, got 11"),
+        (0.0, ValueError, r"density_or_count as a density must be in \(0, 1\], got 0.0"),
+        (1.5, ValueError, r"must be in \(0, 1\], got 1.5"),
+        (float("nan"), ValueError, r"must be in \(0, 1\], got nan"),
+        (True, TypeError, "got True"),
+        ("0.1", TypeError, "got '0.1'"),
+    ],
+)
+def test_density_to_k_rejects(value, error, message):
+    with pytest.raises(error, match=message):
+        density_to_k(10, value)
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "negative"])
+@pytest.mark.parametrize("density", DENSITIES)
+@pytest.mark.parametrize("d", SIZES)
+def test_topk_matches_stable_argsort(xp, d, density, kind):
+    x = awkward(np.random.default_rng(d), d, kind)
+    k = density_to_k(d, density)
+    got = topk_indices(xp.asarray(x), k)
+    assert got.dtype == np.int32 and got.shape == (k,)
+    np.testing.assert_array_equal(to_numpy(got), reference_topk(np.abs(x), k))
+
+
+@pytest.mark.parametrize("d", SIZES)
+def test_topk_density_one_returns_every_index(xp, d):
+    x = xp.asarray(awkward(np.random.default_rng(d), d, "normal"))
+    np.testing.assert_array_equal(to_numpy(topk_indices(x, density_to_k(d, 1.0))), np.arange(d))
+    assert topk_indices(x, 0).shape == (0,)
+
+
+def record_candidates(monkeypatch):
+    """A list that receives the number of candidates of each exact selection."""
+    seen = []
+    select = sparse._select
+
+    def spy(xp, candidates, *rest):
+        seen.append(candidates.shape[0])
+        return select(xp, candidates, *rest)
+
+    monkeypatch.setattr(sparse, "_select", spy)
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties"])
+def test_topk_of_a_long_vector_uses_the_sample(xp, kind, monkeypatch):
+    d, k = 300_007, 301
+    x = awkward(np.random.default_rng(11), d, kind)
+    seen = record_candidates(monkeypatch)
+    np.testing.assert_array_equal(to_numpy(topk_indices(xp.asarray(x), k)), reference_topk(np.abs(x), k))
+    # Candidates, not the whole vector (with heavy ties, every entry equal to the threshold).
+    assert k <= seen[0] < (d // 100 if kind == "normal" else d)
+
+
+def test_topk_falls_back_when_the_sample_misleads(xp, monkeypatch):
+    """The large values are exactly the sampled (strided) entries, so the sample
+    predicts many more entries above its threshold than there are."""
+    d, k = 2**17, 10_000
+    x = np.random.default_rng(12).uniform(0, 1, d).astype(np.float32)
+    x[:: max(sparse._MIN_STRIDE, d // sparse._SAMPLE)] += 10
+    seen = record_candidates(monkeypatch)
+    np.testing.assert_array_equal(to_numpy(topk_indices(xp.asarray(x), k)), reference_topk(np.abs(x), k))
+    assert seen == [d]
+
+
+def test_topk_by_score_and_nan(xp):
+    x = np.array([3.0, -5.0, np.nan, 1.0, np.nan, -np.inf, 2.0], dtype=np.float32)
+    # absolute=False ranks by the values themselves: -5 ranks low.
+    assert to_numpy(topk_indices(xp.asarray(x), 2, absolute=False)).tolist() == [0, 6]
+    # NaN ranks below every number, -inf included; when needed, lowest index first.
+    assert to_numpy(topk_indices(xp.asarray(x), 5, absolute=False)).tolist() == [0, 1, 3, 5, 6]
+    assert to_numpy(topk_indices(xp.asarray(x), 6, absolute=False)).tolist() == [0, 1, 2, 3, 5, 6]
+    assert to_numpy(topk_indices(xp.asarray(x), 3)).tolist() == [0, 1, 5]
+
+
+def paper_scores(acc, sent_indices, sent_values, prev_aggregate, n_workers, mu, q):
+    """The paper's formula entry by entry, in float64."""
+    w = 1.0 / n_workers
+    scores = []
+    sent = dict(zip(sent_indices.tolist(), sent_values.tolist()))
+    for j, a in enumerate(acc.tolist()):
+        s = sent.get(j, 0.0)
+        delta = (prev_aggregate[j] - w * s) / (w * s) if s != 0 else q
+        scores.append(math.tanh(abs(1 + delta) / mu) * abs(a))
+    return np.array(scores)
+
+
+def test_regtopk_without_history_ranks_as_topk(xp):
+    d, k = 4097, 40
+    acc = awkward(np.random.default_rng(13), d, "normal")
+    none = xp.zeros(0, dtype=xp.int32), xp.zeros(0, dtype=xp.float32)
+    scores = regtopk_scores(xp.asarray(acc), *none, xp.zeros(d, dtype=xp.float32), n_workers=4, mu=5.0)
+    np.testing.assert_array_equal(to_numpy(scores), np.abs(acc))  # tanh(|1 + 1e8| / 5) == 1.0
+    np.testing.assert_array_equal(
+        to_numpy(topk_indices(scores, k, absolute=False)), to_numpy(topk_indices(xp.asarray(acc), k))
+    )
+
+
+def test_regtopk_drops_an_entry_the_others_cancelled(xp):
+    """Two workers.  Last round this worker sent entries 1 and 2 (value 1.0 each).
+    The other worker sent -1.0 at entry 1, cancelling it (G = 0), and +1.0 at
+    entry 2, agreeing (G = 1).  Entry 0 was not sent."""
+    acc = np.array([0.5, 2.0, 0.6, 0.1], dtype=np.float32)
+    sent_indices = np.array([1, 2], dtype=np.int32)
+    sent_values = np.array([1.0, 1.0], dtype=np.float32)
+    prev_aggregate = np.array([0.0, 0.0, 1.0, 0.0], dtype=np.float32)
+    args = (sent_indices, sent_values, prev_aggregate)
+    scores = to_numpy(regtopk_scores(xp.asarray(acc), *map(xp.asarray, args), n_workers=2, mu=4.0))
+    # delta_1 = (0 - 0.5) / 0.5 = -1: score 0, although |a_1| is the largest.
+    # delta_2 = (1 - 0.5) / 0.5 = 1: score tanh(2 / 4) * 0.6.  Unsent entries keep |a|.
+    np.testing.assert_allclose(scores, [0.5, 0.0, math.tanh(0.5) * 0.6, 0.1], rtol=1e-6)
+    np.testing.assert_allclose(scores, paper_scores(acc, *args, 2, 4.0, 1e8), rtol=1e-6)
+    assert to_numpy(topk_indices(xp.asarray(scores), 1, absolute=False)).tolist() == [0]
+    assert to_numpy(topk_indices(xp.asarray(acc), 1)).tolist() == [1]
+
+
+def test_regtopk_matches_the_formula(xp):
+    rng = np.random.default_rng(14)
+    d, n_workers, mu, q = 1000, 5, 5.0, 3.0  # a small q makes the unsent factor tanh(4/5) < 1
+    acc = rng.standard_normal(d).astype(np.float32)
+    sent_indices = np.sort(rng.choice(d, 50, replace=False)).astype(np.int32)
+    sent_values = rng.standard_normal(50).astype(np.float32)
+    sent_values[:3] = 0.0  # a zero reference value counts as not sent
+    prev_aggregate = rng.standard_normal(d).astype(np.float32)
+    args = (acc, sent_indices, sent_values, prev_aggregate)
+    out = xp.empty(d, dtype=xp.float32)
+    scores = regtopk_scores(*map(xp.asarray, args), n_workers=n_workers, mu=mu, q=q, out=out)
+    assert scores is out
+    np.testing.assert_allclose(to_numpy(scores), paper_scores(*args, n_workers, mu, q), rtol=1e-5, atol=1e-7)
+
+
+def test_regtopk_rejects(xp):
+    acc = xp.zeros(4, dtype=xp.float32)
+    idx, val = xp.asarray(np.array([2, 1], dtype=np.int32)), xp.zeros(2, dtype=xp.float32)
+    with pytest.raises(ValueError, match=r"sent_indices must be unique indices in \[0, 4\) sorted ascending"):
+        regtopk_scores(acc, idx, val, acc, 2, 4.0)
+    with pytest.raises(ValueError, match="mu must be a finite number > 0, got 0"):
+        regtopk_scores(acc, idx[:0], val[:0], acc, 2, 0)
+    with pytest.raises(ValueError, match="n_workers must be >= 1, got 0"):
+        regtopk_scores(acc, idx[:0], val[:0], acc, 0, 4.0)
+
+
+@pytest.mark.parametrize("d", [1, 65, 4097])
+def test_error_feedback_conserves_mass_bitwise(xp, d):
+    rng = np.random.default_rng(d)
+    grad = rng.standard_normal(d).astype(np.float32)
+    old_error = (rng.standard_normal(d) * 1e-3).astype(np.float32)
+    total = old_error + grad  # a = e + g, the same float32 sums
+    error = xp.asarray(old_error)
+    k = density_to_k(d, 0.1)
+    indices, values = error_feedback(xp.asarray(grad), error, lambda a: topk_indices(a, k))
+    indices, values, error = to_numpy(indices), to_numpy(values), to_numpy(error)
+    np.testing.assert_array_equal(indices, reference_topk(np.abs(total), k))
+    assert values.view(np.uint32).tolist() == total[indices].view(np.uint32).tolist()
+    assert np.all(error[indices] == 0)
+    rest = np.setdiff1d(np.arange(d), indices)
+    assert error[rest].view(np.uint32).tolist() == total[rest].view(np.uint32).tolist()
+
+
+def test_error_feedback_rejects(xp):
+    grad, error = xp.ones(5, dtype=xp.float32), xp.zeros(5, dtype=xp.float32)
+    with pytest.raises(TypeError, match="select must be callable"):
+        error_feedback(grad, error, [0, 1])
+    with pytest.raises(ValueError, match=r"select\(a\) must be unique indices in \[0, 5\) sorted ascending"):
+        error_feedback(grad, error, lambda a: xp.asarray(np.array([3, 1])))
+    with pytest.raises(TypeError, match="error must have dtype float32, got float64"):
+        error_feedback(grad, xp.zeros(5, dtype=xp.float64), lambda a: topk_indices(a, 1))
+
+
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.03, 0.05, 0.5, 1.0])
+@pytest.mark.parametrize("d", SIZES)
+def test_encode_decode_round_trip(xp, d, density):
+    rng = np.random.default_rng(d)
+    k = density_to_k(d, density)
+    indices = np.sort(rng.choice(d, k, replace=False)).astype(np.int32)
+    values = rng.standard_normal(k).astype(np.float32)
+    payload = encode(xp.asarray(indices), xp.asarray(values), d)
+    assert payload.dtype == np.uint8 and payload.shape == (encoded_nbytes(k, d),)
+    got_indices, got_values = decode(payload, d)
+    assert got_indices.dtype == np.int32 and got_values.dtype == np.float32
+    np.testing.assert_array_equal(to_numpy(got_indices), indices)
+    assert to_numpy(got_values).view(np.uint32).tolist() == values.view(np.uint32).tolist()
+
+
+def test_format_choice():
+    d = 80_000  # bitmap: 10,000 bytes; indices: 4k bytes
+    assert payload_format(80, d) == "pairs" and encoded_nbytes(80, d) == 8 + 8 * 80  # 0.1 %
+    assert payload_format(2500, d) == "pairs"  # 4k == d / 8: a tie goes to pairs
+    assert payload_format(2501, d) == "bitmap" and encoded_nbytes(2501, d) == 8 + 4 * 2501 + 10_000
+    assert payload_format(40_000, d) == "bitmap"  # 50 %
+
+
+def test_encode_into_out_and_both_formats_tagged(xp):
+    d = 64
+    for k, fmt in ((2, "pairs"), (10, "bitmap")):
+        indices, values = xp.arange(k, dtype=xp.int32) * 3, xp.ones(k, dtype=xp.float32)
+        out = xp.empty(encoded_nbytes(k, d), dtype=xp.uint8)
+        assert encode(indices, values, d, out=out) is out
+        assert payload_format(k, d) == fmt
+        header = to_numpy(out[:8]).view(np.uint32).tolist()
+        assert header == [("pairs", "bitmap").index(fmt), k]
+
+
+def test_encode_and_decode_reject(xp):
+    idx, val = xp.asarray(np.array([1, 1], dtype=np.int32)), xp.ones(2, dtype=xp.float32)
+    with pytest.raises(ValueError, match=r"indices must be unique indices in \[0, 8\) sorted ascending"):
+        encode(idx, val, 8)
+    with pytest.raises(TypeError, match="values must have dtype float32, got float64"):
+        encode(idx, xp.ones(2, dtype=xp.float64), 8)
+    payload = encode(xp.asarray(np.array([1, 5], dtype=np.int32)), val, 1000)
+    with pytest.raises(ValueError, match="is not an encoding for d = 8"):
+        decode(payload, 8)
+    with pytest.raises(ValueError, match="is not an encoding for d = 1000"):
+        decode(payload[:-1], 1000)
+    with pytest.raises(ValueError, match="at least 8 bytes"):
+        decode(payload[:4], 1000)
+
+
+def test_scatter_add_aggregates_workers(xp):
+    """Overlapping payloads of 5 workers, one scatter_add each, against np.add.at."""
+    rng = np.random.default_rng(15)
+    d, n_workers, k = 1000, 5, 300
+    aggregate, reference = xp.zeros(d, dtype=xp.float32), np.zeros(d, dtype=np.float32)
+    for _ in range(n_workers):
+        indices = np.sort(rng.choice(d, k, replace=False)).astype(np.int32)
+        values = rng.standard_normal(k).astype(np.float32)
+        scatter_add(aggregate, *decode(encode(xp.asarray(indices), xp.asarray(values), d), d))
+        np.add.at(reference, indices, values)
+    np.testing.assert_array_equal(to_numpy(aggregate), reference)
+
+
+def test_scatter_add_rejects_repeated_indices(xp):
+    with pytest.raises(ValueError, match="indices must be unique"):
+        scatter_add(xp.zeros(4, dtype=xp.float32), xp.asarray(np.array([1, 1])), xp.ones(2, dtype=xp.float32))
