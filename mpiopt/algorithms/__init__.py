@@ -7,6 +7,7 @@ name           algorithm
 ``easgd``      elastic averaging SGD and EAMSGD (centre held on every rank)
 ``lsgd``       leader SGD: local leaders in node groups, a global leader
 ``dasgd``      local SGD with delayed averaging (overlapped Iallreduce)
+``signum``     signSGD / Signum with packed-bit majority vote (Allgather or two-phase)
 ``async_msgd`` asynchronous momentum SGD on a parameter server (:mod:`mpiopt.asyncrt`)
 =============  ================================================================
 

@@ -1,0 +1,142 @@
+"""Benchmark: compressed exchanges against a float32 Allreduce, per training step.
+
+Run it on a bandwidth-limited link (docs/benchmarks-compressed.md has the
+results and the exact command)::
+
+    OMP_NUM_THREADS=1 tools/emulated_link.sh mpiexec -n 4 python -m mpiopt.bench.compressed
+
+Every mode runs whole optimizer steps of an mpiopt algorithm on the same
+random gradient (``d`` float32 values per rank), so a step's time includes the
+algorithm's own work (momentum, packing, voting, selection, decoding), not
+only the wire:
+
+==================  ===============================================
+mode                algorithm
+==================  ===============================================
+allreduce           ``sgd``: float32 Allreduce of the gradient
+vote/allgather      ``signum``, ``exchange="allgather"``
+vote/twophase       ``signum``, ``exchange="twophase"``
+vote/auto           ``signum``, ``exchange="auto"``
+topk/<density>      ``topk`` at each ``--densities`` value
+==================  ===============================================
+
+A step's time is the slowest rank's (a Barrier before, a max-Allreduce of the
+times after, neither timed in the step).  Repetitions are interleaved, every
+repetition running every mode, so drifting load hits all modes alike; the
+table gives medians and ``speed-up = t(allreduce) / t(mode)`` from the same
+repetitions, plus the bytes each rank received per step (from the ledger) and
+the wire's limit, ``wire(allreduce) / wire(mode)``.  The ledger counts an
+Allreduce's payload once (n bytes); on the wire a ring or
+reduce-scatter/allgather Allreduce moves ``2 (P-1)/P n`` per rank, so
+:func:`wire_bytes` counts it so; Allgather and Alltoall payloads are what the
+wire carries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+import mpiopt
+from mpiopt.comm import MAX, Topology
+
+MODES = {
+    "allreduce": ("sgd", {}),
+    "vote/allgather": ("signum", {"exchange": "allgather", "momentum": 0.0, "weight_decay": 0.0}),
+    "vote/twophase": ("signum", {"exchange": "twophase", "momentum": 0.0, "weight_decay": 0.0}),
+    "vote/auto": ("signum", {"exchange": "auto", "momentum": 0.0, "weight_decay": 0.0}),
+}
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m mpiopt.bench.compressed", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--d", type=int, default=11_000_000, help="parameters (default 11M)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per mode and repetition (default 3)")
+    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions (default 5)")
+    parser.add_argument("--densities", type=float, nargs="*", default=[0.01, 0.001], help="top-k densities (default 0.01 0.001)")
+    return parser.parse_args(argv)
+
+
+def modes(densities: List[float]) -> Dict[str, tuple]:
+    out = dict(MODES)
+    if "topk" in mpiopt.available():
+        for density in densities:
+            out[f"topk/{density:g}"] = ("topk", {"density": density})
+    return out
+
+
+def wire_bytes(delta, ranks: int) -> float:
+    """Bytes one rank receives on the wire for the calls in a ledger ``delta`` (see the module docstring)."""
+    total = 0.0
+    for op in delta:
+        factor = 2 * (ranks - 1) / ranks if op.endswith("allreduce") or op.endswith("Allreduce") else 1.0
+        total += factor * delta[op].bytes_recv
+    return total
+
+
+def time_steps(topo: Topology, alg, params: np.ndarray, grad: np.ndarray, steps: int) -> tuple:
+    """(slowest rank's seconds per step, wire bytes received per step by this rank)."""
+    before = topo.ledger.snapshot()
+    topo.world.Barrier()
+    started = time.perf_counter()
+    for _ in range(steps):
+        alg.step(params, grad)
+    elapsed = np.array([(time.perf_counter() - started) / steps])
+    received = wire_bytes(topo.ledger.since(before), topo.size) / steps
+    topo.world.Allreduce(elapsed, op=MAX)
+    return float(elapsed[0]), received
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    mpiopt.abort_on_exception()
+    topo = Topology()
+    rank, size = topo.rank, topo.size
+    grad = np.random.default_rng(rank).standard_normal(args.d).astype(np.float32)
+    table = modes(args.densities)
+    algorithms = {}
+    for name, (algorithm, hyper) in table.items():
+        params = np.zeros(args.d, np.float32)
+        alg = mpiopt.create(algorithm, topo, lr=1e-3, **hyper)
+        alg.setup(params)
+        alg.step(params, grad)  # warm-up: first-touch allocations, connections
+        algorithms[name] = (alg, params)
+    times: Dict[str, List[float]] = {name: [] for name in table}
+    ratios: Dict[str, List[float]] = {name: [] for name in table}
+    received: Dict[str, float] = {}
+    names = list(table)
+    for rep in range(args.reps):
+        shift = rep % len(names)
+        this_rep = {}
+        for name in names[shift:] + names[:shift]:
+            alg, params = algorithms[name]
+            this_rep[name], received[name] = time_steps(topo, alg, params, grad, args.steps)
+        for name in names:
+            times[name].append(this_rep[name])
+            ratios[name].append(this_rep["allreduce"] / this_rep[name])
+        if rank == 0:
+            print(f"repetition {rep + 1}/{args.reps} done", flush=True)
+    if rank == 0:
+        link = MPI.Get_processor_name()
+        print(f"\n{size} ranks, d = {args.d}, {args.steps} steps x {args.reps} repetitions, host {link}")
+        print(f"algorithm modes: auto chose {algorithms['vote/auto'][0].mode!r}\n")
+        print("| mode | s/step (median) | speed-up vs allreduce (median) | wire bytes received/step/rank | wire limit |")
+        print("|---|---:|---:|---:|---:|")
+        base_bytes = received["allreduce"]
+        for name in names:
+            limit = base_bytes / received[name] if received[name] else float("inf")
+            print(
+                f"| {name} | {statistics.median(times[name]):.4f} | {statistics.median(ratios[name]):.1f} x | "
+                f"{received[name]:.0f} | {limit:.1f} x |"
+            )
+    topo.Free()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

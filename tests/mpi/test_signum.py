@@ -1,0 +1,168 @@
+"""Signum / signSGD with majority vote: the vote, both exchange modes, bytes, Byzantine tolerance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mpiopt
+from mpiopt.algorithms.signum import choose_exchange
+from mpiopt.kernels import packed_nbytes, unpack_signs
+
+pytestmark = pytest.mark.mpi
+
+MODES = ["allgather", "twophase"]
+
+
+def grads(rank: int, steps: int, d: int, seed: int = 0) -> np.ndarray:
+    g = np.random.default_rng([seed, rank]).standard_normal((steps, d)).astype(np.float32)
+    g[:, :3] = 0.0  # exact zeros and negative zeros: sign +1 by convention
+    g[:, 3:6] = -0.0
+    return g
+
+
+def reference_vote(directions: np.ndarray) -> np.ndarray:
+    """sign(sum_i sign(m_i)) from the unpacked float vectors, sign(0) = +1, tie = +1 (int64 counts)."""
+    votes = np.where(directions >= 0, 1, -1).astype(np.int64).sum(axis=0)
+    return np.where(votes >= 0, 1.0, -1.0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("d", [1, 13, 64, 1001])
+def test_vote_equals_reference_bit_for_bit(topology, mode, d):
+    lr, wd = 0.01, 0.1
+    params = np.linspace(-1, 1, d).astype(np.float32)
+    x0 = params.copy()
+    alg = mpiopt.create("signum", topology, lr=lr, momentum=0.0, weight_decay=wd, exchange=mode)
+    alg.setup(params)
+    g = grads(topology.rank, 1, d)[0]
+    alg.step(params, g)
+    everyone = np.stack(topology.world.allgather_obj(g))
+    expect = reference_vote(everyone)
+    np.testing.assert_array_equal(unpack_signs(alg.vote, d), expect)
+    np.testing.assert_allclose(params, x0 - lr * (expect + wd * x0.astype(np.float64)), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("d", [7, 1000, 4097])
+def test_modes_identical_with_momentum(topology, d):
+    results = []
+    for mode in MODES:
+        params = np.ones(d, np.float32)
+        alg = mpiopt.create("signum", topology, lr=1e-3, momentum=0.9, exchange=mode)
+        alg.setup(params)
+        for g in grads(topology.rank, 6, d, seed=3):
+            alg.step(params, g)
+        results.append(params)
+    assert np.array_equal(results[0], results[1])
+
+
+def test_signum_momentum_matches_a_recomputation(topology):
+    d, beta, lr, wd = 300, 0.9, 1e-2, 1e-3
+    params = np.zeros(d, np.float32)
+    alg = mpiopt.create("signum", topology, lr=lr, momentum=beta, weight_decay=wd)
+    alg.setup(params)
+    steps = grads(topology.rank, 8, d, seed=7)
+    momenta = np.zeros((topology.size, d), np.float32)
+    all_steps = np.stack(topology.world.allgather_obj(steps))  # (P, steps, d)
+    x = np.zeros(d, np.float64)
+    for k, g in enumerate(steps):
+        alg.step(params, g)
+        momenta = beta * momenta + np.float32(1 - beta) * all_steps[:, k]  # float32, the formula as written
+        vote = reference_vote(momenta)
+        np.testing.assert_array_equal(unpack_signs(alg.vote, d), vote)
+        x = x - lr * (vote + wd * x)
+    np.testing.assert_allclose(params, x, rtol=1e-5, atol=1e-6)
+
+
+def test_ledger_shows_the_payload(topology):
+    P, d = topology.size, 8 * 1000 + 5
+    for mode in MODES:
+        params = np.zeros(d, np.float32)
+        alg = mpiopt.create("signum", topology, lr=1e-3, exchange=mode)
+        alg.setup(params)
+        record = alg.step(params, grads(topology.rank, 1, d)[0])
+        if P == 1:
+            assert (record.bytes_sent, record.bytes_recv) == (0, 0)
+        elif mode == "allgather":
+            assert (record.bytes_sent, record.bytes_recv) == (packed_nbytes(d), (P - 1) * packed_nbytes(d))
+        else:
+            # Under 2 bits per parameter each way (chunks are padded to 8-byte words).
+            assert record.bytes_sent * 8 <= 2 * d + 64 * P and record.bytes_recv * 8 <= 2 * d + 64 * P, record
+            assert record.bytes_sent * 8 >= d  # every sign leaves the rank once
+
+
+def test_auto_choice():
+    assert choose_exchange(1, 10**7) == "allgather"
+    assert choose_exchange(2, 10**7) == "allgather"  # same bytes received: one collective wins
+    assert choose_exchange(4, 11_000_000) == "twophase"
+    assert choose_exchange(4, 1000) == "allgather"  # tiny vectors: latency wins
+
+
+def test_auto_resolves_the_same_on_every_rank(topology):
+    alg = mpiopt.create("signum", topology, lr=1e-3)
+    alg.setup(np.zeros(11_000, np.float32))
+    assert alg.mode == choose_exchange(topology.size, 11_000)
+    assert len(set(topology.world.allgather_obj(alg.mode))) == 1
+
+
+def noisy_quadratic_run(topology, adversaries: int, steps: int = 300, d: int = 200) -> tuple:
+    """f(x) = ||x - x*||^2 / 2 with noisy gradients; ranks < adversaries send flipped signs."""
+    target = np.random.default_rng(11).standard_normal(d)
+    params = np.zeros(d, np.float32)
+    alg = mpiopt.create("signum", topology, lr=0.01, momentum=0.0, weight_decay=0.0)
+    alg.setup(params)
+    rng = np.random.default_rng([5, topology.rank])
+    for _ in range(steps):
+        g = (params - target + 0.25 * rng.standard_normal(d)).astype(np.float32)
+        alg.step(params, -g if topology.rank < adversaries else g)
+    return 0.5 * float(np.sum((params - target) ** 2)), 0.5 * float(np.sum(target**2))
+
+
+@pytest.mark.mpi(min_size=3)
+def test_byzantine_tolerance(topology):
+    """Fewer than half adversarial: the loss falls far below its start; more than half: it does not.
+
+    Instance: d = 200, f(x) = ||x - x*||^2 / 2, gradient noise N(0, 0.25^2) per
+    coordinate, signSGD (no momentum) with lr 0.01 for 300 steps from x = 0;
+    adversaries send the signs of -g.  At even P a tie votes +1, a bias that
+    leaves a floor near the optimum; the noise level keeps it well below 5 %.
+    """
+    P = topology.size
+    minority, majority = (P - 1) // 2, P // 2 + 1
+    final_minority, start = noisy_quadratic_run(topology, minority)
+    final_majority, _ = noisy_quadratic_run(topology, majority)
+    assert final_minority < 0.05 * start, (final_minority, start)
+    assert final_majority > start, (final_majority, start)
+
+
+def test_state_dict_resume_is_bitwise(topology):
+    d = 500
+    settings = dict(lr=1e-3, momentum=0.9, weight_decay=1e-4)
+    steps = grads(topology.rank, 10, d, seed=9)
+    params = np.ones(d, np.float32)
+    alg = mpiopt.create("signum", topology, **settings)
+    alg.setup(params)
+    for g in steps[:5]:
+        alg.step(params, g)
+    state, saved = alg.state_dict(), params.copy()
+    for g in steps[5:]:
+        alg.step(params, g)
+    again = mpiopt.create("signum", topology, **settings)
+    again.setup(saved)
+    again.load_state_dict(state)
+    for g in steps[5:]:
+        again.step(saved, g)
+    assert np.array_equal(params, saved)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(exchange="ring"), ValueError, "exchange must be one of 'auto', 'allgather', 'twophase'; got 'ring'"),
+        (dict(momentum=1.5), ValueError, r"momentum must be in \[0.0, 1.0\), got 1.5"),
+        (dict(weight_decay=-1.0), ValueError, "weight_decay must be >= 0, got -1.0"),
+    ],
+)
+def test_bad_hyperparameters(topology, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        mpiopt.create("signum", topology, **kwargs)
