@@ -1,5 +1,11 @@
 """Shared test machinery.
 
+Every test has a time limit (``timeout`` in setup.cfg, pytest-timeout's
+setting).  When it runs out, this file's timer prints the test's name and
+every thread's stack and aborts the MPI job, so a deadlock fails fast and
+names itself, at any world size (pytest-timeout's own handler exits so
+abruptly that mpiexec may drop its output).
+
 MPI tests (``@pytest.mark.mpi``) run at every world size from 1 to 4
 (tools/test.sh).  Their verdict is collective: after each test the ranks
 exchange pass/fail with a nonblocking Allreduce, so a failure on one rank
@@ -11,7 +17,10 @@ instead of hanging.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
+import threading
 import time
 import traceback
 
@@ -28,6 +37,48 @@ def _world():
 
 
 _verdict_comm = None
+_TIMER = pytest.StashKey[threading.Timer]()
+
+
+def _release_output(item) -> None:
+    """Stop pytest capturing, so what we print before an abort reaches the terminal (with what was captured)."""
+    capman = item.config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.suspend_global_capture(in_=True)
+        out, err = capman.read_global_capture()
+        sys.stdout.write(out)
+        sys.stderr.write(err)
+
+
+def _on_timeout(item, seconds: float) -> None:
+    from mpiopt.comm import abort_job
+
+    _release_output(item)
+    rank, size = _world().Get_rank(), _world().Get_size()
+    sys.stderr.write(f"\n+++ Timeout +++ {item.nodeid} ran past its {seconds:g} s limit on rank {rank} of {size}\n")
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    abort_job("mpiopt tests: aborting the job after the timeout above.\n")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item, settings):
+    if not settings.timeout or settings.timeout <= 0:
+        return None
+    timer = threading.Timer(settings.timeout, _on_timeout, args=(item, settings.timeout))
+    timer.daemon = True
+    timer.start()
+    item.stash[_TIMER] = timer
+    return True
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_cancel_timer(item):
+    timer = item.stash.get(_TIMER, None)
+    if timer is None:
+        return None
+    timer.cancel()
+    del item.stash[_TIMER]
+    return True
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -52,6 +103,7 @@ def pytest_runtest_call(item):
         if time.monotonic() > deadline:
             from mpiopt.comm import abort_job
 
+            _release_output(item)
             own = "".join(traceback.format_exception(*excinfo)) if failed else "(this rank passed)\n"
             abort_job(
                 f"\nmpiopt tests: {item.nodeid}: rank {rank} of {size} waited {VERDICT_DEADLINE:.0f} s for the "
