@@ -8,6 +8,8 @@ name           algorithm
 ``lsgd``       leader SGD: local leaders in node groups, a global leader
 ``dasgd``      local SGD with delayed averaging (overlapped Iallreduce)
 ``signum``     signSGD / Signum with packed-bit majority vote (Allgather or two-phase)
+``topk``       Top-k sparsification with error feedback (Allgather of fixed-size payloads)
+``regtopk``    RegTop-k: Top-k whose selection is regularised by the previous aggregate
 ``async_msgd`` asynchronous momentum SGD on a parameter server (:mod:`mpiopt.asyncrt`)
 =============  ================================================================
 

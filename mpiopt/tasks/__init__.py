@@ -2,5 +2,6 @@
 
 - :mod:`~mpiopt.tasks.symmetric`: a non-convex objective with symmetric minima (LSGD vs EASGD).
 - :mod:`~mpiopt.tasks.logistic`: logistic regression with per-rank data (DaSGD vs SGD).
+- :mod:`~mpiopt.tasks.linreg`: distributed linear regression and an N-worker simulator (RegTop-k vs Top-k).
 - :mod:`~mpiopt.tasks.pca`: streaming PCA (Async-MSGD's asynchrony-momentum trade-off).
 """

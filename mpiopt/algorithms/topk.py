@@ -1,0 +1,434 @@
+"""Top-k sparsification with error feedback, and RegTop-k.
+
+Bereyhi, Liang, Boudreau and Afana, "Regularized Top-k: A Bayesian Framework
+for Gradient Sparsification" (arXiv:2501.05633, 2025; conference version
+"Novel gradient sparsification algorithm via Bayesian inference", MLSP
+2024); ALGORITHMS.md "Top-k with error feedback, and RegTop-k".
+
+Every worker ``n`` keeps an error buffer ``e_n`` of what it has not sent yet
+and, each step, sends ``k`` of its ``d`` entries::
+
+    a_n = g_n + e_n                        error-compensated gradient
+    S_n = the k entries of largest score   Top-k: score_j = |a_j|
+    send (j, a_j) for j in S_n;  e_n <- a_n - a_n 1_{S_n}
+    G   = (1/N) sum_n sent_n               the aggregate, on every rank
+    x  <- x - lr G                         the paper's rule: plain SGD on G
+
+RegTop-k ranks by ``score_j = tanh(|1 + delta_j| / mu) |a_j|`` instead, where
+``1 + delta_j = G_prev_j / (w s_j)`` (``w = 1/N``, ``s_j`` the value this
+worker sent for ``j`` last step) compares last step's aggregate with this
+worker's own share of it, and ``delta_j = Q`` for entries it did not send
+(they rank as in Top-k).  Where the other workers cancelled an entry, its
+score drops and the entry stays in the error buffer instead of being pushed
+again.  ``delta`` needs only the previous aggregate, which every rank holds:
+no extra communication.  See :func:`mpiopt.kernels.regtopk_scores`.
+
+The update ``x <- x - lr G`` goes through
+:class:`~mpiopt.algorithms.local.LocalSGD`, so momentum and weight decay are
+available; the papers' rule is its default (``momentum=0``,
+``weight_decay=0``).
+
+Exchange
+--------
+Every rank encodes its k (index, value) pairs into a payload of
+:func:`~mpiopt.kernels.encoded_nbytes` ``(k, d)`` bytes (int32 indices or a
+bitmap, whichever is smaller; float32 values) and one ``Allgather`` of the
+payloads per step gives every rank all of them; each rank decodes every row
+and scatter-adds it into ``G``, in rank order, so all ranks compute the same
+float32 sum.  A rank sends ``encoded_nbytes(k, d)`` bytes and receives
+``(P - 1)`` times that.
+
+Shared with the simulator
+-------------------------
+The per-worker half (:class:`SparseWorker`: selection, error feedback,
+encoding) and the aggregation (:func:`aggregate_payloads`) are plain array code with no
+MPI; :func:`mpiopt.tasks.linreg.simulate` runs N workers through them in one
+process, so a simulation and an MPI run of the same workers agree bit for
+bit.
+
+Example
+-------
+>>> alg = mpiopt.create("regtopk", topology, lr=0.01, density=0.01, mu=5)
+>>> alg.setup(params)                       # float32, the same size on every rank
+>>> for batch in data:
+...     loss, grad = compute(params, batch)
+...     alg.step(params, grad, loss=loss)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+from ..arrays import array_module
+from ..comm import Topology
+from ..kernels import decode, density_to_k, encode, encoded_nbytes, error_feedback, regtopk_scores, scatter_add, topk_indices
+from .base import Algorithm, check_positive
+from .local import LocalSGD, LocalStepState
+from .registry import register
+
+__all__ = ["TopK", "RegTopK", "Sparsifier", "SparseWorker", "aggregate_payloads", "DEFAULT_DENSITY"]
+
+#: Density used when neither ``k`` nor ``density`` is given: the papers'
+#: ResNet-18 / CIFAR-10 setting (0.1 %).
+DEFAULT_DENSITY = 0.001
+
+
+@dataclass(frozen=True)
+class Sparsifier:
+    """What every worker sends: how many entries, ranked how.
+
+    Parameters
+    ----------
+    k : int, optional
+        Entries sent per step, ``1 <= k <= d`` (``d`` is checked when a
+        worker is made).
+    density : float, optional
+        Or the fraction of entries sent, in ``(0, 1]``:
+        ``k = round(density * d)``, at least 1.  At most one of ``k`` and
+        ``density``; neither means ``density = DEFAULT_DENSITY``.
+    mu : float, optional
+        RegTop-k's ``mu`` (> 0); None ranks by ``|a|`` (Top-k).
+    q : float
+        RegTop-k's ``Q`` (> 0): ``delta`` of entries not sent last step.
+
+    Raises
+    ------
+    ValueError, TypeError
+        Naming the argument and its value.
+    """
+
+    k: Optional[int] = None
+    density: Optional[float] = None
+    mu: Optional[float] = None
+    q: float = 1e8
+
+    def __post_init__(self) -> None:
+        if self.k is not None and self.density is not None:
+            raise ValueError(f"give k or density, not both; got k={self.k!r} and density={self.density!r}")
+        if self.k is not None:
+            check_positive("k", self.k, integer=True)
+        else:
+            density = DEFAULT_DENSITY if self.density is None else self.density
+            if isinstance(density, bool) or not isinstance(density, (int, float)) or not np.isfinite(density):
+                raise TypeError(f"density must be a finite number, got {density!r}")
+            if not 0 < density <= 1:
+                raise ValueError(f"density must be in (0, 1], got {density!r}")
+            # A float, always: density_to_k reads an int as a count (density=1 would send one entry).
+            object.__setattr__(self, "density", float(density))
+        if self.mu is not None:
+            object.__setattr__(self, "mu", float(check_positive("mu", self.mu)))
+        object.__setattr__(self, "q", float(check_positive("q", self.q)))
+
+    @property
+    def regularized(self) -> bool:
+        """RegTop-k (True) or Top-k."""
+        return self.mu is not None
+
+    def count(self, d: int) -> int:
+        """k for vectors of ``d`` entries.
+
+        Raises
+        ------
+        ValueError
+            ``k > d``.
+        """
+        if self.k is not None:
+            if self.k > d:
+                raise ValueError(f"k must be <= the number of parameters ({d}), got k={self.k}")
+            return self.k
+        return density_to_k(d, self.density)
+
+    def hyperparameters(self) -> Dict[str, Any]:
+        out = asdict(self)
+        if not self.regularized:
+            del out["mu"], out["q"]
+        return out
+
+
+class SparseWorker:
+    """One worker's half of a step, no communication: select, keep the rest as error, encode.
+
+    Used by :class:`TopK` / :class:`RegTopK` on each rank and by the
+    single-process simulator :func:`mpiopt.tasks.linreg.simulate` for each of
+    its workers.
+
+    Parameters
+    ----------
+    sparsifier : Sparsifier
+    like : array
+        A float32 vector of the parameters' length and array module (numpy
+        or cupy); only its shape, dtype and module are used.
+    n_workers : int
+        ``N`` (RegTop-k's weight ``w = 1/N``).
+
+    Attributes
+    ----------
+    k, num_params, payload_nbytes : int
+    error : array like ``like``
+        ``e``, what this worker has not sent yet.
+    sent_indices, sent_values : array or None
+        RegTop-k: what this worker sent last step (int32 indices, float32
+        values); None for Top-k, which does not need them.
+    has_history : bool
+        RegTop-k: whether ``sent_*`` hold last step's selection (False before
+        the first step, when every entry ranks as in Top-k).
+    """
+
+    def __init__(self, sparsifier: Sparsifier, like: Any, n_workers: int) -> None:
+        if like.dtype != np.float32:
+            raise TypeError(f"top-k payloads carry float32 values: the parameters must be float32, got {like.dtype}")
+        xp = array_module(like)
+        self.sparsifier = sparsifier
+        self.n_workers = int(check_positive("n_workers", n_workers, integer=True))
+        self.num_params = int(like.shape[0])
+        self.k = sparsifier.count(self.num_params)
+        self.payload_nbytes = encoded_nbytes(self.k, self.num_params)
+        self.error = xp.zeros_like(like)
+        regularized = sparsifier.regularized
+        self.sent_indices = xp.zeros(self.k, dtype=xp.int32) if regularized else None
+        self.sent_values = xp.zeros(self.k, dtype=like.dtype) if regularized else None
+        self.has_history = False
+        self._scores = xp.empty_like(like) if regularized else None
+
+    def compress(self, grad: Any, prev_aggregate: Any, out: Any) -> Any:
+        """Error feedback and selection on ``grad``; the payload to send, written into ``out``.
+
+        Parameters
+        ----------
+        grad : array like ``error``
+            This worker's gradient ``g``.
+        prev_aggregate : array like ``error``
+            Last step's aggregate ``G_prev`` (read by RegTop-k only).
+        out : array of uint8, shape (payload_nbytes,)
+            Where the payload goes (a send buffer, or one row of the
+            simulator's table of payloads).
+
+        Returns
+        -------
+        array
+            ``out``.
+        """
+        if self.sparsifier.regularized:
+            select = partial(self._select_regularized, prev_aggregate)
+        else:
+            select = partial(topk_indices, k=self.k)
+        # a = g + e; S = select(a); e <- a - a 1_S (in place; values = a on S)
+        indices, values = error_feedback(grad, self.error, select)
+        if self.sent_indices is not None:
+            self.sent_indices[...] = indices
+            self.sent_values[...] = values
+            self.has_history = True
+        return encode(indices, values, self.num_params, out=out)
+
+    def _select_regularized(self, prev_aggregate: Any, acc: Any) -> Any:
+        """RegTop-k: the k entries of largest ``tanh(|1 + delta| / mu) |a|``."""
+        history = self.k if self.has_history else 0
+        scores = regtopk_scores(
+            acc, self.sent_indices[:history], self.sent_values[:history], prev_aggregate,
+            self.n_workers, self.sparsifier.mu, self.sparsifier.q, out=self._scores,
+        )
+        return topk_indices(scores, self.k, absolute=False)
+
+
+def aggregate_payloads(payloads: Any, out: Any) -> Any:
+    """``G = (1/N) sum_n sent_n`` from the N workers' payloads, into ``out``.
+
+    Parameters
+    ----------
+    payloads : array of uint8, shape (N, nbytes)
+        One payload per worker, in rank order (what ``Allgather`` returns).
+    out : array, 1-D float32, length d
+        Overwritten with the aggregate.  Rows are added in order, so every
+        rank (and the simulator) computes the same float32 sum.
+
+    Returns
+    -------
+    array
+        ``out``.
+    """
+    out[...] = 0
+    for payload in payloads:  # one worker's indices are unique: one scatter-add per worker
+        scatter_add(out, *decode(payload, out.shape[0]))
+    out /= payloads.shape[0]
+    return out
+
+
+class _SparseSGD(LocalStepState, Algorithm):
+    """Top-k / RegTop-k with error feedback over ``topology.world`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        sparsifier: Sparsifier,
+        *,
+        lr: float,
+        momentum: float,
+        dampening: float,
+        nesterov: bool,
+        weight_decay: float,
+        nan_policy: str,
+    ) -> None:
+        super().__init__(topology, lr=lr, nan_policy=nan_policy)
+        self.sparsifier = sparsifier
+        self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
+        self.worker: Optional[SparseWorker] = None
+        self._aggregate: Optional[Any] = None  # G: this step's, and RegTop-k's G_prev in the next
+        self._payload: Optional[Any] = None  # this rank's payload (the Allgather's send buffer)
+        self._payloads: Optional[Any] = None  # every rank's payload, (P, nbytes)
+
+    def hyperparameters(self) -> Dict[str, Any]:
+        return {**self.sparsifier.hyperparameters(), **self.local.hyperparameters()}
+
+    @property
+    def k(self) -> Optional[int]:
+        """Entries each rank sends per step (known after :meth:`setup`)."""
+        return None if self.worker is None else self.worker.k
+
+    @property
+    def payload(self) -> Optional[Any]:
+        """The bytes this rank sent in the last step (:func:`mpiopt.kernels.decode` reads them)."""
+        return self._payload
+
+    @property
+    def aggregate(self) -> Optional[Any]:
+        """``G`` of the last step, the same on every rank."""
+        return self._aggregate
+
+    # -- state: the worker's buffers, exposed under stable names ---------------------------
+    @property
+    def error(self) -> Optional[Any]:
+        return None if self.worker is None else self.worker.error
+
+    @property
+    def sent_indices(self) -> Optional[Any]:
+        return None if self.worker is None else self.worker.sent_indices
+
+    @property
+    def sent_values(self) -> Optional[Any]:
+        return None if self.worker is None else self.worker.sent_values
+
+    @property
+    def has_history(self) -> bool:
+        return self.worker is not None and self.worker.has_history
+
+    @has_history.setter
+    def has_history(self, value: bool) -> None:
+        self.worker.has_history = bool(value)
+
+    # -- the algorithm ----------------------------------------------------------------------
+    def _allocate(self, params: Any) -> None:
+        xp = array_module(params)
+        self.worker = SparseWorker(self.sparsifier, params, self.topology.world.size)
+        self.local.allocate(params)
+        self._aggregate = xp.zeros_like(params)
+        self._payload = xp.empty(self.worker.payload_nbytes, dtype=xp.uint8)
+        self._payloads = xp.empty((self.topology.world.size, self.worker.payload_nbytes), dtype=xp.uint8)
+
+    def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
+        self.worker.compress(grad, self._aggregate, out=self._payload)
+        self.topology.world.Allgather(self._payload, self._payloads)
+        aggregate_payloads(self._payloads, out=self._aggregate)  # G = (1/N) sum_n sent_n
+        self.local.apply(params, self._aggregate, self.lr)  # x <- x - lr G (with momentum / decay if set)
+
+
+@register
+class TopK(_SparseSGD):
+    """Top-k sparsified SGD with error feedback (ALGORITHMS.md "Top-k with error feedback").
+
+    Parameters
+    ----------
+    topology : Topology
+        Communicators; payloads are exchanged over ``topology.world``.
+    lr : float
+        Learning rate (0.01, the papers' linear regression and CIFAR-10 runs).
+    k : int, optional
+        Entries sent per rank per step, ``1 <= k <= d``.
+    density : float, optional
+        Or the fraction sent, in ``(0, 1]`` (``k = round(density d)``, at
+        least 1).  At most one of ``k`` and ``density``; neither means
+        ``density = 0.001`` (the papers' CIFAR-10 setting).
+    momentum, dampening, nesterov, weight_decay
+        The step on ``G``, as in ``torch.optim.SGD``; the papers' rule is
+        plain SGD (all 0).
+    nan_policy : {"raise", "skip"}
+        See :class:`~mpiopt.algorithms.base.Algorithm`.
+
+    Notes
+    -----
+    Parameters must be float32 (the payload's value type), so that the sent
+    values and the error buffer add up to ``g + e`` exactly.  State:
+    ``error`` and the momentum buffer.
+    """
+
+    name = "topk"
+    state_arrays = ("error", "momentum_buffer")
+
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        lr: float = 0.01,
+        k: Optional[int] = None,
+        density: Optional[float] = None,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        nan_policy: str = "raise",
+    ) -> None:
+        super().__init__(
+            topology, Sparsifier(k=k, density=density), lr=lr, momentum=momentum, dampening=dampening,
+            nesterov=nesterov, weight_decay=weight_decay, nan_policy=nan_policy,
+        )
+
+
+@register
+class RegTopK(_SparseSGD):
+    """RegTop-k: Top-k with error feedback, ranked by ``tanh(|1 + delta| / mu) |a|`` (Bereyhi et al.).
+
+    Parameters
+    ----------
+    topology, lr, k, density, momentum, dampening, nesterov, weight_decay, nan_policy
+        As in :class:`TopK`.
+    mu : float
+        > 0; how sharply an entry the other workers cancelled is held back.
+        5 is the papers' CIFAR-10 value (the default); their linear
+        regression uses 4.
+    q : float
+        ``Q`` > 0, ``delta`` of the entries this rank did not send last step
+        (large, so they rank as in Top-k).
+
+    Notes
+    -----
+    State: ``error``, ``sent_indices`` and ``sent_values`` (last step's
+    selection), ``aggregate`` (last step's ``G``), ``has_history`` and the
+    momentum buffer.
+    """
+
+    name = "regtopk"
+    state_arrays = ("error", "sent_indices", "sent_values", "aggregate", "momentum_buffer")
+    state_scalars = ("has_history",)
+
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        lr: float = 0.01,
+        k: Optional[int] = None,
+        density: Optional[float] = None,
+        mu: float = 5.0,
+        q: float = 1e8,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        nan_policy: str = "raise",
+    ) -> None:
+        super().__init__(
+            topology, Sparsifier(k=k, density=density, mu=mu, q=q), lr=lr, momentum=momentum, dampening=dampening,
+            nesterov=nesterov, weight_decay=weight_decay, nan_policy=nan_policy,
+        )
