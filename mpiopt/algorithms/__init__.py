@@ -11,6 +11,7 @@ name           algorithm
 ``topk``       Top-k sparsification with error feedback (Allgather of fixed-size payloads)
 ``regtopk``    RegTop-k: Top-k whose selection is regularised by the previous aggregate
 ``async_msgd`` asynchronous momentum SGD on a parameter server (:mod:`mpiopt.asyncrt`)
+``async_lsgd`` asynchronous multi-leader LSGD: pulls triggered by the total step count
 =============  ================================================================
 
 Create one with :func:`create`; see :class:`~mpiopt.algorithms.base.Algorithm`

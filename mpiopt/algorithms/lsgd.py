@@ -88,7 +88,9 @@ Example
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+import math
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -225,21 +227,36 @@ class LSGD(LocalStepState, Algorithm):
         """One step in the order of the module docstring ("Order within a step")."""
         self._record_loss(loss)
         due = self._pulls_due(self.steps + 1)  # the base class counts the step after _step returns
-        me = self.topology.rank
+        self._pull_and_step(params, grad, [(coeff, partial(self._fetch_leader, params, scope, fetch)) for scope, coeff, fetch in due])
+
+    def _pull_and_step(self, params: Any, grad: Optional[Any], pulls: Sequence[Tuple[float, Callable[[], Optional[Any]]]]) -> None:
+        """The local step combined with ``pulls`` in the order of ``pull_form``.
+
+        Each pull is ``(coefficient, fetch)``, local before global; ``fetch()``
+        returns the leader's parameters, or None where this rank is the leader
+        (its own pull would not move it).  "paper": every fetch before the local
+        step, the differences taken at ``x_t`` and subtracted after it;
+        "convex": the local step, then fetch and mix, one pull after the other.
+        ``grad=None`` applies the pulls alone.  Shared with
+        :class:`~mpiopt.algorithms.async_lsgd.AsyncLSGD`, whose leaders' copies
+        come from a server instead of a Bcast.
+        """
         if self.pull_form == "paper":
             pulling = False
-            for scope, coeff, fetch in due:
-                if self._fetch_leader(params, scope, fetch) != me:
-                    self._add_difference(params, coeff, first=not pulling)
+            for coeff, fetch in pulls:
+                leader = fetch()
+                if leader is not None:
+                    self._add_difference(params, leader, coeff, first=not pulling)
                     pulling = True
             self._local_step(params, grad)
             if pulling:
                 params -= self._pull
         else:
             self._local_step(params, grad)
-            for scope, coeff, fetch in due:
-                if self._fetch_leader(params, scope, fetch) != me:
-                    self._move_towards_leader(params, coeff)
+            for coeff, fetch in pulls:
+                leader = fetch()
+                if leader is not None:
+                    self._move_towards_leader(params, leader, coeff)
 
     def _record_loss(self, loss: Optional[float]) -> None:
         if loss is None:
@@ -251,7 +268,9 @@ class LSGD(LocalStepState, Algorithm):
         self.losses_seen += 1
 
     def running_loss(self) -> float:
-        """Mean of the last ``loss_window`` losses (fewer before the window fills): the election's value."""
+        """Mean of the last ``loss_window`` losses (fewer before the window fills; NaN before any): the election's value."""
+        if not self.losses_seen:
+            return math.nan
         return float(self.recent_losses[: min(self.losses_seen, self.loss_window)].mean())
 
     def _pulls_due(self, step: int) -> List[Tuple[str, float, bool]]:
@@ -267,11 +286,12 @@ class LSGD(LocalStepState, Algorithm):
             due.append(("global", self.pull_global, not due or self.topology.num_groups > 1))
         return due
 
-    def _fetch_leader(self, params: Any, scope: str, fetch: bool) -> int:
-        """Elect the leader of ``scope`` and receive its parameters; its world rank."""
+    def _fetch_leader(self, params: Any, scope: str, fetch: bool) -> Optional[Any]:
+        """Elect the leader of ``scope`` and receive its parameters; None where this rank leads."""
+        me = self.topology.rank
         if not fetch:
             self.last_global_leader = self.last_local_leader
-            return self.last_global_leader
+            return self._leader if self.last_global_leader != me else None
         comm: Comm = self.topology.group if scope == "local" else self.topology.world
         _, root = comm.elect_min(self.running_loss())
         if comm.rank == root:
@@ -279,32 +299,35 @@ class LSGD(LocalStepState, Algorithm):
         comm.Bcast(self._leader, root=root)
         if scope == "local":
             self.last_local_leader = self._group_world_ranks[root]
-            return self.last_local_leader
-        self.last_global_leader = root
-        return root
+            leader = self.last_local_leader
+        else:
+            self.last_global_leader = leader = root
+        return self._leader if leader != me else None
 
-    def _add_difference(self, params: Any, coeff: float, first: bool) -> None:
+    def _add_difference(self, params: Any, leader: Any, coeff: float, first: bool) -> None:
         """Paper form: accumulate ``coeff (x_t - x_leader)`` into the pull buffer."""
         target = self._pull if first else self._work
-        array_module(params).subtract(params, self._leader, out=target)
+        array_module(params).subtract(params, leader, out=target)
         target *= coeff
         if not first:
             self._pull += target
 
-    def _local_step(self, params: Any, grad: Any) -> None:
-        """The local optimizer's step, then the proximal pull towards the latest leader copy."""
+    def _local_step(self, params: Any, grad: Optional[Any]) -> None:
+        """The local optimizer's step, then the proximal pull towards the latest leader copy (none without ``grad``)."""
+        if grad is None:
+            return
         self.local.apply(params, grad, self.lr)
         if self.proximal and max(self.last_local_leader, self.last_global_leader) >= 0:
-            self._move_towards_leader(params, self.proximal)
+            self._move_towards_leader(params, self._leader, self.proximal)
 
-    def _move_towards_leader(self, params: Any, coeff: float) -> None:
-        """Pull ``params`` towards the leader copy by ``coeff``, in the arithmetic of ``pull_form``."""
+    def _move_towards_leader(self, params: Any, leader: Any, coeff: float) -> None:
+        """Pull ``params`` towards ``leader`` by ``coeff``, in the arithmetic of ``pull_form``."""
         xp, work = array_module(params), self._work
         if self.pull_form == "paper":
-            xp.subtract(params, self._leader, out=work)  # x <- x - c (x - x_leader)
+            xp.subtract(params, leader, out=work)  # x <- x - c (x - x_leader)
             work *= coeff
             params -= work
         else:
-            xp.multiply(self._leader, coeff, out=work)  # x <- (1 - c) x + c x_leader
+            xp.multiply(leader, coeff, out=work)  # x <- (1 - c) x + c x_leader
             params *= 1.0 - coeff
             params += work

@@ -52,30 +52,35 @@ class Message:
         Payload elements.
     dtype : numpy.dtype
         Payload element type (the parameters').
+    header : numpy.dtype
+        Layout of the header (default :data:`HEADER`, which :meth:`stamp` and
+        the properties below read and write).  Another protocol may pass its
+        own structured dtype (a multiple of 8 bytes keeps the payload aligned)
+        and use :attr:`header`, the one-record view, directly.
     """
 
-    def __init__(self, num_params: int, dtype: np.dtype) -> None:
-        self.buffer = np.zeros(HEADER.itemsize + num_params * np.dtype(dtype).itemsize, dtype=np.uint8)
-        self._header = self.buffer[: HEADER.itemsize].view(HEADER)
-        self.payload = self.buffer[HEADER.itemsize:].view(dtype)
+    def __init__(self, num_params: int, dtype: np.dtype, header: np.dtype = HEADER) -> None:
+        self.buffer = np.zeros(header.itemsize + num_params * np.dtype(dtype).itemsize, dtype=np.uint8)
+        self.header = self.buffer[: header.itemsize].view(header)
+        self.payload = self.buffer[header.itemsize:].view(dtype)
 
     def stamp(self, kind: int, version: int, sequence: int = 0, loss: Optional[float] = None) -> None:
         """Write the header."""
-        self._header[0] = (kind, version, sequence, math.nan if loss is None else float(loss))
+        self.header[0] = (kind, version, sequence, math.nan if loss is None else float(loss))
 
     @property
     def kind(self) -> int:
-        return int(self._header["kind"][0])
+        return int(self.header["kind"][0])
 
     @property
     def version(self) -> int:
-        return int(self._header["version"][0])
+        return int(self.header["version"][0])
 
     @property
     def sequence(self) -> int:
-        return int(self._header["sequence"][0])
+        return int(self.header["sequence"][0])
 
     @property
     def loss(self) -> Optional[float]:
-        value = float(self._header["loss"][0])
+        value = float(self.header["loss"][0])
         return None if math.isnan(value) else value
