@@ -27,7 +27,6 @@ exactly T may catch; the median shows where each run settled.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -36,6 +35,7 @@ import numpy as np
 
 from ..algorithms.topk import Sparsifier
 from ..tasks.linreg import LinRegProblem, make_problem, simulate
+from ._common import comma_list, save_figure
 
 __all__ = ["Comparison", "compare", "markdown_tables", "plot", "main"]
 
@@ -146,24 +146,14 @@ def plot(result: Comparison, path: str, mu: float, densities: Sequence[float]) -
     ax.legend(fontsize=7, ncol=2, loc="upper right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    directory = os.path.dirname(path)
-    if directory:
-        os.makedirs(directory, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
 
-
-def _floats(text: str) -> List[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpiopt.bench.regtopk", description=__doc__.split("\n")[0])
-    parser.add_argument("--densities", type=_floats, default=list(DENSITIES), help="comma-separated densities k/d")
-    parser.add_argument("--mus", type=_floats, default=list(MUS), help="comma-separated RegTop-k mu values")
+    parser.add_argument("--densities", type=comma_list(float), default=list(DENSITIES), help="comma-separated densities k/d")
+    parser.add_argument("--mus", type=comma_list(float), default=list(MUS), help="comma-separated RegTop-k mu values")
     parser.add_argument("--steps", type=int, default=STEPS, help="iterations T (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=LR)
     parser.add_argument("--workers", type=int, default=20)
@@ -173,7 +163,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--plot", metavar="PATH", help="also write the curves (PNG) to PATH")
     parser.add_argument("--plot-mu", type=float, default=4.0, help="RegTop-k's mu in the plot (default: %(default)s)")
     parser.add_argument(
-        "--plot-densities", type=_floats, default=[0.5, 0.7, 0.9], help="densities in the plot (default: 0.5,0.7,0.9)"
+        "--plot-densities", type=comma_list(float), default=[0.5, 0.7, 0.9], help="densities in the plot (default: 0.5,0.7,0.9)"
     )
     args = parser.parse_args(argv)
     if args.plot and (not set(args.plot_densities) <= set(args.densities) or args.plot_mu not in args.mus):

@@ -38,6 +38,7 @@ import numpy as np
 from ..algorithms.async_msgd import AsyncMSGDRule
 from ..asyncrt import FixedDelay, simulate
 from ..tasks.pca import PCAProblem, PCAStream, diverged, make_problem, sin2
+from ._common import comma_list, save_figure
 
 __all__ = ["TradeoffGrid", "iterations_to_accuracy", "tradeoff_grid", "markdown_table", "plot", "main"]
 
@@ -195,25 +196,15 @@ def plot(grid: TradeoffGrid, path: str) -> None:
     )
     fig.colorbar(image, ax=ax, label="log10 iterations")
     fig.tight_layout()
-    directory = os.path.dirname(path)
-    if directory:
-        os.makedirs(directory, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
 
-
-def _numbers(text: str, kind: type) -> List:
-    try:
-        return [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s, got {text!r}") from None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpiopt.bench.tradeoff", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.path.join("docs", "img", "tradeoff.png"), help="heat-map PNG (default: %(default)s)")
-    parser.add_argument("--delays", type=lambda t: _numbers(t, int), default=list(DELAYS), help="comma-separated delays tau")
-    parser.add_argument("--momenta", type=lambda t: _numbers(t, float), default=list(MOMENTA), help="comma-separated momenta mu")
+    parser.add_argument("--delays", type=comma_list(int), default=list(DELAYS), help="comma-separated delays tau")
+    parser.add_argument("--momenta", type=comma_list(float), default=list(MOMENTA), help="comma-separated momenta mu")
     parser.add_argument("--seeds", type=int, default=SEEDS, help="seeds 1..N averaged per cell")
     parser.add_argument("--lr", type=float, default=LR)
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE)
