@@ -1,0 +1,311 @@
+"""DaSGD: local SGD whose model averaging runs behind the next steps' computation.
+
+Zhou, Li, Zhou, Wang and Liu, "DaSGD: Squeezing SGD Parallelization
+Performance in Distributed Training Using Delayed Averaging", 2020
+(arXiv:2006.00441); ALGORITHMS.md "DaSGD".
+
+Every worker runs local momentum SGD (:class:`~mpiopt.algorithms.local.LocalSGD`).
+After step ``k``, for ``k`` a multiple of the period ``tau``, it copies its
+weights ``w_k`` into a snapshot and starts a nonblocking ``Iallreduce`` of
+it; steps ``k+1 .. k+d`` (``d = delay_steps``) run locally while the
+average travels, and after step ``k+d`` the average is merged:
+
+- ``merge="delayed"`` (the paper's rule, default):
+  ``w <- avg(w_k) + (w_{k+d} - w_k)``, the delayed average plus this
+  worker's own progress since the snapshot;
+- ``merge="proportion"`` (the authors' code):
+  ``w <- p w_{k+d} + (1 - p) avg(w_k)`` with ``p = update_proportion``.
+
+``d = 0`` is local SGD with blocking averaging every ``tau`` steps, and
+``tau = 1, d = 0`` is synchronous model averaging.  Traffic: 4 bytes per
+parameter every ``tau`` steps (one Allreduce), hidden behind ``d`` steps of
+computation when the MPI library moves the data while the worker computes.
+
+Progress
+--------
+MPI implementations advance a nonblocking collective only inside MPI calls,
+and one call advances it only so far.  On the emulated 1 Gbit/s link (two
+ranks, 8 MB, three steps of about 70 ms to hide it in) one ``Test`` per step
+hid half of the averaging; two or more back-to-back ``Test`` calls per step
+(0.5 us each when there is nothing to do) hid 90%.  A *poke* is
+``tests_per_poke`` ``Test`` calls.  Who pokes:
+
+- ``progress="test"`` (default): one poke per step, plus whatever the
+  training loop adds with :meth:`DaSGD.progress_hook` (e.g. after each
+  layer's backward pass);
+- ``progress="thread"``: a helper thread pokes every ``progress_interval``
+  seconds while an averaging is in flight, sleeping in between (needs
+  ``MPI_THREAD_MULTIPLE``, which mpi4py requests by default; not for GPU
+  buffers staged through host memory, whose copy back would run in the
+  helper thread);
+- ``progress="none"``: nobody until the merge's ``Wait``; for MPICH's own
+  progress thread (``MPICH_ASYNC_PROGRESS=1`` at launch, needs
+  ``MPI_THREAD_MULTIPLE``), which spins and so needs a spare core per rank.
+
+docs/benchmarks-averaging.md has the measurements.
+
+Example
+-------
+>>> alg = mpiopt.create("dasgd", topology, lr=0.1, period=4, delay_steps=1)
+>>> alg.setup(params)
+>>> for batch in data:
+...     loss, grad = compute(params, batch)
+...     alg.step(params, grad, loss=loss)
+>>> alg.finish(params)      # merges an average still in flight
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, Mapping, Optional
+
+from ..comm import Request, Topology, is_gpu_array
+from .base import Algorithm, check_choice, check_positive, check_range
+from .local import LocalSGD, LocalStepState
+from .registry import register
+
+__all__ = ["DaSGD"]
+
+MERGE_RULES = ("delayed", "proportion")
+PROGRESS_MODES = ("test", "thread", "none")
+
+
+def _poke(request: Request, tests: int) -> bool:
+    """Up to ``tests`` back-to-back ``Test`` calls; True once the request has completed."""
+    for _ in range(tests):
+        if request.Test():
+            return True
+    return False
+
+
+class _ProgressThread:
+    """Pokes a request every ``interval`` seconds in a helper thread until it completes or :meth:`stop`.
+
+    Only this thread touches the request until :meth:`stop` has joined it, so
+    MPI never sees the request in two threads at once.
+    """
+
+    def __init__(self, request: Request, interval: float, tests: int) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(request, interval, tests), name="dasgd-progress", daemon=True)
+        self._thread.start()
+
+    def _run(self, request: Request, interval: float, tests: int) -> None:
+        while not self._stop.wait(interval):
+            if _poke(request, tests):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class _PendingBuffer:
+    """A state attribute for a scratch buffer: the buffer while a merge is pending (``merge_step > 0``), else None.
+
+    So checkpoints carry the snapshot and the received sum only when they
+    matter; loading one copies it into the preallocated buffer.
+    """
+
+    def __init__(self, buffer: str) -> None:
+        self.buffer = buffer
+
+    def __get__(self, alg: Any, owner: Any = None) -> Any:
+        if alg is None:
+            return self
+        return getattr(alg, self.buffer) if alg.merge_step else None
+
+    def __set__(self, alg: Any, value: Optional[Any]) -> None:
+        if value is not None:
+            getattr(alg, self.buffer)[...] = value
+
+
+@register
+class DaSGD(LocalStepState, Algorithm):
+    """Delayed-averaging SGD (Zhou et al. 2020) over ``topology.world``.
+
+    Parameters
+    ----------
+    topology : Topology
+        Communicators; models are averaged over ``topology.world``.
+    lr : float
+        Learning rate of the local steps.
+    period : int
+        ``tau``: an averaging starts after every ``period``-th step (>= 1).
+    delay_steps : int
+        ``d``: local steps run while the average is in flight, ``0 <= d <
+        period``; 0 averages at once (blocking local SGD).
+    merge : {"delayed", "proportion"}
+        Merge rule (module docstring): the paper's ``avg(w_k) + w_{k+d} -
+        w_k`` or the authors' code's ``p w_{k+d} + (1-p) avg(w_k)``.
+    update_proportion : float
+        ``p`` in [0, 1] of ``merge="proportion"`` (authors' code: 0.25).
+    progress : {"test", "thread", "none"}
+        Who pokes the averaging in flight (module docstring): ``"test"`` one
+        poke per step (and :meth:`progress_hook` calls of the training loop),
+        ``"thread"`` a helper thread, ``"none"`` nobody (MPICH's
+        ``MPICH_ASYNC_PROGRESS=1`` thread, or the merge's ``Wait``).
+    progress_interval : float
+        Seconds between the helper thread's pokes (``progress="thread"``).
+    tests_per_poke : int
+        ``Test`` calls per poke (see the module docstring for why more than one).
+    momentum, dampening, nesterov, weight_decay
+        The local optimizer, as in ``torch.optim.SGD``; defaults from the
+        authors' code (momentum 0.9, weight decay 0.01).
+    nan_policy : {"raise", "skip"}
+        See :class:`~mpiopt.algorithms.base.Algorithm`.
+
+    Notes
+    -----
+    :meth:`state_dict` completes an average in flight (``Wait``) but keeps it
+    unmerged in the state, so a run resumed from it merges at the same step
+    and continues bit for bit.  :meth:`finish` merges it at once.
+    """
+
+    name = "dasgd"
+    state_arrays = ("momentum_buffer", "pending_snapshot", "pending_sum")
+    state_scalars = ("merge_step",)
+
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        lr: float = 0.1,
+        period: int = 4,
+        delay_steps: int = 1,
+        merge: str = "delayed",
+        update_proportion: float = 0.25,
+        progress: str = "test",
+        progress_interval: float = 0.002,
+        tests_per_poke: int = 8,
+        momentum: float = 0.9,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.01,
+        nan_policy: str = "raise",
+    ) -> None:
+        super().__init__(topology, lr=lr, nan_policy=nan_policy)
+        self.period = check_positive("period", period, integer=True)
+        self.delay_steps = check_positive("delay_steps", delay_steps, allow_zero=True, integer=True)
+        if self.delay_steps >= self.period:
+            raise ValueError(f"delay_steps must be < period ({period}): the next averaging would start first; got {delay_steps}")
+        self.merge = check_choice("merge", merge, MERGE_RULES)
+        self.update_proportion = check_range("update_proportion", update_proportion, 0.0, 1.0)
+        self.progress = check_choice("progress", progress, PROGRESS_MODES)
+        self.progress_interval = float(check_positive("progress_interval", progress_interval))
+        self.tests_per_poke = check_positive("tests_per_poke", tests_per_poke, integer=True)
+        self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
+        #: Step after which the average in flight is merged; 0 when none is pending.
+        self.merge_step = 0
+        self._snapshot: Optional[Any] = None  # w_k, the Iallreduce's send buffer
+        self._sum: Optional[Any] = None  # sum over ranks of w_k, its receive buffer
+        self._request: Optional[Request] = None
+        self._progress_thread: Optional[_ProgressThread] = None
+
+    # -- state ---------------------------------------------------------------------------
+    # momentum_buffer comes from LocalStepState; the snapshot and the received
+    # sum are state only while an average is pending, scratch otherwise.
+    pending_snapshot = _PendingBuffer("_snapshot")
+    pending_sum = _PendingBuffer("_sum")
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an Iallreduce has been started and not yet completed."""
+        return self._request is not None and not self._request.done
+
+    def state_dict(self) -> Dict[str, Any]:
+        """As :meth:`Algorithm.state_dict`, after completing (not merging) an average in flight."""
+        self._complete()
+        return super().state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """As :meth:`Algorithm.load_state_dict`; a pending average is merged at its saved ``merge_step``."""
+        if self.in_flight:
+            raise RuntimeError("dasgd: load_state_dict() while an averaging is in flight; call finish(params) first")
+        if state.get("scalars", {}).get("merge_step") and any(state["arrays"].get(k) is None for k in ("pending_snapshot", "pending_sum")):
+            raise ValueError("dasgd state has a pending merge (merge_step > 0) but lacks its snapshot or sum")
+        super().load_state_dict(state)
+
+    def hyperparameters(self) -> Dict[str, Any]:
+        return {
+            "period": self.period,
+            "delay_steps": self.delay_steps,
+            "merge": self.merge,
+            "update_proportion": self.update_proportion,
+            "progress": self.progress,
+            "progress_interval": self.progress_interval,
+            "tests_per_poke": self.tests_per_poke,
+            **self.local.hyperparameters(),
+        }
+
+    # -- the algorithm --------------------------------------------------------------------
+    def _allocate(self, params: Any) -> None:
+        if self.progress == "thread" and is_gpu_array(params) and not self.topology.gpu_aware:
+            raise ValueError(
+                "progress='thread' needs host buffers or a GPU-aware MPI: staged GPU buffers would be copied back "
+                "in the helper thread, outside the training stream; use progress='test'"
+            )
+        self.local.allocate(params)
+        self._snapshot = self._xp.empty_like(params)
+        self._sum = self._xp.empty_like(params)
+
+    def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
+        self.local.apply(params, grad, self.lr)
+        step = self.steps + 1  # the base class counts the step after _step returns
+        if step % self.period == 0:
+            self._start(params, step)
+        if step == self.merge_step:
+            self._complete()
+            self._merge(params)
+        elif self.progress == "test":
+            self.progress_hook()
+
+    def _start(self, params: Any, step: int) -> None:
+        """Snapshot ``w_k`` and start summing it over the ranks (``Iallreduce`` into a separate buffer)."""
+        self._snapshot[...] = params
+        self._request = self.topology.world.Iallreduce(self._snapshot, out=self._sum)
+        self.merge_step = step + self.delay_steps
+        if self.progress == "thread" and self.delay_steps:
+            self._progress_thread = _ProgressThread(self._request, self.progress_interval, self.tests_per_poke)
+
+    def _complete(self) -> None:
+        """Wait for the average in flight, if any (the sum stays unmerged)."""
+        if self._progress_thread is not None:
+            self._progress_thread.stop()
+            self._progress_thread = None
+        if self._request is not None:
+            self._request.Wait()
+            self._request = None
+
+    def _merge(self, params: Any) -> None:
+        """Merge the received average into ``params`` (ALGORITHMS.md "DaSGD", merge rule)."""
+        average = self._sum
+        average /= self.topology.world.size  # avg(w_k)
+        if self.merge == "delayed":
+            # w <- avg(w_k) + (w_{k+d} - w_k); exactly avg(w_k) when d = 0.
+            params -= self._snapshot
+            params += average
+        else:
+            # w <- p w_{k+d} + (1 - p) avg(w_k)
+            params *= self.update_proportion
+            average *= 1.0 - self.update_proportion
+            params += average
+        self.merge_step = 0
+
+    def progress_hook(self) -> bool:
+        """Poke the average in flight (``tests_per_poke`` ``Test`` calls); True when none is left in flight.
+
+        Cheap when nothing is in flight: a training loop may call it as often
+        as it likes, e.g. after each layer's backward pass.  With
+        ``progress="thread"`` it only reports: the helper thread pokes.
+        """
+        if self._progress_thread is not None:
+            return not self.in_flight
+        if self._request is not None and _poke(self._request, self.tests_per_poke):
+            self._request = None
+        return self._request is None
+
+    def _finish(self, params: Any) -> None:
+        if self.merge_step:
+            self._complete()
+            self._merge(params)

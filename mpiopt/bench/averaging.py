@@ -1,0 +1,268 @@
+"""Benchmark: how much of the model averaging DaSGD hides behind computation.
+
+Run it on a bandwidth-limited link (docs/benchmarks-averaging.md has the
+results and the exact command)::
+
+    OMP_NUM_THREADS=1 tools/emulated_link.sh mpiexec -n 2 python -m mpiopt.bench.averaging
+
+A training step is emulated by a fixed busy workload (``layers`` pieces of
+float32 matrix products), sized so that one blocking Allreduce of the
+parameter buffer takes ``--comm-steps`` compute steps (measured on the link
+at start-up).  The same steps then run under each mode:
+
+=================  ==========================================================
+mode               what a step does after the computation
+=================  ==========================================================
+compute            the local optimizer step only (no communication)
+sgd                Allreduce of the gradient every step (mpiopt ``sgd``)
+localsgd           ``dasgd`` with ``delay_steps=0``: blocking average every tau steps
+dasgd              ``dasgd``, ``progress="test"``: one poke (``--tests-per-poke``
+                   ``Test`` calls) per step
+dasgd+hook         as dasgd, plus ``progress_hook()`` (a poke) after every layer
+dasgd+thread       ``progress="thread"``: a helper thread pokes every
+                   ``--progress-interval`` seconds
+dasgd/no-test      ``progress="none"``: no ``Test``; MPI moves data only when
+                   posting and in the merge's ``Wait`` (or in MPICH's progress
+                   thread under ``MPICH_ASYNC_PROGRESS=1``)
+=================  ==========================================================
+
+Repetitions are short (one averaging period per mode by default) and
+interleaved (every repetition runs every mode, in rotated order) so that
+drifting machine load hits all modes alike; each mode's per-step time is
+divided by the compute mode's of the same repetition and the table reports
+medians over repetitions.  A step's time is the slowest rank's.  Because other
+load only ever adds time, the table also gives each mode's fastest
+repetition ("best"), an estimate for a quiet machine.
+
+Definitions
+-----------
+overhead(mode)
+    ``t(mode) / t(compute) - 1``.
+hidden fraction
+    ``1 - overhead(dasgd variant) / overhead(localsgd)``, from the median
+    ratios: localsgd sends the same bytes as DaSGD but blocks on every
+    averaging, so its overhead is the full cost of the communication; 1 means
+    DaSGD hid all of it, 0 none.
+
+Goal (ALGORITHMS.md, DaSGD claims): dasgd's per-step time at most 1.10 x
+compute-only.  Asynchronous progress cannot be switched on inside a run
+(MPICH reads ``MPICH_ASYNC_PROGRESS`` at ``MPI_Init``): run the benchmark a
+second time with ``MPICH_ASYNC_PROGRESS=1`` to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+import mpiopt
+from mpiopt.algorithms.local import LocalSGD
+from mpiopt.bench._common import comma_list
+from mpiopt.comm import MAX, Topology
+
+MODES = ("compute", "sgd", "localsgd", "dasgd", "dasgd+hook", "dasgd+thread", "dasgd/no-test")
+LOCAL = dict(momentum=0.9, weight_decay=0.01)  # DaSGD's defaults, used by every mode
+
+
+class Compute:
+    """The emulated forward/backward pass: a fixed number of ``size x size`` float32 matmuls per step.
+
+    The work is fixed (not a time), so a core taken by communication or by a
+    progress thread shows up as a longer step.
+    """
+
+    def __init__(self, size: int = 128, layers: int = 8) -> None:
+        rng = np.random.default_rng(0)
+        self.matrix = (rng.standard_normal((size, size)) / np.sqrt(size)).astype(np.float32)
+        self.out = np.empty_like(self.matrix)
+        self.layers = layers
+        self.per_layer = 1
+
+    def matmul_seconds(self, repeats: int = 200) -> float:
+        """Median time of one matmul."""
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            np.matmul(self.matrix, self.matrix, out=self.out)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def step(self, hook: Optional[Callable[[], object]] = None) -> None:
+        """One step's work; ``hook`` runs after every layer (a place to poke MPI)."""
+        for _ in range(self.layers):
+            for _ in range(self.per_layer):
+                np.matmul(self.matrix, self.matrix, out=self.out)
+            if hook is not None:
+                hook()
+
+
+class _Mode:
+    """One mode's step function, created once and warmed up by ``delay`` steps.
+
+    After the warm-up every window of ``periods * period`` steps holds exactly
+    ``periods`` averagings of dasgd, each started and merged inside it, so
+    nothing is in flight between windows and the windows of all modes can be
+    interleaved.
+    """
+
+    def __init__(self, mode: str, topology: Topology, compute: Compute, args: argparse.Namespace, params: np.ndarray, grad: np.ndarray) -> None:
+        self.topology, self.compute, self.params, self.grad = topology, compute, params, grad
+        self.hook: Optional[Callable[[], object]] = None
+        if mode == "compute":
+            local = LocalSGD(**LOCAL)
+            local.allocate(params)
+            self.step = lambda p, g: local.apply(p, g, args.lr)
+        else:
+            if mode == "sgd":
+                alg = mpiopt.create("sgd", topology, lr=args.lr, **LOCAL)
+            elif mode == "localsgd":
+                alg = mpiopt.create("dasgd", topology, lr=args.lr, period=args.period, delay_steps=0, **LOCAL)
+            else:
+                alg = mpiopt.create(
+                    "dasgd", topology, lr=args.lr, period=args.period, delay_steps=args.delay,
+                    progress={"dasgd/no-test": "none", "dasgd+thread": "thread"}.get(mode, "test"),
+                    progress_interval=args.progress_interval, tests_per_poke=args.tests_per_poke, **LOCAL,
+                )
+            alg.setup(params)
+            self.step = alg.step
+            if mode == "dasgd+hook":
+                self.hook = alg.progress_hook
+        self.run(args.delay)
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.compute.step(self.hook)
+            self.step(self.params, self.grad)
+
+    def timed(self, steps: int) -> Dict[str, float]:
+        """Per-step seconds (slowest rank) and blocked-in-MPI seconds per step over ``steps`` steps."""
+        self.topology.world.Barrier()
+        before = self.topology.ledger.snapshot()
+        t0 = time.perf_counter()
+        self.run(steps)
+        elapsed = time.perf_counter() - t0
+        comm, wait = self.topology.ledger.since(before).blocked_seconds()
+        return {
+            "step": self.topology.world.allreduce_obj(elapsed / steps, op=MAX),
+            "blocked": self.topology.world.allreduce_obj((comm + wait) / steps, op=MAX),
+        }
+
+
+def _blocking_allreduce_seconds(topology: Topology, n: int, repeats: int = 3) -> float:
+    buf, out = np.ones(n, np.float32), np.empty(n, np.float32)
+    times = []
+    for _ in range(repeats + 1):
+        topology.world.Barrier()
+        t0 = time.perf_counter()
+        topology.world.Allreduce(buf, out=out)
+        times.append(topology.world.allreduce_obj(time.perf_counter() - t0, op=MAX))
+    return statistics.median(times[1:])
+
+
+def _median(values: List[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _ratios(results: Dict[str, List[Dict[str, float]]], mode: str) -> List[float]:
+    """Per-step time of ``mode`` over compute-only's, repetition by repetition."""
+    return [r["step"] / c["step"] for r, c in zip(results[mode], results["compute"])]
+
+
+def _table(results: Dict[str, List[Dict[str, float]]], modes: List[str]) -> str:
+    local_overhead = _median(_ratios(results, "localsgd")) - 1 if "localsgd" in results else None
+    best_compute = min(r["step"] for r in results["compute"])
+    lines = [
+        "| mode | ms per step | x compute | blocked in MPI, ms/step | communication hidden | best ms per step | best x best compute |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mode in modes:
+        ratio = _median(_ratios(results, mode))
+        hidden = f"{1 - (ratio - 1) / local_overhead:.0%}" if mode.startswith("dasgd") and local_overhead else ""
+        best = min(r["step"] for r in results[mode])
+        lines.append(
+            f"| {mode} | {1e3 * _median([r['step'] for r in results[mode]]):.1f} | {ratio:.3f} | "
+            f"{1e3 * _median([r['blocked'] for r in results[mode]]):.1f} | {hidden} | {1e3 * best:.1f} | {best / best_compute:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mpiopt.bench.averaging", description=__doc__.split("\n")[0])
+    parser.add_argument("--params", type=int, default=2_000_000, help="float32 parameters averaged (default 2M = 8 MB)")
+    parser.add_argument("--comm-steps", type=float, default=2.0, help="size the compute step so that one blocking Allreduce takes this many steps")
+    parser.add_argument("--period", type=int, default=4, help="tau")
+    parser.add_argument("--delay", type=int, default=3, help="d, DaSGD's delay_steps")
+    parser.add_argument("--periods", type=int, default=1, help="averaging periods timed per mode and repetition")
+    parser.add_argument("--reps", type=int, default=25, help="interleaved repetitions")
+    parser.add_argument("--layers", type=int, default=8, help="pieces of a compute step (dasgd+hook pokes MPI after each)")
+    parser.add_argument("--matrix", type=int, default=128, help="size of the matmuls of the compute workload")
+    parser.add_argument("--progress-interval", type=float, default=0.002, help="seconds between the pokes of dasgd+thread")
+    parser.add_argument("--tests-per-poke", type=int, default=8, help="Test calls per poke of the dasgd modes")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--modes", type=comma_list(str), default=list(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    args = parser.parse_args(argv)
+    modes = list(args.modes)
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    if "compute" not in modes:
+        modes.insert(0, "compute")
+
+    topology = Topology()
+    rank0 = topology.rank == 0
+    say = print if rank0 else (lambda *a, **k: None)
+    if topology.size < 2:
+        say("warning: one rank: nothing crosses a link; run under mpiexec -n 2 (see docs/benchmarks-averaging.md)", file=sys.stderr)
+    if not (os.environ.get("OMP_NUM_THREADS") or os.environ.get("OPENBLAS_NUM_THREADS")):
+        say("warning: OMP_NUM_THREADS is not set: BLAS threads of the ranks compete for the cores", file=sys.stderr)
+
+    compute = Compute(args.matrix, args.layers)
+    allreduce_s = _blocking_allreduce_seconds(topology, args.params)
+    matmul_s = topology.world.bcast_obj(compute.matmul_seconds() if rank0 else None)
+    compute.per_layer = max(1, round(allreduce_s / args.comm_steps / args.layers / matmul_s))
+    # The values do not matter for timing: one parameter buffer serves every mode.
+    params, grad = np.zeros(args.params, np.float32), np.full(args.params, 1e-6, np.float32)
+    runners = {m: _Mode(m, topology, compute, args, params, grad) for m in modes}
+
+    results: Dict[str, List[Dict[str, float]]] = {m: [] for m in modes}
+    for rep in range(args.reps):
+        shift = rep % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
+            results[mode].append(runners[mode].timed(args.periods * args.period))
+        say(f"repetition {rep + 1}/{args.reps}: " + ", ".join(f"{m} {1e3 * results[m][-1]['step']:.1f} ms" for m in modes), file=sys.stderr)
+
+    compute_steps = [r["step"] for r in results["compute"]]
+    compute_s = _median(compute_steps)
+    async_progress = os.environ.get("MPICH_ASYNC_PROGRESS") or os.environ.get("MPIR_CVAR_ASYNC_PROGRESS") or "0"
+    say(f"## DaSGD averaging benchmark, {datetime.date.today().isoformat()}\n")
+    say(
+        f"- {topology.size} ranks, link rate {os.environ.get('EMULATED_LINK_RATE', 'not emulated')}, "
+        f"MPICH_ASYNC_PROGRESS={async_progress}, thread level {MPI.Query_thread()} (3 = MULTIPLE), {os.cpu_count()} cores\n"
+        f"- {args.params} float32 parameters ({4 * args.params / 1e6:.1f} MB); blocking Allreduce {1e3 * allreduce_s:.1f} ms "
+        f"= {allreduce_s / compute_s:.2f} compute steps of {1e3 * compute_s:.1f} ms "
+        f"({args.layers} layers x {compute.per_layer} matmuls of {args.matrix}^2)\n"
+        f"- tau = {args.period}, d = {args.delay}; {args.periods * args.period} timed steps per mode and repetition, "
+        f"{args.reps} interleaved repetitions, medians; compute step ranged {1e3 * min(compute_steps):.1f}-"
+        f"{1e3 * max(compute_steps):.1f} ms over the repetitions (machine load)\n"
+    )
+    say(_table(results, modes))
+    verdicts = []
+    for mode in (m for m in modes if m.startswith("dasgd")):
+        ratio = _median(_ratios(results, mode))
+        verdicts.append(f"{mode} {ratio:.3f} ({'met' if ratio <= 1.10 else 'not met'})")
+    if verdicts:
+        say("\ngoal, per-step time <= 1.10 x compute-only: " + "; ".join(verdicts))
+    topology.Free()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
