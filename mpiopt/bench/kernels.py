@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from ..kernels import signs
 from ..kernels import density_to_k, majority_vote, pack_signs, packed_nbytes, regtopk_scores, topk_indices, unpack_signs
 
 __all__ = ["main"]
@@ -43,6 +44,15 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         if getattr(args, name) < 1:
             parser.error(f"--{'P' if name == 'voters' else name} must be >= 1, got {getattr(args, name)}")
     return args
+
+
+def _numpy_vote(stack: np.ndarray, d: int) -> np.ndarray:
+    """majority_vote through its numpy code, as where the C loop was not built."""
+    fused, signs._votec = signs._votec, None
+    try:
+        return majority_vote(stack, d)
+    finally:
+        signs._votec = fused
 
 
 def _medians(kernels: Dict[str, Callable[[], object]], repeat: int) -> Dict[str, float]:
@@ -102,6 +112,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             (voters + 1) * nbytes,
             "P d/8 read + d/8 written",
             lambda: majority_vote(stack, d),
+        ),
+        f"majority_vote, P = {voters}, numpy code (no C loop)": (
+            (voters + 1) * nbytes,
+            "P d/8 read + d/8 written",
+            lambda: _numpy_vote(stack, d),
         ),
     }
     selection = {

@@ -32,6 +32,11 @@ import numpy as np
 
 from ._backend import block_length, cached, check_array, check_count, take_rows
 
+try:  # the optional fused C loop (setup.py); the numpy code below gives the same bits
+    from . import _votec
+except ImportError:  # pragma: no cover - built without a C compiler
+    _votec = None
+
 __all__ = [
     "packed_nbytes",
     "pack_bits",
@@ -333,7 +338,9 @@ def majority_vote(packed_stack: Any, d: int, out: Any = None) -> Any:
 
     The rows are read as uint64 words and counted bit-sliced (a carry-save
     adder tree over bit planes), then compared with ``ceil(P / 2)`` bit-sliced;
-    no row is ever unpacked.  A tie (even ``P``) votes +1.
+    no row is ever unpacked.  A tie (even ``P``) votes +1.  On the CPU this
+    runs in one fused C loop (``mpiopt.kernels._votec``) when it was built,
+    else in numpy operations block by block; both give the same bits.
 
     Parameters
     ----------
@@ -362,6 +369,23 @@ def majority_vote(packed_stack: Any, d: int, out: Any = None) -> Any:
     nwords = words.shape[1]
     voted_words = xp.empty(nwords, dtype=xp.uint64)
     threshold = (voters + 1) // 2  # ceil(P / 2): a tie votes +1
+    if xp is np and _votec is not None and words.ctypes.data % 8 == 0:
+        _votec.vote(words, voters, nwords, nwords, threshold, voted_words)
+    else:
+        _vote_words(xp, words, threshold, voted_words)
+    voted = voted_words.view(xp.uint8)[:nbytes]
+    if d % 8:
+        voted[-1:] &= (1 << d % 8) - 1  # pad bits of the inputs may be anything
+    if out is None:
+        return voted
+    out = _output(xp, out, (nbytes,), np.uint8)
+    out[...] = voted
+    return out
+
+
+def _vote_words(xp: ModuleType, words: Any, threshold: int, voted_words: Any) -> None:
+    """The vote in array operations, block by block (numpy without the C loop, and cupy)."""
+    nwords = words.shape[1]
     block = block_length(xp, _VOTE_BLOCK_WORDS, nwords)
     scratch = _Scratch(xp, block)
     for start in range(0, nwords, block):
@@ -371,14 +395,6 @@ def majority_vote(packed_stack: Any, d: int, out: Any = None) -> Any:
         result = _at_least(rows, threshold, scratch)
         voted_words[start : start + block] = result
         scratch.give(result)
-    voted = voted_words.view(xp.uint8)[:nbytes]
-    if d % 8:
-        voted[-1:] &= (1 << d % 8) - 1  # pad bits of the inputs may be anything
-    if out is None:
-        return voted
-    out = _output(xp, out, (nbytes,), np.uint8)
-    out[...] = voted
-    return out
 
 
 def chunk_bounds(nbytes: int, parts: int) -> np.ndarray:

@@ -1,5 +1,7 @@
 """Sign packing and the bit-sliced majority vote against plain numpy references."""
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -148,6 +150,7 @@ def test_majority_vote_matches_reference(xp, d, voters):
 def test_vote_in_several_blocks(xp, voters, monkeypatch):
     """Blocks of 3 words over 65 words: the scratch planes are reused, and the last block is shorter."""
     monkeypatch.setattr(signs, "_VOTE_BLOCK_WORDS", 3)
+    monkeypatch.setattr(signs, "_votec", None)  # the numpy code's blocks (the C loop has its own)
     d = 4097
     sign_rows = random_votes(np.random.default_rng(voters), voters, d)
     stack = np.stack([reference_pack(row) for row in sign_rows])
@@ -261,3 +264,17 @@ def test_bad_arguments_are_named(xp):
         chunk_bounds(8, 0)
     with pytest.raises(ValueError, match="stop must be >= 0 and <= 2, got 3"):
         vote_chunk(xp.zeros((2, 8), dtype=xp.uint8), 9, 0, 3)
+
+
+@pytest.mark.parametrize("voters", [1, 2, 3, 4, 7, 8, 9, 15, 16, 17, 33, 100])
+@pytest.mark.parametrize("d", [1, 63, 64, 65, 4097, 64 * 300 + 5])
+def test_c_vote_equals_numpy_vote(voters, d, monkeypatch):
+    """The fused C loop (built wherever a C compiler is) gives the numpy code's bits."""
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert signs._votec is not None, "mpiopt.kernels._votec was not built although a C compiler is present"
+    if signs._votec is None:
+        pytest.skip("mpiopt.kernels._votec not built (no C compiler): the numpy code runs everywhere")
+    stack = np.random.default_rng([voters, d]).integers(0, 256, (voters, signs.packed_nbytes(d)), dtype=np.uint8)
+    fused = majority_vote(stack, d)
+    monkeypatch.setattr(signs, "_votec", None)
+    np.testing.assert_array_equal(fused, majority_vote(stack, d))
