@@ -128,3 +128,40 @@ def topology():
     topo = Topology()
     yield topo
     topo.Free()
+
+
+def _check_bitwise_resume(topology, name, hyper, params0, grads, split, losses=None):
+    """Run ``grads`` from ``params0``, saving state after ``split`` steps; a fresh instance restored
+    from that state must run the remaining steps to bitwise the same parameters and state.
+
+    Returns ``(original, restored)`` for further checks.
+    """
+    import mpiopt
+
+    def steps(alg, params, first, last):
+        for t in range(first, last):
+            alg.step(params, grads[t], loss=None if losses is None else losses[t])
+
+    params = params0.copy()
+    alg = mpiopt.create(name, topology, **hyper)
+    alg.setup(params)
+    steps(alg, params, 0, split)
+    state, saved = alg.state_dict(), params.copy()
+    steps(alg, params, split, len(grads))
+    fresh = mpiopt.create(name, topology, **hyper)
+    fresh.setup(saved)
+    fresh.load_state_dict(state)
+    steps(fresh, saved, split, len(grads))
+    assert np.array_equal(params, saved), "parameters differ after the resume"
+    final, again = alg.state_dict(), fresh.state_dict()
+    for key in alg.state_arrays:
+        a, b = final["arrays"][key], again["arrays"][key]
+        assert (a is None and b is None) or np.array_equal(a, b), f"state array {key!r} differs after the resume"
+    assert final["scalars"] == again["scalars"] and fresh.steps == alg.steps == len(grads)
+    return alg, fresh
+
+
+@pytest.fixture
+def bitwise_resume():
+    """:func:`_check_bitwise_resume`: save, restore into a fresh instance, compare bitwise."""
+    return _check_bitwise_resume

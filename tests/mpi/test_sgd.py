@@ -81,24 +81,9 @@ def test_nan_skip_is_collective(topology):
     np.testing.assert_allclose(params, -0.1)
 
 
-def test_state_dict_resume_is_bitwise(topology):
-    grads = rank_grads(20, topology.rank, seed=5)
+def test_state_dict_resume_is_bitwise(topology, bitwise_resume):
     settings = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
-    params = np.ones(D, np.float32)
-    alg = mpiopt.create("sgd", topology, **settings)
-    alg.setup(params)
-    for g in grads[:10]:
-        alg.step(params, g)
-    state, saved = alg.state_dict(), params.copy()
-    for g in grads[10:]:
-        alg.step(params, g)
-    again = mpiopt.create("sgd", topology, **settings)
-    resumed = saved.copy()
-    again.setup(resumed)
-    again.load_state_dict(state)
-    for g in grads[10:]:
-        again.step(resumed, g)
-    assert np.array_equal(params, resumed) and again.steps == alg.steps == 20
+    bitwise_resume(topology, "sgd", settings, np.ones(D, np.float32), rank_grads(20, topology.rank, seed=5), 10)
 
 
 def test_load_state_dict_rejects_foreign_state(topology):

@@ -135,24 +135,10 @@ def test_byzantine_tolerance(topology):
     assert final_majority > start, (final_majority, start)
 
 
-def test_state_dict_resume_is_bitwise(topology):
-    d = 500
-    settings = dict(lr=1e-3, momentum=0.9, weight_decay=1e-4)
-    steps = grads(topology.rank, 10, d, seed=9)
-    params = np.ones(d, np.float32)
-    alg = mpiopt.create("signum", topology, **settings)
-    alg.setup(params)
-    for g in steps[:5]:
-        alg.step(params, g)
-    state, saved = alg.state_dict(), params.copy()
-    for g in steps[5:]:
-        alg.step(params, g)
-    again = mpiopt.create("signum", topology, **settings)
-    again.setup(saved)
-    again.load_state_dict(state)
-    for g in steps[5:]:
-        again.step(saved, g)
-    assert np.array_equal(params, saved)
+@pytest.mark.parametrize("mode", MODES)
+def test_state_dict_resume_is_bitwise(topology, bitwise_resume, mode):
+    settings = dict(lr=1e-3, momentum=0.9, weight_decay=1e-4, exchange=mode)
+    bitwise_resume(topology, "signum", settings, np.ones(500, np.float32), grads(topology.rank, 10, 500, seed=9), 5)
 
 
 @pytest.mark.parametrize(
