@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up (tools/setup.sh) and run the whole test suite:
 #   1. tests without MPI (tests/unit) and end-to-end runs of the CLI (tests/e2e);
-#   2. the MPI tests (tests/mpi) under mpiexec at 1, 2, 3 and 4 ranks.
+#   2. the MPI tests (tests/mpi) under mpiexec at 1, 2, 3 and 4 ranks;
+#   3. the asynchronous and overlapping algorithms again over TCP (4 ranks).
 # Extra arguments go to every pytest run (e.g. -k ledger, -x).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,16 @@ for n in ${MPIOPT_TEST_RANKS:-1 2 3 4}; do
     echo "== MPI tests at $n rank(s): mpiexec -n $n python tools/run_mpi_pytest.py tests/mpi"
     mpiexec -n "$n" python tools/run_mpi_pytest.py --junitxml="$results/junit-mpi$n.xml" tests/mpi "$@" || status=1
 done
+
+# The asynchronous runtime and DaSGD's overlap must progress over a network too,
+# not only over shared memory: MPICH's TCP netmod on loopback (MPICH variables;
+# other MPIs ignore them). MPIOPT_TEST_TCP=0 skips this run.
+if [ "${MPIOPT_TEST_TCP:-1}" != 0 ]; then
+    echo "== asynchronous and overlapping algorithms over TCP at 4 ranks"
+    MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=lo \
+        mpiexec -n 4 python tools/run_mpi_pytest.py --junitxml="$results/junit-tcp4.xml" \
+        tests/mpi/test_asyncrt.py tests/mpi/test_async_msgd.py tests/mpi/test_async_lsgd.py tests/mpi/test_dasgd.py "$@" || status=1
+fi
 
 python tools/junit_summary.py "$results"/junit-*.xml || status=1
 exit $status
