@@ -144,7 +144,7 @@ def test_state_dict_resume_is_bitwise(topology, bitwise_resume, mode):
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(exchange="ring"), ValueError, "exchange must be one of 'auto', 'allgather', 'twophase'; got 'ring'"),
+        (dict(exchange="ring"), ValueError, "exchange must be one of 'auto', 'allgather', 'twophase', 'prevote'; got 'ring'"),
         (dict(momentum=1.5), ValueError, r"momentum must be in \[0.0, 1.0\), got 1.5"),
         (dict(weight_decay=-1.0), ValueError, "weight_decay must be >= 0, got -1.0"),
     ],
@@ -152,3 +152,39 @@ def test_state_dict_resume_is_bitwise(topology, bitwise_resume, mode):
 def test_bad_hyperparameters(topology, kwargs, error, match):
     with pytest.raises(error, match=match):
         mpiopt.create("signum", topology, **kwargs)
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 3])
+def test_prevote_is_the_majority_of_group_majorities(group_size):
+    topo = mpiopt.Topology(group_size=group_size)
+    d = 777
+    params = np.zeros(d, np.float32)
+    alg = mpiopt.create("signum", topo, lr=0.01, momentum=0.0, weight_decay=0.0, exchange="prevote")
+    alg.setup(params)
+    g = grads(topo.rank, 1, d, seed=4)[0]
+    alg.step(params, g)
+    everyone = np.stack(topo.world.allgather_obj(g))
+    groups = [everyone[start : start + group_size] for start in range(0, topo.size, group_size)]
+    expect = reference_vote(np.stack([reference_vote(members) for members in groups]))
+    np.testing.assert_array_equal(unpack_signs(alg.vote, d), expect)
+    np.testing.assert_allclose(params, -0.01 * expect, rtol=1e-6)
+    # Only leaders cross between groups: d/8 sent, (groups - 1) d/8 received among leaders.
+    leaders = topo.ledger["leaders.Allgather"]
+    if topo.is_leader and topo.num_groups > 1:
+        assert (leaders.bytes_sent, leaders.bytes_recv) == (packed_nbytes(d), (topo.num_groups - 1) * packed_nbytes(d))
+    else:
+        assert leaders.bytes_sent == 0
+    topo.Free()
+
+
+def test_prevote_with_one_group_is_the_plain_vote(topology):
+    d = 300
+    results = []
+    for mode in ("prevote", "allgather"):
+        params = np.zeros(d, np.float32)
+        alg = mpiopt.create("signum", topology, lr=0.01, momentum=0.5, exchange=mode)
+        alg.setup(params)
+        for g in grads(topology.rank, 4, d, seed=8):
+            alg.step(params, g)
+        results.append(params)
+    assert np.array_equal(results[0], results[1])
