@@ -24,9 +24,10 @@ again.  ``delta`` needs only the previous aggregate, which every rank holds:
 no extra communication.  See :func:`mpiopt.kernels.regtopk_scores`.
 
 The update ``x <- x - lr G`` goes through
-:class:`~mpiopt.algorithms.local.LocalSGD`, so momentum and weight decay are
-available; the papers' rule is its default (``momentum=0``,
-``weight_decay=0``).
+:class:`~mpiopt.algorithms.local.LocalSGD` when momentum or weight decay is
+set; the papers' rule, the default (``momentum=0``, ``weight_decay=0``),
+touches only the at most ``P k`` entries where ``G`` is non-zero (the same
+floats as the dense update, without its passes over all d entries).
 
 Exchange
 --------
@@ -234,7 +235,7 @@ class SparseWorker:
         return topk_indices(scores, self.k, absolute=False)
 
 
-def aggregate_payloads(payloads: Any, out: Any) -> Any:
+def aggregate_payloads(payloads: Any, out: Any, stale: Optional[Any] = None) -> Any:
     """``G = (1/N) sum_n sent_n`` from the N workers' payloads, into ``out``.
 
     Parameters
@@ -244,17 +245,26 @@ def aggregate_payloads(payloads: Any, out: Any) -> Any:
     out : array, 1-D float32, length d
         Overwritten with the aggregate.  Rows are added in order, so every
         rank (and the simulator) computes the same float32 sum.
+    stale : array of int, optional
+        The only entries of ``out`` that may be non-zero (what the previous
+        call returned): only they are cleared, instead of all d entries.
 
     Returns
     -------
-    array
-        ``out``.
+    array of int
+        The sorted entries that some worker sent: ``G`` is zero elsewhere.
     """
-    out[...] = 0
-    for payload in payloads:  # one worker's indices are unique: one scatter-add per worker
-        scatter_add(out, *decode(payload, out.shape[0]))
-    out /= payloads.shape[0]
-    return out
+    xp = array_module(out)
+    decoded = [decode(payload, out.shape[0]) for payload in payloads]
+    if stale is None:
+        out[...] = 0
+    else:
+        out[stale] = 0
+    for indices, values in decoded:  # one worker's indices are unique: one scatter-add per worker
+        scatter_add(out, indices, values)
+    touched = xp.unique(xp.concatenate([indices for indices, _ in decoded]))
+    out[touched] /= payloads.shape[0]
+    return touched
 
 
 class _SparseSGD(LocalStepState, Algorithm):
@@ -279,6 +289,7 @@ class _SparseSGD(LocalStepState, Algorithm):
         self._aggregate: Optional[Any] = None  # G: this step's, and RegTop-k's G_prev in the next
         self._payload: Optional[Any] = None  # this rank's payload (the Allgather's send buffer)
         self._payloads: Optional[Any] = None  # every rank's payload, (P, nbytes)
+        self._touched: Optional[Any] = None  # where G is non-zero (None: unknown, e.g. after a resume)
 
     def hyperparameters(self) -> Dict[str, Any]:
         return {**self.sparsifier.hyperparameters(), **self.local.hyperparameters()}
@@ -331,8 +342,18 @@ class _SparseSGD(LocalStepState, Algorithm):
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         self.worker.compress(grad, self._aggregate, out=self._payload)
         self.topology.world.Allgather(self._payload, self._payloads)
-        aggregate_payloads(self._payloads, out=self._aggregate)  # G = (1/N) sum_n sent_n
-        self.local.apply(params, self._aggregate, self.lr)  # x <- x - lr G (with momentum / decay if set)
+        # G = (1/N) sum_n sent_n, non-zero on at most P k entries
+        touched = aggregate_payloads(self._payloads, out=self._aggregate, stale=self._touched)
+        self._touched = touched
+        if self.local.momentum or self.local.weight_decay:
+            self.local.apply(params, self._aggregate, self.lr)  # x <- x - lr G with momentum / decay
+        else:
+            # The paper's rule, x <- x - lr G, where G is non-zero: the same floats as the dense update.
+            params[touched] -= self.lr * self._aggregate[touched]
+
+    def load_state_dict(self, state: Any) -> None:
+        super().load_state_dict(state)
+        self._touched = None  # the restored G may be non-zero anywhere
 
 
 @register
