@@ -538,6 +538,8 @@ class _Server:
         self.world, self.book, self.poller = world, book, poller
         self.num_params, dtype = params.size, params.dtype
         self.latest = {w: Message(params.size, dtype, header=UP) for w in book.workers}  # each worker's latest upload
+        # Uploads land here and are swapped into `latest` once complete: a reply never reads a half-received copy.
+        self.incoming = {w: Message(params.size, dtype, header=UP) for w in book.workers}
         self.outbox = {w: Message(copies * params.size, dtype, header=DOWN) for w in book.workers}
         self.report = Message(0, dtype, header=UP)
         self.sends: Dict[int, Any] = dict.fromkeys(book.workers)
@@ -558,7 +560,7 @@ class _Server:
             if tag == TAG_REPORT:
                 self._answer(w)
             elif tag == TAG_UPLOAD:
-                slots[i] = self.world.Irecv(self.latest[w].buffer, w, TAG_UPLOAD)
+                slots[i] = self.world.Irecv(self.incoming[w].buffer, w, TAG_UPLOAD)
             else:
                 raise RuntimeError(f"async_lsgd server: unexpected message with tag {tag:#x} from rank {w}")
         stops = []
@@ -588,7 +590,8 @@ class _Server:
         self.sends[w] = self.world.Isend(out.buffer[:size], w, TAG_REPLY + len(sources))
 
     def _uploaded(self, w: int) -> bool:
-        """Book ``w``'s upload; True if it was its LAST."""
+        """Book ``w``'s completed upload; True if it was its LAST."""
+        self.latest[w], self.incoming[w] = self.incoming[w], self.latest[w]
         h = self.latest[w].header[0]
         final = bool(h["kind"] & LAST)
         self.book.uploaded(w, int(h["steps"]), float(h["loss"]), final)

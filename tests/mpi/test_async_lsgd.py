@@ -412,3 +412,28 @@ def test_registry_defaults_and_validation(topology):
         alg.run(params, _quadratic(0), seconds=-1.0)
     with pytest.raises(ValueError, match="steps"):
         alg.run(params, _quadratic(0), -3)
+
+
+@pytest.mark.mpi(min_size=3)
+def test_leader_copies_are_never_torn_by_an_upload_in_flight(topology):
+    """Uploads above MPICH's eager limit take many progress rounds while the server answers others.
+
+    Every worker starts uniform (all entries equal) and gets uniform gradients, so every leader copy
+    and every pulled worker stays uniform, unless a reply copied an upload still being received.
+    """
+    rank = topology.rank
+    big = 1 << 18  # 1 MiB of float32 per copy
+    params = np.full(big, float(rank), dtype=np.float32)
+    alg = mpiopt.create("async_lsgd", topology, lr=0.01, period=1, global_period=2, pull_local=0.5, pull_global=0.5, **NO_MOMENTUM)
+    alg.setup(params)
+    seen_torn = []
+
+    def worker_fn(x, step, out):
+        seen_torn.append(not np.all(x == x[0]))
+        out[...] = 1.0 + rank  # uniform: the leader's parameters move every step
+        return float(rank)
+
+    result = alg.run(params, worker_fn, 25)
+    torn = gather((any(seen_torn), bool(np.all(params == params[0]))))
+    assert result.total_steps == 25 * len(workers(topology.size))
+    assert all(not during and after for during, after in torn), torn
