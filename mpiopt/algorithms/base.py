@@ -24,6 +24,7 @@ Example
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Dict, Mapping, Optional, Tuple
@@ -76,18 +77,18 @@ class StepRecord:
 
 def check_positive(name: str, value: Any, *, allow_zero: bool = False, integer: bool = False) -> Any:
     """Validate a number (> 0, or >= 0 with ``allow_zero``); the error names ``name`` and ``value``."""
-    kind = int if integer else (int, float)
+    kind = numbers.Integral if integer else numbers.Real
     if isinstance(value, bool) or not isinstance(value, kind) or (not integer and not np.isfinite(value)):
         want = "an integer" if integer else "a finite number"
         raise TypeError(f"{name} must be {want}, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-    return value
+    return int(value) if integer else value
 
 
 def check_range(name: str, value: Any, low: float, high: float, *, high_open: bool = False) -> float:
     """Validate ``low <= value <= high`` (``< high`` with ``high_open``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not np.isfinite(value):
         raise TypeError(f"{name} must be a finite number, got {value!r}")
     if not (low <= value <= high) or (high_open and value == high):
         raise ValueError(f"{name} must be in [{low}, {high}{')' if high_open else ']'}, got {value!r}")
@@ -177,6 +178,8 @@ class Algorithm:
                 "algorithm": self.name,
                 "num_params": int(params.size),
                 "dtype": str(params.dtype),
+                "lr": self.lr,
+                "nan_policy": self.nan_policy,
                 "hyperparameters": self.hyperparameters(),
             },
             what=f"{self.name} set-up",

@@ -240,6 +240,11 @@ class DaSGD(LocalStepState, Algorithm):
 
     # -- the algorithm --------------------------------------------------------------------
     def _allocate(self, params: Any) -> None:
+        if self.progress == "thread" and not self.topology.world.thread_multiple:
+            raise ValueError(
+                "progress='thread' calls MPI from a helper thread, which needs MPI_THREAD_MULTIPLE; this MPI was "
+                "initialised with less (mpi4py.rc.thread_level): use progress='test'"
+            )
         if self.progress == "thread" and is_gpu_array(params) and not self.topology.gpu_aware:
             raise ValueError(
                 "progress='thread' needs host buffers or a GPU-aware MPI: staged GPU buffers would be copied back "

@@ -135,7 +135,7 @@ class HostStaging:
 
             mem = cupy.cuda.alloc_pinned_memory(size)
             return np.frombuffer(mem, dtype=np.uint8, count=size)
-        except ImportError:
+        except Exception:  # noqa: BLE001 - no cupy, or cupy without a usable GPU: try torch, then pageable
             pass
         try:
             import torch
@@ -145,6 +145,14 @@ class HostStaging:
         except ImportError:
             pass
         return np.empty(size, dtype=np.uint8)
+
+
+def _cupy_contiguous(buf: Any) -> bool:
+    flags = getattr(buf, "flags", None)
+    if flags is not None:
+        return bool(flags.c_contiguous)
+    interface = buf.__cuda_array_interface__  # other producers: no strides means C order
+    return interface.get("strides") is None
 
 
 def _torch_numpy_dtype(tensor: Any) -> np.dtype:
@@ -199,6 +207,9 @@ def as_mpi_buffer(
     if not is_gpu_array(buf):
         raise TypeError(f"buffer must be a numpy/cupy array or a torch tensor, got {type(buf).__name__}")
 
+    contiguous = buf.is_contiguous() if _is_torch(buf) else _cupy_contiguous(buf)
+    if not contiguous:
+        raise ValueError("GPU buffer must be C-contiguous (a strided view would be staged into a copy and its result lost)")
     _synchronize(buf)
     if gpu_aware:
         return (buf.detach() if _is_torch(buf) else buf), None

@@ -127,6 +127,11 @@ class Comm:
     def size(self) -> int:
         return self._comm.Get_size()
 
+    @property
+    def thread_multiple(self) -> bool:
+        """Whether MPI runs with ``MPI_THREAD_MULTIPLE`` (calls from several threads at once are allowed)."""
+        return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+
     def __repr__(self) -> str:
         return f"Comm(name={self.name!r}, rank={self.rank}, size={self.size})"
 

@@ -24,7 +24,9 @@ Send/Isend(n)      n                                0
 Recv/Irecv(n)      0                                n
 =================  ===============================  =================================
 
-At one rank every collective moves 0 bytes (nothing crosses a wire).  Object
+At one rank every collective moves 0 bytes (nothing crosses a wire); a
+point-to-point message counts its bytes whoever the peer is (a rank may send
+to itself).  Object
 variants count the pickled size.  Times are wall seconds: for a nonblocking
 call from posting until the request completes (``seconds``), with the part
 spent blocked inside ``Wait`` also kept apart (``wait_seconds``).

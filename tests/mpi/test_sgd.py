@@ -102,11 +102,17 @@ def test_load_state_dict_rejects_foreign_state(topology):
         (dict(nesterov=True), ValueError, "nesterov=True needs momentum > 0"),
         (dict(nan_policy="ignore"), ValueError, "nan_policy must be one of 'raise', 'skip'; got 'ignore'"),
         (dict(bogus=1), TypeError, "bogus"),
+        (dict(lr=np.float32("nan")), TypeError, "lr must be a finite number"),
     ],
 )
 def test_bad_hyperparameters(topology, kwargs, error, match):
     with pytest.raises(error, match=match):
         mpiopt.create("sgd", topology, **kwargs)
+
+
+def test_numpy_scalars_are_accepted(topology):
+    alg = mpiopt.create("sgd", topology, lr=np.float32(0.5), momentum=np.float64(0.9))
+    assert (alg.lr, alg.local.momentum) == (0.5, 0.9)
 
 
 def test_bad_buffers(topology):
@@ -136,3 +142,19 @@ def test_ranks_that_disagree_get_the_same_error(topology):
 def test_unknown_algorithm(topology):
     with pytest.raises(ValueError, match="unknown algorithm 'adam'; available: .*sgd"):
         mpiopt.create("adam", topology)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize(
+    "differs, key",
+    [(dict(lr=0.2), "lr"), (dict(nan_policy="skip"), "nan_policy"), (dict(momentum=0.5), "hyperparameters")],
+)
+def test_ranks_must_agree_on_every_setting(topology, differs, key):
+    settings = dict(lr=0.1, momentum=0.9)
+    if topology.rank == 1:
+        settings.update(differs)
+    alg = mpiopt.create("sgd", topology, **settings)
+    with pytest.raises(SetupMismatchError) as err:
+        alg.setup(np.zeros(D, np.float32))
+    messages = topology.world.allgather_obj(str(err.value))
+    assert len(set(messages)) == 1 and f"  {key}:" in messages[0], messages[0]
