@@ -19,7 +19,7 @@ import hashlib
 import json
 import pickle
 import time
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -51,17 +51,27 @@ class Request:
     GPU buffers are copied back at that moment.
     """
 
-    def __init__(self, ledger: Ledger, op: str, request: MPI.Request, writebacks: List[Callable[[], None]], started: float):
+    def __init__(
+        self,
+        ledger: Ledger,
+        op: str,
+        request: MPI.Request,
+        writebacks: List[Callable[[], None]],
+        started: float,
+        release: Callable[[], None],
+    ):
         self._ledger = ledger
         self._op = op
         self._request = request
         self._writebacks = writebacks
         self._started = started
+        self._release = release
         self.done = False
 
     def _complete(self, waited: float) -> None:
         for writeback in self._writebacks:
             writeback()
+        self._release()
         self.done = True
         self._ledger.add_time(self._op, time.perf_counter() - self._started, waited)
 
@@ -117,6 +127,9 @@ class Comm:
         self.ledger = Ledger() if ledger is None else ledger
         self.gpu_aware, self.gpu_aware_reason = gpu_aware_mpi(gpu_aware)
         self._staging = HostStaging()
+        # Nonblocking calls in flight at once need their own staging buffers:
+        # lane n of an operation is busy from posting until completion.
+        self._busy_lanes: Dict[str, Set[int]] = {}
 
     # -- identity --------------------------------------------------------------
     @property
@@ -168,10 +181,14 @@ class Comm:
         :class:`Request` is returned whose completion records the time.
         """
         started = time.perf_counter()
+        busy = self._busy_lanes.setdefault(op, set())
+        lane = min(set(range(len(busy) + 1)) - busy) if nonblocking else 0
+        if nonblocking:
+            busy.add(lane)
         mpi_bufs, writebacks = [], []
         for i, (buf, read, write) in enumerate(buffers):
             mpi_buf, writeback = as_mpi_buffer(
-                buf, gpu_aware=self.gpu_aware, staging=self._staging, slot=f"{op}:{i}", read=read, write=write
+                buf, gpu_aware=self.gpu_aware, staging=self._staging, slot=f"{op}:{lane}:{i}", read=read, write=write
             )
             mpi_bufs.append(mpi_buf)
             if writeback is not None:
@@ -180,7 +197,7 @@ class Comm:
         result = call(*mpi_bufs)
         if nonblocking:
             self.ledger.record(name, sent, recv)
-            return Request(self.ledger, name, result, writebacks, started)
+            return Request(self.ledger, name, result, writebacks, started, lambda: busy.discard(lane))
         for writeback in writebacks:
             writeback()
         self.ledger.record(name, sent, recv, time.perf_counter() - started)

@@ -198,3 +198,19 @@ def test_gpu_aware_override(comm, monkeypatch):
     monkeypatch.setenv("MPIOPT_GPU_AWARE", "maybe")
     with pytest.raises(ValueError, match="MPIOPT_GPU_AWARE"):
         gpu_aware_mpi()
+
+
+def test_requests_in_flight_get_their_own_staging_lanes(comm):
+    """Two nonblocking calls of one kind in flight use different staging buffers; a finished lane is reused."""
+    P, r = comm.size, comm.rank
+    sends = [np.full(5, 10 * r + j, np.float32) for j in range(2)]
+    recvs = [np.empty(5, np.float32) for _ in range(2)]
+    first = [comm.Irecv(recvs[j], source=(r - 1) % P, tag=j) for j in range(2)]
+    assert comm._busy_lanes["Irecv"] == {0, 1}
+    for j in range(2):
+        comm.Isend(sends[j], dest=(r + 1) % P, tag=j).Wait()
+    for req in first:
+        req.Wait()
+    assert comm._busy_lanes["Irecv"] == set() and comm._busy_lanes["Isend"] == set()
+    for j in range(2):
+        np.testing.assert_array_equal(recvs[j], 10 * ((r - 1) % P) + j)
