@@ -18,6 +18,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 #define MAX_LEVELS 48
 #define BLOCK 128 /* words per block: the counters (levels x BLOCK words) stay in L1 */
@@ -47,22 +48,29 @@ static inline void count8(const uint64_t x[8], uint64_t plane[4]) {
     plane[3] = f & f2;
 }
 
-static void vote(const uint64_t *rows, Py_ssize_t voters, Py_ssize_t stride, Py_ssize_t nwords,
+/* A 64-bit word at any byte address (rows of ceil(d/8) bytes need not be word-aligned). */
+static inline uint64_t load64(const unsigned char *p) {
+    uint64_t x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static void vote(const unsigned char *rows, Py_ssize_t voters, Py_ssize_t stride, Py_ssize_t nwords,
                  Py_ssize_t threshold, uint64_t *out) {
     const int levels = bit_length(voters);
     uint64_t count[MAX_LEVELS < 4 ? 4 : MAX_LEVELS][BLOCK];
-    static const uint64_t zeros[BLOCK]; /* the missing rows of the last group */
+    static const unsigned char zeros[8 * BLOCK]; /* the missing rows of the last group */
     for (Py_ssize_t start = 0; start < nwords; start += BLOCK) {
         const Py_ssize_t n = nwords - start < BLOCK ? nwords - start : BLOCK;
         for (int b = 4; b < levels; ++b)  /* levels 0-3 are set by the first group */
             for (Py_ssize_t w = 0; w < n; ++w) count[b][w] = 0;
         for (Py_ssize_t first = 0; first < voters; first += 8) {
-            const uint64_t *row[8];
-            for (int i = 0; i < 8; ++i) row[i] = first + i < voters ? rows + (first + i) * stride + start : zeros;
+            const unsigned char *row[8];
+            for (int i = 0; i < 8; ++i) row[i] = first + i < voters ? rows + (first + i) * stride + 8 * start : zeros;
             if (first == 0) {  /* the counters are zero: the first group's planes are the count */
                 for (Py_ssize_t w = 0; w < n; ++w) {
                     uint64_t x[8], plane[4];
-                    for (int i = 0; i < 8; ++i) x[i] = row[i][w];
+                    for (int i = 0; i < 8; ++i) x[i] = load64(row[i] + 8 * w);
                     count8(x, plane);
                     for (int b = 0; b < 4; ++b) count[b][w] = plane[b];
                 }
@@ -72,7 +80,7 @@ static void vote(const uint64_t *rows, Py_ssize_t voters, Py_ssize_t stride, Py_
             const int used = bit_length(first + 8 < voters ? first + 8 : voters);
             for (Py_ssize_t w = 0; w < n; ++w) {
                 uint64_t x[8], plane[4], carry = 0;
-                for (int i = 0; i < 8; ++i) x[i] = row[i][w];
+                for (int i = 0; i < 8; ++i) x[i] = load64(row[i] + 8 * w);
                 count8(x, plane);
                 for (int b = 0; b < used; ++b) {  /* count += plane, ripple carry */
                     uint64_t add = b < 4 ? plane[b] : 0, s, k;
@@ -99,16 +107,16 @@ static PyObject *py_vote(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "y*nnnnw*", &rows, &voters, &stride, &nwords, &threshold, &out)) return NULL;
     PyObject *result = NULL;
-    if (voters < 1 || bit_length(voters) > MAX_LEVELS || nwords < 0 || stride < nwords || threshold < 0) {
+    if (voters < 1 || bit_length(voters) > MAX_LEVELS || nwords < 0 || stride < 8 * nwords || threshold < 0) {
         PyErr_Format(PyExc_ValueError, "vote: bad shape voters=%zd stride=%zd nwords=%zd threshold=%zd",
                      voters, stride, nwords, threshold);
-    } else if (rows.len < ((voters - 1) * stride + nwords) * 8 || out.len < nwords * 8) {
+    } else if (rows.len < (voters - 1) * stride + nwords * 8 || out.len < nwords * 8) {
         PyErr_SetString(PyExc_ValueError, "vote: buffers too small for the given shape");
-    } else if (((uintptr_t)rows.buf | (uintptr_t)out.buf) % 8) {
-        PyErr_SetString(PyExc_ValueError, "vote: buffers must be 8-byte aligned");
+    } else if ((uintptr_t)out.buf % 8) {
+        PyErr_SetString(PyExc_ValueError, "vote: out must be 8-byte aligned");
     } else {
         Py_BEGIN_ALLOW_THREADS
-        vote((const uint64_t *)rows.buf, voters, stride, nwords, threshold, (uint64_t *)out.buf);
+        vote((const unsigned char *)rows.buf, voters, stride, nwords, threshold, (uint64_t *)out.buf);
         Py_END_ALLOW_THREADS
         Py_INCREF(Py_None);
         result = Py_None;
@@ -120,9 +128,9 @@ static PyObject *py_vote(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"vote", py_vote, METH_VARARGS,
-     "vote(rows, voters, stride_words, nwords, threshold, out)\n\n"
-     "Bit j of out word w is set where at least threshold of the voters rows (uint64 words,\n"
-     "row r starting at word r * stride_words) have bit j of word w set."},
+     "vote(rows, voters, stride_bytes, nwords, threshold, out)\n\n"
+     "Bit j of out word w is set where at least threshold of the voters rows (row r: the nwords\n"
+     "64-bit words from byte r * stride_bytes, any alignment) have bit j of word w set."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -365,14 +365,18 @@ def majority_vote(packed_stack: Any, d: int, out: Any = None) -> Any:
     nbytes = packed_nbytes(d)
     if voters < 1 or width < nbytes:
         raise ValueError(f"packed_stack must have shape (P >= 1, m >= {nbytes}) for d = {d}, got {packed_stack.shape}")
-    words = _as_words(xp, packed_stack, nbytes)
-    nwords = words.shape[1]
+    nwords = -(-nbytes // 8)
     voted_words = xp.empty(nwords, dtype=xp.uint64)
     threshold = (voters + 1) // 2  # ceil(P / 2): a tie votes +1
-    if xp is np and _votec is not None and words.ctypes.data % 8 == 0:
-        _votec.vote(words, voters, nwords, nwords, threshold, voted_words)
+    if xp is np and _votec is not None and packed_stack.flags.c_contiguous:
+        # Whole words read in place (rows need not be word-aligned); a ragged last word from a tiny padded copy.
+        whole = nbytes // 8
+        _votec.vote(packed_stack, voters, width, whole, threshold, voted_words[:whole])
+        if whole < nwords:
+            tail = _as_words(xp, packed_stack[:, 8 * whole : nbytes], nbytes - 8 * whole)
+            _votec.vote(tail, voters, 8, 1, threshold, voted_words[whole:])
     else:
-        _vote_words(xp, words, threshold, voted_words)
+        _vote_words(xp, _as_words(xp, packed_stack, nbytes), threshold, voted_words)
     voted = voted_words.view(xp.uint8)[:nbytes]
     if d % 8:
         voted[-1:] &= (1 << d % 8) - 1  # pad bits of the inputs may be anything
