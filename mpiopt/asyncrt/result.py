@@ -108,7 +108,6 @@ class AsyncResult:
         }
 
 
-
 def check_run_arguments(params: Any, steps: Any) -> None:
     """The checks both drivers make: a flat host float array and a step count >= 0."""
     if not isinstance(params, np.ndarray):
@@ -117,5 +116,7 @@ def check_run_arguments(params: Any, steps: Any) -> None:
         )
     if params.ndim != 1 or not params.flags.c_contiguous or params.dtype.kind != "f":
         raise ValueError(f"params must be a contiguous 1-D float array, got shape {params.shape} of {params.dtype}")
-    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
-        raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)):
+        raise TypeError(f"steps must be an integer, got {steps!r}")
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps!r}")

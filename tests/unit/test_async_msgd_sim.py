@@ -91,13 +91,15 @@ def test_until_stops_early_and_bad_arguments_are_refused():
     v = problem.initial(seed=1)
     result = simulate(v, _rule(v, 0.02, 0.5), PCAStream(problem, problem.samples(1, 100)), 100, until=lambda p, k: k == 10)
     assert result.version == 10 and result.stopped_early and result.applied.tolist() == [10]
-    with pytest.raises(ValueError, match="steps"):
+    with pytest.raises(ValueError, match="steps must be >= 0, got -1"):
         simulate(v, _rule(v, 0.02, 0.5), PCAStream(problem, problem.samples(1, 1)), -1)
+    with pytest.raises(TypeError, match="steps must be an integer"):
+        simulate(v, _rule(v, 0.02, 0.5), PCAStream(problem, problem.samples(1, 1)), 2.0)
     with pytest.raises(TypeError, match="numpy"):
         simulate(list(v), _rule(v, 0.02, 0.5), PCAStream(problem, problem.samples(1, 1)), 1)
     with pytest.raises(ValueError, match="delay"):
         FixedDelay(-1)
-    with pytest.raises(ValueError, match="max_delay"):
+    with pytest.raises(TypeError, match="max_delay must be an integer, got 1.5"):
         RandomDelay(1.5)
     with pytest.raises(ValueError, match="lr"):
         AsyncMSGDRule(0.0, 0.5)
