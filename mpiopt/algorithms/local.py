@@ -54,29 +54,38 @@ class LocalSGD:
         self._nesterov = xp.empty_like(params) if self.nesterov else None
 
     def apply(self, params: Any, grad: Any, lr: float) -> None:
-        """``params -= lr * direction(grad)`` in place; ``grad`` is left unchanged."""
+        """``params -= lr * direction(grad)`` in place; ``grad`` is left unchanged.
+
+        Each intermediate is written straight into the scratch buffer (no copy
+        of ``grad`` or of the momentum buffer just to scale it), with the same
+        floating-point operations as ``torch.optim.SGD``.
+        """
         xp = array_module(params)
-        g = self._work
+        work = self._work
+        g = grad
         if self.weight_decay:
-            xp.multiply(params, self.weight_decay, out=g)
-            g += grad
-        else:
-            g[...] = grad
+            xp.multiply(params, self.weight_decay, out=work)
+            work += grad
+            g = work
+        step = g
         if self.momentum:
             if self.buffer is None:
                 self.buffer = g.copy()
             else:
                 self.buffer *= self.momentum
-                if self.dampening:
-                    g *= 1.0 - self.dampening  # g is replaced by the buffer below (no Nesterov here)
-                self.buffer += g
+                if self.dampening:  # no Nesterov here, so g is not needed again
+                    xp.multiply(g, 1.0 - self.dampening, out=work)
+                    self.buffer += work
+                else:
+                    self.buffer += g
             if self.nesterov:
                 xp.multiply(self.buffer, self.momentum, out=self._nesterov)
-                g += self._nesterov
+                xp.add(g, self._nesterov, out=work)
+                step = work
             else:
-                g[...] = self.buffer
-        g *= lr
-        params -= g
+                step = self.buffer
+        xp.multiply(step, lr, out=work)
+        params -= work
 
 
 class LocalStepState:
