@@ -4,12 +4,12 @@
 #
 # Idempotent and fast when nothing changed: the install is redone only when
 # pyproject.toml or constraints.txt change.  MPIOPT_VENV picks the folder
-# (default .venv); MPIOPT_EXTRAS the extras (default: mpich,torch,plot,test;
+# (default .venv); MPIOPT_EXTRAS the extras (default: mpich,torch,plot,data,test;
 # drop mpich on a cluster whose mpi4py uses the site MPI, see README).
 set -e
 MPIOPT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MPIOPT_VENV="${MPIOPT_VENV:-$MPIOPT_ROOT/.venv}"
-MPIOPT_EXTRAS="${MPIOPT_EXTRAS:-mpich,torch,plot,test}"
+MPIOPT_EXTRAS="${MPIOPT_EXTRAS:-mpich,torch,plot,data,test}"
 PYTHON="${PYTHON:-python3}"
 
 if [ ! -x "$MPIOPT_VENV/bin/python" ]; then
