@@ -1,0 +1,371 @@
+"""``DistributedOptimizer``: any mpiopt algorithm behind the ``torch.optim.Optimizer`` interface.
+
+How it works
+------------
+At construction the parameters are moved into one contiguous flat buffer and
+each parameter becomes a view into it; each ``.grad`` becomes a view into a
+second flat buffer, so ``backward()`` accumulates straight into it.  The
+algorithm (:mod:`mpiopt.algorithms`) reads the flat gradient and updates the
+flat parameters in place through zero-copy numpy (CPU) or cupy (CUDA) views
+of the same memory: the torch layer adds no copy and no math to a step.
+Rank 0's initial parameters are broadcast at construction, so ranks started
+from different seeds begin identical.
+
+What carries over from torch.optim
+----------------------------------
+- ``param_groups`` and learning-rate schedulers: the learning rate of the
+  groups is read at every ``step()`` and handed to the algorithm.  Several
+  groups are accepted only if they share one learning rate and set no other
+  hyperparameter: every mpiopt algorithm has one learning rate and one set
+  of hyperparameters for the whole flat buffer (a per-group weight decay
+  would need a per-element decay in every algorithm's update).  Anything
+  else is refused with a ``ValueError`` naming the group and the key.
+- ``zero_grad(set_to_none=...)`` always zeroes the flat gradient in place
+  and keeps the views: setting gradients to None would detach them from
+  the flat buffer.  A gradient the user replaced or set to None is copied
+  back into (or zeroed in) the flat buffer at the next ``step()``.
+- ``state_dict()``/``load_state_dict()`` in torch.optim's shape (``state``,
+  ``param_groups``) with the algorithm's full state under ``"mpiopt"``.
+- ``torch.amp.GradScaler``: ``scaler.step(opt)`` hands the optimizer the
+  scale and the local overflow flag; the optimizer decides collectively
+  (a one-byte Allreduce, only when a scaler is used): if any rank
+  overflowed, every rank skips the step, so no rank is left waiting in a
+  collective the others skipped.  Each rank's scaler then updates its own
+  scale.
+
+Gradient accumulation
+---------------------
+With ``backward_passes_per_step=N`` call ``backward()`` N times between two
+``step()`` calls (``zero_grad()`` after ``step()``).  The gradients add up in
+the flat buffer and ``step()`` divides them by N before the one exchange, so
+N passes over batches of B samples with a mean loss equal one pass over N B
+samples.
+
+Asynchronous algorithms
+-----------------------
+``async_msgd`` and ``async_lsgd`` have no synchronous ``step``: drive them
+with :meth:`DistributedOptimizer.run`, ``opt.run(compute_fn, steps)``, a
+collective call in which world rank 0 serves and the other ranks call
+``compute_fn(step) -> loss`` (forward and backward on their own batch).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ..algorithms import Algorithm, StepRecord, create
+from ..comm import MAX, Topology
+
+__all__ = ["DistributedOptimizer"]
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float64)
+#: Keys a parameter group may carry: ours, and what schedulers add.
+_GROUP_KEYS = {"params", "lr", "initial_lr"}
+
+
+def _as_array(tensor: torch.Tensor) -> Any:
+    """A numpy (CPU) or cupy (CUDA) array sharing ``tensor``'s memory."""
+    if tensor.is_cuda:
+        try:
+            import cupy
+        except ImportError:
+            raise RuntimeError(
+                "CUDA parameters need cupy for mpiopt's GPU path: pip install cupy-cuda12x (the 'cuda' extra)"
+            ) from None
+        return cupy.asarray(tensor)
+    return tensor.numpy()
+
+
+def _loss_value(loss: Any) -> Optional[float]:
+    if loss is None:
+        return None
+    return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+
+
+def _address(array: Any) -> int:
+    return array.data.ptr if hasattr(array.data, "ptr") else array.ctypes.data
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """An mpiopt algorithm as a ``torch.optim.Optimizer`` over flat parameter and gradient buffers.
+
+    Parameters
+    ----------
+    params : iterable of torch.Tensor or of dicts
+        The model's parameters (or parameter groups; see the module
+        docstring for what groups may set).  All must require gradients
+        and share one dtype (float32 or float64) and one device.
+    algorithm : str
+        An mpiopt algorithm name (:func:`mpiopt.available`).
+    topology : Topology, optional
+        Communicators; a new ``Topology()`` over ``MPI.COMM_WORLD`` by
+        default (which also installs the abort-on-error hooks).
+    backward_passes_per_step : int
+        Backward passes accumulated per ``step()`` (see the module docstring).
+    **hyperparameters
+        The algorithm's keyword arguments (``lr``, ``momentum``, ...), with
+        the papers' defaults; validated by the algorithm.
+
+    Attributes
+    ----------
+    algorithm : Algorithm
+        The flat-vector algorithm doing the work.
+    topology : Topology
+        Its communicators.
+    last : StepRecord or None
+        Bytes and times of the last step.
+
+    Examples
+    --------
+    >>> opt = DistributedOptimizer(model.parameters(), "sgd", lr=0.1, momentum=0.9)
+    >>> scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=30)
+    >>> for x, y in loader:
+    ...     opt.zero_grad()
+    ...     loss = F.cross_entropy(model(x), y)
+    ...     loss.backward()
+    ...     opt.step(loss=loss)
+    ...     scheduler.step()
+    """
+
+    # torch.amp.GradScaler hands us the scale and the overflow flag (see step()).
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        algorithm: str,
+        *,
+        topology: Optional[Topology] = None,
+        backward_passes_per_step: int = 1,
+        **hyperparameters: Any,
+    ) -> None:
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+        self.topology = Topology() if topology is None else topology
+        self.algorithm: Algorithm = create(algorithm, self.topology, **hyperparameters)
+        self.backward_passes_per_step = backward_passes_per_step
+        self.last: Optional[StepRecord] = None
+        self._frozen = False
+        super().__init__(params, {"lr": self.algorithm.lr})
+        self._frozen = True
+        self._params: List[torch.nn.Parameter] = [p for group in self.param_groups for p in group["params"]]
+        self._check_groups()
+        self._flat_params, self._flat_grads = self._flatten()
+        self._param_views = [p.data for p in self._params]
+        self._grad_views = [p.grad for p in self._params]
+        self._params_array = _as_array(self._flat_params)
+        self._grads_array = _as_array(self._flat_grads)
+        world = self.topology.world
+        world.agree(
+            {"algorithm": algorithm, "shapes": [list(p.shape) for p in self._params], "dtype": str(self._flat_params.dtype)},
+            what="model passed to DistributedOptimizer",
+        )
+        world.Bcast(self._flat_params, root=0)
+        self.algorithm.setup(self._params_array)
+        self._flag = np.zeros(1, dtype=np.uint8)
+
+    # -- construction -------------------------------------------------------------------------
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Only during construction: the flat buffers cannot grow afterwards."""
+        if self._frozen:
+            raise RuntimeError("DistributedOptimizer: parameters cannot be added after construction (the flat buffer is fixed)")
+        super().add_param_group(param_group)
+
+    def _check_groups(self) -> None:
+        if not self._params:
+            raise ValueError("DistributedOptimizer got no parameters")
+        for i, group in enumerate(self.param_groups):
+            extra = sorted(set(group) - _GROUP_KEYS)
+            if extra:
+                raise ValueError(
+                    f"parameter group {i} sets {extra}: mpiopt algorithms take one set of hyperparameters for all "
+                    "parameters; pass them to DistributedOptimizer instead"
+                )
+        self._group_lr()
+        kinds = sorted({(str(p.dtype), str(p.device)) for p in self._params})
+        if len(kinds) > 1:
+            raise ValueError(f"all parameters must share one dtype and device; got {kinds}")
+        for i, p in enumerate(self._params):
+            if not p.requires_grad:
+                raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) does not require grad: leave frozen parameters out")
+        dtype = self._params[0].dtype
+        if dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(
+                f"parameters must be float32 or float64, got {dtype} (keep float32 master weights; use torch.autocast for lower precision)"
+            )
+
+    def _flatten(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Move the parameters into one flat buffer and make every parameter and gradient a view."""
+        first = self._params[0]
+        total = sum(p.numel() for p in self._params)
+        flat = torch.empty(total, dtype=first.dtype, device=first.device)
+        grads = torch.zeros_like(flat)
+        offset = 0
+        with torch.no_grad():
+            for p in self._params:
+                n = p.numel()
+                view = flat[offset : offset + n].view_as(p)
+                view.copy_(p)
+                p.data = view
+                p.grad = grads[offset : offset + n].view_as(p)
+                offset += n
+        return flat, grads
+
+    # -- torch.optim interface ------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat gradient buffer in place; ``set_to_none`` is ignored (the views must stay)."""
+        self._flat_grads.zero_()
+        self._reattach_grads(copy=False)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None, *, loss: Any = None) -> Any:
+        """Exchange and update: one step of the algorithm on the flat buffers.
+
+        Parameters
+        ----------
+        closure : callable, optional
+            Re-evaluates the model (forward and backward) and returns the loss.
+        loss : tensor or float, optional
+            This rank's training loss of the step (LSGD elects its leaders by
+            it; recorded by every algorithm).  Taken from the closure's value
+            when a closure is given.
+
+        Returns
+        -------
+        The loss (the closure's value, or ``loss``).
+        """
+        if hasattr(self.algorithm, "run"):
+            raise TypeError(f"{self.algorithm.name} is asynchronous: train with opt.run(compute_fn, steps), not step()")
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_params()
+        self._reattach_grads(copy=True)
+        self.algorithm.lr = self._group_lr()
+        if not self._unscale_for_grad_scaler():
+            return loss  # some rank's scaled gradients overflowed: every rank skips
+        if self.backward_passes_per_step > 1:
+            self._flat_grads.div_(self.backward_passes_per_step)
+        self.last = self.algorithm.step(self._params_array, self._grads_array, loss=_loss_value(loss))
+        return loss
+
+    def finish(self) -> None:
+        """Complete any communication still in flight (DaSGD's averaging); call before evaluating or saving."""
+        self.algorithm.finish(self._params_array)
+
+    def run(self, compute_fn: Callable[[int], Any], steps: Optional[int] = None, **options: Any) -> Any:
+        """Train with an asynchronous algorithm (``async_msgd``, ``async_lsgd``): a collective call.
+
+        Parameters
+        ----------
+        compute_fn : callable
+            ``compute_fn(step) -> loss``: forward and backward of this rank's
+            batch number ``step`` (counting from 0); the gradients land in the
+            flat buffer, which this method zeroes before each call.  World
+            rank 0 serves and never calls it (except at world size 1).
+        steps : int, optional
+            Gradients this rank computes.
+        **options
+            Passed on to the algorithm's ``run`` (``seconds=`` for
+            ``async_lsgd``, ``until=`` for ``async_msgd``, ...).
+
+        Returns
+        -------
+        The algorithm's result record (staleness histogram, counts, ...).
+        On return the model holds the final parameters.
+        """
+        if not hasattr(self.algorithm, "run"):
+            raise TypeError(f"{self.algorithm.name} is synchronous: call step() after each backward pass")
+        flat = self._params_array
+
+        def worker_fn(params: Any, step: int, out: Any) -> float:
+            if _address(params) != _address(flat):
+                flat[...] = params  # the runtime's copy of the (possibly stale) parameters
+            self._flat_grads.zero_()
+            with torch.enable_grad():
+                loss = compute_fn(step)
+            out[...] = self._grads_array
+            value = _loss_value(loss)
+            return math.nan if value is None else value
+
+        self._check_params()
+        self.algorithm.lr = self._group_lr()
+        return self.algorithm.run(flat, worker_fn, steps, **options)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch.optim's shape (``state``, ``param_groups``) plus the algorithm's state under ``"mpiopt"``."""
+        groups, index = [], 0
+        for group in self.param_groups:
+            saved = {k: v for k, v in group.items() if k != "params"}
+            saved["params"] = list(range(index, index + len(group["params"])))
+            index += len(group["params"])
+            groups.append(saved)
+        return {
+            "state": {},
+            "param_groups": groups,
+            "mpiopt": {"algorithm": self.algorithm.state_dict(), "backward_passes_per_step": self.backward_passes_per_step},
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (same model, algorithm and hyperparameters)."""
+        if "mpiopt" not in state_dict:
+            raise ValueError("not a DistributedOptimizer state (no 'mpiopt' entry): was it saved by another optimizer?")
+        groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError(
+                f"the state has parameter groups of sizes {[len(g['params']) for g in groups]}, "
+                f"this optimizer {[len(g['params']) for g in self.param_groups]}"
+            )
+        saved = state_dict["mpiopt"]
+        if saved["backward_passes_per_step"] != self.backward_passes_per_step:
+            raise ValueError(
+                f"backward_passes_per_step is {self.backward_passes_per_step}, the state has {saved['backward_passes_per_step']}"
+            )
+        self.algorithm.load_state_dict(saved["algorithm"])
+        for group, stored in zip(self.param_groups, groups):
+            group.update({k: v for k, v in stored.items() if k != "params"})
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _group_lr(self) -> float:
+        rates = {float(group["lr"]) for group in self.param_groups}
+        if len(rates) > 1:
+            raise ValueError(f"parameter groups have different learning rates {sorted(rates)}: mpiopt algorithms take one")
+        lr = rates.pop()
+        if not (lr > 0 and math.isfinite(lr)):
+            raise ValueError(f"learning rate must be a finite number > 0, got {lr!r}")
+        return lr
+
+    def _check_params(self) -> None:
+        if any(p.data.data_ptr() != v.data_ptr() for p, v in zip(self._params, self._param_views)):
+            raise RuntimeError(
+                "a parameter no longer lives in the optimizer's flat buffer (moved with .to()/.cuda() or replaced "
+                "after DistributedOptimizer was created): create the optimizer after moving the model"
+            )
+
+    def _reattach_grads(self, copy: bool) -> None:
+        """Put back gradient views the user replaced (``copy``: keep the replaced values) or set to None."""
+        for p, view in zip(self._params, self._grad_views):
+            if p.grad is not view:
+                if p.grad is None or not copy:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad)
+                p.grad = view
+
+    def _unscale_for_grad_scaler(self) -> bool:
+        """With ``GradScaler.step(opt)``: unscale, decide about overflow collectively; False means skip."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return True
+        self._flag[0] = 1 if float(found_inf) > 0 else 0
+        self.topology.world.Allreduce(self._flag, op=MAX)
+        if self._flag[0]:
+            return False
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None:  # not unscaled by the user's scaler.unscale_(opt) yet
+            self._flat_grads.mul_(scale.double().reciprocal().float().to(self._flat_grads.dtype))
+        return True
