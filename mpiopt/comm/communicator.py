@@ -47,7 +47,8 @@ class Request:
     """Handle of a nonblocking operation.
 
     The operation's wall time (posting to completion) and the time spent
-    blocked in :meth:`Wait` are added to the ledger when it completes; staged
+    blocked in :meth:`Wait` are added to the ledger when it completes (and
+    told to its listener as an ``"inflight"`` and a ``"wait"`` span); staged
     GPU buffers are copied back at that moment.
     """
 
@@ -73,7 +74,13 @@ class Request:
             writeback()
         self._release()
         self.done = True
-        self._ledger.add_time(self._op, time.perf_counter() - self._started, waited)
+        ended = time.perf_counter()
+        self._ledger.add_time(self._op, ended - self._started, waited)
+        listener = self._ledger.listener
+        if listener is not None:
+            listener(self._op, self._started, ended, "inflight")
+            if waited > 0:
+                listener(self._op, ended - waited, ended, "wait")
 
     def Test(self) -> bool:
         """Advance the operation; True once it has completed."""
@@ -200,7 +207,10 @@ class Comm:
             return Request(self.ledger, name, result, writebacks, started, lambda: busy.discard(lane))
         for writeback in writebacks:
             writeback()
-        self.ledger.record(name, sent, recv, time.perf_counter() - started)
+        ended = time.perf_counter()
+        self.ledger.record(name, sent, recv, ended - started)
+        if self.ledger.listener is not None:
+            self.ledger.listener(name, started, ended, "blocking")
         return result
 
     def _others(self, n: int) -> int:

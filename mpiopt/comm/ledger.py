@@ -30,18 +30,31 @@ to itself).  Object
 variants count the pickled size.  Times are wall seconds: for a nonblocking
 call from posting until the request completes (``seconds``), with the part
 spent blocked inside ``Wait`` also kept apart (``wait_seconds``).
+
+Spans
+-----
+A tracer (:class:`mpiopt.metrics.Tracer`) may set :attr:`Ledger.listener`
+to a function ``listener(op, start, end, kind)`` that the communicator calls
+with ``time.perf_counter`` times: ``kind`` is ``"blocking"`` for a blocking
+call, ``"inflight"`` for a nonblocking call from posting to completion, and
+``"wait"`` for the part of it spent blocked in ``Wait`` (when not zero).
+With no listener the cost is one attribute check per call.  The listener is
+not part of the totals: snapshots, differences and comparisons ignore it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Dict, Iterator, Mapping, Optional
+from typing import Callable, Dict, Iterator, Mapping, Optional
 
-__all__ = ["OpStats", "Ledger", "NONBLOCKING_OPS"]
+__all__ = ["OpStats", "Ledger", "NONBLOCKING_OPS", "SPAN_KINDS"]
 
 # Operations whose ``seconds`` run from posting to completion (overlapping
 # other work); only their ``wait_seconds`` is time this rank was blocked.
 NONBLOCKING_OPS = frozenset({"Iallreduce", "Isend", "Irecv"})
+
+#: The ``kind`` argument of :attr:`Ledger.listener` calls.
+SPAN_KINDS = ("blocking", "inflight", "wait")
 
 
 @dataclass
@@ -70,9 +83,12 @@ class Ledger:
 
     Several :class:`~mpiopt.comm.Comm` objects (world, group, leaders) may
     share one ledger; their operation names carry the communicator's name.
+    ``listener``, when set, is told the time span of every call (see the
+    module's "Spans").
     """
 
     ops: Dict[str, OpStats] = field(default_factory=dict)
+    listener: Optional[Callable[[str, float, float, str], None]] = field(default=None, compare=False, repr=False)
 
     def record(self, op: str, sent: int, recv: int, seconds: float = 0.0, calls: int = 1) -> OpStats:
         """Add one call's bytes and time to ``op``'s totals and return the totals."""
