@@ -1,0 +1,126 @@
+"""Comparison plots of several runs: accuracy and loss against steps, wall time and bytes.
+
+:func:`plot_runs` writes two PNG files, one line per run in each panel:
+
+- ``accuracy.png``: test accuracy (%) against steps, wall time (s) and the
+  bytes rank 0 had sent (MB), from the ``"eval"`` records;
+- ``loss.png``: training loss against the same three, from the ``"step"``
+  records, smoothed by a trailing running mean of ``smoothing`` steps
+  (:data:`SMOOTHING_WINDOW` = 25 by default; the first points average the
+  steps there are).  Bytes here are the steps' own traffic summed, so they
+  leave out evaluation and set-up traffic that the eval records count.
+
+An axis whose values span more than :data:`LOG_SPAN` (bytes of a compressed
+and an uncompressed run, a loss that falls by decades) is drawn in log scale.
+matplotlib is imported only when plotting, through its object API (no pyplot
+state, no backend switch), so the rest of :mod:`mpiopt.metrics` works without it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, List, Sequence, Tuple
+
+import numpy as np
+
+from .records import Run
+
+__all__ = ["plot_runs", "running_mean", "SMOOTHING_WINDOW", "LOG_SPAN"]
+
+#: Steps in the training loss's running mean.
+SMOOTHING_WINDOW = 25
+#: Ratio of the largest to the smallest positive value above which an axis is logarithmic.
+LOG_SPAN = 100.0
+_X_LABELS = ("steps", "wall time (s)", "bytes sent by rank 0 (MB)")
+
+
+def running_mean(values: Sequence[float], window: int) -> np.ndarray:
+    """Trailing mean of the last ``window`` values at each point, ignoring NaN and infinities."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive integer, got {window!r}")
+    x = np.asarray(values, dtype=np.float64)
+    finite = np.isfinite(x)
+    sums = np.concatenate(([0.0], np.cumsum(np.where(finite, x, 0.0))))
+    counts = np.concatenate(([0], np.cumsum(finite)))
+    ends = np.arange(1, len(x) + 1)
+    starts = np.maximum(ends - window, 0)
+    n = counts[ends] - counts[starts]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(n > 0, (sums[ends] - sums[starts]) / np.maximum(n, 1), np.nan)
+
+
+def _labels(runs: Sequence[Run]) -> List[str]:
+    """The algorithm names, numbered where two runs share one."""
+    names = [run.algorithm for run in runs]
+    return [f"{name} ({names[:i].count(name) + 1})" if names.count(name) > 1 else name for i, name in enumerate(names)]
+
+
+def _auto_log(ax: Any, axis: str, values: Sequence[np.ndarray]) -> None:
+    positive = np.concatenate([v[np.isfinite(v) & (v > 0)] for v in values] + [np.empty(0)])
+    if positive.size and positive.max() > LOG_SPAN * positive.min():
+        (ax.set_xscale if axis == "x" else ax.set_yscale)("log")
+
+
+def _figure(curves: Sequence[Tuple[str, Sequence[np.ndarray], np.ndarray]], ylabel: str, title: str, path: str) -> str:
+    """Three panels (steps, wall time, bytes) with one line per curve ``(label, (x1, x2, x3), y)``."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(15, 4.5), layout="constrained")
+    axes = fig.subplots(1, 3, sharey=True)
+    for label, xs, y in curves:
+        for ax, x in zip(axes, xs):
+            ax.plot(x, y, label=label, marker="o" if len(y) < 30 else None, markersize=3)
+    for panel, (ax, xlabel) in enumerate(zip(axes, _X_LABELS)):
+        ax.set_xlabel(xlabel)
+        ax.grid(True, alpha=0.3)
+        if panel == 2:
+            _auto_log(ax, "x", [xs[2] for _, xs, _ in curves])
+    axes[0].set_ylabel(ylabel)
+    _auto_log(axes[0], "y", [y for _, _, y in curves])
+    if curves:
+        axes[0].legend()
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def plot_runs(runs: Sequence[Run], out_dir: "str | os.PathLike[str]", *, prefix: str = "", smoothing: int = SMOOTHING_WINDOW) -> List[str]:
+    """Write ``<prefix>accuracy.png`` and ``<prefix>loss.png`` comparing ``runs`` into ``out_dir``.
+
+    Parameters
+    ----------
+    runs : sequence of Run
+        Metrics files read with :func:`~mpiopt.metrics.read_metrics`; each is
+        one line, labelled by its algorithm.
+    out_dir : str or os.PathLike
+        Folder of the images (created).
+    prefix : str
+        Start of the file names.
+    smoothing : int
+        Steps in the training loss's trailing running mean (1: no smoothing).
+
+    Returns
+    -------
+    list of str
+        The paths written.
+    """
+    if not runs:
+        raise ValueError("runs must hold at least one Run, got none")
+    running_mean([], smoothing)  # validates smoothing before any work
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    accuracy, loss = [], []
+    for run, label in zip(runs, _labels(runs)):
+        evals = [e for e in run.evals if e.get("test_accuracy") is not None]
+        evals_x = (_column(evals, "step"), _column(evals, "wall_seconds"), _column(evals, "bytes_sent_total") / 1e6)
+        accuracy.append((label, evals_x, 100.0 * _column(evals, "test_accuracy")))
+        steps_x = (_column(run.steps, "step"), _column(run.steps, "wall_seconds"), np.cumsum(_column(run.steps, "bytes_sent")) / 1e6)
+        loss.append((label, steps_x, running_mean(_column(run.steps, "loss"), smoothing)))
+    return [
+        _figure(accuracy, "test accuracy (%)", "Test accuracy", os.path.join(out_dir, f"{prefix}accuracy.png")),
+        _figure(loss, "training loss", f"Training loss (running mean of {smoothing} steps)", os.path.join(out_dir, f"{prefix}loss.png")),
+    ]
+
+
+def _column(records: Sequence[dict], field: str) -> np.ndarray:
+    return np.array([np.nan if r.get(field) is None else r[field] for r in records], dtype=np.float64)

@@ -1,0 +1,150 @@
+"""One line per run: accuracy reached, time and bytes it took, where the time went.
+
+:func:`summarize` reduces a :class:`~mpiopt.metrics.records.Run` to a flat
+dict; :func:`markdown_table` lays several side by side for ``mpiopt compare``.
+
+Time split: the step records' ``compute_seconds`` (forward and backward),
+``algo_seconds`` (the algorithm's own computation), ``comm_seconds`` (blocked
+in blocking MPI calls) and ``wait_seconds`` (blocked waiting for nonblocking
+ones), summed over the steps; ``other_seconds`` is the rest of the steps' wall
+time (data loading, bookkeeping).  Fractions are of the steps' total wall time
+(``step_seconds`` summed), so the five add up to 1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence
+
+from .records import Run
+
+__all__ = ["summarize", "markdown_table", "format_bytes", "format_seconds", "SPLITS"]
+
+#: (summary key prefix, step record field, table column) of the time split.
+SPLITS = (
+    ("compute", "compute_seconds", "compute"),
+    ("algorithm", "algo_seconds", "algorithm"),
+    ("communication", "comm_seconds", "comm"),
+    ("waiting", "wait_seconds", "wait"),
+)
+_MISSING = "—"
+
+
+def summarize(run: Run, *, target_accuracy: Optional[float] = None) -> Dict[str, Any]:
+    """The figures that compare runs.
+
+    Parameters
+    ----------
+    run : Run
+        A metrics file read with :func:`~mpiopt.metrics.read_metrics`.
+    target_accuracy : float, optional
+        Test accuracy (fraction in [0, 1]) to measure time and bytes to.
+
+    Returns
+    -------
+    dict
+        ``algorithm``, ``steps``, ``wall_seconds``, ``final_accuracy`` and
+        ``best_accuracy`` (None without evaluations), ``target_accuracy``,
+        ``time_to_target``, ``bytes_to_target`` and ``steps_to_target`` (wall
+        seconds, rank 0's bytes sent and steps at the first evaluation that
+        reached the target; None if none did or no target was given),
+        ``bytes_sent_per_rank`` (rank 0's total), and per part of the split
+        (``compute``, ``algorithm``, ``communication``, ``waiting``,
+        ``other``) ``<part>_seconds`` and ``<part>_fraction``.
+    """
+    if target_accuracy is not None and not (0.0 <= target_accuracy <= 1.0):
+        raise ValueError(f"target_accuracy must be a fraction in [0, 1], got {target_accuracy!r}")
+    latest = [r for r in (run.end, run.steps[-1] if run.steps else None, run.evals[-1] if run.evals else None) if r]
+    accuracies = [e["test_accuracy"] for e in run.evals if e.get("test_accuracy") is not None]
+    reached = None
+    if target_accuracy is not None:
+        reached = next((e for e in run.evals if (e.get("test_accuracy") or 0.0) >= target_accuracy), None)
+    summary: Dict[str, Any] = {
+        "algorithm": run.algorithm,
+        "steps": max((int(r["step"]) for r in latest), default=0),
+        "wall_seconds": max((float(r["wall_seconds"]) for r in latest), default=0.0),
+        "final_accuracy": accuracies[-1] if accuracies else None,
+        "best_accuracy": max(accuracies) if accuracies else None,
+        "target_accuracy": target_accuracy,
+        "time_to_target": None if reached is None else reached["wall_seconds"],
+        "bytes_to_target": None if reached is None else reached["bytes_sent_total"],
+        "steps_to_target": None if reached is None else reached["step"],
+        "bytes_sent_per_rank": _bytes_sent(run),
+    }
+    step_total = sum(s["step_seconds"] for s in run.steps)
+    parts = {key: sum(s[field] for s in run.steps) for key, field, _ in SPLITS}
+    parts["other"] = max(0.0, step_total - sum(parts.values()))
+    for key, seconds in parts.items():
+        summary[f"{key}_seconds"] = seconds
+        summary[f"{key}_fraction"] = seconds / step_total if step_total > 0 else None
+    return summary
+
+
+def _bytes_sent(run: Run) -> int:
+    """Rank 0's bytes sent: the end record's total, else the last evaluation's, else the steps' sum."""
+    for record in (run.end, run.evals[-1] if run.evals else None):
+        if record is not None:
+            return int(record["bytes_sent_total"])
+    return sum(int(s["bytes_sent"]) for s in run.steps)
+
+
+def format_bytes(n: Optional[float]) -> str:
+    """Bytes with a decimal unit and three significant digits ("1.50 MB"); "—" for None."""
+    if n is None:
+        return _MISSING
+    if n < 0 or not math.isfinite(n):
+        raise ValueError(f"n must be a finite number of bytes >= 0, got {n!r}")
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 999.5 or unit == "TB":
+            break
+        n /= 1000.0
+    return f"{n:.0f} B" if unit == "B" else _three_digits(n, unit)
+
+
+def _three_digits(value: float, unit: str) -> str:
+    """``value`` (at least 1) with three significant digits, or as an integer from 100 on."""
+    decimals = 0 if value >= 99.95 else 1 if value >= 9.995 else 2
+    return f"{value:.{decimals}f} {unit}"
+
+
+def format_seconds(seconds: Optional[float]) -> str:
+    """Seconds with three significant digits ("0.123 s", "12.3 s", "1234 s"); "—" for None."""
+    if seconds is None:
+        return _MISSING
+    return f"{seconds:.3g} s" if seconds < 0.9995 else _three_digits(seconds, "s")
+
+
+def _percent(fraction: Optional[float]) -> str:
+    return _MISSING if fraction is None else f"{100.0 * fraction:.1f} %"
+
+
+def markdown_table(summaries: Sequence[Dict[str, Any]]) -> str:
+    """A Markdown table of :func:`summarize` results, one row per run.
+
+    Accuracies in %, times in s, bytes in decimal units (MB = 10^6 bytes);
+    time split as seconds with the share of the steps' wall time; "—" where a
+    run never reached the target (or has no evaluation).
+    """
+    targets = {s["target_accuracy"] for s in summaries if s["target_accuracy"] is not None}
+    target = f" {_percent(targets.pop())}" if len(targets) == 1 else ""
+    header = [
+        "algorithm", "final accuracy", "best accuracy", "steps", "wall time",
+        f"time to{target}", f"sent to{target}", "sent per rank",
+    ] + [column for _, _, column in SPLITS]
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    for s in summaries:
+        row: List[str] = [
+            str(s["algorithm"]),
+            _percent(s["final_accuracy"]),
+            _percent(s["best_accuracy"]),
+            str(s["steps"]),
+            format_seconds(s["wall_seconds"]),
+            format_seconds(s["time_to_target"]),
+            format_bytes(s["bytes_to_target"]),
+            format_bytes(s["bytes_sent_per_rank"]),
+        ]
+        for key, _, _ in SPLITS:
+            seconds, fraction = s[f"{key}_seconds"], s[f"{key}_fraction"]
+            row.append(format_seconds(seconds) + ("" if fraction is None else f" ({100.0 * fraction:.0f} %)"))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
