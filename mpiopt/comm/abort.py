@@ -1,9 +1,23 @@
-"""Turn an uncaught exception on any rank into an abort of the whole job.
+"""Never hang: an error on one rank ends the job or is raised on every rank.
 
-Without this, one rank dies while the others wait forever in their next
-collective.  :func:`abort_on_exception` installs hooks that print the
-traceback (with the rank) and call ``MPI.COMM_WORLD.Abort(1)``, which makes
-the launcher (mpiexec, srun) end every rank with a non-zero exit code.
+Without care, one rank dies (or raises) while the others wait forever in
+their next collective.  mpiopt has two answers:
+
+- :func:`abort_on_exception` installs hooks (``sys.excepthook`` and
+  ``threading.excepthook``) that print an uncaught exception's traceback,
+  with the rank, and call ``MPI.COMM_WORLD.Abort(1)``: the launcher
+  (mpiexec, srun) then ends every rank with a non-zero exit code.  Every
+  :class:`~mpiopt.comm.Topology` installs them when it is created, unless
+  ``Topology(abort_on_error=False)`` or the environment variable
+  ``MPIOPT_ABORT_ON_ERROR=0`` opts out (:data:`ABORT_ENV`).  The topology
+  leaves a hook that someone else installed in place (pytest's collector of
+  exceptions in threads, an application's own hook); calling
+  :func:`abort_on_exception` yourself replaces those too, as the CLI does.
+- Checks that can fail on one rank alone either decide together
+  (:meth:`Topology.raise_together`: every rank raises, the others an
+  :class:`OtherRankError` naming the rank and its error) or, where the other
+  ranks may already be inside a collective that only this rank knows it will
+  not join, abort the job (:meth:`Topology.raise_or_abort`).
 """
 
 from __future__ import annotations
@@ -15,10 +29,17 @@ import traceback
 from types import TracebackType
 from typing import Optional, Type
 
-__all__ = ["abort_on_exception", "abort_job"]
+__all__ = ["abort_on_exception", "abort_job", "OtherRankError", "ABORT_ENV"]
 
-_installed = False
+#: Environment variable read by :class:`~mpiopt.comm.Topology` when
+#: ``abort_on_error`` is not given: ``0`` (or false/no/off) opts out of the
+#: abort hooks, ``1`` (true/yes/on) or unset keeps them.
+ABORT_ENV = "MPIOPT_ABORT_ON_ERROR"
 ABORT_GRACE_SECONDS = 1.0
+
+
+class OtherRankError(RuntimeError):
+    """Raised on the ranks that did not fail when a collective check found an error on another rank."""
 
 
 def abort_job(message: str, code: int = 1) -> None:
@@ -49,10 +70,18 @@ def _thread_hook(args: threading.ExceptHookArgs) -> None:
     _hook(args.exc_type, args.exc_value or args.exc_type(), args.exc_traceback)
 
 
-def abort_on_exception() -> None:
-    """Install the abort hooks for the main thread and all other threads (idempotent)."""
-    global _installed
-    if not _installed:
+def abort_on_exception(*, override: bool = True) -> None:
+    """Install the abort hooks for the main thread and all other threads (idempotent).
+
+    Parameters
+    ----------
+    override : bool
+        Replace hooks that someone else installed (default).  With False, a
+        hook other than Python's default is left in place: what
+        :class:`~mpiopt.comm.Topology` does, so that creating a topology
+        under pytest keeps pytest's report of an exception in a thread.
+    """
+    if override or sys.excepthook is sys.__excepthook__:
         sys.excepthook = _hook
+    if override or threading.excepthook is threading.__excepthook__:
         threading.excepthook = _thread_hook
-        _installed = True

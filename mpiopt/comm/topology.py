@@ -7,21 +7,41 @@ emulate nodes of ``k`` ranks on one machine, pass ``group_size=k`` or set
 and the last group holds what is left (``-n 3`` with ``k = 2`` gives {0, 1}
 and {2}).  Rank 0 of each group is its leader; the leaders' communicator
 joins them (it is None on the other ranks).
+
+Never hang
+----------
+Creating a topology installs the abort hooks of :mod:`mpiopt.comm.abort`
+(an uncaught exception on any rank, in any thread, aborts the whole job with
+its traceback), so a library user's job ends like a CLI job.  Opt out with
+``Topology(abort_on_error=False)`` or ``MPIOPT_ABORT_ON_ERROR=0``: then no
+hook is installed (hooks installed earlier stay) and the checks below raise
+instead of aborting.  The settings themselves (group size, abort) are
+agreed before any is acted on: a bad value on one rank raises the same
+error on every rank.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+import time
+import traceback
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
+import numpy as np
 from mpi4py import MPI
 
-from .communicator import Comm
+from .abort import ABORT_ENV, OtherRankError, abort_job, abort_on_exception
+from .buffers import _parse_flag
+from .communicator import MAX, Comm, Request
 from .ledger import Ledger
 
 __all__ = ["Topology", "GROUP_SIZE_ENV"]
 
 GROUP_SIZE_ENV = "MPIOPT_GROUP_SIZE"
+#: How long a rank whose check failed waits for the others to join the vote
+#: of :meth:`Topology.raise_together` before it concludes that they are stuck
+#: in a collective it left.
+VOTE_SECONDS = 10.0
 
 
 def _group_size_from(value: Any, source: str) -> Optional[int]:
@@ -34,6 +54,38 @@ def _group_size_from(value: Any, source: str) -> Optional[int]:
     if size < 1 or (isinstance(value, float) and value != size):
         raise ValueError(f"{source} must be a positive integer, got {value!r}")
     return size
+
+
+def _group_size_setting(value: Any) -> Optional[int]:
+    size = _group_size_from(value, "group_size")
+    return _group_size_from(os.environ.get(GROUP_SIZE_ENV), GROUP_SIZE_ENV) if size is None else size
+
+
+def _abort_setting(value: Optional[bool]) -> bool:
+    if value is not None:
+        if not isinstance(value, bool):
+            raise TypeError(f"abort_on_error must be True, False or None, got {value!r}")
+        return value
+    env = os.environ.get(ABORT_ENV, "")
+    return _parse_flag(env, ABORT_ENV) if env.strip() else True
+
+
+def _outcome(parse: Callable[[], Any]) -> Tuple[Any, Optional[Exception]]:
+    """``(value, None)``, or ``(error text, error)`` when ``parse`` rejects its input."""
+    try:
+        return parse(), None
+    except (TypeError, ValueError) as err:
+        return f"{type(err).__name__}: {err}", err
+
+
+def _completes(request: Request, seconds: float) -> bool:
+    """Whether ``request`` completes within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 class Topology:
@@ -49,6 +101,20 @@ class Topology:
     gpu_aware : bool, optional
         Override the detection of GPU-aware MPI (see
         :func:`mpiopt.comm.buffers.gpu_aware_mpi`).
+    abort_on_error : bool, optional
+        Install the abort hooks (:func:`~mpiopt.comm.abort_on_exception`,
+        leaving a hook someone else installed in place) and let
+        :meth:`raise_or_abort` abort the job.  Default: the environment
+        variable ``MPIOPT_ABORT_ON_ERROR`` (``0``/false/no/off turns it off;
+        unset, ``1``/true/yes/on keeps it on; anything else is a
+        ``ValueError`` naming the variable).  Every rank must agree.
+
+    Raises
+    ------
+    ValueError, TypeError
+        On every rank, when the group size or ``abort_on_error`` (argument
+        or environment) is invalid; a ``SetupMismatchError`` naming each
+        rank's value when ranks differ.
 
     Attributes
     ----------
@@ -59,6 +125,10 @@ class Topology:
     group_index, num_groups : int
         This rank's group (numbered by the world rank of its leader) and the
         number of groups.
+    group_ranks : list of int
+        World ranks of this rank's group, in group-rank order.
+    abort_on_error : bool
+        Whether the abort hooks were asked for (see above).
     ledger : Ledger
         Shared by the three communicators.
     """
@@ -69,13 +139,26 @@ class Topology:
         *,
         group_size: Optional[int] = None,
         gpu_aware: Optional[bool] = None,
+        abort_on_error: Optional[bool] = None,
     ) -> None:
         self.ledger = Ledger()
         self.world = Comm(comm, name="world", ledger=self.ledger, gpu_aware=gpu_aware)
-        size = _group_size_from(group_size, "group_size")
-        if size is None:
-            size = _group_size_from(os.environ.get(GROUP_SIZE_ENV), GROUP_SIZE_ENV)
-        self.world.agree({"group_size": size}, what="group size")
+        self._rank, self._size = self.world.rank, self.world.size  # still known after Free()
+        abort, abort_problem = _outcome(lambda: _abort_setting(abort_on_error))
+        if abort is True:
+            abort_on_exception(override=False)
+        size, size_problem = _outcome(lambda: _group_size_setting(group_size))
+        try:
+            # What each rank made of its settings is agreed before any error is
+            # raised: a bad value on one rank must not leave the others below.
+            self.world.agree({"abort_on_error": abort, "group_size": size}, what="topology settings")
+            for problem in (abort_problem, size_problem):
+                if problem is not None:
+                    raise problem
+        except Exception:
+            self.world.Free()
+            raise
+        self.abort_on_error: bool = abort
         self.group_size_setting = size
         if size is None:
             self.group = self.world.Split_shared("group")
@@ -86,15 +169,20 @@ class Topology:
         # Group index = the leader's rank among the leaders, told to the group.
         self.group_index = self.group.bcast_obj(self.leaders.rank if is_leader else None)
         self.num_groups = self.group.bcast_obj(self.leaders.size if is_leader else None)
+        self.group_ranks: List[int] = self.group.allgather_obj(self.world.rank)
+        # Votes on errors go through their own communicator, so that one never
+        # matches a collective that an algorithm left half done; its traffic is
+        # not the algorithms' (a ledger of its own).
+        self._control = Comm(comm, name="control", ledger=Ledger(), gpu_aware=False)
         self.ledger.reset()  # set-up traffic is not the algorithms'
 
     @property
     def rank(self) -> int:
-        return self.world.rank
+        return self._rank
 
     @property
     def size(self) -> int:
-        return self.world.size
+        return self._size
 
     @property
     def is_leader(self) -> bool:
@@ -118,9 +206,68 @@ class Topology:
             "host": MPI.Get_processor_name(),
         }
 
+    # -- errors found on one rank ------------------------------------------------------
+    def raise_together(self, error: Optional[BaseException], what: str) -> None:
+        """Raise on every rank when any rank passes an ``error`` (a collective call; nothing when all pass None).
+
+        A rank that failed raises its own ``error``; the others raise
+        :class:`~mpiopt.comm.abort.OtherRankError` naming the failed ranks and
+        their errors.  One byte per rank on a communicator of its own, and the
+        error texts only when something failed.
+
+        A rank that failed waits at most :data:`VOTE_SECONDS` for the others:
+        those that do not come are stuck in a collective this rank left (a
+        set-up that communicates after the point where it failed), so it ends
+        the job through :meth:`raise_or_abort`.
+
+        Parameters
+        ----------
+        error : exception or None
+            What this rank found.
+        what : str
+            The check, for the message (``"lsgd set-up"``).
+        """
+        if self.size == 1:
+            if error is not None:
+                raise error
+            return
+        failed = np.array([error is not None], dtype=np.uint8)
+        vote = self._control.Iallreduce(failed, op=MAX)
+        if error is None:
+            vote.Wait()
+        elif not _completes(vote, VOTE_SECONDS):
+            self.raise_or_abort(error)
+        if not failed[0]:
+            return
+        texts = self._control.allgather_obj(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        failed_ranks = [r for r, text in enumerate(texts) if text is not None]
+        raise OtherRankError(
+            f"the {what} failed on rank {', '.join(map(str, failed_ranks))}:\n"
+            + "\n".join(f"  rank {r}: {texts[r]}" for r in failed_ranks)
+        )
+
+    def raise_or_abort(self, error: BaseException) -> NoReturn:
+        """Give up on an ``error`` found on this rank alone, where the others may be waiting in a collective.
+
+        With :attr:`abort_on_error` and more than one rank, print the error
+        and where it happened, and abort the job (even a caller that catches
+        the error could not release the other ranks).  Otherwise raise it.
+        """
+        if not (self.abort_on_error and self.size > 1):
+            raise error
+        where = "".join(traceback.format_stack()[:-1])
+        abort_job(
+            f"mpiopt: {type(error).__name__}: {error}\n"
+            f"on rank {self.rank} of {self.size}; aborting the job, whose other ranks may be waiting in a collective "
+            f"(Topology(abort_on_error=False) or {ABORT_ENV}=0 raises instead).  It happened here:\n{where}"
+        )
+        raise error  # only if the abort did not end this process
+
     def Free(self) -> None:
         """Release the communicators."""
-        for comm in (self.leaders, self.group, self.world):
+        for comm in (self._control, self.leaders, self.group, self.world):
             if comm is not None:
                 comm.Free()
 
