@@ -10,7 +10,28 @@ the base class does the rest that every algorithm needs in the same way:
 - the NaN/Inf policy for gradients;
 - per-step accounting (:class:`StepRecord`: bytes from the ledger, time split
   into communication, waiting and the algorithm's own computation);
-- ``state_dict``/``load_state_dict`` from the declared state names.
+- ``state_dict``/``load_state_dict`` from the declared state names, checked
+  against the algorithm, its hyperparameters and the world size.
+
+Errors on one rank
+------------------
+A check that fails on one rank only must not leave the others waiting in a
+collective.  :meth:`Algorithm.setup` decides together: ranks that disagree on
+their parameters or settings, or whose allocation failed, make every rank
+raise (the failed ranks their own error, the others
+:class:`~mpiopt.comm.abort.OtherRankError` naming them), and the algorithm
+stays not set up; should the others be stuck in a collective of the set-up
+that the failed rank left, it gives up after
+:data:`~mpiopt.comm.topology.VOTE_SECONDS` and ends the job as below.  A non-finite gradient under ``nan_policy="raise"`` (and
+LSGD's missing loss) is found in the middle of a step, when the other ranks
+may already be inside the step's collectives: deciding it together would
+cost a collective on every step, so it ends the job instead
+(:meth:`~mpiopt.comm.Topology.raise_or_abort`: abort with the message and
+where it happened; a ``FloatingPointError`` at a world size of one or with
+``Topology(abort_on_error=False)``, whose caller then owns the other ranks).
+:meth:`Algorithm.load_state_dict` and the buffer checks of
+:meth:`Algorithm.step` communicate nothing and raise on the calling rank
+(with the abort hooks, an uncaught error there still ends the job).
 
 Example
 -------
@@ -24,10 +45,11 @@ Example
 
 from __future__ import annotations
 
+import json
 import numbers
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar, Dict, Mapping, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -37,6 +59,14 @@ from ..comm import MAX, Topology
 __all__ = ["Algorithm", "StepRecord", "check_positive", "check_range", "check_choice"]
 
 NAN_POLICIES = ("raise", "skip")
+#: The entries every state_dict has.
+_STATE_KEYS = frozenset({"algorithm", "world_size", "steps", "lr", "hyperparameters", "arrays", "scalars"})
+_MISSING = "<missing>"
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON would carry it (lists for tuples, Python numbers for numpy's), to compare a saved state with."""
+    return json.loads(json.dumps(value, default=lambda v: v.tolist() if hasattr(v, "tolist") else repr(v)))
 
 
 @dataclass
@@ -117,10 +147,13 @@ class Algorithm:
     lr : float
         Learning rate (``eta``); schedulers may change :attr:`lr` between steps.
     nan_policy : {"raise", "skip"}
-        What a non-finite gradient does.  ``raise`` (default): a
-        ``FloatingPointError`` on that rank, which aborts the job.  ``skip``:
-        every rank skips the step together (one extra 1-byte Allreduce per
-        step, so the decision is collective).
+        What a non-finite gradient does.  ``raise`` (default): the job is
+        aborted with a message naming the rank and the step (no traffic;
+        see "Errors on one rank" in the module docstring), or a
+        ``FloatingPointError`` on that rank at a world size of one or with
+        ``Topology(abort_on_error=False)``.  ``skip``: every rank skips the
+        step together (one extra 1-byte Allreduce per step, so the decision
+        is collective).
     """
 
     name: ClassVar[str] = ""
@@ -164,30 +197,51 @@ class Algorithm:
         return self.topology.ledger
 
     def setup(self, params: Any) -> None:
-        """Check the flat parameter buffer, check that all ranks agree, allocate state.
+        """Check the flat parameter buffer, check that all ranks agree, allocate state (a collective call).
 
         Raises
         ------
         SetupMismatchError
-            On every rank, when ranks differ in parameter count, dtype,
-            algorithm or hyperparameters.
+            On every rank, when ranks differ in their parameter buffers
+            (count, dtype, or one that is not a flat float array), algorithm
+            or hyperparameters.
+        TypeError, ValueError, OtherRankError
+            On every rank, when the buffer is unfit on every rank alike, or
+            when the allocation failed on some rank: that rank raises its
+            error, the others :class:`~mpiopt.comm.abort.OtherRankError`.
+            The algorithm is then left not set up.
         """
-        self._check_flat("params", params)
+        try:
+            self._check_flat("params", params)
+            buffer: Dict[str, Any] = {"num_params": int(params.size), "dtype": str(params.dtype)}
+            unfit = None
+        except (TypeError, ValueError) as err:
+            buffer, unfit = {"params": f"{type(err).__name__}: {err}"}, err
         self.topology.world.agree(
             {
                 "algorithm": self.name,
-                "num_params": int(params.size),
-                "dtype": str(params.dtype),
+                **buffer,
                 "lr": self.lr,
                 "nan_policy": self.nan_policy,
                 "hyperparameters": self.hyperparameters(),
             },
             what=f"{self.name} set-up",
         )
+        if unfit is not None:
+            raise unfit  # the same on every rank: they agreed
+        self._xp = array_module(params)  # subclasses allocate with it
+        failure = None
+        try:
+            self._allocate(params)
+        except Exception as err:  # noqa: BLE001 - any failure must reach the other ranks
+            failure = err
+        try:
+            self.topology.raise_together(failure, what=f"{self.name} set-up")
+        except Exception:
+            self._xp = np
+            raise
         self.num_params = int(params.size)
         self.dtype = np.dtype(params.dtype)
-        self._xp = array_module(params)
-        self._allocate(params)
 
     def step(self, params: Any, grad: Any, loss: Optional[float] = None) -> StepRecord:
         """Apply one step: read ``grad``, communicate as the algorithm says, update ``params`` in place.
@@ -224,13 +278,19 @@ class Algorithm:
             self._finish(params)
 
     def state_dict(self) -> Dict[str, Any]:
-        """Arrays and scalars only (host numpy copies), never a communicator."""
+        """Arrays and scalars only (host numpy copies), never a communicator.
+
+        Besides the state (``steps``, ``lr``, ``arrays``, ``scalars``) it
+        records what :meth:`load_state_dict` checks: ``algorithm``,
+        ``world_size`` and ``hyperparameters``.
+        """
         arrays = {}
         for key in self.state_arrays:
             value = getattr(self, key)
             arrays[key] = None if value is None else to_numpy(value).copy()
         return {
             "algorithm": self.name,
+            "world_size": self.topology.size,
             "steps": self.steps,
             "lr": self.lr,
             "hyperparameters": self.hyperparameters(),
@@ -238,27 +298,65 @@ class Algorithm:
             "scalars": {key: getattr(self, key) for key in self.state_scalars},
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (after :meth:`setup`).
+    def load_state_dict(self, state: Mapping[str, Any], *, override_hyperparameters: bool = False) -> None:
+        """Restore what :meth:`state_dict` returned (after :meth:`setup`; this rank alone, no communication).
+
+        Parameters
+        ----------
+        state : mapping
+            A :meth:`state_dict` of the same algorithm at the same world size.
+            ``steps`` and ``lr`` are restored with the arrays and scalars (a
+            scheduler's ``lr`` is state; set :attr:`lr` afterwards to change it).
+        override_hyperparameters : bool
+            Accept a state saved with other hyperparameters: this instance's
+            stay in force (its state arrays must still have the saved shapes).
 
         Raises
         ------
         ValueError
-            When the state belongs to another algorithm or has other shapes.
+            When the state belongs to another algorithm, or when it lacks an
+            entry, was saved at another world size, with other
+            hyperparameters (unless overridden) or with other array shapes:
+            one error naming every difference with the saved value and this
+            instance's.  Nothing is changed then.
         """
         if self.num_params is None:
             raise RuntimeError(f"{type(self).__name__}.setup(params) must be called before load_state_dict()")
         if state.get("algorithm") != self.name:
             raise ValueError(f"state is for algorithm {state.get('algorithm')!r}, not {self.name!r}")
-        missing = (set(self.state_arrays) - set(state["arrays"])) | (set(self.state_scalars) - set(state["scalars"]))
+        missing = sorted(_STATE_KEYS - set(state))
+        if not missing:
+            missing = sorted((set(self.state_arrays) - set(state["arrays"])) | (set(self.state_scalars) - set(state["scalars"])))
         if missing:
-            raise ValueError(f"state for {self.name!r} lacks {sorted(missing)}")
+            raise ValueError(f"state for {self.name!r} lacks {missing}")
+        differences = self._state_differences(state, override_hyperparameters)
+        if differences:
+            hint = "" if override_hyperparameters else " (override_hyperparameters=True keeps this instance's hyperparameters)"
+            raise ValueError(
+                f"state does not fit this {self.name}{hint}; saved vs here:\n" + "\n".join(f"  {line}" for line in differences)
+            )
         for key in self.state_arrays:
             self._load_array(key, state["arrays"][key])
         for key in self.state_scalars:
             setattr(self, key, state["scalars"][key])
         self.steps = int(state["steps"])
         self.lr = float(state["lr"])
+
+    def _state_differences(self, state: Mapping[str, Any], override_hyperparameters: bool) -> List[str]:
+        """``"key: saved X, here Y"`` for each world size, hyperparameter and array shape that differs."""
+        lines = []
+        if _plain(state["world_size"]) != self.topology.size:
+            lines.append(f"world_size: saved {state['world_size']!r}, here {self.topology.size!r}")
+        if not override_hyperparameters:
+            saved, here = _plain(state["hyperparameters"]), _plain(self.hyperparameters())
+            for key in sorted(set(saved) | set(here)):
+                if saved.get(key, _MISSING) != here.get(key, _MISSING):
+                    lines.append(f"hyperparameter {key}: saved {saved.get(key, _MISSING)!r}, here {here.get(key, _MISSING)!r}")
+        for key in self.state_arrays:
+            value, current = state["arrays"][key], getattr(self, key)
+            if value is not None and current is not None and tuple(np.shape(value)) != tuple(current.shape):
+                lines.append(f"array {key} shape: saved {tuple(np.shape(value))}, here {tuple(current.shape)}")
+        return lines
 
     # -- helpers for subclasses ---------------------------------------------------------
     def _load_array(self, key: str, value: Optional[np.ndarray]) -> None:
@@ -267,8 +365,6 @@ class Algorithm:
             # Arrays that appear lazily (a momentum buffer) take the parameters' backend.
             setattr(self, key, None if value is None else self._xp.array(value))
             return
-        if tuple(np.shape(value)) != tuple(current.shape):
-            raise ValueError(f"state array {key!r} has shape {np.shape(value)}, expected {tuple(current.shape)}")
         current[...] = array_module(current).asarray(value)
 
     def _check_flat(self, what: str, arr: Any) -> None:
@@ -289,10 +385,10 @@ class Algorithm:
         ok = bool(xp.isfinite(grad.sum())) or bool(xp.isfinite(grad).all())
         if self.nan_policy == "raise":
             if not ok:
-                raise FloatingPointError(
+                self.topology.raise_or_abort(FloatingPointError(
                     f"{self.name}: non-finite gradient on rank {self.topology.rank} at step {self.steps + 1} "
                     "(nan_policy='raise'; use nan_policy='skip' to skip such steps on every rank)"
-                )
+                ))
             return True
         self._flag[0] = 0 if ok else 1
         self.topology.world.Allreduce(self._flag, op=MAX)

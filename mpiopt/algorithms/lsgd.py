@@ -82,7 +82,7 @@ Example
 >>> alg.setup(params)
 >>> for batch in data:
 ...     loss, grad = compute(params, batch)
-...     alg.step(params, grad, loss=loss)        # loss is required
+...     alg.step(params, grad, loss=loss)        # loss is required (Algorithm: "Errors on one rank")
 >>> alg.last_global_leader                       # world rank of the latest global leader
 """
 
@@ -188,7 +188,6 @@ class LSGD(LocalStepState, Algorithm):
         self._leader: Optional[Any] = None  # the latest leader's parameters (Bcast buffer)
         self._pull: Optional[Any] = None  # "paper": the pull differences taken at x_t
         self._work: Optional[Any] = None
-        self._group_world_ranks: List[int] = []  # group rank -> world rank
 
     # -- state ---------------------------------------------------------------------------
     # The leader copy is state only for the proximal pull; otherwise every
@@ -221,7 +220,6 @@ class LSGD(LocalStepState, Algorithm):
         self._leader = xp.empty_like(params)
         self._work = xp.empty_like(params)
         self._pull = xp.empty_like(params) if self.pull_form == "paper" else None
-        self._group_world_ranks = self.topology.group.allgather_obj(self.topology.rank)
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         """One step in the order of the module docstring ("Order within a step")."""
@@ -260,10 +258,11 @@ class LSGD(LocalStepState, Algorithm):
 
     def _record_loss(self, loss: Optional[float]) -> None:
         if loss is None:
-            raise ValueError(
-                "lsgd: step() needs this rank's training loss (step(params, grad, loss=...)): "
+            # Found on this rank alone, while the others may be electing a leader.
+            self.topology.raise_or_abort(ValueError(
+                f"{self.name}: step() needs this rank's training loss (step(params, grad, loss=...)): "
                 "the lowest running-mean loss elects the leaders"
-            )
+            ))
         self.recent_losses[self.losses_seen % self.loss_window] = float(loss)
         self.losses_seen += 1
 
@@ -298,7 +297,7 @@ class LSGD(LocalStepState, Algorithm):
             self._leader[...] = params
         comm.Bcast(self._leader, root=root)
         if scope == "local":
-            self.last_local_leader = self._group_world_ranks[root]
+            self.last_local_leader = self.topology.group_ranks[root]
             leader = self.last_local_leader
         else:
             self.last_global_leader = leader = root

@@ -56,7 +56,9 @@ def test_one_allreduce_of_4d_bytes_per_step(topology):
     assert topology.ledger["world.Allreduce"].calls == 1 + 2  # the step + the set-up agreement check
 
 
-def test_nan_raise_names_the_rank(topology):
+def test_nan_raise_names_the_rank():
+    # Without the abort (the default aborts the job: tests/e2e/test_no_hang.py) the error is raised.
+    topology = mpiopt.Topology(abort_on_error=False)
     params = np.zeros(D, np.float32)
     alg = mpiopt.create("sgd", topology, lr=0.1)
     alg.setup(params)
@@ -64,6 +66,7 @@ def test_nan_raise_names_the_rank(topology):
     grad[3] = np.nan
     with pytest.raises(FloatingPointError, match=f"non-finite gradient on rank {topology.rank} at step 1"):
         alg.step(params, grad)
+    topology.Free()
 
 
 @pytest.mark.mpi(min_size=2)
