@@ -2,32 +2,62 @@
 
 Every command runs under :func:`mpiopt.comm.abort_on_exception`: an error on
 any rank prints its traceback and ends the whole MPI job with a non-zero exit
-code instead of leaving the other ranks waiting.
+code instead of leaving the other ranks waiting.  Bad input (an unknown
+algorithm, a bad value, a missing dataset) is not an error of that kind: it
+is found on every rank alike (or agreed on collectively), printed once by
+rank 0 as ``mpiopt <command>: error: ...``, and every rank exits with code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 from ..comm import abort_on_exception
-from . import info
+from ..training.config import UsageError
 
+# name -> (module of mpiopt.cli, one-line help); modules are imported when used.
 COMMANDS = {
-    "info": (info, "show the topology, GPU-awareness and bytes per collective"),
+    "train": ("train", "train one algorithm on one task (metrics, evaluation, checkpoints)"),
+    "compare": ("compare", "train several algorithms on the same task and tabulate and plot the results"),
+    "plot": ("plot", "redraw the figures and the results table from metrics files"),
+    "info": ("info", "show the topology, GPU-awareness and bytes per collective"),
 }
+USAGE_EXIT = 2
+
+
+def _rank() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error once (rank 0), not once per rank."""
+
+    def error(self, message: str) -> NoReturn:
+        if _rank() == 0:
+            self.print_usage(sys.stderr)
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(USAGE_EXIT)
+
+
+def _module(name: str):
+    return importlib.import_module(f"{__package__}.{COMMANDS[name][0]}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m mpiopt",
         description="Communication-efficient distributed training on MPI. Launch with mpiexec/srun.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
-    for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=module.__doc__)
+    for name, (_, help_text) in COMMANDS.items():
+        module = _module(name)
+        p = sub.add_parser(name, help=help_text, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
     return parser
 
@@ -35,7 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     abort_on_exception()
-    return COMMANDS[args.command][0].run(args)
+    try:
+        return _module(args.command).run(args)
+    except UsageError as err:
+        if _rank() == 0:
+            sys.stderr.write(f"mpiopt {args.command}: error: {err}\n")
+        return USAGE_EXIT
 
 
 if __name__ == "__main__":

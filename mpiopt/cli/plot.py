@@ -1,0 +1,50 @@
+"""``mpiopt plot``: redraw the figures and the results table from metrics files.
+
+Reads ``metrics.jsonl`` files (from ``train`` or ``compare``; a folder is
+searched for them) and writes ``accuracy.png``, ``loss.png`` and
+``results.md`` into ``--out``.  Runs in one process; no MPI launcher needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+
+from ..training.config import UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("files", nargs="+", metavar="FILE", help="metrics.jsonl files, or folders searched for them")
+    parser.add_argument("--out", required=True, metavar="DIR", help="folder for the figures and results.md (created if missing)")
+    parser.add_argument("--target-accuracy", type=float, default=0.9, metavar="X", help="test accuracy for the to-target columns (default: 0.9)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..metrics import markdown_table, plot_runs, read_metrics, summarize
+
+    paths = []
+    for item in args.files:
+        if os.path.isdir(item):
+            found = sorted(glob.glob(os.path.join(item, "**", "metrics.jsonl"), recursive=True))
+            if not found:
+                raise UsageError(f"folder {item!r} holds no metrics.jsonl")
+            paths += found
+        elif os.path.isfile(item):
+            paths.append(item)
+        else:
+            raise UsageError(f"no such file or folder: {item!r}")
+    if not (0 < args.target_accuracy <= 1):
+        raise UsageError(f"--target-accuracy must be in (0, 1], got {args.target_accuracy}")
+    try:
+        runs = [read_metrics(p) for p in paths]
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    os.makedirs(args.out, exist_ok=True)
+    table = markdown_table([summarize(run, target_accuracy=args.target_accuracy) for run in runs])
+    with open(os.path.join(args.out, "results.md"), "w") as handle:
+        handle.write(table + "\n")
+    print(table)
+    for path in plot_runs(runs, args.out):
+        print(f"figure: {path}")
+    return 0

@@ -1,0 +1,84 @@
+"""What ``train`` and ``compare`` share: the output folder, the settings printout, data, and the closing report."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence
+
+from ..comm import Topology
+from ..training.config import TrainConfig, dump_toml
+
+
+@dataclass
+class Session:
+    """A started run: its communicators, its data and its output folder (the same on every rank)."""
+
+    topology: Topology
+    dataset: Any
+    out: str
+    command: str
+    started: float
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    def say(self, text: str = "") -> None:
+        """Print on rank 0 only."""
+        if self.rank == 0:
+            print(text, flush=True)
+
+    def finish(self, paths: Sequence[Optional[str]], config: TrainConfig) -> None:
+        """On rank 0: the table of results, the figures, and where everything is."""
+        if self.rank == 0:
+            from ..metrics import markdown_table, plot_runs, read_metrics, summarize
+
+            runs = [read_metrics(p) for p in paths if p]
+            table = markdown_table([summarize(run, target_accuracy=config.target_accuracy) for run in runs])
+            results = os.path.join(self.out, "results.md")
+            with open(results, "w") as handle:
+                handle.write(f"# mpiopt {self.command}: {config.dataset}/{config.model}, {self.topology.size} ranks\n\n{table}\n")
+            figures = plot_runs(runs, self.out)
+            print()
+            print(table)
+            print()
+            print(f"results: {results}")
+            for path in figures:
+                print(f"figure:  {path}")
+            for path in paths:
+                print(f"metrics: {path}")
+            print(f"done in {time.perf_counter() - self.started:.1f} s")
+        self.topology.world.Barrier()
+
+
+def start_session(config: TrainConfig, command: str, algorithms: List[str]) -> Session:
+    """Create the topology, agree on the output folder, print and save the settings, load the data."""
+    from ..training.loop import load_data
+
+    started = time.perf_counter()
+    topology = Topology(group_size=config.group_size)
+    world = topology.world
+    out = config.out or world.bcast_obj(os.path.join("runs", time.strftime(f"{command}-%Y%m%d-%H%M%S")) if world.rank == 0 else None)
+    config.out = out
+    if world.rank == 0:
+        os.makedirs(out, exist_ok=True)
+        settings = {k: v for k, v in dataclasses.asdict(config).items() if k != "hyperparameters"}
+        if command == "compare":
+            settings.pop("algorithm")
+            settings["algorithms"] = algorithms
+        settings["hyperparameters"] = {name: config.algorithm_hyperparameters(name) for name in algorithms}
+        text = dump_toml(settings)
+        with open(os.path.join(out, "config.toml"), "w") as handle:
+            handle.write(text)
+        groups = f"{topology.num_groups} group{'s' if topology.num_groups > 1 else ''}"
+        print(f"mpiopt {command}: {world.size} rank{'s' if world.size > 1 else ''} in {groups}; settings (saved as {out}/config.toml):")
+        print("  " + text.strip().replace("\n", "\n  "))
+        sys.stdout.flush()
+    dataset = load_data(config, world)
+    if world.rank == 0:
+        print(f"data: {dataset.description}\n", flush=True)
+    return Session(topology, dataset, out, command, started)

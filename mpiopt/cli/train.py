@@ -1,0 +1,36 @@
+"""``mpiopt train``: one algorithm on one task, with metrics, evaluation and progress.
+
+Launch under MPI (``mpiexec -n 4 python -m mpiopt train --algorithm lsgd``).
+Every setting is a flag or a key of ``--config FILE.toml`` (flags win); the
+effective configuration is printed first and saved as ``OUT/config.toml``,
+which ``--config`` reads back.  OUT receives ``metrics.jsonl`` (a record per
+step and per evaluation; ``mpiopt plot`` draws them) and, with ``--trace``,
+a Chrome/Perfetto trace of every rank's phases.
+
+Evaluated model: sgd, signum, topk and regtopk keep every rank's model
+identical and it is evaluated; for easgd, lsgd and dasgd the average of the
+ranks' models; for async_msgd and async_lsgd (evaluated at the end only)
+the server's (final parameters; async_lsgd: the global leader's).
+BatchNorm statistics are averaged over the ranks before each evaluation.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..training.config import add_config_arguments, config_from_args
+from .session import start_session
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, "train")
+
+
+def run(args: argparse.Namespace) -> int:
+    config, algorithms = config_from_args(args, "train")
+    session = start_session(config, "train", algorithms)
+    from ..training.loop import train
+
+    path = train(config, config.algorithm, session.topology, session.dataset, session.out)
+    session.finish([path], config)
+    return 0

@@ -1,0 +1,332 @@
+"""Training settings: one dataclass, its command-line flags, TOML files, and validation.
+
+Every setting of ``mpiopt train`` and ``mpiopt compare`` is a field of
+:class:`TrainConfig`, a flag (``--batch-size``) and a key of a TOML file
+(``batch_size = 32``, given with ``--config FILE.toml``).  Precedence: the
+defaults below, then the file, then the flags.  Algorithm hyperparameters go
+in a ``[hyperparameters]`` table (for ``compare``, a sub-table per algorithm
+overrides it: ``[hyperparameters.lsgd]``) or in repeated ``--hp KEY=VALUE``
+flags (``--hp lsgd.pull_local=0.2`` for one algorithm only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = ["TrainConfig", "UsageError", "ALGORITHM_DEFAULTS", "add_config_arguments", "config_from_args", "dump_toml"]
+
+
+class UsageError(ValueError):
+    """A bad setting: the message names it, its value and what is allowed."""
+
+
+# Starting points for the image tasks, per algorithm, where the papers' values
+# were chosen for other models (a sign step of 1e-4 barely moves a small MLP in
+# a few hundred steps).  Any of them can be overridden with --lr / --hp.
+ALGORITHM_DEFAULTS: Dict[str, Dict[str, Any]] = {
+    "sgd": {"lr": 0.05, "momentum": 0.9},
+    "easgd": {"lr": 0.05, "momentum": 0.9},
+    "lsgd": {"lr": 0.05},
+    "dasgd": {"lr": 0.05},
+    "signum": {"lr": 1e-3},
+    "topk": {"lr": 0.05, "density": 0.01, "momentum": 0.9},
+    "regtopk": {"lr": 0.05, "density": 0.01, "momentum": 0.9},
+    "async_msgd": {"lr": 0.05, "momentum": 0.5},
+    "async_lsgd": {"lr": 0.05},
+}
+
+DATASETS = ("digits", "cifar10", "synthetic")
+MODELS = ("mlp", "cnn", "resnet20")
+DEFAULT_EPOCHS = 20
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a training run (see ``mpiopt train --help`` for each one's meaning)."""
+
+    algorithm: str = "sgd"
+    dataset: str = "digits"
+    data_dir: Optional[str] = None
+    model: str = "mlp"
+    width: Optional[int] = None
+    dropout: float = 0.0
+    augment: bool = False
+    epochs: Optional[float] = None
+    steps: Optional[int] = None
+    batch_size: int = 32
+    lr: Optional[float] = None
+    hyperparameters: Dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    group_size: Optional[int] = None
+    eval_every: Optional[int] = None
+    target_accuracy: float = 0.9
+    log_every: Optional[int] = None
+    threads: Optional[int] = None
+    trace: Optional[str] = None
+    out: Optional[str] = None
+    checkpoint_every: Optional[int] = None
+    checkpoint_dir: Optional[str] = None
+    keep_checkpoints: int = 3
+    resume: Optional[str] = None
+    override_hyperparameters: bool = False
+
+    def algorithm_hyperparameters(self, algorithm: Optional[str] = None) -> Dict[str, Any]:
+        """The keyword arguments for ``algorithm`` (default: this run's): defaults, shared table, its own table, --lr."""
+        name = algorithm or self.algorithm
+        shared = {k: v for k, v in self.hyperparameters.items() if not isinstance(v, dict)}
+        own = self.hyperparameters.get(name, {})
+        hyper = {**ALGORITHM_DEFAULTS.get(name, {}), **shared, **own}
+        if self.lr is not None:
+            hyper["lr"] = self.lr
+        return hyper
+
+    def validate(self, algorithms: Sequence[str]) -> None:
+        """Raise :class:`UsageError` naming the first bad setting (no MPI, no file system beyond the paths)."""
+        from ..algorithms import available
+
+        known = available()
+        for name in algorithms:
+            if name not in known:
+                raise UsageError(f"unknown algorithm {name!r}; choose from {', '.join(known)}")
+        if self.dataset not in DATASETS:
+            raise UsageError(f"unknown dataset {self.dataset!r}; choose from {', '.join(DATASETS)}")
+        if self.model not in MODELS:
+            raise UsageError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
+        if self.steps is not None and self.epochs is not None:
+            raise UsageError(f"give --steps or --epochs, not both (got steps={self.steps}, epochs={self.epochs})")
+        _positive("steps", self.steps, integer=True)
+        _positive("epochs", self.epochs)
+        _positive("batch_size", self.batch_size, integer=True)
+        _positive("width", self.width, integer=True)
+        _positive("lr", self.lr)
+        _positive("group_size", self.group_size, integer=True)
+        _positive("eval_every", self.eval_every, integer=True)
+        _positive("log_every", self.log_every, integer=True)
+        _positive("threads", self.threads, integer=True)
+        _positive("checkpoint_every", self.checkpoint_every, integer=True)
+        _positive("keep_checkpoints", self.keep_checkpoints, integer=True)
+        if not (0.0 <= self.dropout < 1.0):
+            raise UsageError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if not (0.0 < self.target_accuracy <= 1.0):
+            raise UsageError(f"target_accuracy must be in (0, 1], got {self.target_accuracy!r}")
+        if self.augment and self.dataset != "cifar10":
+            raise UsageError(f"augment (random crop and flip) is for 32x32 images: dataset cifar10, not {self.dataset!r}")
+        if self.dataset == "cifar10" and self.data_dir is None:
+            raise UsageError("dataset cifar10 needs --data-dir (the folder with data_batch_1.bin ... test_batch.bin)")
+        if self.data_dir is not None and not os.path.isdir(self.data_dir):
+            raise UsageError(f"data_dir {self.data_dir!r} is not a directory")
+        if not isinstance(self.hyperparameters, dict):
+            raise UsageError(f"hyperparameters must be a table (KEY = VALUE), got {self.hyperparameters!r}")
+        for name in algorithms:
+            self._check_hyperparameters(name)
+
+    def _check_hyperparameters(self, name: str) -> None:
+        """Construct nothing, but check the keyword names against the algorithm's signature."""
+        import inspect
+
+        from ..algorithms import algorithm_class
+
+        parameters = inspect.signature(algorithm_class(name).__init__).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            return  # passes keywords on: the algorithm's constructor names a bad one (see loop.train)
+        accepted = set(parameters) - {"self", "topology"}
+        unknown = sorted(set(self.algorithm_hyperparameters(name)) - accepted)
+        if unknown:
+            raise UsageError(f"{name} has no hyperparameter {', '.join(map(repr, unknown))}; it takes {', '.join(sorted(accepted))}")
+
+
+def _positive(name: str, value: Any, integer: bool = False) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok or not math.isfinite(value) or value <= 0:
+        kind = "a positive integer" if integer else "a positive number"
+        raise UsageError(f"{name} must be {kind}, got {value!r}")
+
+
+# -- command-line flags ---------------------------------------------------------------------------------
+_HELP = {
+    "algorithm": "algorithm to train with: {choices}",
+    "dataset": "dataset: digits (8x8 handwritten digits shipped with scikit-learn, offline), cifar10 (binary batches in --data-dir), synthetic (Gaussian clusters)",
+    "data_dir": "folder of the dataset files (cifar10: data_batch_1.bin..test_batch.bin; digits: digits.csv.gz, default: scikit-learn's copy)",
+    "model": "model: mlp (2 hidden layers of --width, default 128), cnn (2 conv layers, width 32), resnet20 (He et al., width 16)",
+    "width": "hidden units (mlp) or channels (cnn, resnet20's first stage); default per model",
+    "dropout": "dropout before the classifier head",
+    "augment": "random crop (padding 4) and horizontal flip of training images (cifar10)",
+    "epochs": f"passes over the training set (default {DEFAULT_EPOCHS} when --steps is not given)",
+    "steps": "optimizer steps per rank (instead of --epochs)",
+    "batch_size": "samples per rank per step",
+    "lr": "learning rate; default per algorithm: {lr_defaults}",
+    "seed": "seed of the model's initialisation, the data order and augmentation",
+    "group_size": "ranks per group (LSGD's local leaders, signum's pre-vote); default: the real nodes",
+    "eval_every": "evaluate on the test split every N steps (default: 10 times per run, and at the end)",
+    "target_accuracy": "test accuracy for the time-to-target and bytes-to-target columns",
+    "log_every": "plain progress line every N steps when the output is not a terminal (default: --eval-every)",
+    "threads": "torch threads per rank (default: the machine's cores divided by the ranks on it)",
+    "trace": "write every rank's phases (compute, algorithm, communication, operations in flight) to this Chrome/Perfetto trace file",
+    "out": "folder for everything the run writes (default: runs/<command>-<date>-<time>)",
+    "checkpoint_every": "write a checkpoint every N steps (and always at the end)",
+    "checkpoint_dir": "folder of the checkpoints (default: OUT/checkpoints)",
+    "keep_checkpoints": "checkpoints to keep (older ones are deleted)",
+    "resume": "resume from this checkpoint file, or 'auto': the newest valid one in the checkpoint folder",
+    "override_hyperparameters": "on resume, let this run's hyperparameters replace the checkpoint's",
+}
+_FLAGS_BY_COMMAND = {
+    "train": [f.name for f in dataclasses.fields(TrainConfig) if f.name != "hyperparameters"],
+    "compare": [
+        f.name for f in dataclasses.fields(TrainConfig)
+        if f.name not in ("hyperparameters", "algorithm", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "resume",
+                          "override_hyperparameters", "trace")
+    ],
+}
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _toml_value(text: str) -> Any:
+    """``0.9`` -> 0.9, ``true`` -> True, ``"x"`` or ``x`` -> 'x'."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    """Add one flag per setting of ``command`` (``train`` or ``compare``), every default None (= not given)."""
+    from ..algorithms import available
+
+    defaults = TrainConfig()
+    parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (keys as below, with underscores); flags override it")
+    for name in _FLAGS_BY_COMMAND[command]:
+        f = next(x for x in dataclasses.fields(TrainConfig) if x.name == name)
+        default = getattr(defaults, name)
+        lr_defaults = ", ".join(f"{a} {h['lr']:g}" for a, h in ALGORITHM_DEFAULTS.items())
+        text = _HELP[name].format(choices=", ".join(available()), lr_defaults=lr_defaults)
+        text += "" if default is None else f" (default: {default})"
+        flag = "--" + name.replace("_", "-")
+        kind = f.type if isinstance(f.type, str) else str(f.type)
+        if "bool" in kind:
+            parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=None, metavar="BOOL", help=text)
+        elif "int" in kind:
+            parser.add_argument(flag, type=int, default=None, metavar="N", help=text)
+        elif "float" in kind:
+            parser.add_argument(flag, type=float, default=None, metavar="X", help=text)
+        else:
+            parser.add_argument(flag, default=None, metavar=name.upper(), help=text)
+    if command == "compare":
+        parser.add_argument(
+            "--algorithms", default=None, metavar="A,B,...",
+            help=f"comma-separated algorithms to compare, one after another on the same task, seed and ranks (default: all: {','.join(available())})",
+        )
+    parser.add_argument(
+        "--hp", action="append", default=[], metavar="KEY=VALUE",
+        help="an algorithm hyperparameter, e.g. --hp momentum=0.9 or, for one algorithm only, --hp lsgd.pull_local=0.2 "
+        "(repeatable). Defaults: each algorithm's own (python -c 'import mpiopt; help(mpiopt.algorithms.algorithm_class(\"lsgd\"))'), except "
+        + "; ".join(f"{a}: " + ", ".join(f"{k}={v}" for k, v in h.items() if k != "lr") for a, h in ALGORITHM_DEFAULTS.items() if len(h) > 1),
+    )
+
+
+def _load_file(path: str) -> Dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError:
+        raise UsageError(f"config file {path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise UsageError(f"config file {path!r} is not valid TOML: {err}") from None
+
+
+def config_from_args(args: argparse.Namespace, command: str) -> "tuple[TrainConfig, List[str]]":
+    """Merge defaults, ``--config`` file and flags; return the config and the algorithms to run."""
+    from ..algorithms import available
+
+    values: Dict[str, Any] = {}
+    allowed = set(_FLAGS_BY_COMMAND[command]) | {"hyperparameters"} | ({"algorithms"} if command == "compare" else set())
+    if args.config:
+        loaded = _load_file(args.config)
+        unknown = sorted(set(loaded) - allowed)
+        if unknown:
+            raise UsageError(f"config file {args.config!r}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+        values.update(loaded)
+    for name in _FLAGS_BY_COMMAND[command]:
+        given = getattr(args, name, None)
+        if given is not None:
+            values[name] = given
+    hyper = dict(values.pop("hyperparameters", {}))
+    for item in args.hp:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--hp takes KEY=VALUE, got {item!r}")
+        target, _, leaf = key.strip().rpartition(".")
+        if target:
+            hyper.setdefault(target, {})[leaf] = _toml_value(text)
+        else:
+            hyper[leaf] = _toml_value(text)
+    algorithms_text = values.pop("algorithms", None)
+    if command == "compare":
+        given = getattr(args, "algorithms", None) or algorithms_text
+        if isinstance(given, str):
+            algorithms = [a.strip() for a in given.split(",") if a.strip()]
+        elif isinstance(given, list):
+            algorithms = [str(a) for a in given]
+        else:
+            algorithms = [a for a in ALGORITHM_DEFAULTS if a in available()]  # the baseline first
+        if not algorithms:
+            raise UsageError("--algorithms names no algorithm")
+    config = TrainConfig(**values, hyperparameters=hyper)
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(config, f.name)
+        if value is not None and f.name in ("epochs", "dropout", "target_accuracy", "lr") and isinstance(value, int) and not isinstance(value, bool):
+            setattr(config, f.name, float(value))  # TOML's 1 where 1.0 was meant
+    if command == "train":
+        algorithms = [config.algorithm]
+    config.validate(algorithms)
+    return config, algorithms
+
+
+def dump_toml(values: Dict[str, Any]) -> str:
+    """A TOML document for flat settings and (nested) tables of plain values; None is left out."""
+    lines, tables = [], []
+    for key, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            tables.append((key, value))
+        else:
+            lines.append(f"{key} = {_toml_literal(value)}")
+    for key, table in tables:
+        plain = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        nested = {k: v for k, v in table.items() if isinstance(v, dict)}
+        if plain or not nested:
+            lines += ["", f"[{key}]"] + [f"{k} = {_toml_literal(v)}" for k, v in plain.items() if v is not None]
+        for sub, subtable in nested.items():
+            lines += ["", f"[{key}.{sub}]"] + [f"{k} = {_toml_literal(v)}" for k, v in subtable.items() if v is not None]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,312 @@
+"""One training run: a model from :mod:`mpiopt.tasks` trained by a :class:`~mpiopt.torch.DistributedOptimizer`.
+
+What a run does, on every rank:
+
+1. builds the model from the seed (rank 0's initial parameters and buffers
+   are broadcast, so every rank starts identical);
+2. steps through its shard of the training set (:class:`ShardSampler`:
+   every sample once per epoch across the ranks, the order fixed by the
+   seed), forward and backward, then the algorithm's step;
+3. evaluates every ``eval_every`` steps and at the end: BatchNorm statistics
+   averaged over the ranks (:func:`~mpiopt.torch.average_buffers`), then the
+   model below on the test split, each rank a slice of it;
+4. on rank 0, writes a JSON-lines record per step and per evaluation
+   (:mod:`mpiopt.metrics.records`) and reports progress.
+
+Which model is evaluated: ``sgd``, ``signum``, ``topk`` and ``regtopk`` keep
+every rank's model identical, and that model is evaluated; for ``easgd``,
+``lsgd`` and ``dasgd`` (ranks differ between averaging points) it is the
+average of the ranks' models; for the asynchronous algorithms (evaluated at
+the end only, the ranks being busy in the runtime) it is the server's model
+(``async_msgd``: the final parameters, the same on every rank; ``async_lsgd``:
+the final global leader's).
+
+Times: ``wall_seconds`` counts training only (evaluations excluded), so
+time-to-accuracy compares the algorithms, not the evaluation schedule.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+from typing import Any, Callable, ContextManager, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..comm import Comm, Topology
+from ..metrics import MetricsWriter, Tracer, versions
+from ..tasks.images import DatasetError, ImageDataset, ShardSampler, augment_cifar, batch_rng, load_dataset
+from ..tasks.models import build_model
+from ..torch import DistributedOptimizer, average_buffers, broadcast_module
+from .config import DEFAULT_EPOCHS, TrainConfig, UsageError
+from .progress import Progress
+
+__all__ = ["train", "load_data", "agree_or_fail", "IDENTICAL_RANKS", "ASYNCHRONOUS"]
+
+#: Algorithms that keep every rank's parameters identical after every step.
+IDENTICAL_RANKS = frozenset({"sgd", "signum", "topk", "regtopk"})
+#: Algorithms driven by DistributedOptimizer.run (world rank 0 serves).
+ASYNCHRONOUS = frozenset({"async_msgd", "async_lsgd"})
+EVAL_BATCH = 1000
+
+
+def agree_or_fail(world: Comm, what: str, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on every rank; if it fails on any, raise the same :class:`UsageError` on every rank.
+
+    For the steps before training that involve no communication (reading
+    settings and data): a rank failing alone must not leave the others
+    waiting in the next collective.
+    """
+    try:
+        value, error = fn(), None
+    except (UsageError, DatasetError, OSError, ValueError, TypeError) as err:
+        value, error = None, str(err)
+    errors = world.allgather_obj(error)
+    bad = [rank for rank, e in enumerate(errors) if e]
+    if bad:
+        where = "" if len(bad) == world.size else f" (on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))})"
+        raise UsageError(f"{what}: {errors[bad[0]]}{where}")
+    return value
+
+
+def load_data(config: TrainConfig, world: Comm) -> ImageDataset:
+    """The dataset of ``config``, loaded on every rank (a collective call: one rank's failure fails all)."""
+    return agree_or_fail(world, "cannot load the dataset", lambda: load_dataset(config.dataset, data_dir=config.data_dir, seed=config.seed))
+
+
+def _set_threads(config: TrainConfig, world: Comm) -> int:
+    """torch threads per rank: the cores this process may use, shared by the ranks on its node."""
+    if config.threads:
+        threads = config.threads
+    else:
+        node = world.Split_shared("node")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cores // node.size)
+        node.Free()
+    torch.set_num_threads(threads)
+    return threads
+
+
+class _Evaluator:
+    """The test-set evaluation of a run (collective): each rank a slice, sums over the ranks."""
+
+    def __init__(self, model: torch.nn.Module, dataset: ImageDataset, world: Comm) -> None:
+        self.world = world
+        self.x = torch.from_numpy(dataset.x_test[world.rank :: world.size])
+        self.y = torch.from_numpy(dataset.y_test[world.rank :: world.size])
+        self.copy = build_like(model)
+        self._flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+
+    @torch.no_grad()
+    def __call__(self, model: torch.nn.Module, source: str, flat: torch.Tensor, train_losses: List[float]) -> Dict[str, float]:
+        """Evaluate; ``source``: "own" (this rank's model), "average" (the ranks' mean), "root" (rank 0's)."""
+        average_buffers(model, self.world)
+        evaluated = model
+        if source != "own":
+            self.copy.load_state_dict(model.state_dict())
+            if source == "average":
+                self.world.Allreduce(flat, out=self._flat)
+                self._flat /= self.world.size
+            else:
+                self._flat.copy_(flat)
+                self.world.Bcast(self._flat, root=0)
+            torch.nn.utils.vector_to_parameters(self._flat, self.copy.parameters())
+            evaluated = self.copy
+        was_training = evaluated.training
+        evaluated.eval()
+        sums = np.zeros(5, dtype=np.float64)  # test loss, correct, count, train loss sum, train count
+        for start in range(0, len(self.y), EVAL_BATCH):
+            x, y = self.x[start : start + EVAL_BATCH], self.y[start : start + EVAL_BATCH]
+            logits = evaluated(x)
+            sums[0] += float(F.cross_entropy(logits, y, reduction="sum"))
+            sums[1] += float((logits.argmax(1) == y).sum())
+            sums[2] += len(y)
+        finite = [v for v in train_losses if math.isfinite(v)]
+        sums[3], sums[4] = sum(finite), len(finite)
+        evaluated.train(was_training)
+        self.world.Allreduce(sums)
+        return {
+            "test_loss": sums[0] / max(1.0, sums[2]),
+            "test_accuracy": sums[1] / max(1.0, sums[2]),
+            "train_loss": sums[3] / sums[4] if sums[4] else math.nan,
+        }
+
+
+def build_like(model: torch.nn.Module) -> torch.nn.Module:
+    """A second instance of ``model`` (for evaluating another set of parameters)."""
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def train(
+    config: TrainConfig,
+    algorithm: str,
+    topology: Topology,
+    dataset: ImageDataset,
+    out_dir: str,
+    *,
+    stream: Optional[Any] = sys.stdout,
+) -> Optional[str]:
+    """Train ``algorithm`` on ``dataset`` as ``config`` says (a collective call).
+
+    Parameters
+    ----------
+    config : TrainConfig
+        Validated settings.
+    algorithm : str
+        The algorithm (``config.algorithm`` for ``train``; each of the list for ``compare``).
+    topology : Topology
+        Communicators.
+    dataset : ImageDataset
+        From :func:`load_data`.
+    out_dir : str
+        Folder of this run's files (``metrics.jsonl``; the trace if asked for).
+    stream : file, optional
+        Where rank 0 reports progress.
+
+    Returns
+    -------
+    str or None
+        The metrics file's path on rank 0; None on the other ranks.
+    """
+    world = topology.world
+    rank, size = world.rank, world.size
+    _set_threads(config, world)
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, width=config.width, dropout=config.dropout)
+    hyper = config.algorithm_hyperparameters(algorithm)
+    try:  # validation before any communication: every rank fails alike
+        opt = DistributedOptimizer(model.parameters(), algorithm, topology=topology, **hyper)
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"{algorithm}: {err}") from None
+    broadcast_module(model, topology)
+    torch.manual_seed(config.seed + 1 + rank)  # dropout differs between ranks, reproducibly
+    asynchronous = algorithm in ASYNCHRONOUS
+    workers = max(1, size - 1) if asynchronous else size
+    worker_rank = max(0, rank - 1) if asynchronous else rank
+    sampler = ShardSampler(len(dataset.y_train), rank=worker_rank, world_size=workers, batch_size=config.batch_size, seed=config.seed)
+    steps = config.steps or max(1, math.ceil((config.epochs or DEFAULT_EPOCHS) * sampler.batches_per_epoch))
+    eval_every = config.eval_every or max(1, steps // 10)
+    x_train, y_train = torch.from_numpy(dataset.x_train), torch.from_numpy(dataset.y_train)
+
+    def batch(step: int):
+        index = sampler.indices(step)
+        x = dataset.x_train[index] if config.augment else x_train[index]
+        if config.augment:
+            x = torch.from_numpy(augment_cifar(x, batch_rng(config.seed, worker_rank, step)))
+        return x, y_train[index]
+
+    os.makedirs(out_dir, exist_ok=True) if rank == 0 else None
+    world.Barrier()
+    reporter = rank == (1 if asynchronous and size > 1 else 0)
+    progress = Progress(algorithm, steps, config.log_every or eval_every, stream if reporter else None)
+    writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), truncate=True) if rank == 0 else None
+    if writer:
+        writer.write({
+            "kind": "run", "algorithm": algorithm, "task": f"{config.dataset}/{config.model}",
+            "config": {**asdict(config), "algorithm": algorithm, "hyperparameters": hyper}, "world_size": size,
+            "versions": versions(), "steps": steps, "batches_per_epoch": sampler.batches_per_epoch,
+            "parameters": sum(p.numel() for p in model.parameters()),
+        })
+    tracer = Tracer(topology) if config.trace else None
+    phase: Callable[[str], ContextManager[Any]] = tracer.phase if tracer else (lambda name: nullcontext())
+    evaluator = _Evaluator(model, dataset, world)
+    state = {"train_seconds": 0.0, "bytes": 0, "losses": []}
+
+    def step_record(step: int, loss: float, compute: float, whole: float, record: Any) -> Dict[str, Any]:
+        state["bytes"] += record["bytes_sent"]
+        state["losses"].append(loss)
+        return {
+            "kind": "step", "step": step, "epoch": step / sampler.batches_per_epoch, "loss": loss, "lr": opt.algorithm.lr,
+            "compute_seconds": compute, "step_seconds": whole, "wall_seconds": state["train_seconds"], "algorithm": algorithm,
+            **record,
+        }
+
+    def evaluate(step: int, source: str) -> None:
+        with phase("eval"):
+            result = evaluator(model, source, opt._flat_params, state["losses"])
+        state["losses"] = []
+        progress.accuracy = result["test_accuracy"]
+        if progress.tty:  # the bar is redrawn in place: keep each evaluation as a line of its own
+            progress.note(f"eval at step {step}: test accuracy {100 * result['test_accuracy']:.1f}%, test loss {result['test_loss']:.4f}")
+        if writer:
+            writer.write({
+                "kind": "eval", "step": step, "epoch": step / sampler.batches_per_epoch, "wall_seconds": state["train_seconds"],
+                "bytes_sent_total": state["bytes"], "evaluated": {"own": "rank0", "average": "average", "root": "leader" if algorithm == "async_lsgd" else "rank0"}[source],
+                **result,
+            })
+
+    source = "own" if algorithm in IDENTICAL_RANKS else ("root" if asynchronous else "average")
+    if asynchronous:
+        log: List[Dict[str, Any]] = []
+        clock = {"last": time.perf_counter(), "ledger": topology.ledger.snapshot()}
+
+        def compute_fn(step: int) -> torch.Tensor:
+            started = time.perf_counter()
+            with phase("compute"):
+                x, y = batch(step)
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+            now = time.perf_counter()
+            delta = topology.ledger.since(clock["ledger"])
+            comm, wait = delta.blocked_seconds()
+            whole = now - clock["last"]
+            state["train_seconds"] += whole
+            # A worker applies nothing itself: the rest of its time is spent waiting for the server.
+            record = {"bytes_sent": delta.bytes_sent, "bytes_recv": delta.bytes_recv, "comm_seconds": comm,
+                      "wait_seconds": max(wait, whole - (now - started) - comm), "algo_seconds": 0.0}
+            log.append(step_record(step + 1, float(loss.detach()), now - started, whole, record))
+            progress.update(step + 1, log[-1]["loss"], whole, state["bytes"] / 1e6)
+            clock["last"], clock["ledger"] = now, topology.ledger.snapshot()
+            return loss
+
+        result = opt.run(compute_fn, steps)
+        log = world.bcast_obj(log, root=1 if size > 1 else 0)
+        if writer:
+            for record in log:
+                writer.write(record)
+            state["train_seconds"] = log[-1]["wall_seconds"] if log else 0.0
+            state["bytes"] = sum(r["bytes_sent"] for r in log)
+        state["losses"] = [r["loss"] for r in log[-max(1, steps // 10):]]
+        evaluate(steps, source)
+        if writer:
+            writer.write({"kind": "end", "step": steps, "wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"],
+                          "result": {k: v for k, v in vars(result).items() if isinstance(v, (int, float, str, bool))}})
+    else:
+        for step in range(steps):
+            started = time.perf_counter()
+            x, y = batch(step)
+            with phase("compute"):
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+            computed = time.perf_counter()
+            with phase("algorithm"):
+                opt.step(loss=loss)
+            whole = time.perf_counter() - started
+            state["train_seconds"] += whole
+            record = opt.last.as_dict()
+            record.pop("step"), record.pop("loss")
+            line = step_record(step + 1, float(loss.detach()), computed - started, whole, record)
+            if writer:
+                writer.write(line)
+            if (step + 1) % eval_every == 0 or step + 1 == steps:
+                evaluate(step + 1, source)
+            progress.update(step + 1, line["loss"], whole, state["bytes"] / 1e6)
+        opt.finish()
+        if writer:
+            writer.write({"kind": "end", "step": steps, "wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"]})
+    if tracer:
+        tracer.write(config.trace if algorithm == config.algorithm else os.path.join(out_dir, "trace.json"))
+        tracer.close()
+    if writer:
+        writer.close()
+        return os.path.join(out_dir, "metrics.jsonl")
+    return None

@@ -1,0 +1,72 @@
+"""Progress of a training run on rank 0: a bar on a terminal, plain lines in logs (CI, Slurm)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional, TextIO
+
+__all__ = ["Progress"]
+
+_BAR = 24
+
+
+class Progress:
+    """Report steps of one run.
+
+    Parameters
+    ----------
+    label : str
+        Shown at the start of every line (the algorithm).
+    total : int
+        Steps of the run.
+    every : int
+        A plain line every ``every`` steps when ``stream`` is not a terminal
+        (and at the last step).  On a terminal the bar is redrawn at most
+        ten times a second.
+    stream : file, optional
+        Default ``sys.stdout``; None makes it silent (ranks other than 0).
+    """
+
+    def __init__(self, label: str, total: int, every: int, stream: Optional[TextIO] = sys.stdout) -> None:
+        self.label, self.total, self.every, self.stream = label, total, max(1, every), stream
+        self.tty = bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
+        self._drawn = 0.0
+        self._seconds, self._count = 0.0, 0  # step times since the last line
+        self.accuracy: Optional[float] = None
+
+    def update(self, step: int, loss: float, step_seconds: float, megabytes_sent: float) -> None:
+        """Report ``step`` (1-based) with this rank's loss, the step's time and the MB sent so far.
+
+        The time shown is the mean step time since the previous line.
+        """
+        if self.stream is None:
+            return
+        self._seconds += step_seconds
+        self._count += 1
+        last = step >= self.total
+        due = last or (time.monotonic() - self._drawn >= 0.1 if self.tty else step % self.every == 0)
+        if not due:
+            return
+        accuracy = "  acc   -  " if self.accuracy is None else f"  acc {100 * self.accuracy:5.1f}%"
+        mean = self._seconds / self._count
+        self._seconds, self._count = 0.0, 0
+        numbers = f"loss {loss:7.4f}{accuracy}  {1e3 * mean:7.1f} ms/step  {megabytes_sent:9.2f} MB sent"
+        if self.tty:
+            self._drawn = time.monotonic()
+            done = int(_BAR * step / max(1, self.total))
+            bar = "#" * done + "." * (_BAR - done)
+            self.stream.write(f"\r{self.label:>10} [{bar}] {step}/{self.total}  {numbers}" + ("\n" if last else ""))
+            self.stream.flush()
+        else:
+            self.stream.write(f"{self.label:>10} step {step:>{len(str(self.total))}}/{self.total}  {numbers}\n")
+            self.stream.flush()
+
+    def note(self, text: str) -> None:
+        """A line of its own (evaluation results, checkpoints)."""
+        if self.stream is None:
+            return
+        if self.tty:
+            self.stream.write("\r\033[K")
+        self.stream.write(f"{self.label:>10} {text}\n")
+        self.stream.flush()

@@ -1,0 +1,111 @@
+"""``mpiopt train``, ``compare`` and ``plot`` end to end under mpiexec, on synthetic data, and their bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from mpiopt.metrics import EVAL_FIELDS, STEP_FIELDS, read_metrics
+
+from .launch import run_mpi
+
+pytest.importorskip("torch")
+pytest.importorskip("matplotlib")
+
+TINY = ["--dataset", "synthetic", "--steps", "12", "--eval-every", "6", "--batch-size", "16"]
+
+
+def _png(path) -> bool:
+    with open(path, "rb") as handle:
+        return handle.read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(path) > 1000
+
+
+def test_train_writes_every_field_and_prints_the_settings_first(tmp_path):
+    out = tmp_path / "run"
+    code, output, _ = run_mpi(2, ["-m", "mpiopt", "train", "--algorithm", "lsgd", *TINY, "--out", str(out)], timeout=180)
+    assert code == 0, output
+    assert output.index("settings (saved as") < output.index("lsgd step")
+    run = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in run.steps] == list(range(1, 13))
+    for record in run.steps:
+        assert set(STEP_FIELDS) <= set(record) and record["algorithm"] == "lsgd"
+    assert [e["step"] for e in run.evals] == [6, 12]
+    for record in run.evals:
+        assert set(EVAL_FIELDS) <= set(record) and record["evaluated"] == "average" and 0 <= record["test_accuracy"] <= 1
+    assert run.header["world_size"] == 2 and run.header["config"]["hyperparameters"]["lr"] == 0.05
+    assert sum(r["bytes_sent"] for r in run.steps) == run.end["bytes_sent_total"] > 0
+    # The saved settings reproduce the run: read back with --config, flags still win.
+    saved = (out / "config.toml").read_text()
+    assert 'algorithm = "lsgd"' in saved and "steps = 12" in saved
+    again = tmp_path / "again"
+    code, output, _ = run_mpi(2, ["-m", "mpiopt", "train", "--config", str(out / "config.toml"), "--steps", "6", "--out", str(again)], timeout=180)
+    assert code == 0, output
+    assert len(read_metrics(again / "metrics.jsonl").steps) == 6
+    assert 'dataset = "synthetic"' in (again / "config.toml").read_text()
+
+
+def test_compare_writes_the_table_and_figures_and_plot_redraws_them(tmp_path):
+    out = tmp_path / "cmp"
+    algorithms = "sgd,dasgd,signum,async_msgd"
+    code, output, _ = run_mpi(
+        3, ["-m", "mpiopt", "compare", "--algorithms", algorithms, *TINY, "--group-size", "2", "--out", str(out)], timeout=240
+    )
+    assert code == 0, output
+    table = (out / "results.md").read_text()
+    for name in algorithms.split(","):
+        assert f"| {name} |" in table and f"| {name} |" in output
+        assert (out / name / "metrics.jsonl").exists()
+    assert "time to 90.0 %" in table
+    figures = [out / "accuracy.png", out / "loss.png"]
+    assert all(_png(f) for f in figures) and all(str(f) in output for f in figures)
+    redrawn = tmp_path / "redrawn"
+    code, output, _ = run_mpi(1, ["-m", "mpiopt", "plot", str(out), "--out", str(redrawn)], timeout=120)
+    assert code == 0, output
+    assert all(_png(redrawn / f.name) for f in figures)
+    assert (redrawn / "results.md").read_text().splitlines()[2:] == table.strip().splitlines()[4:]
+
+
+BAD = [
+    (["train", "--algorithm", "adamw"], "unknown algorithm 'adamw'; choose from"),
+    (["train", "--dataset", "mnist"], "unknown dataset 'mnist'; choose from digits, cifar10, synthetic"),
+    (["train", "--batch-size", "0"], "batch_size must be a positive integer, got 0"),
+    (["train", "--lr", "-1"], "lr must be a positive number, got -1.0"),
+    (["train", "--steps", "5", "--epochs", "2"], "give --steps or --epochs, not both"),
+    (["train", "--dataset", "cifar10", "--data-dir", "/nonexistent/cifar"], "data_dir '/nonexistent/cifar' is not a directory"),
+    (["train", "--dataset", "cifar10", "--data-dir", "{empty}"], "data_batch_1.bin"),
+    (["train", "--hp", "momentum"], "--hp takes KEY=VALUE, got 'momentum'"),
+    (["train", "--hp", "pull_locl=0.2", "--algorithm", "lsgd"], "lsgd has no hyperparameter 'pull_locl'"),
+    (["train", "--hp", "momentum=1.5"], "momentum must be in [0.0, 1.0)"),
+    (["compare", "--algorithms", "sgd,nope"], "unknown algorithm 'nope'"),
+    (["train", "--config", "/nonexistent.toml"], "config file '/nonexistent.toml' does not exist"),
+    (["train", "--config", "{badkey}"], "unknown key(s) colour"),
+    (["train", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["plot", "/nonexistent/metrics.jsonl", "--out", "x"], "no such file or folder"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_gives_one_clear_message(tmp_path, args, message):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    badkey = tmp_path / "bad.toml"
+    badkey.write_text('colour = "blue"\n')
+    args = [a.format(empty=empty, badkey=badkey) for a in args]
+    code, output, seconds = run_mpi(2, ["-m", "mpiopt", *args, "--out", str(tmp_path / "o")] if args[0] != "plot" else ["-m", "mpiopt", *args], timeout=60)
+    assert code != 0 and seconds < 30, output
+    assert message in output, output
+    assert output.count(message) == 1, f"printed more than once:\n{output}"
+    assert "Traceback" not in output, output
+
+
+def test_metrics_lines_are_json_with_numbers(tmp_path):
+    out = tmp_path / "one"
+    code, output, _ = run_mpi(1, ["-m", "mpiopt", "train", "--algorithm", "topk", *TINY, "--out", str(out)], timeout=120)
+    assert code == 0, output
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [line["kind"] for line in lines][:2] == ["run", "step"] and lines[-1]["kind"] == "end"
+    steps = [line for line in lines if line["kind"] == "step"]
+    assert all(line["bytes_sent"] == 0 for line in steps)  # one rank: nothing crosses a wire
+    assert all(line["step_seconds"] >= line["compute_seconds"] >= 0 for line in steps)
