@@ -236,7 +236,7 @@ class Topology:
         if error is None:
             vote.Wait()
         elif not _completes(vote, VOTE_SECONDS):
-            self.raise_or_abort(error)
+            self.raise_or_abort(error, why=f"the other ranks did not come to the {what} check within {VOTE_SECONDS:g} s")
         if not failed[0]:
             return
         texts = self._control.allgather_obj(None if error is None else f"{type(error).__name__}: {error}")
@@ -248,20 +248,21 @@ class Topology:
             + "\n".join(f"  rank {r}: {texts[r]}" for r in failed_ranks)
         )
 
-    def raise_or_abort(self, error: BaseException) -> NoReturn:
+    def raise_or_abort(self, error: BaseException, why: str = "its other ranks may be waiting in a collective") -> NoReturn:
         """Give up on an ``error`` found on this rank alone, where the others may be waiting in a collective.
 
-        With :attr:`abort_on_error` and more than one rank, print the error
-        and where it happened, and abort the job (even a caller that catches
-        the error could not release the other ranks).  Otherwise raise it.
+        With :attr:`abort_on_error` and more than one rank, print the error,
+        ``why`` and where it happened, and abort the job (even a caller that
+        catches the error could not release the other ranks).  Otherwise
+        raise it.
         """
         if not (self.abort_on_error and self.size > 1):
             raise error
-        where = "".join(traceback.format_stack()[:-1])
+        where = "".join(traceback.format_stack()[:-1] + traceback.format_tb(error.__traceback__))
         abort_job(
             f"mpiopt: {type(error).__name__}: {error}\n"
-            f"on rank {self.rank} of {self.size}; aborting the job, whose other ranks may be waiting in a collective "
-            f"(Topology(abort_on_error=False) or {ABORT_ENV}=0 raises instead).  It happened here:\n{where}"
+            f"on rank {self.rank} of {self.size}; aborting the job: {why} "
+            f"(with Topology(abort_on_error=False) or {ABORT_ENV}=0 it is raised instead).  It happened here:\n{where}"
         )
         raise error  # only if the abort did not end this process
 
