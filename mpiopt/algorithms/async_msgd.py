@@ -7,10 +7,10 @@ The update (ALGORITHMS.md "Async-MSGD")
 is heavy-ball momentum where the gradient was computed at an iterate
 ``tau_k`` updates old.  It runs where ``x`` lives, once per arriving
 gradient: on the parameter server of :func:`mpiopt.asyncrt.run_async`
-(:meth:`AsyncMSGD.run`, real asynchrony, ``tau_k`` measured) or in
-:func:`mpiopt.asyncrt.simulate` (:meth:`AsyncMSGD.simulate`, one process,
-``tau_k`` fixed or random).  Both call the same function,
-:meth:`AsyncMSGDRule.__call__`, which is the step of
+(:meth:`AsyncMSGD.run`, real asynchrony, ``tau_k`` measured) or in its
+one-process twin :func:`mpiopt.sim.asynchronous.simulate`
+(:meth:`AsyncMSGD.simulate`, ``tau_k`` fixed or random).  Both call the
+same function, :meth:`AsyncMSGDRule.__call__`, which is the step of
 :class:`~mpiopt.algorithms.local.LocalSGD` (torch.optim.SGD's momentum
 rule, dampening 0).
 
@@ -53,14 +53,14 @@ from ..asyncrt import (
     SERVER,
     Arrival,
     AsyncResult,
-    FixedDelay,
-    RandomDelay,
     UntilFn,
     WorkerFn,
+    agree_on_arguments,
+    check_run_arguments,
     run_async,
-    simulate,
 )
 from ..comm import Topology
+from ..sim.asynchronous import FixedDelay, RandomDelay, simulate
 from .base import Algorithm, check_positive
 from .local import LocalSGD
 from .registry import register
@@ -69,7 +69,7 @@ __all__ = ["AsyncMSGD", "AsyncMSGDRule"]
 
 
 class AsyncMSGDRule:
-    """The update (1) on its own, without MPI: an ``apply`` for both drivers of :mod:`mpiopt.asyncrt`.
+    """The update (1) on its own, without MPI: an ``apply`` for :func:`~mpiopt.asyncrt.run_async` and its twin.
 
     Parameters
     ----------
@@ -192,9 +192,15 @@ class AsyncMSGD(Algorithm):
         -------
         AsyncResult
             Staleness histogram and per-rank counts, the same on every rank.
+
+        Raises
+        ------
+        RuntimeError, TypeError, ValueError
+            On every rank, when any rank is not set up or passes bad
+            ``params`` or ``steps`` (the message names the ranks and values).
         """
-        self._check_ready(params)
         world = self.topology.world
+        agree_on_arguments(world, "async_msgd.run", lambda: (self._check_ready(params), check_run_arguments(params, steps)))
         result = run_async(world, params, self._apply, worker_fn, steps, until=until, max_sleep=max_sleep)
         if world.size > 1 and world.rank != SERVER:
             self.steps += result.version  # the server counted them in ``step``
@@ -209,6 +215,6 @@ class AsyncMSGD(Algorithm):
         delay: Union[int, FixedDelay, RandomDelay] = 0,
         until: Optional[UntilFn] = None,
     ) -> AsyncResult:
-        """Deterministic mode on this rank alone: see :func:`mpiopt.asyncrt.simulate`."""
+        """Deterministic mode on this rank alone: see :func:`mpiopt.sim.asynchronous.simulate`."""
         self._check_ready(params)
         return simulate(params, self._apply, worker_fn, steps, delay=delay, until=until)

@@ -1,101 +1,157 @@
-"""Asynchronous training on MPI: a parameter server, and a deterministic twin for experiments.
+"""The asynchronous runtime: a parameter server on MPI whose policy is the algorithm's, and its workers.
 
-Two drivers run the same two callbacks:
+Every asynchronous algorithm of mpiopt runs on this one runtime: world rank
+0 serves, ranks 1..P-1 work and never wait for each other.  The runtime
+moves messages, checks that none is lost or handled twice, polls without
+spinning, and ends the run so that no rank hangs and no receive is left
+posted; what the server *does* with a message is the algorithm's
+:class:`Policy`:
 
-- ``worker_fn(params, step, out) -> loss`` computes a payload (a stochastic
-  gradient) for a copy of the parameters that may be stale;
-- ``apply(params, payload, arrival)`` is the update, run where the
-  parameters live, once per payload, in arrival order.
+==================  ==========================================================
+algorithm           policy
+==================  ==========================================================
+``async_msgd``      :class:`ApplyPolicy` (through :func:`run_async`): apply
+                    each gradient at once, answer with the new parameters
+``async_lsgd``      :class:`~mpiopt.algorithms.async_lsgd.LeaderBook`: count
+                    the steps workers report, elect leaders, keep their
+                    uploads, answer with the leaders' copies to pull towards
+==================  ==========================================================
 
-:func:`run_async` runs them on MPI; :func:`simulate` in one process with a
-fixed or random delay (:class:`FixedDelay`, :class:`RandomDelay`), for
-reproducible experiments and tests.  An algorithm supplies ``apply`` (e.g.
-:class:`~mpiopt.algorithms.async_msgd.AsyncMSGD`), so its update rule is one
-function whichever driver runs it.
+Adding a third
+--------------
+An algorithm that is an update rule on the server needs only that rule::
+
+    def apply(params, payload, arrival):        # once per payload, in arrival order
+        params -= lr * payload                  # arrival: worker, step, version, staleness, loss
+
+    result = asyncrt.run_async(world, params, apply, worker_fn, steps)
+
+One whose server decides more (whom to answer, with what, when) adds a
+policy and a worker loop; the runtime does the rest.  Schematically, an
+elastic-averaging server (EASGD's asynchronous form)::
+
+    class Centre(asyncrt.Policy):               # runs on the server only
+        def __init__(self, centre, alpha):
+            self.centre, self.alpha, self.version = centre, alpha, 0
+        def receive(self, worker, message):     # message.kind/.version/.loss/.payload
+            self.centre += self.alpha * (message.payload - self.centre)
+            self.version += 1
+            return asyncrt.Reply(asyncrt.PARAMS, self.version, copies=(self.centre,))
+        def stop(self):                         # once every worker has sent LAST
+            return asyncrt.Reply(asyncrt.STOP, self.version, copies=(self.centre,))
+        def record(self):                       # broadcast to every rank at the end
+            return self.version
+
+    def work(link):                             # a worker's whole run
+        for k in range(rounds):
+            local_steps(x)
+            link.payload()[...] = x
+            last = asyncrt.LAST if k == rounds - 1 else 0
+            link.send(asyncrt.UPLOAD | last, k, copies=1, reply_copies=1)
+            x -= alpha * (x - link.wait().payload)   # the reply to LAST is the STOP
+
+    outcome = asyncrt.run_policy(world, Centre(centre, 0.1), work, x)
+
+New message flags go in :mod:`~mpiopt.asyncrt.messages`, beside everyone's.
 
 Design of the runtime
 ---------------------
-World rank 0 is a parameter server; ranks 1..P-1 are workers.  The server
-owns ``x`` and its version ``k`` (the number of updates applied).
-
-worker
-    Holds the latest parameters it was sent and their version ``v``.  It
-    computes a payload on them, posts a receive for the reply, sends the
-    payload stamped with ``v`` (``Isend``) and polls both requests.  It
-    waits only for the server's answer to its own message, never for another
-    worker; a slow worker slows nobody else.
-server
-    Keeps one receive posted per worker and polls them (round robin, from
-    after the last one served; ``Comm`` has no ``Waitany``).  For each
-    arrival it applies the payload at once, ``x <- apply(x, g)``, records the
-    staleness ``k - v`` (updates applied since the worker's copy was made),
-    bumps ``k``, and answers that worker alone with ``(x, k)``; then it
-    re-posts that worker's receive.
 messages
-    One buffer per message: a 32-byte header (kind, version, sequence number,
-    loss) and the payload (:mod:`~mpiopt.asyncrt.messages`); every message has
-    the parameters' size, so each posted receive gets exactly the bytes the
-    ledger books for it.  Everything goes through :class:`~mpiopt.comm.Comm`
-    (``Irecv``/``Isend``/``Bcast``/``bcast_obj`` on the world communicator).
-start
-    ``Bcast`` of the server's ``x_0`` (version 0) to every worker.
+    One buffer each: a 32-byte header (kind flags, version, per-worker
+    sequence number, loss; replies: kind, version, two ranks) and 0, 1 or 2
+    copies of the parameters, the count in the tag
+    (:mod:`~mpiopt.asyncrt.messages`).  A receiver that knows the size posts
+    its receive early; one that does not probes and receives exactly what
+    the tag announces: every receive gets exactly the bytes the ledger books
+    for it.  Everything goes through :class:`~mpiopt.comm.Comm` on the world
+    communicator.
+worker (:class:`Link`)
+    Sends numbered messages (``Isend``), at most one awaiting its reply; it
+    takes the reply when it wants (:meth:`Link.poll`, never blocking, or
+    :meth:`Link.wait`).  It waits only for the server's answer to its own
+    message, never for another worker; a slow worker slows nobody else.
+server
+    One slot per worker, polled round robin (:class:`Poller`; ``Comm`` has
+    no ``Waitany``): a probe for the worker's next message, then its
+    ``Irecv`` (a large payload may need the sender's progress; the others
+    are served meanwhile).  Each message goes to ``policy.receive``, which
+    returns the reply to send at once (a copy of the server's parameters, of
+    a worker's upload, or none).  With ``policy.keeps_payloads`` each
+    worker's payloads land in two alternating buffers, so a copy the policy
+    keeps is never read half-received.
 shutdown
-    A worker's last payload is flagged LAST (a worker with no steps sends a
-    bare LAST).  The server applies it like any other but does not answer
-    yet.  With ``until`` (a stopping rule checked after each update) every
-    later message is treated as a worker's last, so the payloads in flight
-    are still applied.  When every worker's last message has been applied,
-    the server answers each of them STOP, carrying the final parameters, and
-    broadcasts the run's record (version, staleness histogram, updates
-    applied per rank).  So every message gets exactly one reply, every
-    payload sent is applied exactly once (the server checks the sequence
-    numbers), every rank ends with bitwise identical parameters, and no
-    receive is left posted.  A worker that finished early waits for its STOP
-    by polling, not in a spinning collective.
+    A worker's final message is flagged LAST (``policy.stopping``, e.g.
+    Async-MSGD's ``until``, makes every worker's next message its last; the
+    payloads in flight are still handled).  When every worker's last message
+    has been handled, the server answers each one ``policy.stop()`` (STOP)
+    and broadcasts ``policy.record()``.  So every answered message gets
+    exactly one reply, every message is handled exactly once (sequence
+    numbers), every rank ends with the same record, and no receive is left
+    posted.  A worker that finished early waits for its STOP by polling, not
+    in a spinning collective.
+arguments
+    Checked on every rank and agreed in one small collective before the
+    first message (:func:`~mpiopt.asyncrt.result.agree_on_arguments`): a bad
+    ``steps`` on one rank raises the same error, naming it, on every rank.
 failure
-    An exception on any rank (a non-finite gradient on the server, say)
-    leaves the others polling for a message that never comes, as any MPI
-    program would: run under :func:`mpiopt.abort_on_exception`, which ends
-    the job.
+    An exception on any rank during the run (a non-finite gradient on the
+    server, say) leaves the others polling for a message that never comes,
+    as any MPI program would: run under :func:`mpiopt.abort_on_exception`,
+    which ends the job.
 idle ranks
     A waiting rank polls ``Request.Test`` (which drives MPI progress) and,
     after 0.1 ms without news, sleeps between polls with a doubling pause up
     to ``max_sleep`` (default 1 ms): ranks are often oversubscribed on one
     machine, and MPICH's blocking waits spin on a core that a worker needs.
-    The time spent so is ``AsyncResult.idle_seconds`` (the ledger's wait
+    The time spent so is in the result (``idle_seconds``; the ledger's wait
     time covers only blocking ``Wait`` calls).
+one rank
+    The rank is its own server (:class:`LocalLink`): each message goes to
+    the policy in process, the same code without MPI.
 
 Why a server: the update rule of Async-MSGD (ALGORITHMS.md) is defined on one
 sequence of iterates ``x_k``, each update made with a gradient computed at
 some earlier ``x_{k - tau_k}``; a single owner of ``x`` gives exactly that
 sequence, measurable staleness, and needs only point-to-point messages that
 every MPI implements well (one-sided MPI would need passive-target locks and
-atomics over the whole buffer to get the same sequence).  The price: the
-server computes no gradients, and its link carries ``2 x 4d`` bytes per
-update, so it is the bottleneck at large P (a sharded server would spread
-it; not needed at the scales tested here).
+atomics over the whole buffer to get the same sequence); asynchronous LSGD
+needs one place that counts every worker's steps and knows every leader.  The
+price: the server computes no gradients, and its link carries the copies, so
+it is the bottleneck at large P (a sharded server would spread it; not needed
+at the scales tested here).
 
-At one rank the runtime degenerates to :func:`simulate` with delay 0: the
-rank computes and applies in turn, staleness 0.
+The deterministic one-process twin with a chosen delay is
+:func:`mpiopt.sim.asynchronous.simulate`.
 """
 
-from .messages import SERVER, Message
-from .result import ApplyFn, Arrival, AsyncResult, UntilFn, WorkerFn
-from .runtime import DEFAULT_MAX_SLEEP, Poller, run_async
-from .simulate import FixedDelay, RandomDelay, simulate
+from .apply import ApplyPolicy, run_async
+from .messages import GRADIENT, LAST, PARAMS, SERVER, STOP, UPLOAD, Message, Reply
+from .result import ApplyFn, Arrival, AsyncResult, UntilFn, WorkerFn, agree_on_arguments, check_run_arguments
+from .runtime import DEFAULT_MAX_SLEEP, Link, LocalLink, Outcome, Policy, Poller, run_policy
 
 __all__ = [
     "run_async",
-    "simulate",
-    "FixedDelay",
-    "RandomDelay",
+    "run_policy",
+    "Policy",
+    "ApplyPolicy",
+    "Link",
+    "LocalLink",
+    "Outcome",
+    "Reply",
+    "Message",
     "Arrival",
     "AsyncResult",
     "ApplyFn",
     "WorkerFn",
     "UntilFn",
-    "SERVER",
     "Poller",
-    "Message",
+    "SERVER",
+    "GRADIENT",
+    "LAST",
+    "PARAMS",
+    "STOP",
+    "UPLOAD",
     "DEFAULT_MAX_SLEEP",
+    "agree_on_arguments",
+    "check_run_arguments",
 ]

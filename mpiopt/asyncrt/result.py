@@ -1,13 +1,24 @@
-"""What the two drivers share: the callback types, an arrival's description, the result."""
+"""What the drivers share: the callback types, an arrival's description, the result, the argument checks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["Arrival", "AsyncResult", "ApplyFn", "WorkerFn", "UntilFn", "staleness_counts", "check_run_arguments"]
+from ..comm import Comm
+
+__all__ = [
+    "Arrival",
+    "AsyncResult",
+    "ApplyFn",
+    "WorkerFn",
+    "UntilFn",
+    "staleness_counts",
+    "check_run_arguments",
+    "agree_on_arguments",
+]
 
 
 class Arrival(NamedTuple):
@@ -120,3 +131,48 @@ def check_run_arguments(params: Any, steps: Any) -> None:
         raise TypeError(f"steps must be an integer, got {steps!r}")
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps!r}")
+
+
+def agree_on_arguments(world: Any, what: str, check: Callable[[], None]) -> None:
+    """Run this rank's argument checks; if any rank's failed, raise the same error on every rank.
+
+    The ranks of an asynchronous run may pass their own arguments (``steps``,
+    ``seconds``), so a bad value can sit on one rank only; raising there
+    alone would leave the others waiting for it.  So every rank runs
+    ``check`` (which raises ``TypeError``, ``ValueError`` or ``RuntimeError``)
+    and the verdicts are exchanged in one small collective before the first
+    message (an ``allgather`` of ``None`` when all is well).
+
+    Parameters
+    ----------
+    world : Comm
+        The run's communicator.  Anything else: nobody to agree with, so
+        this rank's error is raised as it is, or a ``TypeError`` for ``world``.
+    what : str
+        The call, for the message (``"async_lsgd.run"``).
+    check : callable
+        This rank's checks.
+
+    Raises
+    ------
+    TypeError, ValueError or RuntimeError
+        The type of the lowest failing rank's error, with every failing
+        rank's message: ``"run_async: rank 2: steps must be >= 0, got -1"``.
+    """
+    try:
+        check()
+        verdict: Optional[Tuple[type, str]] = None
+    except (TypeError, ValueError, RuntimeError) as err:
+        if not isinstance(world, Comm):
+            raise
+        verdict = (type(err), str(err))
+    if not isinstance(world, Comm):
+        raise TypeError(f"world must be an mpiopt.comm.Comm, got {type(world).__name__}")
+    failed = [(rank, v) for rank, v in enumerate(world.allgather_obj(verdict)) if v is not None]
+    if not failed:
+        return
+    by_message: Dict[str, List[int]] = {}
+    for rank, (_, message) in failed:
+        by_message.setdefault(message, []).append(rank)
+    lines = [f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}: {message}" for message, ranks in by_message.items()]
+    raise failed[0][1][0](f"{what}: " + "; ".join(lines))

@@ -1,29 +1,30 @@
-"""The real runtime: a parameter server (world rank 0) and workers that never wait for each other.
+"""The server runtime: world rank 0 serves, with a policy that says what each message does; the other ranks work.
 
 See the package docstring (:mod:`mpiopt.asyncrt`) for the design and the
-shutdown protocol; this module is the code.
+shutdown protocol; this module is the code: :class:`Policy` (the extension
+point), :class:`Link` and :class:`LocalLink` (a worker's end), the server
+loop and :func:`run_policy`, which runs them on every rank.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..comm import Comm, Request
-from .messages import GRADIENT, LAST, PARAMS, SERVER, STOP, TAG_REPLY, TAG_UPDATE, Message
-from .result import ApplyFn, Arrival, AsyncResult, UntilFn, WorkerFn, check_run_arguments, staleness_counts
-from .simulate import simulate
+from ..comm import ANY_TAG, Comm, Request
+from .messages import DOWN, LAST, SERVER, TAG_DOWN, TAG_UP, UP, Message, Reply
 
-__all__ = ["Poller", "run_async", "DEFAULT_MAX_SLEEP"]
+__all__ = ["Poller", "Policy", "Link", "LocalLink", "Outcome", "run_policy", "DEFAULT_MAX_SLEEP"]
 
 #: Longest pause between two polls of an idle rank (seconds).
 DEFAULT_MAX_SLEEP = 1e-3
 # Poll without sleeping this long first: a reply usually comes within microseconds.
 _SPIN_SECONDS = 1e-4
 _FIRST_SLEEP = 1e-5
+# Worker messages carry at most one copy (a gradient, or the worker's parameters).
+_MAX_UP_COPIES = 1
 
 
 class Poller:
@@ -54,8 +55,11 @@ class Poller:
         self.idle_seconds = 0.0
         self._next = 0
 
-    def wait_any(self, requests: Sequence[Optional[Request]]) -> int:
-        """Index of a completed request (None entries are skipped); blocks until one completes."""
+    def wait_any(self, requests: Sequence[Optional[Any]]) -> int:
+        """Index of a completed request (None entries are skipped); blocks until one completes.
+
+        A request is anything with ``Test() -> bool``.
+        """
         if all(r is None for r in requests):
             raise ValueError("wait_any needs at least one request")
         started = time.perf_counter()
@@ -74,163 +78,385 @@ class Poller:
                 time.sleep(pause)
                 pause = min(2 * pause, self.max_sleep)
 
-    def wait_all(self, requests: Sequence[Optional[Request]]) -> None:
+    def wait_all(self, requests: Sequence[Optional[Any]]) -> None:
         """Block until every request (None entries skipped) has completed."""
-        pending: List[Optional[Request]] = list(requests)
+        pending: List[Optional[Any]] = list(requests)
         while any(r is not None for r in pending):
             pending[self.wait_any(pending)] = None
 
 
-def run_async(
-    world: Comm,
-    params: np.ndarray,
-    apply: ApplyFn,
-    worker_fn: WorkerFn,
-    steps: int,
-    *,
-    until: Optional[UntilFn] = None,
-    max_sleep: float = DEFAULT_MAX_SLEEP,
-) -> AsyncResult:
-    """Train asynchronously: rank 0 serves, the other ranks compute payloads.
+class Policy:
+    """What the server does with each worker message: the one extension point of the runtime.
 
-    A collective call (every rank of ``world`` calls it).
+    The runtime delivers messages (each worker's in the order sent, checked
+    by sequence number), answers them and ends the run; a policy decides.
+    Subclass it and override :meth:`receive`, :meth:`stop` and :meth:`record`.
+
+    Attributes
+    ----------
+    reply_copies : int
+        Most parameter copies one reply (or the STOP) carries: the size of the
+        workers' receive buffers (1 or 2).
+    keeps_payloads : bool
+        Receive each worker's payload messages into two alternating buffers,
+        so that a payload handed to :meth:`receive` stays intact until that
+        worker's next payload message has been handled: the policy may keep
+        a reference and send it in later replies (async LSGD's leader copies).
+    stopping : bool
+        Once True, every worker's next message ends its run, as LAST does
+        (Async-MSGD's ``until``).
+    """
+
+    reply_copies: int = 1
+    keeps_payloads: bool = False
+    stopping: bool = False
+
+    def receive(self, worker: int, message: Message) -> Optional[Reply]:
+        """Handle ``message`` from world rank ``worker``; return the reply to send at once, or None for none.
+
+        A message flagged LAST, and every message once :attr:`stopping` is
+        True, ends the worker's run: whatever is returned for it is dropped,
+        and the worker gets :meth:`stop`'s reply once every worker's run has
+        ended.
+        """
+        raise NotImplementedError
+
+    def stop(self) -> Reply:
+        """The STOP that every worker gets once all runs have ended (at most :attr:`reply_copies` copies)."""
+        raise NotImplementedError
+
+    def record(self) -> Any:
+        """The run's outcome as plain data (picklable): sent from the server to every rank at the end."""
+        raise NotImplementedError
+
+
+class _Dispatch:
+    """The server's handling of one message, without transport: sequence check, policy, end of a worker's run."""
+
+    def __init__(self, policy: Policy, size: int) -> None:
+        self.policy = policy
+        self.received = [0] * size
+        self.cut_short = False  # some worker's run was ended by ``stopping``, not by its LAST
+
+    def handle(self, worker: int, message: Message) -> Tuple[Optional[Reply], bool]:
+        """``(reply to send now or None, whether the worker's run has ended)``."""
+        self.received[worker] += 1
+        if message.sequence != self.received[worker]:
+            raise RuntimeError(
+                f"asynchronous server: message {message.sequence} from rank {worker}, expected {self.received[worker]}"
+            )
+        reply = self.policy.receive(worker, message)
+        last = bool(message.kind & LAST)
+        if last or self.policy.stopping:
+            self.cut_short = self.cut_short or not last
+            return None, True
+        return reply, False
+
+
+class _Probe:
+    """``Comm.Iprobe`` as a request for :class:`Poller`: ``Test()`` is True once a message from ``source`` waits."""
+
+    def __init__(self, comm: Comm, source: int) -> None:
+        self._comm, self._source = comm, source
+        self.status: Any = None  # the MPI status of the message found
+
+    def Test(self) -> bool:
+        self.status = self._comm.Iprobe(self._source, ANY_TAG)
+        return self.status is not None
+
+    def copies(self, base: int, most: int) -> int:
+        """The number of copies the found message carries, from its tag."""
+        tag = self.status.Get_tag()
+        if not 0 <= tag - base <= most:
+            raise RuntimeError(f"asynchronous runtime: unexpected message with tag {tag:#x} from rank {self._source}")
+        return tag - base
+
+
+class Link:
+    """A worker's end of the runtime over MPI: numbered messages to the server, at most one awaiting its reply.
 
     Parameters
     ----------
     world : Comm
-        The communicator (``topology.world``); its rank 0 is the server.
-    params : numpy.ndarray
-        Flat float parameters.  The server's are ``x_0`` (sent to every
-        worker at the start); on return every rank holds the final
-        parameters, bitwise identical.
-    apply : callable
-        ``apply(params, payload, arrival)``: the update, run on the server
-        for every payload in arrival order.
-    worker_fn : callable
-        ``worker_fn(params, step, out) -> loss``: a worker's payload for its
-        (possibly stale, read-only) copy of the parameters, into ``out``.
-    steps : int
-        Payloads this rank computes (each rank may pass its own number; the
-        server's is ignored when there are workers).
-    until : callable, optional
-        ``until(params, version) -> bool``, checked by the server after each
-        update; once True, every worker is stopped after its message in flight.
+        The communicator; its rank :data:`~mpiopt.asyncrt.SERVER` serves.
+    like : numpy.ndarray
+        The parameters (size and dtype of a copy).
+    reply_copies : int
+        Most copies a reply carries (the policy's).
+    poller : Poller
+        How :meth:`wait` waits.
+
+    Attributes
+    ----------
+    reply : Message
+        Where replies land; valid until the next one.
+    """
+
+    def __init__(self, world: Comm, like: np.ndarray, reply_copies: int, poller: Poller) -> None:
+        self._world, self._poller = world, poller
+        # One buffer per size (a report may be in flight while an upload goes out), each with its send.
+        self._outgoing = [Message(like.size, like.dtype, UP, copies) for copies in range(_MAX_UP_COPIES + 1)]
+        self._sends: List[Optional[Request]] = [None] * len(self._outgoing)
+        self.reply = Message(like.size, like.dtype, DOWN, reply_copies)
+        self._sequence = 0
+        self._awaited: Union[None, Request, _Probe] = None  # the reply's posted receive, or a probe for it
+        self._answered = 0  # which buffer's send the awaited reply answers
+        self._probe = _Probe(world, SERVER)
+
+    @property
+    def awaiting(self) -> bool:
+        """A message sent is still waiting for its reply."""
+        return self._awaited is not None
+
+    def payload(self) -> np.ndarray:
+        """The buffer of the next message's copy: write it, then :meth:`send` with ``copies=1``."""
+        self._complete(1)
+        return self._outgoing[1].payload
+
+    def send(
+        self,
+        kind: int,
+        version: int,
+        loss: Optional[float] = None,
+        *,
+        copies: int = 0,
+        answered: bool = True,
+        reply_copies: Optional[int] = None,
+    ) -> None:
+        """Send a message (``Isend``; this never waits for the server).
+
+        Parameters
+        ----------
+        kind, version, loss
+            The header (:data:`~mpiopt.asyncrt.messages.UP`).
+        copies : int
+            0, or 1 for a message carrying :meth:`payload`.
+        answered : bool
+            The server answers it (and nothing else may be answered before
+            its reply is taken); False for a message it only books (an upload).
+        reply_copies : int, optional
+            The reply's size when known: its receive is posted now, before
+            the send, so it lands in place.  None: the reply is probed for
+            and received with the size its tag announces.
+        """
+        if answered and self.awaiting:
+            raise RuntimeError("asynchronous runtime: a message awaits its reply; take it (poll or wait) before sending another")
+        self._complete(copies)
+        message = self._outgoing[copies]
+        self._sequence += 1
+        message.stamp_up(kind, version, self._sequence, loss)
+        if answered:
+            self._answered = copies
+            if reply_copies is None:
+                self._awaited = self._probe
+            else:
+                self.reply.carried = reply_copies
+                self._awaited = self._world.Irecv(self.reply.wire(reply_copies), SERVER, TAG_DOWN + reply_copies)
+        self._sends[copies] = self._world.Isend(message.wire(copies), SERVER, TAG_UP + copies)
+
+    def poll(self) -> Optional[Message]:
+        """The reply, if it has arrived; None otherwise (or when none is awaited)."""
+        if self._awaited is None or not self._awaited.Test():
+            return None
+        return self._take()
+
+    def wait(self) -> Optional[Message]:
+        """The reply, waiting for it (polling, see :class:`Poller`); None when none is awaited."""
+        if self._awaited is None:
+            return None
+        self._poller.wait_any([self._awaited])
+        return self._take()
+
+    def _take(self) -> Message:
+        if self._awaited is self._probe:
+            copies = self._probe.copies(TAG_DOWN, len(self.reply.copies))
+            self._world.Recv(self.reply.wire(copies), SERVER, TAG_DOWN + copies)
+            self.reply.carried = copies
+        self._awaited = None
+        self._complete(self._answered)  # at once: the server has received it
+        return self.reply
+
+    def _complete(self, copies: int) -> None:
+        """Wait for the previous send from the buffer of that size, so it can be written again."""
+        if self._sends[copies] is not None:
+            self._sends[copies].Wait()
+            self._sends[copies] = None
+
+
+class LocalLink:
+    """The one rank's end of the runtime at world size 1: it is its own server, the policy runs in process.
+
+    The same interface as :class:`Link`, no MPI: each message goes to the
+    policy at once, and its reply (or the STOP) waits for :meth:`poll`.
+    """
+
+    def __init__(self, policy: Policy, like: np.ndarray) -> None:
+        self._policy = policy
+        self._dispatch = _Dispatch(policy, 1)
+        self._header = Message(like.size, like.dtype, UP, 0)
+        self._payloads = [Message(like.size, like.dtype, UP, 1) for _ in range(2 if policy.keeps_payloads else 1)]
+        self.reply = Message(like.size, like.dtype, DOWN, policy.reply_copies)
+        self._sequence = 0
+        self._pending = False
+
+    @property
+    def awaiting(self) -> bool:
+        return self._pending
+
+    @property
+    def stopped_early(self) -> bool:
+        """The run was ended by the policy's ``stopping``, not by the worker's LAST."""
+        return self._dispatch.cut_short
+
+    def payload(self) -> np.ndarray:
+        return self._payloads[-1].payload  # the spare, when the policy keeps the other
+
+    def send(
+        self,
+        kind: int,
+        version: int,
+        loss: Optional[float] = None,
+        *,
+        copies: int = 0,
+        answered: bool = True,
+        reply_copies: Optional[int] = None,
+    ) -> None:
+        if answered and self._pending:
+            raise RuntimeError("asynchronous runtime: a message awaits its reply; take it (poll or wait) before sending another")
+        message = self._payloads[-1] if copies else self._header
+        if copies:
+            self._payloads.reverse()  # the message just written becomes the policy's; the other, the next spare
+        self._sequence += 1
+        message.stamp_up(kind, version, self._sequence, loss)
+        reply, ended = self._dispatch.handle(0, message)
+        if ended:
+            reply = self._policy.stop()
+        if answered:
+            if reply is None:
+                raise RuntimeError(f"asynchronous runtime: the policy did not answer message {self._sequence} (kind {kind})")
+            self.reply.write_reply(reply)
+            self._pending = True
+
+    def poll(self) -> Optional[Message]:
+        if not self._pending:
+            return None
+        self._pending = False
+        return self.reply
+
+    wait = poll
+
+
+def _serve(world: Comm, policy: Policy, like: np.ndarray, poller: Poller) -> bool:
+    """The server loop: deliver each message to the policy, send its reply; at the end, STOP to every worker.
+
+    Each worker has one slot, polled round robin by ``poller``: a probe for
+    its next message or, while that message arrives, its ``Irecv`` of
+    exactly the size the tag announces (a large payload may need the
+    sender's progress; the other workers are served meanwhile).  Returns
+    whether some worker's run was ended by ``policy.stopping``.
+    """
+    n, dtype = like.size, like.dtype
+    workers = list(range(1, world.size))
+    dispatch = _Dispatch(policy, world.size)
+    headers = {w: Message(n, dtype, UP, 0) for w in workers}
+    # payloads[w][0] is the latest payload from w (the policy's, when it keeps them), [-1] the spare receiving.
+    payloads = {w: [Message(n, dtype, UP, 1) for _ in range(2 if policy.keeps_payloads else 1)] for w in workers}
+    outbox = {w: Message(n, dtype, DOWN, policy.reply_copies) for w in workers}
+    sends: Dict[int, Optional[Request]] = dict.fromkeys(workers)
+    probes = [_Probe(world, w) for w in workers]
+    slots: List[Any] = list(probes)  # None once the worker's run has ended
+    arriving: List[Optional[Message]] = [None] * len(workers)
+    while any(slot is not None for slot in slots):
+        i = poller.wait_any(slots)
+        w = workers[i]
+        if slots[i] is probes[i]:
+            copies = probes[i].copies(TAG_UP, _MAX_UP_COPIES)
+            message = payloads[w][-1] if copies else headers[w]
+            message.carried = copies
+            arriving[i] = message
+            slots[i] = world.Irecv(message.wire(copies), w, TAG_UP + copies)
+            if not slots[i].Test():
+                continue
+        message = arriving[i]
+        if message.carried:
+            payloads[w].reverse()  # the spare now holds the latest
+        reply, ended = dispatch.handle(w, message)
+        slots[i] = None if ended else probes[i]
+        if reply is not None:
+            if sends[w] is not None:
+                sends[w].Wait()  # complete already: the worker has sent a message after receiving it
+            copies = outbox[w].write_reply(reply)
+            sends[w] = world.Isend(outbox[w].wire(copies), w, TAG_DOWN + copies)
+    # Every worker's run has ended: one STOP buffer for all (concurrent sends of one buffer are allowed since MPI-3).
+    stop = policy.stop()
+    final = Message(n, dtype, DOWN, len(stop.copies))
+    copies = final.write_reply(stop)
+    poller.wait_all(list(sends.values()) + [world.Isend(final.wire(copies), w, TAG_DOWN + copies) for w in workers])
+    return dispatch.cut_short
+
+
+class Outcome(NamedTuple):
+    """What :func:`run_policy` returns on every rank.
+
+    Attributes
+    ----------
+    record : Any
+        The policy's :meth:`Policy.record` (the server's, on every rank).
+    stopped_early : bool
+        Some worker's run was ended by :attr:`Policy.stopping`.
+    idle_seconds : float
+        This rank's time spent waiting (polling).
+    local : Any
+        What ``work(link)`` returned on this rank (None on the server).
+    """
+
+    record: Any
+    stopped_early: bool
+    idle_seconds: float
+    local: Any
+
+
+def run_policy(
+    world: Comm,
+    policy: Policy,
+    work: Callable[[Union[Link, LocalLink]], Any],
+    like: np.ndarray,
+    *,
+    max_sleep: float = DEFAULT_MAX_SLEEP,
+) -> Outcome:
+    """Run an asynchronous algorithm: rank 0 serves with ``policy``, every other rank runs ``work(link)``.
+
+    A collective call; no argument checks (callers agree on theirs first, see
+    :func:`~mpiopt.asyncrt.result.agree_on_arguments`).
+
+    Parameters
+    ----------
+    world : Comm
+        The communicator; its rank 0 is the server.
+    policy : Policy
+        The server's decisions.  Every rank passes one; a worker reads only
+        its :attr:`~Policy.reply_copies`.
+    work : callable
+        ``work(link)``: a worker's whole run, talking to the server through
+        ``link`` (:class:`Link`); it ends after taking the reply to its LAST
+        message (the STOP).  At world size 1 the one rank runs it with a
+        :class:`LocalLink` to ``policy``: it is its own server.
+    like : numpy.ndarray
+        The parameters (the size and dtype of a copy in a message).
     max_sleep : float
         See :class:`Poller`.
-
-    Returns
-    -------
-    AsyncResult
-        The staleness histogram and per-worker counts (the same on every rank).
-
-    Notes
-    -----
-    At one rank there is nobody to wait for: the rank computes and applies in
-    turn, which is :func:`~mpiopt.asyncrt.simulate` with delay 0 (staleness 0
-    throughout).
     """
-    check_run_arguments(params, steps)
-    world.agree({"num_params": int(params.size), "dtype": str(params.dtype)}, what="asynchronous run")
-    if world.size == 1:
-        return simulate(params, apply, worker_fn, steps, until=until)
     poller = Poller(max_sleep)
-    world.Bcast(params, root=SERVER)
+    if world.size == 1:
+        link = LocalLink(policy, like)
+        local = work(link)
+        return Outcome(policy.record(), link.stopped_early, 0.0, local)
     if world.rank == SERVER:
-        version, histogram, applied, stopped = _serve(world, params, apply, until, poller)
-        sent = 0
-        summary = (version, staleness_counts(histogram).tolist(), applied, stopped)
+        stopped = _serve(world, policy, like, poller)
+        summary: Any = (policy.record(), stopped)
+        local = None
     else:
-        sent = _work(world, params, worker_fn, steps, poller)
+        local = work(Link(world, like, policy.reply_copies, poller))
         summary = None
-    version, counts, applied, stopped = world.bcast_obj(summary, root=SERVER)
-    return AsyncResult(
-        version=version,
-        staleness=np.asarray(counts, dtype=np.int64),
-        applied=np.asarray(applied, dtype=np.int64),
-        sent=sent,
-        stopped_early=stopped,
-        idle_seconds=poller.idle_seconds,
-    )
-
-
-def _serve(
-    world: Comm, params: np.ndarray, apply: ApplyFn, until: Optional[UntilFn], poller: Poller
-) -> Tuple[int, Counter, List[int], bool]:
-    """The server loop: apply every payload as it arrives, answer its sender at once.
-
-    Every worker message gets exactly one reply: PARAMS at once while
-    training goes on; STOP with the final parameters, after the loop, to a
-    worker's last message (LAST, or any message once ``until`` has fired).
-    """
-    size = world.size
-    # Indexed by world rank; entry 0 (the server) is never used.
-    inbox = [Message(params.size, params.dtype) if w != SERVER else None for w in range(size)]
-    outbox = [Message(params.size, params.dtype) if w != SERVER else None for w in range(size)]
-    receives: List[Optional[Request]] = [None] + [world.Irecv(inbox[w].buffer, w, TAG_UPDATE) for w in range(1, size)]
-    sends: List[Optional[Request]] = [None] * size
-    received = [0] * size
-    applied = [0] * size
-    histogram: Counter = Counter()
-    version = 0
-    stopping = False  # ``until`` has fired
-    cut_short = False  # some worker was stopped before its last message
-    active = size - 1
-    while active:
-        w = poller.wait_any(receives)
-        message = inbox[w]
-        received[w] += 1
-        if message.sequence != received[w]:
-            raise RuntimeError(f"asynchronous server: message {message.sequence} from rank {w}, expected {received[w]}")
-        if message.kind & GRADIENT:
-            staleness = version - message.version
-            apply(params, message.payload, Arrival(w, message.sequence - 1, message.version, staleness, message.loss))
-            version += 1
-            histogram[staleness] += 1
-            applied[w] += 1
-            stopping = stopping or (until is not None and bool(until(params, version)))
-        if message.kind & LAST or stopping:
-            cut_short = cut_short or not message.kind & LAST
-            receives[w] = None  # its STOP goes out after the loop
-            active -= 1
-            continue
-        receives[w] = world.Irecv(message.buffer, w, TAG_UPDATE)
-        if sends[w] is not None:
-            sends[w].Wait()  # complete already: the worker sent a message after receiving it
-        outbox[w].stamp(PARAMS, version)
-        outbox[w].payload[...] = params
-        sends[w] = world.Isend(outbox[w].buffer, w, TAG_REPLY)
-    # Every payload is applied: the final parameters go to all workers (concurrent
-    # sends of one buffer are allowed since MPI-3).
-    final = Message(params.size, params.dtype)
-    final.stamp(STOP, version)
-    final.payload[...] = params
-    poller.wait_all(sends + [world.Isend(final.buffer, w, TAG_REPLY) for w in range(1, size)])
-    return version, histogram, applied, cut_short
-
-
-def _work(world: Comm, params: np.ndarray, worker_fn: WorkerFn, steps: int, poller: Poller) -> int:
-    """A worker: compute a payload on the latest parameters it has, send it, take the reply; repeat.
-
-    Ends on STOP with the final parameters in ``params``; returns the number
-    of payloads sent.
-    """
-    update = Message(params.size, params.dtype)
-    reply = Message(params.size, params.dtype)
-    reply.payload[...] = params
-    version = 0
-    sent = 0
-    while True:
-        if sent < steps:
-            loss = worker_fn(reply.payload, sent, update.payload)
-            update.stamp(GRADIENT | (LAST if sent + 1 == steps else 0), version, sent + 1, loss)
-        else:  # no steps at all: say goodbye without a payload
-            update.stamp(LAST, version, 1)
-        # Post the receive for the reply before sending, so it has somewhere to land.
-        receive = world.Irecv(reply.buffer, SERVER, TAG_REPLY)
-        send = world.Isend(update.buffer, SERVER, TAG_UPDATE)
-        poller.wait_all([receive, send])
-        sent += bool(update.kind & GRADIENT)
-        if reply.kind & STOP:
-            params[...] = reply.payload
-            return sent
-        version = reply.version
+    record, stopped = world.bcast_obj(summary, root=SERVER)
+    return Outcome(record, stopped, poller.idle_seconds, local)

@@ -6,7 +6,7 @@ means, full-batch gradients and lr 0.01, Top-k with error feedback stays at
 a fixed distance from the optimum while RegTop-k converges to it at the same
 density, for suitable mu and k.
 
-Every run goes through :func:`mpiopt.tasks.linreg.simulate` (the MPI
+Every run goes through :func:`mpiopt.sim.topk.simulate` (the MPI
 algorithm's own per-worker and aggregation code, N workers in one process)
 on :func:`mpiopt.tasks.linreg.make_problem`.  For each density, Top-k and
 RegTop-k at each mu run T iterations from ``x_0 = 0``.
@@ -34,7 +34,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from ..algorithms.topk import Sparsifier
-from ..tasks.linreg import LinRegProblem, make_problem, simulate
+from ..sim.topk import simulate
+from ..tasks.linreg import LinRegProblem, make_problem
 from ._common import comma_list, save_figure
 
 __all__ = ["Comparison", "compare", "markdown_tables", "plot", "main"]

@@ -1,4 +1,4 @@
-"""Distributed linear regression with heterogeneous workers, and an N-worker simulator of Top-k / RegTop-k.
+"""Distributed linear regression with heterogeneous workers (the workload of Top-k / RegTop-k).
 
 The experiment of Bereyhi et al. (RegTop-k, arXiv:2501.05633, "Numerical
 validation"; ALGORITHMS.md "Top-k with error feedback, and RegTop-k"), with
@@ -19,7 +19,8 @@ The optimum ``x*`` is the least-squares solution over all data,
 ``(sum_n A_n^T A_n)^{-1} sum_n A_n^T y_n`` (float64).  Gradients are full
 batch, computed in float64 from ``H_n`` and ``b_n`` and rounded to float32
 (the algorithms' buffers): a deterministic function of ``(worker, x)``, so
-an MPI run and :func:`simulate` see identical gradients.  Because the
+an MPI run and its one-process twin (:func:`mpiopt.sim.topk.simulate`) see
+identical gradients.  Because the
 workers' means differ, ``grad f_n(x*)`` is far from 0 for every ``n`` even
 though their sum is 0: this is where error feedback hurts Top-k.
 
@@ -29,8 +30,8 @@ Worker ``n``'s data depends only on ``(seed, n)``: the first 4 workers of a
 Example
 -------
 >>> problem = make_problem(num_workers=20)
->>> run = simulate(problem, Sparsifier(density=0.7, mu=4.0), steps=1000)
->>> run.squared_distance[-1]          # ||x_T - x*||^2
+>>> grad = problem.gradient(3, x)            # worker 3's full-batch gradient at x (float32)
+>>> problem.squared_distance(x)              # ||x - x*||^2
 """
 
 from __future__ import annotations
@@ -40,10 +41,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..algorithms.local import LocalSGD
-from ..algorithms.topk import Sparsifier, SparseWorker, aggregate_payloads
-
-__all__ = ["LinRegProblem", "SimulationRun", "make_problem", "simulate"]
+__all__ = ["LinRegProblem", "make_problem"]
 
 
 @dataclass(frozen=True)
@@ -110,77 +108,3 @@ def make_problem(
         offsets[n] = (2.0 / samples) * (a.T @ y)
     optimum = np.linalg.solve(hessians.sum(axis=0), offsets.sum(axis=0))
     return LinRegProblem(hessians, offsets, optimum)
-
-
-@dataclass
-class SimulationRun:
-    """What :func:`simulate` returns.
-
-    Attributes
-    ----------
-    params : numpy.ndarray
-        ``x_T`` (float32), as every rank of an MPI run would hold it.
-    squared_distance : numpy.ndarray
-        ``||x_t - x*||^2`` for ``t = 0 .. T`` (float64).
-    aggregate : numpy.ndarray
-        The last step's ``G`` (float32).
-    """
-
-    params: np.ndarray
-    squared_distance: np.ndarray
-    aggregate: np.ndarray
-
-
-def simulate(
-    problem: LinRegProblem,
-    sparsifier: Sparsifier,
-    steps: int,
-    *,
-    lr: float = 0.01,
-    momentum: float = 0.0,
-    initial: Optional[np.ndarray] = None,
-) -> SimulationRun:
-    """Run Top-k / RegTop-k with N workers in one process, through the MPI algorithm's own code.
-
-    Each step does what :class:`~mpiopt.algorithms.topk.TopK` does on every
-    rank: each worker's :meth:`SparseWorker.compress` writes its payload into
-    row ``n`` of a table (the ``Allgather``'s result, in rank order),
-    :func:`~mpiopt.algorithms.topk.aggregate_payloads` decodes and averages
-    the rows, and :class:`~mpiopt.algorithms.local.LocalSGD` applies ``G``.
-    So a run of ``mpiopt.create("regtopk", ..., mu=mu)`` on N ranks, rank
-    ``n`` feeding ``problem.gradient(n, x)``, ends with bitwise the same
-    parameters.
-
-    Parameters
-    ----------
-    problem : LinRegProblem
-    sparsifier : Sparsifier
-        ``Sparsifier(density=1.0)`` is dense distributed SGD.
-    steps : int
-        ``T``.
-    lr, momentum
-        The step on ``G`` (the paper: lr 0.01, no momentum).
-    initial : numpy.ndarray, optional
-        ``x_0`` (default 0).
-
-    Returns
-    -------
-    SimulationRun
-    """
-    n_workers = problem.num_workers
-    x = np.zeros(problem.dim, np.float32) if initial is None else np.array(initial, dtype=np.float32)
-    workers = [SparseWorker(sparsifier, x, n_workers) for _ in range(n_workers)]
-    payloads = np.empty((n_workers, workers[0].payload_nbytes), dtype=np.uint8)
-    aggregate = np.zeros_like(x)
-    local = LocalSGD(momentum)
-    local.allocate(x)
-    grad = np.empty_like(x)
-    distance = np.empty(steps + 1)
-    distance[0] = problem.squared_distance(x)
-    for t in range(1, steps + 1):
-        for n, worker in enumerate(workers):
-            worker.compress(problem.gradient(n, x, out=grad), aggregate, out=payloads[n])
-        aggregate_payloads(payloads, out=aggregate)
-        local.apply(x, aggregate, lr)
-        distance[t] = problem.squared_distance(x)
-    return SimulationRun(x, distance, aggregate)

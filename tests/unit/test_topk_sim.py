@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from mpiopt.algorithms.topk import Sparsifier
-from mpiopt.tasks.linreg import make_problem, simulate
+from mpiopt.sim.topk import simulate
+from mpiopt.tasks.linreg import make_problem
 
 
 def test_problem_optimum_and_heterogeneity():

@@ -1,4 +1,4 @@
-"""Deterministic mode: one process plays the server and its workers with a chosen delay.
+"""The twin of :func:`mpiopt.asyncrt.run_async`: one process plays the server and its workers with a chosen delay.
 
 At step ``k`` the payload is computed at the stale iterate ``x_{k - tau_k}``
 and applied to ``x_k`` by the same ``apply`` the real server uses, so an
@@ -23,7 +23,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from .result import ApplyFn, Arrival, AsyncResult, UntilFn, WorkerFn, check_run_arguments, staleness_counts
+from ..asyncrt.result import ApplyFn, Arrival, AsyncResult, UntilFn, WorkerFn, check_run_arguments, staleness_counts
 
 __all__ = ["FixedDelay", "RandomDelay", "simulate"]
 

@@ -1,0 +1,154 @@
+"""``run_async``: the runtime with the simplest policy, apply every payload where the parameters live.
+
+An algorithm that is an update rule alone (Async-MSGD) needs nothing more:
+its ``apply(params, payload, arrival)`` runs on the server for each
+gradient, in arrival order, and each worker computes on the latest
+parameters it was sent.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import List, Optional, Tuple, Union
+
+import numpy as np
+
+from ..comm import Comm
+from .messages import GRADIENT, LAST, PARAMS, SERVER, STOP, Message, Reply
+from .result import ApplyFn, Arrival, AsyncResult, UntilFn, WorkerFn, agree_on_arguments, check_run_arguments, staleness_counts
+from .runtime import DEFAULT_MAX_SLEEP, Link, LocalLink, Policy, run_policy
+
+__all__ = ["run_async", "ApplyPolicy"]
+
+
+class ApplyPolicy(Policy):
+    """Apply each payload at once and answer its sender with the new parameters and their version.
+
+    Parameters
+    ----------
+    params : numpy.ndarray
+        The server's parameters, updated in place.
+    apply : callable
+        ``apply(params, payload, arrival)``.
+    until : callable, optional
+        ``until(params, version) -> bool`` after each update; True ends every worker's run.
+    size : int
+        World size (the record counts updates per rank).
+    """
+
+    def __init__(self, params: np.ndarray, apply: ApplyFn, until: Optional[UntilFn], size: int) -> None:
+        self.params, self.apply, self.until = params, apply, until
+        self.version = 0  # updates applied
+        self.histogram: Counter = Counter()
+        self.applied = [0] * size
+
+    def receive(self, worker: int, message: Message) -> Optional[Reply]:
+        if message.kind & GRADIENT:
+            staleness = self.version - message.version
+            arrival = Arrival(worker, message.sequence - 1, message.version, staleness, message.loss)
+            self.apply(self.params, message.payload, arrival)
+            self.version += 1
+            self.histogram[staleness] += 1
+            self.applied[worker] += 1
+            self.stopping = self.stopping or (self.until is not None and bool(self.until(self.params, self.version)))
+        return Reply(PARAMS, self.version, (self.params,))
+
+    def stop(self) -> Reply:
+        return Reply(STOP, self.version, (self.params,))  # every worker ends with the final parameters
+
+    def record(self) -> Tuple[int, List[int], List[int]]:
+        return self.version, staleness_counts(self.histogram).tolist(), self.applied
+
+
+def _compute(link: Union[Link, LocalLink], params: np.ndarray, worker_fn: WorkerFn, steps: int) -> int:
+    """A worker: compute a payload on the latest parameters it has, send it, take the reply; repeat.
+
+    Ends on STOP with the final parameters in ``params``; returns the number
+    of payloads sent.
+    """
+    current, version, sent = params, 0, 0
+    while True:
+        if sent < steps:
+            loss = worker_fn(current, sent, link.payload())
+            link.send(GRADIENT | (LAST if sent + 1 == steps else 0), version, loss, copies=1, reply_copies=1)
+            sent += 1
+        else:  # no steps at all: say goodbye without a payload
+            link.send(LAST, version, reply_copies=1)
+        reply = link.wait()
+        if reply.kind & STOP:
+            params[...] = reply.payload
+            return sent
+        current, version = reply.payload, reply.version
+
+
+def run_async(
+    world: Comm,
+    params: np.ndarray,
+    apply: ApplyFn,
+    worker_fn: WorkerFn,
+    steps: int,
+    *,
+    until: Optional[UntilFn] = None,
+    max_sleep: float = DEFAULT_MAX_SLEEP,
+) -> AsyncResult:
+    """Train asynchronously: rank 0 serves, the other ranks compute payloads.
+
+    A collective call (every rank of ``world`` calls it).
+
+    Parameters
+    ----------
+    world : Comm
+        The communicator (``topology.world``); its rank 0 is the server.
+    params : numpy.ndarray
+        Flat float parameters.  The server's are ``x_0`` (sent to every
+        worker at the start); on return every rank holds the final
+        parameters, bitwise identical.
+    apply : callable
+        ``apply(params, payload, arrival)``: the update, run on the server
+        for every payload in arrival order.
+    worker_fn : callable
+        ``worker_fn(params, step, out) -> loss``: a worker's payload for its
+        (possibly stale, read-only) copy of the parameters, into ``out``.
+    steps : int
+        Payloads this rank computes (each rank may pass its own number; the
+        server's is ignored when there are workers, but checked).
+    until : callable, optional
+        ``until(params, version) -> bool``, checked by the server after each
+        update; once True, every worker is stopped after its message in flight.
+    max_sleep : float
+        See :class:`~mpiopt.asyncrt.Poller`.
+
+    Returns
+    -------
+    AsyncResult
+        The staleness histogram and per-worker counts (the same on every rank).
+
+    Raises
+    ------
+    TypeError, ValueError
+        On every rank, when any rank's ``params`` or ``steps`` is bad (the
+        message names the ranks and values).
+    SetupMismatchError
+        On every rank, when ranks pass parameters of different sizes or types.
+
+    Notes
+    -----
+    At one rank there is nobody to wait for: the rank computes and applies in
+    turn (staleness 0 throughout), which is
+    :func:`mpiopt.sim.asynchronous.simulate` with delay 0.
+    """
+    agree_on_arguments(world, "run_async", lambda: check_run_arguments(params, steps))
+    world.agree({"num_params": int(params.size), "dtype": str(params.dtype)}, what="asynchronous run")
+    if world.size > 1:
+        world.Bcast(params, root=SERVER)
+    policy = ApplyPolicy(params, apply, until, world.size)
+    outcome = run_policy(world, policy, lambda link: _compute(link, params, worker_fn, steps), params, max_sleep=max_sleep)
+    version, counts, applied = outcome.record
+    return AsyncResult(
+        version=version,
+        staleness=np.asarray(counts, dtype=np.int64),
+        applied=np.asarray(applied, dtype=np.int64),
+        sent=outcome.local or 0,
+        stopped_early=outcome.stopped_early,
+        idle_seconds=outcome.idle_seconds,
+    )
