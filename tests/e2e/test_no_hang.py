@@ -24,6 +24,18 @@ import mpiopt
 rank = MPI.COMM_WORLD.Get_rank()
 params = np.zeros(8, np.float32)
 grad = np.ones(8, np.float32)
+
+
+def failing(name):
+    # Algorithm `name` whose allocation fails on rank 1, before anything its set-up communicates.
+
+    class Failing(mpiopt.algorithms.algorithm_class(name)):
+        def _allocate(self, params):
+            if rank == 1:
+                raise MemoryError("deliberate allocation failure on rank 1")
+            super()._allocate(params)
+
+    return Failing
 """
 
 SCRIPTS = {
@@ -73,15 +85,7 @@ SCRIPTS = {
     ),
     "setup_failing": (
         """
-        from mpiopt.algorithms.sgd import SGD
-
-        class Failing(SGD):
-            def _allocate(self, params):
-                if rank == 1:
-                    raise MemoryError("deliberate allocation failure on rank 1")
-                super()._allocate(params)
-
-        alg = Failing(mpiopt.Topology(), lr=0.1)
+        alg = failing("sgd")(mpiopt.Topology(), lr=0.1)
         try:
             alg.setup(params)
         except Exception as err:
@@ -94,15 +98,7 @@ SCRIPTS = {
     # reaches the vote, so rank 1 gives up waiting for it and aborts.
     "setup_failing_before_a_collective": (
         """
-        from mpiopt.algorithms.easgd import EASGD
-
-        class Failing(EASGD):
-            def _allocate(self, params):
-                if rank == 1:
-                    raise MemoryError("deliberate allocation failure on rank 1")
-                super()._allocate(params)
-
-        alg = Failing(mpiopt.Topology(), lr=0.1)
+        alg = failing("easgd")(mpiopt.Topology(), lr=0.1)
         try:
             alg.setup(params)
         except MemoryError:
