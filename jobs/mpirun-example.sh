@@ -1,8 +1,12 @@
 #!/bin/bash
-# Without Slurm: mpirun/mpiexec across hosts listed in a hostfile.
-#   jobs/mpirun-example.sh hosts.txt 16
+# Without Slurm: compare algorithms on the same task with a plain mpiexec.
+#   jobs/mpirun-example.sh        # 4 ranks on this machine
+#   jobs/mpirun-example.sh 8      # 8 ranks
+# Across hosts, give the launcher a host list: MPICH (Hydra) `mpiexec -f hosts.txt -n 16 ...`,
+# Open MPI `mpirun --hostfile hosts.txt -np 16 ...`, and drop --group-size: the groups are the hosts.
 set -euo pipefail
-hostfile=${1:?usage: $0 HOSTFILE NRANKS}
-ranks=${2:?usage: $0 HOSTFILE NRANKS}
-# MPICH/Hydra syntax; with Open MPI use: mpirun --hostfile "$hostfile" -np "$ranks"
-mpiexec -f "$hostfile" -n "$ranks" python -m mpiopt info
+ranks=${1:-4}
+out=${OUT:-runs/compare-mpirun}
+
+# --group-size 2 emulates nodes of 2 ranks on one machine (LSGD's local leaders, signum's pre-vote).
+mpiexec -n "$ranks" python -m mpiopt compare --algorithms sgd,lsgd,signum,topk --steps 200 --group-size 2 --out "$out"
