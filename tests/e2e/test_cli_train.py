@@ -64,7 +64,7 @@ def test_compare_writes_the_table_and_figures_and_plot_redraws_them(tmp_path):
     code, output, _ = run_mpi(1, ["-m", "mpiopt", "plot", str(out), "--out", str(redrawn)], timeout=120)
     assert code == 0, output
     assert all(_png(redrawn / f.name) for f in figures)
-    assert (redrawn / "results.md").read_text().splitlines()[2:] == table.strip().splitlines()[4:]
+    assert sorted((redrawn / "results.md").read_text().splitlines()[2:]) == sorted(table.strip().splitlines()[4:])
 
 
 BAD = [
@@ -74,7 +74,7 @@ BAD = [
     (["train", "--lr", "-1"], "lr must be a positive number, got -1.0"),
     (["train", "--steps", "5", "--epochs", "2"], "give --steps or --epochs, not both"),
     (["train", "--dataset", "cifar10", "--data-dir", "/nonexistent/cifar"], "data_dir '/nonexistent/cifar' is not a directory"),
-    (["train", "--dataset", "cifar10", "--data-dir", "{empty}"], "data_batch_1.bin"),
+    (["train", "--dataset", "cifar10", "--data-dir", "{empty}"], "cannot load the dataset: cifar10: no binary batches in"),
     (["train", "--hp", "momentum"], "--hp takes KEY=VALUE, got 'momentum'"),
     (["train", "--hp", "pull_locl=0.2", "--algorithm", "lsgd"], "lsgd has no hyperparameter 'pull_locl'"),
     (["train", "--hp", "momentum=1.5"], "momentum must be in [0.0, 1.0)"),
