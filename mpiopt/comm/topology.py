@@ -14,8 +14,8 @@ Creating a topology installs the abort hooks of :mod:`mpiopt.comm.abort`
 (an uncaught exception on any rank, in any thread, aborts the whole job with
 its traceback), so a library user's job ends like a CLI job.  Opt out with
 ``Topology(abort_on_error=False)`` or ``MPIOPT_ABORT_ON_ERROR=0``: then no
-hook is installed (hooks installed earlier stay) and the checks below raise
-instead of aborting.  The settings themselves (group size, abort) are
+hook is installed (hooks installed earlier stay) and
+:meth:`Topology.raise_or_abort` raises instead of aborting.  The settings themselves (group size, abort) are
 agreed before any is acted on: a bad value on one rank raises the same
 error on every rank.
 """
