@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
 from ..comm import Topology
-from ..training.config import TrainConfig, dump_toml
+from ..training.config import TrainConfig, command_settings, dump_toml
 
 
 @dataclass
@@ -66,9 +66,8 @@ def start_session(config: TrainConfig, command: str, algorithms: List[str]) -> S
     config.out = out
     if world.rank == 0:
         os.makedirs(out, exist_ok=True)
-        settings = {k: v for k, v in dataclasses.asdict(config).items() if k != "hyperparameters"}
+        settings = {k: v for k, v in dataclasses.asdict(config).items() if k in command_settings(command)}
         if command == "compare":
-            settings.pop("algorithm")
             settings["algorithms"] = algorithms
         settings["hyperparameters"] = {name: config.algorithm_hyperparameters(name) for name in algorithms}
         text = dump_toml(settings)

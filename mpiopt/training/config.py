@@ -24,7 +24,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["TrainConfig", "UsageError", "ALGORITHM_DEFAULTS", "add_config_arguments", "config_from_args", "dump_toml"]
+__all__ = ["TrainConfig", "UsageError", "ALGORITHM_DEFAULTS", "add_config_arguments", "config_from_args", "command_settings", "dump_toml"]
 
 
 class UsageError(ValueError):
@@ -192,6 +192,11 @@ _FLAGS_BY_COMMAND = {
 }
 
 
+def command_settings(command: str) -> List[str]:
+    """The settings ``command`` (``train`` or ``compare``) takes, as field names of :class:`TrainConfig`."""
+    return list(_FLAGS_BY_COMMAND[command])
+
+
 def _parse_bool(text: str) -> bool:
     low = text.strip().lower()
     if low in ("1", "true", "yes", "on"):
@@ -292,6 +297,8 @@ def config_from_args(args: argparse.Namespace, command: str) -> "tuple[TrainConf
         if not algorithms:
             raise UsageError("--algorithms names no algorithm")
     config = TrainConfig(**values, hyperparameters=hyper)
+    if config.steps is None and config.epochs is None:
+        config.epochs = float(DEFAULT_EPOCHS)
     for f in dataclasses.fields(TrainConfig):
         value = getattr(config, f.name)
         if value is not None and f.name in ("epochs", "dropout", "target_accuracy", "lr") and isinstance(value, int) and not isinstance(value, bool):
