@@ -9,9 +9,11 @@ all workers) crosses a multiple of ``N tau`` (towards the local leader) or
 
 The local step, the pull forms, the proximal pull, the election by running
 mean loss and every hyperparameter are those of synchronous
-:class:`~mpiopt.algorithms.lsgd.LSGD`, which this class extends (the step
-with its pulls is ``LSGD._pull_and_step``).  What changes is who decides
-when to pull and where the leader's parameters come from.
+:class:`~mpiopt.algorithms.lsgd.LSGD`, from the rule both use
+(:class:`~mpiopt.algorithms.lsgd_rule.LSGDRule`).  What changes is who
+decides when to pull and where the leader's parameters come from: the
+server of :mod:`mpiopt.asyncrt`, whose policy is this module's
+:class:`LeaderBook`.
 
 Roles
 -----
@@ -20,7 +22,7 @@ World rank 0 is a server that computes nothing; ranks 1..P-1 are the
 (``topology.group_index``, so ``group_size`` emulates nodes); the server
 belongs to none (``group_size=2`` at 4 ranks: worker groups {1} and {2, 3}).
 
-The server's book (:class:`LeaderBook`, no MPI)
+The server's book (:class:`LeaderBook`)
     ``T``, the sum of the step counts the workers report; rounds
     ``r_L = T // (N tau)`` and ``r_G = T // (N tau_G)``.  Each worker's
     latest running-mean loss; per scope (each worker group, and the world)
@@ -30,9 +32,9 @@ The server's book (:class:`LeaderBook`, no MPI)
     asked for; per scope the *source*, the leader whose upload serves the
     pulls (the previous one until a new leader's parameters arrive).
 
-A worker's step (``step``, inside :meth:`AsyncLSGD.run`; nothing blocks)
-    1. if the reply to its report has arrived (``Iprobe``): upload ``x_t`` if
-       asked, and take the pulls it carries;
+A worker's step (inside :meth:`AsyncLSGD.run`; nothing blocks)
+    1. if the reply to its report has arrived: upload ``x_t`` if asked, and
+       take the pulls it carries;
     2. record the loss (every message to the server carries the running mean
        of the losses of the steps it counts);
     3. the local step with those pulls, as the synchronous step does
@@ -71,47 +73,42 @@ Choices
     before its crossing that the leader has since left behind; waiting for a
     fresh one delays the pull, never a step.
 
-Messages
-    One buffer each (:class:`~mpiopt.asyncrt.Message` with this module's
-    headers :data:`UP` and :data:`DOWN`); a receiver ``Iprobe``\\ s and then
-    ``Recv``\\ s exactly the size the tag announces, so the ledger counts
-    what crossed and no receive is ever left posted.
+Messages (:mod:`mpiopt.asyncrt.messages`)
+    ===========================  ==================================  =============================
+    message                      flags                               bytes
+    ===========================  ==================================  =============================
+    report (worker -> server)    none                                32
+    upload (worker -> server)    ``UPLOAD`` (``| LAST`` at the end)  32 + 4d (float32)
+    reply (server -> worker)     ``UPLOAD``, ``PULL_LOCAL``,         32 + k 4d: k = 0, 1 or 2
+                                 ``PULL_GLOBAL``                     copies
+    ===========================  ==================================  =============================
 
-    ===========================  =========  =======================================
-    message                      tag        bytes
-    ===========================  =========  =======================================
-    report (worker -> server)    REPORT     32
-    upload (worker -> server)    UPLOAD     32 + 4d (float32): leaders, and LAST
-    reply (server -> worker)     REPLY + k  32 + k 4d: k = 0, 1 or 2 copies
-    ===========================  =========  =======================================
-
-    A reply's flags say which pulls it carries; with both, two copies when the
-    sources differ (several groups), one serving both otherwise.
+    A reply's flags say which pulls it carries, its ``ranks`` towards whom;
+    with both, two copies when the sources differ (several groups), one
+    serving both otherwise.  Uploads are not answered.
 
 Shutdown
     A worker stops after ``steps`` steps or ``seconds`` of wall time (each
     rank its own), waits for the reply to its last report (its pulls are
-    applied without a gradient step) and sends LAST, an upload with its
-    final step count, loss and parameters.  It then owes no pull, but stays a
-    candidate leader: the server has its final parameters.  When every
-    worker has sent LAST, the server answers each STOP, writes the final
-    global leader's parameters into its own ``params`` and broadcasts the
-    record (:class:`AsyncLSGDResult`), so every rank ends with the same
-    record.  A worker waits for STOP by polling (sleeping, see
-    :class:`~mpiopt.asyncrt.Poller`), not in a spinning collective.  An
-    exception on one rank leaves the others polling: run under
-    :func:`mpiopt.abort_on_exception`, as every mpiopt job.
+    applied without a gradient step) and sends its final upload (LAST, with
+    its final step count, loss and parameters).  It then owes no pull, but
+    stays a candidate leader: the server has its final parameters.  The
+    runtime answers every LAST with STOP once all have come; the server
+    then writes the final global leader's parameters into its own
+    ``params``, and every rank gets the same record
+    (:class:`AsyncLSGDResult`).
 
 One rank
-    The rank is the only worker and its own server: the same book, no
-    messages.  ``N = 1``, rounds every ``tau`` steps, each settled "as
-    leader": local SGD (the proximal pull has no copy to go towards).  At
-    two ranks the one worker likewise never pulls, and uploads only its LAST.
+    The rank is the only worker and its own server (the runtime's
+    :class:`~mpiopt.asyncrt.LocalLink`): the same book, no messages.
+    ``N = 1``, rounds every ``tau`` steps, each settled "as leader": local
+    SGD (the proximal pull has no copy to go towards).  At two ranks the one
+    worker likewise never pulls, and uploads only its LAST.
 
 Cost per pull: 4d bytes, as the synchronous Bcast, and no election
 collective: a report is 32 bytes each way.  The server keeps each worker's
-latest upload and a reply buffer per worker (about 2 or 3 copies of the
-parameters per worker); parameters live in host memory (numpy).
+latest upload twice (one arriving) and a reply buffer per worker (about 3 or
+4 copies of the parameters per worker); parameters live in host memory (numpy).
 
 Example
 -------
@@ -127,34 +124,30 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from ..asyncrt import DEFAULT_MAX_SLEEP, SERVER, Message, Poller, WorkerFn
-from ..asyncrt.messages import LAST, STOP
-from ..asyncrt.result import check_run_arguments
-from ..comm import ANY_TAG, Comm, Topology
-from .base import check_positive
-from .lsgd import LSGD
+from ..asyncrt import (
+    DEFAULT_MAX_SLEEP,
+    SERVER,
+    Link,
+    Message,
+    Policy,
+    Reply,
+    WorkerFn,
+    agree_on_arguments,
+    check_run_arguments,
+    run_policy,
+)
+from ..asyncrt.messages import LAST, PULL_GLOBAL, PULL_LOCAL, STOP, UPLOAD
+from ..comm import Topology
+from .base import Algorithm, StepRecord, check_positive
+from .local import LocalStepState
+from .lsgd_rule import LSGDRule, Pull, elect
 from .registry import register
 
-__all__ = ["AsyncLSGD", "AsyncLSGDResult", "LeaderBook", "UP", "DOWN"]
-
-#: Worker -> server header (reports and uploads): ``steps`` in this run, running-mean ``loss``.
-UP = np.dtype([("kind", "<i8"), ("steps", "<i8"), ("sequence", "<i8"), ("loss", "<f8")])
-#: Server -> worker header (replies, STOP): total steps ``T``; per scope the rank that settled a pull, or -1.
-DOWN = np.dtype([("kind", "<i8"), ("total", "<i8"), ("local_leader", "<i8"), ("global_leader", "<i8")])
-
-# Tags on the world communicator (a Dup: never an application's messages).
-TAG_REPORT = 0x15D1
-TAG_UPLOAD = 0x15D2
-TAG_REPLY = 0x15D4  # + number of copies carried (0, 1 or 2)
-
-# Kinds (bit flags) besides the runtime's LAST (a worker's final message) and STOP (the run is over).
-UPLOAD = 16  # server -> worker: send your parameters; worker -> server: here they are
-PULL_LOCAL = 32
-PULL_GLOBAL = 64
+__all__ = ["AsyncLSGD", "AsyncLSGDResult", "LeaderBook"]
 
 LOCAL, GLOBAL = 0, 1  # kinds of pull: columns of the per-rank tables
 _WORLD = -1  # scope id of the global leader (local scopes are group indices)
@@ -187,8 +180,15 @@ class Answer(NamedTuple):
         return out
 
 
-class LeaderBook:
-    """The server's bookkeeping, without MPI: steps, rounds, elections, debts and copies.
+class LeaderBook(Policy):
+    """The server's policy: steps, rounds, elections, debts and the leaders' copies (no MPI of its own).
+
+    The book's events (:meth:`note`, :meth:`answer`, :meth:`uploaded`) are
+    plain calls, testable on their own; :meth:`receive` maps the runtime's
+    messages onto them: a report (no flag) is noted and answered at once, an
+    upload (``UPLOAD``, and the final one with ``LAST``) is booked and kept
+    (the runtime double-buffers it), so the copies a reply carries are views
+    of the latest uploads.
 
     Parameters
     ----------
@@ -200,6 +200,8 @@ class LeaderBook:
         Whether local and global pulls are on (a coefficient > 0); rounds are
         counted either way, debts and uploads only when on.
     """
+
+    keeps_payloads = True  # the latest uploads serve later replies
 
     def __init__(self, groups: Mapping[int, int], period: int, global_period: int, pulls_on: Tuple[bool, bool]) -> None:
         self.workers = sorted(groups)
@@ -227,6 +229,9 @@ class LeaderBook:
         self.merged = np.zeros((size, 2), dtype=np.int64)
         self.leader = {s: -1 for s in self.members}
         self.source = {s: -1 for s in self.members}  # the worker whose latest upload serves the scope's pulls
+        self.latest: Dict[int, np.ndarray] = {}  # each worker's latest upload (a view the runtime keeps intact)
+        # Two copies in one reply only when local and global leaders can differ: several worker groups.
+        self.reply_copies = 2 if len(set(self.group.values())) > 1 else 1
 
     def _kind(self, scope: int) -> int:
         return GLOBAL if scope == _WORLD else LOCAL
@@ -271,8 +276,7 @@ class LeaderBook:
             self.want_upload[w] = True
 
     def _elect(self, scope: int) -> None:
-        candidates = [m for m in self.members[scope] if np.isfinite(self.loss[m])]
-        new = min(candidates, key=lambda m: (self.loss[m], m)) if candidates else -1
+        new = elect((m, self.loss[m]) for m in self.members[scope])
         if new == self.leader[scope]:
             return
         self.leader[scope] = new
@@ -323,6 +327,22 @@ class LeaderBook:
         for scope in (self.group[w], _WORLD):
             if self.leader[scope] == w and self._shared(scope):
                 self.source[scope] = w
+
+    # -- the runtime's policy -------------------------------------------------------------------
+    def receive(self, worker: int, message: Message) -> Optional[Reply]:
+        """A report: note it, answer at once; an upload: book it, keep it, no answer (LAST: STOP at the end)."""
+        loss = math.nan if message.loss is None else message.loss
+        if message.kind & UPLOAD:
+            self.latest[worker] = message.payload
+            self.uploaded(worker, message.version, loss, final=bool(message.kind & LAST))
+            return None
+        self.note(worker, message.version, loss)
+        answer = self.answer(worker)
+        kind = (UPLOAD if answer.upload else 0) | (PULL_LOCAL if answer.pulling[LOCAL] else 0) | (PULL_GLOBAL if answer.pulling[GLOBAL] else 0)
+        return Reply(kind, self.total, [self.latest[source] for source in answer.sources()], answer.leaders)
+
+    def stop(self) -> Reply:
+        return Reply(STOP, self.total, (), (-1, self.global_leader))
 
     @property
     def global_leader(self) -> int:
@@ -412,199 +432,8 @@ class AsyncLSGDResult:
         return {key: value.tolist() if isinstance(value, np.ndarray) else value for key, value in vars(self).items()}
 
 
-class _Reply(NamedTuple):
-    """A reply as the worker reads it: flags, ``T``, settling ranks and the copies' parameters."""
-
-    kind: int
-    total: int
-    leaders: Tuple[int, int]
-    copies: List[np.ndarray]
-
-
-class _Probe:
-    """``Comm.Iprobe`` as a request for :class:`~mpiopt.asyncrt.Poller`: ``Test()`` is True once a match waits."""
-
-    def __init__(self, comm: Comm, source: int) -> None:
-        self._comm, self._source = comm, source
-        self.status: Any = None  # the MPI status of the message found
-
-    def Test(self) -> bool:
-        self.status = self._comm.Iprobe(self._source, ANY_TAG)
-        return self.status is not None
-
-
-def _reply_bytes(copies: int, num_params: int, itemsize: int) -> int:
-    return DOWN.itemsize + copies * num_params * itemsize
-
-
-class _ServerLink:
-    """A worker's connection to the server: a report in flight at most, uploads, the final handshake."""
-
-    def __init__(self, world: Comm, reply: Message, copies: int, poller: Poller) -> None:
-        self.world, self.reply_message, self.poller = world, reply, poller
-        self.num_params = n = reply.payload.size // copies
-        self.report_message = Message(0, reply.payload.dtype, header=UP)
-        self.upload_message = Message(n, reply.payload.dtype, header=UP)
-        self.probe = _Probe(world, SERVER)
-        self.sequence = 0
-        self.report_send = self.upload_send = None
-
-    @property
-    def awaiting(self) -> bool:
-        return self.report_send is not None
-
-    def report(self, steps: int, loss: float) -> None:
-        self.sequence += 1
-        self.report_message.header[0] = (0, steps, self.sequence, loss)
-        self.report_send = self.world.Isend(self.report_message.buffer, SERVER, TAG_REPORT)
-
-    def poll(self) -> Optional[_Reply]:
-        return self._receive() if self.awaiting and self.probe.Test() else None
-
-    def wait(self) -> Optional[_Reply]:
-        if not self.awaiting:
-            return None
-        self.poller.wait_any([self.probe])
-        return self._receive()
-
-    def _receive(self) -> _Reply:
-        tag = self.probe.status.Get_tag()
-        copies = tag - TAG_REPLY
-        if not 0 <= copies <= 2:
-            raise RuntimeError(f"async_lsgd worker: unexpected message with tag {tag:#x} from the server")
-        message, n = self.reply_message, self.num_params
-        self.world.Recv(message.buffer[: _reply_bytes(copies, n, message.payload.itemsize)], SERVER, tag)
-        self.report_send.Wait()  # complete: the server answered it
-        self.report_send = None
-        h = message.header[0]
-        views = [message.payload[i * n : (i + 1) * n] for i in range(copies)]
-        return _Reply(int(h["kind"]), int(h["total"]), (int(h["local_leader"]), int(h["global_leader"])), views)
-
-    def upload(self, params: np.ndarray, steps: int, loss: float, kind: int = UPLOAD) -> None:
-        if self.upload_send is not None:
-            self.upload_send.Wait()  # the server has long received it (it probes all the time)
-        self.upload_message.header[0] = (kind, steps, self.sequence, loss)
-        self.upload_message.payload[...] = params
-        self.upload_send = self.world.Isend(self.upload_message.buffer, SERVER, TAG_UPLOAD)
-
-    def close(self, params: np.ndarray, steps: int, loss: float) -> None:
-        """Send LAST with the final parameters, then wait for STOP."""
-        self.upload(params, steps, loss, kind=UPLOAD | LAST)
-        self.poller.wait_any([self.probe])
-        tag = self.probe.status.Get_tag()
-        self.world.Recv(self.reply_message.buffer[: DOWN.itemsize], SERVER, tag)
-        if tag != TAG_REPLY or not self.reply_message.header["kind"][0] & STOP:
-            raise RuntimeError(f"async_lsgd worker: expected STOP from the server, got tag {tag:#x}")
-        self.upload_send.Wait()
-
-
-class _SelfLink:
-    """The one rank's connection to itself: the same book, no messages, never a copy (it is the only worker)."""
-
-    def __init__(self, book: LeaderBook) -> None:
-        self.book = book
-        self.pending: Optional[_Reply] = None
-
-    @property
-    def awaiting(self) -> bool:
-        return self.pending is not None
-
-    def report(self, steps: int, loss: float) -> None:
-        self.book.note(0, steps, loss)
-        answer = self.book.answer(0)
-        self.pending = _Reply(0, self.book.total, answer.leaders, [])
-
-    def poll(self) -> Optional[_Reply]:
-        reply, self.pending = self.pending, None
-        return reply
-
-    wait = poll
-
-    def close(self, params: np.ndarray, steps: int, loss: float) -> None:
-        self.book.uploaded(0, steps, loss, final=True)
-
-
-class _Server:
-    """World rank 0's loop: keep the book, answer each report at once, take uploads without blocking.
-
-    Each worker has one slot, polled round robin (:class:`~mpiopt.asyncrt.Poller`):
-    a probe for its next message or, while its parameters arrive, their
-    ``Irecv`` (a large upload may need the sender's progress; the other
-    workers are served meanwhile).  Probing one worker at a time also takes
-    each worker's messages in the order it sent them.
-    """
-
-    def __init__(self, world: Comm, book: LeaderBook, params: np.ndarray, copies: int, poller: Poller) -> None:
-        self.world, self.book, self.poller = world, book, poller
-        self.num_params, dtype = params.size, params.dtype
-        self.latest = {w: Message(params.size, dtype, header=UP) for w in book.workers}  # each worker's latest upload
-        # Uploads land here and are swapped into `latest` once complete: a reply never reads a half-received copy.
-        self.incoming = {w: Message(params.size, dtype, header=UP) for w in book.workers}
-        self.outbox = {w: Message(copies * params.size, dtype, header=DOWN) for w in book.workers}
-        self.report = Message(0, dtype, header=UP)
-        self.sends: Dict[int, Any] = dict.fromkeys(book.workers)
-        self.sequence = dict.fromkeys(book.workers, 0)
-
-    def run(self) -> None:
-        """Serve until every worker has sent LAST, then answer each STOP."""
-        workers = self.book.workers
-        probes = [_Probe(self.world, w) for w in workers]
-        slots: List[Any] = list(probes)  # None once the worker is done
-        while any(slot is not None for slot in slots):
-            i = self.poller.wait_any(slots)
-            w = workers[i]
-            if slots[i] is not probes[i]:  # its upload has arrived
-                slots[i] = None if self._uploaded(w) else probes[i]
-                continue
-            tag = probes[i].status.Get_tag()
-            if tag == TAG_REPORT:
-                self._answer(w)
-            elif tag == TAG_UPLOAD:
-                slots[i] = self.world.Irecv(self.incoming[w].buffer, w, TAG_UPLOAD)
-            else:
-                raise RuntimeError(f"async_lsgd server: unexpected message with tag {tag:#x} from rank {w}")
-        stops = []
-        for w in workers:
-            self._wait_send(w)
-            self.outbox[w].header[0] = (STOP, self.book.total, -1, self.book.global_leader)
-            stops.append(self.world.Isend(self.outbox[w].buffer[: DOWN.itemsize], w, TAG_REPLY))
-        self.poller.wait_all(stops)
-
-    def _answer(self, w: int) -> None:
-        """Take ``w``'s report (small: a blocking receive of a message that is there) and reply at once."""
-        self.world.Recv(self.report.buffer, w, TAG_REPORT)
-        h = self.report.header[0]
-        self.sequence[w] += 1
-        if h["sequence"] != self.sequence[w]:
-            raise RuntimeError(f"async_lsgd server: report {h['sequence']} from rank {w}, expected {self.sequence[w]}")
-        self.book.note(w, int(h["steps"]), float(h["loss"]))
-        answer = self.book.answer(w)
-        self._wait_send(w)
-        out, n = self.outbox[w], self.num_params
-        sources = answer.sources()
-        for i, source in enumerate(sources):
-            out.payload[i * n : (i + 1) * n] = self.latest[source].payload
-        kind = (UPLOAD if answer.upload else 0) | (PULL_LOCAL if answer.pulling[LOCAL] else 0) | (PULL_GLOBAL if answer.pulling[GLOBAL] else 0)
-        out.header[0] = (kind, self.book.total, answer.leaders[LOCAL], answer.leaders[GLOBAL])
-        size = _reply_bytes(len(sources), n, out.payload.itemsize)
-        self.sends[w] = self.world.Isend(out.buffer[:size], w, TAG_REPLY + len(sources))
-
-    def _uploaded(self, w: int) -> bool:
-        """Book ``w``'s completed upload; True if it was its LAST."""
-        self.latest[w], self.incoming[w] = self.incoming[w], self.latest[w]
-        h = self.latest[w].header[0]
-        final = bool(h["kind"] & LAST)
-        self.book.uploaded(w, int(h["steps"]), float(h["loss"]), final)
-        return final
-
-    def _wait_send(self, w: int) -> None:
-        if self.sends[w] is not None:
-            self.sends[w].Wait()  # complete or nearly: the worker has received it before writing again
-            self.sends[w] = None
-
-
 @register
-class AsyncLSGD(LSGD):
+class AsyncLSGD(LocalStepState, Algorithm):
     """Asynchronous LSGD (Teng et al. 2019): a server keeps the leaders, workers never wait for each other.
 
     Parameters
@@ -612,7 +441,9 @@ class AsyncLSGD(LSGD):
     topology : Topology
         World rank 0 serves; the other ranks are workers, grouped by
         ``topology.group_index`` for their local leaders.
-    lr, pull_local, pull_global, period, global_period, pull_form, proximal, loss_window,
+    lr : float
+        Learning rate of the local steps (default 0.1, as LSGD's).
+    pull_local, pull_global, period, global_period, pull_form, proximal, loss_window,
     momentum, dampening, nesterov, weight_decay
         As in :class:`~mpiopt.algorithms.lsgd.LSGD` (same defaults); ``period``
         and ``global_period`` count each worker's steps on average: a round
@@ -627,6 +458,9 @@ class AsyncLSGD(LSGD):
 
     Attributes
     ----------
+    rule : LSGDRule
+        The hyperparameters, the running-mean loss and the local step with
+        its pulls (LSGD's).
     pulls_local, pulls_global : int
         Pulls this worker has applied (state; the server's count of the last
         run is in :attr:`AsyncLSGDResult.pulls`).
@@ -638,85 +472,110 @@ class AsyncLSGD(LSGD):
     """
 
     name = "async_lsgd"
-    state_scalars = LSGD.state_scalars + ("pulls_local", "pulls_global")
+    state_arrays = ("momentum_buffer", "leader_copy", "recent_losses")
+    state_scalars = ("losses_seen", "last_local_leader", "last_global_leader", "pulls_local", "pulls_global")
 
-    def __init__(self, topology: Topology, *, report_every: int = 1, nan_policy: str = "raise", **lsgd: Any) -> None:
+    def __init__(self, topology: Topology, *, lr: float = 0.1, report_every: int = 1, nan_policy: str = "raise", **lsgd: Any) -> None:
         if nan_policy != "raise":
             raise ValueError(
                 f"nan_policy must be 'raise' for async_lsgd (skipping is decided collectively, not asynchronously), got {nan_policy!r}"
             )
-        super().__init__(topology, nan_policy=nan_policy, **lsgd)
+        super().__init__(topology, lr=lr, nan_policy=nan_policy)
+        self.rule = LSGDRule(**lsgd)
+        self.local = self.rule.local
         self.report_every = check_positive("report_every", report_every, integer=True)
         self.pulls_local = 0
         self.pulls_global = 0
+        self.last_local_leader = -1
+        self.last_global_leader = -1
         self._groups: List[int] = []  # world rank -> group index
-        self._reply: Optional[Message] = None  # a worker's receive buffer for replies
-        self._copies = 1  # most copies one reply carries
-        self._link: Any = None  # _ServerLink or _SelfLink while run() drives this worker
+        self._leader: Optional[np.ndarray] = None  # the latest leader copy received: the proximal pull's target
+        self._link: Optional[Link] = None  # while run() drives this worker
         self._first_step = 0  # self.steps when the run began
         self._reported = 0  # steps of this run at the latest report
 
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def recent_losses(self) -> np.ndarray:
+        return self.rule.recent_losses
+
+    @property
+    def losses_seen(self) -> int:
+        return self.rule.losses_seen
+
+    @losses_seen.setter
+    def losses_seen(self, value: int) -> None:
+        self.rule.losses_seen = int(value)
+
+    # The leader copy is state only for the proximal pull; otherwise every pull replaces it before it is read.
+    @property
+    def leader_copy(self) -> Optional[np.ndarray]:
+        return self._leader if self.rule.proximal else None
+
+    @leader_copy.setter
+    def leader_copy(self, value: Optional[np.ndarray]) -> None:
+        if value is not None:
+            self._leader[...] = value
+
     def hyperparameters(self) -> Dict[str, Any]:
-        return {**super().hyperparameters(), "report_every": self.report_every}
+        return {**self.rule.hyperparameters(), "report_every": self.report_every}
 
     def _allocate(self, params: Any) -> None:
         if not isinstance(params, np.ndarray):
             raise TypeError(f"async_lsgd keeps the parameters in host memory: params must be a numpy array, got {type(params).__name__}")
-        super()._allocate(params)
+        self.rule.allocate(params)
+        self._leader = np.zeros_like(params)
         self._groups = self.topology.world.allgather_obj(self.topology.group_index)
-        # Two copies in one reply only when local and global leaders can differ: several worker groups.
-        self._copies = 2 if len(set(self._worker_groups().values())) > 1 else 1
-        self._reply = Message(self._copies * params.size, params.dtype, header=DOWN)
-        self._leader = self._reply.payload[: params.size]  # the latest copy received (LSGD's proximal pull and state)
 
-    def _worker_groups(self) -> Dict[int, int]:
-        size = self.topology.size
-        return {w: self._groups[w] for w in (range(1, size) if size > 1 else [0])}
+    def step(self, params: Any, grad: Any, loss: Optional[float] = None) -> StepRecord:
+        """Not for async_lsgd: a worker's steps happen inside :meth:`run`, which drives them and the server."""
+        raise RuntimeError("async_lsgd: a worker's steps happen inside run(params, worker_fn, ...), which drives them; call run()")
 
-    # -- a worker's step --------------------------------------------------------------------
+    # -- a worker's step (inside run) ------------------------------------------------------------
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
-        """A worker's local step (see the module docstring); only inside :meth:`run`."""
-        if self._link is None:
-            raise RuntimeError("async_lsgd: step() is a worker's local step inside run(params, worker_fn, ...); call run()")
+        """A worker's local step, in the order of the module docstring."""
         # The reply first: a message to the server always carries the running mean of the steps it counts.
         pulls = self._take(params, self._link.poll())
-        self._record_loss(loss)
+        self.rule.record_loss(loss, self.name)
         self._pull_and_step(params, grad, pulls)
         done = self.steps + 1 - self._first_step  # the base class counts this step after _step returns
         if not self._link.awaiting and done - self._reported >= self.report_every:
-            self._link.report(done, self.running_loss())
+            self._link.send(0, done, self.rule.running_loss())
             self._reported = done
 
-    def _take(self, params: np.ndarray, reply: Optional[_Reply]) -> List[Tuple[float, Callable[[], Optional[np.ndarray]]]]:
-        """Act on a reply: upload ``x_t`` if asked; its pulls as ``(coefficient, fetch)`` for ``_pull_and_step``."""
+    def _pull_and_step(self, params: np.ndarray, grad: Optional[np.ndarray], pulls: List[Pull]) -> None:
+        self.rule.step(params, grad, self.lr, pulls, self._proximal_target)
+
+    def _proximal_target(self) -> Optional[np.ndarray]:
+        return self._leader if max(self.last_local_leader, self.last_global_leader) >= 0 else None
+
+    def _take(self, params: np.ndarray, reply: Optional[Message]) -> List[Pull]:
+        """Act on a reply: upload ``x_t`` if asked; its pulls as ``(coefficient, fetch)``, local first."""
         if reply is None:
             return []
         if reply.kind & UPLOAD:
-            self._link.upload(params, self.steps - self._first_step, self.running_loss())
-        pulls = []
-        for kind, flag, coeff in ((LOCAL, PULL_LOCAL, self.pull_local), (GLOBAL, PULL_GLOBAL, self.pull_global)):
+            self._upload(params, UPLOAD)
+        pulls: List[Pull] = []
+        for kind, flag, coeff in ((LOCAL, PULL_LOCAL, self.rule.pull_local), (GLOBAL, PULL_GLOBAL, self.rule.pull_global)):
             if not reply.kind & flag:
                 continue
-            copy = reply.copies[min(len(pulls), len(reply.copies) - 1)]  # one copy serves both when the sources agree
+            copy = reply.copies[min(len(pulls), reply.carried - 1)]  # one copy serves both when the sources agree
             pulls.append((coeff, lambda copy=copy: copy))
-            self._leader = copy  # the proximal pull's anchor: the latest copy (the global one when both came)
+            self._leader = copy  # the proximal pull's target: the latest copy (the global one when both came)
             if kind == LOCAL:
-                self.last_local_leader = reply.leaders[kind]
+                self.last_local_leader = reply.ranks[kind]
                 self.pulls_local += 1
             else:
-                self.last_global_leader = reply.leaders[kind]
+                self.last_global_leader = reply.ranks[kind]
                 self.pulls_global += 1
         return pulls
 
-    def _finish(self, params: Any) -> None:
-        """A worker's end: the last reply's pulls (no gradient step), LAST, then STOP."""
-        if self._link is None:
-            return
-        self._pull_and_step(params, None, self._take(params, self._link.wait()))
-        self._link.close(params, self.steps - self._first_step, self.running_loss())
-        self._link = None
+    def _upload(self, params: np.ndarray, kind: int) -> None:
+        """Send ``params`` with this run's step count and the running-mean loss; only LAST is answered."""
+        self._link.payload()[...] = params
+        self._link.send(kind, self.steps - self._first_step, self.rule.running_loss(), copies=1, answered=bool(kind & LAST))
 
-    # -- the driver -------------------------------------------------------------------------
+    # -- the driver ---------------------------------------------------------------------------
     def run(
         self,
         params: np.ndarray,
@@ -742,7 +601,8 @@ class AsyncLSGD(LSGD):
             Local steps of this worker (ranks may differ).
         seconds : float, optional
             Wall-time budget of this worker: no step starts after it.  At
-            least one of ``steps`` and ``seconds``; the server ignores both.
+            least one of ``steps`` and ``seconds``; the server ignores both
+            (but checks them).
         max_sleep : float
             Longest pause of a waiting rank (see :class:`~mpiopt.asyncrt.Poller`).
 
@@ -750,7 +610,26 @@ class AsyncLSGD(LSGD):
         -------
         AsyncLSGDResult
             The same record on every rank.
+
+        Raises
+        ------
+        RuntimeError, TypeError, ValueError
+            On every rank, when any rank is not set up or passes bad
+            ``params``, ``steps`` or ``seconds`` (the message names the ranks
+            and values).
         """
+        world = self.topology.world
+        agree_on_arguments(world, "async_lsgd.run", lambda: self._check_run(params, steps, seconds))
+        started = time.perf_counter()
+        size = world.size
+        groups = {w: self._groups[w] for w in (range(1, size) if size > 1 else [0])}
+        book = LeaderBook(groups, self.rule.period, self.rule.global_period, (self.rule.pull_local > 0, self.rule.pull_global > 0))
+        outcome = run_policy(world, book, lambda link: self._work(link, params, worker_fn, steps, seconds), params, max_sleep=max_sleep)
+        if size > 1 and world.rank == SERVER and book.global_leader >= 0:
+            params[...] = book.latest[book.global_leader]
+        return AsyncLSGDResult.from_record(outcome.record, time.perf_counter() - started, outcome.idle_seconds)
+
+    def _check_run(self, params: Any, steps: Optional[int], seconds: Optional[float]) -> None:
         if self.num_params is None:
             raise RuntimeError(f"{type(self).__name__}.setup(params) must be called before run()")
         self._check_flat("params", params)
@@ -759,42 +638,20 @@ class AsyncLSGD(LSGD):
             check_positive("seconds", seconds)
         elif steps is None:
             raise ValueError("run() needs steps or seconds (or both)")
-        world, poller = self.topology.world, Poller(max_sleep)
-        started = time.perf_counter()
-        if world.size == 1:
-            book = self._new_book()
-            self._link = _SelfLink(book)
-            self._run_worker(params, worker_fn, steps, seconds)
-            record = book.record()
-        else:
-            if world.rank == SERVER:
-                record = self._serve(params, poller)
-            else:
-                self._link = _ServerLink(world, self._reply, self._copies, poller)
-                self._run_worker(params, worker_fn, steps, seconds)
-                record = None
-            record = world.bcast_obj(record, root=SERVER)
-        return AsyncLSGDResult.from_record(record, time.perf_counter() - started, poller.idle_seconds)
 
-    def _new_book(self) -> LeaderBook:
-        return LeaderBook(self._worker_groups(), self.period, self.global_period, (self.pull_local > 0, self.pull_global > 0))
-
-    def _run_worker(self, params: np.ndarray, worker_fn: WorkerFn, steps: Optional[int], seconds: Optional[float]) -> None:
-        """A worker's loop: its steps until ``steps`` or ``seconds`` run out, then :meth:`finish`."""
+    def _work(self, link: Link, params: np.ndarray, worker_fn: WorkerFn, steps: Optional[int], seconds: Optional[float]) -> None:
+        """A worker's run: its steps until ``steps`` or ``seconds`` run out; the last reply's pulls; LAST; STOP."""
         grad = np.empty_like(params)
-        self._first_step, self._reported = self.steps, 0
+        self._link, self._first_step, self._reported = link, self.steps, 0
         deadline = math.inf if seconds is None else time.perf_counter() + seconds
         k = 0
         while (steps is None or k < steps) and time.perf_counter() < deadline:
             loss = worker_fn(params, k, grad)
-            self.step(params, grad, loss=loss)
+            super().step(params, grad, loss=loss)  # the base class's checks and accounting around _step
             k += 1
-        self.finish(params)
-
-    def _serve(self, params: np.ndarray, poller: Poller) -> Dict[str, Any]:
-        """The server: run the loop, then hold the final global leader's parameters."""
-        server = _Server(self.topology.world, self._new_book(), params, self._copies, poller)
-        server.run()
-        if server.book.global_leader >= 0:
-            params[...] = server.latest[server.book.global_leader].payload
-        return server.book.record()
+        self._pull_and_step(params, None, self._take(params, link.wait()))
+        self._upload(params, UPLOAD | LAST)
+        reply = link.wait()
+        if not reply.kind & STOP:
+            raise RuntimeError(f"async_lsgd worker: expected STOP from the server, got kind {reply.kind}")
+        self._link = None

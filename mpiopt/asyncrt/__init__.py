@@ -66,9 +66,9 @@ messages
     for it.  Everything goes through :class:`~mpiopt.comm.Comm` on the world
     communicator.
 worker (:class:`Link`)
-    Sends numbered messages (``Isend``), at most one awaiting its reply; it
-    takes the reply when it wants (:meth:`Link.poll`, never blocking, or
-    :meth:`Link.wait`).  It waits only for the server's answer to its own
+    Sends numbered messages (``Isend``, :class:`MPILink`), at most one
+    awaiting its reply; it takes the reply when it wants (:meth:`Link.poll`,
+    never blocking, or :meth:`Link.wait`).  It waits only for the server's answer to its own
     message, never for another worker; a slow worker slows nobody else.
 server
     One slot per worker, polled round robin (:class:`Poller`; ``Comm`` has
@@ -107,7 +107,8 @@ idle ranks
     time covers only blocking ``Wait`` calls).
 one rank
     The rank is its own server (:class:`LocalLink`): each message goes to
-    the policy in process, the same code without MPI.
+    the policy in process, the same code without MPI (for Async-MSGD: the
+    rank computes and applies in turn, staleness 0).
 
 Why a server: the update rule of Async-MSGD (ALGORITHMS.md) is defined on one
 sequence of iterates ``x_k``, each update made with a gradient computed at
@@ -127,7 +128,7 @@ The deterministic one-process twin with a chosen delay is
 from .apply import ApplyPolicy, run_async
 from .messages import GRADIENT, LAST, PARAMS, SERVER, STOP, UPLOAD, Message, Reply
 from .result import ApplyFn, Arrival, AsyncResult, UntilFn, WorkerFn, agree_on_arguments, check_run_arguments
-from .runtime import DEFAULT_MAX_SLEEP, Link, LocalLink, Outcome, Policy, Poller, run_policy
+from .runtime import DEFAULT_MAX_SLEEP, Link, LocalLink, MPILink, Outcome, Policy, Poller, run_policy
 
 __all__ = [
     "run_async",
@@ -135,6 +136,7 @@ __all__ = [
     "Policy",
     "ApplyPolicy",
     "Link",
+    "MPILink",
     "LocalLink",
     "Outcome",
     "Reply",

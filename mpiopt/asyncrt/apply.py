@@ -9,14 +9,14 @@ parameters it was sent.
 from __future__ import annotations
 
 from collections import Counter
-from typing import List, Optional, Tuple, Union
+from typing import List, Optional, Tuple
 
 import numpy as np
 
 from ..comm import Comm
 from .messages import GRADIENT, LAST, PARAMS, SERVER, STOP, Message, Reply
 from .result import ApplyFn, Arrival, AsyncResult, UntilFn, WorkerFn, agree_on_arguments, check_run_arguments, staleness_counts
-from .runtime import DEFAULT_MAX_SLEEP, Link, LocalLink, Policy, run_policy
+from .runtime import DEFAULT_MAX_SLEEP, Link, Policy, run_policy
 
 __all__ = ["run_async", "ApplyPolicy"]
 
@@ -60,7 +60,7 @@ class ApplyPolicy(Policy):
         return self.version, staleness_counts(self.histogram).tolist(), self.applied
 
 
-def _compute(link: Union[Link, LocalLink], params: np.ndarray, worker_fn: WorkerFn, steps: int) -> int:
+def _compute(link: Link, params: np.ndarray, worker_fn: WorkerFn, steps: int) -> int:
     """A worker: compute a payload on the latest parameters it has, send it, take the reply; repeat.
 
     Ends on STOP with the final parameters in ``params``; returns the number

@@ -2,8 +2,8 @@
 
 See the package docstring (:mod:`mpiopt.asyncrt`) for the design and the
 shutdown protocol; this module is the code: :class:`Policy` (the extension
-point), :class:`Link` and :class:`LocalLink` (a worker's end), the server
-loop and :func:`run_policy`, which runs them on every rank.
+point), :class:`Link` (a worker's end: :class:`MPILink`, :class:`LocalLink`),
+the server loop and :func:`run_policy`, which runs them on every rank.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 from ..comm import ANY_TAG, Comm, Request
 from .messages import DOWN, LAST, SERVER, TAG_DOWN, TAG_UP, UP, Message, Reply
 
-__all__ = ["Poller", "Policy", "Link", "LocalLink", "Outcome", "run_policy", "DEFAULT_MAX_SLEEP"]
+__all__ = ["Poller", "Policy", "Link", "MPILink", "LocalLink", "Outcome", "run_policy", "DEFAULT_MAX_SLEEP"]
 
 #: Longest pause between two polls of an idle rank (seconds).
 DEFAULT_MAX_SLEEP = 1e-3
@@ -173,18 +173,10 @@ class _Probe:
 
 
 class Link:
-    """A worker's end of the runtime over MPI: numbered messages to the server, at most one awaiting its reply.
+    """A worker's end of the runtime: numbered messages to the server, at most one of them awaiting its reply.
 
-    Parameters
-    ----------
-    world : Comm
-        The communicator; its rank :data:`~mpiopt.asyncrt.SERVER` serves.
-    like : numpy.ndarray
-        The parameters (size and dtype of a copy).
-    reply_copies : int
-        Most copies a reply carries (the policy's).
-    poller : Poller
-        How :meth:`wait` waits.
+    :class:`MPILink` over MPI, :class:`LocalLink` at world size 1; a
+    worker's code sees only this interface.
 
     Attributes
     ----------
@@ -192,26 +184,19 @@ class Link:
         Where replies land; valid until the next one.
     """
 
-    def __init__(self, world: Comm, like: np.ndarray, reply_copies: int, poller: Poller) -> None:
-        self._world, self._poller = world, poller
-        # One buffer per size (a report may be in flight while an upload goes out), each with its send.
-        self._outgoing = [Message(like.size, like.dtype, UP, copies) for copies in range(_MAX_UP_COPIES + 1)]
-        self._sends: List[Optional[Request]] = [None] * len(self._outgoing)
-        self.reply = Message(like.size, like.dtype, DOWN, reply_copies)
+    reply: Message
+
+    def __init__(self) -> None:
         self._sequence = 0
-        self._awaited: Union[None, Request, _Probe] = None  # the reply's posted receive, or a probe for it
-        self._answered = 0  # which buffer's send the awaited reply answers
-        self._probe = _Probe(world, SERVER)
 
     @property
     def awaiting(self) -> bool:
         """A message sent is still waiting for its reply."""
-        return self._awaited is not None
+        raise NotImplementedError
 
     def payload(self) -> np.ndarray:
         """The buffer of the next message's copy: write it, then :meth:`send` with ``copies=1``."""
-        self._complete(1)
-        return self._outgoing[1].payload
+        raise NotImplementedError
 
     def send(
         self,
@@ -223,7 +208,7 @@ class Link:
         answered: bool = True,
         reply_copies: Optional[int] = None,
     ) -> None:
-        """Send a message (``Isend``; this never waits for the server).
+        """Send a message; this never waits for the server.
 
         Parameters
         ----------
@@ -232,8 +217,9 @@ class Link:
         copies : int
             0, or 1 for a message carrying :meth:`payload`.
         answered : bool
-            The server answers it (and nothing else may be answered before
-            its reply is taken); False for a message it only books (an upload).
+            The server answers it (and no other answered message may be sent
+            before its reply is taken); False for a message it only books (an
+            upload).
         reply_copies : int, optional
             The reply's size when known: its receive is posted now, before
             the send, so it lands in place.  None: the reply is probed for
@@ -241,10 +227,76 @@ class Link:
         """
         if answered and self.awaiting:
             raise RuntimeError("asynchronous runtime: a message awaits its reply; take it (poll or wait) before sending another")
-        self._complete(copies)
-        message = self._outgoing[copies]
+        message = self._next_message(copies)
         self._sequence += 1
         message.stamp_up(kind, version, self._sequence, loss)
+        self._deliver(message, copies, answered, reply_copies)
+
+    def poll(self) -> Optional[Message]:
+        """The reply, if it has arrived; None otherwise (or when none is awaited)."""
+        raise NotImplementedError
+
+    def wait(self) -> Optional[Message]:
+        """The reply, waiting for it (polling, see :class:`Poller`); None when none is awaited."""
+        raise NotImplementedError
+
+    def _next_message(self, copies: int) -> Message:
+        raise NotImplementedError
+
+    def _deliver(self, message: Message, copies: int, answered: bool, reply_copies: Optional[int]) -> None:
+        raise NotImplementedError
+
+
+class MPILink(Link):
+    """A worker's end over MPI: ``Isend`` to the server; the reply posted for, or probed for and received.
+
+    Parameters
+    ----------
+    world : Comm
+        The communicator; its rank :data:`~mpiopt.asyncrt.SERVER` serves.
+    like : numpy.ndarray
+        The parameters (size and dtype of a copy).
+    reply_copies : int
+        Most copies a reply carries (the policy's).
+    poller : Poller
+        How :meth:`wait` waits.
+    """
+
+    def __init__(self, world: Comm, like: np.ndarray, reply_copies: int, poller: Poller) -> None:
+        super().__init__()
+        self._world, self._poller = world, poller
+        # One buffer per size (a report may be in flight while an upload goes out), each with its send.
+        self._outgoing = [Message(like.size, like.dtype, UP, copies) for copies in range(_MAX_UP_COPIES + 1)]
+        self._sends: List[Optional[Request]] = [None] * len(self._outgoing)
+        self.reply = Message(like.size, like.dtype, DOWN, reply_copies)
+        self._awaited: Union[None, Request, _Probe] = None  # the reply's posted receive, or a probe for it
+        self._answered = 0  # which buffer's send the awaited reply answers
+        self._probe = _Probe(world, SERVER)
+
+    @property
+    def awaiting(self) -> bool:
+        return self._awaited is not None
+
+    def payload(self) -> np.ndarray:
+        self._complete(1)
+        return self._outgoing[1].payload
+
+    def poll(self) -> Optional[Message]:
+        if self._awaited is None or not self._awaited.Test():
+            return None
+        return self._take()
+
+    def wait(self) -> Optional[Message]:
+        if self._awaited is None:
+            return None
+        self._poller.wait_any([self._awaited])
+        return self._take()
+
+    def _next_message(self, copies: int) -> Message:
+        self._complete(copies)
+        return self._outgoing[copies]
+
+    def _deliver(self, message: Message, copies: int, answered: bool, reply_copies: Optional[int]) -> None:
         if answered:
             self._answered = copies
             if reply_copies is None:
@@ -253,19 +305,6 @@ class Link:
                 self.reply.carried = reply_copies
                 self._awaited = self._world.Irecv(self.reply.wire(reply_copies), SERVER, TAG_DOWN + reply_copies)
         self._sends[copies] = self._world.Isend(message.wire(copies), SERVER, TAG_UP + copies)
-
-    def poll(self) -> Optional[Message]:
-        """The reply, if it has arrived; None otherwise (or when none is awaited)."""
-        if self._awaited is None or not self._awaited.Test():
-            return None
-        return self._take()
-
-    def wait(self) -> Optional[Message]:
-        """The reply, waiting for it (polling, see :class:`Poller`); None when none is awaited."""
-        if self._awaited is None:
-            return None
-        self._poller.wait_any([self._awaited])
-        return self._take()
 
     def _take(self) -> Message:
         if self._awaited is self._probe:
@@ -283,20 +322,20 @@ class Link:
             self._sends[copies] = None
 
 
-class LocalLink:
-    """The one rank's end of the runtime at world size 1: it is its own server, the policy runs in process.
+class LocalLink(Link):
+    """The one rank's end at world size 1: it is its own server, the policy runs in process, no MPI.
 
-    The same interface as :class:`Link`, no MPI: each message goes to the
-    policy at once, and its reply (or the STOP) waits for :meth:`poll`.
+    Each message goes to the policy at once; its reply (or the STOP) waits
+    for :meth:`poll`.
     """
 
     def __init__(self, policy: Policy, like: np.ndarray) -> None:
+        super().__init__()
         self._policy = policy
         self._dispatch = _Dispatch(policy, 1)
         self._header = Message(like.size, like.dtype, UP, 0)
         self._payloads = [Message(like.size, like.dtype, UP, 1) for _ in range(2 if policy.keeps_payloads else 1)]
         self.reply = Message(like.size, like.dtype, DOWN, policy.reply_copies)
-        self._sequence = 0
         self._pending = False
 
     @property
@@ -311,32 +350,6 @@ class LocalLink:
     def payload(self) -> np.ndarray:
         return self._payloads[-1].payload  # the spare, when the policy keeps the other
 
-    def send(
-        self,
-        kind: int,
-        version: int,
-        loss: Optional[float] = None,
-        *,
-        copies: int = 0,
-        answered: bool = True,
-        reply_copies: Optional[int] = None,
-    ) -> None:
-        if answered and self._pending:
-            raise RuntimeError("asynchronous runtime: a message awaits its reply; take it (poll or wait) before sending another")
-        message = self._payloads[-1] if copies else self._header
-        if copies:
-            self._payloads.reverse()  # the message just written becomes the policy's; the other, the next spare
-        self._sequence += 1
-        message.stamp_up(kind, version, self._sequence, loss)
-        reply, ended = self._dispatch.handle(0, message)
-        if ended:
-            reply = self._policy.stop()
-        if answered:
-            if reply is None:
-                raise RuntimeError(f"asynchronous runtime: the policy did not answer message {self._sequence} (kind {kind})")
-            self.reply.write_reply(reply)
-            self._pending = True
-
     def poll(self) -> Optional[Message]:
         if not self._pending:
             return None
@@ -344,6 +357,22 @@ class LocalLink:
         return self.reply
 
     wait = poll
+
+    def _next_message(self, copies: int) -> Message:
+        if not copies:
+            return self._header
+        self._payloads.reverse()  # the spare becomes the message; the policy's previous one, the next spare
+        return self._payloads[0]
+
+    def _deliver(self, message: Message, copies: int, answered: bool, reply_copies: Optional[int]) -> None:
+        reply, ended = self._dispatch.handle(0, message)
+        if ended:
+            reply = self._policy.stop()
+        if answered:
+            if reply is None:
+                raise RuntimeError(f"asynchronous runtime: the policy did not answer message {self._sequence}")
+            self.reply.write_reply(reply)
+            self._pending = True
 
 
 def _serve(world: Comm, policy: Policy, like: np.ndarray, poller: Poller) -> bool:
@@ -419,7 +448,7 @@ class Outcome(NamedTuple):
 def run_policy(
     world: Comm,
     policy: Policy,
-    work: Callable[[Union[Link, LocalLink]], Any],
+    work: Callable[[Link], Any],
     like: np.ndarray,
     *,
     max_sleep: float = DEFAULT_MAX_SLEEP,
@@ -438,8 +467,8 @@ def run_policy(
         its :attr:`~Policy.reply_copies`.
     work : callable
         ``work(link)``: a worker's whole run, talking to the server through
-        ``link`` (:class:`Link`); it ends after taking the reply to its LAST
-        message (the STOP).  At world size 1 the one rank runs it with a
+        ``link`` (:class:`MPILink`); it ends after taking the reply to its
+        LAST message (the STOP).  At world size 1 the one rank runs it with a
         :class:`LocalLink` to ``policy``: it is its own server.
     like : numpy.ndarray
         The parameters (the size and dtype of a copy in a message).
@@ -456,7 +485,7 @@ def run_policy(
         summary: Any = (policy.record(), stopped)
         local = None
     else:
-        local = work(Link(world, like, policy.reply_copies, poller))
+        local = work(MPILink(world, like, policy.reply_copies, poller))
         summary = None
     record, stopped = world.bcast_obj(summary, root=SERVER)
     return Outcome(record, stopped, poller.idle_seconds, local)

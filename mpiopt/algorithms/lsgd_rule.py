@@ -1,0 +1,198 @@
+"""LSGD's arithmetic on its own, without MPI: what synchronous and asynchronous LSGD share.
+
+Teng et al., NeurIPS 2019; ALGORITHMS.md "LSGD".  The two algorithms differ
+in who decides when to pull and where a leader's parameters come from (an
+election collective and a Bcast in :mod:`~mpiopt.algorithms.lsgd`; a
+server's reply in :mod:`~mpiopt.algorithms.async_lsgd`).  The rest is here,
+written once:
+
+- the hyperparameters, their defaults and their checks;
+- the value that elects a leader, the running mean of a worker's recent
+  losses, and the election rule (:func:`elect`);
+- the local step combined with the pulls, in either pull form, and the
+  proximal pull (:meth:`LSGDRule.step`; the equations are in the module
+  docstring of :mod:`~mpiopt.algorithms.lsgd`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..arrays import array_module
+from .base import check_choice, check_positive, check_range
+from .local import LocalSGD
+
+__all__ = ["LSGDRule", "PULL_FORMS", "elect", "Pull"]
+
+PULL_FORMS = ("paper", "convex")
+
+#: A pull: ``(coefficient, fetch)``; ``fetch()`` returns the leader's
+#: parameters, or None where this worker is the leader (its own pull would not move it).
+Pull = Tuple[float, Callable[[], Optional[Any]]]
+
+
+def elect(candidates: Iterable[Tuple[int, float]]) -> int:
+    """The election rule: the rank with the lowest running-mean loss, ties to the lowest rank.
+
+    ``candidates`` are ``(rank, loss)`` pairs; a NaN loss (a worker with no
+    loss yet) is never elected.  Returns -1 when nobody can be.
+    """
+    finite = [(loss, rank) for rank, loss in candidates if np.isfinite(loss)]
+    return min(finite)[1] if finite else -1
+
+
+class LSGDRule:
+    """A worker's LSGD arithmetic: hyperparameters, running-mean loss, the local step with its pulls.
+
+    Parameters
+    ----------
+    pull_local, pull_global, period, global_period, pull_form, proximal, loss_window,
+    momentum, dampening, nesterov, weight_decay
+        As documented in :class:`~mpiopt.algorithms.lsgd.LSGD` (these are
+        its defaults).
+
+    Attributes
+    ----------
+    local : LocalSGD
+        The local optimizer (its momentum buffer is state).
+    recent_losses : numpy.ndarray
+        Ring buffer of the last ``loss_window`` losses (state).
+    losses_seen : int
+        Losses recorded so far (state).
+    """
+
+    def __init__(
+        self,
+        *,
+        pull_local: float = 0.1,
+        pull_global: float = 0.1,
+        period: Optional[int] = None,
+        global_period: int = 16,
+        pull_form: str = "paper",
+        proximal: float = 0.0,
+        loss_window: int = 4,
+        momentum: float = 0.9,
+        dampening: float = 0.0,
+        nesterov: bool = True,
+        weight_decay: float = 1e-4,
+    ) -> None:
+        self.pull_local = check_range("pull_local", pull_local, 0.0, 1.0)
+        self.pull_global = check_range("pull_global", pull_global, 0.0, 1.0)
+        self.global_period = check_positive("global_period", global_period, integer=True)
+        if period is None:
+            period = max(1, global_period // 4)
+        self.period = check_positive("period", period, integer=True)
+        if self.period > self.global_period:
+            raise ValueError(f"period must be <= global_period ({global_period}), got {period}")
+        self.pull_form = check_choice("pull_form", pull_form, PULL_FORMS)
+        self.proximal = check_range("proximal", proximal, 0.0, 1.0, high_open=True)
+        self.loss_window = check_positive("loss_window", loss_window, integer=True)
+        self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
+        self.recent_losses = np.zeros(self.loss_window)  # host floats
+        self.losses_seen = 0
+        self._pull: Optional[Any] = None  # "paper": the pull differences taken at x_t
+        self._work: Optional[Any] = None
+
+    def hyperparameters(self) -> Dict[str, Any]:
+        return {
+            "pull_local": self.pull_local,
+            "pull_global": self.pull_global,
+            "period": self.period,
+            "global_period": self.global_period,
+            "pull_form": self.pull_form,
+            "proximal": self.proximal,
+            "loss_window": self.loss_window,
+            **self.local.hyperparameters(),
+        }
+
+    def allocate(self, params: Any) -> None:
+        """Scratch space for ``params`` (call once before the first step)."""
+        xp = array_module(params)
+        self.local.allocate(params)
+        self._work = xp.empty_like(params)
+        self._pull = xp.empty_like(params) if self.pull_form == "paper" else None
+
+    # -- the election value ---------------------------------------------------------------
+    def record_loss(self, loss: Optional[float], name: str) -> None:
+        """Add this step's loss to the window; ``name`` (the algorithm's) is for the error without one."""
+        if loss is None:
+            raise ValueError(
+                f"{name}: step() needs this rank's training loss (step(params, grad, loss=...)): "
+                "the lowest running-mean loss elects the leaders"
+            )
+        self.recent_losses[self.losses_seen % self.loss_window] = float(loss)
+        self.losses_seen += 1
+
+    def running_loss(self) -> float:
+        """Mean of the last ``loss_window`` losses (fewer before the window fills; NaN before any)."""
+        if not self.losses_seen:
+            return math.nan
+        return float(self.recent_losses[: min(self.losses_seen, self.loss_window)].mean())
+
+    # -- the update -------------------------------------------------------------------------
+    def step(
+        self,
+        params: Any,
+        grad: Optional[Any],
+        lr: float,
+        pulls: Sequence[Pull],
+        anchor: Callable[[], Optional[Any]],
+    ) -> None:
+        """The local step combined with ``pulls`` (local before global) in the order of ``pull_form``.
+
+        "paper": every fetch before the local step, the differences taken at
+        ``x_t`` and subtracted after it; "convex": the local step, then fetch
+        and mix, one pull after the other.  ``grad=None`` applies the pulls
+        alone.  ``anchor()``, asked right after the local step, is the
+        proximal pull's target (the latest leader copy), or None for no
+        proximal pull.
+        """
+        if self.pull_form == "paper":
+            pulling = False
+            for coeff, fetch in pulls:
+                leader = fetch()
+                if leader is not None:
+                    self._add_difference(params, leader, coeff, first=not pulling)
+                    pulling = True
+            self._local_step(params, grad, lr, anchor)
+            if pulling:
+                params -= self._pull
+        else:
+            self._local_step(params, grad, lr, anchor)
+            for coeff, fetch in pulls:
+                leader = fetch()
+                if leader is not None:
+                    self._move_towards(params, leader, coeff)
+
+    def _add_difference(self, params: Any, leader: Any, coeff: float, first: bool) -> None:
+        """Paper form: accumulate ``coeff (x_t - x_leader)`` into the pull buffer."""
+        target = self._pull if first else self._work
+        array_module(params).subtract(params, leader, out=target)
+        target *= coeff
+        if not first:
+            self._pull += target
+
+    def _local_step(self, params: Any, grad: Optional[Any], lr: float, anchor: Callable[[], Optional[Any]]) -> None:
+        """The local optimizer's step, then the proximal pull towards ``anchor()`` (none without ``grad``)."""
+        if grad is None:
+            return
+        self.local.apply(params, grad, lr)
+        if self.proximal:
+            target = anchor()
+            if target is not None:
+                self._move_towards(params, target, self.proximal)
+
+    def _move_towards(self, params: Any, leader: Any, coeff: float) -> None:
+        """Pull ``params`` towards ``leader`` by ``coeff``, in the arithmetic of ``pull_form``."""
+        xp, work = array_module(params), self._work
+        if self.pull_form == "paper":
+            xp.subtract(params, leader, out=work)  # x <- x - c (x - x_leader)
+            work *= coeff
+            params -= work
+        else:
+            xp.multiply(leader, coeff, out=work)  # x <- (1 - c) x + c x_leader
+            params *= 1.0 - coeff
+            params += work
