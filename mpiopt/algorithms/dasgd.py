@@ -218,13 +218,13 @@ class DaSGD(LocalStepState, Algorithm):
         self._complete()
         return super().state_dict()
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, override_hyperparameters: bool = False) -> None:
         """As :meth:`Algorithm.load_state_dict`; a pending average is merged at its saved ``merge_step``."""
         if self.in_flight:
             raise RuntimeError("dasgd: load_state_dict() while an averaging is in flight; call finish(params) first")
         if state.get("scalars", {}).get("merge_step") and any(state["arrays"].get(k) is None for k in ("pending_snapshot", "pending_sum")):
             raise ValueError("dasgd state has a pending merge (merge_step > 0) but lacks its snapshot or sum")
-        super().load_state_dict(state)
+        super().load_state_dict(state, override_hyperparameters=override_hyperparameters)
 
     def hyperparameters(self) -> Dict[str, Any]:
         return {

@@ -366,8 +366,8 @@ class _SparseSGD(LocalStepState, Algorithm):
             # The paper's rule, x <- x - lr G, where G is non-zero: the same floats as the dense update.
             params[touched] -= self.lr * self._aggregate[touched]
 
-    def load_state_dict(self, state: Any) -> None:
-        super().load_state_dict(state)
+    def load_state_dict(self, state: Any, *, override_hyperparameters: bool = False) -> None:
+        super().load_state_dict(state, override_hyperparameters=override_hyperparameters)
         self._touched = None  # the restored G may be non-zero anywhere
 
 

@@ -12,6 +12,13 @@ identical and it is evaluated; for easgd, lsgd and dasgd the average of the
 ranks' models; for async_msgd and async_lsgd (evaluated at the end only)
 the server's (final parameters; async_lsgd: the global leader's).
 BatchNorm statistics are averaged over the ranks before each evaluation.
+
+Checkpoints (synchronous algorithms): ``--checkpoint-every N`` writes one
+after every N-th step and at the end to ``--checkpoint-dir`` (default
+``OUT/checkpoints``); ``--resume PATH|auto`` continues from one, bitwise as if
+the run had never stopped.  SIGTERM or SIGUSR1 at any rank of a run with
+checkpoints: every rank writes a checkpoint at the next step boundary and the
+job exits with code 75 (``EX_TEMPFAIL``: requeue it with ``--resume auto``).
 """
 
 from __future__ import annotations
@@ -29,8 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     config, algorithms = config_from_args(args, "train")
     session = start_session(config, "train", algorithms)
+    from ..training.checkpointing import EXIT_INTERRUPTED, Interrupted
     from ..training.loop import train
 
-    path = train(config, config.algorithm, session.topology, session.dataset, session.out)
+    try:
+        path = train(config, config.algorithm, session.topology, session.dataset, session.out)
+    except Interrupted as stop:
+        session.say(f"\n{stop}; continue with --resume {stop.path} (or --resume auto)")
+        return EXIT_INTERRUPTED
     session.finish([path], config)
     return 0

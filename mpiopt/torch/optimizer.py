@@ -310,8 +310,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "mpiopt": {"algorithm": self.algorithm.state_dict(), "backward_passes_per_step": self.backward_passes_per_step},
         }
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (same model, algorithm and hyperparameters)."""
+    def load_state_dict(self, state_dict: Dict[str, Any], *, override_hyperparameters: bool = False) -> None:
+        """Restore what :meth:`state_dict` returned (same model and algorithm; other hyperparameters only with
+        ``override_hyperparameters``, see :meth:`Algorithm.load_state_dict <mpiopt.algorithms.base.Algorithm.load_state_dict>`)."""
         if "mpiopt" not in state_dict:
             raise ValueError("not a DistributedOptimizer state (no 'mpiopt' entry): was it saved by another optimizer?")
         groups = state_dict["param_groups"]
@@ -325,7 +326,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"backward_passes_per_step is {self.backward_passes_per_step}, the state has {saved['backward_passes_per_step']}"
             )
-        self.algorithm.load_state_dict(saved["algorithm"])
+        self.algorithm.load_state_dict(saved["algorithm"], override_hyperparameters=override_hyperparameters)
         for group, stored in zip(self.param_groups, groups):
             group.update({k: v for k, v in stored.items() if k != "params"})
 

@@ -44,6 +44,7 @@ from ..metrics import MetricsWriter, Tracer, versions
 from ..tasks.images import DatasetError, ImageDataset, ShardSampler, augment_cifar, batch_rng, load_dataset
 from ..tasks.models import build_model
 from ..torch import DistributedOptimizer, average_buffers, broadcast_module
+from .checkpointing import Checkpointer, Interrupted
 from .config import DEFAULT_EPOCHS, TrainConfig, UsageError
 from .progress import Progress
 
@@ -178,6 +179,9 @@ def train(
     """
     world = topology.world
     rank, size = world.rank, world.size
+    asynchronous = algorithm in ASYNCHRONOUS
+    if asynchronous and (config.checkpoint_every or config.resume):
+        raise UsageError(f"--checkpoint-every and --resume are not supported yet for the asynchronous algorithm {algorithm!r}")
     _set_threads(config, world)
     torch.manual_seed(config.seed)
     model = build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, width=config.width, dropout=config.dropout)
@@ -188,7 +192,6 @@ def train(
         raise UsageError(f"{algorithm}: {err}") from None
     broadcast_module(model, topology)
     torch.manual_seed(config.seed + 1 + rank)  # dropout differs between ranks, reproducibly
-    asynchronous = algorithm in ASYNCHRONOUS
     workers = max(1, size - 1) if asynchronous else size
     worker_rank = max(0, rank - 1) if asynchronous else rank
     sampler = ShardSampler(len(dataset.y_train), rank=worker_rank, world_size=workers, batch_size=config.batch_size, seed=config.seed)
@@ -205,15 +208,17 @@ def train(
 
     os.makedirs(out_dir, exist_ok=True) if rank == 0 else None
     world.Barrier()
+    checkpoints = None if asynchronous else Checkpointer(config, algorithm, topology, model, opt, out_dir, sampler.batches_per_epoch)
+    start = checkpoints.resume() if checkpoints else 0
     reporter = rank == (1 if asynchronous and size > 1 else 0)
     progress = Progress(algorithm, steps, config.log_every or eval_every, stream if reporter else None)
-    writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), truncate=True) if rank == 0 else None
+    writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), truncate=not start) if rank == 0 else None
     if writer:
         writer.write({
             "kind": "run", "algorithm": algorithm, "task": f"{config.dataset}/{config.model}",
             "config": {**asdict(config), "algorithm": algorithm, "hyperparameters": hyper}, "world_size": size,
             "versions": versions(), "steps": steps, "batches_per_epoch": sampler.batches_per_epoch,
-            "parameters": sum(p.numel() for p in model.parameters()),
+            "parameters": sum(p.numel() for p in model.parameters()), **({"resumed_after_step": start} if start else {}),
         })
     tracer = Tracer(topology) if config.trace else None
     phase: Callable[[str], ContextManager[Any]] = tracer.phase if tracer else (lambda name: nullcontext())
@@ -280,26 +285,34 @@ def train(
             writer.write({"kind": "end", "step": steps, "wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"],
                           "result": {k: v for k, v in vars(result).items() if isinstance(v, (int, float, str, bool))}})
     else:
-        for step in range(steps):
-            started = time.perf_counter()
-            x, y = batch(step)
-            with phase("compute"):
-                opt.zero_grad()
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-            computed = time.perf_counter()
-            with phase("algorithm"):
-                opt.step(loss=loss)
-            whole = time.perf_counter() - started
-            state["train_seconds"] += whole
-            record = opt.last.as_dict()
-            record.pop("step"), record.pop("loss")
-            line = step_record(step + 1, float(loss.detach()), computed - started, whole, record)
+        try:
+            for step in range(start, steps):
+                started = time.perf_counter()
+                x, y = batch(step)
+                with phase("compute"):
+                    opt.zero_grad()
+                    loss = F.cross_entropy(model(x), y)
+                    loss.backward()
+                computed = time.perf_counter()
+                with phase("algorithm"):
+                    opt.step(loss=loss)
+                whole = time.perf_counter() - started
+                state["train_seconds"] += whole
+                record = opt.last.as_dict()
+                record.pop("step"), record.pop("loss")
+                line = step_record(step + 1, float(loss.detach()), computed - started, whole, record)
+                if writer:
+                    writer.write(line)
+                if (step + 1) % eval_every == 0 or step + 1 == steps:
+                    evaluate(step + 1, source)
+                progress.update(step + 1, line["loss"], whole, state["bytes"] / 1e6)
+                checkpoints.after_step(step + 1, last=step + 1 == steps)
+        except Interrupted:
             if writer:
-                writer.write(line)
-            if (step + 1) % eval_every == 0 or step + 1 == steps:
-                evaluate(step + 1, source)
-            progress.update(step + 1, line["loss"], whole, state["bytes"] / 1e6)
+                writer.close()
+            raise
+        finally:
+            checkpoints.close()
         opt.finish()
         if writer:
             writer.write({"kind": "end", "step": steps, "wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"]})
