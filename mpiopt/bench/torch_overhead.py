@@ -1,0 +1,168 @@
+"""Benchmark: what the torch front end adds to an ``sgd`` step over the flat API.
+
+docs/benchmarks-torch.md has the results and the exact command::
+
+    OMP_NUM_THREADS=1 mpiexec -n 2 python -m mpiopt.bench.torch_overhead
+
+Two variants run ``sgd`` (momentum 0.9) on the same ``d`` float32 values per
+rank and the same random gradient:
+
+=======  ==============================================================
+variant  what one timed step is
+=======  ==============================================================
+flat     ``alg.step(params, grad)`` on numpy vectors (:func:`mpiopt.create`)
+torch    ``opt.step()`` of :class:`mpiopt.torch.DistributedOptimizer`
+         over a module whose parameters have ResNet-18's shapes, cut to
+         ``d`` values in all
+=======  ==============================================================
+
+The torch variant's gradients are written once per round through the
+parameters' ``.grad`` views (no backward pass is timed), and ``zero_grad()``
+is timed on its own.  A round times ``--steps`` steps of each variant, the
+first variant alternating between rounds, so drifting load hits both alike;
+a block's time is the slowest rank's (a Barrier before, a max-Allreduce of
+the times after, neither timed).  The table gives the medians over rounds and
+the median of the per-round ratios torch / flat, the figure the 5 % goal is
+about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+import mpiopt
+import mpiopt.torch
+from mpiopt.comm import MAX, Topology
+
+#: The 5 % goal of the torch front end's overhead on a step.
+GOAL = 1.05
+LR = 1e-3
+MOMENTUM = 0.9
+
+
+def resnet18_shapes() -> List[Tuple[int, ...]]:
+    """ResNet-18's parameter shapes (62 tensors, 11,689,512 values): convolutions, BatchNorm affine, classifier."""
+    shapes: List[Tuple[int, ...]] = [(64, 3, 7, 7), (64,), (64,)]
+    inputs = 64
+    for width, first_stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        for block in range(2):
+            block_in = inputs if block == 0 else width
+            shapes += [(width, block_in, 3, 3), (width,), (width,), (width, width, 3, 3), (width,), (width,)]
+            if block == 0 and (first_stride != 1 or block_in != width):
+                shapes += [(width, block_in, 1, 1), (width,), (width,)]  # the downsampling shortcut
+        inputs = width
+    return shapes + [(1000, 512), (1000,)]
+
+
+def layer_shapes(d: int) -> List[Tuple[int, ...]]:
+    """ResNet-18's shapes, repeated as needed and cut so the values total ``d`` (the last one flattened)."""
+    if d < 1:
+        raise ValueError(f"d must be >= 1, got {d!r}")
+    shapes: List[Tuple[int, ...]] = []
+    left = d
+    while left:
+        for shape in resnet18_shapes():
+            n = int(np.prod(shape))
+            shapes.append(shape if n <= left else (left,))
+            left -= min(n, left)
+            if not left:
+                break
+    return shapes
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m mpiopt.bench.torch_overhead", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=positive_int, default=11_000_000, help="float32 parameters (default 11M)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per variant and round (default 10)")
+    parser.add_argument("--rounds", type=positive_int, default=9, help="interleaved rounds; medians are reported (default 9)")
+    return parser.parse_args(argv)
+
+
+def time_block(topo: Topology, fn: Callable[[], object], steps: int) -> float:
+    """The slowest rank's seconds per call of ``fn`` over ``steps`` calls."""
+    topo.world.Barrier()
+    started = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    elapsed = np.array([(time.perf_counter() - started) / steps])
+    topo.world.Allreduce(elapsed, op=MAX)
+    return float(elapsed[0])
+
+
+def fill_grads(model: torch.nn.Module, grad: np.ndarray) -> None:
+    """Write ``grad`` into the parameters' gradients in order (they are views of the optimizer's flat buffer)."""
+    offset = 0
+    for p in model.parameters():
+        n = p.numel()
+        p.grad.copy_(torch.from_numpy(grad[offset : offset + n]).view_as(p))
+        offset += n
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    mpiopt.abort_on_exception()
+    torch.set_num_threads(1)  # one core per rank, as the flat API's numpy
+    topo = Topology()
+    grad = np.random.default_rng(topo.rank).standard_normal(args.params).astype(np.float32)
+
+    params = np.zeros(args.params, np.float32)
+    alg = mpiopt.create("sgd", topo, lr=LR, momentum=MOMENTUM)
+    alg.setup(params)
+    model = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(shape)) for shape in layer_shapes(args.params))
+    opt = mpiopt.torch.DistributedOptimizer(model.parameters(), "sgd", topology=topo, lr=LR, momentum=MOMENTUM)
+    fill_grads(model, grad)
+    steps: Dict[str, Callable[[], object]] = {"flat": lambda: alg.step(params, grad), "torch": opt.step}
+    for step in steps.values():
+        step()  # warm-up: first-touch allocations, connections
+
+    times: Dict[str, List[float]] = {name: [] for name in steps}
+    ratios: List[float] = []
+    zero: List[float] = []
+    names = list(steps)
+    for rnd in range(args.rounds):
+        fill_grads(model, grad)
+        for name in names[rnd % 2 :] + names[: rnd % 2]:
+            times[name].append(time_block(topo, steps[name], args.steps))
+        ratios.append(times["torch"][-1] / times["flat"][-1])
+        zero.append(time_block(topo, opt.zero_grad, args.steps))
+        if topo.rank == 0:
+            print(f"round {rnd + 1}/{args.rounds} done", flush=True)
+
+    if topo.rank == 0:
+        flat, torch_step, ratio = statistics.median(times["flat"]), statistics.median(times["torch"]), statistics.median(ratios)
+        print(
+            f"\n{topo.size} ranks, d = {args.params} float32 in {len(model)} parameter tensors, "
+            f"{args.steps} steps x {args.rounds} rounds, torch {torch.__version__}, host {MPI.Get_processor_name()}\n"
+        )
+        print("| variant | ms/step (median) | min | max |")
+        print("|---|---:|---:|---:|")
+        for name, label in (("flat", "flat API: alg.step(params, grad)"), ("torch", "torch: opt.step()")):
+            print(f"| {label} | {1e3 * statistics.median(times[name]):.2f} | {1e3 * min(times[name]):.2f} | {1e3 * max(times[name]):.2f} |")
+        print(f"| torch: opt.zero_grad() | {1e3 * statistics.median(zero):.2f} | {1e3 * min(zero):.2f} | {1e3 * max(zero):.2f} |")
+        print(f"\nratio of medians torch/flat: {torch_step / flat:.3f}")
+        verdict = "met" if ratio <= GOAL else "missed"
+        print(f"ratio torch/flat (median of per-round ratios): {ratio:.3f} (goal <= {GOAL:.2f}: {verdict})")
+    topo.Free()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
