@@ -535,8 +535,16 @@ class AsyncLSGD(LocalStepState, Algorithm):
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         """A worker's local step, in the order of the module docstring."""
         # The reply first: a message to the server always carries the running mean of the steps it counts.
+        if loss is None:  # found on this rank alone, in the middle of the run
+            self.topology.raise_or_abort(
+                ValueError(
+                    f"async_lsgd: worker_fn returned no loss on rank {self.topology.rank} at step "
+                    f"{self.steps - self._first_step} of this run: the lowest running-mean loss elects the leaders"
+                ),
+                why="the server would wait for its messages for ever",
+            )
         pulls = self._take(params, self._link.poll())
-        self.rule.record_loss(loss, self.name)
+        self.rule.record_loss(loss)
         self._pull_and_step(params, grad, pulls)
         done = self.steps + 1 - self._first_step  # the base class counts this step after _step returns
         if not self._link.awaiting and done - self._reported >= self.report_every:

@@ -116,13 +116,8 @@ class LSGDRule:
         self._pull = xp.empty_like(params) if self.pull_form == "paper" else None
 
     # -- the election value ---------------------------------------------------------------
-    def record_loss(self, loss: Optional[float], name: str) -> None:
-        """Add this step's loss to the window; ``name`` (the algorithm's) is for the error without one."""
-        if loss is None:
-            raise ValueError(
-                f"{name}: step() needs this rank's training loss (step(params, grad, loss=...)): "
-                "the lowest running-mean loss elects the leaders"
-            )
+    def record_loss(self, loss: float) -> None:
+        """Add this step's loss to the window (each algorithm first makes sure there is one)."""
         self.recent_losses[self.losses_seen % self.loss_window] = float(loss)
         self.losses_seen += 1
 
