@@ -54,6 +54,11 @@ def model_signature(model: torch.nn.Module) -> Dict[str, list]:
     return {name: [list(t.shape), str(t.dtype)] for name, t in model.state_dict().items()}
 
 
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A host copy (the checkpoint must not change when training continues)."""
+    return tensor.detach().cpu().numpy().copy()
+
+
 class Checkpointer:
     """Saves and restores one synchronous run's checkpoints; catches stop signals (collective calls).
 
@@ -131,12 +136,11 @@ class Checkpointer:
 
     def save(self, step: int) -> str:
         """Write the checkpoint after ``step`` (collective); returns its path."""
-        numpy = lambda t: t.detach().cpu().numpy().copy()  # noqa: E731
-        model = {name: numpy(t) for name, t in self.model.state_dict().items()} if self.topology.rank == 0 else None
+        model = {name: _numpy(t) for name, t in self.model.state_dict().items()} if self.topology.rank == 0 else None
         rank_state = {
-            "params": numpy(self.opt._flat_params),
+            "params": _numpy(self.opt._flat_params),
             "algorithm": self.opt.algorithm.state_dict(),
-            "buffers": {name: numpy(b) for name, b in self.model.named_buffers()},
+            "buffers": {name: _numpy(b) for name, b in self.model.named_buffers()},
             "rng": {"torch": torch.get_rng_state().numpy().copy()},
             "step": step,
         }
