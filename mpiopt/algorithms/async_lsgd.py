@@ -143,8 +143,7 @@ from ..asyncrt import (
 from ..asyncrt.messages import LAST, PULL_GLOBAL, PULL_LOCAL, STOP, UPLOAD
 from ..comm import Topology
 from .base import Algorithm, StepRecord, check_positive
-from .local import LocalStepState
-from .lsgd_rule import LSGDRule, Pull, elect
+from .lsgd_rule import LSGDRule, LSGDState, Pull, elect
 from .registry import register
 
 __all__ = ["AsyncLSGD", "AsyncLSGDResult", "LeaderBook"]
@@ -433,7 +432,7 @@ class AsyncLSGDResult:
 
 
 @register
-class AsyncLSGD(LocalStepState, Algorithm):
+class AsyncLSGD(LSGDState, Algorithm):
     """Asynchronous LSGD (Teng et al. 2019): a server keeps the leaders, workers never wait for each other.
 
     Parameters
@@ -482,7 +481,6 @@ class AsyncLSGD(LocalStepState, Algorithm):
             )
         super().__init__(topology, lr=lr, nan_policy=nan_policy)
         self.rule = LSGDRule(**lsgd)
-        self.local = self.rule.local
         self.report_every = check_positive("report_every", report_every, integer=True)
         self.pulls_local = 0
         self.pulls_global = 0
@@ -493,29 +491,6 @@ class AsyncLSGD(LocalStepState, Algorithm):
         self._link: Optional[Link] = None  # while run() drives this worker
         self._first_step = 0  # self.steps when the run began
         self._reported = 0  # steps of this run at the latest report
-
-    # -- state -------------------------------------------------------------------------------
-    @property
-    def recent_losses(self) -> np.ndarray:
-        return self.rule.recent_losses
-
-    @property
-    def losses_seen(self) -> int:
-        return self.rule.losses_seen
-
-    @losses_seen.setter
-    def losses_seen(self, value: int) -> None:
-        self.rule.losses_seen = int(value)
-
-    # The leader copy is state only for the proximal pull; otherwise every pull replaces it before it is read.
-    @property
-    def leader_copy(self) -> Optional[np.ndarray]:
-        return self._leader if self.rule.proximal else None
-
-    @leader_copy.setter
-    def leader_copy(self, value: Optional[np.ndarray]) -> None:
-        if value is not None:
-            self._leader[...] = value
 
     def hyperparameters(self) -> Dict[str, Any]:
         return {**self.rule.hyperparameters(), "report_every": self.report_every}
@@ -551,12 +526,6 @@ class AsyncLSGD(LocalStepState, Algorithm):
             self._link.send(0, done, self.rule.running_loss())
             self._reported = done
 
-    def _pull_and_step(self, params: np.ndarray, grad: Optional[np.ndarray], pulls: List[Pull]) -> None:
-        self.rule.step(params, grad, self.lr, pulls, self._proximal_target)
-
-    def _proximal_target(self) -> Optional[np.ndarray]:
-        return self._leader if max(self.last_local_leader, self.last_global_leader) >= 0 else None
-
     def _take(self, params: np.ndarray, reply: Optional[Message]) -> List[Pull]:
         """Act on a reply: upload ``x_t`` if asked; its pulls as ``(coefficient, fetch)``, local first."""
         if reply is None:
@@ -564,7 +533,7 @@ class AsyncLSGD(LocalStepState, Algorithm):
         if reply.kind & UPLOAD:
             self._upload(params, UPLOAD)
         pulls: List[Pull] = []
-        for kind, flag, coeff in ((LOCAL, PULL_LOCAL, self.rule.pull_local), (GLOBAL, PULL_GLOBAL, self.rule.pull_global)):
+        for kind, flag, coeff in ((LOCAL, PULL_LOCAL, self.pull_local), (GLOBAL, PULL_GLOBAL, self.pull_global)):
             if not reply.kind & flag:
                 continue
             copy = reply.copies[min(len(pulls), reply.carried - 1)]  # one copy serves both when the sources agree
@@ -631,7 +600,7 @@ class AsyncLSGD(LocalStepState, Algorithm):
         started = time.perf_counter()
         size = world.size
         groups = {w: self._groups[w] for w in (range(1, size) if size > 1 else [0])}
-        book = LeaderBook(groups, self.rule.period, self.rule.global_period, (self.rule.pull_local > 0, self.rule.pull_global > 0))
+        book = LeaderBook(groups, self.period, self.global_period, (self.pull_local > 0, self.pull_global > 0))
         outcome = run_policy(world, book, lambda link: self._work(link, params, worker_fn, steps, seconds), params, max_sleep=max_sleep)
         if size > 1 and world.rank == SERVER and book.global_leader >= 0:
             params[...] = book.latest[book.global_leader]

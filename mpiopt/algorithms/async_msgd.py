@@ -62,7 +62,7 @@ from ..asyncrt import (
 from ..comm import Topology
 from ..sim.asynchronous import FixedDelay, RandomDelay, simulate
 from .base import Algorithm, check_positive
-from .local import LocalSGD
+from .local import LocalSGD, LocalStepState
 from .registry import register
 
 __all__ = ["AsyncMSGD", "AsyncMSGDRule"]
@@ -97,7 +97,7 @@ class AsyncMSGDRule:
 
 
 @register
-class AsyncMSGD(Algorithm):
+class AsyncMSGD(LocalStepState, Algorithm):
     """Asynchronous momentum SGD on a parameter server.
 
     Parameters
@@ -140,12 +140,9 @@ class AsyncMSGD(Algorithm):
         self.rule.lr = float(value)
 
     @property
-    def momentum_buffer(self) -> Optional[Any]:
-        return self.rule.local.buffer
-
-    @momentum_buffer.setter
-    def momentum_buffer(self, value: Optional[Any]) -> None:
-        self.rule.local.buffer = value
+    def local(self) -> LocalSGD:
+        """The rule's local optimizer, whose momentum buffer is state."""
+        return self.rule.local
 
     def hyperparameters(self) -> Dict[str, Any]:
         return {"momentum": self.rule.momentum}

@@ -11,7 +11,8 @@ written once:
   losses, and the election rule (:func:`elect`);
 - the local step combined with the pulls, in either pull form, and the
   proximal pull (:meth:`LSGDRule.step`; the equations are in the module
-  docstring of :mod:`~mpiopt.algorithms.lsgd`).
+  docstring of :mod:`~mpiopt.algorithms.lsgd`);
+- a worker's state over that rule (:class:`LSGDState`, a mixin).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import numpy as np
 
 from ..arrays import array_module
 from .base import check_choice, check_positive, check_range
-from .local import LocalSGD
+from .local import LocalSGD, LocalStepState
 
-__all__ = ["LSGDRule", "PULL_FORMS", "elect", "Pull"]
+__all__ = ["LSGDRule", "LSGDState", "PULL_FORMS", "elect", "Pull"]
 
 PULL_FORMS = ("paper", "convex")
 
@@ -191,3 +192,64 @@ class LSGDRule:
             xp.multiply(leader, coeff, out=work)  # x <- (1 - c) x + c x_leader
             params *= 1.0 - coeff
             params += work
+
+
+def _from_rule(name: str) -> property:
+    return property(lambda self: getattr(self.rule, name), doc=f"The rule's ``{name}`` (read only).")
+
+
+class LSGDState(LocalStepState):
+    """Mixin for an LSGD algorithm whose rule is ``self.rule``: its state attributes and its step with pulls.
+
+    The class sets ``rule``, ``_leader`` (the latest leader copy, the
+    proximal pull's target), ``last_local_leader`` and ``last_global_leader``
+    (-1 before any pull), and lists ``momentum_buffer``, ``leader_copy``,
+    ``recent_losses`` in ``state_arrays`` and ``losses_seen`` in
+    ``state_scalars``.  The hyperparameters read as attributes
+    (``alg.period``).
+    """
+
+    rule: LSGDRule
+    lr: float
+    _leader: Optional[Any]
+    last_local_leader: int
+    last_global_leader: int
+
+    local = _from_rule("local")  # the local optimizer, whose momentum buffer is state
+    pull_local = _from_rule("pull_local")
+    pull_global = _from_rule("pull_global")
+    period = _from_rule("period")
+    global_period = _from_rule("global_period")
+    pull_form = _from_rule("pull_form")
+    proximal = _from_rule("proximal")
+    loss_window = _from_rule("loss_window")
+
+    @property
+    def recent_losses(self) -> np.ndarray:
+        return self.rule.recent_losses
+
+    @property
+    def losses_seen(self) -> int:
+        return self.rule.losses_seen
+
+    @losses_seen.setter
+    def losses_seen(self, value: int) -> None:
+        self.rule.losses_seen = int(value)
+
+    # The leader copy is state only for the proximal pull; otherwise every pull replaces it before it is read.
+    @property
+    def leader_copy(self) -> Optional[Any]:
+        return self._leader if self.rule.proximal else None
+
+    @leader_copy.setter
+    def leader_copy(self, value: Optional[Any]) -> None:
+        if value is not None:
+            self._leader[...] = value
+
+    def _pull_and_step(self, params: Any, grad: Optional[Any], pulls: Sequence[Pull]) -> None:
+        """:meth:`LSGDRule.step` with this algorithm's learning rate and proximal target."""
+        self.rule.step(params, grad, self.lr, pulls, self._proximal_target)
+
+    def _proximal_target(self) -> Optional[Any]:
+        """The latest leader copy once there has been a leader; None before (no proximal pull)."""
+        return self._leader if max(self.last_local_leader, self.last_global_leader) >= 0 else None
