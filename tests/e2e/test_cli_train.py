@@ -109,3 +109,18 @@ def test_metrics_lines_are_json_with_numbers(tmp_path):
     steps = [line for line in lines if line["kind"] == "step"]
     assert all(line["bytes_sent"] == 0 for line in steps)  # one rank: nothing crosses a wire
     assert all(line["step_seconds"] >= line["compute_seconds"] >= 0 for line in steps)
+
+
+def test_trace_shows_every_rank_and_dasgd_averaging_in_flight_during_compute(tmp_path):
+    trace = tmp_path / "trace.json"
+    args = ["-m", "mpiopt", "train", "--algorithm", "dasgd", *TINY, "--hp", "period=3", "--out", str(tmp_path / "o"), "--trace", str(trace)]
+    code, output, _ = run_mpi(2, args, timeout=180)
+    assert code == 0, output
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e.get("ph") == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
+    assert {"compute", "algorithm", "eval", "world.Iallreduce"} <= {e["name"] for e in spans}
+    from mpiopt.metrics import overlap_fraction
+
+    for rank in (0, 1):
+        assert overlap_fraction(events, rank) > 0  # the averaging ran behind the next steps' forward/backward
