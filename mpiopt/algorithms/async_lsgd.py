@@ -124,6 +124,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -337,7 +338,8 @@ class LeaderBook(Policy):
             return None
         self.note(worker, message.version, loss)
         answer = self.answer(worker)
-        kind = (UPLOAD if answer.upload else 0) | (PULL_LOCAL if answer.pulling[LOCAL] else 0) | (PULL_GLOBAL if answer.pulling[GLOBAL] else 0)
+        kind = UPLOAD if answer.upload else 0
+        kind |= (PULL_LOCAL if answer.pulling[LOCAL] else 0) | (PULL_GLOBAL if answer.pulling[GLOBAL] else 0)
         return Reply(kind, self.total, [self.latest[source] for source in answer.sources()], answer.leaders)
 
     def stop(self) -> Reply:
@@ -601,7 +603,7 @@ class AsyncLSGD(LSGDState, Algorithm):
         size = world.size
         groups = {w: self._groups[w] for w in (range(1, size) if size > 1 else [0])}
         book = LeaderBook(groups, self.period, self.global_period, (self.pull_local > 0, self.pull_global > 0))
-        outcome = run_policy(world, book, lambda link: self._work(link, params, worker_fn, steps, seconds), params, max_sleep=max_sleep)
+        outcome = run_policy(world, book, partial(self._work, params, worker_fn, steps, seconds), params, max_sleep=max_sleep)
         if size > 1 and world.rank == SERVER and book.global_leader >= 0:
             params[...] = book.latest[book.global_leader]
         return AsyncLSGDResult.from_record(outcome.record, time.perf_counter() - started, outcome.idle_seconds)
@@ -616,7 +618,7 @@ class AsyncLSGD(LSGDState, Algorithm):
         elif steps is None:
             raise ValueError("run() needs steps or seconds (or both)")
 
-    def _work(self, link: Link, params: np.ndarray, worker_fn: WorkerFn, steps: Optional[int], seconds: Optional[float]) -> None:
+    def _work(self, params: np.ndarray, worker_fn: WorkerFn, steps: Optional[int], seconds: Optional[float], link: Link) -> None:
         """A worker's run: its steps until ``steps`` or ``seconds`` run out; the last reply's pulls; LAST; STOP."""
         grad = np.empty_like(params)
         self._link, self._first_step, self._reported = link, self.steps, 0

@@ -42,7 +42,7 @@ elastic-averaging server (EASGD's asynchronous form)::
         def record(self):                       # broadcast to every rank at the end
             return self.version
 
-    def work(link):                             # a worker's whole run
+    def work(link, x):                          # a worker's whole run, on its parameters x
         for k in range(rounds):
             local_steps(x)
             link.payload()[...] = x
@@ -50,7 +50,8 @@ elastic-averaging server (EASGD's asynchronous form)::
             link.send(asyncrt.UPLOAD | last, k, copies=1, reply_copies=1)
             x -= alpha * (x - link.wait().payload)   # the reply to LAST is the STOP
 
-    outcome = asyncrt.run_policy(world, Centre(centre, 0.1), work, x)
+    outcome = asyncrt.run_policy(world, Centre(centre, alpha), lambda link: work(link, x), x)
+    outcome.record                              # the server's record, on every rank
 
 New message flags go in :mod:`~mpiopt.asyncrt.messages`, beside everyone's.
 
@@ -68,8 +69,9 @@ messages
 worker (:class:`Link`)
     Sends numbered messages (``Isend``, :class:`MPILink`), at most one
     awaiting its reply; it takes the reply when it wants (:meth:`Link.poll`,
-    never blocking, or :meth:`Link.wait`).  It waits only for the server's answer to its own
-    message, never for another worker; a slow worker slows nobody else.
+    never blocking, or :meth:`Link.wait`).  It waits only for the server's
+    answer to its own message, never for another worker; a slow worker
+    slows nobody else.
 server
     One slot per worker, polled round robin (:class:`Poller`; ``Comm`` has
     no ``Waitany``): a probe for the worker's next message, then its
@@ -95,9 +97,9 @@ arguments
     ``steps`` on one rank raises the same error, naming it, on every rank.
 failure
     An exception on any rank during the run (a non-finite gradient on the
-    server, say) leaves the others polling for a message that never comes,
-    as any MPI program would: run under :func:`mpiopt.abort_on_exception`,
-    which ends the job.
+    server, say) would leave the others polling for a message that never
+    comes, as in any MPI program: mpiopt's abort hooks (installed with every
+    :class:`~mpiopt.comm.Topology` unless turned off) end the job instead.
 idle ranks
     A waiting rank polls ``Request.Test`` (which drives MPI progress) and,
     after 0.1 ms without news, sleeps between polls with a doubling pause up

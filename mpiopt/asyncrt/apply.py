@@ -9,13 +9,23 @@ parameters it was sent.
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
 from typing import List, Optional, Tuple
 
 import numpy as np
 
 from ..comm import Comm
 from .messages import GRADIENT, LAST, PARAMS, SERVER, STOP, Message, Reply
-from .result import ApplyFn, Arrival, AsyncResult, UntilFn, WorkerFn, agree_on_arguments, check_run_arguments, staleness_counts
+from .result import (
+    ApplyFn,
+    Arrival,
+    AsyncResult,
+    UntilFn,
+    WorkerFn,
+    agree_on_arguments,
+    check_run_arguments,
+    staleness_counts,
+)
 from .runtime import DEFAULT_MAX_SLEEP, Link, Policy, run_policy
 
 __all__ = ["run_async", "ApplyPolicy"]
@@ -60,7 +70,7 @@ class ApplyPolicy(Policy):
         return self.version, staleness_counts(self.histogram).tolist(), self.applied
 
 
-def _compute(link: Link, params: np.ndarray, worker_fn: WorkerFn, steps: int) -> int:
+def _compute(params: np.ndarray, worker_fn: WorkerFn, steps: int, link: Link) -> int:
     """A worker: compute a payload on the latest parameters it has, send it, take the reply; repeat.
 
     Ends on STOP with the final parameters in ``params``; returns the number
@@ -142,7 +152,7 @@ def run_async(
     if world.size > 1:
         world.Bcast(params, root=SERVER)
     policy = ApplyPolicy(params, apply, until, world.size)
-    outcome = run_policy(world, policy, lambda link: _compute(link, params, worker_fn, steps), params, max_sleep=max_sleep)
+    outcome = run_policy(world, policy, partial(_compute, params, worker_fn, steps), params, max_sleep=max_sleep)
     version, counts, applied = outcome.record
     return AsyncResult(
         version=version,

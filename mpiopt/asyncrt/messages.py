@@ -1,4 +1,4 @@
-"""The wire format of every asynchronous algorithm: one buffer per message, a 32-byte header, then copies of the parameters.
+"""The wire format of every asynchronous algorithm: a 32-byte header, then copies of the parameters.
 
 A message carries 0, 1 or 2 copies of the parameters (a gradient, the
 server's parameters, a worker's upload, leaders' copies), and its tag says

@@ -174,5 +174,7 @@ def agree_on_arguments(world: Any, what: str, check: Callable[[], None]) -> None
     by_message: Dict[str, List[int]] = {}
     for rank, (_, message) in failed:
         by_message.setdefault(message, []).append(rank)
-    lines = [f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}: {message}" for message, ranks in by_message.items()]
+    lines = [
+        f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}: {message}" for message, ranks in by_message.items()
+    ]
     raise failed[0][1][0](f"{what}: " + "; ".join(lines))
