@@ -511,7 +511,6 @@ class AsyncLSGD(LSGDState, Algorithm):
     # -- a worker's step (inside run) ------------------------------------------------------------
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         """A worker's local step, in the order of the module docstring."""
-        # The reply first: a message to the server always carries the running mean of the steps it counts.
         if loss is None:  # found on this rank alone, in the middle of the run
             self.topology.raise_or_abort(
                 ValueError(
@@ -520,12 +519,13 @@ class AsyncLSGD(LSGDState, Algorithm):
                 ),
                 why="the server would wait for its messages for ever",
             )
+        # The reply first: a message to the server always carries the running mean of the steps it counts.
         pulls = self._take(params, self._link.poll())
         self.rule.record_loss(loss)
         self._pull_and_step(params, grad, pulls)
         done = self.steps + 1 - self._first_step  # the base class counts this step after _step returns
         if not self._link.awaiting and done - self._reported >= self.report_every:
-            self._link.send(0, done, self.rule.running_loss())
+            self._link.send(0, done, self.rule.running_loss())  # a report: no flag, no payload
             self._reported = done
 
     def _take(self, params: np.ndarray, reply: Optional[Message]) -> List[Pull]:
