@@ -63,12 +63,18 @@ class Checkpoint:
     rank_state : dict or None
         This rank's state, exactly as saved; None for a rank beyond the saved
         world size (``allow_world_size_change=True``).
+    rank_states : list of dict or None
+        Loaded at another world size (``allow_world_size_change=True``):
+        every saved rank's state in rank order, on every rank, for the
+        caller's redistribution (:mod:`mpiopt.algorithms.resize`); None at
+        the saved world size.
     """
 
     path: str
     attrs: Dict[str, Any]
     model: Optional[Dict[str, np.ndarray]]
     rank_state: Optional[Dict[str, Any]]
+    rank_states: Optional[List[Dict[str, Any]]] = None
 
     @property
     def world_size(self) -> int:
@@ -437,8 +443,11 @@ def _read(path: str, rank: int, size: int, allow_world_size_change: bool) -> Che
                 f"written by {saved} rank{'s' * (saved != 1)}; this job has {size} (allow_world_size_change=True loads it anyway)"
             )
         model = read_group(f["model"]) if "model" in f else None
-        rank_state = read_group(f["ranks"][str(rank)]) if rank < saved else None
-    return Checkpoint(path=path, attrs=attrs, model=model, rank_state=rank_state)
+        if saved == size:
+            return Checkpoint(path=path, attrs=attrs, model=model, rank_state=read_group(f["ranks"][str(rank)]))
+        # Another world size: every rank needs every saved rank's state to redistribute it.
+        states = [read_group(f["ranks"][str(r)]) for r in range(saved)]
+    return Checkpoint(path=path, attrs=attrs, model=model, rank_state=states[rank] if rank < saved else None, rank_states=states)
 
 
 def load_checkpoint(path: str, world: Comm, *, allow_world_size_change: bool = False) -> Checkpoint:
@@ -455,8 +464,9 @@ def load_checkpoint(path: str, world: Comm, *, allow_world_size_change: bool = F
         The job's ranks.
     allow_world_size_change : bool
         Load a checkpoint written by another number of ranks: ranks beyond
-        the saved ones get ``rank_state=None``, saved ranks beyond this job
-        are ignored, and the caller decides what to do.
+        the saved ones get ``rank_state=None``, every rank gets every saved
+        rank's state in ``rank_states`` (memory: the whole file's rank
+        states on each rank), and the caller decides what to do.
 
     Raises
     ------

@@ -8,6 +8,19 @@ statistics differ between ranks) and its torch RNG state (dropout).  The data
 order and augmentation need no state: the sampler and the augmentation
 generator are functions of the step.  A resumed run continues with step
 ``s + 1`` and reaches bitwise the same state as a run that never stopped.
+The root attributes also carry the metrics' running totals
+(:data:`COUNTERS`: training seconds, bytes sent), so a resumed run's
+``wall_seconds`` and ``bytes_sent_total`` continue instead of restarting at 0.
+
+Another world size: a checkpoint written by ``P`` ranks resumes on ``M``
+where the algorithm has a rule (:mod:`mpiopt.algorithms.resize`; the
+asynchronous algorithms have none).  New rank ``r`` takes old rank ``r %
+P``'s parameters and model buffers; the algorithm state moves by the rule
+(copied, redistributed or reset, named in a warning); a rank that existed
+before keeps its torch RNG state, a new one keeps its fresh seed.  The step
+counter continues, and the data order with it: step ``s + 1`` of the
+``M``-rank sampler, whose epochs are shorter or longer than the ``P``-rank
+one's, so samples are not tracked across the change.
 
 Signals: SIGTERM or SIGUSR1 arriving at any rank sets a flag; at every step
 boundary the ranks take a one-byte MAX vote on a communicator of their own
@@ -21,24 +34,28 @@ from __future__ import annotations
 
 import os
 import signal
+import warnings
 from dataclasses import asdict
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 import numpy as np
 import torch
 
-from ..checkpoint import CheckpointError, checkpoint_path, find_latest, load_checkpoint, save_checkpoint
+from ..algorithms.resize import hyperparameter_differences, resize_states, source_rank
+from ..checkpoint import Checkpoint, CheckpointError, checkpoint_path, find_latest, load_checkpoint, save_checkpoint
 from ..comm import MAX, Ledger, Topology
 from ..metrics import versions
 from ..torch import DistributedOptimizer
 from .config import TrainConfig, UsageError
 
-__all__ = ["Checkpointer", "Interrupted", "EXIT_INTERRUPTED", "STOP_SIGNALS"]
+__all__ = ["Checkpointer", "Interrupted", "EXIT_INTERRUPTED", "STOP_SIGNALS", "COUNTERS"]
 
 #: Exit code of ``mpiopt train`` stopped by a signal after writing a checkpoint (``EX_TEMPFAIL``).
 EXIT_INTERRUPTED = 75
 #: Signals that make a run checkpoint and stop at the next step boundary.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+#: Running totals of the metrics saved as root attributes (rank 0's) and restored by a resume.
+COUNTERS = ("wall_seconds", "bytes_sent_total")
 
 
 class Interrupted(Exception):
@@ -96,6 +113,8 @@ class Checkpointer:
         self.model, self.opt, self.batches_per_epoch = model, opt, batches_per_epoch
         self.directory = config.checkpoint_dir or os.path.join(out_dir, "checkpoints")
         self.enabled = bool(config.checkpoint_every or config.resume)
+        #: The metrics' running totals (:data:`COUNTERS`) the resumed run starts from; zeros without a resume.
+        self.counters: Dict[str, float] = {"wall_seconds": 0.0, "bytes_sent_total": 0}
         self._received: Optional[int] = None
         self._previous: Dict[int, Any] = {}
         self._votes = None
@@ -120,9 +139,13 @@ class Checkpointer:
             self._votes = None
 
     # -- saving ---------------------------------------------------------------------------------
-    def attrs(self, step: int) -> Dict[str, Any]:
-        """The root attributes of the checkpoint after ``step`` (:func:`save_checkpoint` adds ``world_size``)."""
+    def attrs(self, step: int, counters: Optional[Mapping[str, float]] = None) -> Dict[str, Any]:
+        """The root attributes of the checkpoint after ``step`` (:func:`save_checkpoint` adds ``world_size``).
+
+        ``counters``: the metrics' running totals (:data:`COUNTERS`) at that step.
+        """
         return {
+            **{name: counters[name] for name in COUNTERS if counters is not None},
             "step": step,
             "epoch": step / self.batches_per_epoch,
             "algorithm": self.algorithm,
@@ -134,8 +157,8 @@ class Checkpointer:
             "versions": versions(),
         }
 
-    def save(self, step: int) -> str:
-        """Write the checkpoint after ``step`` (collective); returns its path."""
+    def save(self, step: int, counters: Optional[Mapping[str, float]] = None) -> str:
+        """Write the checkpoint after ``step`` (collective); returns its path.  ``counters``: see :meth:`attrs`."""
         model = {name: _numpy(t) for name, t in self.model.state_dict().items()} if self.topology.rank == 0 else None
         rank_state = {
             "params": _numpy(self.opt._flat_params),
@@ -147,11 +170,13 @@ class Checkpointer:
         path = checkpoint_path(self.directory, step)
         if self.topology.rank == 0:
             os.makedirs(self.directory, exist_ok=True)
-        return save_checkpoint(path, self.topology.world, model=model, rank_state=rank_state, attrs=self.attrs(step),
+        return save_checkpoint(path, self.topology.world, model=model, rank_state=rank_state, attrs=self.attrs(step, counters),
                                keep=self.config.keep_checkpoints)
 
-    def after_step(self, step: int, last: bool) -> Optional[str]:
+    def after_step(self, step: int, last: bool, counters: Optional[Mapping[str, float]] = None) -> Optional[str]:
         """At the boundary after ``step``: checkpoint when due, then stop if any rank received a signal.
+
+        ``counters``: the metrics' running totals to save with it (:data:`COUNTERS`).
 
         Raises
         ------
@@ -165,7 +190,7 @@ class Checkpointer:
         every = self.config.checkpoint_every
         path = None
         if vote[0] or last or (every and step % every == 0):
-            path = self.save(step)
+            path = self.save(step, counters)
         if vote[0]:
             raise Interrupted(step, path, int(vote[0]))
         return path
@@ -181,16 +206,29 @@ class Checkpointer:
     def resume(self) -> int:
         """Restore the state of ``config.resume`` (collective); the step it was saved after (0: nothing to resume).
 
+        Also sets :attr:`counters` from the checkpoint.  On another world
+        size the state is moved by the algorithm's rule (module docstring),
+        with a warning naming what was redistributed or reset.
+
         Raises
         ------
         UsageError
             On every rank alike: an unreadable file, or a checkpoint of
-            another algorithm, world size, model, hyperparameters (unless
-            ``override_hyperparameters``), or ranks at different steps; the
-            message names the mismatch and both values.
+            another algorithm, model, hyperparameters (unless
+            ``override_hyperparameters``), or ranks at different steps, or
+            of another world size where the algorithm has no rule; the
+            message names the mismatch and both values.  The signal handlers
+            are restored first (:meth:`close`).
         """
         if not self.config.resume:
             return 0
+        try:
+            return self._resume()
+        except BaseException:
+            self.close()
+            raise
+
+    def _resume(self) -> int:
         path = self.resume_path()
         world = self.topology.world
         if path is None:
@@ -198,21 +236,25 @@ class Checkpointer:
                 print(f"--resume auto: no checkpoint in {self.directory}; starting from step 0", flush=True)
             return 0
         try:
-            ckpt = load_checkpoint(path, world)
+            ckpt = load_checkpoint(path, world, allow_world_size_change=True)
         except CheckpointError as err:
             raise UsageError(f"--resume: {err}") from None
-        saved, here = ckpt.attrs, self.attrs(0)  # another world size: load_checkpoint refused it, naming both
-        checks = [("algorithm", "algorithm"), ("model signature", "model_signature")]
-        if not self.config.override_hyperparameters:
-            checks.append(("hyperparameters", "hyperparameters"))
-        for what, key in checks:
+        saved, here = ckpt.attrs, self.attrs(0)
+        for what, key in [("algorithm", "algorithm"), ("model signature", "model_signature")]:
             if saved.get(key) != here[key]:
-                hint = " (--override-hyperparameters keeps this run's)" if key == "hyperparameters" else ""
-                raise UsageError(f"--resume {path}: the checkpoint's {what} is {saved.get(key)!r}, this run's {here[key]!r}{hint}")
-        steps = world.allgather_obj(int(ckpt.rank_state["step"]))
+                raise UsageError(f"--resume {path}: the checkpoint's {what} is {saved.get(key)!r}, this run's {here[key]!r}")
+        if not self.config.override_hyperparameters:
+            differences = hyperparameter_differences(self.algorithm, saved["hyperparameters"], here["hyperparameters"], ckpt.world_size, world.size)
+            if differences:
+                raise UsageError(
+                    f"--resume {path}: the checkpoint's hyperparameters differ from this run's "
+                    f"(--override-hyperparameters keeps this run's): {'; '.join(differences)}"
+                )
+        states = ckpt.rank_states
+        steps = [int(s["step"]) for s in states] if states is not None else world.allgather_obj(int(ckpt.rank_state["step"]))
         if len(set(steps)) > 1 or steps[0] != int(saved["step"]):
             raise UsageError(f"--resume {path}: the ranks' states are at different steps {steps}; the file says step {saved['step']}")
-        state = ckpt.rank_state
+        state = ckpt.rank_state if states is None else self._resized(ckpt)
         try:
             self.opt.algorithm.load_state_dict(state["algorithm"], override_hyperparameters=self.config.override_hyperparameters)
         except ValueError as err:  # every rank holds the same kind of state: it fails alike
@@ -221,7 +263,31 @@ class Checkpointer:
             self.opt._flat_params.copy_(torch.from_numpy(state["params"]))
             for name, buffer in self.model.named_buffers():
                 buffer.copy_(torch.from_numpy(state["buffers"][name]))
-        torch.set_rng_state(torch.from_numpy(state["rng"]["torch"]))
+        if state["rng"] is not None:
+            torch.set_rng_state(torch.from_numpy(state["rng"]["torch"]))
+        self.counters = {name: saved.get(name, self.counters[name]) for name in COUNTERS}
         if world.rank == 0:
             print(f"resuming from {path} after step {steps[0]}", flush=True)
         return steps[0]
+
+    def _resized(self, ckpt: Checkpoint) -> Dict[str, Any]:
+        """This rank's state from a checkpoint of another world size (module docstring); warns on rank 0."""
+        world, old = self.topology.world, ckpt.world_size
+        mine = ckpt.rank_states[source_rank(world.rank, old)]
+        try:
+            (algorithm,), notes = resize_states(
+                self.algorithm, [s["algorithm"] for s in ckpt.rank_states], world.size,
+                self.opt.algorithm.hyperparameters(), ranks=[world.rank],
+            )
+        except ValueError as err:  # the same states on every rank: every rank refuses alike
+            raise UsageError(f"--resume {ckpt.path}: written by {old} ranks, this job has {world.size}: {err}") from None
+        if world.rank == 0:
+            moved = "".join(f"\n  {note}" for note in notes) or " nothing but copies"
+            warnings.warn(
+                f"--resume {ckpt.path}: written by {old} ranks, resuming on {world.size}. Parameters and model buffers: "
+                f"new rank r takes old rank r % {old}'s. {self.algorithm} state:{moved}\n"
+                "The data order continues at the next step of this world's sampler (its epochs differ).",
+                stacklevel=2,
+            )
+        rng = ckpt.rank_states[world.rank]["rng"] if world.rank < old else None  # a new rank keeps its fresh seed
+        return {"algorithm": algorithm, "params": mine["params"], "buffers": mine["buffers"], "rng": rng}

@@ -223,7 +223,9 @@ def train(
     tracer = Tracer(topology) if config.trace else None
     phase: Callable[[str], ContextManager[Any]] = tracer.phase if tracer else (lambda name: nullcontext())
     evaluator = _Evaluator(model, dataset, world)
-    state = {"train_seconds": 0.0, "bytes": 0, "losses": []}
+    # A resumed run's running totals continue from the checkpoint's.
+    resumed = checkpoints.counters if checkpoints else {"wall_seconds": 0.0, "bytes_sent_total": 0}
+    state = {"train_seconds": resumed["wall_seconds"], "bytes": resumed["bytes_sent_total"], "losses": []}
 
     def step_record(step: int, loss: float, compute: float, whole: float, record: Any) -> Dict[str, Any]:
         state["bytes"] += record["bytes_sent"]
@@ -306,7 +308,8 @@ def train(
                 if (step + 1) % eval_every == 0 or step + 1 == steps:
                     evaluate(step + 1, source)
                 progress.update(step + 1, line["loss"], whole, state["bytes"] / 1e6)
-                checkpoints.after_step(step + 1, last=step + 1 == steps)
+                checkpoints.after_step(step + 1, last=step + 1 == steps,
+                                       counters={"wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"]})
         except Interrupted:
             if writer:
                 writer.close()

@@ -203,12 +203,16 @@ def test_another_world_size_is_refused_on_every_rank(topology, shared_dir):
     assert (loaded.rank_state is None) == (rank > 0) and loaded.world_size == 1
     if rank == 0:
         assert np.array_equal(loaded.rank_state["x"], np.arange(4))
+    # Every rank gets every saved rank's state, to redistribute it.
+    assert len(loaded.rank_states) == 1 and np.array_equal(loaded.rank_states[0]["x"], np.arange(4))
 
     many = checkpoint_path(shared_dir, 2)  # and the other way round: written by all ranks, read by one
     save_checkpoint(many, world, model=None, rank_state={"r": rank}, attrs={})
     with pytest.raises(CheckpointError, match=f"written by {size} ranks; this job has 1"):
         load_checkpoint(many, alone)
-    assert load_checkpoint(many, alone, allow_world_size_change=True).rank_state == {"r": 0}  # rank 0 of the one-rank job
+    shrunk = load_checkpoint(many, alone, allow_world_size_change=True)
+    assert shrunk.rank_state == {"r": 0} and shrunk.rank_states == [{"r": r} for r in range(size)]  # rank 0 of the one-rank job
+    assert load_checkpoint(many, world, allow_world_size_change=True).rank_states is None  # the saved size: own state only
     alone.Free()
 
 

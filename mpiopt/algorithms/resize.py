@@ -1,0 +1,256 @@
+"""Resuming on another number of ranks: each algorithm's rule for turning P old ranks' states into M new ones.
+
+:func:`resize_states` takes the :meth:`~mpiopt.algorithms.base.Algorithm.state_dict`
+of every rank of a checkpoint written by ``P`` ranks and returns one state
+per rank of a job of ``M`` ranks, ready for ``load_state_dict``.  Every state
+entry of every synchronous algorithm has a rule:
+
+============  ======================================  ====================================================
+algorithm     entry                                   rule
+============  ======================================  ====================================================
+``sgd``       ``momentum_buffer``                     copied: the same on every rank (averaged gradients)
+``signum``    ``momentum_buffer``                     follows: new rank r takes old rank r % P's
+``topk``      ``error``                               mean of the old ranks' on every new rank
+              ``momentum_buffer``                     copied (momentum of the aggregate, same everywhere)
+``regtopk``   ``error``                               mean of the old ranks' on every new rank
+              ``aggregate``, ``momentum_buffer``      copied (last step's aggregate, same everywhere)
+              ``sent_indices``, ``sent_values``,      reset (zeros, ``has_history=False``): the first
+              ``has_history``                         step after the resume ranks as Top-k, as the first
+                                                      step of a run does
+``easgd``     ``center``                              copied: every rank holds the same centre
+              ``momentum_buffer``                     follows (it belongs to the parameters it moved)
+``lsgd``      ``momentum_buffer``, ``leader_copy``,   follow: the loss history describes the parameters
+              ``recent_losses``, ``losses_seen``      that the new rank takes over
+              ``last_local_leader``,                  reset to -1: they name ranks and groups of the old
+              ``last_global_leader``                  world; with ``proximal > 0`` the proximal pull
+                                                      waits for the next election (at most ``period``
+                                                      steps)
+``dasgd``     ``momentum_buffer``, ``pending_snapshot``  follow
+              ``pending_sum``                         rescaled by M / P: the merge divides it by M and
+                                                      must find the old ranks' average ``avg(w_k)``
+              ``merge_step``                          copied: an averaging in flight at the checkpoint
+                                                      is merged at its step, each new rank adding its
+                                                      own progress since its snapshot
+``async_*``   --                                      refused: the server's and leaders' state belongs
+                                                      to one layout of server and workers
+============  ======================================  ====================================================
+
+Why these rules:
+
+- *copied*: the entry is identical on every rank, so any rank's copy is right.
+- *follows* ``r % P``: per-worker state that goes with that worker's
+  parameters (the training loop gives new rank ``r`` old rank ``r % P``'s
+  parameters, BatchNorm buffers too; :func:`source_rank`).  A growing world
+  repeats old workers; a shrinking one keeps the first ``M``.  Averaging
+  would give every new worker the same momentum and, for Signum, a
+  lower-variance vote than any real worker casts.
+- *mean* for error feedback: the aggregate is ``(1/N) sum_n sent_n``, so the
+  update still owed by the residuals is ``(1/P) sum_old e``; giving each of
+  the ``M`` new ranks the old mean keeps ``(1/M) sum_new e`` equal to it
+  (conserved exactly up to rounding), where ``r % P`` would drop or
+  duplicate residuals.
+- *reset* where the entry describes a rank or a group of the old world and
+  no new rank can own it; the caller warns.
+
+The step counter and the learning rate are copied (the ranks agree on
+them); ``world_size`` becomes ``M`` and ``hyperparameters`` this run's.  At
+another world size EASGD's ``alpha`` and ``beta = N alpha`` cannot both
+stay: :func:`hyperparameter_differences` accepts the run when either does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .base import _plain
+
+__all__ = ["resize_states", "hyperparameter_differences", "source_rank", "RULES", "ResizeError"]
+
+
+class ResizeError(ValueError):
+    """A state that cannot be moved to another world size (no rule, or states that do not fit one)."""
+
+
+def source_rank(new_rank: int, old_size: int) -> int:
+    """The old rank whose parameters (and per-worker state) new rank ``new_rank`` takes: ``new_rank % old_size``."""
+    return new_rank % old_size
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one state entry moves: ``apply(old values, new rank, new size)`` and what the warning calls it."""
+
+    apply: Callable[[Sequence[Any], int, int], Any]
+    kind: str  # "copied", "redistributed" or "reset"
+    how: str
+
+
+def _copied(values: Sequence[Any], rank: int, size: int) -> Any:
+    return values[0]
+
+
+def _follows(values: Sequence[Any], rank: int, size: int) -> Any:
+    return values[source_rank(rank, len(values))]
+
+
+def _mean(values: Sequence[Any], rank: int, size: int) -> Any:
+    if values[0] is None:
+        return None
+    total = np.sum([np.asarray(v, dtype=np.float64) for v in values], axis=0)  # float64: the mean of float32 rounds once
+    return (total / len(values)).astype(np.asarray(values[0]).dtype)
+
+
+def _rescaled_sum(values: Sequence[Any], rank: int, size: int) -> Any:
+    if values[0] is None:
+        return None
+    value = np.asarray(values[0])
+    return (value.astype(np.float64) * (size / len(values))).astype(value.dtype)
+
+
+def _reset_to(value: Any) -> Callable[[Sequence[Any], int, int], Any]:
+    """A rule body that resets arrays to zeros of their shape and dtype and scalars to ``value``."""
+
+    def reset(values: Sequence[Any], rank: int, size: int) -> Any:
+        old = values[0]
+        return np.zeros_like(old) if isinstance(old, np.ndarray) else value
+
+    return reset
+
+
+COPY = Rule(_copied, "copied", "copied (the same on every rank)")
+FOLLOW = Rule(_follows, "redistributed", "new rank r takes old rank r % {old}'s")
+MEAN = Rule(_mean, "redistributed", "the mean over the old ranks on every new rank")
+RESCALE = Rule(_rescaled_sum, "redistributed", "the sum over the old ranks rescaled to the new world size")
+ZERO = Rule(_reset_to(None), "reset", "reset to zeros")
+NO_HISTORY = Rule(_reset_to(False), "reset", "reset (the first step ranks as Top-k)")
+NO_LEADER = Rule(_reset_to(-1), "reset", "reset to -1 (they named ranks of the old world)")
+
+#: Each synchronous algorithm's rule per state entry (``state_arrays`` and ``state_scalars``); see the module docstring.
+RULES: Dict[str, Dict[str, Rule]] = {
+    "sgd": {"momentum_buffer": COPY},
+    "signum": {"momentum_buffer": FOLLOW},
+    "topk": {"error": MEAN, "momentum_buffer": COPY},
+    "regtopk": {
+        "error": MEAN, "aggregate": COPY, "momentum_buffer": COPY,
+        "sent_indices": ZERO, "sent_values": ZERO, "has_history": NO_HISTORY,
+    },
+    "easgd": {"center": COPY, "momentum_buffer": FOLLOW},
+    "lsgd": {
+        "momentum_buffer": FOLLOW, "leader_copy": FOLLOW, "recent_losses": FOLLOW, "losses_seen": FOLLOW,
+        "last_local_leader": NO_LEADER, "last_global_leader": NO_LEADER,
+    },
+    "dasgd": {"momentum_buffer": FOLLOW, "pending_snapshot": FOLLOW, "pending_sum": RESCALE, "merge_step": COPY},
+}
+
+
+def _rules(name: str) -> Dict[str, Rule]:
+    if name not in RULES:
+        why = (
+            "the server's and the leaders' state belong to one layout of server and workers"
+            if name.startswith("async_") else "no rule is defined for it"
+        )
+        raise ResizeError(f"{name!r} cannot resume on another number of ranks: {why}")
+    return RULES[name]
+
+
+def hyperparameter_differences(
+    name: str, saved: Mapping[str, Any], here: Mapping[str, Any], old_size: int, new_size: int
+) -> List[str]:
+    """``"key: saved X, here Y"`` for each hyperparameter that forbids resuming ``saved`` as ``here``.
+
+    At the same world size every hyperparameter must match.  At another,
+    EASGD's ``alpha`` and ``beta`` (``beta = N alpha``) cannot both; the run
+    is accepted when either matches (the one its settings fixed).
+    """
+    saved, here = _plain(dict(saved)), _plain(dict(here))
+    keys = set(saved) | set(here)
+    if name == "easgd" and old_size != new_size and any(saved.get(k) == here.get(k) for k in ("alpha", "beta")):
+        keys -= {"alpha", "beta"}
+    missing = "<missing>"
+    return [f"{k}: saved {saved.get(k, missing)!r}, here {here.get(k, missing)!r}" for k in sorted(keys) if saved.get(k, missing) != here.get(k, missing)]
+
+
+def resize_states(
+    name: str,
+    states: Sequence[Mapping[str, Any]],
+    new_size: int,
+    hyperparameters: Mapping[str, Any],
+    *,
+    ranks: Optional[Sequence[int]] = None,
+) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """Turn every old rank's algorithm state into one state per rank of a world of ``new_size``.
+
+    Parameters
+    ----------
+    name : str
+        The algorithm (``state["algorithm"]`` of each state).
+    states : sequence of mapping
+        :meth:`~mpiopt.algorithms.base.Algorithm.state_dict` of old rank 0,
+        1, ..., P - 1, in rank order.
+    new_size : int
+        ``M``, the new world size (>= 1).
+    hyperparameters : mapping
+        The new run's hyperparameters (checked beforehand with
+        :func:`hyperparameter_differences`); written into each new state.
+    ranks : sequence of int, optional
+        The new ranks whose states to build (a rank of a job needs only its
+        own); all ``M`` by default.
+
+    Returns
+    -------
+    states : list of dict
+        The states of ``ranks`` (of every new rank by default), each
+        loadable by ``load_state_dict`` at world size ``M``.
+    notes : list of str
+        One line per entry that was redistributed or reset, saying how (for
+        the caller's warning); empty when nothing but copies was needed.
+
+    Raises
+    ------
+    ResizeError
+        For an algorithm without a rule (the asynchronous ones), states of
+        another algorithm, states whose entries are not the ones the rule
+        knows, or old ranks at different steps.
+    """
+    rules = _rules(name)
+    if isinstance(new_size, bool) or not isinstance(new_size, (int, np.integer)) or new_size < 1:
+        raise ValueError(f"new_size must be an integer >= 1, got {new_size!r}")
+    if ranks is not None and any(not 0 <= r < new_size for r in ranks):
+        raise ValueError(f"ranks must lie in [0, {new_size}), got {list(ranks)!r}")
+    if not states:
+        raise ResizeError(f"{name}: no old states to resize")
+    for rank, state in enumerate(states):
+        if state.get("algorithm") != name:
+            raise ResizeError(f"old rank {rank}'s state is for algorithm {state.get('algorithm')!r}, not {name!r}")
+        entries = set(state.get("arrays", {})) | set(state.get("scalars", {}))
+        if entries != set(rules):
+            raise ResizeError(f"{name}: old rank {rank}'s state has entries {sorted(entries)}; the resize rule knows {sorted(rules)}")
+    steps = [int(state["steps"]) for state in states]
+    if len(set(steps)) > 1:
+        raise ResizeError(f"{name}: the old ranks are at different steps {steps}")
+
+    def moved(section: str, rank: int) -> Dict[str, Any]:
+        keys = sorted(states[0][section])
+        return {key: rules[key].apply([s[section][key] for s in states], rank, int(new_size)) for key in keys}
+
+    resized = [
+        {
+            "algorithm": name,
+            "world_size": int(new_size),
+            "steps": steps[0],
+            "lr": states[0]["lr"],
+            "hyperparameters": dict(hyperparameters),
+            "arrays": moved("arrays", rank),
+            "scalars": moved("scalars", rank),
+        }
+        for rank in (range(int(new_size)) if ranks is None else ranks)
+    ]
+    present = {key for section in ("arrays", "scalars") for key, value in states[0][section].items() if value is not None}
+    notes = [
+        f"{key}: {rule.kind}, {rule.how.format(old=len(states))}"
+        for key, rule in sorted(rules.items()) if rule.kind != "copied" and key in present
+    ]
+    return resized, notes
