@@ -178,7 +178,6 @@ class Signum(Algorithm):
             self._chunks = xp.empty((P, width), dtype=np.uint8)
             self._my_vote = xp.zeros(width, dtype=np.uint8)
             self._gathered = xp.empty((P, width), dtype=np.uint8)
-            self._whole = xp.empty(nbytes, dtype=np.uint8)
 
     def _direction(self, grad: Any) -> Any:
         """Signum's momentum update (the vector whose signs are sent); the gradient itself for signSGD."""
@@ -201,9 +200,9 @@ class Signum(Algorithm):
         if self.mode == "prevote":
             return self._prevote(direction)
         bounds, send = self._bounds, self._packed
-        whole = pack_signs(direction, out=self._whole, nan_policy="unchecked")
         for q, (start, stop) in enumerate(bounds):  # a loop over ranks, not parameters
-            send[q, : stop - start] = whole[start:stop]
+            # Chunks start on whole words (64 signs), so packing chunk by chunk gives the whole vector's bits.
+            pack_signs(direction[8 * start : 8 * stop], out=send[q, : stop - start], nan_policy="unchecked")
         world.Alltoall(send, self._chunks)
         start, stop = bounds[world.rank]
         vote_chunk(self._chunks, direction.size, int(start), int(stop), out=self._my_vote[: stop - start])

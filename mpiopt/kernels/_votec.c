@@ -1,5 +1,6 @@
-/* Majority vote of P packed sign vectors, fused into one C loop (optional).
+/* Fused CPU loops over packed bits (optional): the majority vote, sign packing, bitmaps.
  *
+ * vote: the majority vote of P packed sign vectors in one C loop.
  * Computes what mpiopt.kernels.signs.majority_vote's numpy code computes:
  * bit j of out[w] is set where at least `threshold` of the P rows have bit j
  * of word w set.  numpy needs one pass over memory per bitwise operation
@@ -11,13 +12,21 @@
  *   - that 4-bit count is added into running bit-sliced counters;
  *   - the counters are compared with the threshold, bit-sliced, from the top.
  *
- * Missing rows of the last group count as zero words.  Buffers come through
- * the buffer protocol, so building needs no numpy headers.  The build is
- * optional (setup.py): without a C compiler mpiopt uses the numpy code.
+ * Missing rows of the last group count as zero words.
+ *
+ * pack_signs, bitmap_set, bitmap_indices: what numpy does with a d-byte
+ * boolean temporary (greater_equal + packbits, a mask + packbits,
+ * unpackbits + flatnonzero), here written straight into the caller's buffer,
+ * so a step allocates nothing.
+ *
+ * Buffers come through the buffer protocol, so building needs no numpy
+ * headers.  The build is optional (setup.py): without a C compiler mpiopt
+ * uses the numpy code, which gives the same bits.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_LEVELS 48
@@ -55,8 +64,10 @@ static inline uint64_t load64(const unsigned char *p) {
     return x;
 }
 
+static inline void store64(unsigned char *p, uint64_t x) { memcpy(p, &x, sizeof x); }
+
 static void vote(const unsigned char *rows, Py_ssize_t voters, Py_ssize_t stride, Py_ssize_t nwords,
-                 Py_ssize_t threshold, uint64_t *out) {
+                 Py_ssize_t threshold, unsigned char *out) {
     const int levels = bit_length(voters);
     uint64_t count[MAX_LEVELS < 4 ? 4 : MAX_LEVELS][BLOCK];
     static const unsigned char zeros[8 * BLOCK]; /* the missing rows of the last group */
@@ -96,46 +107,191 @@ static void vote(const unsigned char *rows, Py_ssize_t voters, Py_ssize_t stride
                 if ((threshold >> b) & 1) equal &= count[b][w];
                 else greater |= equal & count[b][w];
             }
-            out[start + w] = greater | equal;
+            store64(out + 8 * (start + w), greater | equal);
         }
     }
 }
 
+/* The last nbytes % 8 bytes of every row, zero-padded to a word, voted on their own. */
+static int vote_tail(const unsigned char *rows, Py_ssize_t voters, Py_ssize_t stride, Py_ssize_t nbytes,
+                     Py_ssize_t threshold, unsigned char *out) {
+    const Py_ssize_t whole = nbytes / 8, rest = nbytes % 8;
+    if (!rest) return 0;
+    uint64_t *tails = calloc((size_t)voters, sizeof *tails);  /* P words: small next to the rows */
+    if (!tails) return -1;
+    for (Py_ssize_t r = 0; r < voters; ++r) memcpy(&tails[r], rows + r * stride + 8 * whole, (size_t)rest);
+    unsigned char word[8];
+    vote((const unsigned char *)tails, voters, 8, 1, threshold, word);
+    memcpy(out + 8 * whole, word, (size_t)rest);
+    free(tails);
+    return 0;
+}
+
 static PyObject *py_vote(PyObject *self, PyObject *args) {
     Py_buffer rows, out;
-    Py_ssize_t voters, stride, nwords, threshold;
+    Py_ssize_t voters, stride, nbytes, threshold;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*nnnnw*", &rows, &voters, &stride, &nwords, &threshold, &out)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*nnnnw*", &rows, &voters, &stride, &nbytes, &threshold, &out)) return NULL;
     PyObject *result = NULL;
-    if (voters < 1 || bit_length(voters) > MAX_LEVELS || nwords < 0 || stride < 8 * nwords || threshold < 0) {
-        PyErr_Format(PyExc_ValueError, "vote: bad shape voters=%zd stride=%zd nwords=%zd threshold=%zd",
-                     voters, stride, nwords, threshold);
-    } else if (rows.len < (voters - 1) * stride + nwords * 8 || out.len < nwords * 8) {
+    if (voters < 1 || bit_length(voters) > MAX_LEVELS || nbytes < 0 || stride < nbytes || threshold < 0) {
+        PyErr_Format(PyExc_ValueError, "vote: bad shape voters=%zd stride=%zd nbytes=%zd threshold=%zd",
+                     voters, stride, nbytes, threshold);
+    } else if (rows.len < (voters - 1) * stride + nbytes || out.len < nbytes) {
         PyErr_SetString(PyExc_ValueError, "vote: buffers too small for the given shape");
-    } else if ((uintptr_t)out.buf % 8) {
-        PyErr_SetString(PyExc_ValueError, "vote: out must be 8-byte aligned");
     } else {
+        int failed;
         Py_BEGIN_ALLOW_THREADS
-        vote((const unsigned char *)rows.buf, voters, stride, nwords, threshold, (uint64_t *)out.buf);
+        vote((const unsigned char *)rows.buf, voters, stride, nbytes / 8, threshold, (unsigned char *)out.buf);
+        failed = vote_tail((const unsigned char *)rows.buf, voters, stride, nbytes, threshold, (unsigned char *)out.buf);
         Py_END_ALLOW_THREADS
-        Py_INCREF(Py_None);
-        result = Py_None;
+        if (failed) {
+            PyErr_NoMemory();
+        } else {
+            Py_INCREF(Py_None);
+            result = Py_None;
+        }
     }
     PyBuffer_Release(&rows);
     PyBuffer_Release(&out);
     return result;
 }
 
+/* Bit i % 8 of out[i / 8] = (x[i] >= 0), pad bits 0; returns whether x holds a NaN. */
+#define PACK_SIGNS(T)                                                                   \
+    static int pack_signs_##T(const T *x, Py_ssize_t n, unsigned char *out) {          \
+        int nan = 0;                                                                   \
+        Py_ssize_t whole = n / 8;                                                      \
+        for (Py_ssize_t b = 0; b < whole; ++b) {                                       \
+            const T *v = x + 8 * b;                                                    \
+            unsigned bits = 0;                                                         \
+            for (int j = 0; j < 8; ++j) {                                              \
+                bits |= (unsigned)(v[j] >= 0) << j;                                    \
+                nan |= v[j] != v[j];                                                   \
+            }                                                                          \
+            out[b] = (unsigned char)bits;                                              \
+        }                                                                              \
+        if (n > 8 * whole) {                                                           \
+            unsigned bits = 0;                                                         \
+            for (Py_ssize_t j = 0; j < n - 8 * whole; ++j) {                           \
+                bits |= (unsigned)(x[8 * whole + j] >= 0) << j;                        \
+                nan |= x[8 * whole + j] != x[8 * whole + j];                           \
+            }                                                                          \
+            out[whole] = (unsigned char)bits;                                          \
+        }                                                                              \
+        return nan;                                                                    \
+    }
+PACK_SIGNS(float)
+PACK_SIGNS(double)
+
+static PyObject *py_pack_signs(PyObject *self, PyObject *args) {
+    Py_buffer x, out;
+    Py_ssize_t n, itemsize;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nnw*", &x, &n, &itemsize, &out)) return NULL;
+    PyObject *result = NULL;
+    if (n < 0 || (itemsize != 4 && itemsize != 8)) {
+        PyErr_Format(PyExc_ValueError, "pack_signs: bad n=%zd itemsize=%zd", n, itemsize);
+    } else if (x.len < n * itemsize || out.len < (n + 7) / 8) {
+        PyErr_SetString(PyExc_ValueError, "pack_signs: buffers too small for the given length");
+    } else {
+        int nan;
+        Py_BEGIN_ALLOW_THREADS
+        nan = itemsize == 4 ? pack_signs_float((const float *)x.buf, n, (unsigned char *)out.buf)
+                            : pack_signs_double((const double *)x.buf, n, (unsigned char *)out.buf);
+        Py_END_ALLOW_THREADS
+        result = PyBool_FromLong(nan);
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *py_bitmap_set(PyObject *self, PyObject *args) {
+    Py_buffer indices, out;
+    Py_ssize_t k, d;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nnw*", &indices, &k, &d, &out)) return NULL;
+    PyObject *result = NULL;
+    if (k < 0 || d < 0 || indices.len < 4 * k || out.len < (d + 7) / 8) {
+        PyErr_Format(PyExc_ValueError, "bitmap_set: bad k=%zd d=%zd or buffers too small", k, d);
+    } else {
+        const int32_t *idx = (const int32_t *)indices.buf;
+        unsigned char *bits = (unsigned char *)out.buf;
+        Py_ssize_t bad = -1;
+        Py_BEGIN_ALLOW_THREADS
+        memset(bits, 0, (size_t)((d + 7) / 8));
+        for (Py_ssize_t i = 0; i < k; ++i) {
+            int32_t j = idx[i];
+            if (j < 0 || j >= d) { bad = i; break; }
+            bits[j >> 3] |= (unsigned char)(1u << (j & 7));
+        }
+        Py_END_ALLOW_THREADS
+        if (bad >= 0) {
+            PyErr_Format(PyExc_ValueError, "bitmap_set: index %zd is out of [0, %zd)", (Py_ssize_t)idx[bad], d);
+        } else {
+            Py_INCREF(Py_None);
+            result = Py_None;
+        }
+    }
+    PyBuffer_Release(&indices);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *py_bitmap_indices(PyObject *self, PyObject *args) {
+    Py_buffer bitmap, out;
+    Py_ssize_t d;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nw*", &bitmap, &d, &out)) return NULL;
+    PyObject *result = NULL;
+    if (d < 0 || bitmap.len < (d + 7) / 8) {
+        PyErr_Format(PyExc_ValueError, "bitmap_indices: bad d=%zd or bitmap too small", d);
+    } else {
+        const unsigned char *bits = (const unsigned char *)bitmap.buf;
+        int32_t *idx = (int32_t *)out.buf;
+        const Py_ssize_t capacity = out.len / 4;
+        Py_ssize_t count = 0;
+        Py_BEGIN_ALLOW_THREADS
+        const Py_ssize_t nbytes = (d + 7) / 8;
+        for (Py_ssize_t b = 0; b < nbytes; ++b) {
+            unsigned byte = bits[b];
+            if (b == nbytes - 1 && d % 8) byte &= (1u << (d % 8)) - 1;  /* pad bits are ignored */
+            while (byte) {
+                int j = __builtin_ctz(byte);
+                if (count < capacity) idx[count] = (int32_t)(8 * b + j);
+                ++count;
+                byte &= byte - 1;
+            }
+        }
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromSsize_t(count);
+    }
+    PyBuffer_Release(&bitmap);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"vote", py_vote, METH_VARARGS,
-     "vote(rows, voters, stride_bytes, nwords, threshold, out)\n\n"
-     "Bit j of out word w is set where at least threshold of the voters rows (row r: the nwords\n"
-     "64-bit words from byte r * stride_bytes, any alignment) have bit j of word w set."},
+     "vote(rows, voters, stride_bytes, nbytes, threshold, out)\n\n"
+     "Bit j of out byte b (b < nbytes) is set where at least threshold of the voters rows (row r: the\n"
+     "nbytes bytes from byte r * stride_bytes, any alignment) have bit j of byte b set."},
+    {"pack_signs", py_pack_signs, METH_VARARGS,
+     "pack_signs(x, n, itemsize, out) -> bool\n\n"
+     "Bit i % 8 of out[i // 8] = x[i] >= 0 for the n float32 (itemsize 4) or float64 (8) values of x;\n"
+     "pad bits 0.  Returns whether x holds a NaN (packed as 0)."},
+    {"bitmap_set", py_bitmap_set, METH_VARARGS,
+     "bitmap_set(indices, k, d, out)\n\n"
+     "Zero the ceil(d / 8) bytes of out, then set bit j % 8 of out[j // 8] for the k int32 indices j."},
+    {"bitmap_indices", py_bitmap_indices, METH_VARARGS,
+     "bitmap_indices(bitmap, d, out) -> int\n\n"
+     "Write the positions (< d, ascending) of the set bits as int32 into out, as many as it holds;\n"
+     "return how many bits are set."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_votec", "Fused CPU majority vote over packed words.", -1, methods, NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT, "_votec", "Fused CPU loops over packed bits: the majority vote, sign packing, bitmaps.", -1, methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__votec(void) { return PyModule_Create(&module); }

@@ -50,6 +50,9 @@ __all__ = [
 ]
 
 _NAN_POLICIES = ("raise", "unchecked")
+_NAN_MESSAGE = "x contains NaN, whose sign is undefined (nan_policy='unchecked' packs NaN as -1)"
+# The dtypes the C loops read (native byte order).
+_C_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 # Signs packed per block: 4 MiB of float32, a multiple of 8 so blocks end on
 # whole bytes (measured at d = 25M: as fast as one pass over x, without its
 # d-byte boolean temporary).
@@ -130,8 +133,10 @@ def _output(xp: ModuleType, out: Any, shape: Tuple[int, ...], dtype: Any) -> Any
 def pack_signs(x: Any, out: Any = None, nan_policy: str = "raise") -> Any:
     """Pack the signs of ``x`` into bits (+1 for ``x >= 0``, little bit order).
 
-    Works through ``x`` in cache-sized blocks, so the NaN check reads each
-    block from cache, not from memory a second time.
+    On the CPU one C loop (``mpiopt.kernels._votec``, when it was built)
+    packs and checks for NaN straight into ``out``; otherwise numpy works
+    through ``x`` in cache-sized blocks, so the NaN check reads each block
+    from cache, not from memory a second time.  Both give the same bits.
 
     Parameters
     ----------
@@ -157,13 +162,18 @@ def pack_signs(x: Any, out: Any = None, nan_policy: str = "raise") -> Any:
         raise ValueError(f"nan_policy must be one of {_NAN_POLICIES}, got {nan_policy!r}")
     d = x.shape[0]
     out = _output(xp, out, (packed_nbytes(d),), np.uint8)
+    if xp is np and _votec is not None and x.flags.c_contiguous and x.dtype in _C_FLOATS:
+        # One C pass into ``out``: no boolean temporary, and the NaN check comes free.
+        if _votec.pack_signs(x, d, x.dtype.itemsize, out) and nan_policy == "raise":
+            raise ValueError(_NAN_MESSAGE)
+        return out
     block = block_length(xp, _PACK_BLOCK, d)
     nonnegative = xp.empty(min(block, d), dtype=bool)
     for start in range(0, d, block):
         values = x[start : start + block]
         # max() propagates NaN: one look answers "any NaN?" exactly.
         if nan_policy == "raise" and bool(xp.isnan(values.max())):
-            raise ValueError("x contains NaN, whose sign is undefined (nan_policy='unchecked' packs NaN as -1)")
+            raise ValueError(_NAN_MESSAGE)
         mask = xp.greater_equal(values, 0, out=nonnegative[: values.shape[0]])
         out[start // 8 : start // 8 + packed_nbytes(values.shape[0])] = pack_bits(xp, mask)
     return out
@@ -326,7 +336,7 @@ def _at_least(rows: List[Any], threshold: int, scratch: _Scratch) -> Any:
 def _as_words(xp: ModuleType, stack: Any, nbytes: int) -> Any:
     """The first ``ceil(nbytes / 8)`` uint64 words of every row: a view when rows are whole words, else a padded copy."""
     nwords = -(-nbytes // 8)
-    if stack.flags.c_contiguous and stack.shape[1] == 8 * nwords:
+    if stack.shape[1] == 8 * nwords and stack.strides[1] == 1 and stack.strides[0] % 8 == 0:
         return stack.view(xp.uint64)
     padded = xp.zeros((stack.shape[0], 8 * nwords), dtype=xp.uint8)
     padded[:, :nbytes] = stack[:, :nbytes]
@@ -365,25 +375,20 @@ def majority_vote(packed_stack: Any, d: int, out: Any = None) -> Any:
     nbytes = packed_nbytes(d)
     if voters < 1 or width < nbytes:
         raise ValueError(f"packed_stack must have shape (P >= 1, m >= {nbytes}) for d = {d}, got {packed_stack.shape}")
-    nwords = -(-nbytes // 8)
-    voted_words = xp.empty(nwords, dtype=xp.uint64)
+    out = _output(xp, out, (nbytes,), np.uint8)
     threshold = (voters + 1) // 2  # ceil(P / 2): a tie votes +1
     if xp is np and _votec is not None and packed_stack.flags.c_contiguous:
-        # Whole words read in place (rows need not be word-aligned); a ragged last word from a tiny padded copy.
-        whole = nbytes // 8
-        _votec.vote(packed_stack, voters, width, whole, threshold, voted_words[:whole])
-        if whole < nwords:
-            tail = _as_words(xp, packed_stack[:, 8 * whole : nbytes], nbytes - 8 * whole)
-            _votec.vote(tail, voters, 8, 1, threshold, voted_words[whole:])
+        # Rows read in place at any alignment, the result written straight into out.
+        _votec.vote(packed_stack, voters, width, nbytes, threshold, out)
     else:
-        _vote_words(xp, _as_words(xp, packed_stack, nbytes), threshold, voted_words)
-    voted = voted_words.view(xp.uint8)[:nbytes]
+        whole = nbytes // 8
+        _vote_words(xp, _as_words(xp, packed_stack[:, : 8 * whole], 8 * whole), threshold, out[: 8 * whole].view(xp.uint64))
+        if whole < -(-nbytes // 8):  # a ragged last word, from a tiny padded copy
+            tail = xp.empty(1, dtype=xp.uint64)
+            _vote_words(xp, _as_words(xp, packed_stack[:, 8 * whole : nbytes], nbytes - 8 * whole), threshold, tail)
+            out[8 * whole :] = tail.view(xp.uint8)[: nbytes - 8 * whole]
     if d % 8:
-        voted[-1:] &= (1 << d % 8) - 1  # pad bits of the inputs may be anything
-    if out is None:
-        return voted
-    out = _output(xp, out, (nbytes,), np.uint8)
-    out[...] = voted
+        out[-1:] &= (1 << d % 8) - 1  # pad bits of the inputs may be anything
     return out
 
 
