@@ -4,6 +4,10 @@
 step (4d bytes sent and received per rank, ALGORITHMS.md "Baseline"), then
 the local step of ``torch.optim.SGD`` (momentum, dampening, Nesterov, weight
 decay).  With one rank it is ``torch.optim.SGD`` itself.
+
+A caller that exchanges the gradient itself (in buckets, while backward is
+still running: :class:`mpiopt.torch.DistributedOptimizer` with
+``overlap=True``) hands the summed gradient to :meth:`SGD.step_reduced`.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from typing import Any, Dict, Optional
 
 from ..arrays import array_module
 from ..comm import Topology
-from .base import Algorithm
+from .base import Algorithm, StepRecord
 from .local import LocalSGD, LocalStepState
 from .registry import register
 
@@ -52,6 +56,7 @@ class SGD(LocalStepState, Algorithm):
         super().__init__(topology, lr=lr, nan_policy=nan_policy)
         self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
         self._average: Optional[Any] = None
+        self._reduced: Optional[Any] = None  # the caller's summed gradient, during step_reduced only
 
     def hyperparameters(self) -> Dict[str, Any]:
         return self.local.hyperparameters()
@@ -60,8 +65,29 @@ class SGD(LocalStepState, Algorithm):
         self.local.allocate(params)
         self._average = array_module(params).empty_like(params)
 
+    def step_reduced(self, params: Any, grad: Any, total: Any, loss: Optional[float] = None) -> StepRecord:
+        """:meth:`step` without its Allreduce: ``total`` already holds the sum of ``grad`` over the world.
+
+        ``total`` (a buffer like ``params``) is divided by the world size in
+        place and the local step follows, the same floating-point operations
+        as :meth:`step` does after its Allreduce: the parameters are bitwise
+        those of :meth:`step` whenever ``total`` holds the same sums.
+        ``grad``, this rank's gradient, is checked for non-finite values as
+        in :meth:`step`.  The record counts no bytes for the exchange the
+        caller made.
+        """
+        self._check_flat("total", total)
+        self._reduced = total
+        try:
+            return self.step(params, grad, loss)
+        finally:
+            self._reduced = None
+
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         world = self.topology.world
-        world.Allreduce(grad, out=self._average)
-        self._average /= world.size
-        self.local.apply(params, self._average, self.lr)
+        total = self._reduced
+        if total is None:
+            world.Allreduce(grad, out=self._average)
+            total = self._average
+        total /= world.size
+        self.local.apply(params, total, self.lr)
