@@ -88,25 +88,20 @@ Example
 
 from __future__ import annotations
 
-import math
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
-
-import numpy as np
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..arrays import array_module
 from ..comm import Comm, Topology
-from .base import Algorithm, check_choice, check_positive, check_range
-from .local import LocalSGD, LocalStepState
+from .base import Algorithm
+from .lsgd_rule import PULL_FORMS, LSGDRule, LSGDState
 from .registry import register
 
 __all__ = ["LSGD", "PULL_FORMS"]
 
-PULL_FORMS = ("paper", "convex")
-
 
 @register
-class LSGD(LocalStepState, Algorithm):
+class LSGD(LSGDState, Algorithm):
     """Synchronous leader SGD (Teng et al. 2019) with local (group) and global (world) leaders.
 
     Parameters
@@ -141,6 +136,9 @@ class LSGD(LocalStepState, Algorithm):
 
     Attributes
     ----------
+    rule : LSGDRule
+        The hyperparameters, the running-mean loss and the local step with
+        its pulls (shared with :class:`~mpiopt.algorithms.async_lsgd.AsyncLSGD`).
     last_local_leader, last_global_leader : int
         World rank of the latest local (this rank's group) and global
         leader; -1 before the first such pull.
@@ -169,108 +167,38 @@ class LSGD(LocalStepState, Algorithm):
         nan_policy: str = "raise",
     ) -> None:
         super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.pull_local = check_range("pull_local", pull_local, 0.0, 1.0)
-        self.pull_global = check_range("pull_global", pull_global, 0.0, 1.0)
-        self.global_period = check_positive("global_period", global_period, integer=True)
-        if period is None:
-            period = max(1, global_period // 4)
-        self.period = check_positive("period", period, integer=True)
-        if self.period > self.global_period:
-            raise ValueError(f"period must be <= global_period ({global_period}), got {period}")
-        self.pull_form = check_choice("pull_form", pull_form, PULL_FORMS)
-        self.proximal = check_range("proximal", proximal, 0.0, 1.0, high_open=True)
-        self.loss_window = check_positive("loss_window", loss_window, integer=True)
-        self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
-        self.recent_losses = np.zeros(self.loss_window)  # ring buffer of losses (host floats)
-        self.losses_seen = 0
+        self.rule = LSGDRule(
+            pull_local=pull_local, pull_global=pull_global, period=period, global_period=global_period,
+            pull_form=pull_form, proximal=proximal, loss_window=loss_window, momentum=momentum,
+            dampening=dampening, nesterov=nesterov, weight_decay=weight_decay,
+        )
         self.last_local_leader = -1
         self.last_global_leader = -1
         self._leader: Optional[Any] = None  # the latest leader's parameters (Bcast buffer)
-        self._pull: Optional[Any] = None  # "paper": the pull differences taken at x_t
-        self._work: Optional[Any] = None
-
-    # -- state ---------------------------------------------------------------------------
-    # The leader copy is state only for the proximal pull; otherwise every
-    # pull overwrites it before it is read.
-    @property
-    def leader_copy(self) -> Optional[Any]:
-        return self._leader if self.proximal else None
-
-    @leader_copy.setter
-    def leader_copy(self, value: Optional[Any]) -> None:
-        if value is not None:
-            self._leader[...] = value
 
     def hyperparameters(self) -> Dict[str, Any]:
-        return {
-            "pull_local": self.pull_local,
-            "pull_global": self.pull_global,
-            "period": self.period,
-            "global_period": self.global_period,
-            "pull_form": self.pull_form,
-            "proximal": self.proximal,
-            "loss_window": self.loss_window,
-            **self.local.hyperparameters(),
-        }
+        return self.rule.hyperparameters()
+
+    def running_loss(self) -> float:
+        """Mean of the last ``loss_window`` losses (fewer before the window fills; NaN before any): the election's value."""
+        return self.rule.running_loss()
 
     # -- the algorithm --------------------------------------------------------------------
     def _allocate(self, params: Any) -> None:
-        xp = array_module(params)
-        self.local.allocate(params)
-        self._leader = xp.empty_like(params)
-        self._work = xp.empty_like(params)
-        self._pull = xp.empty_like(params) if self.pull_form == "paper" else None
+        self.rule.allocate(params)
+        self._leader = array_module(params).empty_like(params)
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         """One step in the order of the module docstring ("Order within a step")."""
-        self._record_loss(loss)
-        due = self._pulls_due(self.steps + 1)  # the base class counts the step after _step returns
-        self._pull_and_step(params, grad, [(coeff, partial(self._fetch_leader, params, scope, fetch)) for scope, coeff, fetch in due])
-
-    def _pull_and_step(self, params: Any, grad: Optional[Any], pulls: Sequence[Tuple[float, Callable[[], Optional[Any]]]]) -> None:
-        """The local step combined with ``pulls`` in the order of ``pull_form``.
-
-        Each pull is ``(coefficient, fetch)``, local before global; ``fetch()``
-        returns the leader's parameters, or None where this rank is the leader
-        (its own pull would not move it).  "paper": every fetch before the local
-        step, the differences taken at ``x_t`` and subtracted after it;
-        "convex": the local step, then fetch and mix, one pull after the other.
-        ``grad=None`` applies the pulls alone.  Shared with
-        :class:`~mpiopt.algorithms.async_lsgd.AsyncLSGD`, whose leaders' copies
-        come from a server instead of a Bcast.
-        """
-        if self.pull_form == "paper":
-            pulling = False
-            for coeff, fetch in pulls:
-                leader = fetch()
-                if leader is not None:
-                    self._add_difference(params, leader, coeff, first=not pulling)
-                    pulling = True
-            self._local_step(params, grad)
-            if pulling:
-                params -= self._pull
-        else:
-            self._local_step(params, grad)
-            for coeff, fetch in pulls:
-                leader = fetch()
-                if leader is not None:
-                    self._move_towards_leader(params, leader, coeff)
-
-    def _record_loss(self, loss: Optional[float]) -> None:
         if loss is None:
             # Found on this rank alone, while the others may be electing a leader.
             self.topology.raise_or_abort(ValueError(
                 f"{self.name}: step() needs this rank's training loss (step(params, grad, loss=...)): "
                 "the lowest running-mean loss elects the leaders"
             ))
-        self.recent_losses[self.losses_seen % self.loss_window] = float(loss)
-        self.losses_seen += 1
-
-    def running_loss(self) -> float:
-        """Mean of the last ``loss_window`` losses (fewer before the window fills; NaN before any): the election's value."""
-        if not self.losses_seen:
-            return math.nan
-        return float(self.recent_losses[: min(self.losses_seen, self.loss_window)].mean())
+        self.rule.record_loss(loss)
+        due = self._pulls_due(self.steps + 1)  # the base class counts the step after _step returns
+        self._pull_and_step(params, grad, [(coeff, partial(self._fetch_leader, params, scope, fetch)) for scope, coeff, fetch in due])
 
     def _pulls_due(self, step: int) -> List[Tuple[str, float, bool]]:
         """``(scope, coefficient, fetch)`` of the pulls after ``step``, local first.
@@ -293,40 +221,15 @@ class LSGD(LocalStepState, Algorithm):
             return self._leader if self.last_global_leader != me else None
         comm: Comm = self.topology.group if scope == "local" else self.topology.world
         _, root = comm.elect_min(self.running_loss())
-        if comm.rank == root:
-            self._leader[...] = params
-        comm.Bcast(self._leader, root=root)
+        if comm.rank == root and not self.proximal:
+            comm.Bcast(params, root=root)  # the leader reads its own copy only for the proximal pull: send x itself
+        else:
+            if comm.rank == root:
+                self._leader[...] = params
+            comm.Bcast(self._leader, root=root)
         if scope == "local":
             self.last_local_leader = self.topology.group_ranks[root]
             leader = self.last_local_leader
         else:
             self.last_global_leader = leader = root
         return self._leader if leader != me else None
-
-    def _add_difference(self, params: Any, leader: Any, coeff: float, first: bool) -> None:
-        """Paper form: accumulate ``coeff (x_t - x_leader)`` into the pull buffer."""
-        target = self._pull if first else self._work
-        array_module(params).subtract(params, leader, out=target)
-        target *= coeff
-        if not first:
-            self._pull += target
-
-    def _local_step(self, params: Any, grad: Optional[Any]) -> None:
-        """The local optimizer's step, then the proximal pull towards the latest leader copy (none without ``grad``)."""
-        if grad is None:
-            return
-        self.local.apply(params, grad, self.lr)
-        if self.proximal and max(self.last_local_leader, self.last_global_leader) >= 0:
-            self._move_towards_leader(params, self._leader, self.proximal)
-
-    def _move_towards_leader(self, params: Any, leader: Any, coeff: float) -> None:
-        """Pull ``params`` towards ``leader`` by ``coeff``, in the arithmetic of ``pull_form``."""
-        xp, work = array_module(params), self._work
-        if self.pull_form == "paper":
-            xp.subtract(params, leader, out=work)  # x <- x - c (x - x_leader)
-            work *= coeff
-            params -= work
-        else:
-            xp.multiply(leader, coeff, out=work)  # x <- (1 - c) x + c x_leader
-            params *= 1.0 - coeff
-            params += work

@@ -32,10 +32,12 @@ import numpy as np
 
 from ._backend import block_length, cached, check_array, check_count, take_rows
 
-try:  # the optional fused C loop (setup.py); the numpy code below gives the same bits
+try:  # the optional fused C loops (setup.py); the numpy code below gives the same bits
     from . import _votec
 except ImportError:  # pragma: no cover - built without a C compiler
     _votec = None
+if _votec is not None and not hasattr(_votec, "bitmap_indices"):  # pragma: no cover
+    _votec = None  # a stale build whose vote() counted words, not bytes: rebuild (pip install -e .)
 
 __all__ = [
     "packed_nbytes",
