@@ -65,8 +65,9 @@ from mpi4py import MPI
 
 import mpiopt
 from mpiopt.algorithms.local import LocalSGD
-from mpiopt.bench._common import comma_list
+from mpiopt.bench._common import comma_list, module_main, positive_int, rotated
 from mpiopt.comm import MAX, Topology
+from mpiopt.training.config import UsageError
 
 MODES = ("compute", "sgd", "localsgd", "dasgd", "dasgd+hook", "dasgd+thread", "dasgd/no-test")
 LOCAL = dict(momentum=0.9, weight_decay=0.01)  # DaSGD's defaults, used by every mode
@@ -194,25 +195,27 @@ def _table(results: Dict[str, List[Dict[str, float]]], modes: List[str]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mpiopt.bench.averaging", description=__doc__.split("\n")[0])
-    parser.add_argument("--params", type=int, default=2_000_000, help="float32 parameters averaged (default 2M = 8 MB)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", type=positive_int, default=2_000_000, help="float32 parameters averaged (2M = 8 MB)")
     parser.add_argument("--comm-steps", type=float, default=2.0, help="size the compute step so that one blocking Allreduce takes this many steps")
-    parser.add_argument("--period", type=int, default=4, help="tau")
+    parser.add_argument("--period", type=positive_int, default=4, help="tau")
     parser.add_argument("--delay", type=int, default=3, help="d, DaSGD's delay_steps")
-    parser.add_argument("--periods", type=int, default=1, help="averaging periods timed per mode and repetition")
-    parser.add_argument("--reps", type=int, default=25, help="interleaved repetitions")
-    parser.add_argument("--layers", type=int, default=8, help="pieces of a compute step (dasgd+hook pokes MPI after each)")
-    parser.add_argument("--matrix", type=int, default=128, help="size of the matmuls of the compute workload")
+    parser.add_argument("--periods", type=positive_int, default=1, help="averaging periods timed per mode and repetition")
+    parser.add_argument("--reps", type=positive_int, default=25, help="interleaved repetitions")
+    parser.add_argument("--layers", type=positive_int, default=8, help="pieces of a compute step (dasgd+hook pokes MPI after each)")
+    parser.add_argument("--matrix", type=positive_int, default=128, help="size of the matmuls of the compute workload")
     parser.add_argument("--progress-interval", type=float, default=0.002, help="seconds between the pokes of dasgd+thread")
-    parser.add_argument("--tests-per-poke", type=int, default=8, help="Test calls per poke of the dasgd modes")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--tests-per-poke", type=positive_int, default=8, help="Test calls per poke of the dasgd modes")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate of every mode")
     parser.add_argument("--modes", type=comma_list(str), default=list(MODES), help=f"comma-separated subset of {','.join(MODES)}")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark (a collective call); rank 0 prints the report."""
     modes = list(args.modes)
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
-        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+        raise UsageError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
     if "compute" not in modes:
         modes.insert(0, "compute")
 
@@ -234,8 +237,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     results: Dict[str, List[Dict[str, float]]] = {m: [] for m in modes}
     for rep in range(args.reps):
-        shift = rep % len(modes)
-        for mode in modes[shift:] + modes[:shift]:
+        for mode in rotated(modes, rep):
             results[mode].append(runners[mode].timed(args.periods * args.period))
         say(f"repetition {rep + 1}/{args.reps}: " + ", ".join(f"{m} {1e3 * results[m][-1]['step']:.1f} ms" for m in modes), file=sys.stderr)
 
@@ -262,6 +264,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         say("\ngoal, per-step time <= 1.10 x compute-only: " + "; ".join(verdicts))
     topology.Free()
     return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return module_main("averaging", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -36,14 +36,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Dict, List, Optional
 
 import numpy as np
 from mpi4py import MPI
 
 import mpiopt
-from mpiopt.comm import MAX, Topology
+from mpiopt.bench._common import count, module_main, positive_int, rotated, slowest_seconds
+from mpiopt.comm import Topology
 
 MODES = {
     "allreduce": ("sgd", {}),
@@ -53,13 +53,11 @@ MODES = {
 }
 
 
-def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m mpiopt.bench.compressed", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--d", type=int, default=11_000_000, help="parameters (default 11M)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per mode and repetition (default 3)")
-    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions (default 5)")
-    parser.add_argument("--densities", type=float, nargs="*", default=[0.01, 0.001], help="top-k densities (default 0.01 0.001)")
-    return parser.parse_args(argv)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--d", type=count, default=11_000_000, help="parameters (suffixes k, M, G)")
+    parser.add_argument("--steps", type=positive_int, default=3, help="timed steps per mode and repetition")
+    parser.add_argument("--reps", type=positive_int, default=5, help="interleaved repetitions")
+    parser.add_argument("--densities", type=float, nargs="*", default=[0.01, 0.001], help="top-k densities")
 
 
 def modes(densities: List[float]) -> Dict[str, tuple]:
@@ -81,19 +79,19 @@ def wire_bytes(delta, ranks: int) -> float:
 
 def time_steps(topo: Topology, alg, params: np.ndarray, grad: np.ndarray, steps: int) -> tuple:
     """(slowest rank's seconds per step, wire bytes received per step by this rank)."""
-    before = topo.ledger.snapshot()
-    topo.world.Barrier()
-    started = time.perf_counter()
-    for _ in range(steps):
-        alg.step(params, grad)
-    elapsed = np.array([(time.perf_counter() - started) / steps])
-    received = wire_bytes(topo.ledger.since(before), topo.size) / steps
-    topo.world.Allreduce(elapsed, op=MAX)
-    return float(elapsed[0]), received
+    received = []
+
+    def block() -> None:
+        before = topo.ledger.snapshot()
+        for _ in range(steps):
+            alg.step(params, grad)
+        received.append(wire_bytes(topo.ledger.since(before), topo.size) / steps)
+
+    return slowest_seconds(topo, block), received[0]
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark (a collective call); rank 0 prints the table."""
     mpiopt.abort_on_exception()
     topo = Topology()
     rank, size = topo.rank, topo.size
@@ -111,9 +109,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     received: Dict[str, float] = {}
     names = list(table)
     for rep in range(args.reps):
-        shift = rep % len(names)
         this_rep = {}
-        for name in names[shift:] + names[:shift]:
+        for name in rotated(names, rep):
             alg, params = algorithms[name]
             this_rep[name], received[name] = time_steps(topo, alg, params, grad, args.steps)
         for name in names:
@@ -136,6 +133,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             )
     topo.Free()
     return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return module_main("compressed", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -23,27 +23,21 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..kernels import signs
-from ..kernels import density_to_k, majority_vote, pack_signs, packed_nbytes, regtopk_scores, topk_indices, unpack_signs
+from ..kernels import density_to_k, majority_vote, pack_signs, packed_nbytes, regtopk_scores, signs, topk_indices, unpack_signs
+from ._common import count, module_main, positive_int
 
-__all__ = ["main"]
+__all__ = ["add_arguments", "run", "main"]
 
 THROUGHPUT_GOAL = 0.3  # x the copy's bytes per second
 TOPK_GOAL = 5.0  # x the time of one np.abs pass
 
 
-def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m mpiopt.bench.kernels", description=__doc__.splitlines()[0])
-    parser.add_argument("--d", type=int, default=25_000_000, help="vector length (default 25,000,000)")
-    parser.add_argument("--P", dest="voters", type=int, default=8, help="voters in the majority vote (default 8)")
-    parser.add_argument("--repeat", type=int, default=5, help="timed rounds; medians are reported (default 5)")
-    parser.add_argument("--density", type=float, default=0.001, help="top-k density (default 0.001)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--d", type=count, default=25_000_000, help="vector length (suffixes k, M, G)")
+    parser.add_argument("--P", dest="voters", type=positive_int, default=8, help="voters in the majority vote")
+    parser.add_argument("--repeat", type=positive_int, default=5, help="timed rounds; medians are reported")
+    parser.add_argument("--density", type=float, default=0.001, help="top-k density")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the inputs")
-    args = parser.parse_args(argv)
-    for name in ("d", "voters", "repeat"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{'P' if name == 'voters' else name} must be >= 1, got {getattr(args, name)}")
-    return args
 
 
 def _numpy_vote(stack: np.ndarray, d: int) -> np.ndarray:
@@ -67,20 +61,8 @@ def _medians(kernels: Dict[str, Callable[[], object]], repeat: int) -> Dict[str,
     return {name: statistics.median(samples) for name, samples in times.items()}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the benchmark and print two markdown tables; returns 0.
-
-    Parameters
-    ----------
-    argv : sequence of str, optional
-        Command-line arguments (default: ``sys.argv[1:]``).
-
-    Returns
-    -------
-    int
-        The exit status, 0 (missed goals are reported, not failed).
-    """
-    args = _parse(argv)
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark and print two markdown tables; returns 0 (missed goals are reported, not failed)."""
     d, voters = args.d, args.voters
     rng = np.random.default_rng(args.seed)
     x = rng.standard_normal(d, dtype=np.float32)
@@ -152,6 +134,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             goal = "(for RegTop-k)"
         print(f"| {name} | {1e3 * medians[name]:.2f} | {ratio:.2f} | {goal} |")
     return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return module_main("kernels", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -36,9 +36,10 @@ import numpy as np
 from ..algorithms.topk import Sparsifier
 from ..sim.topk import simulate
 from ..tasks.linreg import LinRegProblem, make_problem
-from ._common import comma_list, save_figure
+from ..training.config import UsageError
+from ._common import comma_list, module_main, positive_int, save_figure
 
-__all__ = ["Comparison", "compare", "markdown_tables", "plot", "main"]
+__all__ = ["Comparison", "compare", "markdown_tables", "plot", "add_arguments", "run", "main"]
 
 DENSITIES = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 MUS = (2.0, 4.0, 8.0)
@@ -151,24 +152,24 @@ def plot(result: Comparison, path: str, mu: float, densities: Sequence[float]) -
 
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mpiopt.bench.regtopk", description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--densities", type=comma_list(float), default=list(DENSITIES), help="comma-separated densities k/d")
     parser.add_argument("--mus", type=comma_list(float), default=list(MUS), help="comma-separated RegTop-k mu values")
-    parser.add_argument("--steps", type=int, default=STEPS, help="iterations T (default: %(default)s)")
-    parser.add_argument("--lr", type=float, default=LR)
-    parser.add_argument("--workers", type=int, default=20)
-    parser.add_argument("--dim", type=int, default=100)
-    parser.add_argument("--samples", type=int, default=500, help="samples per worker")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", metavar="PATH", help="also write the curves (PNG) to PATH")
-    parser.add_argument("--plot-mu", type=float, default=4.0, help="RegTop-k's mu in the plot (default: %(default)s)")
-    parser.add_argument(
-        "--plot-densities", type=comma_list(float), default=[0.5, 0.7, 0.9], help="densities in the plot (default: 0.5,0.7,0.9)"
-    )
-    args = parser.parse_args(argv)
+    parser.add_argument("--steps", type=positive_int, default=STEPS, help="iterations T")
+    parser.add_argument("--lr", type=float, default=LR, help="learning rate")
+    parser.add_argument("--workers", type=positive_int, default=20, help="workers N")
+    parser.add_argument("--dim", type=positive_int, default=100, help="dimension d")
+    parser.add_argument("--samples", type=positive_int, default=500, help="samples per worker")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the problem")
+    parser.add_argument("--plot", metavar="PATH", default=None, help="also write the curves (PNG) to PATH")
+    parser.add_argument("--plot-mu", type=float, default=4.0, help="RegTop-k's mu in the plot")
+    parser.add_argument("--plot-densities", type=comma_list(float), default=[0.5, 0.7, 0.9], help="densities in the plot")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run both algorithms at every density and print the tables (and the plot)."""
     if args.plot and (not set(args.plot_densities) <= set(args.densities) or args.plot_mu not in args.mus):
-        parser.error("--plot-densities must be among --densities, and --plot-mu among --mus")
+        raise UsageError("--plot-densities must be among --densities, and --plot-mu among --mus")
     problem = make_problem(args.workers, args.dim, args.samples, seed=args.seed)
     result = compare(problem, args.densities, args.mus, steps=args.steps, lr=args.lr)
     print(
@@ -181,6 +182,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         plot(result, args.plot, args.plot_mu, args.plot_densities)
         print(f"\nplot: {args.plot}", file=sys.stderr)
     return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return module_main("regtopk", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

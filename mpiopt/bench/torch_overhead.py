@@ -30,16 +30,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
-import torch
 from mpi4py import MPI
 
 import mpiopt
-import mpiopt.torch
-from mpiopt.comm import MAX, Topology
+from mpiopt.bench._common import count, module_main, positive_int, slowest_seconds
+from mpiopt.comm import Topology
 
 #: The 5 % goal of the torch front end's overhead on a step.
 GOAL = 1.05
@@ -77,38 +75,16 @@ def layer_shapes(d: int) -> List[Tuple[int, ...]]:
     return shapes
 
 
-def positive_int(text: str) -> int:
-    """An argparse ``type``: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", type=count, default=11_000_000, help="float32 parameters (suffixes k, M, G)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per variant and round")
+    parser.add_argument("--rounds", type=positive_int, default=9, help="interleaved rounds; medians are reported")
 
 
-def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m mpiopt.bench.torch_overhead", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--params", type=positive_int, default=11_000_000, help="float32 parameters (default 11M)")
-    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per variant and round (default 10)")
-    parser.add_argument("--rounds", type=positive_int, default=9, help="interleaved rounds; medians are reported (default 9)")
-    return parser.parse_args(argv)
-
-
-def time_block(topo: Topology, fn: Callable[[], object], steps: int) -> float:
-    """The slowest rank's seconds per call of ``fn`` over ``steps`` calls."""
-    topo.world.Barrier()
-    started = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    elapsed = np.array([(time.perf_counter() - started) / steps])
-    topo.world.Allreduce(elapsed, op=MAX)
-    return float(elapsed[0])
-
-
-def fill_grads(model: torch.nn.Module, grad: np.ndarray) -> None:
+def fill_grads(model: "torch.nn.Module", grad: np.ndarray) -> None:
     """Write ``grad`` into the parameters' gradients in order (they are views of the optimizer's flat buffer)."""
+    import torch
+
     offset = 0
     for p in model.parameters():
         n = p.numel()
@@ -116,8 +92,12 @@ def fill_grads(model: torch.nn.Module, grad: np.ndarray) -> None:
         offset += n
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark (a collective call); rank 0 prints the table."""
+    import torch
+
+    from mpiopt.torch import DistributedOptimizer
+
     mpiopt.abort_on_exception()
     torch.set_num_threads(1)  # one core per rank, as the flat API's numpy
     topo = Topology()
@@ -127,7 +107,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     alg = mpiopt.create("sgd", topo, lr=LR, momentum=MOMENTUM)
     alg.setup(params)
     model = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(shape)) for shape in layer_shapes(args.params))
-    opt = mpiopt.torch.DistributedOptimizer(model.parameters(), "sgd", topology=topo, lr=LR, momentum=MOMENTUM)
+    opt = DistributedOptimizer(model.parameters(), "sgd", topology=topo, lr=LR, momentum=MOMENTUM)
     fill_grads(model, grad)
     steps: Dict[str, Callable[[], object]] = {"flat": lambda: alg.step(params, grad), "torch": opt.step}
     for step in steps.values():
@@ -140,9 +120,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     for rnd in range(args.rounds):
         fill_grads(model, grad)
         for name in names[rnd % 2 :] + names[: rnd % 2]:
-            times[name].append(time_block(topo, steps[name], args.steps))
+            times[name].append(slowest_seconds(topo, steps[name], args.steps))
         ratios.append(times["torch"][-1] / times["flat"][-1])
-        zero.append(time_block(topo, opt.zero_grad, args.steps))
+        zero.append(slowest_seconds(topo, opt.zero_grad, args.steps))
         if topo.rank == 0:
             print(f"round {rnd + 1}/{args.rounds} done", flush=True)
 
@@ -162,6 +142,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"ratio torch/flat (median of per-round ratios): {ratio:.3f} (goal <= {GOAL:.2f}: {verdict})")
     topo.Free()
     return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return module_main("torch_overhead", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -38,9 +38,9 @@ import numpy as np
 from ..algorithms.async_msgd import AsyncMSGDRule
 from ..sim.asynchronous import FixedDelay, simulate
 from ..tasks.pca import PCAProblem, PCAStream, diverged, make_problem, sin2
-from ._common import comma_list, save_figure
+from ._common import comma_list, module_main, positive_int, save_figure
 
-__all__ = ["TradeoffGrid", "iterations_to_accuracy", "tradeoff_grid", "markdown_table", "plot", "main"]
+__all__ = ["TradeoffGrid", "iterations_to_accuracy", "tradeoff_grid", "markdown_table", "plot", "add_arguments", "run", "main"]
 
 DELAYS = (0, 2, 4, 8, 16, 32, 64)
 MOMENTA = (0.0, 0.5, 0.7, 0.8, 0.85, 0.9, 0.95)
@@ -200,17 +200,19 @@ def plot(grid: TradeoffGrid, path: str) -> None:
 
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mpiopt.bench.tradeoff", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.path.join("docs", "img", "tradeoff.png"), help="heat-map PNG (default: %(default)s)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default=os.path.join("docs", "img", "tradeoff.png"), help="heat-map PNG")
     parser.add_argument("--delays", type=comma_list(int), default=list(DELAYS), help="comma-separated delays tau")
     parser.add_argument("--momenta", type=comma_list(float), default=list(MOMENTA), help="comma-separated momenta mu")
-    parser.add_argument("--seeds", type=int, default=SEEDS, help="seeds 1..N averaged per cell")
-    parser.add_argument("--lr", type=float, default=LR)
-    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE)
+    parser.add_argument("--seeds", type=positive_int, default=SEEDS, help="seeds 1..N averaged per cell")
+    parser.add_argument("--lr", type=float, default=LR, help="learning rate")
+    parser.add_argument("--batch-size", type=positive_int, default=BATCH_SIZE, help="samples per update")
     parser.add_argument("--accuracy", type=float, default=ACCURACY, help="target sin^2 to the top eigenvector")
-    parser.add_argument("--max-steps", type=int, default=MAX_STEPS)
-    args = parser.parse_args(argv)
+    parser.add_argument("--max-steps", type=positive_int, default=MAX_STEPS, help="updates before a cell counts as not reached")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the grid, print its table and write the heat map."""
     grid = tradeoff_grid(
         args.delays, args.momenta, range(1, args.seeds + 1),
         lr=args.lr, accuracy=args.accuracy, max_steps=args.max_steps, batch_size=args.batch_size,
@@ -219,6 +221,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     plot(grid, args.out)
     print(f"\nheat map: {args.out}", file=sys.stderr)
     return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return module_main("tradeoff", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,282 @@
+"""Benchmark: each synchronous algorithm's bytes per parameter and the split of its step time.
+
+``mpiopt bench algorithms [--d 1M] [--steps 16] [--compute-ms 0] [--algorithms sgd,signum] [--json FILE]``
+(under ``mpiexec -n P``; ``--group-size K`` emulates nodes of K ranks for
+``lsgd``'s local leaders and ``signum``'s ``prevote``).
+
+Every algorithm runs on a flat float32 vector of ``d`` parameters with random
+gradients (a new one each step, different on every rank, from a fixed seed)
+and the hyperparameters ``mpiopt train`` starts from
+(:data:`mpiopt.training.ALGORITHM_DEFAULTS`).  A step is a synthetic compute
+phase (a busy wait of ``--compute-ms``, the forward and backward pass's
+stand-in) followed by ``alg.step``.  ``--steps`` steps run once untimed
+(warm-up), then ``--steps`` more are measured.
+
+Bytes: the ledger's (:mod:`mpiopt.comm.ledger`) over the measured steps,
+summed over the ranks, divided by the ranks, the steps and ``d``: bytes
+per parameter per step of the mean rank, beside :func:`expected_bytes`, the
+closed form of the README's algorithm table for the same steps, ranks,
+groups and hyperparameters.  ``--steps`` should be a multiple of every
+period (the default 16 is, for the defaults) for the mean per step to mean
+what it says.
+
+Time: per step, the mean over ranks and steps of the compute phase and of
+the :class:`~mpiopt.algorithms.StepRecord` fields: ``algo_seconds`` (the
+algorithm's own computation), ``comm_seconds`` (blocked in blocking MPI
+calls) and ``wait_seconds`` (blocked waiting on nonblocking ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import numpy as np
+
+import mpiopt
+from ..algorithms import algorithm_class
+from ..algorithms.signum import choose_exchange, exchange_bytes
+from ..algorithms.topk import Sparsifier
+from ..comm import Topology
+from ..kernels import encoded_nbytes, packed_nbytes
+from ..training.config import TrainConfig, UsageError
+from ._common import comma_list, count, environment, link_rate, markdown_table, module_main, positive_int, say, write_json
+
+__all__ = ["SYNCHRONOUS", "FORMULAS", "expected_bytes", "add_arguments", "run", "main"]
+
+#: The algorithms driven by ``step`` (the asynchronous ones run ``alg.run`` instead).
+SYNCHRONOUS = ("sgd", "easgd", "lsgd", "dasgd", "signum", "topk", "regtopk")
+
+#: The README's "per step on the wire" column, per algorithm (d parameters, P ranks).
+FORMULAS = {
+    "sgd": "4d bytes each way",
+    "easgd": "4d every `period` steps",
+    "lsgd": "16-byte election + 4d Bcast per pull",
+    "dasgd": "4d every `period` steps, hidden",
+    "signum": "d/8 sent; (P-1)d/8 or < d/4 received",
+    "topk": "8k bytes (or bitmap + values) + 8-byte header sent, (P-1) times that received",
+    "regtopk": "8k bytes (or bitmap + values) + 8-byte header sent, (P-1) times that received",
+}
+
+#: Bytes of one leader election (:meth:`mpiopt.comm.Comm.elect_min`: a padded (float64, int32) pair).
+ELECTION_BYTES = 16
+
+
+def _due(period: int, start: int, steps: int) -> int:
+    """How many of the steps ``start .. start + steps - 1`` are multiples of ``period``."""
+    return (start + steps - 1) // period - (start - 1) // period
+
+
+def expected_bytes(
+    name: str,
+    d: int,
+    ranks: int,
+    hyper: Optional[Mapping[str, Any]] = None,
+    *,
+    groups: Optional[Sequence[int]] = None,
+    steps: int = 1,
+    start: int = 1,
+    itemsize: int = 4,
+) -> Dict[str, float]:
+    """Bytes the mean rank sends and receives per step: the README's formulas, exactly, in the ledger's convention.
+
+    Parameters
+    ----------
+    name : str
+        A synchronous algorithm (:data:`SYNCHRONOUS`).
+    d : int
+        Parameters.
+    ranks : int
+        World size P.
+    hyper : mapping, optional
+        The algorithm's hyperparameters (its defaults where missing):
+        ``period``, ``global_period``, ``pull_local``, ``pull_global``,
+        ``exchange``, ``k``, ``density``.
+    groups : sequence of int, optional
+        The sizes of the topology's groups (default: one group of all
+        ranks); used by ``lsgd`` and by ``signum``'s ``prevote``.
+    steps, start : int
+        The mean is over steps ``start .. start + steps - 1`` (periodic
+        exchanges happen after every ``period``-th step).
+    itemsize : int
+        Bytes per parameter (4: float32).
+
+    Returns
+    -------
+    dict
+        ``{"sent": bytes, "recv": bytes}``: summed over ranks, divided by
+        ``ranks`` and ``steps``.
+
+    Raises
+    ------
+    ValueError
+        An asynchronous or unknown algorithm, or groups that do not add up
+        to ``ranks``.
+    """
+    if name not in SYNCHRONOUS:
+        raise ValueError(f"expected_bytes covers the synchronous algorithms {', '.join(SYNCHRONOUS)}; got {name!r}")
+    groups = [ranks] if groups is None else [int(g) for g in groups]
+    if sum(groups) != ranks or min(groups) < 1:
+        raise ValueError(f"groups must be positive sizes adding up to ranks ({ranks}), got {groups!r}")
+    # The algorithm's own defaults where ``hyper`` leaves a value out.
+    params = algorithm_class(name).__init__.__kwdefaults__ or {}
+    h = {**params, **(hyper or {})}
+    if ranks == 1:
+        return {"sent": 0.0, "recv": 0.0}  # nothing crosses a wire
+    n = itemsize * d
+    sent = recv = 0.0  # summed over all ranks, over all steps
+    if name == "sgd":
+        sent = recv = ranks * n * steps
+    elif name in ("easgd", "dasgd"):
+        sent = recv = ranks * n * _due(h["period"], start, steps)
+    elif name == "lsgd":
+        global_period = h["global_period"]
+        period = h["period"] if h["period"] is not None else max(1, global_period // 4)
+        for step in range(start, start + steps):
+            local = bool(h["pull_local"]) and step % period == 0
+            world = bool(h["pull_global"]) and step % global_period == 0 and not (local and len(groups) == 1)
+            if local:  # an election and a Bcast in every group of more than one rank
+                for g in groups:
+                    if g > 1:
+                        sent += g * ELECTION_BYTES + n
+                        recv += g * ELECTION_BYTES + (g - 1) * n
+            if world:
+                sent += ranks * ELECTION_BYTES + n
+                recv += ranks * ELECTION_BYTES + (ranks - 1) * n
+    elif name == "signum":
+        mode = choose_exchange(ranks, d) if h["exchange"] == "auto" else h["exchange"]
+        if mode == "prevote":
+            nbytes, leaders = packed_nbytes(d), len(groups)
+            for g in groups:
+                if g > 1:  # Allgather in the group, then the leader's Bcast of the outcome
+                    sent += g * nbytes + nbytes
+                    recv += g * (g - 1) * nbytes + (g - 1) * nbytes
+            if leaders > 1:
+                sent += leaders * nbytes
+                recv += leaders * (leaders - 1) * nbytes
+            sent, recv = sent * steps, recv * steps
+        else:
+            per_rank = exchange_bytes(mode, ranks, d)
+            sent, recv = ranks * per_rank["sent"] * steps, ranks * per_rank["recv"] * steps
+    else:  # topk, regtopk: one Allgather of every rank's encoded payload
+        k = Sparsifier(k=h.get("k"), density=h.get("density")).count(d)
+        payload = encoded_nbytes(k, d)
+        sent, recv = ranks * payload * steps, ranks * (ranks - 1) * payload * steps
+    return {"sent": sent / ranks / steps, "recv": recv / ranks / steps}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--algorithms", type=comma_list(str), default=list(SYNCHRONOUS), metavar="A,B,...", help="synchronous algorithms to run")
+    parser.add_argument("--d", type=count, default=1_000_000, help="parameters (suffixes k, M, G)")
+    parser.add_argument("--steps", type=positive_int, default=16, help="measured steps per algorithm (after as many warm-up steps)")
+    parser.add_argument("--compute-ms", type=float, default=0.0, help="synthetic compute phase per step, milliseconds (a busy wait)")
+    parser.add_argument("--group-size", type=positive_int, default=None, help="ranks per emulated node (default: real nodes, or $MPIOPT_GROUP_SIZE)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random gradients")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the results to FILE")
+
+
+def _busy(seconds: float) -> None:
+    """A compute phase that holds the core (as a backward pass does), not a sleep."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _check(args: argparse.Namespace) -> None:
+    bad = [a for a in args.algorithms if a not in SYNCHRONOUS]
+    if bad or not args.algorithms:
+        raise UsageError(f"--algorithms: {bad or 'none'} not among the synchronous algorithms {', '.join(SYNCHRONOUS)}")
+    if args.compute_ms < 0:
+        raise UsageError(f"--compute-ms must be >= 0, got {args.compute_ms}")
+
+
+def measure(topology: Topology, name: str, d: int, steps: int, compute_seconds: float, seed: int) -> Dict[str, Any]:
+    """Run ``name`` for ``2 steps`` steps; bytes and time of the last ``steps``, and the expected bytes."""
+    hyper = TrainConfig().algorithm_hyperparameters(name)
+    alg = mpiopt.create(name, topology, **hyper)
+    params = np.zeros(d, np.float32)
+    alg.setup(params)
+    rng = np.random.default_rng([seed, topology.rank])
+    grads = [rng.standard_normal(d).astype(np.float32) for _ in range(4)]
+    losses = rng.random(steps * 2) + 1.0
+    phases = np.zeros(4)  # compute, algorithm, communication, waiting: this rank's sums over the measured steps
+    before = None
+    for step in range(2 * steps):
+        if step == steps:
+            topology.world.Barrier()
+            before = topology.ledger.snapshot()
+        started = time.perf_counter()
+        _busy(compute_seconds)
+        computed = time.perf_counter() - started
+        record = alg.step(params, grads[step % len(grads)], loss=float(losses[step]))
+        if step >= steps:
+            phases += (computed, record.algo_seconds, record.comm_seconds, record.wait_seconds)
+    alg.finish(params)
+    delta = topology.ledger.since(before)
+    sums = topology.world.allreduce_obj(np.array([delta.bytes_sent, delta.bytes_recv, *phases], dtype=np.float64))
+    P = topology.size
+    groups = [size for index, size in sorted(set(topology.world.allgather_obj((topology.group_index, topology.group.size))))]
+    expected = expected_bytes(name, d, P, alg.hyperparameters(), groups=groups, steps=steps, start=steps + 1)
+    return {
+        "algorithm": name,
+        "hyperparameters": alg.hyperparameters(),
+        "mode": getattr(alg, "mode", None),
+        "groups": groups,
+        "bytes_sent_per_rank_step": float(sums[0]) / P / steps,
+        "bytes_recv_per_rank_step": float(sums[1]) / P / steps,
+        "expected_sent_per_rank_step": expected["sent"],
+        "expected_recv_per_rank_step": expected["recv"],
+        "formula": FORMULAS[name],
+        "seconds_per_step": dict(zip(("compute", "algorithm", "communication", "waiting"), (float(s) / P / steps for s in sums[2:]))),
+    }
+
+
+def table(results: Sequence[Dict[str, Any]], d: int) -> str:
+    """The terminal table of :func:`measure`'s results."""
+    rows = []
+    for r in results:
+        t = r["seconds_per_step"]
+        total = sum(t.values())
+        name = r["algorithm"] + (f" ({r['mode']})" if r["mode"] else "")
+        rows.append([
+            name, f"{r['bytes_sent_per_rank_step'] / d:.4g}", f"{r['expected_sent_per_rank_step'] / d:.4g}",
+            f"{r['bytes_recv_per_rank_step'] / d:.4g}", f"{r['expected_recv_per_rank_step'] / d:.4g}", r["formula"],
+            f"{1e3 * total:.2f}", *(f"{1e3 * t[k]:.2f} ({t[k] / total:.0%})" if total else "0" for k in t),
+        ])
+    header = ["algorithm", "sent B/param", "formula", "recv B/param", "formula", "README", "ms/step",
+              "compute", "algorithm", "comm", "wait"]
+    return markdown_table(header, rows, align="lrrrrlrrrrr")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark (a collective call); rank 0 prints the table and writes the JSON."""
+    _check(args)
+    link = link_rate(getattr(args, "link", None))
+    topology = Topology(group_size=args.group_size)
+    out = say(topology.rank)
+    if topology.size < 2:
+        out("warning: one rank: nothing crosses a link; run under mpiexec -n P", file=sys.stderr)
+    results = []
+    for name in args.algorithms:
+        results.append(measure(topology, name, args.d, args.steps, args.compute_ms / 1e3, args.seed))
+        out(f"{name} done", file=sys.stderr)
+    out(f"\n## algorithms: {topology.size} ranks in groups of {results[0]['groups']}, d = {args.d:,}, link {link or 'not given'}, "
+        f"{args.steps} measured steps, compute phase {args.compute_ms:g} ms; bytes per parameter per step (mean rank), "
+        "ms per step (mean rank)\n")
+    out(table(results, args.d))
+    if args.json and topology.rank == 0:
+        write_json(args.json, {"benchmark": "algorithms", **environment(topology, link), "d": args.d, "steps": args.steps,
+                               "compute_ms": args.compute_ms, "results": results})
+        out(f"\nwrote {args.json}")
+    topology.Free()
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return module_main("algorithms", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,196 @@
+"""Benchmark: the collectives mpiopt's algorithms use, over a range of sizes.
+
+``mpiopt bench collectives [--sizes 1k,16k,256k,4M] [--repeats 20] [--json FILE]``
+(under ``mpiexec -n P``; inside the emulated link with
+``mpiopt bench --link 1gbit --ranks P collectives``; the link rate compared
+with is ``mpiopt bench --link``'s or the emulated link's).
+
+Each size is ``d``, a number of float32 parameters, and each operation moves
+what an algorithm moves for ``d`` parameters:
+
+====================  =========================================================
+operation             call(s), per rank
+====================  =========================================================
+allreduce             ``Allreduce`` of d float32 (``sgd``'s exchange)
+allgather-bits        ``Allgather`` of the ceil(d/8) packed sign bytes (``signum``, allgather)
+vote-twophase         ``Alltoall`` of packed chunks then ``Allgather`` of the voted
+                      chunk (``signum``, twophase), timed as one operation
+allgatherv-sparse     ``Allgatherv`` of ``--density`` x d (int32 index, float32 value)
+                      pairs, 8 bytes each (a sparse exchange)
+bcast                 ``Bcast`` of d float32 from rank 0 (``lsgd``'s pull)
+iallreduce            ``Iallreduce`` of d float32 and its ``Wait`` (``dasgd``)
+====================  =========================================================
+
+Every repetition runs every operation at every size once, in rotated order,
+so drifting load hits all alike; a call's time is the slowest rank's (a
+Barrier before, a max-Allreduce after, neither timed) and the table gives
+the median over ``--repeats`` repetitions after one warm-up call.
+
+Bytes are the ledger's (:mod:`mpiopt.comm.ledger`): payload exchanged with
+other ranks, the mean over the ranks of one call.  "recv B/s per rank" is
+that mean received payload per second; "all ranks B/s" is the sum over the
+ranks.  On the emulated link (``tools/emulated_link.sh``) every byte between
+any two ranks crosses the one shaped device, so "all ranks B/s" is what the
+link rate limits ("% of link").  The ledger counts an Allreduce's payload
+once (n bytes) while a ring or reduce-scatter/allgather Allreduce puts
+``2 (P-1)/P n`` on the wire, so its payload rate stays below the link's.
+
+The JSON (``--json``) has, per operation and size, the median, minimum and
+every repetition's seconds and the ledger bytes sent and received per rank,
+with the world size and the link rate: the input of an alpha-beta cost model
+(``t = alpha + bytes / beta`` per operation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ..comm import Topology
+from ..kernels import chunk_bounds, packed_nbytes
+from ..training.config import UsageError
+from ._common import comma_list, count, environment, link_rate, markdown_table, median, module_main, parse_rate, positive_int, rotated, say
+from ._common import slowest_seconds, write_json
+
+__all__ = ["OPERATIONS", "add_arguments", "run", "main"]
+
+OPERATIONS = ("allreduce", "allgather-bits", "vote-twophase", "allgatherv-sparse", "bcast", "iallreduce")
+SIZES = (1_000, 16_000, 256_000, 4_000_000)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", type=comma_list(count), default=list(SIZES), metavar="D,D,...", help="parameter counts d (suffixes k, M, G)")
+    parser.add_argument("--ops", type=comma_list(str), default=list(OPERATIONS), metavar="OP,OP,...", help=f"operations, among {','.join(OPERATIONS)}")
+    parser.add_argument("--repeats", type=positive_int, default=20, help="timed repetitions per operation and size (median reported)")
+    parser.add_argument("--density", type=float, default=0.01, help="fraction of d sent as (index, value) pairs by allgatherv-sparse")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write every measurement to FILE")
+
+
+class _Operation:
+    """One operation at one size: preallocated buffers and a call."""
+
+    def __init__(self, name: str, topology: Topology, d: int, density: float) -> None:
+        world, P = topology.world, topology.size
+        self.call: Callable[[], None]
+        if name in ("allreduce", "iallreduce", "bcast"):
+            send, out = np.ones(d, np.float32), np.empty(d, np.float32)
+            if name == "allreduce":
+                self.call = lambda: world.Allreduce(send, out=out)
+            elif name == "iallreduce":
+                self.call = lambda: world.Iallreduce(send, out=out).Wait()
+            else:
+                self.call = lambda: world.Bcast(out, root=0)
+        elif name == "allgather-bits":
+            packed = np.zeros(packed_nbytes(d), np.uint8)
+            stack = np.empty((P, packed.size), np.uint8)
+            self.call = lambda: world.Allgather(packed, stack)
+        elif name == "vote-twophase":
+            # signum's buffers: a (P, width) block of chunks out, one back, a voted chunk gathered.
+            bounds = chunk_bounds(packed_nbytes(d), P)
+            width = int((bounds[:, 1] - bounds[:, 0]).max())
+            send, chunks = np.zeros((P, width), np.uint8), np.empty((P, width), np.uint8)
+            voted, gathered = np.zeros(width, np.uint8), np.empty((P, width), np.uint8)
+
+            def twophase() -> None:
+                world.Alltoall(send, chunks)
+                world.Allgather(voted, gathered)
+
+            self.call = twophase
+        elif name == "allgatherv-sparse":
+            pair_bytes = 8 * max(1, round(density * d))
+            mine, everyone = np.zeros(pair_bytes, np.uint8), np.empty(P * pair_bytes, np.uint8)
+            self.call = lambda: world.Allgatherv(mine, everyone, [pair_bytes] * P)
+        else:
+            raise ValueError(f"unknown operation {name!r}; choose from {', '.join(OPERATIONS)}")
+
+
+def _check(args: argparse.Namespace) -> None:
+    unknown = sorted(set(args.ops) - set(OPERATIONS))
+    if unknown or not args.ops:
+        raise UsageError(f"--ops: unknown or no operations {unknown or args.ops}; choose from {', '.join(OPERATIONS)}")
+    if not 0 < args.density <= 1:
+        raise UsageError(f"--density must be in (0, 1], got {args.density}")
+
+
+def measure(topology: Topology, ops: Sequence[str], sizes: Sequence[int], repeats: int, density: float) -> List[Dict[str, Any]]:
+    """Time every operation at every size; one record per (operation, size) with seconds and ledger bytes per rank."""
+    world, P = topology.world, topology.size
+    cases = [(op, d) for d in sizes for op in ops]
+    calls = {case: _Operation(case[0], topology, case[1], density).call for case in cases}
+    bytes_per_call: Dict[tuple, tuple] = {}
+    for case in cases:  # warm-up, and one call's bytes from the ledger
+        before = topology.ledger.snapshot()
+        calls[case]()
+        delta = topology.ledger.since(before)
+        sums = world.allreduce_obj(np.array([delta.bytes_sent, delta.bytes_recv], dtype=np.float64))
+        bytes_per_call[case] = (float(sums[0]) / P, float(sums[1]) / P)
+    seconds: Dict[tuple, List[float]] = {case: [] for case in cases}
+    labels = [f"{op}@{d}" for op, d in cases]
+    by_label = dict(zip(labels, cases))
+    for rep in range(repeats):
+        for label in rotated(labels, rep):
+            case = by_label[label]
+            seconds[case].append(slowest_seconds(topology, calls[case]))
+    records = []
+    for case in cases:
+        op, d = case
+        sent, recv = bytes_per_call[case]
+        records.append({
+            "op": op, "d": d, "bytes_sent_per_rank": sent, "bytes_recv_per_rank": recv,
+            "median_seconds": median(seconds[case]), "min_seconds": min(seconds[case]), "seconds": seconds[case],
+        })
+    return records
+
+
+def _rate(value: float) -> str:
+    return f"{value / 1e6:.1f} MB/s" if value >= 1e5 else f"{value / 1e3:.1f} kB/s"
+
+
+def table(records: Sequence[Dict[str, Any]], ranks: int, link_bytes_per_second: Optional[float]) -> str:
+    """The terminal table of :func:`measure`'s records."""
+    header = ["op", "d", "sent/rank", "recv/rank", "median", "min", "recv B/s per rank", "all ranks B/s"]
+    if link_bytes_per_second:
+        header.append("% of link")
+    rows = []
+    for r in records:
+        per_rank = r["bytes_recv_per_rank"] / r["median_seconds"] if r["median_seconds"] > 0 else math.nan
+        row = [
+            r["op"], f"{r['d']:,}", f"{r['bytes_sent_per_rank']:,.0f} B", f"{r['bytes_recv_per_rank']:,.0f} B",
+            f"{1e3 * r['median_seconds']:.3f} ms", f"{1e3 * r['min_seconds']:.3f} ms", _rate(per_rank), _rate(per_rank * ranks),
+        ]
+        if link_bytes_per_second:
+            row.append(f"{100 * per_rank * ranks / link_bytes_per_second:.0f} %")
+        rows.append(row)
+    return markdown_table(header, rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark (a collective call); rank 0 prints the table and writes the JSON."""
+    _check(args)
+    link = link_rate(getattr(args, "link", None))
+    topology = Topology()
+    out = say(topology.rank)
+    if topology.size < 2:
+        out("warning: one rank: nothing crosses a link (every collective moves 0 bytes); run under mpiexec -n P", file=sys.stderr)
+    records = measure(topology, args.ops, args.sizes, args.repeats, args.density)
+    link_bytes = parse_rate(link) / 8 if link else None
+    out(f"## collectives: {topology.size} ranks, link {link or 'not given'}, median of {args.repeats} repetitions\n")
+    out(table(records, topology.size, link_bytes))
+    if args.json and topology.rank == 0:
+        write_json(args.json, {"benchmark": "collectives", **environment(topology, link), "repeats": args.repeats,
+                               "density": args.density, "results": records})
+        out(f"\nwrote {args.json}")
+    topology.Free()
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return module_main("collectives", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

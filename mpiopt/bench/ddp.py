@@ -1,0 +1,247 @@
+"""Benchmark: mpiopt against torch ``DistributedDataParallel`` on gloo, same model, data and ranks, in one run.
+
+``mpiexec -n 4 python -m mpiopt bench ddp [--model mlp --width 1024] [--algorithms sgd,signum] [--json FILE]``
+(inside the emulated link: ``mpiopt bench --link 1gbit --ranks 4 ddp ...``;
+docs/benchmarks-ddp.md has results and the exact commands).
+
+Variants, each a full training step (forward, backward, exchange, update) of
+the same model from the same initial weights on the same batches:
+
+=================  ===========================================================
+variant            what a step is
+=================  ===========================================================
+ddp                ``DistributedDataParallel`` over a gloo process group (its
+                   bucketed Allreduce overlaps the backward pass), then
+                   ``torch.optim.SGD`` with ``sgd``'s learning rate and momentum
+``<algorithm>``    the plain model, then ``mpiopt.torch.DistributedOptimizer``
+                   with that algorithm (``mpiopt train``'s hyperparameters)
+``sgd+overlap``    with ``--overlap``: ``sgd`` with ``overlap=True`` (buckets
+                   exchanged while the backward pass runs), where this
+                   mpiopt's ``DistributedOptimizer`` has that option
+=================  ===========================================================
+
+gloo is set up inside the MPI job: world size and rank from MPI, rank 0
+picks a free TCP port and broadcasts it, ``init_method="tcp://HOST:PORT"``
+(127.0.0.1 when all ranks share rank 0's host, with
+``GLOO_SOCKET_IFNAME=lo``, so that inside ``tools/emulated_link.sh`` gloo's
+traffic crosses the same shaped device as MPI's).  Over shared memory the
+comparison is not symmetric: MPICH moves bytes through shared memory, gloo
+through loopback TCP.  DDP's ``broadcast_buffers`` is off (mpiopt does not
+broadcast BatchNorm statistics every step either).
+
+A round runs ``--steps`` steps of every variant, in rotated order, so that
+drifting load hits all alike; a block's time is the slowest rank's.  The
+table gives each variant's median ms per step, samples per second
+(``batch x ranks`` per step) and the median over rounds of its per-round
+ratio to ddp's time: below 1 is faster than DDP.  As a check that the two
+sides train the same model, the largest difference between ddp's and
+``sgd``'s parameters after the run is printed (float32 rounding only: both
+average the same gradients).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import socket
+import sys
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ..comm import Topology
+from ..training.config import TrainConfig, UsageError
+from ._common import comma_list, environment, link_rate, markdown_table, median, module_main, positive_int, rotated, say
+from ._common import slowest_seconds, write_json
+from .algorithms import SYNCHRONOUS
+
+__all__ = ["add_arguments", "run", "main", "overlap_supported"]
+
+MODELS = ("mlp", "cnn", "resnet20")
+#: The goal for ``sgd``'s step time over DDP's: over shared memory, and over the (emulated) link.
+GOALS = {"shared memory": 0.95, "link": 1.0}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--algorithms", type=comma_list(str), default=list(SYNCHRONOUS), metavar="A,B,...", help="mpiopt algorithms to compare with DDP")
+    parser.add_argument("--model", choices=MODELS, default="mlp", help="model (mpiopt.tasks.models.build_model)")
+    parser.add_argument("--width", type=positive_int, default=1024, help="the model's width (mlp: hidden units; cnn, resnet20: first channels)")
+    parser.add_argument("--input-shape", type=comma_list(int), default=[1, 8, 8], metavar="C,H,W", help="shape of one synthetic sample")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per rank per step")
+    parser.add_argument("--steps", type=positive_int, default=8, help="timed steps per variant and round")
+    parser.add_argument("--rounds", type=positive_int, default=7, help="interleaved rounds (medians reported)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
+    parser.add_argument("--overlap", action="store_true", help="add sgd+overlap: DistributedOptimizer(..., overlap=True), where supported")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the results to FILE")
+
+
+def overlap_supported() -> bool:
+    """Whether :class:`mpiopt.torch.DistributedOptimizer` takes ``overlap=`` (bucketed sgd)."""
+    from ..torch import DistributedOptimizer
+
+    return "overlap" in inspect.signature(DistributedOptimizer.__init__).parameters
+
+
+def _check(args: argparse.Namespace) -> None:
+    bad = [a for a in args.algorithms if a not in SYNCHRONOUS]
+    if bad:
+        raise UsageError(f"--algorithms: {bad} not among the synchronous algorithms {', '.join(SYNCHRONOUS)}")
+    if len(args.input_shape) != 3:
+        raise UsageError(f"--input-shape must be C,H,W, got {','.join(map(str, args.input_shape))}")
+    if args.overlap and not overlap_supported():
+        raise UsageError("--overlap: this mpiopt's DistributedOptimizer has no overlap= option")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def init_gloo(topology: Topology) -> None:
+    """Start a torch.distributed gloo group over the MPI world (ranks, size and rank 0's port from MPI)."""
+    import torch.distributed as dist
+
+    hosts = topology.world.allgather_obj(socket.gethostname())
+    one_host = len(set(hosts)) == 1
+    if one_host:
+        # Loopback: inside tools/emulated_link.sh, the shaped device.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    address = "127.0.0.1" if one_host else hosts[0]
+    port = topology.world.bcast_obj(_free_port() if topology.rank == 0 else None)
+    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=topology.rank, world_size=topology.size)
+
+
+def _batches(args: argparse.Namespace, topology: Topology, count: int = 8) -> List[tuple]:
+    """This rank's ``count`` batches of a synthetic dataset (every rank its own shard)."""
+    import torch
+
+    from ..tasks.images import make_synthetic
+
+    per_batch = args.batch_size * topology.size
+    data = make_synthetic(seed=args.seed, n_train=per_batch * count, n_test=1, input_shape=tuple(args.input_shape))
+    out = []
+    for i in range(count):
+        start = i * per_batch + topology.rank * args.batch_size
+        rows = slice(start, start + args.batch_size)
+        out.append((torch.from_numpy(data.x_train[rows]), torch.from_numpy(data.y_train[rows])))
+    return out
+
+
+class _Variant:
+    """One model and its optimizer; ``step()`` trains on the next batch."""
+
+    def __init__(self, name: str, args: argparse.Namespace, topology: Topology, batches: Sequence[tuple]) -> None:
+        import torch
+        from torch.nn import functional as F
+
+        from ..tasks.models import build_model
+        from ..torch import DistributedOptimizer
+
+        torch.manual_seed(args.seed)
+        self.model = build_model(args.model, input_shape=tuple(args.input_shape), num_classes=10, width=args.width)
+        sgd = TrainConfig().algorithm_hyperparameters("sgd")
+        if name == "ddp":
+            self.net = torch.nn.parallel.DistributedDataParallel(self.model, broadcast_buffers=False)
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=sgd["lr"], momentum=sgd.get("momentum", 0.0))
+            update: Callable[[Any], None] = lambda loss: self.opt.step()
+        else:
+            algorithm, _, option = name.partition("+")
+            extra = {"overlap": True} if option == "overlap" else {}
+            hyper = TrainConfig().algorithm_hyperparameters(algorithm)
+            self.net = self.model
+            self.opt = DistributedOptimizer(self.model.parameters(), algorithm, topology=topology, **extra, **hyper)
+            update = lambda loss: self.opt.step(loss=loss)
+        self.batches, self.steps = batches, 0
+
+        def step() -> None:
+            x, y = self.batches[self.steps % len(self.batches)]
+            self.opt.zero_grad()
+            loss = F.cross_entropy(self.net(x), y)
+            loss.backward()
+            update(loss)
+            self.steps += 1
+
+        self.step = step
+
+    def finish(self) -> None:
+        if hasattr(self.opt, "finish"):
+            self.opt.finish()
+
+
+def _parameter_difference(a: Any, b: Any) -> float:
+    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the comparison (a collective call); rank 0 prints the table and writes the JSON."""
+    import torch
+    import torch.distributed as dist
+
+    _check(args)
+    link = link_rate(getattr(args, "link", None))
+    torch.set_num_threads(args.threads)
+    topology = Topology()
+    out = say(topology.rank)
+    init_gloo(topology)
+    names = ["ddp", *args.algorithms] + (["sgd+overlap"] if args.overlap else [])
+    batches = _batches(args, topology)
+    variants = {name: _Variant(name, args, topology, batches) for name in names}
+    params = sum(p.numel() for p in variants["ddp"].model.parameters())
+    for variant in variants.values():  # warm-up: allocations, connections, DDP's buckets
+        for _ in range(2):
+            variant.step()
+    times: Dict[str, List[float]] = {name: [] for name in names}
+    for rnd in range(args.rounds):
+        for name in rotated(names, rnd):
+            times[name].append(slowest_seconds(topology, variants[name].step, args.steps))
+        out(f"round {rnd + 1}/{args.rounds}: " + ", ".join(f"{n} {1e3 * times[n][-1]:.1f} ms" for n in names), file=sys.stderr)
+    for variant in variants.values():
+        variant.finish()
+    difference = _parameter_difference(variants["ddp"].model, variants["sgd"].model) if "sgd" in variants else None
+
+    samples = args.batch_size * topology.size
+    setting = "link" if os.environ.get("EMULATED_LINK_RATE") else "shared memory"
+    results = {}
+    for name in names:
+        ratios = [t / d for t, d in zip(times[name], times["ddp"])]
+        results[name] = {
+            "seconds": times[name], "median_seconds": median(times[name]), "min_seconds": min(times[name]),
+            "samples_per_second": samples / median(times[name]), "ratios_to_ddp": ratios, "median_ratio_to_ddp": median(ratios),
+        }
+    rows = [
+        [name, f"{1e3 * r['median_seconds']:.2f}", f"{1e3 * r['min_seconds']:.2f}", f"{r['samples_per_second']:.0f}", f"{r['median_ratio_to_ddp']:.3f}"]
+        for name, r in results.items()
+    ]
+    out(f"\n## mpiopt vs DDP on gloo: {topology.size} ranks, {setting} (link {link or 'not given'}), {args.model} width {args.width} "
+        f"({params:,} parameters), batch {args.batch_size} per rank, {args.steps} steps x {args.rounds} rounds, "
+        f"{args.threads} torch thread(s) per rank, torch {torch.__version__}\n")
+    out(markdown_table(["variant", "ms/step (median)", "min", "samples/s", "time / ddp (median of rounds)"], rows))
+    if difference is not None:
+        out(f"\nlargest |ddp - sgd| parameter difference after {variants['sgd'].steps} steps: {difference:.3g}")
+    goal = GOALS[setting]
+    for name in ("sgd", "sgd+overlap"):
+        if name in results:
+            ratio = results[name]["median_ratio_to_ddp"]
+            out(f"goal, {name} step time <= {goal:.2f} x DDP's ({setting}): {ratio:.3f} ({'met' if ratio <= goal else 'missed'})")
+    if args.json and topology.rank == 0:
+        write_json(args.json, {
+            "benchmark": "ddp", **environment(topology, link), "torch": torch.__version__, "setting": setting,
+            "model": args.model, "width": args.width, "input_shape": args.input_shape, "parameters": params,
+            "batch_size": args.batch_size, "steps": args.steps, "rounds": args.rounds, "threads": args.threads,
+            "sgd_parameter_difference": difference, "goal": goal, "results": results,
+        })
+        out(f"\nwrote {args.json}")
+    dist.destroy_process_group()
+    topology.Free()
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return module_main("ddp", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
