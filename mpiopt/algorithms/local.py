@@ -2,15 +2,17 @@
 
 ``g = grad + weight_decay * x``; with momentum ``b = momentum * b + (1 -
 dampening) * g`` (``b = g`` at the first step), then ``g = g + momentum * b``
-(Nesterov) or ``g = b``; finally ``x = x - lr * g``.  Written with ``out=``
-arguments so a step allocates nothing after the first.
+(Nesterov) or ``g = b``; finally ``x = x - lr * g``.  The arithmetic lives in
+:func:`mpiopt.kernels.update.sgd_update` (one fused pass over memory on numpy
+when its C loop was built); a step allocates nothing after the first.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from ..arrays import array_module
+from ..kernels.update import sgd_update, update_work
 from .base import check_positive, check_range
 
 __all__ = ["LocalSGD", "LocalStepState"]
@@ -41,51 +43,37 @@ class LocalSGD:
             raise ValueError(f"nesterov=True needs momentum > 0 and dampening = 0, got momentum={momentum}, dampening={dampening}")
         self.nesterov = nesterov
         self.buffer: Optional[Any] = None  # momentum buffer, allocated at the first step
-        self._work: Optional[Any] = None
-        self._nesterov: Optional[Any] = None
+        self._work: Optional[List[Any]] = None  # scratch where the fused loop does not run
 
     def hyperparameters(self) -> Dict[str, Any]:
         return {"momentum": self.momentum, "dampening": self.dampening, "nesterov": self.nesterov, "weight_decay": self.weight_decay}
 
     def allocate(self, params: Any) -> None:
-        """Scratch space for ``params``; the momentum buffer appears at the first step."""
-        xp = array_module(params)
-        self._work = xp.empty_like(params)
-        self._nesterov = xp.empty_like(params) if self.nesterov else None
+        """Scratch space for ``params`` (none where the fused loop runs); the momentum buffer appears at the first step."""
+        self._work = update_work(params, weight_decay=self.weight_decay, nesterov=self.nesterov)
 
     def apply(self, params: Any, grad: Any, lr: float) -> None:
         """``params -= lr * direction(grad)`` in place; ``grad`` is left unchanged.
 
-        Each intermediate is written straight into the scratch buffer (no copy
-        of ``grad`` or of the momentum buffer just to scale it), with the same
-        floating-point operations as ``torch.optim.SGD``.
+        The same floating-point operations as ``torch.optim.SGD``, each rounded
+        on its own (torch fuses ``a + alpha * b`` into one rounding: see
+        :mod:`mpiopt.kernels.update`).
         """
-        xp = array_module(params)
-        work = self._work
-        g = grad
-        if self.weight_decay:
-            xp.multiply(params, self.weight_decay, out=work)
-            work += grad
-            g = work
-        step = g
-        if self.momentum:
-            if self.buffer is None:
-                self.buffer = g.copy()
-            else:
-                self.buffer *= self.momentum
-                if self.dampening:  # no Nesterov here, so g is not needed again
-                    xp.multiply(g, 1.0 - self.dampening, out=work)
-                    self.buffer += work
-                else:
-                    self.buffer += g
-            if self.nesterov:
-                xp.multiply(self.buffer, self.momentum, out=self._nesterov)
-                xp.add(g, self._nesterov, out=work)
-                step = work
-            else:
-                step = self.buffer
-        xp.multiply(step, lr, out=work)
-        params -= work
+        first_step = bool(self.momentum) and self.buffer is None
+        if first_step:
+            self.buffer = array_module(params).empty_like(params)
+        sgd_update(
+            params,
+            grad,
+            self.buffer,
+            lr=lr,
+            momentum=self.momentum,
+            dampening=self.dampening,
+            nesterov=self.nesterov,
+            weight_decay=self.weight_decay,
+            first_step=first_step,
+            work=self._work,
+        )
 
 
 class LocalStepState:

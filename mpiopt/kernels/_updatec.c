@@ -1,0 +1,185 @@
+/* torch.optim.SGD's local update, fused into one C loop per case (optional).
+ *
+ * Computes what mpiopt.kernels.update's array code computes, element by element
+ * in one pass over (x, g, b) instead of numpy's five to nine passes:
+ *
+ *   d = g                      or  d = x * wd + g          (weight decay)
+ *   b = d                                                  (first step)
+ *   b = b * m + d              or  b = b * m + d * (1 - dampening)
+ *   s = d + b * m  (Nesterov)  or  s = b               or  s = d (no momentum)
+ *   x = x - s * lr
+ *
+ * Every product and sum is rounded to the parameters' dtype on its own, in the
+ * order numpy does them, so the results equal numpy's bit for bit (NaN payloads
+ * aside).  That needs IEEE single/double arithmetic without excess precision and
+ * without a*b+c contracted into a fused multiply-add: setup.py builds with
+ * -ffp-contract=off, and the checks below refuse a build that could differ
+ * (the build is optional: without this extension mpiopt uses the numpy code).
+ * The same pass reports whether every element of g is finite.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <float.h>
+#include <math.h>
+#include <string.h>
+
+#if defined(__FAST_MATH__)
+#error "_updatec needs IEEE arithmetic: build without -ffast-math / -Ofast"
+#endif
+#if !defined(FLT_EVAL_METHOD) || FLT_EVAL_METHOD != 0
+#error "_updatec needs float and double evaluated in their own precision (FLT_EVAL_METHOD == 0)"
+#endif
+
+#if defined(__GNUC__)
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#else
+#define ALWAYS_INLINE static inline
+#endif
+
+/* The loop for one dtype; the int flags are constants at every call site, so
+ * each case below compiles into its own branch-free (vectorized) loop. */
+#define DEFINE_LOOP(T, NAME, ABS, MAX)                                                                  \
+    ALWAYS_INLINE int NAME(Py_ssize_t n, T *restrict x, const T *restrict g, T *restrict b, T lr, T wd, \
+                           T mom, T scale, int decay, int momentum, int first, int damp, int nesterov) {  \
+        int finite = 1;                                                                                 \
+        for (Py_ssize_t i = 0; i < n; ++i) {                                                            \
+            const T gi = g[i];                                                                          \
+            finite &= ABS(gi) <= MAX; /* false for inf and NaN */                                       \
+            T d = gi;                                                                                   \
+            if (decay) {                                                                                \
+                const T t = x[i] * wd;                                                                  \
+                d = t + gi;                                                                             \
+            }                                                                                           \
+            T s = d;                                                                                    \
+            if (momentum) {                                                                             \
+                T bi;                                                                                   \
+                if (first) {                                                                            \
+                    bi = d;                                                                             \
+                } else {                                                                                \
+                    bi = b[i] * mom;                                                                    \
+                    if (damp) {                                                                         \
+                        const T t = d * scale;                                                          \
+                        bi = bi + t;                                                                    \
+                    } else {                                                                            \
+                        bi = bi + d;                                                                    \
+                    }                                                                                   \
+                }                                                                                       \
+                b[i] = bi;                                                                              \
+                if (nesterov) {                                                                         \
+                    const T t = bi * mom;                                                               \
+                    s = d + t;                                                                          \
+                } else {                                                                                \
+                    s = bi;                                                                             \
+                }                                                                                       \
+            }                                                                                           \
+            const T u = s * lr;                                                                         \
+            x[i] = x[i] - u;                                                                            \
+        }                                                                                               \
+        return finite;                                                                                  \
+    }
+
+DEFINE_LOOP(float, loop_f32, fabsf, FLT_MAX)
+DEFINE_LOOP(double, loop_f64, fabs, DBL_MAX)
+
+/* One specialized loop per case: (decay) x (no momentum | first/later x plain/dampened/Nesterov). */
+#define DISPATCH(LOOP, T)                                                                              \
+    do {                                                                                               \
+        T *x_ = (T *)x;                                                                                \
+        const T *g_ = (const T *)g;                                                                    \
+        T *b_ = (T *)b;                                                                                \
+        const T lr_ = (T)lr, wd_ = (T)wd, m_ = (T)mom, s_ = (T)scale;                                  \
+        if (!momentum) {                                                                               \
+            if (decay) return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 1, 0, 0, 0, 0);                    \
+            return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 0, 0, 0, 0, 0);                               \
+        }                                                                                              \
+        if (first) {                                                                                   \
+            if (decay) {                                                                               \
+                if (nesterov) return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 1, 1, 1, 0, 1);             \
+                return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 1, 1, 1, 0, 0);                           \
+            }                                                                                          \
+            if (nesterov) return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 0, 1, 1, 0, 1);                 \
+            return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 0, 1, 1, 0, 0);                               \
+        }                                                                                              \
+        if (decay) {                                                                                   \
+            if (nesterov) return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 1, 1, 0, 0, 1);                 \
+            if (damp) return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 1, 1, 0, 1, 0);                     \
+            return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 1, 1, 0, 0, 0);                               \
+        }                                                                                              \
+        if (nesterov) return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 0, 1, 0, 0, 1);                     \
+        if (damp) return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 0, 1, 0, 1, 0);                         \
+        return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 0, 1, 0, 0, 0);                                   \
+    } while (0)
+
+static int run(int itemsize, Py_ssize_t n, void *x, const void *g, void *b, double lr, double wd, double mom,
+               double scale, int decay, int momentum, int first, int damp, int nesterov) {
+    if (itemsize == 4) DISPATCH(loop_f32, float);
+    DISPATCH(loop_f64, double);
+}
+
+/* 4 for float32, 8 for float64 (native byte order), 0 for anything else. */
+static int float_itemsize(const Py_buffer *view) {
+    const char *f = view->format ? view->format : "B";
+    if (*f == '@' || *f == '=' || *f == (PY_LITTLE_ENDIAN ? '<' : '>')) ++f;
+    if (strcmp(f, "f") == 0 && view->itemsize == 4) return 4;
+    if (strcmp(f, "d") == 0 && view->itemsize == 8) return 8;
+    return 0;
+}
+
+static PyObject *py_sgd(PyObject *self, PyObject *args) {
+    PyObject *xo, *go, *bo;
+    double lr, wd, mom, dampening;
+    int nesterov, first;
+    Py_buffer x = {0}, g = {0}, b = {0};
+    int have_b = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOddddpp", &xo, &go, &bo, &lr, &wd, &mom, &dampening, &nesterov, &first))
+        return NULL;
+    if (PyObject_GetBuffer(xo, &x, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(go, &g, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (mom != 0.0) {
+        if (bo == Py_None) {
+            PyErr_SetString(PyExc_ValueError, "sgd: momentum != 0 needs a buffer");
+            goto done;
+        }
+        if (PyObject_GetBuffer(bo, &b, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) goto done;
+        have_b = 1;
+    }
+    const int itemsize = float_itemsize(&x);
+    if (!itemsize || float_itemsize(&g) != itemsize || (have_b && float_itemsize(&b) != itemsize)) {
+        PyErr_SetString(PyExc_TypeError, "sgd: params, grad and buffer must all be float32 or all float64");
+        goto done;
+    }
+    if (g.len != x.len || (have_b && b.len != x.len)) {
+        PyErr_Format(PyExc_ValueError, "sgd: params has %zd bytes, grad %zd, buffer %zd", x.len, g.len,
+                     have_b ? b.len : x.len);
+        goto done;
+    }
+    const Py_ssize_t n = x.len / itemsize;
+    int finite;
+    Py_BEGIN_ALLOW_THREADS
+    finite = run(itemsize, n, x.buf, g.buf, have_b ? b.buf : NULL, lr, wd, mom, 1.0 - dampening, wd != 0.0,
+                 mom != 0.0, first, dampening != 0.0, nesterov);
+    Py_END_ALLOW_THREADS
+    result = PyBool_FromLong(finite);
+done:
+    PyBuffer_Release(&x);
+    if (g.obj) PyBuffer_Release(&g);
+    if (have_b) PyBuffer_Release(&b);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"sgd", py_sgd, METH_VARARGS,
+     "sgd(params, grad, buffer, lr, weight_decay, momentum, dampening, nesterov, first_step) -> bool\n\n"
+     "torch.optim.SGD's update of params (and of the momentum buffer, None when momentum == 0) in\n"
+     "place, in one pass; contiguous, non-overlapping float32 or float64 buffers of equal length.\n"
+     "Returns whether every element of grad is finite."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_updatec", "Fused CPU torch.optim.SGD update.", -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__updatec(void) { return PyModule_Create(&module); }

@@ -1,0 +1,204 @@
+"""torch.optim.SGD's local update as one function: a fused C loop, or array code.
+
+``d = grad + weight_decay * x``; with momentum ``b = momentum * b + (1 -
+dampening) * d`` (``b = d`` at the first step), then ``s = d + momentum * b``
+(Nesterov) or ``s = b``; without momentum ``s = d``; finally ``x = x - lr * s``.
+
+On numpy float32/float64 arrays the whole update is one pass over memory in
+``mpiopt.kernels._updatec`` when it was built; elsewhere (cupy, other dtypes,
+no C compiler) the same operations run as array calls with ``out=``.  Both
+round every product and sum to the parameters' dtype on its own, in the same
+order, so they give the same bits (NaN payloads aside).  That is not quite
+``torch.optim.SGD``: torch's CPU kernels compute ``a + alpha * b`` with a
+fused multiply-add, which rounds once where this rounds twice.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, List, Optional, Sequence
+
+import numpy as np
+
+from ..arrays import array_module
+from ._backend import check_array
+
+try:
+    from . import _updatec
+except ImportError:  # built without a C compiler: the array code below is used
+    _updatec = None
+
+__all__ = ["fused_update_available", "sgd_update", "update_work"]
+
+_FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def fused_update_available(params: Any) -> bool:
+    """Whether :func:`sgd_update` on arrays like ``params`` runs the fused C loop.
+
+    True for C-contiguous numpy float32/float64 arrays when
+    ``mpiopt.kernels._updatec`` was built.
+    """
+    return (
+        _updatec is not None
+        and array_module(params) is np
+        and params.dtype in _FUSED_DTYPES
+        and params.flags.c_contiguous
+    )
+
+
+def update_work(params: Any, *, weight_decay: float, nesterov: bool) -> List[Any]:
+    """Scratch arrays for :func:`sgd_update`'s array code, allocated once by the caller.
+
+    Returns
+    -------
+    list of array
+        Empty where the fused loop runs (it needs none); otherwise one array like
+        ``params``, two for Nesterov momentum with weight decay.
+    """
+    return [] if fused_update_available(params) else _work(params, weight_decay, nesterov)
+
+
+def _work(params: Any, weight_decay: float, nesterov: bool) -> List[Any]:
+    xp = array_module(params)
+    return [xp.empty_like(params) for _ in range(2 if nesterov and weight_decay else 1)]
+
+
+def _real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not np.isfinite(value):
+        raise ValueError(f"{name} must be a finite real number, got {value!r}")
+    return float(value)
+
+
+def sgd_update(
+    params: Any,
+    grad: Any,
+    buffer: Optional[Any] = None,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    first_step: bool = False,
+    check_finite: bool = False,
+    work: Optional[Sequence[Any]] = None,
+) -> Optional[bool]:
+    """``params -= lr * step(grad)`` in place, with torch.optim.SGD's momentum and weight decay.
+
+    Parameters
+    ----------
+    params : array
+        Parameters (1-D numpy or cupy, floating point), updated in place.
+    grad : array
+        Gradient, same length and dtype; left unchanged.
+    buffer : array, optional
+        Momentum buffer, same length and dtype, updated in place; needed when
+        ``momentum != 0`` (ignored otherwise).  At the first step its contents
+        are ignored and it becomes the (decayed) gradient.
+    lr, momentum, dampening, weight_decay : float
+        As in ``torch.optim.SGD``; each is rounded to the parameters' dtype
+        (``1 - dampening`` is computed first, in float64).
+    nesterov : bool
+        Nesterov momentum.
+    first_step : bool
+        The buffer's first step: ``b = d`` instead of ``b = momentum * b + ...``.
+    check_finite : bool
+        Also report whether every element of ``grad`` is finite (free in the
+        fused loop; one more pass in the array code).
+    work : sequence of array, optional
+        Scratch for the array code, as :func:`update_work` returns; allocated
+        per call when omitted.  The fused loop uses none.
+
+    Returns
+    -------
+    bool or None
+        With ``check_finite``, whether every gradient element is finite; else None.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Arrays not 1-D or of a different length, dtype or backend, overlapping arrays, a
+        missing buffer, or a non-finite hyperparameter.
+    """
+    xp = check_array("params", params, ndim=1, kinds="f")
+    lr, momentum, dampening, weight_decay = (
+        _real(name, value)
+        for name, value in (("lr", lr), ("momentum", momentum), ("dampening", dampening), ("weight_decay", weight_decay))
+    )
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
+    arrays = [("grad", grad)] + ([("buffer", buffer)] if momentum else [])
+    if momentum and buffer is None:
+        raise ValueError(f"momentum={momentum} needs a buffer, got buffer=None")
+    for name, arr in arrays:
+        check_array(name, arr, ndim=1, kinds="f", dtype=params.dtype)
+        if array_module(arr) is not xp or arr.shape != params.shape:
+            raise ValueError(f"{name} must be a {xp.__name__} array of shape {params.shape}, got {type(arr).__name__} {arr.shape}")
+    everything = [("params", params)] + arrays
+    if xp is np:
+        for i, (first_name, first) in enumerate(everything):
+            for second_name, second in everything[i + 1:]:
+                if np.may_share_memory(first, second):
+                    raise ValueError(f"{first_name} and {second_name} must not overlap")
+    if fused_update_available(params) and all(arr.flags.c_contiguous for _, arr in arrays):
+        finite = _updatec.sgd(
+            params, grad, buffer if momentum else None, lr, weight_decay, momentum, dampening, nesterov, bool(first_step)
+        )
+        return finite if check_finite else None
+    if not work:
+        work = _work(params, weight_decay, nesterov)
+    with np.errstate(all="ignore"):  # inf - inf is NaN here as in the C loop, silently in both
+        _array_update(xp, params, grad, buffer, lr, momentum, dampening, nesterov, weight_decay, bool(first_step), work)
+    return bool(xp.isfinite(grad).all()) if check_finite else None
+
+
+def _array_update(
+    xp: Any,
+    params: Any,
+    grad: Any,
+    buffer: Any,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    weight_decay: float,
+    first_step: bool,
+    work: Sequence[Any],
+) -> None:
+    """The update as array calls: the fused loop's operations, one pass each.
+
+    Each intermediate goes straight into ``work[0]`` (``work[1]`` holds
+    ``momentum * b`` for Nesterov with weight decay); the scalars are cast to
+    the parameters' dtype so that numpy computes in that dtype, as the C loop does.
+    """
+    scalar = params.dtype.type
+    out = work[0]
+    d = grad
+    if weight_decay:
+        xp.multiply(params, scalar(weight_decay), out=out)
+        out += grad
+        d = out
+    step = d
+    if momentum:
+        if first_step:
+            xp.copyto(buffer, d)
+        else:
+            buffer *= scalar(momentum)
+            if dampening:  # no Nesterov here, so d is not needed again
+                xp.multiply(d, scalar(1.0 - dampening), out=out)
+                buffer += out
+            else:
+                buffer += d
+        if nesterov:
+            if d is grad:  # out is free: m * b there, then + d
+                xp.multiply(buffer, scalar(momentum), out=out)
+                xp.add(d, out, out=out)
+            else:
+                xp.multiply(buffer, scalar(momentum), out=work[1])
+                xp.add(d, work[1], out=out)
+            step = out
+        else:
+            step = buffer
+    xp.multiply(step, scalar(lr), out=out)
+    params -= out
