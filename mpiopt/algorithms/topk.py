@@ -43,7 +43,7 @@ Shared with the simulator
 -------------------------
 The per-worker half (:class:`SparseWorker`: selection, error feedback,
 encoding) and the aggregation (:func:`aggregate_payloads`) are plain array code with no
-MPI; :func:`mpiopt.tasks.linreg.simulate` runs N workers through them in one
+MPI; :func:`mpiopt.sim.topk.simulate` runs N workers through them in one
 process, so a simulation and an MPI run of the same workers agree bit for
 bit.
 
@@ -154,7 +154,7 @@ class SparseWorker:
     """One worker's half of a step, no communication: select, keep the rest as error, encode.
 
     Used by :class:`TopK` / :class:`RegTopK` on each rank and by the
-    single-process simulator :func:`mpiopt.tasks.linreg.simulate` for each of
+    single-process simulator :func:`mpiopt.sim.topk.simulate` for each of
     its workers.
 
     Parameters

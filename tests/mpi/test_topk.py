@@ -7,7 +7,8 @@ from mpi4py import MPI
 import mpiopt
 from mpiopt.algorithms.topk import Sparsifier
 from mpiopt.kernels import decode, encoded_nbytes, payload_format
-from mpiopt.tasks.linreg import make_problem, simulate
+from mpiopt.sim.topk import simulate
+from mpiopt.tasks.linreg import make_problem
 
 pytestmark = pytest.mark.mpi
 
