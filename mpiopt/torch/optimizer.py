@@ -28,7 +28,7 @@ What carries over from torch.optim
   ``param_groups``) with the algorithm's full state under ``"mpiopt"``.
 - ``torch.amp.GradScaler``: ``scaler.step(opt)`` hands the optimizer the
   scale and the local overflow flag; the optimizer decides collectively
-  (a one-byte Allreduce, only when a scaler is used): if any rank
+  (an Allreduce of three numbers, only when a scaler is used): if any rank
   overflowed, every rank skips the step, so no rank is left waiting in a
   collective the others skipped.  Each rank's scaler then updates its own
   scale.
@@ -81,7 +81,11 @@ an exchange in flight and discards it.  With ``torch.amp.GradScaler`` the
 scaled gradients are exchanged and their sum is unscaled, which is bitwise
 the same as unscaling first when the scale is a power of two (GradScaler's
 default growth and backoff keep it one) and equal to float rounding
-otherwise; the local gradients stay scaled.  Why only ``sgd``: ``topk`` and
+otherwise; the local gradients stay scaled.  After an overflow on some
+ranks only, each rank's scaler backs off on its own and the ranks' scales
+differ from then on; the scaled sums then mean nothing, and ``step()``
+exchanges the unscaled gradient again, blocking (correct, bitwise as
+without overlap, but one more Allreduce per step and no overlap).  Why only ``sgd``: ``topk`` and
 ``regtopk`` select over the whole vector (with its error feedback) before
 anything is sent; ``signum``'s vote is elementwise and could go per bucket,
 bitwise the same, but its momentum and sign packing would have to run in
@@ -139,6 +143,18 @@ def _loss_value(loss: Any) -> Optional[float]:
 
 def _address(array: Any) -> int:
     return array.data.ptr if hasattr(array.data, "ptr") else array.ctypes.data
+
+
+def _add_cost(record: StepRecord, delta: Ledger, sign: int = 1) -> StepRecord:
+    """``record`` with the bytes and blocked times of a ledger delta added (``sign=-1``: taken away)."""
+    comm, wait = delta.blocked_seconds()
+    return dataclasses.replace(
+        record,
+        bytes_sent=record.bytes_sent + sign * delta.bytes_sent,
+        bytes_recv=record.bytes_recv + sign * delta.bytes_recv,
+        comm_seconds=record.comm_seconds + sign * comm,
+        wait_seconds=record.wait_seconds + sign * wait,
+    )
 
 
 def _bucket_bounds(sizes: List[int], cap: int) -> Tuple[List[Tuple[int, int]], List[int]]:
@@ -231,19 +247,21 @@ class _BucketExchange:
             self._grads[start:end].div_(self.passes)  # as the unbucketed path divides the whole buffer
         self._requests.append(self.comm.Iallreduce(self._grads_array[start:end], out=self._total_array[start:end]))
 
-    def complete(self) -> Ledger:
-        """Start the buckets backward left, wait for all, reset for the next step; what they cost (a ledger delta)."""
+    def start_rest(self) -> None:
+        """Start the buckets that backward left incomplete (a parameter without a gradient this time)."""
         while len(self._requests) < len(self.bounds):
             self._start_next()
+
+    def finish(self) -> Ledger:
+        """Wait for every bucket and reset for the next step; returns the ledger's snapshot from before the first."""
         for request in self._requests[self._oldest :]:
             request.Wait()
-        spent = self.comm.ledger.since(self._before)
         self._requests.clear()
         self._oldest = 0
         self.pending = False
         self._fired = [0] * len(self._fired)
         self._ready = [0] * len(self._ready)
-        return spent
+        return self._before
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -338,7 +356,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         )
         world.Bcast(self._flat_params, root=0)
         self.algorithm.setup(self._params_array)
-        self._flag = np.zeros(1, dtype=np.uint8)
+        self._verdict = np.zeros(3)  # GradScaler: overflow somewhere, largest scale, -smallest scale
         self._exchange: Optional[_BucketExchange] = None
         if overlap:
             self._flat_total = torch.empty_like(self._flat_grads)  # the buckets' sums over the world
@@ -404,7 +422,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         start the same collectives) and discarded.
         """
         if self._exchange is not None and self._exchange.pending:
-            self._exchange.complete()
+            self._exchange.start_rest()
+            self._exchange.finish()
         self._flat_grads.zero_()
         self._reattach_grads(copy=False)
 
@@ -434,29 +453,42 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._reattach_grads(copy=True)
         self.algorithm.lr = self._group_lr()
         if self._exchange is None:
-            if not self._unscale_for_grad_scaler(self._flat_grads):
+            skip, inverse_scale, _ = self._grad_scaler_verdict()
+            if skip:
                 return loss  # some rank's scaled gradients overflowed: every rank skips
+            if inverse_scale is not None:
+                self._flat_grads.mul_(inverse_scale)
             if self.backward_passes_per_step > 1:
                 self._flat_grads.div_(self.backward_passes_per_step)
             self.last = self.algorithm.step(self._params_array, self._grads_array, loss=_loss_value(loss))
             return loss
-        exchanged = self._exchange.complete()  # before any return: every rank must finish what it started
+        return self._step_overlapped(loss)
+
+    def _step_overlapped(self, loss: Any) -> Any:
+        """``step()`` after a backward pass that has started the exchange: finish it, then the local update."""
+        exchange, ledger = self._exchange, self.topology.ledger
+        exchange.start_rest()  # before any other collective: every rank starts the same ones in the same order
         if getattr(self, "found_inf", None) is not None and getattr(self, "grad_scale", None) is None:
+            exchange.finish()
             raise RuntimeError(
                 "scaler.unscale_(opt) changed the gradients while overlap=True was sending them: create the optimizer "
                 "with overlap=False to unscale (or clip) before step()"
             )
-        if not self._unscale_for_grad_scaler(self._flat_total):
+        before_verdict = ledger.snapshot()
+        skip, inverse_scale, same_scale = self._grad_scaler_verdict()
+        verdict = ledger.since(before_verdict)
+        before = exchange.finish()
+        if skip:
             return loss
+        if inverse_scale is not None:
+            if same_scale:
+                self._flat_total.mul_(inverse_scale)  # a power of two commutes with the sum, bitwise
+            else:  # the scalers diverged (an overflow on some ranks only): the scaled sums mean nothing
+                self._flat_grads.mul_(inverse_scale)
+                self.topology.world.Allreduce(self._grads_array, out=self._total_array)
+        exchanged = ledger.since(before)
         record = self.algorithm.step_reduced(self._params_array, self._grads_array, self._total_array, loss=_loss_value(loss))
-        comm_seconds, wait_seconds = exchanged.blocked_seconds()
-        self.last = dataclasses.replace(
-            record,
-            bytes_sent=record.bytes_sent + exchanged.bytes_sent,
-            bytes_recv=record.bytes_recv + exchanged.bytes_recv,
-            comm_seconds=record.comm_seconds + comm_seconds,
-            wait_seconds=record.wait_seconds + wait_seconds,
-        )
+        self.last = _add_cost(_add_cost(record, exchanged), verdict, sign=-1)  # the verdict is not the step's, as above
         return loss
 
     def finish(self) -> None:
@@ -563,16 +595,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     view.copy_(p.grad)
                 p.grad = view
 
-    def _unscale_for_grad_scaler(self, gradient: torch.Tensor) -> bool:
-        """With ``GradScaler.step(opt)``: decide about overflow collectively, unscale ``gradient``; False means skip."""
+    def _grad_scaler_verdict(self) -> Tuple[bool, Optional[torch.Tensor], bool]:
+        """With ``GradScaler.step(opt)``, decided together: (skip, inverse scale, every rank has the same scale).
+
+        Any rank's overflow makes every rank skip, so no rank is left waiting
+        in a collective the others skipped.  The inverse scale is None when
+        there is nothing to unscale (no scaler, or ``scaler.unscale_(opt)``
+        done already).
+        """
         found_inf = getattr(self, "found_inf", None)
         if found_inf is None:
-            return True
-        self._flag[0] = 1 if float(found_inf) > 0 else 0
-        self.topology.world.Allreduce(self._flag, op=MAX)
-        if self._flag[0]:
-            return False
+            return False, None, True
         scale = getattr(self, "grad_scale", None)
-        if scale is not None:  # not unscaled by the user's scaler.unscale_(opt) yet
-            gradient.mul_(scale.double().reciprocal().float().to(gradient.dtype))
-        return True
+        value = 0.0 if scale is None else float(scale)
+        self._verdict[:] = (1.0 if float(found_inf) > 0 else 0.0, value, -value)
+        self.topology.world.Allreduce(self._verdict, op=MAX)
+        inverse = None if scale is None else scale.double().reciprocal().float().to(self._flat_grads.dtype)
+        return bool(self._verdict[0]), inverse, bool(self._verdict[1] == -self._verdict[2])
