@@ -1,0 +1,245 @@
+"""Benchmark: each algorithm's own time per step at one rank, in units of torch.optim.SGD(fused=True)'s step.
+
+``python -m mpiopt.bench.update [--d 11M] [--rounds 5] [--steps 4] [--algorithms sgd,topk] [--torch-threads N] [--json FILE]``
+(one process; plain ``python`` is one MPI rank).
+
+Every synchronous algorithm runs on its own flat float32 vector of ``d``
+parameters, with the hyperparameters ``mpiopt train`` starts from
+(:data:`mpiopt.training.ALGORITHM_DEFAULTS`) and momentum 0.9 wherever the
+algorithm has momentum; its time per step is
+:class:`~mpiopt.algorithms.StepRecord`'s ``algo_seconds`` (the step less
+the time blocked in MPI).  Beside them, on a vector of the same length:
+``torch.optim.SGD(momentum=0.9)`` with ``fused=True`` (the unit) and with
+``foreach=True``; the local update alone
+(:meth:`~mpiopt.algorithms.local.LocalSGD.apply`, momentum 0.9) through the
+fused C loop and through the array code; and ``np.copyto`` of the vector (a
+floor for any pass that reads and writes it).
+
+Each variant steps twice untimed (allocations, the momentum buffer's first
+step), then ``--rounds`` interleaved rounds run ``--steps`` steps of every
+variant, in rotated order, so that machine noise hits all alike; the table
+gives medians over every timed step, and the ratio to the fused torch step.
+
+Goals (issue 11): ``sgd`` <= 1.2, ``easgd``/``lsgd``/``dasgd`` <= 1.5,
+``signum`` <= 2, ``topk`` <= 2.5, ``regtopk`` <= 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+
+import mpiopt
+from ..algorithms import algorithm_class
+from ..algorithms.local import LocalSGD
+from ..comm import Topology
+from ..kernels import update as update_kernels
+from ..training.config import TrainConfig, UsageError
+from ._common import comma_list, count, environment, markdown_table, median, module_main, positive_int, rotated, write_json
+from .algorithms import SYNCHRONOUS
+
+__all__ = ["GOALS", "add_arguments", "measure", "run", "main"]
+
+#: Most time per step, in units of torch.optim.SGD(fused=True)'s step (issue 11).
+GOALS = {"sgd": 1.2, "easgd": 1.5, "lsgd": 1.5, "dasgd": 1.5, "signum": 2.0, "topk": 2.5, "regtopk": 3.0}
+MOMENTUM = 0.9
+UNIT = "torch.optim.SGD(fused=True)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--algorithms", type=comma_list(str), default=list(SYNCHRONOUS), metavar="A,B,...", help="synchronous algorithms to time")
+    parser.add_argument("--d", type=count, default=11_000_000, help="parameters (suffixes k, M, G)")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="interleaved rounds")
+    parser.add_argument("--steps", type=positive_int, default=4, help="timed steps of every variant per round")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random gradients")
+    parser.add_argument("--torch-threads", type=positive_int, default=None, help="torch's intra-op threads (default: torch's own choice)")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the results to FILE")
+
+
+def _algorithm(topology: Topology, name: str, d: int, grads: Sequence[np.ndarray]) -> Callable[[], float]:
+    """One step of ``name`` on its own vector; returns the step's ``algo_seconds``."""
+    hyper = TrainConfig().algorithm_hyperparameters(name)
+    if "momentum" in (algorithm_class(name).__init__.__kwdefaults__ or {}):
+        hyper["momentum"] = MOMENTUM
+    alg = mpiopt.create(name, topology, **hyper)
+    params = np.zeros(d, np.float32)
+    alg.setup(params)
+    steps = [0]
+
+    def step() -> float:
+        steps[0] += 1
+        return alg.step(params, grads[steps[0] % len(grads)], loss=1.0 + 1.0 / steps[0]).algo_seconds
+
+    return step
+
+
+def _timed(fn: Callable[[], object]) -> Callable[[], float]:
+    def step() -> float:
+        started = time.perf_counter()
+        fn()
+        return time.perf_counter() - started
+
+    return step
+
+
+def _torch_sgd(grad: np.ndarray, **flags: bool) -> Callable[[], float]:
+    import torch
+
+    param = torch.zeros(grad.size, dtype=torch.float32, requires_grad=True)
+    param.grad = torch.from_numpy(grad)
+    opt = torch.optim.SGD([param], lr=0.05, momentum=MOMENTUM, **flags)
+    return _timed(opt.step)
+
+
+@contextlib.contextmanager
+def _c_loop(enabled: bool) -> Iterator[None]:
+    """As where ``mpiopt.kernels._updatec`` was not built, unless ``enabled``."""
+    saved = update_kernels._updatec
+    update_kernels._updatec = saved if enabled else None
+    try:
+        yield
+    finally:
+        update_kernels._updatec = saved
+
+
+def _local_update(grad: np.ndarray, fused: bool) -> Callable[[], float]:
+    """LocalSGD.apply alone, through the C loop or (``fused=False``) the array code."""
+    params = np.zeros_like(grad)
+    local = LocalSGD(momentum=MOMENTUM)
+    with _c_loop(fused):
+        local.allocate(params)
+
+    def apply() -> None:
+        with _c_loop(fused):
+            local.apply(params, grad, 0.05)
+
+    return _timed(apply)
+
+
+def measure(
+    d: int = 11_000_000,
+    rounds: int = 5,
+    steps: int = 4,
+    algorithms: Sequence[str] = SYNCHRONOUS,
+    seed: int = 0,
+    topology: Optional[Topology] = None,
+) -> Dict[str, Any]:
+    """Time every variant; the results as a dict (what :func:`run` prints and writes as JSON).
+
+    Parameters
+    ----------
+    d : int
+        Parameters.
+    rounds, steps : int
+        Interleaved rounds, and timed steps of every variant per round.
+    algorithms : sequence of str
+        Synchronous algorithms to time.
+    seed : int
+        Seed of the random gradients.
+    topology : Topology, optional
+        One rank's communicators (default: a new :class:`~mpiopt.comm.Topology`,
+        freed at the end).
+
+    Returns
+    -------
+    dict
+        ``seconds`` (median per variant), ``ratio`` (to :data:`UNIT`),
+        ``goals`` (per algorithm: ``{"goal", "ratio", "met"}``), ``samples``
+        (timed steps per variant), ``d``, ``rounds``, ``steps``, ``unit``,
+        ``torch_threads``, ``c_update_loop`` (whether the fused C loop was built).
+
+    Raises
+    ------
+    UsageError
+        An algorithm that is not synchronous, or a topology of more than one rank.
+    """
+    import torch
+
+    bad = [name for name in algorithms if name not in SYNCHRONOUS]
+    if bad or not algorithms:
+        raise UsageError(f"--algorithms: {bad or 'none'} not among the synchronous algorithms {', '.join(SYNCHRONOUS)}")
+    own = topology is None
+    topology = Topology() if own else topology
+    if topology.size != 1:
+        raise UsageError(f"the update benchmark times one rank; run it without mpiexec (got {topology.size} ranks)")
+    rng = np.random.default_rng(seed)
+    grads = [(rng.standard_normal(d, dtype=np.float32) * 1e-2) for _ in range(2)]
+    copy_out = np.empty_like(grads[0])
+    variants: Dict[str, Callable[[], float]] = {
+        UNIT: _torch_sgd(grads[0], fused=True),
+        "torch.optim.SGD(foreach=True)": _torch_sgd(grads[0], foreach=True),
+        "LocalSGD.apply (C loop)": _local_update(grads[0], fused=True),
+        "LocalSGD.apply (array code)": _local_update(grads[0], fused=False),
+        "np.copyto (one read + write)": _timed(lambda: np.copyto(copy_out, grads[0])),
+    }
+    variants.update({name: _algorithm(topology, name, d, grads) for name in algorithms})
+    if update_kernels._updatec is None:
+        del variants["LocalSGD.apply (C loop)"]  # it would time the array code twice
+    samples: Dict[str, List[float]] = {name: [] for name in variants}
+    for name, step in variants.items():  # untimed: allocations and first steps
+        step()
+        step()
+    for round_ in range(rounds):
+        for name in rotated(list(variants), round_):
+            samples[name].extend(variants[name]() for _ in range(steps))
+    if own:
+        topology.Free()
+    seconds = {name: median(values) for name, values in samples.items()}
+    ratio = {name: value / seconds[UNIT] for name, value in seconds.items()}
+    return {
+        "d": d,
+        "rounds": rounds,
+        "steps": steps,
+        "unit": UNIT,
+        "torch_threads": torch.get_num_threads(),
+        "c_update_loop": update_kernels._updatec is not None,
+        "seconds": seconds,
+        "ratio": ratio,
+        "goals": {name: {"goal": GOALS[name], "ratio": ratio[name], "met": ratio[name] <= GOALS[name]} for name in algorithms},
+        "samples": {name: len(values) for name, values in samples.items()},
+    }
+
+
+def table(results: Dict[str, Any]) -> str:
+    """The Markdown table of :func:`measure`'s results."""
+    rows = []
+    for name, seconds in results["seconds"].items():
+        goal = results["goals"].get(name)
+        verdict = f"<= {goal['goal']:g}: {'met' if goal['met'] else 'MISSED'}" if goal else ("unit" if name == UNIT else "-")
+        rows.append([name, f"{1e3 * seconds:.2f}", f"{results['ratio'][name]:.2f}", verdict])
+    return markdown_table(["variant", "median ms/step", f"x {UNIT}", "goal"], rows, align="lrrl")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark, print the table (and write the JSON); returns 0 (missed goals are reported, not failed)."""
+    if args.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    topology = Topology()
+    results = measure(args.d, args.rounds, args.steps, args.algorithms, args.seed, topology)
+    print(
+        f"\n## update: one rank, d = {args.d:,} float32, momentum {MOMENTUM}; median of {args.rounds} interleaved rounds x "
+        f"{args.steps} steps; torch threads {results['torch_threads']}; fused C update loop "
+        f"{'built' if results['c_update_loop'] else 'NOT built'}\n",
+        flush=True,
+    )
+    print(table(results))
+    if args.json:
+        write_json(args.json, {"benchmark": "update", **environment(topology, None), **results})
+        print(f"\nwrote {args.json}", file=sys.stderr)
+    topology.Free()
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return module_main("update", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
