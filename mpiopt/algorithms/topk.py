@@ -33,10 +33,10 @@ Exchange
 --------
 Every rank encodes its k (index, value) pairs into a payload of
 :func:`~mpiopt.kernels.encoded_nbytes` ``(k, d)`` bytes (int32 indices or a
-bitmap, whichever is smaller; float32 values) and one ``Allgather`` of the
-payloads per step gives every rank all of them; each rank decodes every row
-and scatter-adds it into ``G``, in rank order, so all ranks compute the same
-float32 sum.  A rank sends ``encoded_nbytes(k, d)`` bytes and receives
+bitmap, whichever is smaller; values in the parameters' dtype, float32 or
+float64) and one ``Allgather`` of the payloads per step gives every rank all of
+them; each rank decodes every row and scatter-adds it into ``G``, in rank
+order, so all ranks compute the same sum.  A rank sends ``encoded_nbytes(k, d)`` bytes and receives
 ``(P - 1)`` times that.
 
 Shared with the simulator
@@ -50,7 +50,7 @@ bit.
 Example
 -------
 >>> alg = mpiopt.create("regtopk", topology, lr=0.01, density=0.01, mu=5)
->>> alg.setup(params)                       # float32, the same size on every rank
+>>> alg.setup(params)                       # float32 or float64, the same size on every rank
 >>> for batch in data:
 ...     loss, grad = compute(params, batch)
 ...     alg.step(params, grad, loss=loss)
@@ -66,7 +66,9 @@ import numpy as np
 
 from ..arrays import array_module
 from ..comm import Topology
-from ..kernels import decode, density_to_k, encode, encoded_nbytes, error_feedback, regtopk_scores, scatter_add, topk_indices
+from ..kernels import (
+    decode, density_to_k, encode, encoded_nbytes, error_feedback, payload_format, regtopk_scores, scatter_add, topk_indices,
+)
 from .base import Algorithm, check_positive
 from .local import LocalSGD, LocalStepState
 from .registry import register
@@ -161,8 +163,8 @@ class SparseWorker:
     ----------
     sparsifier : Sparsifier
     like : array
-        A float32 vector of the parameters' length and array module (numpy
-        or cupy); only its shape, dtype and module are used.
+        A float32 or float64 vector of the parameters' length, dtype and
+        array module (numpy or cupy); only those are used.
     n_workers : int
         ``N`` (RegTop-k's weight ``w = 1/N``).
 
@@ -172,22 +174,22 @@ class SparseWorker:
     error : array like ``like``
         ``e``, what this worker has not sent yet.
     sent_indices, sent_values : array or None
-        RegTop-k: what this worker sent last step (int32 indices, float32
-        values); None for Top-k, which does not need them.
+        RegTop-k: what this worker sent last step (int32 indices, values in
+        ``like``'s dtype); None for Top-k, which does not need them.
     has_history : bool
         RegTop-k: whether ``sent_*`` hold last step's selection (False before
         the first step, when every entry ranks as in Top-k).
     """
 
     def __init__(self, sparsifier: Sparsifier, like: Any, n_workers: int) -> None:
-        if like.dtype != np.float32:
-            raise TypeError(f"top-k payloads carry float32 values: the parameters must be float32, got {like.dtype}")
+        if like.dtype not in (np.float32, np.float64):
+            raise TypeError(f"top-k payloads carry float32 or float64 values: the parameters must be one of those, got {like.dtype}")
         xp = array_module(like)
         self.sparsifier = sparsifier
         self.n_workers = int(check_positive("n_workers", n_workers, integer=True))
         self.num_params = int(like.shape[0])
         self.k = sparsifier.count(self.num_params)
-        self.payload_nbytes = encoded_nbytes(self.k, self.num_params)
+        self.payload_nbytes = encoded_nbytes(self.k, self.num_params, like.dtype)  # values in the parameters' dtype
         self.error = xp.zeros_like(like)
         regularized = sparsifier.regularized
         self.sent_indices = xp.zeros(self.k, dtype=xp.int32) if regularized else None
@@ -223,7 +225,8 @@ class SparseWorker:
             self.sent_indices[...] = indices
             self.sent_values[...] = values
             self.has_history = True
-        return encode(indices, values, self.num_params, out=out)
+        # error_feedback has checked the indices.
+        return encode(indices, values, self.num_params, out=out, dtype=values.dtype, check_indices=False)
 
     def _select_regularized(self, prev_aggregate: Any, acc: Any) -> Any:
         """RegTop-k: the k entries of largest ``tanh(|1 + delta| / mu) |a|``."""
@@ -235,19 +238,23 @@ class SparseWorker:
         return topk_indices(scores, self.k, absolute=False)
 
 
-def aggregate_payloads(payloads: Any, out: Any, stale: Optional[Any] = None) -> Any:
+def aggregate_payloads(payloads: Any, out: Any, stale: Optional[Any] = None, indices_out: Optional[Any] = None) -> Any:
     """``G = (1/N) sum_n sent_n`` from the N workers' payloads, into ``out``.
 
     Parameters
     ----------
     payloads : array of uint8, shape (N, nbytes)
         One payload per worker, in rank order (what ``Allgather`` returns).
-    out : array, 1-D float32, length d
-        Overwritten with the aggregate.  Rows are added in order, so every
-        rank (and the simulator) computes the same float32 sum.
+    out : array, 1-D float32 or float64, length d
+        Overwritten with the aggregate; its dtype is the payloads' value
+        type.  Rows are added in order, so every rank (and the simulator)
+        computes the same sum.
     stale : array of int, optional
         The only entries of ``out`` that may be non-zero (what the previous
         call returned): only they are cleared, instead of all d entries.
+    indices_out : array of int32, shape (N, k), optional
+        Where the bitmap format's indices are decoded (row n: worker n's),
+        instead of new arrays each call.
 
     Returns
     -------
@@ -255,7 +262,8 @@ def aggregate_payloads(payloads: Any, out: Any, stale: Optional[Any] = None) -> 
         The sorted entries that some worker sent: ``G`` is zero elsewhere.
     """
     xp = array_module(out)
-    decoded = [decode(payload, out.shape[0]) for payload in payloads]
+    rows = [None] * payloads.shape[0] if indices_out is None else indices_out
+    decoded = [decode(payload, out.shape[0], out.dtype, row) for payload, row in zip(payloads, rows)]
     if stale is None:
         out[...] = 0
     else:
@@ -305,6 +313,7 @@ class _SparseSGD(LocalStepState, Algorithm):
         self._payload: Optional[Any] = None  # this rank's payload (the Allgather's send buffer)
         self._payloads: Optional[Any] = None  # every rank's payload, (P, nbytes)
         self._touched: Optional[Any] = None  # where G is non-zero (None: unknown, e.g. after a resume)
+        self._indices: Optional[Any] = None  # the decoded indices of bitmap payloads, (P, k)
 
     def hyperparameters(self) -> Dict[str, Any]:
         return {**self.sparsifier.hyperparameters(), **self.local.hyperparameters()}
@@ -353,12 +362,15 @@ class _SparseSGD(LocalStepState, Algorithm):
         self._aggregate = xp.zeros_like(params)
         self._payload = xp.empty(self.worker.payload_nbytes, dtype=xp.uint8)
         self._payloads = xp.empty((self.topology.world.size, self.worker.payload_nbytes), dtype=xp.uint8)
+        bitmaps = payload_format(self.worker.k, self.worker.num_params) == "bitmap"
+        # Bitmap payloads' indices are decoded here each step (pairs payloads' are read in place).
+        self._indices = xp.empty((self.topology.world.size, self.worker.k), dtype=xp.int32) if bitmaps else None
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         self.worker.compress(grad, self._aggregate, out=self._payload)
         self.topology.world.Allgather(self._payload, self._payloads)
         # G = (1/N) sum_n sent_n, non-zero on at most P k entries
-        touched = aggregate_payloads(self._payloads, out=self._aggregate, stale=self._touched)
+        touched = aggregate_payloads(self._payloads, out=self._aggregate, stale=self._touched, indices_out=self._indices)
         self._touched = touched
         if self.local.momentum or self.local.weight_decay:
             self.local.apply(params, self._aggregate, self.lr)  # x <- x - lr G with momentum / decay
@@ -395,9 +407,9 @@ class TopK(_SparseSGD):
 
     Notes
     -----
-    Parameters must be float32 (the payload's value type), so that the sent
-    values and the error buffer add up to ``g + e`` exactly.  State:
-    ``error`` and the momentum buffer.
+    Parameters are float32 or float64; the payload carries the values in
+    that dtype, so the sent values and the error buffer add up to ``g + e``
+    exactly.  State: ``error`` and the momentum buffer.
     """
 
     name = "topk"
