@@ -46,6 +46,7 @@ import inspect
 import os
 import socket
 import sys
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -144,7 +145,10 @@ class _Variant:
         self.model = build_model(args.model, input_shape=tuple(args.input_shape), num_classes=10, width=args.width)
         sgd = TrainConfig().algorithm_hyperparameters("sgd")
         if name == "ddp":
-            self.net = torch.nn.parallel.DistributedDataParallel(self.model, broadcast_buffers=False)
+            with warnings.catch_warnings():
+                # torch 2.13 deprecates broadcast_buffers, but its replacement still syncs at set-up.
+                warnings.filterwarnings("ignore", message=".*broadcast_buffers", category=FutureWarning)
+                self.net = torch.nn.parallel.DistributedDataParallel(self.model, broadcast_buffers=False)
             self.opt = torch.optim.SGD(self.model.parameters(), lr=sgd["lr"], momentum=sgd.get("momentum", 0.0))
             update: Callable[[Any], None] = lambda loss: self.opt.step()
         else:
@@ -172,7 +176,7 @@ class _Variant:
 
 
 def _parameter_difference(a: Any, b: Any) -> float:
-    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+    return max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
 
 def run(args: argparse.Namespace) -> int:
