@@ -14,9 +14,9 @@
  *
  * Missing rows of the last group count as zero words.
  *
- * pack_signs, bitmap_set, bitmap_indices: what numpy does with a d-byte
- * boolean temporary (greater_equal + packbits, a mask + packbits,
- * unpackbits + flatnonzero), here written straight into the caller's buffer,
+ * pack_signs, unpack_signs, bitmap_set, bitmap_indices: what numpy does with
+ * d-sized temporaries (greater_equal + packbits, take's intp indices, a mask +
+ * packbits, unpackbits + flatnonzero), here written straight into the caller's buffer,
  * so a step allocates nothing.
  *
  * Buffers come through the buffer protocol, so building needs no numpy
@@ -206,6 +206,35 @@ static PyObject *py_pack_signs(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* out[i] = +1 where bit i % 8 of packed[i / 8] is set, else -1 (the inverse of pack_signs). */
+#define UNPACK_SIGNS(T)                                                                 \
+    static void unpack_signs_##T(const unsigned char *packed, Py_ssize_t n, T *out) {  \
+        for (Py_ssize_t i = 0; i < n; ++i) out[i] = ((packed[i >> 3] >> (i & 7)) & 1) ? (T)1 : (T)-1; \
+    }
+UNPACK_SIGNS(float)
+UNPACK_SIGNS(double)
+
+static PyObject *py_unpack_signs(PyObject *self, PyObject *args) {
+    Py_buffer packed, out;
+    Py_ssize_t n, itemsize;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nnw*", &packed, &n, &itemsize, &out)) return NULL;
+    PyObject *result = NULL;
+    if (n < 0 || (itemsize != 4 && itemsize != 8) || packed.len < (n + 7) / 8 || out.len < n * itemsize) {
+        PyErr_Format(PyExc_ValueError, "unpack_signs: bad n=%zd itemsize=%zd or buffers too small", n, itemsize);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        if (itemsize == 4) unpack_signs_float((const unsigned char *)packed.buf, n, (float *)out.buf);
+        else unpack_signs_double((const unsigned char *)packed.buf, n, (double *)out.buf);
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    PyBuffer_Release(&packed);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyObject *py_bitmap_set(PyObject *self, PyObject *args) {
     Py_buffer indices, out;
     Py_ssize_t k, d;
@@ -280,6 +309,9 @@ static PyMethodDef methods[] = {
      "pack_signs(x, n, itemsize, out) -> bool\n\n"
      "Bit i % 8 of out[i // 8] = x[i] >= 0 for the n float32 (itemsize 4) or float64 (8) values of x;\n"
      "pad bits 0.  Returns whether x holds a NaN (packed as 0)."},
+    {"unpack_signs", py_unpack_signs, METH_VARARGS,
+     "unpack_signs(packed, n, itemsize, out)\n\n"
+     "out[i] = +1 where bit i % 8 of packed[i // 8] is set, else -1, for n float32 (itemsize 4) or float64 (8)."},
     {"bitmap_set", py_bitmap_set, METH_VARARGS,
      "bitmap_set(indices, k, d, out)\n\n"
      "Zero the ceil(d / 8) bytes of out, then set bit j % 8 of out[j // 8] for the k int32 indices j."},

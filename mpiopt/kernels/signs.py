@@ -36,7 +36,7 @@ try:  # the optional fused C loops (setup.py); the numpy code below gives the sa
     from . import _votec
 except ImportError:  # pragma: no cover - built without a C compiler
     _votec = None
-if _votec is not None and not hasattr(_votec, "bitmap_indices"):  # pragma: no cover
+if _votec is not None and not hasattr(_votec, "unpack_signs"):  # pragma: no cover
     _votec = None  # a stale build whose vote() counted words, not bytes: rebuild (pip install -e .)
 
 __all__ = [
@@ -217,6 +217,9 @@ def unpack_signs(packed: Any, d: int, dtype: Any = np.float32, out: Any = None) 
     if dtype.kind not in "fi":
         raise TypeError(f"dtype must be a floating or signed integer type, got {dtype}")
     out = _output(xp, out, (d,), dtype)
+    if xp is np and _votec is not None and dtype in _C_FLOATS and packed.flags.c_contiguous:
+        _votec.unpack_signs(packed, d, dtype.itemsize, out)  # no intp index temporary (take's)
+        return out
     table = cached(xp, ("sign_table", dtype.str), lambda: _sign_table(dtype))
     whole = d // 8
     take_rows(table, packed[:whole], out[: 8 * whole].reshape(whole, 8))
