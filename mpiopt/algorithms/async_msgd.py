@@ -40,11 +40,24 @@ grad)`` applies one gradient on this rank without communicating: the
 server's update, with the base class's checks and accounting.  The momentum
 buffer lives where the updates are applied, on rank 0; on the workers it
 stays None.
+
+Continuing and resuming
+-----------------------
+The server's version counter, the staleness histogram and the per-rank
+counts are the algorithm's state (:attr:`AsyncMSGD.version`,
+:attr:`~AsyncMSGD.staleness`, :attr:`~AsyncMSGD.applied`, the same on every
+rank after a run): each ``run`` or ``simulate`` continues them, and each
+rank's ``step`` numbers continue from its count.  ``run`` returns
+quiescent, so between two runs ``state_dict()`` on every rank is the whole
+state (the parameters are the caller's: on return they are the same on every
+rank); a fresh instance that loaded it, given the saved parameters, runs on
+as the first would have: from exactly those parameters, momentum and version
+(in ``simulate``, bitwise, with the iterates its delays still read).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Union
 
 import numpy as np
 
@@ -60,7 +73,9 @@ from ..asyncrt import (
     run_async,
 )
 from ..comm import Topology
-from ..sim.asynchronous import FixedDelay, RandomDelay, simulate
+from ..asyncrt.result import add_counts
+from ..asyncrt.state import ServerStateMixin, state_array, state_count
+from ..sim.asynchronous import FixedDelay, RandomDelay, RecentIterates, simulate
 from .base import Algorithm, check_positive
 from .local import LocalSGD, LocalStepState
 from .registry import register
@@ -97,7 +112,7 @@ class AsyncMSGDRule:
 
 
 @register
-class AsyncMSGD(LocalStepState, Algorithm):
+class AsyncMSGD(ServerStateMixin, LocalStepState, Algorithm):
     """Asynchronous momentum SGD on a parameter server.
 
     Parameters
@@ -116,6 +131,19 @@ class AsyncMSGD(LocalStepState, Algorithm):
         ends all ranks).  ``"skip"`` is refused: the base class decides it
         with a collective, which a server applying one worker's gradient
         cannot call.
+
+    Attributes
+    ----------
+    version : int
+        The server's version: updates applied by every ``run`` and
+        ``simulate`` so far (state; each continues it).
+    staleness : numpy.ndarray
+        Their staleness histogram, ``staleness[t]`` updates of staleness ``t`` (state).
+    applied : numpy.ndarray
+        Per world rank, its updates applied (state; ``simulate``'s one
+        stream counts as rank 0's, as at world size 1).
+    recent : RecentIterates
+        The iterates ``simulate``'s delays may still read (state).
     """
 
     name = "async_msgd"
@@ -129,6 +157,10 @@ class AsyncMSGD(LocalStepState, Algorithm):
         # The rule owns lr (see the property below), so it must exist before the base class sets lr.
         self.rule = AsyncMSGDRule(lr, momentum)
         super().__init__(topology, lr=lr, nan_policy=nan_policy)
+        self.version = 0
+        self.staleness = np.zeros(0, dtype=np.int64)
+        self.applied = np.zeros(topology.size, dtype=np.int64)
+        self.recent = RecentIterates()
 
     # One learning rate for the rule and for schedulers that set ``alg.lr``.
     @property
@@ -156,6 +188,39 @@ class AsyncMSGD(LocalStepState, Algorithm):
     def _apply(self, params: np.ndarray, grad: np.ndarray, arrival: Arrival) -> None:
         # Through ``step`` for the NaN check and the per-update record (``alg.last``).
         self.step(params, grad, loss=arrival.loss)
+
+    def _count(self, result: AsyncResult) -> None:
+        """Add a run's counts to the state (the result is the same on every rank)."""
+        self.version = result.version
+        self.staleness = add_counts(self.staleness, result.staleness)
+        self.applied[: result.applied.size] += result.applied
+
+    # -- the server's state, beside the base class's -----------------------------------------
+    def _server_state(self) -> Dict[str, Any]:
+        recent = self.recent.array
+        return {
+            "version": self.version,
+            "staleness": self.staleness.copy(),
+            "applied": self.applied.copy(),
+            "recent_iterates": None if recent is None else recent.copy(),
+        }
+
+    def _server_loader(self, saved: Any) -> Callable[[], None]:
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"server state must be a mapping, got {saved!r}")
+        version = state_count(saved, "version")
+        staleness = state_array(saved, "staleness", (None,), "iu").astype(np.int64)
+        applied = state_array(saved, "applied", (self.topology.size,), "iu").astype(np.int64)
+        recent = None
+        if saved.get("recent_iterates") is not None:
+            recent = state_array(saved, "recent_iterates", (None, self.num_params), "f").astype(self.dtype)
+            if recent.shape[0] > version:
+                raise ValueError(f"server state 'recent_iterates': {recent.shape[0]} iterates kept before version {version}")
+
+        def restore() -> None:
+            self.version, self.staleness, self.applied, self.recent.array = version, staleness, applied, recent
+
+        return restore
 
     def _check_ready(self, params: np.ndarray) -> None:
         if self.num_params is None:
@@ -185,10 +250,14 @@ class AsyncMSGD(LocalStepState, Algorithm):
         until, max_sleep
             See :func:`mpiopt.asyncrt.run_async`.
 
+        The run continues the state (:attr:`version`, and each rank's
+        ``step`` from its :attr:`applied` count), and adds its counts to it.
+
         Returns
         -------
         AsyncResult
-            Staleness histogram and per-rank counts, the same on every rank.
+            This run's staleness histogram and per-rank counts, and the
+            server's version at its start and end, the same on every rank.
 
         Raises
         ------
@@ -198,9 +267,13 @@ class AsyncMSGD(LocalStepState, Algorithm):
         """
         world = self.topology.world
         agree_on_arguments(world, "async_msgd.run", lambda: (self._check_ready(params), check_run_arguments(params, steps)))
-        result = run_async(world, params, self._apply, worker_fn, steps, until=until, max_sleep=max_sleep)
+        result = run_async(
+            world, params, self._apply, worker_fn, steps, until=until, max_sleep=max_sleep,
+            version=self.version, applied_before=self.applied.tolist(),
+        )
         if world.size > 1 and world.rank != SERVER:
-            self.steps += result.version  # the server counted them in ``step``
+            self.steps += result.version - result.start_version  # the server counted them in ``step``
+        self._count(result)
         return result
 
     def simulate(
@@ -212,6 +285,14 @@ class AsyncMSGD(LocalStepState, Algorithm):
         delay: Union[int, FixedDelay, RandomDelay] = 0,
         until: Optional[UntilFn] = None,
     ) -> AsyncResult:
-        """Deterministic mode on this rank alone: see :func:`mpiopt.sim.asynchronous.simulate`."""
+        """Deterministic mode on this rank alone: see :func:`mpiopt.sim.asynchronous.simulate`.
+
+        It continues this rank's copy of the state (:attr:`version`,
+        :attr:`recent`) and adds its counts to it: ``k`` steps, then ``k``
+        more (on this instance, or on one that loaded its ``state_dict``),
+        are bitwise ``2k`` steps in one call.
+        """
         self._check_ready(params)
-        return simulate(params, self._apply, worker_fn, steps, delay=delay, until=until)
+        result = simulate(params, self._apply, worker_fn, steps, delay=delay, until=until, version=self.version, recent=self.recent)
+        self._count(result)
+        return result

@@ -16,6 +16,8 @@ __all__ = [
     "WorkerFn",
     "UntilFn",
     "staleness_counts",
+    "add_counts",
+    "check_count",
     "check_run_arguments",
     "agree_on_arguments",
 ]
@@ -63,25 +65,41 @@ def staleness_counts(histogram: Dict[int, int]) -> np.ndarray:
     return counts
 
 
+def add_counts(total: np.ndarray, more: np.ndarray) -> np.ndarray:
+    """Two dense count arrays (staleness histograms) added, the shorter one padded with zeros."""
+    out = np.zeros(max(total.size, more.size), dtype=np.int64)
+    out[: total.size] += total
+    out[: more.size] += more
+    return out
+
+
 @dataclass
 class AsyncResult:
     """The outcome of an asynchronous run, identical on every rank except ``sent`` and ``idle_seconds``.
 
+    The server's version counter runs on from one run to the next (a second
+    run, or one resumed from a checkpoint, starts at the previous run's
+    ``version``); the counts are this run's: it applied ``version -
+    start_version`` updates, the ones ``staleness`` and ``applied`` count.
+
     Attributes
     ----------
     version : int
-        Updates applied in all (the server's final version).
+        The server's version at the end: updates applied in this run and
+        every run it continues.
     staleness : numpy.ndarray
-        ``staleness[t]`` = number of applied updates whose staleness was ``t``.
+        ``staleness[t]`` = number of updates of this run whose staleness was ``t``.
     applied : numpy.ndarray
-        ``applied[r]`` = updates applied from world rank ``r``.
+        ``applied[r]`` = updates of this run from world rank ``r``.
     sent : int
-        Payloads this rank sent (its own count; ``applied[rank]`` when none was lost).
+        Payloads this rank sent in this run (``applied[rank]`` when none was lost).
     stopped_early : bool
         ``until`` ended the run before every worker had done its steps.
     idle_seconds : float
         This rank's time spent waiting: the server for arrivals, a worker
         for the server's replies (polling; not in the ledger's wait time).
+    start_version : int
+        The server's version when the run began (0 for a first run).
     """
 
     version: int
@@ -90,6 +108,7 @@ class AsyncResult:
     sent: int
     stopped_early: bool = False
     idle_seconds: float = 0.0
+    start_version: int = 0
 
     @property
     def mean_staleness(self) -> float:
@@ -111,12 +130,22 @@ class AsyncResult:
         """Plain data (for JSON and checkpoints' metadata)."""
         return {
             "version": self.version,
+            "start_version": self.start_version,
             "staleness": self.histogram(),
             "applied": [int(n) for n in self.applied],
             "sent": self.sent,
             "stopped_early": self.stopped_early,
             "idle_seconds": self.idle_seconds,
         }
+
+
+def check_count(name: str, value: Any) -> int:
+    """An integer >= 0 (a step count, a version); the error names ``name`` and ``value``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return int(value)
 
 
 def check_run_arguments(params: Any, steps: Any) -> None:
@@ -127,10 +156,7 @@ def check_run_arguments(params: Any, steps: Any) -> None:
         )
     if params.ndim != 1 or not params.flags.c_contiguous or params.dtype.kind != "f":
         raise ValueError(f"params must be a contiguous 1-D float array, got shape {params.shape} of {params.dtype}")
-    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)):
-        raise TypeError(f"steps must be an integer, got {steps!r}")
-    if steps < 0:
-        raise ValueError(f"steps must be >= 0, got {steps!r}")
+    check_count("steps", steps)
 
 
 def agree_on_arguments(world: Any, what: str, check: Callable[[], None]) -> None:

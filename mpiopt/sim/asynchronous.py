@@ -14,6 +14,12 @@ experiment here and a run on MPI differ only in where ``tau_k`` comes from:
 
 The last ``max_delay + 1`` iterates are kept in a ring buffer (one copy of
 the parameters per step when the delay is not 0).
+
+A run continues an earlier one exactly when it starts at that run's
+``version`` with the iterates a delayed payload may still read
+(:class:`RecentIterates`, updated in place): ``k`` steps, then ``k`` more, is
+bitwise ``2k`` steps in one call.  The step index ``k`` and the delays are
+the server's version throughout (``FixedDelay`` warms up once, at version 0).
 """
 
 from __future__ import annotations
@@ -23,28 +29,24 @@ from typing import Optional, Union
 
 import numpy as np
 
-from ..asyncrt.result import ApplyFn, Arrival, AsyncResult, UntilFn, WorkerFn, check_run_arguments, staleness_counts
+from ..asyncrt.result import ApplyFn, Arrival, AsyncResult, UntilFn, WorkerFn, check_count, check_run_arguments, staleness_counts
 
-__all__ = ["FixedDelay", "RandomDelay", "simulate"]
-
-
-def _check_delay(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-    return int(value)
+__all__ = ["FixedDelay", "RandomDelay", "RecentIterates", "simulate"]
 
 
 class FixedDelay:
     """``tau_k = min(delay, k)``: ``delay + 1`` equally fast workers in round robin."""
 
     def __init__(self, delay: int) -> None:
-        self.delay = _check_delay(delay, "delay")
+        self.delay = check_count("delay", delay)
 
-    def delays(self, steps: int) -> np.ndarray:
-        """``tau_0 .. tau_{steps-1}``."""
-        return np.minimum(self.delay, np.arange(steps))
+    @property
+    def max_delay(self) -> int:
+        return self.delay
+
+    def delays(self, steps: int, start: int = 0) -> np.ndarray:
+        """``tau_start .. tau_{start+steps-1}``."""
+        return np.minimum(self.delay, np.arange(start, start + steps))
 
     def __repr__(self) -> str:
         return f"FixedDelay({self.delay})"
@@ -54,16 +56,45 @@ class RandomDelay:
     """``tau_k`` uniform on ``{0, ..., max_delay}`` (from ``seed``), clipped to ``k``."""
 
     def __init__(self, max_delay: int, seed: int = 0) -> None:
-        self.max_delay = _check_delay(max_delay, "max_delay")
+        self.max_delay = check_count("max_delay", max_delay)
         self.seed = seed
 
-    def delays(self, steps: int) -> np.ndarray:
-        """``tau_0 .. tau_{steps-1}``; the same for every call with the same seed."""
-        drawn = np.random.default_rng(self.seed).integers(0, self.max_delay + 1, size=steps)
-        return np.minimum(drawn, np.arange(steps))
+    def delays(self, steps: int, start: int = 0) -> np.ndarray:
+        """``tau_start .. tau_{start+steps-1}``; the same for every call with the same seed."""
+        # Drawn from the start of the stream, so that a continued run gets the delays of one long run.
+        drawn = np.random.default_rng(self.seed).integers(0, self.max_delay + 1, size=start + steps)[start:]
+        return np.minimum(drawn, np.arange(start, start + steps))
 
     def __repr__(self) -> str:
         return f"RandomDelay({self.max_delay}, seed={self.seed})"
+
+
+class RecentIterates:
+    """The iterates that a later call's delayed payloads may still read: what :func:`simulate` keeps between calls.
+
+    Attributes
+    ----------
+    array : numpy.ndarray or None
+        ``(m, n)``: ``x_{v-m} .. x_{v-1}``, oldest first, where ``x_v`` are
+        the parameters at the server's version ``v``; ``m`` is at most the
+        largest delay of the last call.  None: none kept (no delay, or no
+        call yet).
+    """
+
+    def __init__(self, array: Optional[np.ndarray] = None) -> None:
+        self.array = array
+
+    def held(self, params: np.ndarray, version: int) -> int:
+        """How many iterates are kept (checked against ``params`` and ``version``)."""
+        if self.array is None:
+            return 0
+        if self.array.ndim != 2 or self.array.shape[1] != params.size or self.array.dtype != params.dtype:
+            raise ValueError(
+                f"recent iterates must be an (m, {params.size}) array of {params.dtype}, got shape {self.array.shape} of {self.array.dtype}"
+            )
+        if self.array.shape[0] > version:
+            raise ValueError(f"recent iterates: {self.array.shape[0]} kept before version {version}, which has only {version}")
+        return self.array.shape[0]
 
 
 def simulate(
@@ -74,13 +105,15 @@ def simulate(
     *,
     delay: Union[int, FixedDelay, RandomDelay] = 0,
     until: Optional[UntilFn] = None,
+    version: int = 0,
+    recent: Optional[RecentIterates] = None,
 ) -> AsyncResult:
     """Run ``steps`` updates with a deterministic delay, in this process, without MPI.
 
     Parameters
     ----------
     params : numpy.ndarray
-        Flat float parameters ``x_0``, updated in place to the last iterate.
+        Flat float parameters ``x_version``, updated in place to the last iterate.
     apply : callable
         ``apply(params, payload, arrival)``: the server's update rule.
     worker_fn : callable
@@ -92,22 +125,46 @@ def simulate(
         The staleness model; an int means :class:`FixedDelay`.
     until : callable, optional
         ``until(params, version) -> bool`` after each update; True stops.
+    version : int
+        The server's version of ``params`` (the first ``k``): 0 for a first
+        run, an earlier run's ``result.version`` to continue it.
+    recent : RecentIterates, optional
+        The iterates before ``x_version`` that this call's delays read (an
+        earlier call's, when continuing it); replaced by those the next call
+        may read.  None: none are kept, and a delay may not reach before
+        ``x_version``.
 
     Returns
     -------
     AsyncResult
-        With one stream: ``applied = [version]``.
+        With one stream: ``applied = [updates of this call]``.
+
+    Raises
+    ------
+    ValueError
+        When a delay reaches an iterate before ``x_version`` that ``recent``
+        does not hold (a larger delay than the call that kept them).
     """
     check_run_arguments(params, steps)
+    check_count("version", version)
     model = FixedDelay(delay) if not isinstance(delay, (FixedDelay, RandomDelay)) else delay
-    taus = model.delays(steps)
-    depth = int(taus.max(initial=0)) + 1
+    taus = model.delays(steps, start=version)
+    held = 0 if recent is None else recent.held(params, version)
+    reach = int(np.max(taus - np.arange(steps), initial=0))  # iterates before x_version read
+    if reach > held:
+        raise ValueError(
+            f"delay {model!r} from version {version} reads x_{version - reach}, {reach} iterates back, "
+            f"but only {held} are kept (recent=RecentIterates() keeps those of an earlier call)"
+        )
+    keep = model.max_delay if recent is not None else 0
+    depth = max(int(taus.max(initial=0)), keep) + 1
     history = np.empty((depth, params.size), dtype=params.dtype) if depth > 1 else None
+    for back in range(1, min(held, depth - 1) + 1):
+        history[(version - back) % depth] = recent.array[held - back]
     payload = np.empty_like(params)
     histogram: Counter = Counter()
     stopped = False
-    for k in range(steps):
-        tau = int(taus[k])
+    for k, tau in zip(range(version, version + steps), taus.tolist()):
         if history is not None:
             history[k % depth] = params
         stale = params if tau == 0 else history[(k - tau) % depth]
@@ -115,13 +172,17 @@ def simulate(
         apply(params, payload, Arrival(worker=0, step=k, version=k - tau, staleness=tau, loss=loss))
         histogram[tau] += 1
         if until is not None and until(params, k + 1):
-            stopped = k + 1 < steps
+            stopped = k + 1 < version + steps
             break
-    version = sum(histogram.values())
+    done = sum(histogram.values())
+    if recent is not None:
+        rows, end = min(keep, held + done), version + done
+        recent.array = history[[(end - back) % depth for back in range(rows, 0, -1)]] if rows else None
     return AsyncResult(
-        version=version,
+        version=version + done,
+        start_version=version,
         staleness=staleness_counts(histogram),
-        applied=np.array([version], dtype=np.int64),
-        sent=version,
+        applied=np.array([done], dtype=np.int64),
+        sent=done,
         stopped_early=stopped,
     )
