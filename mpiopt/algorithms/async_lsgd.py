@@ -41,7 +41,7 @@ A worker's step (inside :meth:`AsyncLSGD.run`; nothing blocks)
        ("paper": differences at ``x_t``, subtracted after the local step;
        "convex": mixes after it);
     4. unless a report is still unanswered, every ``report_every`` steps:
-       report (steps so far in this run, running-mean loss), 32 bytes.
+       report (its step count, running-mean loss), 32 bytes.
 
 The server, per message
     A report from ``w`` adds ``w``'s new steps to ``T``.  Every multiple of
@@ -105,6 +105,21 @@ One rank
     SGD (the proximal pull has no copy to go towards).  At two ranks the one
     worker likewise never pulls, and uploads only its LAST.
 
+Continuing and resuming
+    The book is the algorithm's, on the server: a second ``run`` continues
+    it (``T``, rounds, leaders, their copies, the counts of the record), as
+    each worker continues its own state and step count (``worker_fn``'s
+    ``step`` too).  ``run`` returns quiescent: every worker's LAST handled,
+    no pull owed, no upload asked for and not arrived, no receive posted.
+    So ``state_dict()`` on every rank between two runs holds everything
+    (the server's book under ``"server"``; each worker's momentum, losses,
+    leader copy; the parameters are the caller's), and a fresh instance
+    that loaded it runs on as the first would have.  The copies that serve
+    pulls are current at the start of the next run (their leaders have not
+    stepped since their LAST), so a pull owed early in it may go towards
+    them.  At one rank a continued run is bitwise one long run (every count
+    but ``uploads``: one LAST per run).
+
 Cost per pull: 4d bytes, as the synchronous Bcast, and no election
 collective: a report is 32 bytes each way.  The server keeps each worker's
 latest upload twice (one arriving) and a reply buffer per worker (about 3 or
@@ -125,7 +140,7 @@ import math
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -142,6 +157,7 @@ from ..asyncrt import (
     run_policy,
 )
 from ..asyncrt.messages import LAST, PULL_GLOBAL, PULL_LOCAL, STOP, UPLOAD
+from ..asyncrt.state import ServerStateMixin, state_array, state_count
 from ..comm import Topology
 from .base import Algorithm, StepRecord, check_positive
 from .lsgd_rule import LSGDRule, LSGDState, Pull, elect
@@ -199,9 +215,15 @@ class LeaderBook(Policy):
     pulls_on : tuple of bool
         Whether local and global pulls are on (a coefficient > 0); rounds are
         counted either way, debts and uploads only when on.
+
+    The book outlives a run: :meth:`begin` starts the next one, which
+    continues it; :meth:`state_dict` and :meth:`loader` carry it between
+    processes.
     """
 
     keeps_payloads = True  # the latest uploads serve later replies
+    # Per-rank tables that carry over from run to run (``finished`` starts every run False).
+    _TABLES = ("steps", "loss", "uploads", "want_upload", "copy_steps", "copy_rounds", "owed", "crossings", "pulls", "as_leader", "merged")
 
     def __init__(self, groups: Mapping[int, int], period: int, global_period: int, pulls_on: Tuple[bool, bool]) -> None:
         self.workers = sorted(groups)
@@ -245,7 +267,7 @@ class LeaderBook(Policy):
 
     # -- events --------------------------------------------------------------------------
     def note(self, w: int, steps: int, loss: float) -> None:
-        """Worker ``w`` has done ``steps`` steps in this run and its running-mean loss is ``loss``."""
+        """Worker ``w`` has done ``steps`` steps (in all its runs) and its running-mean loss is ``loss``."""
         self.total += steps - int(self.steps[w])
         self.steps[w] = steps
         self.loss[w] = loss
@@ -328,6 +350,69 @@ class LeaderBook(Policy):
             if self.leader[scope] == w and self._shared(scope):
                 self.source[scope] = w
 
+    # -- from run to run ---------------------------------------------------------------------------
+    def begin(self) -> None:
+        """A run starts: every worker runs again; the rest of the book carries on."""
+        self.finished[:] = False
+        self.stopping = False
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The book between two runs as storable values: ``T``, rounds, tables, leaders, sources and copies.
+
+        Of the workers' latest uploads only the sources' are kept: no other
+        copy is read before its owner uploads again.  No upload is asked for
+        and not yet arrived (a worker acts on its last reply before its LAST).
+        """
+        scopes = sorted(self.members)
+        sources = sorted({self.source[s] for s in scopes if self.source[s] >= 0})
+        return {
+            "total_steps": self.total,
+            "rounds": np.array(self.rounds, dtype=np.int64),
+            **{key: getattr(self, key).copy() for key in self._TABLES},
+            "leaders": np.array([self.leader[s] for s in scopes], dtype=np.int64),
+            "sources": np.array([self.source[s] for s in scopes], dtype=np.int64),
+            "copies": {str(w): np.array(self.latest[w]) for w in sources},
+        }
+
+    def loader(self, saved: Any, like: np.ndarray) -> Callable[[], None]:
+        """Check a :meth:`state_dict` against this book and ``like`` (the parameters); return what restores it.
+
+        Raises
+        ------
+        ValueError
+            Naming the entry that does not fit (another world or grouping,
+            a missing copy, another parameter size).
+        """
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"server state must be a mapping (the server's book), got {saved!r}")
+        total = state_count(saved, "total_steps")
+        rounds = state_array(saved, "rounds", (2,), "iu")
+        tables = {}
+        for key in self._TABLES:
+            current = getattr(self, key)
+            kinds = {"b": "b", "f": "f"}.get(current.dtype.kind, "iu")
+            tables[key] = state_array(saved, key, current.shape, kinds).astype(current.dtype)
+        scopes = sorted(self.members)
+        ranks = set(self.workers) | {-1}
+        named = {key: state_array(saved, key, (len(scopes),), "iu").tolist() for key in ("leaders", "sources")}
+        for key, values in named.items():
+            if not set(values) <= ranks:
+                raise ValueError(f"server state {key!r}: {values} names ranks that are not workers here ({self.workers})")
+        copies = saved.get("copies")
+        if not isinstance(copies, Mapping):
+            raise ValueError(f"server state 'copies' must be a mapping (worker rank -> parameters), got {copies!r}")
+        latest = {w: state_array(copies, str(w), (like.size,), "f").astype(like.dtype) for w in set(named["sources"]) - {-1}}
+
+        def restore() -> None:
+            self.total, self.rounds = total, [int(r) for r in rounds]
+            for key, table in tables.items():
+                setattr(self, key, table)
+            self.leader = dict(zip(scopes, named["leaders"]))
+            self.source = dict(zip(scopes, named["sources"]))
+            self.latest, self.requested = latest, {}
+
+        return restore
+
     # -- the runtime's policy -------------------------------------------------------------------
     def receive(self, worker: int, message: Message) -> Optional[Reply]:
         """A report: note it, answer at once; an upload: book it, keep it, no answer (LAST: STOP at the end)."""
@@ -373,7 +458,9 @@ class AsyncLSGDResult:
 
     Per-rank arrays are indexed by world rank (the server's row is zeros);
     ``(size, 2)`` tables have a local and a global column.  For every rank
-    and kind, ``crossings = pulls + as_leader + merged``.
+    and kind, ``crossings = pulls + as_leader + merged``.  The counts are
+    the server's book: they run on over every run of the algorithm (a
+    second run, or a resumed one, adds to them); the times are this run's.
 
     Attributes
     ----------
@@ -434,7 +521,7 @@ class AsyncLSGDResult:
 
 
 @register
-class AsyncLSGD(LSGDState, Algorithm):
+class AsyncLSGD(ServerStateMixin, LSGDState, Algorithm):
     """Asynchronous LSGD (Teng et al. 2019): a server keeps the leaders, workers never wait for each other.
 
     Parameters
@@ -488,11 +575,10 @@ class AsyncLSGD(LSGDState, Algorithm):
         self.pulls_global = 0
         self.last_local_leader = -1
         self.last_global_leader = -1
-        self._groups: List[int] = []  # world rank -> group index
+        self._book: Optional[LeaderBook] = None  # the server's (used on world rank 0), from run to run
         self._leader: Optional[np.ndarray] = None  # the latest leader copy received: the proximal pull's target
         self._link: Optional[Link] = None  # while run() drives this worker
-        self._first_step = 0  # self.steps when the run began
-        self._reported = 0  # steps of this run at the latest report
+        self._reported = 0  # self.steps at the latest report (or LAST)
 
     def hyperparameters(self) -> Dict[str, Any]:
         return {**self.rule.hyperparameters(), "report_every": self.report_every}
@@ -502,7 +588,21 @@ class AsyncLSGD(LSGDState, Algorithm):
             raise TypeError(f"async_lsgd keeps the parameters in host memory: params must be a numpy array, got {type(params).__name__}")
         self.rule.allocate(params)
         self._leader = np.zeros_like(params)
-        self._groups = self.topology.world.allgather_obj(self.topology.group_index)
+        groups = self.topology.world.allgather_obj(self.topology.group_index)
+        size = self.topology.size
+        workers = {w: groups[w] for w in (range(1, size) if size > 1 else [0])}
+        self._book = LeaderBook(workers, self.period, self.global_period, (self.pull_local > 0, self.pull_global > 0))
+
+    # -- the server's book, beside the base class's state -----------------------------------------
+    def _server_state(self) -> Optional[Dict[str, Any]]:
+        return self._book.state_dict() if self.topology.rank == SERVER else None
+
+    def _server_loader(self, saved: Any) -> Callable[[], None]:
+        if self.topology.rank == SERVER:
+            return self._book.loader(saved, self._leader)  # shaped like the parameters
+        if saved is not None:
+            raise ValueError(f"server state on rank {self.topology.rank}: only world rank {SERVER} keeps the book (state saved on another rank?)")
+        return lambda: None
 
     def step(self, params: Any, grad: Any, loss: Optional[float] = None) -> StepRecord:
         """Not for async_lsgd: a worker's steps happen inside :meth:`run`, which drives them and the server."""
@@ -515,7 +615,7 @@ class AsyncLSGD(LSGDState, Algorithm):
             self.topology.raise_or_abort(
                 ValueError(
                     f"async_lsgd: worker_fn returned no loss on rank {self.topology.rank} at step "
-                    f"{self.steps - self._first_step} of this run: the lowest running-mean loss elects the leaders"
+                    f"{self.steps}: the lowest running-mean loss elects the leaders"
                 ),
                 why="the server would wait for its messages for ever",
             )
@@ -523,7 +623,7 @@ class AsyncLSGD(LSGDState, Algorithm):
         pulls = self._take(params, self._link.poll())
         self.rule.record_loss(loss)
         self._pull_and_step(params, grad, pulls)
-        done = self.steps + 1 - self._first_step  # the base class counts this step after _step returns
+        done = self.steps + 1  # the base class counts this step after _step returns
         if not self._link.awaiting and done - self._reported >= self.report_every:
             self._link.send(0, done, self.rule.running_loss())  # a report: no flag, no payload
             self._reported = done
@@ -550,9 +650,9 @@ class AsyncLSGD(LSGDState, Algorithm):
         return pulls
 
     def _upload(self, params: np.ndarray, kind: int) -> None:
-        """Send ``params`` with this run's step count and the running-mean loss; only LAST is answered."""
+        """Send ``params`` with the step count and the running-mean loss; only LAST is answered."""
         self._link.payload()[...] = params
-        self._link.send(kind, self.steps - self._first_step, self.rule.running_loss(), copies=1, answered=bool(kind & LAST))
+        self._link.send(kind, self.steps, self.rule.running_loss(), copies=1, answered=bool(kind & LAST))
 
     # -- the driver ---------------------------------------------------------------------------
     def run(
@@ -574,8 +674,8 @@ class AsyncLSGD(LSGDState, Algorithm):
         worker_fn : callable
             ``worker_fn(params, step, out) -> loss``: this worker's stochastic
             gradient at ``params`` (read-only) into ``out`` and its training
-            loss (required: it elects the leaders); ``step`` counts from 0 in
-            each run.
+            loss (required: it elects the leaders); ``step`` is this worker's
+            step count (:attr:`steps`: it runs on from run to run).
         steps : int, optional
             Local steps of this worker (ranks may differ).
         seconds : float, optional
@@ -585,10 +685,14 @@ class AsyncLSGD(LSGDState, Algorithm):
         max_sleep : float
             Longest pause of a waiting rank (see :class:`~mpiopt.asyncrt.Poller`).
 
+        The run continues the server's book and each worker's state (see
+        "Continuing and resuming" in the module docstring).
+
         Returns
         -------
         AsyncLSGDResult
-            The same record on every rank.
+            The same record on every rank; its counts run on from the
+            earlier runs.
 
         Raises
         ------
@@ -600,11 +704,10 @@ class AsyncLSGD(LSGDState, Algorithm):
         world = self.topology.world
         agree_on_arguments(world, "async_lsgd.run", lambda: self._check_run(params, steps, seconds))
         started = time.perf_counter()
-        size = world.size
-        groups = {w: self._groups[w] for w in (range(1, size) if size > 1 else [0])}
-        book = LeaderBook(groups, self.period, self.global_period, (self.pull_local > 0, self.pull_global > 0))
+        book = self._book
+        book.begin()
         outcome = run_policy(world, book, partial(self._work, params, worker_fn, steps, seconds), params, max_sleep=max_sleep)
-        if size > 1 and world.rank == SERVER and book.global_leader >= 0:
+        if world.size > 1 and world.rank == SERVER and book.global_leader >= 0:
             params[...] = book.latest[book.global_leader]
         return AsyncLSGDResult.from_record(outcome.record, time.perf_counter() - started, outcome.idle_seconds)
 
@@ -621,11 +724,11 @@ class AsyncLSGD(LSGDState, Algorithm):
     def _work(self, params: np.ndarray, worker_fn: WorkerFn, steps: Optional[int], seconds: Optional[float], link: Link) -> None:
         """A worker's run: its steps until ``steps`` or ``seconds`` run out; the last reply's pulls; LAST; STOP."""
         grad = np.empty_like(params)
-        self._link, self._first_step, self._reported = link, self.steps, 0
+        self._link, self._reported = link, self.steps  # the server has this count already (the last run's LAST)
         deadline = math.inf if seconds is None else time.perf_counter() + seconds
         k = 0
         while (steps is None or k < steps) and time.perf_counter() < deadline:
-            loss = worker_fn(params, k, grad)
+            loss = worker_fn(params, self.steps, grad)
             super().step(params, grad, loss=loss)  # the base class's checks and accounting around _step
             k += 1
         self._pull_and_step(params, None, self._take(params, link.wait()))

@@ -18,7 +18,7 @@ worker -> server (:data:`UP`)
 ``kind``        int64      bit flags below
 ``version``     int64      the sender's version: Async-MSGD, the server version
                            its gradient was computed at; async LSGD, the steps
-                           it has done in this run
+                           it has done (in all its runs)
 ``sequence``    int64      1, 2, ... per worker and run (checked by the server:
                            nothing lost, nothing handled twice)
 ``loss``        float64    the worker's loss (NaN for none)
