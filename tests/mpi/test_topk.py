@@ -241,3 +241,68 @@ def test_claim_at_four_ranks_matches_simulation():
         top, reg = distances["topk"][0], distances["regtopk"][0]
         assert top[window].min() > 1e-3, top[window].min()
         assert np.median(reg[window]) < 1e-6, np.median(reg[window])
+
+
+def _dyadic_grad(rank, step, n, dtype):
+    """Multiples of 1/8 in [-64, 64]: exact in float32 and float64, and so are their sums here."""
+    rng = np.random.default_rng([31, rank, step])
+    return (rng.integers(-512, 513, n) / 8.0).astype(dtype)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("density", [0.01, 0.3])  # pairs and bitmap payloads
+def test_float64_selects_as_float32(topology, name, density):
+    """On values exact in both types, float64 sends the same indices as float32, its values in float64."""
+    n, runs = 1001, {}
+    for dtype in (np.float32, np.float64):
+        params = np.zeros(n, dtype)
+        alg = mpiopt.create(name, topology, lr=0.125, density=density, mu=4.0) if name == "regtopk" else \
+            mpiopt.create(name, topology, lr=0.125, density=density)
+        alg.setup(params)
+        sent = []
+        for step in range(4):
+            alg.step(params, _dyadic_grad(topology.rank, step, n, dtype))
+            indices, values = decode(alg.payload, n, dtype)
+            assert values.dtype == dtype and alg.payload.nbytes == encoded_nbytes(alg.k, n, dtype)
+            sent.append((indices.copy(), values.astype(np.float64)))
+        runs[dtype] = (sent, params.astype(np.float64))
+    for (i32, v32), (i64, v64) in zip(runs[np.float32][0], runs[np.float64][0]):
+        np.testing.assert_array_equal(i32, i64)
+        np.testing.assert_array_equal(v32, v64)  # sums of multiples of 1/8 below 2**20: exact in both
+    np.testing.assert_allclose(runs[np.float64][1], runs[np.float32][1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_float64_error_feedback_conserves_mass(topology, name):
+    """e_new + sent == e_old + g exactly, in float64, every step."""
+    n = 2000
+    rng = np.random.default_rng([5, topology.rank])
+    params = rng.standard_normal(n)
+    alg = mpiopt.create(name, topology, lr=0.01, density=0.05)
+    alg.setup(params)
+    error = np.zeros(n)
+    for step in range(5):
+        g = rng.standard_normal(n)
+        alg.step(params, g)
+        indices, values = decode(alg.payload, n, np.float64)
+        rebuilt = alg.error.copy()
+        rebuilt[indices] += values
+        np.testing.assert_array_equal(rebuilt, error + g)
+        error = alg.error.copy()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_float64_full_density_is_dense_sgd(topology, name):
+    """Density 1 in float64: the mean gradient each step, as sgd's Allreduce (to float64 rounding)."""
+    n, lr = 300, 0.05
+    params, reference = _initial(n).astype(np.float64), _initial(n).astype(np.float64)
+    alg = mpiopt.create(name, topology, lr=lr, density=1.0)
+    sgd = mpiopt.create("sgd", topology, lr=lr)
+    alg.setup(params)
+    sgd.setup(reference)
+    for step in range(5):
+        g = _grad(topology.rank, step, n).astype(np.float64) * np.pi  # not exact in float32
+        alg.step(params, g)
+        sgd.step(reference, g.copy())
+    assert params.dtype == np.float64
+    np.testing.assert_allclose(params, reference, rtol=1e-13, atol=1e-13)
