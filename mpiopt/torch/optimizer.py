@@ -488,7 +488,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self.topology.world.Allreduce(self._grads_array, out=self._total_array)
         exchanged = ledger.since(before)
         record = self.algorithm.step_reduced(self._params_array, self._grads_array, self._total_array, loss=_loss_value(loss))
-        self.last = _add_cost(_add_cost(record, exchanged), verdict, sign=-1)  # the verdict is not the step's, as above
+        self.last = _add_cost(_add_cost(record, exchanged), verdict, sign=-1)  # as without overlap, the verdict is no part of the record
         return loss
 
     def finish(self) -> None:

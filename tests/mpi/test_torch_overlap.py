@@ -147,6 +147,7 @@ def test_a_backward_without_step_is_discarded_by_zero_grad(topology):
 
 
 def test_grad_scaler_is_bitwise_and_overflow_skips_on_every_rank(topology):
+    """Steps 0-1 unscale the sums; after step 2 the scales differ (P > 1) and step 3 exchanges again, unscaled."""
     finals = []
     for overlap in (False, True):
         model = Net()
