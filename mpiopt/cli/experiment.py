@@ -1,0 +1,71 @@
+"""``mpiopt experiment NAME``: reproduce one paper's claim here, with its figures and numbers.
+
+Each experiment runs at a fixed number of ranks (see ``--list``); launch it
+with that many, e.g.::
+
+    mpiexec -n 4 python -m mpiopt experiment lsgd --out runs/lsgd
+
+It writes its figures (``results-NAME-*.png``), ``results.json`` (settings
+and numbers) and ``results.md`` into ``--out``.  ``--quick`` shrinks every
+size to a few seconds' run (for the test suite: its numbers mean nothing).
+docs/RESULTS.md states each claim and what the full-size run showed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from ..training.config import UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..experiments import EXPERIMENTS
+
+    parser.add_argument("name", nargs="?", metavar="NAME", help=f"the experiment: {', '.join(EXPERIMENTS)}")
+    parser.add_argument("--list", action="store_true", help="list the experiments, each with the ranks it needs, and exit")
+    parser.add_argument("--out", metavar="DIR", default=None, help="folder for its figures and results (default: runs/experiment-NAME-<date>-<time>)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds; for tests): the numbers mean nothing")
+
+
+def listing() -> str:
+    """One line per experiment: name, the launch command and what it shows."""
+    from ..experiments import EXPERIMENTS, experiment_module
+
+    lines = []
+    for name in EXPERIMENTS:
+        module = experiment_module(name)
+        lines.append(f"{name:<7} mpiexec -n {module.RANKS} python -m mpiopt experiment {name}\n        {module.SUMMARY}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    from ..experiments import EXPERIMENTS, experiment_module
+
+    world = MPI.COMM_WORLD
+    if args.list:
+        if world.rank == 0:
+            print(listing())
+        return 0
+    if args.name is None:
+        raise UsageError(f"name an experiment ({', '.join(EXPERIMENTS)}) or give --list")
+    if args.name not in EXPERIMENTS:
+        raise UsageError(f"unknown experiment {args.name!r}; choose from {', '.join(EXPERIMENTS)}")
+    module = experiment_module(args.name)
+    if world.size != module.RANKS:
+        raise UsageError(
+            f"experiment {args.name} needs {module.RANKS} ranks, got {world.size}: "
+            f"mpiexec -n {module.RANKS} python -m mpiopt experiment {args.name}"
+        )
+    out = args.out or world.bcast(time.strftime(f"runs/experiment-{args.name}-%Y%m%d-%H%M%S") if world.rank == 0 else None)
+    if world.rank == 0:
+        os.makedirs(out, exist_ok=True)
+    world.Barrier()
+    started = time.perf_counter()
+    module.run(out, args.quick)
+    if world.rank == 0:
+        print(f"experiment {args.name} done in {time.perf_counter() - started:.1f} s", flush=True)
+    return 0
