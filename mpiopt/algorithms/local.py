@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from ..arrays import array_module
-from ..kernels.update import sgd_update, update_work
+from ..kernels.update import sgd_update
 from .base import check_positive, check_range
 
 __all__ = ["LocalSGD", "LocalStepState"]
@@ -43,17 +43,24 @@ class LocalSGD:
             raise ValueError(f"nesterov=True needs momentum > 0 and dampening = 0, got momentum={momentum}, dampening={dampening}")
         self.nesterov = nesterov
         self.buffer: Optional[Any] = None  # momentum buffer, allocated at the first step
-        self._work: Optional[List[Any]] = None  # scratch where the fused loop does not run
+        self._work: List[Any] = []  # scratch of the array code (cupy, no C compiler): filled at the first step
 
     def hyperparameters(self) -> Dict[str, Any]:
         return {"momentum": self.momentum, "dampening": self.dampening, "nesterov": self.nesterov, "weight_decay": self.weight_decay}
 
     def allocate(self, params: Any) -> None:
-        """Scratch space for ``params`` (none where the fused loop runs); the momentum buffer appears at the first step."""
-        self._work = update_work(params, weight_decay=self.weight_decay, nesterov=self.nesterov)
+        """Forget the scratch of earlier parameters; it and the momentum buffer appear at the first step.
 
-    def apply(self, params: Any, grad: Any, lr: float) -> None:
-        """``params -= lr * direction(grad)`` in place; ``grad`` is left unchanged.
+        The fused C loop needs no scratch; the array code allocates its own
+        once (in ``apply``) and reuses it.
+        """
+        self._work = []
+
+    def apply(self, params: Any, grad: Any, lr: float, grad_divisor: int = 1) -> None:
+        """``params -= lr * direction(grad / grad_divisor)`` in place; ``grad`` is left unchanged.
+
+        ``grad_divisor`` turns an Allreduce's sum into the average in the same
+        pass, with the bits of ``grad /= grad_divisor`` first.
 
         The same floating-point operations as ``torch.optim.SGD``, each rounded
         on its own (torch fuses ``a + alpha * b`` into one rounding: see
@@ -72,6 +79,7 @@ class LocalSGD:
             nesterov=self.nesterov,
             weight_decay=self.weight_decay,
             first_step=first_step,
+            grad_divisor=grad_divisor,
             work=self._work,
         )
 

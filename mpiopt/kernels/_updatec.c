@@ -3,6 +3,7 @@
  * Computes what mpiopt.kernels.update's array code computes, element by element
  * in one pass over (x, g, b) instead of numpy's five to nine passes:
  *
+ *   g = g / P                                              (an average's divisor, when given)
  *   d = g                      or  d = x * wd + g          (weight decay)
  *   b = d                                                  (first step)
  *   b = b * m + d              or  b = b * m + d * (1 - dampening)
@@ -40,11 +41,13 @@
  * each case below compiles into its own branch-free (vectorized) loop. */
 #define DEFINE_LOOP(T, NAME, ABS, MAX)                                                                  \
     ALWAYS_INLINE int NAME(Py_ssize_t n, T *restrict x, const T *restrict g, T *restrict b, T lr, T wd, \
-                           T mom, T scale, int decay, int momentum, int first, int damp, int nesterov) {  \
+                           T mom, T scale, T div, int divide, int decay, int momentum, int first, int damp, \
+                           int nesterov) {                                                              \
         int finite = 1;                                                                                 \
         for (Py_ssize_t i = 0; i < n; ++i) {                                                            \
-            const T gi = g[i];                                                                          \
+            T gi = g[i];                                                                                \
             finite &= ABS(gi) <= MAX; /* false for inf and NaN */                                       \
+            if (divide) gi = gi / div;                                                                  \
             T d = gi;                                                                                   \
             if (decay) {                                                                                \
                 const T t = x[i] * wd;                                                                  \
@@ -81,37 +84,44 @@
 DEFINE_LOOP(float, loop_f32, fabsf, FLT_MAX)
 DEFINE_LOOP(double, loop_f64, fabs, DBL_MAX)
 
-/* One specialized loop per case: (decay) x (no momentum | first/later x plain/dampened/Nesterov). */
-#define DISPATCH(LOOP, T)                                                                              \
-    do {                                                                                               \
-        T *x_ = (T *)x;                                                                                \
-        const T *g_ = (const T *)g;                                                                    \
-        T *b_ = (T *)b;                                                                                \
-        const T lr_ = (T)lr, wd_ = (T)wd, m_ = (T)mom, s_ = (T)scale;                                  \
-        if (!momentum) {                                                                               \
-            if (decay) return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 1, 0, 0, 0, 0);                    \
-            return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 0, 0, 0, 0, 0);                               \
-        }                                                                                              \
-        if (first) {                                                                                   \
-            if (decay) {                                                                               \
-                if (nesterov) return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 1, 1, 1, 0, 1);             \
-                return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 1, 1, 1, 0, 0);                           \
-            }                                                                                          \
-            if (nesterov) return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 0, 1, 1, 0, 1);                 \
-            return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 0, 1, 1, 0, 0);                               \
-        }                                                                                              \
-        if (decay) {                                                                                   \
-            if (nesterov) return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 1, 1, 0, 0, 1);                 \
-            if (damp) return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 1, 1, 0, 1, 0);                     \
-            return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 1, 1, 0, 0, 0);                               \
-        }                                                                                              \
-        if (nesterov) return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 0, 1, 0, 0, 1);                     \
-        if (damp) return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 0, 1, 0, 1, 0);                         \
-        return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, 0, 1, 0, 0, 0);                                   \
+/* One specialized loop per case: (divide) x (decay) x (no momentum | first/later x plain/dampened/Nesterov). */
+#define CASE(LOOP, DIV, DEC, MOM, FIRST, DAMP, NEST) \
+    return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, p_, DIV, DEC, MOM, FIRST, DAMP, NEST)
+#define CASES(LOOP, DIV)                                                    \
+    do {                                                                    \
+        if (!momentum) {                                                    \
+            if (decay) CASE(LOOP, DIV, 1, 0, 0, 0, 0);                      \
+            CASE(LOOP, DIV, 0, 0, 0, 0, 0);                                 \
+        }                                                                   \
+        if (first) {                                                        \
+            if (decay) {                                                    \
+                if (nesterov) CASE(LOOP, DIV, 1, 1, 1, 0, 1);               \
+                CASE(LOOP, DIV, 1, 1, 1, 0, 0);                             \
+            }                                                               \
+            if (nesterov) CASE(LOOP, DIV, 0, 1, 1, 0, 1);                   \
+            CASE(LOOP, DIV, 0, 1, 1, 0, 0);                                 \
+        }                                                                   \
+        if (decay) {                                                        \
+            if (nesterov) CASE(LOOP, DIV, 1, 1, 0, 0, 1);                   \
+            if (damp) CASE(LOOP, DIV, 1, 1, 0, 1, 0);                       \
+            CASE(LOOP, DIV, 1, 1, 0, 0, 0);                                 \
+        }                                                                   \
+        if (nesterov) CASE(LOOP, DIV, 0, 1, 0, 0, 1);                       \
+        if (damp) CASE(LOOP, DIV, 0, 1, 0, 1, 0);                           \
+        CASE(LOOP, DIV, 0, 1, 0, 0, 0);                                     \
+    } while (0)
+#define DISPATCH(LOOP, T)                                                                      \
+    do {                                                                                       \
+        T *x_ = (T *)x;                                                                        \
+        const T *g_ = (const T *)g;                                                            \
+        T *b_ = (T *)b;                                                                        \
+        const T lr_ = (T)lr, wd_ = (T)wd, m_ = (T)mom, s_ = (T)scale, p_ = (T)divisor;         \
+        if (divisor != 1.0) CASES(LOOP, 1);                                                    \
+        CASES(LOOP, 0);                                                                        \
     } while (0)
 
-static int run(int itemsize, Py_ssize_t n, void *x, const void *g, void *b, double lr, double wd, double mom,
-               double scale, int decay, int momentum, int first, int damp, int nesterov) {
+static int run(int itemsize, Py_ssize_t n, void *x, const void *g, void *b, double divisor, double lr, double wd,
+               double mom, double scale, int decay, int momentum, int first, int damp, int nesterov) {
     if (itemsize == 4) DISPATCH(loop_f32, float);
     DISPATCH(loop_f64, double);
 }
@@ -127,12 +137,12 @@ static int float_itemsize(const Py_buffer *view) {
 
 static PyObject *py_sgd(PyObject *self, PyObject *args) {
     PyObject *xo, *go, *bo;
-    double lr, wd, mom, dampening;
+    double divisor, lr, wd, mom, dampening;
     int nesterov, first;
     Py_buffer x = {0}, g = {0}, b = {0};
     int have_b = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOddddpp", &xo, &go, &bo, &lr, &wd, &mom, &dampening, &nesterov, &first))
+    if (!PyArg_ParseTuple(args, "OOOdddddpp", &xo, &go, &bo, &divisor, &lr, &wd, &mom, &dampening, &nesterov, &first))
         return NULL;
     if (PyObject_GetBuffer(xo, &x, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return NULL;
     PyObject *result = NULL;
@@ -158,8 +168,8 @@ static PyObject *py_sgd(PyObject *self, PyObject *args) {
     const Py_ssize_t n = x.len / itemsize;
     int finite;
     Py_BEGIN_ALLOW_THREADS
-    finite = run(itemsize, n, x.buf, g.buf, have_b ? b.buf : NULL, lr, wd, mom, 1.0 - dampening, wd != 0.0,
-                 mom != 0.0, first, dampening != 0.0, nesterov);
+    finite = run(itemsize, n, x.buf, g.buf, have_b ? b.buf : NULL, divisor, lr, wd, mom, 1.0 - dampening,
+                 wd != 0.0, mom != 0.0, first, dampening != 0.0, nesterov);
     Py_END_ALLOW_THREADS
     result = PyBool_FromLong(finite);
 done:
@@ -171,9 +181,10 @@ done:
 
 static PyMethodDef methods[] = {
     {"sgd", py_sgd, METH_VARARGS,
-     "sgd(params, grad, buffer, lr, weight_decay, momentum, dampening, nesterov, first_step) -> bool\n\n"
+     "sgd(params, grad, buffer, divisor, lr, weight_decay, momentum, dampening, nesterov, first_step) -> bool\n\n"
      "torch.optim.SGD's update of params (and of the momentum buffer, None when momentum == 0) in\n"
-     "place, in one pass; contiguous, non-overlapping float32 or float64 buffers of equal length.\n"
+     "place, in one pass, for the gradient grad / divisor; contiguous, non-overlapping float32 or\n"
+     "float64 buffers of equal length.\n"
      "Returns whether every element of grad is finite."},
     {NULL, NULL, 0, NULL},
 };

@@ -1,6 +1,7 @@
 """torch.optim.SGD's local update as one function: a fused C loop, or array code.
 
-``d = grad + weight_decay * x``; with momentum ``b = momentum * b + (1 -
+``g = grad / grad_divisor`` (an average's division folded in; skipped for 1),
+``d = g + weight_decay * x``; with momentum ``b = momentum * b + (1 -
 dampening) * d`` (``b = d`` at the first step), then ``s = d + momentum * b``
 (Nesterov) or ``s = b``; without momentum ``s = d``; finally ``x = x - lr * s``.
 
@@ -16,19 +17,19 @@ fused multiply-add, which rounds once where this rounds twice.
 from __future__ import annotations
 
 import numbers
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional
 
 import numpy as np
 
 from ..arrays import array_module
-from ._backend import check_array
+from ._backend import check_array, check_count
 
 try:
     from . import _updatec
 except ImportError:  # built without a C compiler: the array code below is used
     _updatec = None
 
-__all__ = ["fused_update_available", "sgd_update", "update_work"]
+__all__ = ["fused_update_available", "sgd_update"]
 
 _FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -45,23 +46,6 @@ def fused_update_available(params: Any) -> bool:
         and params.dtype in _FUSED_DTYPES
         and params.flags.c_contiguous
     )
-
-
-def update_work(params: Any, *, weight_decay: float, nesterov: bool) -> List[Any]:
-    """Scratch arrays for :func:`sgd_update`'s array code, allocated once by the caller.
-
-    Returns
-    -------
-    list of array
-        Empty where the fused loop runs (it needs none); otherwise one array like
-        ``params``, two for Nesterov momentum with weight decay.
-    """
-    return [] if fused_update_available(params) else _work(params, weight_decay, nesterov)
-
-
-def _work(params: Any, weight_decay: float, nesterov: bool) -> List[Any]:
-    xp = array_module(params)
-    return [xp.empty_like(params) for _ in range(2 if nesterov and weight_decay else 1)]
 
 
 def _real(name: str, value: Any) -> float:
@@ -81,8 +65,9 @@ def sgd_update(
     nesterov: bool = False,
     weight_decay: float = 0.0,
     first_step: bool = False,
+    grad_divisor: int = 1,
     check_finite: bool = False,
-    work: Optional[Sequence[Any]] = None,
+    work: Optional[List[Any]] = None,
 ) -> Optional[bool]:
     """``params -= lr * step(grad)`` in place, with torch.optim.SGD's momentum and weight decay.
 
@@ -103,17 +88,23 @@ def sgd_update(
         Nesterov momentum.
     first_step : bool
         The buffer's first step: ``b = d`` instead of ``b = momentum * b + ...``.
+    grad_divisor : int
+        Use ``grad / grad_divisor`` (rounded to the dtype, as numpy's ``grad /=
+        grad_divisor``) as the gradient: an Allreduce's sum becomes the average
+        in the same pass.
     check_finite : bool
         Also report whether every element of ``grad`` is finite (free in the
         fused loop; one more pass in the array code).
-    work : sequence of array, optional
-        Scratch for the array code, as :func:`update_work` returns; allocated
-        per call when omitted.  The fused loop uses none.
+    work : list of array, optional
+        Scratch for the array code: the arrays it lacks are allocated and
+        appended, so a caller that passes the same list every time allocates
+        once.  The fused loop uses none.
 
     Returns
     -------
     bool or None
-        With ``check_finite``, whether every gradient element is finite; else None.
+        With ``check_finite``, whether every element of ``grad`` (before the
+        division) is finite; else None.
 
     Raises
     ------
@@ -128,6 +119,7 @@ def sgd_update(
     )
     if not isinstance(nesterov, bool):
         raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
+    grad_divisor = check_count("grad_divisor", grad_divisor, 1)
     arrays = [("grad", grad)] + ([("buffer", buffer)] if momentum else [])
     if momentum and buffer is None:
         raise ValueError(f"momentum={momentum} needs a buffer, got buffer=None")
@@ -143,13 +135,17 @@ def sgd_update(
                     raise ValueError(f"{first_name} and {second_name} must not overlap")
     if fused_update_available(params) and all(arr.flags.c_contiguous for _, arr in arrays):
         finite = _updatec.sgd(
-            params, grad, buffer if momentum else None, lr, weight_decay, momentum, dampening, nesterov, bool(first_step)
+            params, grad, buffer if momentum else None, grad_divisor, lr, weight_decay, momentum, dampening, nesterov,
+            bool(first_step),
         )
         return finite if check_finite else None
-    if not work:
-        work = _work(params, weight_decay, nesterov)
+    work = [] if work is None else work
+    # A second array where an operand must be formed while work[0] holds d (see _array_update).
+    d_in_work = grad_divisor != 1 or weight_decay
+    needed = 2 if (weight_decay and grad_divisor != 1) or (nesterov and momentum and d_in_work) else 1
+    work.extend(xp.empty_like(params) for _ in range(needed - len(work)))
     with np.errstate(all="ignore"):  # inf - inf is NaN here as in the C loop, silently in both
-        _array_update(xp, params, grad, buffer, lr, momentum, dampening, nesterov, weight_decay, bool(first_step), work)
+        _array_update(xp, params, grad, buffer, grad_divisor, lr, momentum, dampening, nesterov, weight_decay, bool(first_step), work)
     return bool(xp.isfinite(grad).all()) if check_finite else None
 
 
@@ -158,26 +154,32 @@ def _array_update(
     params: Any,
     grad: Any,
     buffer: Any,
+    grad_divisor: int,
     lr: float,
     momentum: float,
     dampening: float,
     nesterov: bool,
     weight_decay: float,
     first_step: bool,
-    work: Sequence[Any],
+    work: List[Any],
 ) -> None:
     """The update as array calls: the fused loop's operations, one pass each.
 
-    Each intermediate goes straight into ``work[0]`` (``work[1]`` holds
-    ``momentum * b`` for Nesterov with weight decay); the scalars are cast to
-    the parameters' dtype so that numpy computes in that dtype, as the C loop does.
+    Each intermediate goes straight into ``work[0]``; ``work[1]`` holds a
+    second operand (``weight_decay * x`` or ``momentum * b``) where ``work[0]``
+    already holds ``d``.  The scalars are cast to the parameters' dtype so
+    that numpy computes in that dtype, as the C loop does.
     """
     scalar = params.dtype.type
     out = work[0]
     d = grad
+    if grad_divisor != 1:
+        xp.divide(grad, scalar(grad_divisor), out=out)
+        d = out
     if weight_decay:
-        xp.multiply(params, scalar(weight_decay), out=out)
-        out += grad
+        term = out if d is grad else work[1]
+        xp.multiply(params, scalar(weight_decay), out=term)
+        xp.add(term, d, out=out)
         d = out
     step = d
     if momentum:
@@ -191,12 +193,9 @@ def _array_update(
             else:
                 buffer += d
         if nesterov:
-            if d is grad:  # out is free: m * b there, then + d
-                xp.multiply(buffer, scalar(momentum), out=out)
-                xp.add(d, out, out=out)
-            else:
-                xp.multiply(buffer, scalar(momentum), out=work[1])
-                xp.add(d, work[1], out=out)
+            term = out if d is grad else work[1]
+            xp.multiply(buffer, scalar(momentum), out=term)
+            xp.add(d, term, out=out)
             step = out
         else:
             step = buffer
