@@ -261,12 +261,21 @@ class Comm:
         return float(pair["value"][0]), int(pair["rank"][0])
 
     # -- gathers and scatters -----------------------------------------------------------------
-    def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
-        """Gather every rank's ``sendbuf`` into ``recvbuf`` (``size`` blocks, rank order)."""
+    def _allgather(self, sendbuf: Any, recvbuf: Any, nonblocking: bool) -> Any:
         s = nbytes(sendbuf)
         if nbytes(recvbuf) != s * self.size:
             raise ValueError(f"recvbuf has {nbytes(recvbuf)} bytes; expected size x sendbuf = {s * self.size}")
-        self._run("Allgather", self._others(s), s * (self.size - 1), self._comm.Allgather, [(sendbuf, True, False), (recvbuf, False, True)])
+        fn, name = (self._comm.Iallgather, "Iallgather") if nonblocking else (self._comm.Allgather, "Allgather")
+        buffers = [(sendbuf, True, False), (recvbuf, False, True)]
+        return self._run(name, self._others(s), s * (self.size - 1), fn, buffers, nonblocking)
+
+    def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
+        """Gather every rank's ``sendbuf`` into ``recvbuf`` (``size`` blocks, rank order)."""
+        self._allgather(sendbuf, recvbuf, nonblocking=False)
+
+    def Iallgather(self, sendbuf: Any, recvbuf: Any) -> Request:
+        """Nonblocking :meth:`Allgather`; the buffers must not be touched until the request completes."""
+        return self._allgather(sendbuf, recvbuf, nonblocking=True)
 
     def Allgatherv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int]) -> None:
         """Gather blocks of different lengths; ``counts[r]`` elements from rank ``r``, packed in rank order."""
@@ -285,14 +294,22 @@ class Comm:
             lambda s, r: self._comm.Allgatherv(s, [r, counts]), [(sendbuf, True, False), (recvbuf, False, True)],
         )
 
-    def Alltoall(self, sendbuf: Any, recvbuf: Any) -> None:
-        """Send block ``j`` of ``sendbuf`` to rank ``j``; receive rank ``j``'s block ``rank`` into block ``j``."""
+    def _alltoall(self, sendbuf: Any, recvbuf: Any, nonblocking: bool) -> Any:
         if nbytes(sendbuf) != nbytes(recvbuf) or nbytes(sendbuf) % self.size:
             raise ValueError(
                 f"Alltoall needs equal send and receive sizes divisible by {self.size}; got {nbytes(sendbuf)} and {nbytes(recvbuf)}"
             )
         others = nbytes(sendbuf) // self.size * (self.size - 1)
-        self._run("Alltoall", others, others, self._comm.Alltoall, [(sendbuf, True, False), (recvbuf, False, True)])
+        fn, name = (self._comm.Ialltoall, "Ialltoall") if nonblocking else (self._comm.Alltoall, "Alltoall")
+        return self._run(name, others, others, fn, [(sendbuf, True, False), (recvbuf, False, True)], nonblocking)
+
+    def Alltoall(self, sendbuf: Any, recvbuf: Any) -> None:
+        """Send block ``j`` of ``sendbuf`` to rank ``j``; receive rank ``j``'s block ``rank`` into block ``j``."""
+        self._alltoall(sendbuf, recvbuf, nonblocking=False)
+
+    def Ialltoall(self, sendbuf: Any, recvbuf: Any) -> Request:
+        """Nonblocking :meth:`Alltoall`; the buffers must not be touched until the request completes."""
+        return self._alltoall(sendbuf, recvbuf, nonblocking=True)
 
     def Alltoallv(self, sendbuf: Any, sendcounts: Sequence[int], recvbuf: Any, recvcounts: Sequence[int]) -> None:
         """Alltoall with per-rank element counts (blocks packed in rank order)."""

@@ -11,18 +11,18 @@ Bytes are *payload bytes exchanged with other ranks*, as the MPI standard's
 semantics define them, independent of the algorithm the MPI library picks
 (ring, tree, ...).  A rank's own contribution never counts:
 
-=================  ===============================  =================================
-operation          sent by this rank                received by this rank
-=================  ===============================  =================================
-Allreduce(n)       n                                n
-Bcast(n)           n at the root, 0 elsewhere       0 at the root, n elsewhere
-Allgather(s)       s                                (P-1) s
-Allgatherv         own count                        sum of the others' counts
-Alltoall(b/block)  (P-1) b                          (P-1) b
-Reduce_scatter     n - own block                    (P-1) own block
-Send/Isend(n)      n                                0
-Recv/Irecv(n)      0                                n
-=================  ===============================  =================================
+============================  ===============================  =================================
+operation                     sent by this rank                received by this rank
+============================  ===============================  =================================
+Allreduce/Iallreduce(n)       n                                n
+Bcast(n)                      n at the root, 0 elsewhere       0 at the root, n elsewhere
+Allgather/Iallgather(s)       s                                (P-1) s
+Allgatherv                    own count                        sum of the others' counts
+Alltoall/Ialltoall(b/block)   (P-1) b                          (P-1) b
+Reduce_scatter                n - own block                    (P-1) own block
+Send/Isend(n)                 n                                0
+Recv/Irecv(n)                 0                                n
+============================  ===============================  =================================
 
 At one rank every collective moves 0 bytes (nothing crosses a wire); a
 point-to-point message counts its bytes whoever the peer is (a rank may send
@@ -51,7 +51,7 @@ __all__ = ["OpStats", "Ledger", "NONBLOCKING_OPS", "SPAN_KINDS"]
 
 # Operations whose ``seconds`` run from posting to completion (overlapping
 # other work); only their ``wait_seconds`` is time this rank was blocked.
-NONBLOCKING_OPS = frozenset({"Iallreduce", "Isend", "Irecv"})
+NONBLOCKING_OPS = frozenset({"Iallreduce", "Iallgather", "Ialltoall", "Isend", "Irecv"})
 
 #: The ``kind`` argument of :attr:`Ledger.listener` calls.
 SPAN_KINDS = ("blocking", "inflight", "wait")

@@ -8,6 +8,7 @@ import torch
 from mpi4py import MPI
 
 from mpiopt.comm import Comm, SetupMismatchError
+from mpiopt.comm.ledger import NONBLOCKING_OPS
 
 pytestmark = pytest.mark.mpi
 
@@ -214,3 +215,30 @@ def test_requests_in_flight_get_their_own_staging_lanes(comm):
     assert comm._busy_lanes["Irecv"] == set() and comm._busy_lanes["Isend"] == set()
     for j in range(2):
         np.testing.assert_array_equal(recvs[j], 10 * ((r - 1) % P) + j)
+
+
+def test_nonblocking_allgather_and_alltoall_match_the_blocking_ones(comm):
+    """Iallgather/Ialltoall in flight together: the blocking calls' results and ledger bytes, under their own names."""
+    P, r = comm.size, comm.rank
+    send_g = np.full(7, r, dtype=np.uint8)
+    recv_g = np.empty(7 * P, dtype=np.uint8)
+    send_a = (np.arange(P * 3) + 100 * r).astype(np.float64)
+    recv_a = np.empty_like(send_a)
+    requests = [comm.Iallgather(send_g, recv_g), comm.Ialltoall(send_a, recv_a)]
+    for req in reversed(requests):  # completion order need not be posting order
+        req.Wait()
+    np.testing.assert_array_equal(recv_g, np.repeat(np.arange(P), 7))
+    np.testing.assert_array_equal(recv_a, np.concatenate([(np.arange(3) + 3 * r + 100 * q) for q in range(P)]))
+    assert one(comm.ledger, "Iallgather") == ((7 if P > 1 else 0), 7 * (P - 1))
+    assert one(comm.ledger, "Ialltoall") == (8 * 3 * (P - 1),) * 2
+    assert "world.Allgather" not in comm.ledger.ops and "world.Alltoall" not in comm.ledger.ops
+    for op in ("Iallgather", "Ialltoall"):
+        assert op in NONBLOCKING_OPS
+        assert comm.ledger[f"world.{op}"].seconds >= comm.ledger[f"world.{op}"].wait_seconds >= 0
+
+
+def test_nonblocking_gathers_check_sizes(comm):
+    with pytest.raises(ValueError, match="recvbuf has 3 bytes; expected size x sendbuf"):
+        comm.Iallgather(np.zeros(2, np.uint8), np.zeros(3, np.uint8))
+    with pytest.raises(ValueError, match="Alltoall needs equal send and receive sizes"):
+        comm.Ialltoall(np.zeros(2 * comm.size, np.uint8), np.zeros(2 * comm.size + 1, np.uint8))
