@@ -24,7 +24,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["TrainConfig", "UsageError", "ALGORITHM_DEFAULTS", "add_config_arguments", "config_from_args", "command_settings", "dump_toml"]
+__all__ = ["TrainConfig", "UsageError", "ALGORITHM_DEFAULTS", "DDP", "add_config_arguments", "config_from_args", "command_settings", "dump_toml"]
 
 
 class UsageError(ValueError):
@@ -45,6 +45,9 @@ ALGORITHM_DEFAULTS: Dict[str, Dict[str, Any]] = {
     "async_msgd": {"lr": 0.05, "momentum": 0.5},
     "async_lsgd": {"lr": 0.05},
 }
+#: The torch DDP-on-gloo baseline (:mod:`mpiopt.training.ddp`): not an mpiopt algorithm, so opt-in by name;
+#: it takes ``sgd``'s defaults, being the same mathematics (mean-gradient SGD with momentum).
+DDP = "ddp"
 
 DATASETS = ("digits", "cifar10", "synthetic")
 MODELS = ("mlp", "cnn", "resnet20")
@@ -86,7 +89,7 @@ class TrainConfig:
         name = algorithm or self.algorithm
         shared = {k: v for k, v in self.hyperparameters.items() if not isinstance(v, dict)}
         own = self.hyperparameters.get(name, {})
-        hyper = {**ALGORITHM_DEFAULTS.get(name, {}), **shared, **own}
+        hyper = {**ALGORITHM_DEFAULTS.get("sgd" if name == DDP else name, {}), **shared, **own}
         if self.lr is not None:
             hyper["lr"] = self.lr
         return hyper
@@ -95,10 +98,13 @@ class TrainConfig:
         """Raise :class:`UsageError` naming the first bad setting (no MPI, no file system beyond the paths)."""
         from ..algorithms import available
 
-        known = available()
+        known = available() + [DDP]
         for name in algorithms:
             if name not in known:
                 raise UsageError(f"unknown algorithm {name!r}; choose from {', '.join(known)}")
+        if DDP in algorithms and (self.checkpoint_every or self.resume):
+            raise UsageError(f"--checkpoint-every and --resume are not supported for the {DDP} baseline (torch DDP on gloo); "
+                             "train it without checkpoints")
         if self.dataset not in DATASETS:
             raise UsageError(f"unknown dataset {self.dataset!r}; choose from {', '.join(DATASETS)}")
         if self.model not in MODELS:
@@ -135,12 +141,17 @@ class TrainConfig:
         """Construct nothing, but check the keyword names against the algorithm's signature."""
         import inspect
 
-        from ..algorithms import algorithm_class
+        if name == DDP:
+            from .ddp import hyperparameter_names
 
-        parameters = inspect.signature(algorithm_class(name).__init__).parameters
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-            return  # passes keywords on: the algorithm's constructor names a bad one (see loop.train)
-        accepted = set(parameters) - {"self", "topology"}
+            accepted = set(hyperparameter_names())
+        else:
+            from ..algorithms import algorithm_class
+
+            parameters = inspect.signature(algorithm_class(name).__init__).parameters
+            if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+                return  # passes keywords on: the algorithm's constructor names a bad one (see loop.train)
+            accepted = set(parameters) - {"self", "topology"}
         unknown = sorted(set(self.algorithm_hyperparameters(name)) - accepted)
         if unknown:
             raise UsageError(f"{name} has no hyperparameter {', '.join(map(repr, unknown))}; it takes {', '.join(sorted(accepted))}")
@@ -157,7 +168,7 @@ def _positive(name: str, value: Any, integer: bool = False) -> None:
 
 # -- command-line flags ---------------------------------------------------------------------------------
 _HELP = {
-    "algorithm": "algorithm to train with: {choices}",
+    "algorithm": "algorithm to train with: {choices}, or ddp (the baseline: torch DistributedDataParallel on gloo, sgd's defaults)",
     "dataset": "dataset: digits (8x8 handwritten digits shipped with scikit-learn, offline), cifar10 (binary batches in --data-dir), synthetic (Gaussian clusters)",
     "data_dir": "folder of the dataset files (cifar10: data_batch_1.bin..test_batch.bin; digits: digits.csv.gz, default: scikit-learn's copy)",
     "model": "model: mlp (2 hidden layers of --width, default 128), cnn (2 conv layers, width 32), resnet20 (He et al., width 16)",
@@ -239,7 +250,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     if command == "compare":
         parser.add_argument(
             "--algorithms", default=None, metavar="A,B,...",
-            help=f"comma-separated algorithms to compare, one after another on the same task, seed and ranks (default: all: {','.join(available())})",
+            help=f"comma-separated algorithms to compare, one after another on the same task, seed and ranks (default: all: {','.join(available())}); "
+            f"add {DDP} for the baseline torch DistributedDataParallel on gloo",
         )
     parser.add_argument(
         "--hp", action="append", default=[], metavar="KEY=VALUE",

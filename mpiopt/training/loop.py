@@ -13,9 +13,10 @@ What a run does, on every rank:
 4. on rank 0, writes a JSON-lines record per step and per evaluation
    (:mod:`mpiopt.metrics.records`) and reports progress.
 
-Which model is evaluated: ``sgd``, ``signum``, ``topk`` and ``regtopk`` keep
-every rank's model identical, and that model is evaluated; for ``easgd``,
-``lsgd`` and ``dasgd`` (ranks differ between averaging points) it is the
+Which model is evaluated: ``sgd``, ``signum``, ``topk``, ``regtopk`` and the
+``ddp`` baseline (:mod:`mpiopt.training.ddp`) keep every rank's model
+identical, and that model is evaluated; for ``easgd``, ``lsgd`` and
+``dasgd`` (ranks differ between averaging points) it is the
 average of the ranks' models; for the asynchronous algorithms (evaluated at
 the end only, the ranks being busy in the runtime) it is the server's model
 (``async_msgd``: the final parameters, the same on every rank; ``async_lsgd``:
@@ -46,12 +47,13 @@ from ..tasks.models import build_model
 from ..torch import DistributedOptimizer, average_buffers, broadcast_module
 from .checkpointing import Checkpointer, Interrupted
 from .config import DEFAULT_EPOCHS, TrainConfig, UsageError
+from .ddp import DDP, NOTES, DDPBaseline
 from .progress import Progress
 
 __all__ = ["train", "load_data", "agree_or_fail", "IDENTICAL_RANKS", "ASYNCHRONOUS"]
 
 #: Algorithms that keep every rank's parameters identical after every step.
-IDENTICAL_RANKS = frozenset({"sgd", "signum", "topk", "regtopk"})
+IDENTICAL_RANKS = frozenset({"sgd", "signum", "topk", "regtopk", DDP})
 #: Algorithms driven by DistributedOptimizer.run (world rank 0 serves).
 ASYNCHRONOUS = frozenset({"async_msgd", "async_lsgd"})
 EVAL_BATCH = 1000
@@ -187,10 +189,14 @@ def train(
     model = build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, width=config.width, dropout=config.dropout)
     hyper = config.algorithm_hyperparameters(algorithm)
     try:  # validation before any communication: every rank fails alike
-        opt = DistributedOptimizer(model.parameters(), algorithm, topology=topology, **hyper)
+        if algorithm == DDP:
+            opt: Any = DDPBaseline(model, topology, **hyper)
+        else:
+            opt = DistributedOptimizer(model.parameters(), algorithm, topology=topology, **hyper)
     except (TypeError, ValueError) as err:
         raise UsageError(f"{algorithm}: {err}") from None
     broadcast_module(model, topology)
+    network = opt.network if algorithm == DDP else model  # the forward pass through DDP: its hooks average the gradient
     torch.manual_seed(config.seed + 1 + rank)  # dropout differs between ranks, reproducibly
     workers = max(1, size - 1) if asynchronous else size
     worker_rank = max(0, rank - 1) if asynchronous else rank
@@ -219,6 +225,7 @@ def train(
             "config": {**asdict(config), "algorithm": algorithm, "hyperparameters": hyper}, "world_size": size,
             "versions": versions(), "steps": steps, "batches_per_epoch": sampler.batches_per_epoch,
             "parameters": sum(p.numel() for p in model.parameters()), **({"resumed_after_step": start} if start else {}),
+            **({"notes": NOTES} if algorithm == DDP else {}),
         })
     tracer = Tracer(topology) if config.trace else None
     phase: Callable[[str], ContextManager[Any]] = tracer.phase if tracer else (lambda name: nullcontext())
@@ -293,7 +300,7 @@ def train(
                 x, y = batch(step)
                 with phase("compute"):
                     opt.zero_grad()
-                    loss = F.cross_entropy(model(x), y)
+                    loss = F.cross_entropy(network(x), y)
                     loss.backward()
                 computed = time.perf_counter()
                 with phase("algorithm"):

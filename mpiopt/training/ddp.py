@@ -1,0 +1,113 @@
+"""The ``ddp`` baseline of ``mpiopt train`` and ``compare``: torch ``DistributedDataParallel`` on gloo.
+
+What users run today, trained by the same loop as the mpiopt algorithms (same
+model, seed, batches, evaluation), so that one ``compare`` job puts them side
+by side.  :class:`DDPBaseline` stands where the loop otherwise holds a
+:class:`~mpiopt.torch.DistributedOptimizer`: the loop runs the forward pass
+through :attr:`DDPBaseline.network` (the wrapped model), then calls
+``zero_grad``, ``step``, ``finish`` and reads ``last`` as for any algorithm.
+
+A step is ``torch.optim.SGD`` (``sgd``'s defaults of
+:data:`~mpiopt.training.config.ALGORITHM_DEFAULTS` unless overridden) on the
+mean gradient, which DDP's bucketed gloo Allreduce computes *during* the
+backward pass.  Two consequences for the step records:
+
+* bytes: DDP's traffic does not pass mpiopt's ledger; each step records the
+  ledger's convention for an Allreduce of the float32 gradient (``4 d`` sent
+  and ``4 d`` received, 0 at one rank), an estimate, so marked in the run's
+  header (:data:`NOTES`);
+* time: the Allreduce overlaps the backward pass and cannot be timed apart,
+  so ``compute_seconds`` holds forward, backward and Allreduce together and
+  ``comm_seconds`` is 0; ``algo_seconds`` is the local SGD update.
+
+The gloo process group is started once per process (:func:`mpiopt.bench.ddp.init_gloo`)
+and reused by later runs of the same job.  Checkpoints are not supported.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import warnings
+from typing import Any, FrozenSet
+
+import torch
+import torch.distributed as dist
+
+from ..algorithms.base import StepRecord
+from ..comm import Topology
+from .config import DDP
+
+__all__ = ["DDP", "NOTES", "DDPBaseline", "hyperparameter_names"]
+
+#: What the run header says about the baseline's step records.
+NOTES = {
+    "bytes": "estimated: the ledger's convention for an Allreduce of the float32 gradient (4 d sent, 4 d received per step); "
+    "DDP's gloo traffic does not pass mpiopt's ledger",
+    "compute_seconds": "forward, backward and DDP's gradient Allreduce (overlapped with the backward pass); comm_seconds is 0",
+}
+
+
+def hyperparameter_names() -> FrozenSet[str]:
+    """The keywords the baseline takes: those of ``torch.optim.SGD``."""
+    return frozenset(inspect.signature(torch.optim.SGD.__init__).parameters) - {"self", "params"}
+
+
+class DDPBaseline:
+    """A model wrapped in ``DistributedDataParallel`` over gloo, and ``torch.optim.SGD`` (a collective constructor).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model (trained in place; rank 0's parameters are broadcast by DDP).
+    topology : Topology
+        The ranks (gloo's world is MPI's).
+    **hyper
+        Keywords of ``torch.optim.SGD`` (``lr``, ``momentum``, ...), checked
+        before any communication.
+    """
+
+    def __init__(self, model: torch.nn.Module, topology: Topology, **hyper: Any) -> None:
+        self.optimizer = torch.optim.SGD(model.parameters(), **hyper)  # bad keywords fail here, on every rank alike
+        if not dist.is_initialized():
+            from ..bench.ddp import init_gloo
+
+            init_gloo(topology)
+        with warnings.catch_warnings():
+            # torch 2.13 deprecates broadcast_buffers, but its replacement still syncs at set-up.
+            warnings.filterwarnings("ignore", message=".*broadcast_buffers", category=FutureWarning)
+            # mpiopt averages BatchNorm statistics before evaluations only: so does the baseline.
+            self.network = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+        self.model, self.size = model, topology.size
+        gradient_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self._bytes = gradient_bytes if topology.size > 1 else 0  # at one rank a collective moves nothing
+        self.steps = 0
+        self.last = StepRecord(0, None, 0, 0, 0.0, 0.0, 0.0)
+
+    @property
+    def algorithm(self) -> "DDPBaseline":
+        """Where the loop reads the learning rate (``opt.algorithm.lr``), as of an mpiopt algorithm."""
+        return self
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    @property
+    def _flat_params(self) -> torch.Tensor:
+        """The parameters as one vector (the loop's evaluator takes it; identical on every rank)."""
+        return torch.nn.utils.parameters_to_vector(self.model.parameters()).detach()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def step(self, loss: Any = None) -> None:
+        """Apply the mean gradient (already averaged by DDP during ``backward``)."""
+        started = time.perf_counter()
+        self.optimizer.step()
+        self.steps += 1
+        loss_value = None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        self.last = StepRecord(self.steps, loss_value, self._bytes, self._bytes, 0.0, 0.0, time.perf_counter() - started)
+
+    def finish(self) -> None:
+        """Nothing in flight: the process group stays up for later runs of the job."""
