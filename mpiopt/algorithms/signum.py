@@ -42,21 +42,40 @@ Exchange modes (identical results, bit for bit):
     (ties vote +1 at both levels), so ``auto`` never picks it.  With one group
     it is the plain vote.
 
+Pipelining (``pipeline_chunks``)
+    ``allgather`` and ``twophase`` can split the packed vector into chunks of
+    whole 8-byte words and exchange them with nonblocking collectives
+    (``Iallgather``, ``Ialltoall``): the momentum and packing of chunk i+1 run
+    while chunk i is on the wire, and each chunk is voted, unpacked and
+    applied to its slice of the parameters as soon as it arrives, with at most
+    :data:`PIPELINE_DEPTH` chunks in flight.  The vote is per bit and the
+    update per element, so the result is bit for bit the unpipelined one; the
+    bytes are the same (``twophase``: up to 8 P bytes more per chunk, the
+    word padding of its P pieces).  Each chunk costs one more collective's
+    latency: ``"auto"`` uses :data:`PIPELINE_CHUNKS` chunks only when every
+    chunk keeps at least :data:`PIPELINE_MIN_BYTES`; an integer is the exact
+    count (capped at one word per chunk), 1 the unpipelined exchange.
+    ``prevote`` is never pipelined.
+
 Compare with the float32 Allreduce of data-parallel SGD: 4d bytes each way.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from collections import deque
+from typing import Any, Deque, Dict, Iterator, Optional, Tuple, Union
 
 import numpy as np
 
-from ..comm import Topology
+from ..comm import Request, Topology
 from ..kernels import chunk_bounds, majority_vote, pack_signs, packed_nbytes, unpack_signs, vote_chunk
 from .base import Algorithm, check_choice, check_positive, check_range
 from .registry import register
 
-__all__ = ["Signum", "EXCHANGES", "LATENCY_BYTES", "choose_exchange", "exchange_bytes"]
+__all__ = [
+    "Signum", "EXCHANGES", "LATENCY_BYTES", "PIPELINE_CHUNKS", "PIPELINE_DEPTH", "PIPELINE_MIN_BYTES",
+    "choose_exchange", "exchange_bytes", "pipeline_bounds",
+]
 
 EXCHANGES = ("auto", "allgather", "twophase", "prevote")
 
@@ -64,8 +83,18 @@ EXCHANGES = ("auto", "allgather", "twophase", "prevote")
 #: 10 microseconds at 25 Gbit/s).  Used by ``exchange="auto"``.
 LATENCY_BYTES = 32 * 1024
 
+#: Chunks of a pipelined exchange under ``pipeline_chunks="auto"`` (measured:
+#: docs/benchmarks-compressed.md).
+PIPELINE_CHUNKS = 4
+#: ``"auto"`` pipelines only when every chunk keeps this many packed bytes
+#: (8 collectives' latency at the link's bandwidth), so small vectors pay no
+#: extra latency.
+PIPELINE_MIN_BYTES = 8 * LATENCY_BYTES
+#: Chunks whose exchange may be in flight at once.
+PIPELINE_DEPTH = 2
 
-def exchange_bytes(mode: str, ranks: int, d: int) -> Dict[str, int]:
+
+def exchange_bytes(mode: str, ranks: int, d: int, chunks: int = 1) -> Dict[str, int]:
     """Bytes one rank sends and receives per step in ``mode`` (the ledger's convention).
 
     Parameters
@@ -76,14 +105,39 @@ def exchange_bytes(mode: str, ranks: int, d: int) -> Dict[str, int]:
         World size P.
     d : int
         Number of parameters.
+    chunks : int
+        Pipeline chunks actually used (:func:`pipeline_bounds`'s row count).
     """
     nbytes = packed_nbytes(d)
     if ranks == 1:
         return {"sent": 0, "recv": 0}
     if mode == "allgather":
         return {"sent": nbytes, "recv": (ranks - 1) * nbytes}
-    chunk = _chunk_width(nbytes, ranks)
-    return {"sent": ranks * chunk, "recv": 2 * (ranks - 1) * chunk}
+    width = sum(_chunk_width(int(stop - start), ranks) for start, stop in pipeline_bounds(d, chunks))
+    return {"sent": ranks * width, "recv": 2 * (ranks - 1) * width}
+
+
+def pipeline_bounds(d: int, chunks: Union[int, str]) -> np.ndarray:
+    """Byte ranges ``[start, stop)`` of the packed vector that a pipelined exchange sends one by one.
+
+    Parameters
+    ----------
+    d : int
+        Number of parameters.
+    chunks : int or "auto"
+        ``pipeline_chunks`` (see the module docstring).
+
+    Returns
+    -------
+    numpy.ndarray of int64, shape (n, 2)
+        ``n >= 1`` non-empty chunks of whole 8-byte words (except the last),
+        in order, covering ``[0, ceil(d / 8))``; one row when not pipelined.
+    """
+    nbytes = packed_nbytes(d)
+    if chunks == "auto":
+        chunks = PIPELINE_CHUNKS if nbytes >= PIPELINE_CHUNKS * PIPELINE_MIN_BYTES else 1
+    bounds = chunk_bounds(nbytes, min(chunks, max(1, -(-nbytes // 8))))
+    return bounds[bounds[:, 1] > bounds[:, 0]] if nbytes else bounds
 
 
 def choose_exchange(ranks: int, d: int) -> str:
@@ -115,6 +169,9 @@ class Signum(Algorithm):
     exchange : {"auto", "allgather", "twophase", "prevote"}
         How the signs are exchanged (see the module docstring; ``prevote``
         votes within node groups first and so changes the result).
+    pipeline_chunks : int or "auto"
+        Chunks of a pipelined exchange (see the module docstring); 1 turns
+        pipelining off.  The result is the same bits whatever the value.
     nan_policy : {"raise", "skip"}
         See :class:`~mpiopt.algorithms.base.Algorithm`.
 
@@ -122,6 +179,8 @@ class Signum(Algorithm):
     ----------
     mode : str
         The exchange in use ("allgather", "twophase" or "prevote"), fixed at ``setup``.
+    chunks : int
+        Pipeline chunks in use (1: not pipelined), fixed at ``setup``.
     """
 
     name = "signum"
@@ -135,13 +194,18 @@ class Signum(Algorithm):
         momentum: float = 0.9,
         weight_decay: float = 1e-4,
         exchange: str = "auto",
+        pipeline_chunks: Union[int, str] = "auto",
         nan_policy: str = "raise",
     ) -> None:
         super().__init__(topology, lr=lr, nan_policy=nan_policy)
         self.momentum = check_range("momentum", momentum, 0.0, 1.0, high_open=True)
         self.weight_decay = float(check_positive("weight_decay", weight_decay, allow_zero=True))
         self.exchange = check_choice("exchange", exchange, EXCHANGES)
+        if pipeline_chunks != "auto":
+            check_positive("pipeline_chunks", pipeline_chunks, integer=True)
+        self.pipeline_chunks = pipeline_chunks if pipeline_chunks == "auto" else int(pipeline_chunks)
         self.mode: Optional[str] = None
+        self.chunks = 1
         self.momentum_buffer: Optional[Any] = None
 
     @property
@@ -150,66 +214,100 @@ class Signum(Algorithm):
         return self._voted
 
     def hyperparameters(self) -> Dict[str, Any]:
-        return {"momentum": self.momentum, "weight_decay": self.weight_decay, "exchange": self.exchange}
+        return {
+            "momentum": self.momentum, "weight_decay": self.weight_decay, "exchange": self.exchange,
+            "pipeline_chunks": self.pipeline_chunks,
+        }
 
     def _allocate(self, params: Any) -> None:
         xp = self._xp
         P, d = self.topology.size, params.size
         self.mode = choose_exchange(P, d) if self.exchange == "auto" else self.exchange
         nbytes = packed_nbytes(d)
-        self._nbytes = nbytes
-        self._signs = xp.empty_like(params)  # the voted direction, then lr times it
+        self._signs = xp.empty_like(params)  # (1 - beta) g, then the voted direction, then lr times it
         self._voted = xp.empty(nbytes, dtype=np.uint8)
         if self.momentum:
             self.momentum_buffer = xp.zeros_like(params)
-        if self.mode == "allgather":
-            self._packed = xp.empty(nbytes, dtype=np.uint8)
-            self._stack = xp.empty((P, nbytes), dtype=np.uint8)
-        elif self.mode == "prevote":
+        if self.mode == "prevote":
             topo = self.topology
             self._packed = xp.empty(nbytes, dtype=np.uint8)
             self._stack = xp.empty((topo.group.size, nbytes), dtype=np.uint8)
             self._leader_stack = xp.empty((topo.num_groups, nbytes), dtype=np.uint8) if topo.is_leader else None
-        else:
-            self._bounds = chunk_bounds(nbytes, P)
-            width = _chunk_width(nbytes, P)
-            # Row q of the send block is this rank's chunk q, zero-padded to a common width.
-            self._packed = xp.zeros((P, width), dtype=np.uint8)
-            self._chunks = xp.empty((P, width), dtype=np.uint8)
-            self._my_vote = xp.zeros(width, dtype=np.uint8)
-            self._gathered = xp.empty((P, width), dtype=np.uint8)
+            self.chunks = 1
+            return
+        bounds = pipeline_bounds(d, self.pipeline_chunks)
+        self.chunks = len(bounds)
+        self._plan = []
+        if self.mode == "allgather":
+            packed, stack = xp.empty(nbytes, dtype=np.uint8), xp.empty(P * nbytes, dtype=np.uint8)
+            for start, stop in bounds.tolist():
+                # Chunk c's (P, its bytes) receive block is contiguous: one Allgather's layout per chunk.
+                self._plan.append((start, stop, packed[start:stop], stack[P * start : P * stop].reshape(P, stop - start)))
+            return
+        pieces = [chunk_bounds(stop - start, P) + start for start, stop in bounds.tolist()]
+        widths = [_chunk_width(stop - start, P) for start, stop in bounds.tolist()]
+        # Row q of a chunk's send block is this rank's piece q of the chunk, zero-padded to a common width.
+        send, recv, gathered = (xp.zeros(P * sum(widths), dtype=np.uint8) for _ in range(3))
+        mine = xp.zeros(sum(widths), dtype=np.uint8)
+        offset = 0
+        for (start, stop), piece, width in zip(bounds.tolist(), pieces, widths):
+            rows = slice(P * offset, P * (offset + width))
+            blocks = (buf[rows].reshape(P, width) for buf in (send, recv, gathered))
+            self._plan.append((start, stop, piece.tolist(), *blocks, mine[offset : offset + width]))
+            offset += width
 
-    def _direction(self, grad: Any) -> Any:
-        """Signum's momentum update (the vector whose signs are sent); the gradient itself for signSGD."""
+    def _direction(self, grad: Any, lo: int, hi: int) -> Any:
+        """Signum's momentum update of elements ``[lo, hi)`` (the signs sent); the gradient itself for signSGD."""
         if not self.momentum:
-            return grad
-        m = self.momentum_buffer
+            return grad[lo:hi]
+        m, scratch = self.momentum_buffer[lo:hi], self._signs[lo:hi]
         m *= self.momentum
-        # (1 - beta) g through the scratch buffer, which is free until the vote.
-        self._xp.multiply(grad, 1.0 - self.momentum, out=self._signs)
-        m += self._signs
+        # (1 - beta) g through the scratch buffer, which is free until this chunk's vote.
+        self._xp.multiply(grad[lo:hi], 1.0 - self.momentum, out=scratch)
+        m += scratch
         return m
 
-    def _vote(self, direction: Any) -> Any:
-        """The packed majority of every rank's signs of ``direction``."""
+    def _apply(self, params: Any, start: int, stop: int) -> None:
+        """x <- x - lr (V + wd x) on the elements that voted bytes ``[start, stop)`` cover."""
+        lo, hi = 8 * start, min(8 * stop, params.size)
+        step = unpack_signs(self._voted[start:stop], hi - lo, dtype=params.dtype, out=self._signs[lo:hi])
+        # x (1 - lr wd) - lr V: element by element, so chunk by chunk gives the same floats.
+        if self.weight_decay:
+            params[lo:hi] *= 1.0 - self.lr * self.weight_decay
+        step *= self.lr
+        params[lo:hi] -= step
+
+    def _exchange(self, op: str, send: Any, recv: Any) -> Optional[Request]:
+        """World ``Allgather``/``Alltoall``, nonblocking (its request returned) when pipelined."""
         world = self.topology.world
-        if self.mode == "allgather":
-            pack_signs(direction, out=self._packed, nan_policy="unchecked")
-            world.Allgather(self._packed, self._stack)
-            return majority_vote(self._stack, direction.size, out=self._voted)
-        if self.mode == "prevote":
-            return self._prevote(direction)
-        bounds, send = self._bounds, self._packed
-        for q, (start, stop) in enumerate(bounds):  # a loop over ranks, not parameters
-            # Chunks start on whole words (64 signs), so packing chunk by chunk gives the whole vector's bits.
-            pack_signs(direction[8 * start : 8 * stop], out=send[q, : stop - start], nan_policy="unchecked")
-        world.Alltoall(send, self._chunks)
-        start, stop = bounds[world.rank]
-        vote_chunk(self._chunks, direction.size, int(start), int(stop), out=self._my_vote[: stop - start])
-        world.Allgather(self._my_vote, self._gathered)
-        for q, (start, stop) in enumerate(bounds):
-            self._voted[start:stop] = self._gathered[q, : stop - start]
-        return self._voted
+        if self.chunks > 1:
+            return getattr(world, "I" + op.lower())(send, recv)
+        return getattr(world, op)(send, recv)
+
+    def _allgather_chunk(self, params: Any, grad: Any, chunk: Tuple) -> Iterator[Optional[Request]]:
+        """One chunk of the Allgather vote; yields its exchange's request (None when blocking)."""
+        start, stop, packed, stack = chunk
+        d = params.size
+        pack_signs(self._direction(grad, 8 * start, min(8 * stop, d)), out=packed, nan_policy="unchecked")
+        yield self._exchange("Allgather", packed, stack)
+        vote_chunk(stack, d, start, stop, out=self._voted[start:stop])
+        self._apply(params, start, stop)
+
+    def _twophase_chunk(self, params: Any, grad: Any, chunk: Tuple) -> Iterator[Optional[Request]]:
+        """One chunk of the two-phase vote: Alltoall of its P pieces, a vote on ours, Allgather of the votes."""
+        start, stop, pieces, send, recv, gathered, mine = chunk
+        d, rank = params.size, self.topology.world.rank
+        direction = self._direction(grad, 8 * start, min(8 * stop, d))
+        for q, (a, b) in enumerate(pieces):  # a loop over ranks, not parameters
+            # Pieces start on whole words (64 signs), so packing piece by piece gives the whole chunk's bits.
+            pack_signs(direction[8 * (a - start) : 8 * (b - start)], out=send[q, : b - a], nan_policy="unchecked")
+        yield self._exchange("Alltoall", send, recv)
+        a, b = pieces[rank]
+        vote_chunk(recv, d, a, b, out=mine[: b - a])
+        yield self._exchange("Allgather", mine, gathered)
+        for q, (a, b) in enumerate(pieces):
+            self._voted[a:b] = gathered[q, : b - a]
+        self._apply(params, start, stop)
 
     def _prevote(self, direction: Any) -> Any:
         """Majority of the groups' majorities: vote in the group, then among leaders, then Bcast."""
@@ -225,10 +323,36 @@ class Signum(Algorithm):
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         # The base class has checked the gradient, so the momentum holds no NaN.
-        voted = self._vote(self._direction(grad))
-        step = unpack_signs(voted, params.size, dtype=params.dtype, out=self._signs)
-        # x <- x - lr (V + wd x)  ==  x (1 - lr wd) - lr V
-        if self.weight_decay:
-            params *= 1.0 - self.lr * self.weight_decay
-        step *= self.lr
-        params -= step
+        if self.mode == "prevote":
+            self._prevote(self._direction(grad, 0, params.size))
+            self._apply(params, 0, self._voted.size)
+            return
+        work = self._allgather_chunk if self.mode == "allgather" else self._twophase_chunk
+        inflight: Deque[Tuple[Iterator[Optional[Request]], Request]] = deque()
+        for chunk in self._plan:
+            _advance(inflight, work(params, grad, chunk))
+            while len(inflight) > PIPELINE_DEPTH:
+                _finish_oldest(inflight)
+            for _, request in inflight:
+                request.Test()  # MPI moves a nonblocking collective's data only inside MPI calls
+        while inflight:
+            _finish_oldest(inflight)
+
+
+def _advance(inflight: Deque, work: Iterator[Optional[Request]]) -> None:
+    """Run ``work`` until it posts a nonblocking exchange (queued, with ``work``, in ``inflight``) or ends."""
+    for request in work:
+        if request is not None:
+            inflight.append((work, request))
+            return
+
+
+def _finish_oldest(inflight: Deque) -> None:
+    """Complete the oldest exchange in flight and run its chunk on.
+
+    Always the oldest, never whichever finished first: every rank must post
+    its collectives in the same order.
+    """
+    work, request = inflight.popleft()
+    request.Wait()
+    _advance(inflight, work)

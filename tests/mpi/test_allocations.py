@@ -27,6 +27,8 @@ CASES = [
     ("signum", dict(exchange="twophase")),
     ("signum", dict(exchange="prevote")),
     ("signum", dict(exchange="allgather", momentum=0.0, weight_decay=0.0)),
+    ("signum", dict(exchange="allgather", pipeline_chunks=3)),
+    ("signum", dict(exchange="twophase", pipeline_chunks=5)),
 ]
 # Top-k's selection still allocates per step: a block-sized |a| scratch, the
 # candidates and the O(P k) union of the payloads' indices (see issue 11).

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import mpiopt
-from mpiopt.algorithms.signum import choose_exchange
+from mpiopt.algorithms.signum import PIPELINE_CHUNKS, PIPELINE_MIN_BYTES, choose_exchange, exchange_bytes, pipeline_bounds
 from mpiopt.kernels import packed_nbytes, unpack_signs
 
 pytestmark = pytest.mark.mpi
@@ -188,3 +188,56 @@ def test_prevote_with_one_group_is_the_plain_vote(topology):
             alg.step(params, g)
         results.append(params)
     assert np.array_equal(results[0], results[1])
+
+
+def run_signum(topology, d: int, steps: int, **settings) -> tuple:
+    """(parameters, vote, momentum, ledger delta, algorithm) after ``steps`` Signum steps from the same data."""
+    params = np.linspace(-1, 1, d).astype(np.float32)
+    alg = mpiopt.create("signum", topology, lr=1e-2, weight_decay=0.1, **settings)
+    alg.setup(params)
+    before = topology.ledger.snapshot()
+    for g in grads(topology.rank, steps, d, seed=12):
+        alg.step(params, g)
+    momentum = None if alg.momentum_buffer is None else alg.momentum_buffer.copy()
+    return params, alg.vote.copy(), momentum, topology.ledger.since(before), alg
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("d", [1, 13, 515, 3 * 64 * 7 + 5, 8 * 1001 + 3])
+def test_pipelined_exchange_is_bit_for_bit_the_unpipelined_one(topology, mode, momentum, d):
+    """d not a multiple of 8, 64 or the chunk count; the chunk count capped at one word per chunk."""
+    P = topology.size
+    plain, vote, m, plain_ledger, _ = run_signum(topology, d, 4, exchange=mode, momentum=momentum, pipeline_chunks=1)
+    assert not any(op.endswith(("Iallgather", "Ialltoall")) for op in plain_ledger)
+    for chunks in (2, 3, 7):
+        params, pvote, pm, ledger, alg = run_signum(topology, d, 4, exchange=mode, momentum=momentum, pipeline_chunks=chunks)
+        assert alg.chunks == min(chunks, -(-d // 64)) == len(pipeline_bounds(d, chunks))
+        assert params.tobytes() == plain.tobytes() and pvote.tobytes() == vote.tobytes(), (chunks, d)
+        assert m is None or pm.tobytes() == m.tobytes()
+        if alg.chunks > 1:  # one nonblocking collective per chunk (and phase) per step, nothing blocking
+            assert ledger["world.Iallgather"].calls == 4 * alg.chunks and "world.Allgather" not in ledger.ops
+            assert ledger["world.Ialltoall"].calls == (4 * alg.chunks if mode == "twophase" else 0)
+        expect = exchange_bytes(mode, P, d, alg.chunks)
+        assert (ledger.bytes_sent, ledger.bytes_recv) == (4 * expect["sent"], 4 * expect["recv"])
+        if mode == "allgather":  # the same payload, only cut differently
+            assert (ledger.bytes_sent, ledger.bytes_recv) == (plain_ledger.bytes_sent, plain_ledger.bytes_recv)
+
+
+def test_pipeline_bounds():
+    for d in (1, 13, 64 * 5 + 1, 10**6 + 3):
+        nbytes = packed_nbytes(d)
+        for chunks in (1, 2, 5, 64):
+            bounds = pipeline_bounds(d, chunks)
+            assert bounds[0, 0] == 0 and bounds[-1, 1] == nbytes and np.array_equal(bounds[1:, 0], bounds[:-1, 1])
+            assert np.all(bounds[:, 1] > bounds[:, 0]) and np.all(bounds[:, 0] % 8 == 0)
+            assert len(bounds) == min(chunks, -(-nbytes // 8))
+    assert len(pipeline_bounds(10**5, "auto")) == 1  # small vectors: no extra latency
+    big = 8 * PIPELINE_CHUNKS * PIPELINE_MIN_BYTES
+    assert len(pipeline_bounds(big, "auto")) == PIPELINE_CHUNKS and len(pipeline_bounds(big - 8, "auto")) == 1
+
+
+@pytest.mark.parametrize("value, error", [(0, ValueError), (2.5, TypeError), ("many", TypeError), (True, TypeError)])
+def test_bad_pipeline_chunks(topology, value, error):
+    with pytest.raises(error, match=f"pipeline_chunks must be .*got {value!r}"):
+        mpiopt.create("signum", topology, pipeline_chunks=value)
