@@ -1,0 +1,114 @@
+"""``mpiopt experiment``: every experiment end to end at --quick sizes under mpiexec, --list, and the rank check."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from mpiopt.experiments import EXPERIMENTS, experiment_module
+
+from .launch import run_mpi
+
+pytest.importorskip("torch")
+pytest.importorskip("matplotlib")
+
+COMMAND = ["-m", "mpiopt", "experiment"]
+
+
+def _png(path) -> bool:
+    """A PNG file of a real figure (a blank canvas compresses to far less)."""
+    with open(path, "rb") as handle:
+        return handle.read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(path) > 10_000
+
+
+def run_quick(name, tmp_path) -> dict:
+    """Run experiment ``name`` with --quick at its rank count; check its files; return results.json."""
+    out = tmp_path / name
+    code, output, _ = run_mpi(experiment_module(name).RANKS, [*COMMAND, name, "--quick", "--out", str(out)], timeout=300)
+    assert code == 0, output
+    document = json.loads((out / "results.json").read_text())
+    assert document["experiment"] == name and document["quick"] is True
+    assert document["figures"] and all(f.startswith(f"results-{name}-") for f in document["figures"])
+    for figure in document["figures"]:
+        assert _png(out / figure), figure
+    assert (out / "results.md").read_text().startswith(f"# mpiopt experiment {name} --quick")
+    return document
+
+
+def by_algorithm(rows):
+    return {row["algorithm"]: row for row in rows}
+
+
+def test_list_names_every_experiment_with_its_launch_line():
+    code, output, _ = run_mpi(1, [*COMMAND, "--list"], timeout=120)
+    assert code == 0, output
+    for name in EXPERIMENTS:
+        assert f"mpiexec -n {experiment_module(name).RANKS} python -m mpiopt experiment {name}" in output
+
+
+def test_wrong_rank_count_and_unknown_name_are_usage_errors():
+    code, output, _ = run_mpi(1, [*COMMAND, "lsgd", "--quick"], timeout=120)
+    assert code == 2 and "experiment lsgd needs 4 ranks, got 1" in output, output
+    code, output, _ = run_mpi(1, [*COMMAND, "nosuch"], timeout=120)
+    assert code == 2 and "unknown experiment 'nosuch'" in output, output
+
+
+def test_lsgd(tmp_path):
+    numbers = run_quick("lsgd", tmp_path)["numbers"]
+    image = by_algorithm(numbers["image"])
+    assert set(image) == {"sgd", "easgd", "lsgd"} and all(row["steps"] == 20 for row in image.values())
+    # sgd Allreduces every step; LSGD Bcasts a leader every period (4 steps): far fewer bytes.
+    assert image["lsgd"]["bytes_sent_per_rank"] < image["sgd"]["bytes_sent_per_rank"] / 2
+    symmetry = numbers["symmetry"]
+    # Mirror-image starts: EASGD's centre sits at the maximum 0 (gradient 0, Hessian -4 I) ...
+    assert symmetry["easgd_centre_gradient_norm"] < 1e-9 and symmetry["easgd_centre_min_hessian_eigenvalue"] == pytest.approx(-4.0)
+    # ... while LSGD's workers leave it downhill, with one leader or two groups.
+    for label in ("LSGD, one group", "LSGD, 2 groups of 2"):
+        assert max(symmetry[label]["workers_loss"]) < symmetry["easgd_centre_loss"] == pytest.approx(2.0)
+
+
+def test_dasgd(tmp_path):
+    numbers = run_quick("dasgd", tmp_path)["numbers"]
+    image = by_algorithm(numbers["image"])
+    assert image["dasgd"]["bytes_sent_per_rank"] < image["sgd"]["bytes_sent_per_rank"] / 2  # an average every 4 steps
+    # The trace saw DaSGD's Iallreduce in flight on both ranks: fractions, not NaN.
+    for key in ("behind_compute", "behind_any_phase"):
+        assert len(numbers["overlap"][key]) == 2 and all(0.0 <= v <= 1.0 for v in numbers["overlap"][key])
+    assert all(math.isfinite(v) for v in numbers["final_loss"].values())
+
+
+def test_signum(tmp_path):
+    numbers = run_quick("signum", tmp_path)["numbers"]
+    image = by_algorithm(numbers["image"])
+    # Packed signs against float32: 32x fewer bytes in theory, at least 10x here.
+    assert image["signum"]["bytes_sent_per_rank"] * 10 < image["sgd"]["bytes_sent_per_rank"]
+    final, start = numbers["byzantine_final_excess"], numbers["byzantine_start_excess"]
+    assert set(final["signum"]) == set(final["sgd"]) == {"0", "1", "2", "3"}
+    assert final["signum"]["0"] < start and final["sgd"]["0"] < start  # honest workers make progress
+    assert final["sgd"]["1"] > start  # one adversary sending -10 g drives SGD's average uphill
+
+
+def test_topk(tmp_path):
+    numbers = run_quick("topk", tmp_path)["numbers"]
+    image = by_algorithm(numbers["image"])
+    for name in ("topk", "regtopk"):  # density 0.01: about 8k bytes per 1k parameters instead of 4k per parameter
+        assert image[name]["bytes_sent_per_rank"] * 20 < image["sgd"]["bytes_sent_per_rank"]
+    linreg = numbers["linreg"]
+    assert linreg["k"] == {"0.7": 70}
+    assert all(0 < v < linreg["start"] for v in [*linreg["topk_median_last_quarter"].values(), *linreg["regtopk_median_last_quarter"].values()])
+
+
+def test_async(tmp_path):
+    numbers = run_quick("async", tmp_path)["numbers"]
+    grid = numbers["grid"]
+    assert grid["delays"] == [0, 8] and grid["momenta"] == [0.0, 0.9] and len(grid["status"]) == 2
+    straggler = numbers["straggler"]
+    sync = straggler["sgd"]["gradients_per_rank"]
+    assert len(set(sync)) == 1 and sync[0] > 0  # lockstep: every rank as many as the slow one
+    for name in ("async_msgd", "async_lsgd"):
+        counts = straggler[name]["gradients_per_rank"]
+        assert counts[0] == 0 and min(counts[1:]) > 0  # rank 0 serves, every worker contributed
+        assert 0.0 <= straggler[name]["test_accuracy"] <= 1.0
