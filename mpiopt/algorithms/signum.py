@@ -94,7 +94,7 @@ PIPELINE_MIN_BYTES = 8 * LATENCY_BYTES
 PIPELINE_DEPTH = 2
 
 
-def exchange_bytes(mode: str, ranks: int, d: int, chunks: int = 1) -> Dict[str, int]:
+def exchange_bytes(mode: str, ranks: int, d: int, chunks: Union[int, str] = "auto") -> Dict[str, int]:
     """Bytes one rank sends and receives per step in ``mode`` (the ledger's convention).
 
     Parameters
@@ -105,8 +105,9 @@ def exchange_bytes(mode: str, ranks: int, d: int, chunks: int = 1) -> Dict[str, 
         World size P.
     d : int
         Number of parameters.
-    chunks : int
-        Pipeline chunks actually used (:func:`pipeline_bounds`'s row count).
+    chunks : int or "auto"
+        ``pipeline_chunks`` (the default is the algorithm's): ``twophase``
+        pads each chunk's pieces to whole words.
     """
     nbytes = packed_nbytes(d)
     if ranks == 1:

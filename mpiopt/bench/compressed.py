@@ -14,9 +14,9 @@ only the wire:
 mode                algorithm
 ==================  ===============================================
 allreduce           ``sgd``: float32 Allreduce of the gradient
-vote/allgather      ``signum``, ``exchange="allgather"``
-vote/twophase       ``signum``, ``exchange="twophase"``
-vote/auto           ``signum``, ``exchange="auto"``
+vote/allgather      ``signum``, ``exchange="allgather"``, not pipelined
+vote/twophase       ``signum``, ``exchange="twophase"``, not pipelined
+vote/auto           ``signum``, ``exchange="auto"`` (pipelined, ``pipeline_chunks="auto"``)
 topk/<density>      ``topk`` at each ``--densities`` value
 ==================  ===============================================
 
@@ -47,8 +47,8 @@ from mpiopt.comm import Topology
 
 MODES = {
     "allreduce": ("sgd", {}),
-    "vote/allgather": ("signum", {"exchange": "allgather", "momentum": 0.0, "weight_decay": 0.0}),
-    "vote/twophase": ("signum", {"exchange": "twophase", "momentum": 0.0, "weight_decay": 0.0}),
+    "vote/allgather": ("signum", {"exchange": "allgather", "pipeline_chunks": 1, "momentum": 0.0, "weight_decay": 0.0}),
+    "vote/twophase": ("signum", {"exchange": "twophase", "pipeline_chunks": 1, "momentum": 0.0, "weight_decay": 0.0}),
     "vote/auto": ("signum", {"exchange": "auto", "momentum": 0.0, "weight_decay": 0.0}),
 }
 
@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     if rank == 0:
         link = MPI.Get_processor_name()
         print(f"\n{size} ranks, d = {args.d}, {args.steps} steps x {args.reps} repetitions, host {link}")
-        print(f"algorithm modes: auto chose {algorithms['vote/auto'][0].mode!r}\n")
+        auto = algorithms["vote/auto"][0]
+        print(f"algorithm modes: auto chose {auto.mode!r} in {auto.chunks} pipeline chunks\n")
         print("| mode | s/step (median) | speed-up vs allreduce (median) | wire bytes received/step/rank | wire limit |")
         print("|---|---:|---:|---:|---:|")
         base_bytes = received["allreduce"]

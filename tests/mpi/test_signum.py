@@ -218,7 +218,7 @@ def test_pipelined_exchange_is_bit_for_bit_the_unpipelined_one(topology, mode, m
         if alg.chunks > 1:  # one nonblocking collective per chunk (and phase) per step, nothing blocking
             assert ledger["world.Iallgather"].calls == 4 * alg.chunks and "world.Allgather" not in ledger.ops
             assert ledger["world.Ialltoall"].calls == (4 * alg.chunks if mode == "twophase" else 0)
-        expect = exchange_bytes(mode, P, d, alg.chunks)
+        expect = exchange_bytes(mode, P, d, chunks)
         assert (ledger.bytes_sent, ledger.bytes_recv) == (4 * expect["sent"], 4 * expect["recv"])
         if mode == "allgather":  # the same payload, only cut differently
             assert (ledger.bytes_sent, ledger.bytes_recv) == (plain_ledger.bytes_sent, plain_ledger.bytes_recv)
