@@ -496,12 +496,17 @@ def calibration_table(model: Mapping[str, Any]) -> str:
     return markdown_table(["collective", "alpha (us)", "beta (ns/B)", "1/beta (Gbit/s)", "points", "median |error|", "max |error|"], rows)
 
 
+def _percent(predicted: float, measured: float) -> str:
+    return f"{100 * (predicted / measured - 1):+.0f} %" if measured > 0 else "-"
+
+
 def validation_table(rows: Sequence[Mapping[str, Any]], goal: float = 0.25) -> str:
     body = [[r["algorithm"] + (f" ({r['mode']})" if r["mode"] else ""), r["P"], f"{r['d']:,}", f"{1e3 * r['compute']:.1f}",
-             f"{1e3 * r['measured_comm']:.1f}", f"{1e3 * r['predicted_comm']:.1f}", f"{1e3 * r['measured']:.1f}",
+             f"{1e3 * r['measured_comm']:.1f}", f"{1e3 * r['predicted_comm']:.1f}", _percent(r["predicted_comm"], r["measured_comm"]),
+             f"{1e3 * r['measured']:.1f}",
              f"{1e3 * r['predicted']:.1f}", f"{100 * r['error']:+.0f} %", "yes" if abs(r["error"]) <= goal else "**no**"]
             for r in rows]
-    header = ["algorithm", "P", "d", "compute ms", "comm ms (measured)", "comm ms (model)", "step ms (measured)",
+    header = ["algorithm", "P", "d", "compute ms", "comm ms (measured)", "comm ms (model)", "comm error", "step ms (measured)",
               "step ms (model)", "error", f"within {100 * goal:.0f} %"]
     return markdown_table(header, body)
 
@@ -518,27 +523,29 @@ def projection_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def plot_projection(rows: Sequence[Mapping[str, Any]], path: str) -> None:
-    """Speed-up over sgd against ranks, one panel per (model, rate)."""
+    """Speed-up over sgd against ranks: one panel per (rate, model), rates in rows, models in columns."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = list(dict.fromkeys((r["model"], r["rate"]) for r in rows))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), sharey=True, squeeze=False)
-    for ax, (m, rate) in zip(axes[0], panels):
-        mine = [r for r in rows if r["model"] == m and r["rate"] == rate]
-        for name in dict.fromkeys(r["algorithm"] for r in mine):
-            pts = sorted((r["P"], r["speedup"]) for r in mine if r["algorithm"] == name)
-            ax.plot([p for p, _ in pts], [s for _, s in pts], marker="o", ms=3, label=name, ls="--" if name.startswith("async") else "-")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"{m}, {rate}")
+    models, rates = list(dict.fromkeys(r["model"] for r in rows)), list(dict.fromkeys(r["rate"] for r in rows))
+    fig, axes = plt.subplots(len(rates), len(models), figsize=(4.6 * len(models), 3.4 * len(rates) + 0.6), sharex=True, sharey=True, squeeze=False)
+    for i, rate in enumerate(rates):
+        for j, m in enumerate(models):
+            ax, mine = axes[i][j], [r for r in rows if r["model"] == m and r["rate"] == rate]
+            for name in dict.fromkeys(r["algorithm"] for r in mine):
+                pts = sorted((r["P"], r["speedup"]) for r in mine if r["algorithm"] == name)
+                ax.plot([p for p, _ in pts], [s for _, s in pts], marker="o", ms=3, label=name, ls="--" if name.startswith("async") else "-")
+            ax.set(xscale="log", yscale="log", title=f"{m}, {rate}")
+            ax.set_xscale("log", base=2)
+            ax.grid(True, which="both", alpha=0.3)
+        axes[i][0].set_ylabel("speed-up over sgd")
+    for ax in axes[-1]:
         ax.set_xlabel("ranks")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("projected speed-up over sgd (step time)")
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     save_figure(fig, path)
 
 
