@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from mpiopt.checkpoint import first_difference
@@ -19,6 +21,9 @@ h5py = pytest.importorskip("h5py")
 pytest.importorskip("torch")
 
 from mpiopt.checkpoint.layout import read_group  # noqa: E402  (needs h5py)
+
+# The first test to use the ``runs`` fixture waits for its four jobs: 10.5 minutes on 2 cores at a load of 14.
+pytestmark = pytest.mark.timeout(1200)
 
 TINY = ["-m", "mpiopt", "train", "--dataset", "synthetic", "--batch-size", "16"]
 
@@ -34,49 +39,196 @@ def _train(out, *args, timeout=180):
     return code, output
 
 
-# dasgd: averages start at steps 3 and 6 (period 3) and merge one step later: one is in flight at step 3.
-CASES = {
-    "sgd": [],
-    "lsgd": ["--group-size", "1"],
-    "dasgd": ["--hp", "period=3", "--hp", "delay_steps=1"],
-    "topk": [],
-    "signum": [],
-}
+# Every synchronous algorithm and variant at 2 and 4 ranks, 6 steps with a checkpoint after step 3.  Each world
+# size runs all its cases through ``mpiopt train`` inside one mpiexec job (the CLI's main() once per case), and all
+# the resumed runs in a second: two process start-ups per world size instead of two per case.
+SIZES = (2, 4)
+STEPS, MIDDLE = 6, 3
+SMALL = ["--batch-size", "8", "--width", "8", "--dropout", "0.2", "--eval-every", str(STEPS), "--keep-checkpoints", "5"]
 
 
-@pytest.mark.parametrize("algorithm", sorted(CASES))
-def test_resumed_run_ends_bitwise_equal_to_the_uninterrupted_one(tmp_path, algorithm):
-    common = ["--algorithm", algorithm, *CASES[algorithm], "--steps", "7", "--checkpoint-every", "3", "--keep-checkpoints", "5"]
-    code, output = _train(tmp_path / "whole", *common)
+def variants(size: int) -> dict:
+    """Case name -> the flags of ``mpiopt train`` that make it (dropout, data order and the sizes are common)."""
+    groups, half = ["--group-size", str(size)], ["--group-size", str(size // 2)]
+    lsgd = ["--algorithm", "lsgd", "--hp", "period=1", "--hp", "global_period=2", "--hp", "proximal=0.1"]
+    return {
+        "sgd": ["--algorithm", "sgd"],
+        "easgd": ["--algorithm", "easgd", "--hp", "period=2"],
+        "lsgd-single-leader": [*lsgd, *groups],
+        "lsgd-multi-leader": [*lsgd, *half],
+        # averages start after steps 3 and 6 (period 3) and merge one step later: one is in flight at the checkpoint
+        "dasgd": ["--algorithm", "dasgd", "--hp", "period=3", "--hp", "delay_steps=1"],
+        "signum-allgather": ["--algorithm", "signum", "--hp", "exchange=allgather"],
+        "signum-twophase": ["--algorithm", "signum", "--hp", "exchange=twophase"],
+        "signum-prevote": ["--algorithm", "signum", "--hp", "exchange=prevote", *half],
+        "topk": ["--algorithm", "topk"],
+        "regtopk": ["--algorithm", "regtopk"],
+    }
+
+
+CASES = [(size, name) for size in SIZES for name in variants(size)] + [(2, "cnn-cifar10-augment")]
+
+# Runs each (name, argv) through mpiopt's CLI in this one MPI job; each rank's output goes to LOGS/<name>.<rank>.log,
+# rank 0 writes the exit codes to LOGS/codes.json.
+DRIVER = """
+import contextlib, json, os, sys
+from mpi4py import MPI
+from mpiopt.cli.main import main
+import mpiopt.cli.train, mpiopt.training.loop  # before the redirections: default arguments bind sys.stdout at import
+cases, logs, codes = json.loads(sys.argv[1]), sys.argv[2], {}
+for name, argv in cases:
+    with open(os.path.join(logs, f"{name}.{MPI.COMM_WORLD.rank}.log"), "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        codes[name] = main(argv)
+if MPI.COMM_WORLD.rank == 0:
+    with open(os.path.join(logs, "codes.json"), "w") as f:
+        json.dump(codes, f)
+"""
+
+
+def _write_cifar10(directory, train=64, test=16) -> None:
+    """A tiny CIFAR-10 in the binary format: records of a label byte and 3072 pixel bytes."""
+    rng = np.random.default_rng(5)
+    directory.mkdir(parents=True)
+    files = [(f"data_batch_{i}.bin", train // 5 + (i <= train % 5)) for i in range(1, 6)] + [("test_batch.bin", test)]
+    for name, count in files:
+        labels = rng.integers(0, 10, size=(count, 1), dtype=np.uint8)
+        (directory / name).write_bytes(np.hstack([labels, rng.integers(0, 256, size=(count, 3072), dtype=np.uint8)]).tobytes())
+
+
+def _drive(size: int, runs: list, logs) -> dict:
+    """Run ``[(name, argv)]`` in one ``size``-rank job; each name's exit code and rank 0's output."""
+    logs.mkdir(parents=True, exist_ok=True)
+    code, output, _ = run_mpi(size, ["-c", DRIVER, json.dumps(runs), str(logs)], timeout=900)
     assert code == 0, output
-    whole = tmp_path / "whole" / "checkpoints"
-    assert sorted(os.listdir(whole)) == [f"ckpt-00000000{s}.h5" for s in (3, 6, 7)]
-    middle = _read(whole / "ckpt-000000003.h5")
-    if algorithm == "dasgd":
-        assert all(middle["ranks"][r]["algorithm"]["scalars"]["merge_step"] == 4 for r in "01"), "no averaging in flight at step 3"
-    code, output = _train(tmp_path / "resumed", *common, "--resume", str(whole / "ckpt-000000003.h5"))
-    assert code == 0, output
-    assert "resuming from" in output and "after step 3" in output
-    # Only steps 4..7 ran in the second job: equality below needs every piece of state restored.
-    assert [r["step"] for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl").steps] == [4, 5, 6, 7]
-    a, b = _read(whole / "ckpt-000000007.h5"), _read(tmp_path / "resumed" / "checkpoints" / "ckpt-000000007.h5")
+    codes = json.loads((logs / "codes.json").read_text())
+    return {name: (codes[name], (logs / f"{name}.0.log").read_text()) for name, _ in runs}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case whole and resumed; resumes on another world size; refusals.  {(size, name, part): (code, output)}."""
+    root = tmp_path_factory.mktemp("resume")
+    _write_cifar10(root / "cifar10")
+    cifar = ["--algorithm", "lsgd", "--dataset", "cifar10", "--data-dir", str(root / "cifar10"), "--model", "cnn", "--width", "4", "--augment"]
+
+    def flags(size, name):
+        every = [*SMALL, "--checkpoint-every", str(MIDDLE)]
+        if name == "cnn-cifar10-augment":
+            return [*every, *cifar, "--group-size", "1"]
+        return ["--dataset", "synthetic", *every, *variants(size)[name]]
+
+    def train(size, name, part, *more):
+        return ["train", "--out", str(root / str(size) / name / part), "--steps", str(STEPS), *flags(size, name), *more]
+
+    def middle(size, name):
+        return str(root / str(size) / name / "whole" / "checkpoints" / f"ckpt-{MIDDLE:09d}.h5")
+
+    results = {}
+    for size in SIZES:
+        whole = [(name, train(size, name, "whole")) for s, name in CASES if s == size]
+        results.update({(size, n, "whole"): r for n, r in _drive(size, whole, root / "logs" / str(size) / "whole").items()})
+    for size in SIZES:
+        other = SIZES[1 - SIZES.index(size)]
+        resumed = [(name, train(size, name, "resumed", "--resume", middle(size, name))) for s, name in CASES if s == size]
+        resumed += [
+            # another world size: sgd and signum (per-rank momentum) by their rules, easgd with neither alpha nor beta kept
+            (f"from-{other}-{name}", train(size, name, f"from-{other}", "--resume", middle(other, name)))
+            for name in ("sgd", "signum-allgather")
+        ]
+        if size == 2:
+            resumed += [
+                ("refuse-algorithm", train(size, "signum-allgather", "refused", "--resume", middle(size, "sgd"))),
+                ("refuse-easgd-rates", train(size, "easgd", "refused", "--hp", "alpha=0.2", "--resume", middle(4, "easgd"))),
+            ]
+        results.update({(size, n, "resumed"): r for n, r in _drive(size, resumed, root / "logs" / str(size) / "resumed").items()})
+    return root, results
+
+
+def _out(root, size, name, part):
+    return root / str(size) / name / part
+
+
+@pytest.mark.parametrize("size,name", CASES)
+def test_resumed_run_ends_bitwise_equal_to_the_uninterrupted_one(runs, size, name):
+    root, results = runs
+    for part in ("whole", "resumed"):
+        code, output = results[(size, name, part)]
+        assert code == 0, output
+    assert "resuming from" in output and f"after step {MIDDLE}" in output
+    whole, resumed = _out(root, size, name, "whole") / "checkpoints", _out(root, size, name, "resumed")
+    assert sorted(os.listdir(whole)) == [f"ckpt-{s:09d}.h5" for s in (MIDDLE, STEPS)]
+    middle = _read(whole / f"ckpt-{MIDDLE:09d}.h5")
+    ranks = [str(r) for r in range(size)]
+    if name == "dasgd":
+        assert all(middle["ranks"][r]["algorithm"]["scalars"]["merge_step"] == MIDDLE + 1 for r in ranks), "no averaging in flight"
+    if name.startswith("lsgd"):
+        assert all(middle["ranks"][r]["algorithm"]["arrays"]["leader_copy"] is not None for r in ranks)
+    # Only steps 4..6 ran in the second job: equality below needs every piece of state restored.
+    assert [r["step"] for r in read_metrics(resumed / "metrics.jsonl").steps] == list(range(MIDDLE + 1, STEPS + 1))
+    last = f"ckpt-{STEPS:09d}.h5"
+    a, b = _read(whole / last), _read(resumed / "checkpoints" / last)
     assert first_difference(a, b) is None
     # ...and the state did move after the checkpoint (the comparison is not of two copies of step 3).
     assert first_difference(middle["ranks"], a["ranks"]) is not None
-    with h5py.File(whole / "ckpt-000000007.h5", "r") as f:
-        assert f.attrs["step"] == 7 and f.attrs["algorithm"] == algorithm and f.attrs["world_size"] == 2
+    attrs = {}
+    for key, path in [("whole", whole / last), ("resumed", resumed / "checkpoints" / last), ("middle", whole / f"ckpt-{MIDDLE:09d}.h5")]:
+        with h5py.File(path, "r") as f:
+            attrs[key] = dict(f.attrs)
+    assert attrs["whole"]["step"] == STEPS and attrs["whole"]["world_size"] == size
+    # The metrics' running totals continue: the resumed job's are the first job's up to step 3 plus its own.
+    assert attrs["resumed"]["bytes_sent_total"] == attrs["whole"]["bytes_sent_total"] > 0
+    assert attrs["resumed"]["wall_seconds"] > attrs["middle"]["wall_seconds"] > 0
+    assert read_metrics(resumed / "metrics.jsonl").end["bytes_sent_total"] == attrs["whole"]["bytes_sent_total"]
 
 
-def test_resume_with_another_algorithm_is_refused_naming_both(tmp_path):
-    code, output = _train(tmp_path / "a", "--algorithm", "sgd", "--steps", "2", "--checkpoint-every", "2")
+def test_dropout_and_augmentation_are_on_in_the_cases(runs):
+    """The bitwise equalities above cover dropout's and augmentation's randomness only if they were in use."""
+    root, _ = runs
+    config = read_metrics(_out(root, 2, "cnn-cifar10-augment", "whole") / "metrics.jsonl").header["config"]
+    assert config["augment"] is True and config["dropout"] == 0.2 and config["dataset"] == "cifar10"
+    a = _read(_out(root, 2, "sgd", "whole") / "checkpoints" / f"ckpt-{STEPS:09d}.h5")
+    # Dropout draws from each rank's torch generator: the ranks' generator states differ.
+    assert first_difference(a["ranks"]["0"]["rng"], a["ranks"]["1"]["rng"]) is not None
+
+
+@pytest.mark.parametrize("size,name", [(4, "sgd"), (2, "sgd"), (4, "signum-allgather"), (2, "signum-allgather")])
+def test_resume_on_another_world_size_moves_the_state_by_the_rule(runs, size, name):
+    root, results = runs
+    old = SIZES[1 - SIZES.index(size)]
+    code, output = results[(size, f"from-{old}-{name}", "resumed")]
     assert code == 0, output
-    ckpt = tmp_path / "a" / "checkpoints" / "ckpt-000000002.h5"
-    code, output = _train(tmp_path / "b", "--algorithm", "signum", "--steps", "4", "--resume", str(ckpt))
-    assert code != 0
+    assert f"written by {old} ranks, resuming on {size}" in output and f"new rank r takes old rank r % {old}'s" in output
+    if name.startswith("signum"):
+        assert "momentum_buffer: redistributed" in output
+    resumed = _out(root, size, name, f"from-{old}")
+    assert [r["step"] for r in read_metrics(resumed / "metrics.jsonl").steps] == list(range(MIDDLE + 1, STEPS + 1))
+    saved = _read(_out(root, old, name, "whole") / "checkpoints" / f"ckpt-{MIDDLE:09d}.h5")
+    final = _read(resumed / "checkpoints" / f"ckpt-{STEPS:09d}.h5")
+    assert sorted(final["ranks"], key=int) == [str(r) for r in range(size)]
+    for r in range(size):
+        state = final["ranks"][str(r)]
+        assert state["step"] == STEPS and state["algorithm"]["world_size"] == size and state["algorithm"]["steps"] == STEPS
+        # Training continued from the saved parameters: moved from them, and every rank identical (sgd, signum).
+        assert not np.array_equal(state["params"], saved["ranks"][str(r % old)]["params"])
+        assert np.array_equal(state["params"], final["ranks"]["0"]["params"])
+
+
+def test_resume_with_another_algorithm_is_refused_naming_both(runs):
+    root, results = runs
+    code, output = results[(2, "refuse-algorithm", "resumed")]
+    assert code == 2
     message = [line for line in output.splitlines() if "error:" in line]
     assert len(message) == 1, output
     assert "algorithm is 'sgd', this run's 'signum'" in message[0]
-    assert not (tmp_path / "b" / "checkpoints").exists()
+    assert not (_out(root, 2, "signum-allgather", "refused") / "checkpoints").exists()
+
+
+def test_easgd_on_another_world_size_keeping_neither_alpha_nor_beta_is_refused(runs):
+    root, results = runs
+    code, output = results[(2, "refuse-easgd-rates", "resumed")]
+    assert code == 2, output
+    assert "hyperparameters differ from this run's" in output and "alpha: saved" in output and "beta: saved" in output
+    assert not (_out(root, 2, "easgd", "refused") / "checkpoints").exists()
 
 
 def test_resume_auto_skips_a_truncated_newest_checkpoint_and_says_so(tmp_path):
