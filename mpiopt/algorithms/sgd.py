@@ -68,8 +68,8 @@ class SGD(LocalStepState, Algorithm):
     def step_reduced(self, params: Any, grad: Any, total: Any, loss: Optional[float] = None) -> StepRecord:
         """:meth:`step` without its Allreduce: ``total`` already holds the sum of ``grad`` over the world.
 
-        ``total`` (a buffer like ``params``) is divided by the world size in
-        place and the local step follows, the same floating-point operations
+        ``total`` (a buffer like ``params``, left unchanged) is divided by the
+        world size inside the local step, the same floating-point operations
         as :meth:`step` does after its Allreduce: the parameters are bitwise
         those of :meth:`step` whenever ``total`` holds the same sums.
         ``grad``, this rank's gradient, is checked for non-finite values as
@@ -89,5 +89,5 @@ class SGD(LocalStepState, Algorithm):
         if total is None:
             world.Allreduce(grad, out=self._average)
             total = self._average
-        total /= world.size
-        self.local.apply(params, total, self.lr)
+        # The division by the world size rides in the update's one pass over memory (same bits as total /= P first).
+        self.local.apply(params, total, self.lr, grad_divisor=world.size)
