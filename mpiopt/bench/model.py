@@ -388,8 +388,12 @@ def step_seconds(
     return {"compute": compute, "comm": comm, "total": compute + comm}
 
 
-def async_seconds(d: int, P: int, compute: float, model: Mapping[str, Any]) -> Dict[str, float]:
+def async_seconds(d: int, P: int, compute: float, model: Mapping[str, Any]) -> Dict[str, Any]:
     """``async_msgd``'s seconds per ``P`` gradients: P-1 workers, one server whose link carries 2 x 4d bytes per update.
+
+    Returns ``{"compute", "comm", "total", "server_bound"}``: ``total`` is
+    ``P`` over the gradients per second, ``server_bound`` whether the
+    server, not the workers, sets that rate.
 
     Point-to-point messages cost ``alpha + bytes beta`` with the
     allreduce's calibration; on a shared medium a worker's send and the
@@ -402,7 +406,7 @@ def async_seconds(d: int, P: int, compute: float, model: Mapping[str, Any]) -> D
     server = 2 * (alpha + 4 * d * beta)  # one update: receive a gradient, send the parameters back
     throughput = min((P - 1) / (compute + server), 1.0 / server)  # gradients per second
     total = P / throughput
-    return {"compute": compute, "comm": total - compute, "total": total, "server_bound": float(1.0 / server < (P - 1) / (compute + server))}
+    return {"compute": compute, "comm": total - compute, "total": total, "server_bound": 1.0 / server < (P - 1) / (compute + server)}
 
 
 def at_rate(model: Mapping[str, Any], bits_per_second: float, medium: str = "switched", alpha: Optional[float] = None) -> Dict[str, Any]:
@@ -465,7 +469,12 @@ def project(
     algorithms: Sequence[str] = PROJECTED,
     alpha: Optional[float] = None,
 ) -> List[Dict[str, Any]]:
-    """Projected seconds per step and speed-up over ``sgd`` for every (model, rate, ranks, algorithm) on a switched network."""
+    """Projected seconds per step and speed-up over ``sgd`` for every (model, rate, ranks, algorithm) on a switched network.
+
+    ``models`` are ``(label, parameters, compute seconds per step)``; every
+    algorithm runs with ``mpiopt train``'s hyperparameters and one group of
+    all ranks (``lsgd`` without node-local pulls).
+    """
     rows = []
     for rate in rates:
         moved = at_rate(model, parse_rate(rate), "switched", alpha)
@@ -488,6 +497,7 @@ def project(
 
 
 def calibration_table(model: Mapping[str, Any]) -> str:
+    """Per collective: alpha, beta, the rate 1/beta and the fit's errors over its points."""
     rows = []
     for op, entry in model["collectives"].items():
         errors = [abs(p["error"]) for p in entry["points"]]
@@ -501,6 +511,7 @@ def _percent(predicted: float, measured: float) -> str:
 
 
 def validation_table(rows: Sequence[Mapping[str, Any]], goal: float = 0.25) -> str:
+    """:func:`validate`'s rows: communication and step time, measured and predicted, and whether within ``goal``."""
     body = [[r["algorithm"] + (f" ({r['mode']})" if r["mode"] else ""), r["P"], f"{r['d']:,}", f"{1e3 * r['compute']:.1f}",
              f"{1e3 * r['measured_comm']:.1f}", f"{1e3 * r['predicted_comm']:.1f}", _percent(r["predicted_comm"], r["measured_comm"]),
              f"{1e3 * r['measured']:.1f}",
@@ -604,7 +615,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL.json")
     p.add_argument("--models", type=comma_list(str), default=list(MODELS), metavar="NAME=D@MS,...",
                    help="models: parameters and compute milliseconds per step")
-    p.add_argument("--ranks", type=comma_list(int), default=list(RANKS), metavar="P,P,...")
+    # dest: ``mpiopt bench --ranks N`` (start the job) shares this namespace.
+    p.add_argument("--ranks", dest="world_sizes", type=comma_list(int), default=list(RANKS), metavar="P,P,...", help="world sizes")
     p.add_argument("--rates", type=comma_list(str), default=list(RATES), metavar="RATE,...", help="link rates in tc's units")
     p.add_argument("--algorithms", type=comma_list(str), default=list(PROJECTED), metavar="A,B,...")
     p.add_argument("--alpha", type=float, default=None, metavar="SECONDS", help="latency per hop (default: the calibrated)")
@@ -630,9 +642,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"\n{hits} of {len(rows)} points within {100 * args.goal:.0f} %")
         else:
             bad = [a for a in args.algorithms if a not in PROJECTED]
-            if bad or min(args.ranks) < 2:
-                raise UsageError(f"--algorithms must be among {', '.join(PROJECTED)} (got {bad}) and --ranks >= 2 (got {args.ranks})")
-            rows = project(model, _parse_models(args.models), args.ranks, args.rates, args.algorithms, args.alpha)
+            if bad or min(args.world_sizes) < 2:
+                raise UsageError(f"--algorithms must be among {', '.join(PROJECTED)} (got {bad}) and --ranks >= 2 (got {args.world_sizes})")
+            rows = project(model, _parse_models(args.models), args.world_sizes, args.rates, args.algorithms, args.alpha)
             print(projection_table(rows))
         if args.json:
             write_json(args.json, {"benchmark": f"model-{args.action}", "rows": rows})

@@ -219,3 +219,21 @@ def test_command_rejects_bad_models_spec(tmp_path, capsys):
         M.main(["project", str(path), "--models", "resnet50"])
     assert exit_.value.code == 2 and "resnet50" in capsys.readouterr().err
     assert math.isfinite(M.project(_model(), [("m", 10, 0.0)], [2], ["1gbit"], ["sgd"])[0]["speedup"])
+
+
+def test_as_mpiopt_bench_subcommand(tmp_path, monkeypatch, capsys):
+    """Under ``mpiopt bench``, project's --ranks (world sizes) must not read as bench's --ranks (start a job)."""
+    import argparse
+
+    from mpiopt.cli import bench
+
+    monkeypatch.setitem(bench.BENCHMARKS, "model", "model")
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(_model()))
+    parser = argparse.ArgumentParser(prog="mpiopt bench")
+    bench.add_arguments(parser)
+    args = parser.parse_args(["model", "project", str(path), "--models", "x=1M@10", "--ranks", "64,128", "--rates", "10gbit",
+                              "--algorithms", "sgd"])
+    assert args.ranks is None and args.world_sizes == [64, 128]
+    assert bench.run(args) == 0
+    assert "| x | 10gbit | sgd | " in capsys.readouterr().out
