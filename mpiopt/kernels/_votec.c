@@ -19,6 +19,11 @@
  * packbits, unpackbits + flatnonzero), here written straight into the caller's buffer,
  * so a step allocates nothing.
  *
+ * candidates, compress_marked, bitmap_mark and indexed: top-k's selection,
+ * aggregation and sparse update with int32 indices, written into the
+ * caller's workspaces (numpy's fancy indexing converts int32 indices to a
+ * k-element intp copy per call, its masks and nonzero() allocate).
+ *
  * Buffers come through the buffer protocol, so building needs no numpy
  * headers.  The build is optional (setup.py): without a C compiler mpiopt
  * uses the numpy code, which gives the same bits.
@@ -27,6 +32,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #define MAX_LEVELS 48
@@ -235,28 +241,32 @@ static PyObject *py_unpack_signs(PyObject *self, PyObject *args) {
     return result;
 }
 
-static PyObject *py_bitmap_set(PyObject *self, PyObject *args) {
+/* Mark the k int32 indices in a bitmap of d bits (no clearing): 0, or 1 + the position of a bad index. */
+static Py_ssize_t mark_bits(const int32_t *idx, Py_ssize_t k, Py_ssize_t d, unsigned char *bits) {
+    for (Py_ssize_t i = 0; i < k; ++i) {
+        int32_t j = idx[i];
+        if (j < 0 || j >= d) return i + 1;
+        bits[j >> 3] |= (unsigned char)(1u << (j & 7));
+    }
+    return 0;
+}
+
+static PyObject *bitmap_fill(PyObject *args, int clear, const char *name) {
     Py_buffer indices, out;
     Py_ssize_t k, d;
-    (void)self;
     if (!PyArg_ParseTuple(args, "y*nnw*", &indices, &k, &d, &out)) return NULL;
     PyObject *result = NULL;
     if (k < 0 || d < 0 || indices.len < 4 * k || out.len < (d + 7) / 8) {
-        PyErr_Format(PyExc_ValueError, "bitmap_set: bad k=%zd d=%zd or buffers too small", k, d);
+        PyErr_Format(PyExc_ValueError, "%s: bad k=%zd d=%zd or buffers too small", name, k, d);
     } else {
         const int32_t *idx = (const int32_t *)indices.buf;
-        unsigned char *bits = (unsigned char *)out.buf;
-        Py_ssize_t bad = -1;
+        Py_ssize_t bad;
         Py_BEGIN_ALLOW_THREADS
-        memset(bits, 0, (size_t)((d + 7) / 8));
-        for (Py_ssize_t i = 0; i < k; ++i) {
-            int32_t j = idx[i];
-            if (j < 0 || j >= d) { bad = i; break; }
-            bits[j >> 3] |= (unsigned char)(1u << (j & 7));
-        }
+        if (clear) memset(out.buf, 0, (size_t)((d + 7) / 8));
+        bad = mark_bits(idx, k, d, (unsigned char *)out.buf);
         Py_END_ALLOW_THREADS
-        if (bad >= 0) {
-            PyErr_Format(PyExc_ValueError, "bitmap_set: index %zd is out of [0, %zd)", (Py_ssize_t)idx[bad], d);
+        if (bad) {
+            PyErr_Format(PyExc_ValueError, "%s: index %zd is out of [0, %zd)", name, (Py_ssize_t)idx[bad - 1], d);
         } else {
             Py_INCREF(Py_None);
             result = Py_None;
@@ -265,6 +275,16 @@ static PyObject *py_bitmap_set(PyObject *self, PyObject *args) {
     PyBuffer_Release(&indices);
     PyBuffer_Release(&out);
     return result;
+}
+
+static PyObject *py_bitmap_set(PyObject *self, PyObject *args) {
+    (void)self;
+    return bitmap_fill(args, 1, "bitmap_set");
+}
+
+static PyObject *py_bitmap_mark(PyObject *self, PyObject *args) {
+    (void)self;
+    return bitmap_fill(args, 0, "bitmap_mark");
 }
 
 static PyObject *py_bitmap_indices(PyObject *self, PyObject *args) {
@@ -300,6 +320,137 @@ static PyObject *py_bitmap_indices(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* Top-k candidates: the positions (ascending) and scores (|x| or x) of the entries whose score is
+ * >= threshold (NaN never is), as many as the outputs hold; returns how many there are. */
+#define CANDIDATES(T, ABS)                                                                              \
+    static Py_ssize_t candidates_##T(const T *x, Py_ssize_t n, double threshold, int absolute,        \
+                                     int32_t *idx, T *scores, Py_ssize_t capacity) {                   \
+        Py_ssize_t count = 0;                                                                          \
+        const T t = (T)threshold;                                                                      \
+        for (Py_ssize_t i = 0; i < n; ++i) {                                                           \
+            T v = absolute ? ABS(x[i]) : x[i];                                                         \
+            if (v >= t) {                                                                              \
+                if (count < capacity) { idx[count] = (int32_t)i; scores[count] = v; }                  \
+                ++count;                                                                               \
+            }                                                                                          \
+        }                                                                                              \
+        return count;                                                                                  \
+    }
+CANDIDATES(float, fabsf)
+CANDIDATES(double, fabs)
+
+static PyObject *py_candidates(PyObject *self, PyObject *args) {
+    Py_buffer x, idx, scores;
+    Py_ssize_t n, itemsize;
+    double threshold;
+    int absolute;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nndpw*w*", &x, &n, &itemsize, &threshold, &absolute, &idx, &scores)) return NULL;
+    PyObject *result = NULL;
+    if (n < 0 || (itemsize != 4 && itemsize != 8) || x.len < n * itemsize) {
+        PyErr_Format(PyExc_ValueError, "candidates: bad n=%zd itemsize=%zd or x too small", n, itemsize);
+    } else {
+        Py_ssize_t capacity = idx.len / 4 < scores.len / itemsize ? idx.len / 4 : scores.len / itemsize, count;
+        Py_BEGIN_ALLOW_THREADS
+        count = itemsize == 4 ? candidates_float((const float *)x.buf, n, threshold, absolute, (int32_t *)idx.buf, (float *)scores.buf, capacity)
+                              : candidates_double((const double *)x.buf, n, threshold, absolute, (int32_t *)idx.buf, (double *)scores.buf, capacity);
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromSsize_t(count);
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&idx);
+    PyBuffer_Release(&scores);
+    return result;
+}
+
+static PyObject *py_compress_marked(PyObject *self, PyObject *args) {
+    Py_buffer src, mask, out;
+    Py_ssize_t n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*nw*", &src, &mask, &n, &out)) return NULL;
+    PyObject *result = NULL;
+    if (n < 0 || src.len < 4 * n || mask.len < n) {
+        PyErr_Format(PyExc_ValueError, "compress_marked: bad n=%zd or buffers too small", n);
+    } else {
+        const int32_t *in = (const int32_t *)src.buf;
+        const unsigned char *keep = (const unsigned char *)mask.buf;
+        int32_t *dst = (int32_t *)out.buf;
+        const Py_ssize_t capacity = out.len / 4;
+        Py_ssize_t count = 0;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            if (keep[i]) {
+                if (count < capacity) dst[count] = in[i];
+                ++count;
+            }
+        }
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromSsize_t(count);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&mask);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* x[idx[i]] op= ..., the k int32 indices in [0, n); each element rounded on its own, as numpy's loops
+ * (no fused multiply-add, whatever the compiler flags). */
+enum { TAKE_ZERO, ADD, ZERO, DIVIDE, SUB_SCALED, GATHER, SET };
+#define INDEXED(T)                                                                                     \
+    __attribute__((optimize("fp-contract=off")))                                                      \
+    static void indexed_##T(int op, T *x, const int32_t *idx, Py_ssize_t k, T *other, double scalar) { \
+        const T s = (T)scalar;                                                                         \
+        for (Py_ssize_t i = 0; i < k; ++i) {                                                           \
+            T *xi = x + idx[i];                                                                        \
+            switch (op) {                                                                              \
+            case TAKE_ZERO: other[i] = *xi; *xi = 0; break;                                            \
+            case ADD: *xi += other[i]; break;                                                          \
+            case ZERO: *xi = 0; break;                                                                 \
+            case DIVIDE: *xi /= s; break;                                                              \
+            case SUB_SCALED: { T product = s * other[idx[i]]; *xi -= product; } break;                 \
+            case GATHER: other[i] = *xi; break;                                                        \
+            default: *xi = other[i];                                                                   \
+            }                                                                                          \
+        }                                                                                              \
+    }
+INDEXED(float)
+INDEXED(double)
+
+static PyObject *py_indexed(PyObject *self, PyObject *args) {
+    Py_buffer x, indices, other;
+    int op;
+    Py_ssize_t k, itemsize;
+    double scalar;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iw*y*nnw*d", &op, &x, &indices, &k, &itemsize, &other, &scalar)) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t n = x.len / (itemsize ? itemsize : 1);
+    const Py_ssize_t other_needed = op == SUB_SCALED ? n : (op == ZERO || op == DIVIDE ? 0 : k);
+    const int32_t *idx = (const int32_t *)indices.buf;
+    Py_ssize_t bad = -1;
+    if (op < TAKE_ZERO || op > SET || k < 0 || (itemsize != 4 && itemsize != 8) || indices.len < 4 * k
+        || other.len < other_needed * itemsize) {
+        PyErr_Format(PyExc_ValueError, "indexed: bad op=%d k=%zd itemsize=%zd or buffers too small", op, k, itemsize);
+    } else {
+        for (Py_ssize_t i = 0; i < k && bad < 0; ++i)
+            if (idx[i] < 0 || idx[i] >= n) bad = i;
+        if (bad >= 0) {
+            PyErr_Format(PyExc_ValueError, "indexed: index %zd is out of [0, %zd)", (Py_ssize_t)idx[bad], n);
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            if (itemsize == 4) indexed_float(op, (float *)x.buf, idx, k, (float *)other.buf, scalar);
+            else indexed_double(op, (double *)x.buf, idx, k, (double *)other.buf, scalar);
+            Py_END_ALLOW_THREADS
+            Py_INCREF(Py_None);
+            result = Py_None;
+        }
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&indices);
+    PyBuffer_Release(&other);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"vote", py_vote, METH_VARARGS,
      "vote(rows, voters, stride_bytes, nbytes, threshold, out)\n\n"
@@ -315,6 +466,21 @@ static PyMethodDef methods[] = {
     {"bitmap_set", py_bitmap_set, METH_VARARGS,
      "bitmap_set(indices, k, d, out)\n\n"
      "Zero the ceil(d / 8) bytes of out, then set bit j % 8 of out[j // 8] for the k int32 indices j."},
+    {"bitmap_mark", py_bitmap_mark, METH_VARARGS,
+     "bitmap_mark(indices, k, d, out)\n\n"
+     "Set bit j % 8 of out[j // 8] for the k int32 indices j (other bits unchanged)."},
+    {"candidates", py_candidates, METH_VARARGS,
+     "candidates(x, n, itemsize, threshold, absolute, idx_out, scores_out) -> int\n\n"
+     "Positions (int32, ascending) and scores (|x| if absolute, else x) of the n float32/float64 entries\n"
+     "whose score is >= threshold, as many as the outputs hold; return how many there are."},
+    {"compress_marked", py_compress_marked, METH_VARARGS,
+     "compress_marked(src, mask, n, out) -> int\n\n"
+     "The int32 src[i] with mask[i] (bool bytes) set, i < n, in order into out; return how many."},
+    {"indexed", py_indexed, METH_VARARGS,
+     "indexed(op, x, indices, k, itemsize, other, scalar)\n\n"
+     "For the k int32 indices j of x (float32/float64): op 0 other[i] = x[j], x[j] = 0; 1 x[j] += other[i];\n"
+     "2 x[j] = 0; 3 x[j] /= scalar; 4 x[j] -= scalar * other[j] (scalar in x's dtype); 5 other[i] = x[j];\n"
+     "6 x[j] = other[i]."},
     {"bitmap_indices", py_bitmap_indices, METH_VARARGS,
      "bitmap_indices(bitmap, d, out) -> int\n\n"
      "Write the positions (< d, ascending) of the set bits as int32 into out, as many as it holds;\n"

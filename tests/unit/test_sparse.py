@@ -285,3 +285,104 @@ def test_scatter_add_aggregates_workers(xp):
 def test_scatter_add_rejects_repeated_indices(xp):
     with pytest.raises(ValueError, match="indices must be unique"):
         scatter_add(xp.zeros(4, dtype=xp.float32), xp.asarray(np.array([1, 1])), xp.ones(2, dtype=xp.float32))
+
+
+# -- preallocated workspaces and the C loops: the same numbers as the plain numpy code -----------------
+needs_c = pytest.mark.skipif(sparse._sparsec is None, reason="mpiopt.kernels._votec was not built")
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kind", ["normal", "ties", "negative"])
+@pytest.mark.parametrize("d, k", [(9, 3), (1000, 1), (4097, 41), (100_003, 100), (100_003, 30_001)])
+def test_topk_with_a_workspace_is_the_reference(dtype, kind, d, k):
+    rng = np.random.default_rng([d, k])
+    x = awkward(rng, d, kind).astype(dtype)
+    x[rng.integers(0, d, max(1, d // 500))] = np.nan
+    workspace = sparse.TopkWorkspace(d, k, dtype)
+    for absolute in (True, False):
+        expect = topk_indices(x, k, absolute=absolute)
+        got = topk_indices(x, k, absolute=absolute, workspace=workspace)
+        assert got.dtype == np.int32
+        if kind == "normal" and d > 10_000:  # the sample's threshold held: the workspace's own result
+            assert got is workspace.selected
+        np.testing.assert_array_equal(got, expect)
+        scores = np.abs(x) if absolute else x
+        np.testing.assert_array_equal(got, reference_topk(np.where(np.isnan(scores), -np.inf, scores), k))
+
+
+@needs_c
+def test_topk_workspace_overflow_falls_back():
+    """Every entry tied at the threshold: more candidates than the workspace holds, the same answer."""
+    x = np.ones(100_003, np.float32)
+    workspace = sparse.TopkWorkspace(x.size, 10, np.float32)
+    np.testing.assert_array_equal(topk_indices(x, 10, workspace=workspace), np.arange(10))
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_regtopk_scores_with_a_workspace_are_bitwise_the_expression(dtype):
+    rng = np.random.default_rng(5)
+    d, k, n = 5003, 700, 3
+    acc = rng.standard_normal(d).astype(dtype)
+    indices = np.sort(rng.choice(d, k, replace=False)).astype(np.int32)
+    values = rng.standard_normal(k).astype(dtype)
+    values[::7] = 0.0  # a zero share: delta = q there
+    values[1::11] = np.finfo(dtype).tiny / 4  # subnormal shares: delta overflows
+    prev = rng.standard_normal(d).astype(dtype)
+    prev[indices[::5]] = (values[::5] / n).astype(dtype)  # delta = 0 exactly
+    workspace = sparse.TopkWorkspace(d, k, dtype)
+    for q in (1e8, 0.5):
+        expect = regtopk_scores(acc, indices, values, prev, n, 4.0, q)
+        got = regtopk_scores(acc, indices, values, prev, n, 4.0, q, out=np.empty_like(acc), workspace=workspace)
+        assert got.tobytes() == expect.tobytes()
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_indexed_loops_are_the_fancy_indexing(dtype):
+    rng = np.random.default_rng(9)
+    d, k = 1001, 37
+    indices = np.sort(rng.choice(d, k, replace=False)).astype(np.int32)
+    x = rng.standard_normal(d).astype(dtype)
+    y = rng.standard_normal(d).astype(dtype)
+    values = rng.standard_normal(k).astype(dtype)
+
+    grad, error, plain_error = x.copy(), y.copy(), y.copy()
+    out = np.empty(k + 5, dtype)
+    got_i, got_v = error_feedback(grad, error, lambda a: topk_indices(a, k), values_out=out)
+    expect_i, expect_v = error_feedback(grad, plain_error, lambda a: topk_indices(a, k))
+    assert np.shares_memory(got_v, out) and got_v.tobytes() == expect_v.tobytes() and error.tobytes() == plain_error.tobytes()
+    np.testing.assert_array_equal(got_i, expect_i)
+
+    expect = x.copy()
+    expect[indices] += values
+    assert scatter_add(x.copy(), indices, values).tobytes() == expect.tobytes()
+    expect = x.copy()
+    expect[indices] = 0
+    assert sparse.zero_at(x.copy(), indices).tobytes() == expect.tobytes()
+    expect = x.copy()
+    expect[indices] /= 3
+    assert sparse.divide_at(x.copy(), indices, 3).tobytes() == expect.tobytes()
+    expect = x.copy()
+    expect[indices] -= 0.1 * y[indices]
+    assert sparse.subtract_scaled_at(x.copy(), indices, y, 0.1).tobytes() == expect.tobytes()
+    with pytest.raises(ValueError, match="out of"):
+        sparse.zero_at(x.copy(), np.array([d], np.int32))
+
+
+@pytest.mark.parametrize("c_loops", [True, False])
+def test_union_of_sorted(c_loops, monkeypatch):
+    if not c_loops:
+        monkeypatch.setattr(sparse, "_sparsec", None)
+    elif sparse._sparsec is None:
+        pytest.skip("mpiopt.kernels._votec was not built")
+    rng = np.random.default_rng(2)
+    d = 1003
+    arrays = [np.sort(rng.choice(d, k, replace=False)).astype(np.int32) for k in (5, 300, 300, 1)]
+    expect = np.unique(np.concatenate(arrays))
+    out = np.empty(sum(a.size for a in arrays), np.int32)
+    got = sparse.union_of_sorted(arrays, d, np.empty(-(-d // 8), np.uint8), out)
+    np.testing.assert_array_equal(got, expect)
+    assert np.shares_memory(got, out) == c_loops
+    np.testing.assert_array_equal(sparse.union_of_sorted(arrays, d), expect)
