@@ -503,7 +503,7 @@ def calibration_table(model: Mapping[str, Any]) -> str:
         errors = [abs(p["error"]) for p in entry["points"]]
         rows.append([op, f"{1e6 * entry['alpha']:.1f}", f"{1e9 * entry['beta']:.3f}", f"{8 / entry['beta'] / 1e9:.3f}",
                      len(errors), f"{100 * float(np.median(errors)):.0f} %", f"{100 * max(errors):.0f} %"])
-    return markdown_table(["collective", "alpha (us)", "beta (ns/B)", "1/beta (Gbit/s)", "points", "median |error|", "max |error|"], rows)
+    return markdown_table(["collective", "alpha (us)", "beta (ns/B)", "1/beta (Gbit/s)", "points", "median abs. error", "max abs. error"], rows)
 
 
 def _percent(predicted: float, measured: float) -> str:
