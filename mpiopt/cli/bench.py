@@ -48,6 +48,7 @@ BENCHMARKS: Dict[str, str] = {
     "update": "update",
     "regtopk": "regtopk",
     "tradeoff": "tradeoff",
+    "model": "model",
 }
 
 _LAUNCHER_ENV = ("PMI_", "PMIX_", "MPIR_CVAR_", "HYDRA_", "OMPI_")

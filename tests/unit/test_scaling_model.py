@@ -221,13 +221,12 @@ def test_command_rejects_bad_models_spec(tmp_path, capsys):
     assert math.isfinite(M.project(_model(), [("m", 10, 0.0)], [2], ["1gbit"], ["sgd"])[0]["speedup"])
 
 
-def test_as_mpiopt_bench_subcommand(tmp_path, monkeypatch, capsys):
+def test_as_mpiopt_bench_subcommand(tmp_path, capsys):
     """Under ``mpiopt bench``, project's --ranks (world sizes) must not read as bench's --ranks (start a job)."""
     import argparse
 
     from mpiopt.cli import bench
 
-    monkeypatch.setitem(bench.BENCHMARKS, "model", "model")
     path = tmp_path / "m.json"
     path.write_text(json.dumps(_model()))
     parser = argparse.ArgumentParser(prog="mpiopt bench")
