@@ -91,6 +91,12 @@ shutdown
     numbers), every rank ends with the same record, and no receive is left
     posted.  A worker that finished early waits for its STOP by polling, not
     in a spinning collective.
+between runs
+    A run returns quiescent (the STOP handshake): the natural checkpoint
+    point.  An algorithm's server state (Async-MSGD's version, histogram
+    and counts; async LSGD's book) outlives the run, so a second run
+    continues it, and ``state_dict`` carries it under ``"server"``
+    (:mod:`~mpiopt.asyncrt.state`).
 arguments
     Checked on every rank and agreed in one small collective before the
     first message (:func:`~mpiopt.asyncrt.result.agree_on_arguments`): a bad
