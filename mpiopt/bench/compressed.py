@@ -87,7 +87,7 @@ def time_steps(topo: Topology, alg, params: np.ndarray, grad: np.ndarray, steps:
             alg.step(params, grad)
         received.append(wire_bytes(topo.ledger.since(before), topo.size) / steps)
 
-    return slowest_seconds(topo, block), received[0]
+    return slowest_seconds(topo, block) / steps, received[0]  # block() runs ``steps`` steps
 
 
 def run(args: argparse.Namespace) -> int:
