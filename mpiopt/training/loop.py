@@ -32,9 +32,9 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
-from typing import Any, Callable, ContextManager, Dict, List, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -141,6 +141,42 @@ class _Evaluator:
         }
 
 
+#: Fields of an asynchronous run's result that count that run only; the others run on from run to run.
+_PER_RUN_SUMS = ("sent", "seconds", "idle_seconds")
+
+
+def _job_result(results: List[Any]) -> Dict[str, Any]:
+    """The scalar fields of a job's asynchronous runs (its checkpoint segments, in order) as those of one run.
+
+    The running counts (version, steps, rounds, leaders) are the last run's;
+    the per-run ones are summed, ``start_version`` is the first run's and
+    ``stopped_early`` whether any run stopped early.
+    """
+    merged = {k: v for k, v in vars(results[-1]).items() if isinstance(v, (int, float, str, bool))}
+    for key in _PER_RUN_SUMS:
+        if key in merged:
+            merged[key] = sum(getattr(r, key) for r in results)
+    if "start_version" in merged:
+        merged["start_version"] = results[0].start_version
+    if "stopped_early" in merged:
+        merged["stopped_early"] = any(r.stopped_early for r in results)
+    return merged
+
+
+@contextmanager
+def _checkpointed(checkpoints: Checkpointer, writer: Optional[MetricsWriter]) -> Iterator[None]:
+    """Around a run's steps: on a stop signal the metrics file is closed before :class:`Interrupted` goes on; the
+    checkpointer is closed (signal handlers restored) however the steps end."""
+    try:
+        yield
+    except Interrupted:
+        if writer:
+            writer.close()
+        raise
+    finally:
+        checkpoints.close()
+
+
 def build_like(model: torch.nn.Module) -> torch.nn.Module:
     """A second instance of ``model`` (for evaluating another set of parameters)."""
     import copy
@@ -182,8 +218,6 @@ def train(
     world = topology.world
     rank, size = world.rank, world.size
     asynchronous = algorithm in ASYNCHRONOUS
-    if asynchronous and (config.checkpoint_every or config.resume):
-        raise UsageError(f"--checkpoint-every and --resume are not supported yet for the asynchronous algorithm {algorithm!r}")
     _set_threads(config, world)
     torch.manual_seed(config.seed)
     model = build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, width=config.width, dropout=config.dropout)
@@ -214,8 +248,8 @@ def train(
 
     os.makedirs(out_dir, exist_ok=True) if rank == 0 else None
     world.Barrier()
-    checkpoints = None if asynchronous else Checkpointer(config, algorithm, topology, model, opt, out_dir, sampler.batches_per_epoch)
-    start = checkpoints.resume() if checkpoints else 0
+    checkpoints = Checkpointer(config, algorithm, topology, model, opt, out_dir, sampler.batches_per_epoch)
+    start = checkpoints.resume()
     reporter = rank == (1 if asynchronous and size > 1 else 0)
     progress = Progress(algorithm, steps, config.log_every or eval_every, stream if reporter else None)
     writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), truncate=not start) if rank == 0 else None
@@ -231,7 +265,7 @@ def train(
     phase: Callable[[str], ContextManager[Any]] = tracer.phase if tracer else (lambda name: nullcontext())
     evaluator = _Evaluator(model, dataset, world)
     # A resumed run's running totals continue from the checkpoint's.
-    resumed = checkpoints.counters if checkpoints else {"wall_seconds": 0.0, "bytes_sent_total": 0}
+    resumed = checkpoints.counters
     state = {"train_seconds": resumed["wall_seconds"], "bytes": resumed["bytes_sent_total"], "losses": []}
 
     def step_record(step: int, loss: float, compute: float, whole: float, record: Any) -> Dict[str, Any]:
@@ -259,7 +293,7 @@ def train(
 
     source = "own" if algorithm in IDENTICAL_RANKS else ("root" if asynchronous else "average")
     if asynchronous:
-        log: List[Dict[str, Any]] = []
+        log: List[Dict[str, Any]] = []  # the reporter's step records of the current segment
         clock = {"last": time.perf_counter(), "ledger": topology.ledger.snapshot()}
 
         def compute_fn(step: int) -> torch.Tensor:
@@ -281,20 +315,36 @@ def train(
             clock["last"], clock["ledger"] = now, topology.ledger.snapshot()
             return loss
 
-        result = opt.run(compute_fn, steps)
-        log = world.bcast_obj(log, root=1 if size > 1 else 0)
-        if writer:
-            for record in log:
-                writer.write(record)
-            state["train_seconds"] = log[-1]["wall_seconds"] if log else 0.0
-            state["bytes"] = sum(r["bytes_sent"] for r in log)
-        state["losses"] = [r["loss"] for r in log[-max(1, steps // 10):]]
+        # Segments of runs that end quiescent, each until the next multiple of --checkpoint-every: between them every
+        # rank saves and the ranks vote on stop signals.  compute_fn's step runs on from run to run by itself (the
+        # algorithm's state: async_msgd's per-rank ``applied``, async_lsgd's ``steps``), restored by a resume too.
+        every = config.checkpoint_every or steps
+        tail: List[float] = []  # the latest losses, for the train loss of the final evaluation
+        results = []
+        done = start
+        with _checkpointed(checkpoints, writer):
+            while done < steps:
+                count = min(every - done % every, steps - done)
+                clock["last"], clock["ledger"] = time.perf_counter(), topology.ledger.snapshot()  # the checkpoint's time excluded
+                log.clear()
+                results.append(opt.run(compute_fn, count))
+                done += count
+                # The reporter's records and totals, on every rank: rank 0 writes them, every rank checkpoints the totals.
+                records, state["train_seconds"], state["bytes"] = world.bcast_obj(
+                    (log, state["train_seconds"], state["bytes"]), root=1 if size > 1 else 0)
+                if writer:
+                    for record in records:
+                        writer.write(record)
+                tail = (tail + [r["loss"] for r in records])[-max(1, steps // 10):]
+                checkpoints.after_step(done, last=done == steps,
+                                       counters={"wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"]})
+        state["losses"] = tail
         evaluate(steps, source)
         if writer:
             writer.write({"kind": "end", "step": steps, "wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"],
-                          "result": {k: v for k, v in vars(result).items() if isinstance(v, (int, float, str, bool))}})
+                          **({"result": _job_result(results)} if results else {})})
     else:
-        try:
+        with _checkpointed(checkpoints, writer):
             for step in range(start, steps):
                 started = time.perf_counter()
                 x, y = batch(step)
@@ -317,12 +367,6 @@ def train(
                 progress.update(step + 1, line["loss"], whole, state["bytes"] / 1e6)
                 checkpoints.after_step(step + 1, last=step + 1 == steps,
                                        counters={"wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"]})
-        except Interrupted:
-            if writer:
-                writer.close()
-            raise
-        finally:
-            checkpoints.close()
         opt.finish()
         if writer:
             writer.write({"kind": "end", "step": steps, "wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"]})

@@ -248,11 +248,6 @@ def test_resume_auto_skips_a_truncated_newest_checkpoint_and_says_so(tmp_path):
     assert [h["resumed_after_step"] for h in run.resumes] == [2]
 
 
-def test_async_algorithms_refuse_checkpoints_for_now(tmp_path):
-    code, output = _train(tmp_path / "a", "--algorithm", "async_msgd", "--steps", "2", "--checkpoint-every", "1")
-    assert code != 0 and "not supported yet" in output and "async_msgd" in output
-
-
 def _rank_pids(marker: str) -> list:
     """Pids of this Python running ``mpiopt train`` with ``marker`` in its arguments (the ranks, not mpiexec)."""
     found = subprocess.run(["pgrep", "-f", marker], stdout=subprocess.PIPE, text=True).stdout.split()
