@@ -1,4 +1,4 @@
-"""Checkpoints of a synchronous training run: what is saved, what a resume checks and restores, and stop signals.
+"""Checkpoints of a training run: what is saved, what a resume checks and restores, and stop signals.
 
 A checkpoint (:mod:`mpiopt.checkpoint`) after step ``s`` holds rank 0's
 model, and per rank: its flat parameters, the algorithm's state (DaSGD's
@@ -12,6 +12,17 @@ The root attributes also carry the metrics' running totals
 (:data:`COUNTERS`: training seconds, bytes sent), so a resumed run's
 ``wall_seconds`` and ``bytes_sent_total`` continue instead of restarting at 0.
 
+The asynchronous algorithms (``async_msgd``, ``async_lsgd``) run in segments
+(:func:`mpiopt.training.loop.train`): one ``run`` until the next multiple of
+``checkpoint_every`` of each worker's steps, which returns quiescent, so a
+segment boundary is their step boundary: ``step`` counts each worker's steps,
+and the algorithm's state holds the rest (on rank 0 the server's: version
+counter, staleness histogram, LSGD's book with the leaders and the workers'
+latest uploads).  A resumed run starts from exactly the saved parameters and
+continues the version counter and each worker's step numbers (hence its data
+order); the arrivals' order is timing's, so it is bitwise the uninterrupted
+run only at world size 1, where the runtime is deterministic.
+
 Another world size: a checkpoint written by ``P`` ranks resumes on ``M``
 where the algorithm has a rule (:mod:`mpiopt.algorithms.resize`; the
 asynchronous algorithms have none).  New rank ``r`` takes old rank ``r %
@@ -23,7 +34,7 @@ counter continues, and the data order with it: step ``s + 1`` of the
 one's, so samples are not tracked across the change.
 
 Signals: SIGTERM or SIGUSR1 arriving at any rank sets a flag; at every step
-boundary the ranks take a one-byte MAX vote on a communicator of their own
+(or segment) boundary the ranks take a one-byte MAX vote on a communicator of their own
 (its bytes are not the algorithm's), and on a positive vote every rank saves
 a checkpoint and :class:`Interrupted` is raised: ``mpiopt train`` exits with
 :data:`EXIT_INTERRUPTED` (75, ``EX_TEMPFAIL``), which the Slurm templates
@@ -77,7 +88,7 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
 
 
 class Checkpointer:
-    """Saves and restores one synchronous run's checkpoints; catches stop signals (collective calls).
+    """Saves and restores one run's checkpoints; catches stop signals (collective calls).
 
     Parameters
     ----------
