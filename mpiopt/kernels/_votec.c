@@ -212,10 +212,19 @@ static PyObject *py_pack_signs(PyObject *self, PyObject *args) {
     return result;
 }
 
-/* out[i] = +1 where bit i % 8 of packed[i / 8] is set, else -1 (the inverse of pack_signs). */
+/* out[i] = +1 where bit i % 8 of packed[i / 8] is set, else -1 (the inverse of pack_signs).
+ * Whole bytes copy their 8 signs from a 256-row table (filled when the module loads): a
+ * per-bit branch mispredicts on random signs (measured at d = 11M: about 8 times slower). */
 #define UNPACK_SIGNS(T)                                                                 \
+    static T sign_table_##T[256][8];                                                    \
+    static void fill_sign_table_##T(void) {                                             \
+        for (int b = 0; b < 256; ++b)                                                   \
+            for (int j = 0; j < 8; ++j) sign_table_##T[b][j] = ((b >> j) & 1) ? (T)1 : (T)-1; \
+    }                                                                                   \
     static void unpack_signs_##T(const unsigned char *packed, Py_ssize_t n, T *out) {  \
-        for (Py_ssize_t i = 0; i < n; ++i) out[i] = ((packed[i >> 3] >> (i & 7)) & 1) ? (T)1 : (T)-1; \
+        const Py_ssize_t whole = n / 8;                                                 \
+        for (Py_ssize_t b = 0; b < whole; ++b) memcpy(out + 8 * b, sign_table_##T[packed[b]], sizeof sign_table_##T[0]); \
+        for (Py_ssize_t i = 8 * whole; i < n; ++i) out[i] = sign_table_##T[packed[whole]][i - 8 * whole]; \
     }
 UNPACK_SIGNS(float)
 UNPACK_SIGNS(double)
@@ -492,4 +501,8 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_votec", "Fused CPU loops over packed bits: the majority vote, sign packing, bitmaps.", -1, methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__votec(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__votec(void) {
+    fill_sign_table_float();
+    fill_sign_table_double();
+    return PyModule_Create(&module);
+}
