@@ -8,6 +8,10 @@ compute, the algorithm's own work, blocking communication, waiting), and
 ``OUT/accuracy.png`` and ``OUT/loss.png`` (test accuracy and training loss
 against steps, wall time and bytes sent), and prints the table.
 
+``ddp`` in ``--algorithms`` adds the baseline, torch DistributedDataParallel
+on gloo with ``sgd``'s hyperparameters (:mod:`mpiopt.training.ddp`: its bytes
+are estimated, its Allreduce time is inside its compute time).
+
 Per-algorithm settings: ``--hp lsgd.pull_local=0.2`` or a
 ``[hyperparameters.lsgd]`` table in ``--config``; shared ones without the
 prefix.  Evaluated model: see ``mpiopt train --help``.
