@@ -13,12 +13,14 @@ ranks' models; for async_msgd and async_lsgd (evaluated at the end only)
 the server's (final parameters; async_lsgd: the global leader's).
 BatchNorm statistics are averaged over the ranks before each evaluation.
 
-Checkpoints (synchronous algorithms): ``--checkpoint-every N`` writes one
-after every N-th step and at the end to ``--checkpoint-dir`` (default
-``OUT/checkpoints``); ``--resume PATH|auto`` continues from one, bitwise as if
-the run had never stopped.  SIGTERM or SIGUSR1 at any rank of a run with
-checkpoints: every rank writes a checkpoint at the next step boundary and the
-job exits with code 75 (``EX_TEMPFAIL``: requeue it with ``--resume auto``).
+Checkpoints: ``--checkpoint-every N`` writes one after every N-th step and at
+the end to ``--checkpoint-dir`` (default ``OUT/checkpoints``); ``--resume
+PATH|auto`` continues from one, bitwise as if the run had never stopped
+(asynchronous algorithms: between quiescent segments of N steps per worker,
+starting from exactly the saved parameters; bitwise at one rank only).
+SIGTERM or SIGUSR1 at any rank of a run with checkpoints: every rank writes a
+checkpoint at the next step (asynchronous: segment) boundary and the job exits
+with code 75 (``EX_TEMPFAIL``: requeue it with ``--resume auto``).
 """
 
 from __future__ import annotations
