@@ -23,7 +23,8 @@ from ..training.config import UsageError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..experiments import EXPERIMENTS
 
-    parser.add_argument("name", nargs="?", metavar="NAME", help=f"the experiment: {', '.join(EXPERIMENTS)}")
+    names = ", ".join(f"{name} ({e.ranks} ranks)" for name, e in EXPERIMENTS.items())
+    parser.add_argument("name", nargs="?", metavar="NAME", help=f"the experiment, launched with this many ranks: {names}")
     parser.add_argument("--list", action="store_true", help="list the experiments, each with the ranks it needs, and exit")
     parser.add_argument("--out", metavar="DIR", default=None, help="folder for its figures and results (default: runs/experiment-NAME-<date>-<time>)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds; for tests): the numbers mean nothing")
@@ -31,13 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def listing() -> str:
     """One line per experiment: name, the launch command and what it shows."""
-    from ..experiments import EXPERIMENTS, experiment_module
+    from ..experiments import EXPERIMENTS
 
-    lines = []
-    for name in EXPERIMENTS:
-        module = experiment_module(name)
-        lines.append(f"{name:<7} mpiexec -n {module.RANKS} python -m mpiopt experiment {name}\n        {module.SUMMARY}")
-    return "\n".join(lines)
+    return "\n".join(f"{name:<7} mpiexec -n {e.ranks} python -m mpiopt experiment {name}\n        {e.summary}" for name, e in EXPERIMENTS.items())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,18 +51,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"name an experiment ({', '.join(EXPERIMENTS)}) or give --list")
     if args.name not in EXPERIMENTS:
         raise UsageError(f"unknown experiment {args.name!r}; choose from {', '.join(EXPERIMENTS)}")
-    module = experiment_module(args.name)
-    if world.size != module.RANKS:
-        raise UsageError(
-            f"experiment {args.name} needs {module.RANKS} ranks, got {world.size}: "
-            f"mpiexec -n {module.RANKS} python -m mpiopt experiment {args.name}"
-        )
+    ranks = EXPERIMENTS[args.name].ranks
+    if world.size != ranks:
+        raise UsageError(f"experiment {args.name} needs {ranks} ranks, got {world.size}: mpiexec -n {ranks} python -m mpiopt experiment {args.name}")
     out = args.out or world.bcast(time.strftime(f"runs/experiment-{args.name}-%Y%m%d-%H%M%S") if world.rank == 0 else None)
     if world.rank == 0:
         os.makedirs(out, exist_ok=True)
     world.Barrier()
     started = time.perf_counter()
-    module.run(out, args.quick)
+    experiment_module(args.name).run(out, args.quick)
     if world.rank == 0:
         print(f"experiment {args.name} done in {time.perf_counter() - started:.1f} s", flush=True)
     return 0

@@ -1,10 +1,9 @@
 """Reproductions of each paper's claim, one module per experiment (``mpiopt experiment NAME``).
 
-Every module has the same face:
-
-- ``RANKS``: the world size it must run at (``mpiexec -n RANKS``);
-- ``SUMMARY``: one line for ``mpiopt experiment --list``;
-- ``run(out, quick) -> dict``: a collective call on every rank of the world;
+:data:`EXPERIMENTS` names each one's module, the world size it must run at
+(``mpiexec -n RANKS``) and a one-line summary, without importing the module
+(``mpiopt experiment --list`` and ``--help`` stay fast).  Every module has
+``RANKS`` (its entry's) and ``run(out, quick) -> dict``: a collective call on every rank of the world;
   writes its figures (``results-<name>-*.png``), ``results.json`` and
   ``results.md`` into ``out`` on rank 0, and returns the numbers there
   (``{}`` on the other ranks).  ``quick`` shrinks every size so that the
@@ -18,17 +17,25 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import Dict
+from typing import Dict, NamedTuple
 
-__all__ = ["EXPERIMENTS", "experiment_module"]
+__all__ = ["Experiment", "EXPERIMENTS", "experiment_module"]
 
-#: experiment name -> module of this package.
-EXPERIMENTS: Dict[str, str] = {
-    "lsgd": "lsgd",
-    "dasgd": "dasgd",
-    "signum": "signum",
-    "topk": "topk",
-    "async": "asynchronous",
+
+class Experiment(NamedTuple):
+    """One experiment: its module of this package, the ranks it runs at, what it shows."""
+
+    module: str
+    ranks: int
+    summary: str
+
+
+EXPERIMENTS: Dict[str, Experiment] = {
+    "lsgd": Experiment("lsgd", 4, "LSGD vs EASGD vs data-parallel SGD on digits (accuracy vs wall time and bytes), and the curse of symmetry"),
+    "dasgd": Experiment("dasgd", 2, "DaSGD vs synchronous SGD on digits: loss curves, and the fraction of the averaging hidden behind compute (trace)"),
+    "signum": Experiment("signum", 4, "Signum majority vote vs SGD on digits, and logistic regression with 0-3 of 4 workers adversarial"),
+    "topk": Experiment("topk", 2, "Top-k vs RegTop-k on the paper's distributed linear regression and on digits at density 0.01"),
+    "async": Experiment("asynchronous", 4, "Async-MSGD delay x momentum grid on streaming PCA; sgd / async_msgd / async_lsgd on digits with one slowed rank"),
 }
 
 
@@ -36,4 +43,4 @@ def experiment_module(name: str) -> ModuleType:
     """The module of experiment ``name`` (a key of :data:`EXPERIMENTS`)."""
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose from {', '.join(EXPERIMENTS)}")
-    return importlib.import_module(f"{__package__}.{EXPERIMENTS[name]}")
+    return importlib.import_module(f"{__package__}.{EXPERIMENTS[name].module}")

@@ -37,10 +37,10 @@ from ..metrics.plots import running_mean
 from ..tasks.images import ShardSampler
 from ..tasks.models import build_model
 from ..torch import DistributedOptimizer, broadcast_module
+from . import EXPERIMENTS
 from ._common import image_config, new_figure, write_results
 
-RANKS = 4
-SUMMARY = "Async-MSGD delay x momentum grid on streaming PCA; sgd / async_msgd / async_lsgd on digits with one slowed rank"
+RANKS = EXPERIMENTS["async"].ranks
 ALGORITHMS = ("sgd", "async_msgd", "async_lsgd")
 SLOW_RANK = 3
 SLOW_SECONDS = 0.02

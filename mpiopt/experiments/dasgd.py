@@ -28,10 +28,10 @@ import numpy as np
 from ..comm import Topology
 from ..metrics import Run, overlap_fraction
 from ..metrics.summary import SPLITS
+from . import EXPERIMENTS
 from ._common import image_config, new_figure, summaries, train_images, write_results
 
-RANKS = 2
-SUMMARY = "DaSGD vs synchronous SGD on digits: loss curves, and the fraction of the averaging hidden behind compute (trace)"
+RANKS = EXPERIMENTS["dasgd"].ranks
 ALGORITHMS = ("sgd", "dasgd")
 STEPS, QUICK_STEPS = 600, 20
 

@@ -28,10 +28,10 @@ import numpy as np
 import mpiopt
 from ..comm import Topology
 from ..tasks import symmetric
+from . import EXPERIMENTS
 from ._common import image_config, new_figure, summaries, train_images, write_results
 
-RANKS = 4
-SUMMARY = "LSGD vs EASGD vs data-parallel SGD on digits (accuracy vs wall time and bytes), and the curse of symmetry"
+RANKS = EXPERIMENTS["lsgd"].ranks
 ALGORITHMS = ("sgd", "easgd", "lsgd")
 STEPS, QUICK_STEPS = 600, 20
 SYMMETRY_STEPS, SYMMETRY_LR = 300, 0.05

@@ -27,10 +27,10 @@ import numpy as np
 import mpiopt
 from ..comm import Topology
 from ..tasks import logistic
+from . import EXPERIMENTS
 from ._common import image_config, new_figure, summaries, train_images, write_results
 
-RANKS = 4
-SUMMARY = "Signum majority vote vs SGD on digits, and logistic regression with 0-3 of 4 workers adversarial"
+RANKS = EXPERIMENTS["signum"].ranks
 ALGORITHMS = ("sgd", "signum")
 STEPS, QUICK_STEPS = 600, 20
 BYZANTINE_STEPS, QUICK_BYZANTINE_STEPS = 400, 30

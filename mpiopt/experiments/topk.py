@@ -27,10 +27,10 @@ import numpy as np
 from ..bench import regtopk as linreg_bench
 from ..comm import Topology
 from ..tasks.linreg import make_problem
+from . import EXPERIMENTS
 from ._common import image_config, summaries, train_images, write_results
 
-RANKS = 2
-SUMMARY = "Top-k vs RegTop-k on the paper's distributed linear regression and on digits at density 0.01"
+RANKS = EXPERIMENTS["topk"].ranks
 ALGORITHMS = ("sgd", "topk", "regtopk")
 DENSITY = 0.01
 MU = 5.0

@@ -27,7 +27,7 @@ def _png(path) -> bool:
 def run_quick(name, tmp_path) -> dict:
     """Run experiment ``name`` with --quick at its rank count; check its files; return results.json."""
     out = tmp_path / name
-    code, output, _ = run_mpi(experiment_module(name).RANKS, [*COMMAND, name, "--quick", "--out", str(out)], timeout=300)
+    code, output, _ = run_mpi(EXPERIMENTS[name].ranks, [*COMMAND, name, "--quick", "--out", str(out)], timeout=300)
     assert code == 0, output
     document = json.loads((out / "results.json").read_text())
     assert document["experiment"] == name and document["quick"] is True
@@ -42,11 +42,15 @@ def by_algorithm(rows):
     return {row["algorithm"]: row for row in rows}
 
 
-def test_list_names_every_experiment_with_its_launch_line():
-    code, output, _ = run_mpi(1, [*COMMAND, "--list"], timeout=120)
-    assert code == 0, output
-    for name in EXPERIMENTS:
-        assert f"mpiexec -n {experiment_module(name).RANKS} python -m mpiopt experiment {name}" in output
+def test_list_and_help_name_every_experiment_with_its_ranks():
+    code, listed, _ = run_mpi(1, [*COMMAND, "--list"], timeout=120)
+    assert code == 0, listed
+    code, helped, _ = run_mpi(1, [*COMMAND, "--help"], timeout=120)
+    assert code == 0, helped
+    for name, experiment in EXPERIMENTS.items():
+        assert experiment_module(name).RANKS == experiment.ranks
+        assert f"mpiexec -n {experiment.ranks} python -m mpiopt experiment {name}" in listed
+        assert f"{name} ({experiment.ranks} ranks)" in " ".join(helped.split())
 
 
 def test_wrong_rank_count_and_unknown_name_are_usage_errors():
