@@ -68,7 +68,8 @@ from typing import Any, Deque, Dict, Iterator, Optional, Tuple, Union
 import numpy as np
 
 from ..comm import Request, Topology
-from ..kernels import chunk_bounds, majority_vote, pack_signs, packed_nbytes, unpack_signs, vote_chunk
+from ..kernels import chunk_bounds, majority_vote, pack_signs, packed_nbytes, vote_chunk
+from ..kernels.signs import apply_signs
 from .base import Algorithm, check_choice, check_positive, check_range
 from .registry import register
 
@@ -225,7 +226,7 @@ class Signum(Algorithm):
         P, d = self.topology.size, params.size
         self.mode = choose_exchange(P, d) if self.exchange == "auto" else self.exchange
         nbytes = packed_nbytes(d)
-        self._signs = xp.empty_like(params)  # (1 - beta) g, then the voted direction, then lr times it
+        self._signs = xp.empty_like(params)  # (1 - beta) g, then (without the C loops) lr times the vote
         self._voted = xp.empty(nbytes, dtype=np.uint8)
         if self.momentum:
             self.momentum_buffer = xp.zeros_like(params)
@@ -271,12 +272,9 @@ class Signum(Algorithm):
     def _apply(self, params: Any, start: int, stop: int) -> None:
         """x <- x - lr (V + wd x) on the elements that voted bytes ``[start, stop)`` cover."""
         lo, hi = 8 * start, min(8 * stop, params.size)
-        step = unpack_signs(self._voted[start:stop], hi - lo, dtype=params.dtype, out=self._signs[lo:hi])
         # x (1 - lr wd) - lr V: element by element, so chunk by chunk gives the same floats.
-        if self.weight_decay:
-            params[lo:hi] *= 1.0 - self.lr * self.weight_decay
-        step *= self.lr
-        params[lo:hi] -= step
+        decay = 1.0 - self.lr * self.weight_decay if self.weight_decay else 1.0
+        apply_signs(self._voted[start:stop], params[lo:hi], self.lr, decay, scratch=self._signs[lo:hi])
 
     def _exchange(self, op: str, send: Any, recv: Any) -> Optional[Request]:
         """World ``Allgather``/``Alltoall``, nonblocking (its request returned) when pipelined."""

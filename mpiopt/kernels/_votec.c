@@ -229,6 +229,43 @@ static PyObject *py_pack_signs(PyObject *self, PyObject *args) {
 UNPACK_SIGNS(float)
 UNPACK_SIGNS(double)
 
+/* params[i] = params[i] * decay - lr * sign_i (sign_i = +-1 from the packed bits), each operation
+ * rounded on its own as numpy's passes (params *= decay; step = unpack * lr; params -= step) round
+ * them, in one pass; decay = 1 skips the product, as the numpy code skips that pass. */
+#define APPLY_SIGNS(T)                                                                  \
+    __attribute__((optimize("fp-contract=off")))                                       \
+    static void apply_signs_##T(const unsigned char *packed, Py_ssize_t n, T *x, double lr, double decay) { \
+        const T step[2] = {-(T)lr, (T)lr}, f = (T)decay;                                \
+        if (decay != 1.0)                                                               \
+            for (Py_ssize_t i = 0; i < n; ++i) { T v = x[i] * f; x[i] = v - step[(packed[i >> 3] >> (i & 7)) & 1]; } \
+        else                                                                            \
+            for (Py_ssize_t i = 0; i < n; ++i) x[i] -= step[(packed[i >> 3] >> (i & 7)) & 1]; \
+    }
+APPLY_SIGNS(float)
+APPLY_SIGNS(double)
+
+static PyObject *py_apply_signs(PyObject *self, PyObject *args) {
+    Py_buffer packed, x;
+    Py_ssize_t n, itemsize;
+    double lr, decay;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nnw*dd", &packed, &n, &itemsize, &x, &lr, &decay)) return NULL;
+    PyObject *result = NULL;
+    if (n < 0 || (itemsize != 4 && itemsize != 8) || packed.len < (n + 7) / 8 || x.len < n * itemsize) {
+        PyErr_Format(PyExc_ValueError, "apply_signs: bad n=%zd itemsize=%zd or buffers too small", n, itemsize);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        if (itemsize == 4) apply_signs_float((const unsigned char *)packed.buf, n, (float *)x.buf, lr, decay);
+        else apply_signs_double((const unsigned char *)packed.buf, n, (double *)x.buf, lr, decay);
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    PyBuffer_Release(&packed);
+    PyBuffer_Release(&x);
+    return result;
+}
+
 static PyObject *py_unpack_signs(PyObject *self, PyObject *args) {
     Py_buffer packed, out;
     Py_ssize_t n, itemsize;
@@ -472,6 +509,10 @@ static PyMethodDef methods[] = {
     {"unpack_signs", py_unpack_signs, METH_VARARGS,
      "unpack_signs(packed, n, itemsize, out)\n\n"
      "out[i] = +1 where bit i % 8 of packed[i // 8] is set, else -1, for n float32 (itemsize 4) or float64 (8)."},
+    {"apply_signs", py_apply_signs, METH_VARARGS,
+     "apply_signs(packed, n, itemsize, x, lr, decay)\n\n"
+     "x[i] = x[i] * decay - lr * s_i (s_i = +1 where bit i % 8 of packed[i // 8] is set, else -1; lr and decay\n"
+     "in x's dtype, each operation rounded; decay = 1 skips the product) for n float32/float64 values."},
     {"bitmap_set", py_bitmap_set, METH_VARARGS,
      "bitmap_set(indices, k, d, out)\n\n"
      "Zero the ceil(d / 8) bytes of out, then set bit j % 8 of out[j // 8] for the k int32 indices j."},

@@ -45,6 +45,7 @@ __all__ = [
     "unpack_bits",
     "pack_signs",
     "unpack_signs",
+    "apply_signs",
     "sign_float",
     "majority_vote",
     "chunk_bounds",
@@ -226,6 +227,44 @@ def unpack_signs(packed: Any, d: int, dtype: Any = np.float32, out: Any = None) 
     if d > 8 * whole:
         out[8 * whole :] = table[packed[whole:]][0, : d - 8 * whole]
     return out
+
+
+def apply_signs(packed: Any, x: Any, lr: float, decay: float = 1.0, scratch: Any = None) -> Any:
+    """``x <- x * decay - lr * s`` in place, ``s`` the ``d = len(x)`` signs that ``packed`` holds.
+
+    The numpy passes ``s = unpack_signs(packed)``, ``x *= decay`` (skipped when
+    ``decay == 1``), ``s *= lr``, ``x -= s``, with the same roundings (``lr``
+    and ``decay`` in ``x``'s dtype); on the CPU one C loop
+    (``mpiopt.kernels._votec``) does them in one pass over ``x``.
+
+    Parameters
+    ----------
+    packed : array of uint8, shape (ceil(d / 8),)
+    x : array, 1-D floating, C-contiguous
+        Updated in place.
+    lr, decay : float
+    scratch : array like ``x``, optional
+        Where the numpy passes put ``s`` (a new array otherwise).
+
+    Returns
+    -------
+    array
+        ``x``.
+    """
+    xp = check_array("x", x, ndim=1, kinds="f")
+    d = x.shape[0]
+    if packed.shape != (packed_nbytes(d),):
+        raise ValueError(f"packed must have ceil(d / 8) = {packed_nbytes(d)} bytes for d = {d}, got {packed.shape[0]}")
+    fused = xp is np and _votec is not None and hasattr(_votec, "apply_signs")
+    if fused and x.dtype in _C_FLOATS and x.flags.c_contiguous and packed.flags.c_contiguous:
+        _votec.apply_signs(packed, d, x.dtype.itemsize, x, float(lr), float(decay))
+        return x
+    step = unpack_signs(packed, d, dtype=x.dtype, out=scratch)
+    if decay != 1.0:
+        x *= decay
+    step *= lr
+    x -= step
+    return x
 
 
 def sign_float(x: Any, out: Any = None, nan_policy: str = "raise") -> Any:

@@ -278,3 +278,29 @@ def test_c_vote_equals_numpy_vote(voters, d, monkeypatch):
     fused = majority_vote(stack, d)
     monkeypatch.setattr(signs, "_votec", None)
     np.testing.assert_array_equal(fused, majority_vote(stack, d))
+
+
+@pytest.mark.parametrize("c_loop", [True, False])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("d", [1, 7, 8, 9, 63, 65, 1001])
+@pytest.mark.parametrize("decay", [1.0, 1.0 - 0.01 * 0.1])
+def test_apply_signs_is_the_numpy_passes(c_loop, dtype, d, decay, monkeypatch):
+    """x * decay - lr * s, rounded as the separate numpy passes round it, with NaN, +-0.0 and extremes in x."""
+    if not c_loop:
+        monkeypatch.setattr(signs, "_votec", None)
+    elif signs._votec is None:
+        pytest.skip("mpiopt.kernels._votec was not built")
+    rng = np.random.default_rng([d, int(decay < 1)])
+    x = rng.standard_normal(d).astype(dtype)
+    x[: min(d, 4)] = np.array([np.nan, 0.0, -0.0, np.finfo(dtype).max], dtype)[: min(d, 4)]
+    packed = pack_signs(rng.standard_normal(d).astype(dtype))
+    lr = 0.01
+    expect = x.copy()
+    if decay != 1.0:
+        expect *= decay
+    expect -= lr * unpack_signs(packed, d, dtype=dtype)
+    got = signs.apply_signs(packed, x.copy(), lr, decay)
+    assert got.tobytes() == expect.tobytes()
+    # an independent float64 recomputation of the values (not the roundings)
+    ref = x.astype(np.float64) * decay - lr * np.where(unpack_signs(packed, d, dtype=np.float64) > 0, 1.0, -1.0)
+    np.testing.assert_allclose(got, ref, rtol=1e-6, equal_nan=True)
