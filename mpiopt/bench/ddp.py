@@ -44,15 +44,14 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
-import socket
 import sys
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-import numpy as np
 
 from ..comm import Topology
 from ..training.config import TrainConfig, UsageError
+from ..training.ddp import init_gloo
 from ._common import comma_list, environment, link_rate, markdown_table, median, module_main, positive_int, rotated, say
 from ._common import slowest_seconds, write_json
 from .algorithms import SYNCHRONOUS
@@ -93,26 +92,6 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--input-shape must be C,H,W, got {','.join(map(str, args.input_shape))}")
     if args.overlap and not overlap_supported():
         raise UsageError("--overlap: this mpiopt's DistributedOptimizer has no overlap= option")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
-def init_gloo(topology: Topology) -> None:
-    """Start a torch.distributed gloo group over the MPI world (ranks, size and rank 0's port from MPI)."""
-    import torch.distributed as dist
-
-    hosts = topology.world.allgather_obj(socket.gethostname())
-    one_host = len(set(hosts)) == 1
-    if one_host:
-        # Loopback: inside tools/emulated_link.sh, the shaped device.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    address = "127.0.0.1" if one_host else hosts[0]
-    port = topology.world.bcast_obj(_free_port() if topology.rank == 0 else None)
-    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=topology.rank, world_size=topology.size)
 
 
 def _batches(args: argparse.Namespace, topology: Topology, count: int = 8) -> List[tuple]:

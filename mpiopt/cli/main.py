@@ -23,6 +23,7 @@ COMMANDS = {
     "train": ("train", "train one algorithm on one task (metrics, evaluation, checkpoints)"),
     "compare": ("compare", "train several algorithms on the same task and tabulate and plot the results"),
     "plot": ("plot", "redraw the figures and the results table from metrics files"),
+    "experiment": ("experiment", "reproduce one paper's claim (figures and numbers); mpiopt experiment --list"),
     "bench": ("bench", "run a benchmark: collectives, algorithms, ddp, compressed, averaging, kernels, ..."),
     "inspect": ("inspect", "show a checkpoint's layout, attributes and each array's shape, dtype and norm"),
     "info": ("info", "show the topology, GPU-awareness and bytes per collective"),

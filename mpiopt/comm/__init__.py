@@ -8,7 +8,7 @@
 - :func:`abort_on_exception` makes an exception on one rank end the job.
 """
 
-from .abort import abort_job, abort_on_exception
+from .abort import ABORT_ENV, OtherRankError, abort_job, abort_on_exception
 from .buffers import gpu_aware_mpi, is_gpu_array, nbytes
 from .communicator import ANY_SOURCE, ANY_TAG, MAX, MIN, SUM, Comm, Request, SetupMismatchError
 from .ledger import Ledger, OpStats
@@ -23,6 +23,8 @@ __all__ = [
     "SetupMismatchError",
     "abort_on_exception",
     "abort_job",
+    "OtherRankError",
+    "ABORT_ENV",
     "gpu_aware_mpi",
     "is_gpu_array",
     "nbytes",

@@ -425,7 +425,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._exchange.start_rest()
             self._exchange.finish()
         self._flat_grads.zero_()
-        self._reattach_grads(copy=False)
+        self._check_views(keep_replaced_grads=False)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, loss: Any = None) -> Any:
@@ -449,13 +449,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_params()
-        self._reattach_grads(copy=True)
+        self._check_views(keep_replaced_grads=True)
         self.algorithm.lr = self._group_lr()
         if self._exchange is None:
             skip, inverse_scale, _ = self._grad_scaler_verdict()
             if skip:
-                return loss  # some rank's scaled gradients overflowed: every rank skips
+                return self._skipped(loss)  # some rank's scaled gradients overflowed: every rank skips
             if inverse_scale is not None:
                 self._flat_grads.mul_(inverse_scale)
             if self.backward_passes_per_step > 1:
@@ -479,7 +478,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         verdict = ledger.since(before_verdict)
         before = exchange.finish()
         if skip:
-            return loss
+            return self._skipped(loss)
         if inverse_scale is not None:
             if same_scale:
                 self._flat_total.mul_(inverse_scale)  # a power of two commutes with the sum, bitwise
@@ -530,7 +529,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             value = _loss_value(loss)
             return math.nan if value is None else value
 
-        self._check_params()
+        self._check_views(keep_replaced_grads=False)
         self.algorithm.lr = self._group_lr()
         return self.algorithm.run(flat, worker_fn, steps, **options)
 
@@ -574,26 +573,33 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if len(rates) > 1:
             raise ValueError(f"parameter groups have different learning rates {sorted(rates)}: mpiopt algorithms take one")
         lr = rates.pop()
-        if not (lr > 0 and math.isfinite(lr)):
-            raise ValueError(f"learning rate must be a finite number > 0, got {lr!r}")
+        if not (lr >= 0 and math.isfinite(lr)):  # 0 is a scheduler's warm-up start or end
+            raise ValueError(f"learning rate must be a finite number >= 0, got {lr!r}")
         return lr
 
-    def _check_params(self) -> None:
-        if any(p.data_ptr() != v.data_ptr() for p, v in zip(self._params, self._param_views)):
-            raise RuntimeError(
-                "a parameter no longer lives in the optimizer's flat buffer (moved with .to()/.cuda() or replaced "
-                "after DistributedOptimizer was created): create the optimizer after moving the model"
-            )
+    def _check_views(self, keep_replaced_grads: bool) -> None:
+        """One pass over the parameters: each still lives in the flat buffer, and each gradient is its view again.
 
-    def _reattach_grads(self, copy: bool) -> None:
-        """Put back gradient views the user replaced (``copy``: keep the replaced values) or set to None."""
-        for p, view in zip(self._params, self._grad_views):
-            if p.grad is not view:
-                if p.grad is None or not copy:
-                    view.zero_()
+        A gradient the user replaced is copied into the view (``keep_replaced_grads``)
+        or dropped; one set to None becomes the zeroed view.
+        """
+        for p, param_view, grad_view in zip(self._params, self._param_views, self._grad_views):
+            if p.data_ptr() != param_view.data_ptr():
+                raise RuntimeError(
+                    "a parameter no longer lives in the optimizer's flat buffer (moved with .to()/.cuda() or replaced "
+                    "after DistributedOptimizer was created): create the optimizer after moving the model"
+                )
+            if p.grad is not grad_view:
+                if p.grad is None or not keep_replaced_grads:
+                    grad_view.zero_()
                 else:
-                    view.copy_(p.grad)
-                p.grad = view
+                    grad_view.copy_(p.grad)
+                p.grad = grad_view
+
+    def _skipped(self, loss: Any) -> Any:
+        """Record a step every rank skipped (a GradScaler overflow somewhere) and return its loss."""
+        self.last = StepRecord(self.algorithm.steps, _loss_value(loss), 0, 0, 0.0, 0.0, 0.0, skipped=True)
+        return loss
 
     def _grad_scaler_verdict(self) -> Tuple[bool, Optional[torch.Tensor], bool]:
         """With ``GradScaler.step(opt)``, decided together: (skip, inverse scale, every rank has the same scale).

@@ -54,7 +54,7 @@ import torch
 
 from ..algorithms.resize import hyperparameter_differences, resize_states, source_rank
 from ..checkpoint import Checkpoint, CheckpointError, checkpoint_path, find_latest, load_checkpoint, save_checkpoint
-from ..comm import MAX, Ledger, Topology
+from ..comm import MAX, Ledger, OtherRankError, Topology
 from ..metrics import versions
 from ..torch import DistributedOptimizer
 from .config import TrainConfig, UsageError
@@ -179,8 +179,6 @@ class Checkpointer:
             "step": step,
         }
         path = checkpoint_path(self.directory, step)
-        if self.topology.rank == 0:
-            os.makedirs(self.directory, exist_ok=True)
         return save_checkpoint(path, self.topology.world, model=model, rank_state=rank_state, attrs=self.attrs(step, counters),
                                keep=self.config.keep_checkpoints)
 
@@ -251,7 +249,10 @@ class Checkpointer:
         except CheckpointError as err:
             raise UsageError(f"--resume: {err}") from None
         saved, here = ckpt.attrs, self.attrs(0)
-        for what, key in [("algorithm", "algorithm"), ("model signature", "model_signature")]:
+        checks = [("algorithm", "algorithm"), ("model signature", "model_signature")]
+        if ckpt.world_size == world.size:  # on another world size the groups change with it (see _resized)
+            checks += [("number of groups (--group-size)", "num_groups"), ("size of rank 0's group (--group-size)", "group_size")]
+        for what, key in checks:
             if saved.get(key) != here[key]:
                 raise UsageError(f"--resume {path}: the checkpoint's {what} is {saved.get(key)!r}, this run's {here[key]!r}")
         if not self.config.override_hyperparameters:
@@ -266,9 +267,14 @@ class Checkpointer:
         if len(set(steps)) > 1 or steps[0] != int(saved["step"]):
             raise UsageError(f"--resume {path}: the ranks' states are at different steps {steps}; the file says step {saved['step']}")
         state = ckpt.rank_state if states is None else self._resized(ckpt)
+        error: Optional[Exception] = None
         try:
             self.opt.algorithm.load_state_dict(state["algorithm"], override_hyperparameters=self.config.override_hyperparameters)
-        except ValueError as err:  # every rank holds the same kind of state: it fails alike
+        except ValueError as err:
+            error = err
+        try:  # a state may fail on some ranks only (the asynchronous server's, a leader's): decide together
+            self.topology.raise_together(error, "resume")
+        except (ValueError, OtherRankError) as err:
             raise UsageError(f"--resume {path}: {err}") from None
         with torch.no_grad():
             self.opt._flat_params.copy_(torch.from_numpy(state["params"]))

@@ -20,13 +20,15 @@ backward pass.  Two consequences for the step records:
   so ``compute_seconds`` holds forward, backward and Allreduce together and
   ``comm_seconds`` is 0; ``algo_seconds`` is the local SGD update.
 
-The gloo process group is started once per process (:func:`mpiopt.bench.ddp.init_gloo`)
+The gloo process group is started once per process (:func:`init_gloo`)
 and reused by later runs of the same job.  Checkpoints are not supported.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
+import socket
 import time
 import warnings
 from typing import Any, FrozenSet
@@ -53,6 +55,27 @@ def hyperparameter_names() -> FrozenSet[str]:
     return frozenset(inspect.signature(torch.optim.SGD.__init__).parameters) - {"self", "params"}
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def init_gloo(topology: Topology) -> None:
+    """Start a torch.distributed gloo group over the MPI world (ranks, size and rank 0's port from MPI)."""
+    import torch.distributed as dist
+
+    hosts = topology.world.allgather_obj(socket.gethostname())
+    one_host = len(set(hosts)) == 1
+    if one_host:
+        # Loopback: inside tools/emulated_link.sh, the shaped device.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    address = "127.0.0.1" if one_host else hosts[0]
+    port = topology.world.bcast_obj(_free_port() if topology.rank == 0 else None)
+    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=topology.rank, world_size=topology.size)
+
+
+
 class DDPBaseline:
     """A model wrapped in ``DistributedDataParallel`` over gloo, and ``torch.optim.SGD`` (a collective constructor).
 
@@ -70,8 +93,6 @@ class DDPBaseline:
     def __init__(self, model: torch.nn.Module, topology: Topology, **hyper: Any) -> None:
         self.optimizer = torch.optim.SGD(model.parameters(), **hyper)  # bad keywords fail here, on every rank alike
         if not dist.is_initialized():
-            from ..bench.ddp import init_gloo
-
             init_gloo(topology)
         with warnings.catch_warnings():
             # torch 2.13 deprecates broadcast_buffers, but its replacement still syncs at set-up.

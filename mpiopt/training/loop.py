@@ -28,11 +28,12 @@ time-to-accuracy compares the algorithms, not the evaluation schedule.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 
@@ -99,12 +100,13 @@ def _set_threads(config: TrainConfig, world: Comm) -> int:
 class _Evaluator:
     """The test-set evaluation of a run (collective): each rank a slice, sums over the ranks."""
 
-    def __init__(self, model: torch.nn.Module, dataset: ImageDataset, world: Comm) -> None:
+    def __init__(self, model: torch.nn.Module, dataset: ImageDataset, world: Comm, source: str) -> None:
         self.world = world
         self.x = torch.from_numpy(dataset.x_test[world.rank :: world.size])
         self.y = torch.from_numpy(dataset.y_test[world.rank :: world.size])
-        self.copy = build_like(model)
-        self._flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+        # A second model only where another set of parameters than this rank's is evaluated.
+        self.copy = None if source == "own" else copy.deepcopy(model)
+        self._flat = None if source == "own" else torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
 
     @torch.no_grad()
     def __call__(self, model: torch.nn.Module, source: str, flat: torch.Tensor, train_losses: List[float]) -> Dict[str, float]:
@@ -164,24 +166,14 @@ def _job_result(results: List[Any]) -> Dict[str, Any]:
 
 
 @contextmanager
-def _checkpointed(checkpoints: Checkpointer, writer: Optional[MetricsWriter]) -> Iterator[None]:
-    """Around a run's steps: on a stop signal the metrics file is closed before :class:`Interrupted` goes on; the
-    checkpointer is closed (signal handlers restored) however the steps end."""
+def _written_on_stop(tracer: Optional[Tracer], path: Optional[str]) -> Iterator[None]:
+    """Around a run's steps: a stop signal (every rank alike) still writes the trace (a collective call)."""
     try:
         yield
     except Interrupted:
-        if writer:
-            writer.close()
+        if tracer:
+            tracer.write(path)
         raise
-    finally:
-        checkpoints.close()
-
-
-def build_like(model: torch.nn.Module) -> torch.nn.Module:
-    """A second instance of ``model`` (for evaluating another set of parameters)."""
-    import copy
-
-    return copy.deepcopy(model)
 
 
 def train(
@@ -246,134 +238,138 @@ def train(
             x = torch.from_numpy(augment_cifar(x, batch_rng(config.seed, worker_rank, step)))
         return x, y_train[index]
 
-    os.makedirs(out_dir, exist_ok=True) if rank == 0 else None
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
     world.Barrier()
-    checkpoints = Checkpointer(config, algorithm, topology, model, opt, out_dir, sampler.batches_per_epoch)
-    start = checkpoints.resume()
-    reporter = rank == (1 if asynchronous and size > 1 else 0)
-    progress = Progress(algorithm, steps, config.log_every or eval_every, stream if reporter else None)
-    writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), truncate=not start) if rank == 0 else None
-    if writer:
-        writer.write({
-            "kind": "run", "algorithm": algorithm, "task": f"{config.dataset}/{config.model}",
-            "config": {**asdict(config), "algorithm": algorithm, "hyperparameters": hyper}, "world_size": size,
-            "versions": versions(), "steps": steps, "batches_per_epoch": sampler.batches_per_epoch,
-            "parameters": sum(p.numel() for p in model.parameters()), **({"resumed_after_step": start} if start else {}),
-            **({"notes": NOTES} if algorithm == DDP else {}),
-        })
-    tracer = Tracer(topology) if config.trace else None
-    phase: Callable[[str], ContextManager[Any]] = tracer.phase if tracer else (lambda name: nullcontext())
-    evaluator = _Evaluator(model, dataset, world)
-    # A resumed run's running totals continue from the checkpoint's.
-    resumed = checkpoints.counters
-    state = {"train_seconds": resumed["wall_seconds"], "bytes": resumed["bytes_sent_total"], "losses": []}
-
-    def step_record(step: int, loss: float, compute: float, whole: float, record: Any) -> Dict[str, Any]:
-        state["bytes"] += record["bytes_sent"]
-        state["losses"].append(loss)
-        return {
-            "kind": "step", "step": step, "epoch": step / sampler.batches_per_epoch, "loss": loss, "lr": opt.algorithm.lr,
-            "compute_seconds": compute, "step_seconds": whole, "wall_seconds": state["train_seconds"], "algorithm": algorithm,
-            **record,
-        }
-
-    def evaluate(step: int, source: str) -> None:
-        with phase("eval"):
-            result = evaluator(model, source, opt._flat_params, state["losses"])
-        state["losses"] = []
-        progress.accuracy = result["test_accuracy"]
-        if progress.tty:  # the bar is redrawn in place: keep each evaluation as a line of its own
-            progress.note(f"eval at step {step}: test accuracy {100 * result['test_accuracy']:.1f}%, test loss {result['test_loss']:.4f}")
+    with ExitStack() as cleanup:
+        checkpoints = Checkpointer(config, algorithm, topology, model, opt, out_dir, sampler.batches_per_epoch)
+        cleanup.callback(checkpoints.close)  # signal handlers restored, vote communicator freed, however the run ends
+        start = checkpoints.resume()
+        reporter = rank == (1 if asynchronous and size > 1 else 0)
+        progress = Progress(algorithm, steps, config.log_every or eval_every, stream if reporter else None)
+        writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), truncate=not start) if rank == 0 else None
         if writer:
+            cleanup.callback(writer.close)
             writer.write({
-                "kind": "eval", "step": step, "epoch": step / sampler.batches_per_epoch, "wall_seconds": state["train_seconds"],
-                "bytes_sent_total": state["bytes"], "evaluated": {"own": "rank0", "average": "average", "root": "leader" if algorithm == "async_lsgd" else "rank0"}[source],
-                **result,
+                "kind": "run", "algorithm": algorithm, "task": f"{config.dataset}/{config.model}",
+                "config": {**asdict(config), "algorithm": algorithm, "hyperparameters": hyper}, "world_size": size,
+                "versions": versions(), "steps": steps, "batches_per_epoch": sampler.batches_per_epoch,
+                "parameters": sum(p.numel() for p in model.parameters()), **({"resumed_after_step": start} if start else {}),
+                **({"notes": NOTES} if algorithm == DDP else {}),
             })
+        tracer = Tracer(topology) if config.trace else None
+        if tracer:
+            cleanup.callback(tracer.close)
+        phase: Callable[[str], ContextManager[Any]] = tracer.phase if tracer else (lambda name: nullcontext())
+        source = "own" if algorithm in IDENTICAL_RANKS else ("root" if asynchronous else "average")
+        evaluator = _Evaluator(model, dataset, world, source)
+        # A resumed run's running totals continue from the checkpoint's.
+        resumed = checkpoints.counters
+        state = {"train_seconds": resumed["wall_seconds"], "bytes": resumed["bytes_sent_total"], "losses": []}
 
-    source = "own" if algorithm in IDENTICAL_RANKS else ("root" if asynchronous else "average")
-    if asynchronous:
-        log: List[Dict[str, Any]] = []  # the reporter's step records of the current segment
-        clock = {"last": time.perf_counter(), "ledger": topology.ledger.snapshot()}
+        def step_record(step: int, loss: float, compute: float, whole: float, record: Any) -> Dict[str, Any]:
+            state["bytes"] += record["bytes_sent"]
+            state["losses"].append(loss)
+            return {
+                "kind": "step", "step": step, "epoch": step / sampler.batches_per_epoch, "loss": loss, "lr": opt.algorithm.lr,
+                "compute_seconds": compute, "step_seconds": whole, "wall_seconds": state["train_seconds"], "algorithm": algorithm,
+                **record,
+            }
 
-        def compute_fn(step: int) -> torch.Tensor:
-            started = time.perf_counter()
-            with phase("compute"):
-                x, y = batch(step)
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-            now = time.perf_counter()
-            delta = topology.ledger.since(clock["ledger"])
-            comm, wait = delta.blocked_seconds()
-            whole = now - clock["last"]
-            state["train_seconds"] += whole
-            # A worker applies nothing itself: the rest of its time is spent waiting for the server.
-            record = {"bytes_sent": delta.bytes_sent, "bytes_recv": delta.bytes_recv, "comm_seconds": comm,
-                      "wait_seconds": max(wait, whole - (now - started) - comm), "algo_seconds": 0.0}
-            log.append(step_record(step + 1, float(loss.detach()), now - started, whole, record))
-            progress.update(step + 1, log[-1]["loss"], whole, state["bytes"] / 1e6)
-            clock["last"], clock["ledger"] = now, topology.ledger.snapshot()
-            return loss
+        def evaluate(step: int, source: str) -> None:
+            with phase("eval"):
+                result = evaluator(model, source, opt._flat_params, state["losses"])
+            state["losses"] = []
+            progress.accuracy = result["test_accuracy"]
+            if progress.tty:  # the bar is redrawn in place: keep each evaluation as a line of its own
+                progress.note(f"eval at step {step}: test accuracy {100 * result['test_accuracy']:.1f}%, test loss {result['test_loss']:.4f}")
+            if writer:
+                writer.write({
+                    "kind": "eval", "step": step, "epoch": step / sampler.batches_per_epoch, "wall_seconds": state["train_seconds"],
+                    "bytes_sent_total": state["bytes"], "evaluated": {"own": "rank0", "average": "average", "root": "leader" if algorithm == "async_lsgd" else "rank0"}[source],
+                    **result,
+                })
 
-        # Segments of runs that end quiescent, each until the next multiple of --checkpoint-every: between them every
-        # rank saves and the ranks vote on stop signals.  compute_fn's step runs on from run to run by itself (the
-        # algorithm's state: async_msgd's per-rank ``applied``, async_lsgd's ``steps``), restored by a resume too.
-        every = config.checkpoint_every or steps
-        tail: List[float] = []  # the latest losses, for the train loss of the final evaluation
-        results = []
-        done = start
-        with _checkpointed(checkpoints, writer):
-            while done < steps:
-                count = min(every - done % every, steps - done)
-                clock["last"], clock["ledger"] = time.perf_counter(), topology.ledger.snapshot()  # the checkpoint's time excluded
-                log.clear()
-                results.append(opt.run(compute_fn, count))
-                done += count
-                # The reporter's records and totals, on every rank: rank 0 writes them, every rank checkpoints the totals.
-                records, state["train_seconds"], state["bytes"] = world.bcast_obj(
-                    (log, state["train_seconds"], state["bytes"]), root=1 if size > 1 else 0)
-                if writer:
-                    for record in records:
-                        writer.write(record)
-                tail = (tail + [r["loss"] for r in records])[-max(1, steps // 10):]
-                checkpoints.after_step(done, last=done == steps,
-                                       counters={"wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"]})
-        state["losses"] = tail
-        evaluate(steps, source)
-        if writer:
-            writer.write({"kind": "end", "step": steps, "wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"],
-                          **({"result": _job_result(results)} if results else {})})
-    else:
-        with _checkpointed(checkpoints, writer):
-            for step in range(start, steps):
+        if asynchronous:
+            log: List[Dict[str, Any]] = []  # the reporter's step records of the current segment
+            clock = {"last": time.perf_counter(), "ledger": topology.ledger.snapshot()}
+
+            def compute_fn(step: int) -> torch.Tensor:
                 started = time.perf_counter()
-                x, y = batch(step)
                 with phase("compute"):
-                    opt.zero_grad()
-                    loss = F.cross_entropy(network(x), y)
+                    x, y = batch(step)
+                    loss = F.cross_entropy(model(x), y)
                     loss.backward()
-                computed = time.perf_counter()
-                with phase("algorithm"):
-                    opt.step(loss=loss)
-                whole = time.perf_counter() - started
+                now = time.perf_counter()
+                delta = topology.ledger.since(clock["ledger"])
+                comm, wait = delta.blocked_seconds()
+                whole = now - clock["last"]
                 state["train_seconds"] += whole
-                record = opt.last.as_dict()
-                record.pop("step"), record.pop("loss")
-                line = step_record(step + 1, float(loss.detach()), computed - started, whole, record)
-                if writer:
-                    writer.write(line)
-                if (step + 1) % eval_every == 0 or step + 1 == steps:
-                    evaluate(step + 1, source)
-                progress.update(step + 1, line["loss"], whole, state["bytes"] / 1e6)
-                checkpoints.after_step(step + 1, last=step + 1 == steps,
-                                       counters={"wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"]})
-        opt.finish()
+                # A worker applies nothing itself: the rest of its time is spent waiting for the server.
+                record = {"bytes_sent": delta.bytes_sent, "bytes_recv": delta.bytes_recv, "comm_seconds": comm,
+                          "wait_seconds": max(wait, whole - (now - started) - comm), "algo_seconds": 0.0}
+                log.append(step_record(step + 1, float(loss.detach()), now - started, whole, record))
+                progress.update(step + 1, log[-1]["loss"], whole, state["bytes"] / 1e6)
+                clock["last"], clock["ledger"] = now, topology.ledger.snapshot()
+                return loss
+
+            # Segments of runs that end quiescent, each until the next multiple of --checkpoint-every: between them every
+            # rank saves and the ranks vote on stop signals.  compute_fn's step runs on from run to run by itself (the
+            # algorithm's state: async_msgd's per-rank ``applied``, async_lsgd's ``steps``), restored by a resume too.
+            every = config.checkpoint_every or steps
+            tail: List[float] = []  # the latest losses, for the train loss of the final evaluation
+            results = []
+            done = start
+            with _written_on_stop(tracer, config.trace):
+                while done < steps:
+                    count = min(every - done % every, steps - done)
+                    clock["last"], clock["ledger"] = time.perf_counter(), topology.ledger.snapshot()  # the checkpoint's time excluded
+                    log.clear()
+                    results.append(opt.run(compute_fn, count))
+                    done += count
+                    # The reporter's records and totals, on every rank: rank 0 writes them, every rank checkpoints the totals.
+                    records, state["train_seconds"], state["bytes"] = world.bcast_obj(
+                        (log, state["train_seconds"], state["bytes"]), root=1 if size > 1 else 0)
+                    if writer:
+                        for record in records:
+                            writer.write(record)
+                    tail = (tail + [r["loss"] for r in records])[-max(1, steps // 10):]
+                    checkpoints.after_step(done, last=done == steps,
+                                           counters={"wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"]})
+            state["losses"] = tail
+            evaluate(steps, source)
+            if writer:
+                writer.write({"kind": "end", "step": steps, "wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"],
+                              **({"result": _job_result(results)} if results else {})})
+        else:
+            with _written_on_stop(tracer, config.trace):
+                for step in range(start, steps):
+                    started = time.perf_counter()
+                    x, y = batch(step)
+                    with phase("compute"):
+                        opt.zero_grad()
+                        loss = F.cross_entropy(network(x), y)
+                        loss.backward()
+                    computed = time.perf_counter()
+                    with phase("algorithm"):
+                        opt.step(loss=loss)
+                    whole = time.perf_counter() - started
+                    state["train_seconds"] += whole
+                    record = opt.last.as_dict()
+                    record.pop("step"), record.pop("loss")
+                    line = step_record(step + 1, float(loss.detach()), computed - started, whole, record)
+                    if writer:
+                        writer.write(line)
+                    if (step + 1) % eval_every == 0 or step + 1 == steps:
+                        evaluate(step + 1, source)
+                    progress.update(step + 1, line["loss"], whole, state["bytes"] / 1e6)
+                    checkpoints.after_step(step + 1, last=step + 1 == steps,
+                                           counters={"wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"]})
+            opt.finish()
+            if writer:
+                writer.write({"kind": "end", "step": steps, "wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"]})
+        if tracer:
+            tracer.write(config.trace)
         if writer:
-            writer.write({"kind": "end", "step": steps, "wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"]})
-    if tracer:
-        tracer.write(config.trace if algorithm == config.algorithm else os.path.join(out_dir, "trace.json"))
-        tracer.close()
-    if writer:
-        writer.close()
-        return os.path.join(out_dir, "metrics.jsonl")
-    return None
+            return os.path.join(out_dir, "metrics.jsonl")
+        return None
