@@ -98,10 +98,20 @@ class TrainConfig:
         """Raise :class:`UsageError` naming the first bad setting (no MPI, no file system beyond the paths)."""
         from ..algorithms import available
 
+        self._check_types()
         known = available() + [DDP]
         for name in algorithms:
             if name not in known:
                 raise UsageError(f"unknown algorithm {name!r}; choose from {', '.join(known)}")
+        for name, value in self.hyperparameters.items():
+            if isinstance(value, dict) and name not in known:
+                raise UsageError(f"hyperparameter table {name!r} names no algorithm; algorithms: {', '.join(known)}")
+        if self.seed < 0:
+            raise UsageError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if self.override_hyperparameters and not self.resume:
+            raise UsageError("--override-hyperparameters only applies with --resume")
+        if self.checkpoint_dir and not (self.checkpoint_every or self.resume):
+            raise UsageError("--checkpoint-dir only applies with --checkpoint-every or --resume")
         if DDP in algorithms and (self.checkpoint_every or self.resume):
             raise UsageError(f"--checkpoint-every and --resume are not supported for the {DDP} baseline (torch DDP on gloo); "
                              "train it without checkpoints")
@@ -132,10 +142,20 @@ class TrainConfig:
             raise UsageError("dataset cifar10 needs --data-dir (the folder with data_batch_1.bin ... test_batch.bin)")
         if self.data_dir is not None and not os.path.isdir(self.data_dir):
             raise UsageError(f"data_dir {self.data_dir!r} is not a directory")
-        if not isinstance(self.hyperparameters, dict):
-            raise UsageError(f"hyperparameters must be a table (KEY = VALUE), got {self.hyperparameters!r}")
         for name in algorithms:
             self._check_hyperparameters(name)
+
+    def _check_types(self) -> None:
+        """Each setting of the type its field declares (values from a TOML file arrive unchecked)."""
+        kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "Dict[str, Any]": (dict,)}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            declared = str(f.type).replace("Optional[", "").rstrip("]") if str(f.type).startswith("Optional[") else str(f.type)
+            if value is None and str(f.type).startswith("Optional["):
+                continue
+            allowed = kinds[declared]
+            if not isinstance(value, allowed) or (bool not in allowed and isinstance(value, bool)):
+                raise UsageError(f"{f.name} must be {'a table' if declared.startswith('Dict') else 'a ' + declared}, got {value!r}")
 
     def _check_hyperparameters(self, name: str) -> None:
         """Construct nothing, but check the keyword names against the algorithm's signature."""
@@ -287,7 +307,10 @@ def config_from_args(args: argparse.Namespace, command: str) -> "tuple[TrainConf
         given = getattr(args, name, None)
         if given is not None:
             values[name] = given
-    hyper = dict(values.pop("hyperparameters", {}))
+    hyper = values.pop("hyperparameters", {})
+    if not isinstance(hyper, dict):
+        raise UsageError(f"hyperparameters must be a table ([hyperparameters] with KEY = VALUE lines), got {hyper!r}")
+    hyper = dict(hyper)
     for item in args.hp:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():

@@ -124,3 +124,18 @@ def test_trace_shows_every_rank_and_dasgd_averaging_in_flight_during_compute(tmp
 
     for rank in (0, 1):
         assert overlap_fraction(events, rank) > 0  # the averaging ran behind the next steps' forward/backward
+
+
+def test_settings_from_a_file_are_type_checked(tmp_path):
+    from mpiopt.training.config import TrainConfig, UsageError
+
+    for bad, message in [
+        (dict(seed=-1), "seed must be an integer >= 0, got -1"),
+        (dict(dropout="x"), "dropout must be a float, got 'x'"),
+        (dict(augment=1), "augment must be a bool, got 1"),
+        (dict(hyperparameters={"lsdg": {"pull_local": 0.2}}), "hyperparameter table 'lsdg' names no algorithm"),
+        (dict(override_hyperparameters=True), "--override-hyperparameters only applies with --resume"),
+    ]:
+        with pytest.raises(UsageError, match=message):
+            TrainConfig(**bad).validate(["sgd"])
+    TrainConfig(hyperparameters={"lsgd": {"pull_local": 0.2}}).validate(["sgd"])  # a table for another algorithm is fine
