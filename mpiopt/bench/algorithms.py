@@ -158,7 +158,7 @@ def expected_bytes(
                 recv += leaders * (leaders - 1) * nbytes
             sent, recv = sent * steps, recv * steps
         else:
-            per_rank = exchange_bytes(mode, ranks, d)
+            per_rank = exchange_bytes(mode, ranks, d, h.get("pipeline_chunks", "auto"))
             sent, recv = ranks * per_rank["sent"] * steps, ranks * per_rank["recv"] * steps
     else:  # topk, regtopk: one Allgather of every rank's encoded payload
         k = Sparsifier(k=h.get("k"), density=h.get("density")).count(d)

@@ -9,10 +9,11 @@ layers keep statistics of that rank's own batches.  mpiopt's policy:
 - during training, each rank normalises with its own batch statistics (as
   torch DDP without SyncBatchNorm does) and its running statistics drift
   apart slightly;
-- before every evaluation and every checkpoint, :func:`average_buffers`
-  replaces each floating-point buffer by its mean over the ranks (the
-  ``mpiopt train`` and ``compare`` commands do this), so the evaluated model
-  uses statistics of all the ranks' data.  Integer buffers (the batch
+- before every evaluation, :func:`average_buffers` replaces each
+  floating-point buffer by its mean over the ranks (the ``mpiopt train`` and
+  ``compare`` commands do this), so the evaluated model uses statistics of
+  all the ranks' data; checkpoints keep every rank's own buffers, so a
+  resume continues exactly.  Integer buffers (the batch
   counter) are equal on every rank already and are left alone.
 """
 
