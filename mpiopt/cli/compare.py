@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..training.config import add_config_arguments, config_from_args
-from .session import start_session
+from ..training.config import add_config_arguments
+from .session import read_settings, start_session
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config, algorithms = config_from_args(args, "compare")
+    config, algorithms = read_settings(args, "compare")
     session = start_session(config, "compare", algorithms)
     from ..training.loop import train
 

@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
-from ..comm import Topology
-from ..training.config import TrainConfig, command_settings, dump_toml
+from ..comm import Comm, Topology
+from ..training.config import TrainConfig, agree_or_fail, command_settings, config_from_args, dump_toml
 
 
 @dataclass
@@ -53,6 +53,19 @@ class Session:
                 print(f"metrics: {path}")
             print(f"done in {time.perf_counter() - self.started:.1f} s")
         self.topology.world.Barrier()
+
+
+def read_settings(args: Any, command: str) -> "tuple[TrainConfig, List[str]]":
+    """The command's settings, read and checked on every rank and agreed (a collective call).
+
+    A check that fails on some ranks only (a folder missing on one node) fails
+    on every rank with the same message, before any rank waits in a collective.
+    """
+    check = Comm(name="settings")
+    try:
+        return agree_or_fail(check, None, lambda: config_from_args(args, command))
+    finally:
+        check.Free()
 
 
 def start_session(config: TrainConfig, command: str, algorithms: List[str]) -> Session:

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..training.config import add_config_arguments, config_from_args
-from .session import start_session
+from ..training.config import add_config_arguments
+from .session import read_settings, start_session
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config, algorithms = config_from_args(args, "train")
+    config, algorithms = read_settings(args, "train")
     session = start_session(config, "train", algorithms)
     from ..training.checkpointing import EXIT_INTERRUPTED, Interrupted
     from ..training.loop import train

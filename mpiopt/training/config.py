@@ -17,14 +17,17 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["TrainConfig", "UsageError", "ALGORITHM_DEFAULTS", "DDP", "add_config_arguments", "config_from_args", "command_settings", "dump_toml"]
+if TYPE_CHECKING:
+    from ..comm import Comm
+
+__all__ = ["agree_or_fail", "TrainConfig", "UsageError", "ALGORITHM_DEFAULTS", "DDP", "add_config_arguments", "config_from_args", "command_settings", "dump_toml"]
 
 
 class UsageError(ValueError):
@@ -175,6 +178,26 @@ class TrainConfig:
         unknown = sorted(set(self.algorithm_hyperparameters(name)) - accepted)
         if unknown:
             raise UsageError(f"{name} has no hyperparameter {', '.join(map(repr, unknown))}; it takes {', '.join(sorted(accepted))}")
+
+
+def agree_or_fail(world: "Comm", what: Optional[str], fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on every rank; if it fails on any, raise the same :class:`UsageError` on every rank (collective).
+
+    For the steps before training that involve no communication (reading
+    settings, checking paths, reading data): a rank failing alone (a folder
+    missing on one node) must not leave the others waiting in the next
+    collective.  ``what`` prefixes the message.
+    """
+    try:
+        value, error = fn(), None
+    except (UsageError, OSError, ValueError, TypeError) as err:  # DatasetError is a ValueError
+        value, error = None, str(err)
+    errors = world.allgather_obj(error)
+    bad = [rank for rank, e in enumerate(errors) if e]
+    if bad:
+        where = "" if len(bad) == world.size else f" (on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))})"
+        raise UsageError(f"{what + ': ' if what else ''}{errors[bad[0]]}{where}")
+    return value
 
 
 def _positive(name: str, value: Any, integer: bool = False) -> None:

@@ -43,40 +43,21 @@ import torch.nn.functional as F
 
 from ..comm import Comm, Topology
 from ..metrics import MetricsWriter, Tracer, versions
-from ..tasks.images import DatasetError, ImageDataset, ShardSampler, augment_cifar, batch_rng, load_dataset
+from ..tasks.images import ImageDataset, ShardSampler, augment_cifar, batch_rng, load_dataset
 from ..tasks.models import build_model
 from ..torch import DistributedOptimizer, average_buffers, broadcast_module
 from .checkpointing import Checkpointer, Interrupted
-from .config import DEFAULT_EPOCHS, TrainConfig, UsageError
+from .config import DEFAULT_EPOCHS, TrainConfig, UsageError, agree_or_fail
 from .ddp import DDP, NOTES, DDPBaseline
 from .progress import Progress
 
-__all__ = ["train", "load_data", "agree_or_fail", "IDENTICAL_RANKS", "ASYNCHRONOUS"]
+__all__ = ["train", "load_data", "IDENTICAL_RANKS", "ASYNCHRONOUS"]
 
 #: Algorithms that keep every rank's parameters identical after every step.
 IDENTICAL_RANKS = frozenset({"sgd", "signum", "topk", "regtopk", DDP})
 #: Algorithms driven by DistributedOptimizer.run (world rank 0 serves).
 ASYNCHRONOUS = frozenset({"async_msgd", "async_lsgd"})
 EVAL_BATCH = 1000
-
-
-def agree_or_fail(world: Comm, what: str, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on every rank; if it fails on any, raise the same :class:`UsageError` on every rank.
-
-    For the steps before training that involve no communication (reading
-    settings and data): a rank failing alone must not leave the others
-    waiting in the next collective.
-    """
-    try:
-        value, error = fn(), None
-    except (UsageError, DatasetError, OSError, ValueError, TypeError) as err:
-        value, error = None, str(err)
-    errors = world.allgather_obj(error)
-    bad = [rank for rank, e in enumerate(errors) if e]
-    if bad:
-        where = "" if len(bad) == world.size else f" (on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))})"
-        raise UsageError(f"{what}: {errors[bad[0]]}{where}")
-    return value
 
 
 def load_data(config: TrainConfig, world: Comm) -> ImageDataset:
