@@ -55,6 +55,7 @@ DDP = "ddp"
 DATASETS = ("digits", "cifar10", "synthetic")
 MODELS = ("mlp", "cnn", "resnet20")
 DEFAULT_EPOCHS = 20
+PROGRESS_MODES = ("auto", "bar", "lines")
 
 
 @dataclass
@@ -78,6 +79,7 @@ class TrainConfig:
     eval_every: Optional[int] = None
     target_accuracy: float = 0.9
     log_every: Optional[int] = None
+    progress: str = "auto"
     threads: Optional[int] = None
     trace: Optional[str] = None
     out: Optional[str] = None
@@ -135,6 +137,8 @@ class TrainConfig:
         _positive("threads", self.threads, integer=True)
         _positive("checkpoint_every", self.checkpoint_every, integer=True)
         _positive("keep_checkpoints", self.keep_checkpoints, integer=True)
+        if self.progress not in PROGRESS_MODES:
+            raise UsageError(f"progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}")
         if not (0.0 <= self.dropout < 1.0):
             raise UsageError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if not (0.0 < self.target_accuracy <= 1.0):
@@ -227,6 +231,8 @@ _HELP = {
     "eval_every": "evaluate on the test split every N steps (default: 10 times per run, and at the end)",
     "target_accuracy": "test accuracy for the time-to-target and bytes-to-target columns",
     "log_every": "plain progress line every N steps when the output is not a terminal (default: --eval-every)",
+    "progress": "progress on rank 0: bar (redrawn in place), lines (plain lines, for logs), or auto: a bar when the output is a "
+    "terminal (mpiexec passes output through pipes: ask for bar there)",
     "threads": "torch threads per rank (default: the machine's cores divided by the ranks on it)",
     "trace": "write every rank's phases (compute, algorithm, communication, operations in flight) to this Chrome/Perfetto trace file",
     "out": "folder for everything the run writes (default: runs/<command>-<date>-<time>)",

@@ -227,7 +227,7 @@ def train(
         cleanup.callback(checkpoints.close)  # signal handlers restored, vote communicator freed, however the run ends
         start = checkpoints.resume()
         reporter = rank == (1 if asynchronous and size > 1 else 0)
-        progress = Progress(algorithm, steps, config.log_every or eval_every, stream if reporter else None)
+        progress = Progress(algorithm, steps, config.log_every or eval_every, stream if reporter else None, config.progress)
         writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), truncate=not start) if rank == 0 else None
         if writer:
             cleanup.callback(writer.close)

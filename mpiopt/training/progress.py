@@ -26,11 +26,14 @@ class Progress:
         ten times a second.
     stream : file, optional
         Default ``sys.stdout``; None makes it silent (ranks other than 0).
+    mode : {"auto", "bar", "lines"}
+        A bar redrawn in place, plain lines, or a bar when ``stream`` is a terminal.
     """
 
-    def __init__(self, label: str, total: int, every: int, stream: Optional[TextIO] = sys.stdout) -> None:
+    def __init__(self, label: str, total: int, every: int, stream: Optional[TextIO] = sys.stdout, mode: str = "auto") -> None:
         self.label, self.total, self.every, self.stream = label, total, max(1, every), stream
-        self.tty = bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
+        terminal = bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
+        self.tty = terminal if mode == "auto" else mode == "bar"
         self._drawn = 0.0
         self._seconds, self._count = 0.0, 0  # step times since the last line
         self.accuracy: Optional[float] = None

@@ -82,6 +82,7 @@ BAD = [
     (["train", "--config", "/nonexistent.toml"], "config file '/nonexistent.toml' does not exist"),
     (["train", "--config", "{badkey}"], "unknown key(s) colour"),
     (["train", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["train", "--progress", "fancy"], "progress must be one of auto, bar, lines, got 'fancy'"),
     (["plot", "/nonexistent/metrics.jsonl", "--out", "x"], "no such file or folder"),
 ]
 
@@ -139,3 +140,12 @@ def test_settings_from_a_file_are_type_checked(tmp_path):
         with pytest.raises(UsageError, match=message):
             TrainConfig(**bad).validate(["sgd"])
     TrainConfig(hyperparameters={"lsgd": {"pull_local": 0.2}}).validate(["sgd"])  # a table for another algorithm is fine
+
+
+def test_progress_bar_on_request_and_plain_lines_in_logs(tmp_path):
+    code, output, _ = run_mpi(2, ["-m", "mpiopt", "train", *TINY, "--progress", "bar", "--out", str(tmp_path / "bar")], timeout=120)
+    assert code == 0, output
+    assert "       sgd [" in output and "] 12/12" in output and "eval at step 6" in output  # the bar, evaluations as lines
+    code, output, _ = run_mpi(2, ["-m", "mpiopt", "train", *TINY, "--out", str(tmp_path / "lines")], timeout=120)
+    assert code == 0, output
+    assert "sgd [" not in output and "sgd step  6/12  loss" in output and "sgd step 12/12" in output  # mpiexec: pipes
