@@ -10,10 +10,6 @@ At world size 1 the runtime is deterministic, and the resume is bitwise.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
@@ -21,8 +17,7 @@ import pytest
 from mpiopt.checkpoint import first_difference
 from mpiopt.metrics import read_metrics
 
-from .launch import ROOT, mpiexec
-from .test_resume import TINY, _drive, _rank_pids, _read
+from .test_resume import _drive, _read, _signalled_run
 
 h5py = pytest.importorskip("h5py")
 torch = pytest.importorskip("torch")
@@ -139,31 +134,12 @@ def test_at_world_size_1_the_resumed_run_ends_bitwise_equal_to_the_uninterrupted
 
 def test_sigusr1_on_a_worker_checkpoints_at_the_segment_boundary_and_exits_75(tmp_path):
     out = tmp_path / "signalled"
-    proc = subprocess.Popen(
-        [mpiexec(), "-n", "3", sys.executable, *TINY, "--out", str(out), "--algorithm", "async_msgd", "--steps", "1000000",
-         "--eval-every", "1000000", "--checkpoint-every", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
-    try:
-        metrics = out / "metrics.jsonl"
-        for _ in range(1200):  # a segment has ended once a step is recorded
-            if metrics.exists() and '"kind": "step"' in metrics.read_text():
-                break
-            assert proc.poll() is None, proc.communicate()[0]
-            time.sleep(0.1)
-        pids = _rank_pids(str(out))
-        assert len(pids) == 3, pids
-        os.kill(pids[-1], signal.SIGUSR1)
-        output = proc.communicate(timeout=60)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 75, output
+    code, output = _signalled_run(3, out, ["--algorithm", "async_msgd", "--checkpoint-every", "2"])
+    assert code == 75, output
     assert "SIGUSR1" in output
     newest = max(os.listdir(out / "checkpoints"))
     step = int(newest[len("ckpt-"):-len(".h5")])
     assert step % 2 == 0 and step < 1000000  # at a segment boundary
     state = _read(out / "checkpoints" / newest)
     assert _server(state)["version"] == 2 * step
-    assert [r["step"] for r in read_metrics(metrics).steps] == list(range(1, step + 1))
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl").steps] == list(range(1, step + 1))
