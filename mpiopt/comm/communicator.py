@@ -160,6 +160,14 @@ class Comm:
         if self._comm != MPI.COMM_NULL:
             self._comm.Free()
 
+    def mpi_comm_for_io(self) -> MPI.Intracomm:
+        """The wrapped mpi4py communicator, for opening a file collectively (h5py's ``mpio`` driver).
+
+        For MPI-IO only, never for messages: what MPI-IO moves between ranks
+        is not recorded in the ledger.
+        """
+        return self._comm
+
     def Split(self, color: int, key: int, name: str) -> Optional["Comm"]:
         """Sub-communicator of ranks with the same ``color``; None where ``color`` is negative."""
         raw = self._comm.Split(MPI.UNDEFINED if color < 0 else color, key)
