@@ -12,7 +12,7 @@ import re
 import uuid
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import h5py
 import mpi4py
@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 from .. import __version__
 from ..comm import Comm
-from .layout import DATASET, JSON_ATTRS, Entry, attr_decoded, decode_root_attrs, encode_root_attrs, flatten, read_group, write_entry
+from .layout import DATASET, JSON_ATTRS, TYPE_ATTR, Entry, attr_decoded, decode_root_attrs, encode_root_attrs, flatten, read_group, write_entry
 
 __all__ = [
     "CheckpointError",
@@ -34,6 +34,7 @@ __all__ = [
     "list_checkpoints",
     "find_latest",
     "validate_checkpoint",
+    "DRIVER_ENV",
 ]
 
 FORMAT = "mpiopt-checkpoint"
@@ -41,6 +42,8 @@ FORMAT_VERSION = 1
 _NAME = re.compile(r"ckpt-(\d+)\.h5")
 # Tag of the hand-over messages to rank 0 (below the MPI minimum tag bound 32767).
 _TAG = 0x7C4E
+#: Environment variable that picks the writer: ``mpio`` (parallel HDF5) or ``serial`` (hand-over to rank 0).
+DRIVER_ENV = "MPIOPT_CHECKPOINT_DRIVER"
 
 
 class CheckpointError(RuntimeError):
@@ -293,14 +296,28 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
+def _temporary(path: str) -> str:
+    """The name a checkpoint is written under before it is renamed to ``path``: same directory, hidden."""
+    return os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+
+
+def _publish(tmp: str, path: str) -> None:
+    """Rank 0, after the closed ``tmp`` is whole: fsync it, rename it to ``path``, fsync the directory."""
+    _fsync(tmp)
+    os.replace(tmp, path)
+    try:
+        _fsync(os.path.dirname(tmp))  # so that the rename itself survives a crash
+    except OSError:
+        pass  # some file systems cannot fsync a directory; the new file is in place either way
+
+
 def _write_file(world: Comm, path: str, root_attrs, model, entries, arrays) -> Optional[BaseException]:
     """Rank 0: write everything to a temporary file next to ``path`` and rename it into place; the first failure or None."""
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    tmp = _temporary(path)
     failure: Optional[BaseException] = None
     f = ranks = None
     try:
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
         f = h5py.File(tmp, "w", locking="best-effort")
         for name, value in root_attrs.items():
             f.attrs[name] = value
@@ -316,31 +333,120 @@ def _write_file(world: Comm, path: str, root_attrs, model, entries, arrays) -> O
         try:
             f.attrs["complete"] = True  # last: a file without it never finished
             f.close()  # flushes
-            _fsync(tmp)
-            os.replace(tmp, path)
+            _publish(tmp, path)
         except Exception as err:
             failure = err
     if failure is not None:
         _discard(f, tmp)
-        return failure
-    try:
-        _fsync(directory)  # so that the rename itself survives a crash
-    except OSError:
-        pass  # some file systems cannot fsync a directory; the new file is in place either way
-    return None
+    return failure
 
 
-def _discard(f: Optional[h5py.File], tmp: str) -> None:
-    """Close and delete a failed temporary file; the failure already caught is the one worth reporting."""
+def _discard(f: Optional[h5py.File], tmp: Optional[str]) -> None:
+    """Close a failed temporary file and delete it (``tmp`` None: close only); the failure already caught is the one worth reporting."""
     try:
         if f is not None:
             f.close()
     except Exception:
         pass
     try:
-        os.remove(tmp)
+        if tmp is not None:
+            os.remove(tmp)
     except OSError:
         pass
+
+
+# -- save with parallel HDF5 ---------------------------------------------------------------------
+def _driver() -> str:
+    """The writer to use: ``$MPIOPT_CHECKPOINT_DRIVER``, else ``mpio`` when h5py has parallel HDF5, else ``serial``."""
+    parallel = bool(h5py.get_config().mpi)
+    choice = os.environ.get(DRIVER_ENV, "").strip().lower() or ("mpio" if parallel else "serial")
+    if choice not in ("mpio", "serial"):
+        raise ValueError(f"{DRIVER_ENV} must be 'mpio' or 'serial', got {choice!r}")
+    if choice == "mpio" and not parallel:
+        raise ValueError(f"{DRIVER_ENV}=mpio needs h5py built with parallel HDF5 (h5py.get_config().mpi is False)")
+    return choice
+
+
+def _create_layout(group: h5py.Group, entries: Sequence[Entry]) -> None:
+    """Create ``entries`` under ``group``, datasets without their data: parallel HDF5 wants this done alike on every rank."""
+    for entry in entries:
+        if entry.kind != DATASET:
+            write_entry(group, entry, None)
+            continue
+        dtype, shape, marker = entry.value
+        dataset = group.create_dataset(entry.path, shape=shape, dtype=np.dtype(dtype))
+        if marker is not None:
+            dataset.attrs[TYPE_ATTR] = marker
+
+
+def _fill(group: h5py.Group, entries: Sequence[Entry], arrays: Sequence[np.ndarray]) -> None:
+    """Write ``arrays`` into the datasets of ``entries`` created by :func:`_create_layout` (independent I/O)."""
+    for entry, array in zip([e for e in entries if e.kind == DATASET], arrays):
+        if array.size:
+            group[entry.path][()] = array
+
+
+def _on_all_ranks(world: Comm, path: str, message: Optional[str], step: Callable[[], None]) -> Optional[str]:
+    """Run ``step()`` on every rank unless an earlier step failed (``message``); what failed anywhere, same on every rank."""
+    if message is not None:
+        return message
+    error = None
+    try:
+        step()
+    except Exception as err:  # disk full, quota, ...: reported collectively
+        error = f"{type(err).__name__}: {err}"
+    try:
+        _agree(world, path, error, "save")
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def _write_parallel(world: Comm, path: str, header, layouts: Sequence[Sequence[Entry]], model_arrays, arrays) -> Optional[str]:
+    """Every rank: write the checkpoint with h5py's ``mpio`` driver; rank 0 renames it into place.
+
+    ``header`` is rank 0's ``(temporary name, root attributes, model
+    entries or None)`` and ``layouts`` every rank's entries, so that every
+    rank creates the same groups, datasets and attributes (collective in
+    parallel HDF5); then each rank writes its own arrays, and rank 0 the
+    model's, independently.  Returns None or why the write failed (on rank
+    0 the final word, the rename included).
+    """
+    tmp, root_attrs, model = header
+    f: Optional[h5py.File] = None
+
+    def create() -> None:
+        nonlocal f
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        f = h5py.File(tmp, "w", driver="mpio", comm=world.mpi_comm_for_io(), locking="best-effort")
+
+    def write() -> None:
+        for name, value in root_attrs.items():
+            f.attrs[name] = value
+        if model is not None:
+            _create_layout(f.create_group("model"), model)
+        ranks = f.create_group("ranks")
+        for rank, entries in enumerate(layouts):
+            _create_layout(ranks.create_group(str(rank)), entries)
+        if model is not None and world.rank == 0:
+            _fill(f["model"], model, model_arrays)
+        _fill(ranks[str(world.rank)], layouts[world.rank], arrays)
+
+    def finish() -> None:
+        f.attrs["complete"] = True  # last: a file without it never finished
+        f.close()  # collective; flushes
+
+    message = _on_all_ranks(world, path, None, create)
+    message = _on_all_ranks(world, path, message, write)
+    message = _on_all_ranks(world, path, message, finish)
+    if world.rank == 0 and message is None:
+        try:
+            _publish(tmp, path)
+        except Exception as err:
+            message = f"cannot save checkpoint {path}: renaming on rank 0 failed: {type(err).__name__}: {err}"
+    if message is not None:
+        _discard(f, tmp if world.rank == 0 else None)
+    return message
 
 
 def _prune(path: str, keep: int) -> None:
@@ -399,33 +505,50 @@ def save_checkpoint(
     ------
     CheckpointError
         On every rank, when some rank's state cannot be stored (the message
-        names the rank and the key), ranks pass different paths, or rank 0's
-        write fails (disk full, permissions).  Nothing is left at ``path``
-        then: a file already there is unchanged.
+        names the rank and the key), ranks pass different paths or
+        different writers, or the write fails (disk full, permissions).
+        Nothing is left at ``path`` then: a file already there is unchanged.
+
+    Notes
+    -----
+    With h5py built with parallel HDF5, every rank writes its own state
+    through the ``mpio`` driver; otherwise ranks hand their state to rank 0
+    one at a time.  ``MPIOPT_CHECKPOINT_DRIVER=mpio|serial`` (same on every
+    rank) forces either.  The file is the same either way.
     """
     path = os.fspath(path)
     error = None
-    root_attrs = model_flat = None
+    root_attrs = model_flat = driver = layout = None
     try:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, (int, np.integer)) or keep < 1):
             raise ValueError(f"keep must be a positive integer or None, got {keep!r}")
         entries, arrays = flatten(rank_state, "rank_state")
         if world.rank == 0:
             root_attrs, model_flat = _prepare_root(model, attrs, world.size)
+        driver = _driver()
+        if driver == "mpio":  # every rank must create every rank's objects: the layouts travel with the agreement
+            model_entries = None if model_flat is None else model_flat[0]
+            header = (_temporary(path), root_attrs, model_entries) if world.rank == 0 else None
+            layout = (entries, header)
     except (TypeError, ValueError) as err:
         error = str(err)
-    _agree(world, path, error, "save")
+    extras = _agree(world, path, error, "save", (driver, layout))
+    if len({d for d, _ in extras}) > 1:
+        listing = ", ".join(f"rank {r}: {d}" for r, (d, _) in enumerate(extras))
+        raise CheckpointError(f"cannot save checkpoint {path}: ranks disagree on the writer ({DRIVER_ENV}): {listing}")
     failure: Optional[BaseException] = None
-    if world.rank == 0:
+    message = None
+    if driver == "mpio":
+        model_arrays = None if model_flat is None else model_flat[1]
+        message = _write_parallel(world, path, extras[0][1][1], [entries for _, (entries, _) in extras], model_arrays, arrays)
+    elif world.rank == 0:
         failure = _write_file(world, path, root_attrs, model_flat, entries, arrays)
-        if failure is None and keep is not None:
-            _prune(path, int(keep))
-        message = None
         if failure is not None:
             message = f"cannot save checkpoint {path}: writing on rank 0 failed: {type(failure).__name__}: {failure}"
     else:
         _hand_over(world, entries, arrays)
-        message = None
+    if world.rank == 0 and message is None and keep is not None:
+        _prune(path, int(keep))
     message = world.bcast_obj(message, root=0)
     if message is not None:
         raise CheckpointError(message) from failure
