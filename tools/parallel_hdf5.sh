@@ -4,7 +4,7 @@
 # Builds, once, a separate virtual environment (default /tmp/ph5/venv; never the
 # project's .venv) with h5py compiled against Debian's MPICH build of HDF5 and
 # mpi4py compiled against the same Debian MPICH, then runs
-# tests/mpi/test_checkpoint_mpio.py at 2 and 4 ranks with Debian's mpiexec.
+# tests/mpi/test_checkpoint_mpio.py and test_checkpoint.py (mpio is then the default writer) at 2 and 4 ranks with Debian's mpiexec.
 #
 # Needs root (apt-get installs libhdf5-mpich-dev) and network access to the
 # Debian mirror and PyPI; Debian 12 (bookworm) tested.  Idempotent: a venv whose
@@ -50,5 +50,5 @@ export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 for n in 2 4; do
     echo "== $n ranks =="
     # --oversubscribe is not needed by MPICH's hydra: it runs more ranks than cores.
-    /usr/bin/mpiexec.mpich -n "$n" "$venv/bin/python" tools/run_mpi_pytest.py -q tests/mpi/test_checkpoint_mpio.py "$@"
+    /usr/bin/mpiexec.mpich -n "$n" "$venv/bin/python" tools/run_mpi_pytest.py -q tests/mpi/test_checkpoint_mpio.py tests/mpi/test_checkpoint.py "$@"
 done

@@ -59,13 +59,24 @@ Writing
 Rank 0 writes ``<dir>/.<name>.tmp-<pid>`` in the target directory, then
 flushes, fsyncs the file, renames it to the target (``os.replace``) and
 fsyncs the directory: a checkpoint already at that path stays whole until the
-new one is.  h5py here has no parallel HDF5, so the other ranks hand their
-state to rank 0 one at a time through :class:`~mpiopt.comm.Comm`: rank 0
+new one is.  Two writers give the same file, chosen by
+``MPIOPT_CHECKPOINT_DRIVER`` (:data:`DRIVER_ENV`: ``mpio`` or ``serial``;
+default ``mpio`` when h5py is built with parallel HDF5, else ``serial``):
+
+``mpio``
+    every rank opens the temporary file with h5py's ``mpio`` driver, creates
+    every rank's groups and datasets collectively (the layouts are exchanged
+    first) and writes its own arrays; rank 0 then renames.  The PyPI h5py
+    wheels have no parallel HDF5: ``tools/parallel_hdf5.sh`` builds an
+    environment that has (Debian's hdf5-mpich) and runs its tests.
+``serial``
+    the other ranks hand their state to rank 0 one at a time through
+    :class:`~mpiopt.comm.Comm`: rank 0
 sends rank ``r`` a go byte, ``r`` sends a small pickled header (names,
 dtypes, shapes, scalars) and then each array's raw bytes, and rank 0 writes
 each array as it arrives: memory on rank 0 is bounded by one array, and no
 array is pickled.  This traffic is recorded in the communicator's ledger like
-any other.  A parallel-HDF5 (``mpio`` driver) path is not implemented.
+any other.
 
 Failures are collective: a state that cannot be stored (the message names the
 rank and the key), ranks that pass different paths, or a failed write on
@@ -89,6 +100,7 @@ states bit for bit (for resume tests).
 
 from .summary import describe, format_description
 from .hdf5 import (
+    DRIVER_ENV,
     FORMAT,
     FORMAT_VERSION,
     Checkpoint,
@@ -103,6 +115,7 @@ from .hdf5 import (
 from .layout import first_difference
 
 __all__ = [
+    "DRIVER_ENV",
     "Checkpoint",
     "CheckpointError",
     "FORMAT",

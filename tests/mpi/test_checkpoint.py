@@ -135,6 +135,7 @@ def test_algorithm_state_through_a_checkpoint_resumes_bitwise(bitwise_resume, sh
 
 
 def test_a_failed_write_on_rank_0_is_the_same_error_everywhere(topology, shared_dir, monkeypatch):
+    monkeypatch.setenv("MPIOPT_CHECKPOINT_DRIVER", "serial")  # the writer where rank 0 alone writes
     world, rank = topology.world, topology.rank
     path = checkpoint_path(shared_dir, 5)
     save_checkpoint(path, world, model=None, rank_state={"v": np.full(10, rank)}, attrs={"step": 5})
@@ -161,7 +162,8 @@ def test_a_failed_write_on_rank_0_is_the_same_error_everywhere(topology, shared_
     assert np.array_equal(load_checkpoint(path, world).rank_state["v"], np.arange(rank + 2))
 
 
-def test_a_directory_rank_0_cannot_create_stops_every_rank(topology, shared_dir):
+def test_a_directory_rank_0_cannot_create_stops_every_rank(topology, shared_dir, monkeypatch):
+    monkeypatch.setenv("MPIOPT_CHECKPOINT_DRIVER", "serial")  # the writer where rank 0 alone writes
     if topology.rank == 0:
         with open(os.path.join(shared_dir, "file"), "w") as f:
             f.write("not a directory")
