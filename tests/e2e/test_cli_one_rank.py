@@ -78,3 +78,15 @@ def test_a_corrupt_data_file_on_one_rank_is_one_message(tmp_path):
     assert code == 2 and seconds < 30, output
     assert output.count("is not the digits table") == 1 and "(on rank 1)" in output, output
     assert "Traceback" not in output
+
+
+def test_a_diverging_run_ends_with_the_message(tmp_path):
+    """A non-finite gradient through the CLI (here every rank's at once: the data are checked, so one rank's alone
+    cannot be made this way) ends the job with the rank, the step and the way out."""
+    from .launch import run_mpi
+
+    args = ["-m", "mpiopt", "train", "--algorithm", "easgd", "--lr", "1e6", "--dataset", "synthetic", "--steps", "40",
+            "--out", str(tmp_path / "o")]
+    code, output, seconds = run_mpi(2, args, timeout=60)
+    assert code != 0 and seconds < 30, output
+    assert "non-finite gradient on rank" in output and "nan_policy='skip'" in output, output
