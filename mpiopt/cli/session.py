@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
+import textwrap
 import time
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from ..comm import Comm, Topology
 from ..training.config import TrainConfig, agree_or_fail, command_settings, config_from_args, dump_toml
@@ -55,6 +55,16 @@ class Session:
         self.topology.world.Barrier()
 
 
+def _settings_summary(settings: Dict[str, Any]) -> str:
+    """The settings as a few indented lines: the plain ones wrapped, then one line of hyperparameters per algorithm."""
+    shown = {key: ",".join(value) if isinstance(value, list) else value for key, value in settings.items()}
+    plain = ", ".join(f"{key}={value}" for key, value in shown.items() if value is not None and not isinstance(value, dict))
+    lines = textwrap.wrap(plain, width=100, initial_indent="  ", subsequent_indent="  ")
+    for name, hyper in settings["hyperparameters"].items():
+        lines.append(f"  {name}: " + ", ".join(f"{key}={value}" for key, value in hyper.items()))
+    return "\n".join(lines)
+
+
 def read_settings(args: Any, command: str) -> "tuple[TrainConfig, List[str]]":
     """The command's settings, read and checked on every rank and agreed (a collective call).
 
@@ -88,8 +98,7 @@ def start_session(config: TrainConfig, command: str, algorithms: List[str]) -> S
             handle.write(text)
         groups = f"{topology.num_groups} group{'s' if topology.num_groups > 1 else ''}"
         print(f"mpiopt {command}: {world.size} rank{'s' if world.size > 1 else ''} in {groups}; settings (saved as {out}/config.toml):")
-        print("  " + text.strip().replace("\n", "\n  "))
-        sys.stdout.flush()
+        print(_settings_summary(settings), flush=True)
     dataset = load_data(config, world)
     if world.rank == 0:
         print(f"data: {dataset.description}\n", flush=True)
