@@ -32,13 +32,14 @@ import torch
 import torch.nn.functional as F
 
 from ..bench import tradeoff
+from ..bench._common import markdown_table
 from ..comm import Topology
 from ..metrics.plots import running_mean
 from ..tasks.images import ShardSampler
 from ..tasks.models import build_model
 from ..torch import DistributedOptimizer, broadcast_module
 from . import EXPERIMENTS
-from ._common import image_config, new_figure, write_results
+from ._common import image_config, image_settings, new_figure, write_results
 
 RANKS = EXPERIMENTS["async"].ranks
 ALGORITHMS = ("sgd", "async_msgd", "async_lsgd")
@@ -162,19 +163,18 @@ def run(out: str, quick: bool) -> Dict[str, Any]:
                "final_loss": float(np.mean([p[1] for l in r["logs"] for p in l[-10:]])) if any(r["logs"]) else None}
         for name, r in results.items()
     }
-    lines = ["| algorithm | test accuracy | gradients per rank (0..3) | fast / slow rank |", "|---|---:|---|---:|"]
+    rows = []
     for name, s in straggler.items():
         counts = s["gradients_per_rank"]
-        fast = max(counts[1:SLOW_RANK])
-        lines.append(f"| {name} | {100 * s['test_accuracy']:.1f} % | {counts} | {fast / max(1, counts[SLOW_RANK]):.1f} |")
+        rows.append([name, f"{100 * s['test_accuracy']:.1f} %", counts, f"{max(counts[1:SLOW_RANK]) / max(1, counts[SLOW_RANK]):.1f}"])
+    table = markdown_table(["algorithm", "test accuracy", f"gradients per rank (0..{RANKS - 1})", "fast / slow rank"], rows, align="lrlr")
     markdown = (
         f"Streaming PCA, iterations to sin^2 <= {grid.settings['accuracy']:g} (mean of {spec['seeds']} seeds):\n\n"
         f"{tradeoff.markdown_table(grid)}\n\n"
-        f"Digits/MLP for {budget:g} s each, rank {SLOW_RANK} sleeping {1e3 * SLOW_SECONDS:g} ms per gradient:\n\n" + "\n".join(lines)
+        f"Digits/MLP for {budget:g} s each, rank {SLOW_RANK} sleeping {1e3 * SLOW_SECONDS:g} ms per gradient:\n\n{table}"
     )
-    settings = {"grid": {**spec, **grid.settings}, "algorithms": list(ALGORITHMS), "ranks": RANKS, "budget_seconds": budget,
-                "slow_rank": SLOW_RANK, "slow_seconds": SLOW_SECONDS, "task": f"{config.dataset}/{config.model}",
-                "batch_size": config.batch_size, "hyperparameters": {a: config.algorithm_hyperparameters(a) for a in ALGORITHMS}}
+    settings = image_settings(config, ALGORITHMS, RANKS, grid={**spec, **grid.settings}, budget_seconds=budget,
+                              slow_rank=SLOW_RANK, slow_seconds=SLOW_SECONDS)
     numbers = {"grid": {"delays": grid.delays, "momenta": grid.momenta, "iterations": grid.iterations.tolist(),
                         "status": grid.status.tolist(), "best_momentum": grid.best_momentum()},
                "straggler": straggler}

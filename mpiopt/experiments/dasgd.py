@@ -29,7 +29,7 @@ from ..comm import Topology
 from ..metrics import Run, overlap_fraction
 from ..metrics.summary import SPLITS
 from . import EXPERIMENTS
-from ._common import image_config, new_figure, summaries, train_images, write_results
+from ._common import image_config, image_heading, image_settings, new_figure, train_images, write_results
 
 RANKS = EXPERIMENTS["dasgd"].ranks
 ALGORITHMS = ("sgd", "dasgd")
@@ -46,17 +46,18 @@ def overlaps(trace_path: str, ranks: int) -> Dict[str, List[float]]:
     }
 
 
-def plot_split(runs: Sequence[Run], path: str, title: str) -> str:
-    """Stacked bars: the mean step's seconds of compute, algorithm, communication, waiting and the rest, per run."""
+def plot_split(runs: Sequence[Run], summaries: Sequence[Dict[str, Any]], path: str, title: str) -> str:
+    """Stacked bars: the mean step's seconds of compute, algorithm, communication, waiting and the rest, per run.
+
+    The seconds are ``summaries``' time split (:func:`~mpiopt.metrics.summarize` of ``runs``, in order).
+    """
     fig, (ax,) = new_figure(1, width=6.5)
     names = [run.algorithm for run in runs]
     bottom = np.zeros(len(runs))
-    for _, field, label in SPLITS:
-        ms = np.array([1e3 * np.mean([s[field] for s in run.steps]) for run in runs])
-        ax.bar(names, ms, bottom=bottom, label=label)
+    for key, label in [(key, label) for key, _, label in SPLITS] + [("other", "other")]:
+        ms = np.array([1e3 * s[f"{key}_seconds"] / len(run.steps) for run, s in zip(runs, summaries)])
+        ax.bar(names, ms, bottom=bottom, label=label, color="0.8" if key == "other" else None)
         bottom += ms
-    whole = np.array([1e3 * np.mean([s["step_seconds"] for s in run.steps]) for run in runs])
-    ax.bar(names, np.maximum(whole - bottom, 0.0), bottom=bottom, label="other", color="0.8")
     ax.set_ylabel("mean step time (ms), rank 0")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
@@ -73,18 +74,17 @@ def run(out: str, quick: bool) -> Dict[str, Any]:
     # the two differ only in the averaging.
     config = image_config(out, steps, algorithm="dasgd", trace=os.path.join(out, "dasgd", "trace.json"),
                           hyperparameters={"dasgd": {"weight_decay": 0.0}})
-    runs, figures, table = train_images(topology, config, ALGORITHMS, prefix="results-dasgd-")
+    runs, summaries, figures, table = train_images(topology, config, ALGORITHMS, prefix="results-dasgd-")
     rank = topology.rank
     topology.Free()
     if rank != 0:
         return {}
-    figures.append(plot_split(runs, f"{out}/results-dasgd-split.png", f"Where a step's time goes ({RANKS} ranks, {steps} steps)"))
+    figures.append(plot_split(runs, summaries, f"{out}/results-dasgd-split.png", f"Where a step's time goes ({RANKS} ranks, {steps} steps)"))
     hidden = overlaps(config.trace, RANKS)
-    by_name = {s["algorithm"]: s for s in summaries(runs, config.target_accuracy)}
+    by_name = {s["algorithm"]: s for s in summaries}
     final_loss = {run.algorithm: float(np.mean([s["loss"] for s in run.steps[-max(1, steps // 10):]])) for run in runs}
     markdown = (
-        f"Image task ({config.dataset}/{config.model}, {steps} steps per rank, batch {config.batch_size} per rank, {RANKS} ranks):\n\n"
-        f"{table}\n\n"
+        f"{image_heading(config, RANKS)}\n\n{table}\n\n"
         f"Training loss over the last {max(1, steps // 10)} steps: "
         + ", ".join(f"{name} {value:.4f}" for name, value in final_loss.items())
         + f" (dasgd / sgd = {final_loss['dasgd'] / final_loss['sgd']:.2f}).\n\n"
@@ -94,7 +94,6 @@ def run(out: str, quick: bool) -> Dict[str, Any]:
         + ", ".join(f"{100 * v:.0f} %" for v in hidden["behind_any_phase"])
         + f".  Step time dasgd / sgd = {by_name['dasgd']['wall_seconds'] / by_name['sgd']['wall_seconds']:.2f}."
     )
-    settings = {"algorithms": list(ALGORITHMS), "steps": steps, "ranks": RANKS, "task": f"{config.dataset}/{config.model}",
-                "batch_size": config.batch_size, "hyperparameters": {a: config.algorithm_hyperparameters(a) for a in ALGORITHMS}}
-    numbers = {"image": list(by_name.values()), "final_loss": final_loss, "overlap": hidden}
+    settings = image_settings(config, ALGORITHMS, RANKS, steps=steps)
+    numbers = {"image": summaries, "final_loss": final_loss, "overlap": hidden}
     return write_results(out, "dasgd", quick, settings, numbers, markdown, figures)

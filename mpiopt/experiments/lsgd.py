@@ -26,10 +26,11 @@ from typing import Any, Dict
 import numpy as np
 
 import mpiopt
+from ..bench._common import markdown_table
 from ..comm import Topology
 from ..tasks import symmetric
 from . import EXPERIMENTS
-from ._common import image_config, new_figure, summaries, train_images, write_results
+from ._common import image_config, image_heading, image_settings, new_figure, train_images, write_results
 
 RANKS = EXPERIMENTS["lsgd"].ranks
 ALGORITHMS = ("sgd", "easgd", "lsgd")
@@ -106,7 +107,7 @@ def run(out: str, quick: bool) -> Dict[str, Any]:
     topology = Topology(group_size=2)
     steps = QUICK_STEPS if quick else STEPS
     config = image_config(out, steps, group_size=2, target_accuracy=0.9)
-    runs, figures, table = train_images(topology, config, ALGORITHMS, prefix="results-lsgd-")
+    _, summaries, figures, table = train_images(topology, config, ALGORITHMS, prefix="results-lsgd-")
     paths = symmetry_paths(topology, QUICK_STEPS if quick else SYMMETRY_STEPS)
     rank = topology.rank
     topology.Free()
@@ -125,18 +126,15 @@ def run(out: str, quick: bool) -> Dict[str, Any]:
         symmetry[label] = {"workers": ends.tolist(), "workers_loss": [symmetric.loss(x) for x in ends],
                            "workers_at_a_minimum": [symmetric.is_local_minimum(x, tol=1e-4) for x in ends]}
     markdown = (
-        f"Image task ({config.dataset}/{config.model}, {steps} steps per rank, batch {config.batch_size} per rank, "
-        f"{RANKS} ranks in 2 groups):\n\n{table}\n\n"
+        f"{image_heading(config, RANKS, ' in 2 groups')}\n\n{table}\n\n"
         f"Curse of symmetry ({RANKS} workers, 2-D, {QUICK_STEPS if quick else SYMMETRY_STEPS} steps): "
         f"EASGD's centre ends at {np.round(centre, 4).tolist()} (f = {symmetry['easgd_centre_loss']:.3f}, "
         f"|grad| = {symmetry['easgd_centre_gradient_norm']:.1e}, smallest Hessian eigenvalue "
         f"{symmetry['easgd_centre_min_hessian_eigenvalue']:.2f}).\n\n"
-        "| run | f of each worker at the end | at a minimum |\n|---|---|---|\n"
-        + "\n".join(f"| {label} | " + ", ".join(f"{v:.1e}" for v in symmetry[label]["workers_loss"])
-                    + f" | {symmetry[label]['workers_at_a_minimum']} |" for label, *_ in SYMMETRY_RUNS)
+        + markdown_table(["run", "f of each worker at the end", "at a minimum"],
+                         [[label, ", ".join(f"{v:.1e}" for v in symmetry[label]["workers_loss"]), symmetry[label]["workers_at_a_minimum"]]
+                          for label, *_ in SYMMETRY_RUNS], align="lll")
     )
-    settings = {"algorithms": list(ALGORITHMS), "steps": steps, "ranks": RANKS, "groups": 2,
-                "task": f"{config.dataset}/{config.model}", "batch_size": config.batch_size,
-                "hyperparameters": {a: config.algorithm_hyperparameters(a) for a in ALGORITHMS}}
-    numbers = {"image": summaries(runs, config.target_accuracy), "symmetry": symmetry}
+    settings = image_settings(config, ALGORITHMS, RANKS, steps=steps, groups=2)
+    numbers = {"image": summaries, "symmetry": symmetry}
     return write_results(out, "lsgd", quick, settings, numbers, markdown, figures)

@@ -25,10 +25,11 @@ from typing import Any, Dict, List
 import numpy as np
 
 import mpiopt
+from ..bench._common import markdown_table
 from ..comm import Topology
 from ..tasks import logistic
 from . import EXPERIMENTS
-from ._common import image_config, new_figure, summaries, train_images, write_results
+from ._common import image_config, image_heading, image_settings, new_figure, train_images, write_results
 
 RANKS = EXPERIMENTS["signum"].ranks
 ALGORITHMS = ("sgd", "signum")
@@ -87,7 +88,7 @@ def run(out: str, quick: bool) -> Dict[str, Any]:
     topology = Topology()
     steps = QUICK_STEPS if quick else STEPS
     config = image_config(out, steps)
-    runs, figures, table = train_images(topology, config, ALGORITHMS, prefix="results-signum-")
+    _, summaries, figures, table = train_images(topology, config, ALGORITHMS, prefix="results-signum-")
     byzantine_steps = QUICK_BYZANTINE_STEPS if quick else BYZANTINE_STEPS
     curves = byzantine_curves(topology, byzantine_steps)
     rank = topology.rank
@@ -97,16 +98,14 @@ def run(out: str, quick: bool) -> Dict[str, Any]:
     figures.append(_plot_byzantine(curves, RANKS, f"{out}/results-signum-byzantine.png"))
     final = {name: {k: v[-1] for k, v in by_count.items()} for name, by_count in curves.items()}
     start = curves["sgd"][0][0]
-    lines = ["| adversaries | " + " | ".join(f"{name}: f - f* at the end" for name in curves) + " |", "|---:|" + "---:|" * len(curves)]
-    for adversaries in range(RANKS):
-        lines.append(f"| {adversaries} of {RANKS} | " + " | ".join(f"{final[name][adversaries]:.2e}" for name in curves) + " |")
+    byzantine = markdown_table(["adversaries", *(f"{name}: f - f* at the end" for name in curves)],
+                               [[f"{adversaries} of {RANKS}", *(f"{final[name][adversaries]:.2e}" for name in curves)]
+                                for adversaries in range(RANKS)], align="r" * (1 + len(curves)))
     markdown = (
-        f"Image task ({config.dataset}/{config.model}, {steps} steps per rank, batch {config.batch_size} per rank, {RANKS} ranks):\n\n"
-        f"{table}\n\nLogistic regression, {byzantine_steps} steps, f(0) - f* = {start:.3f}; adversaries send -{SCALE:g} g:\n\n"
-        + "\n".join(lines)
+        f"{image_heading(config, RANKS)}\n\n{table}\n\n"
+        f"Logistic regression, {byzantine_steps} steps, f(0) - f* = {start:.3f}; adversaries send -{SCALE:g} g:\n\n{byzantine}"
     )
-    settings = {"algorithms": list(ALGORITHMS), "steps": steps, "ranks": RANKS, "task": f"{config.dataset}/{config.model}",
-                "batch_size": config.batch_size, "hyperparameters": {a: config.algorithm_hyperparameters(a) for a in ALGORITHMS},
-                "byzantine": {"steps": byzantine_steps, "scale": SCALE, "batch_size": BATCH, "hyperparameters": dict(BYZANTINE)}}
-    numbers = {"image": summaries(runs, config.target_accuracy), "byzantine_final_excess": final, "byzantine_start_excess": start}
+    settings = image_settings(config, ALGORITHMS, RANKS, steps=steps,
+                              byzantine={"steps": byzantine_steps, "scale": SCALE, "batch_size": BATCH, "hyperparameters": dict(BYZANTINE)})
+    numbers = {"image": summaries, "byzantine_final_excess": final, "byzantine_start_excess": start}
     return write_results(out, "signum", quick, settings, numbers, markdown, figures)

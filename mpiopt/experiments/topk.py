@@ -28,7 +28,7 @@ from ..bench import regtopk as linreg_bench
 from ..comm import Topology
 from ..tasks.linreg import make_problem
 from . import EXPERIMENTS
-from ._common import image_config, summaries, train_images, write_results
+from ._common import image_config, image_heading, image_settings, train_images, write_results
 
 RANKS = EXPERIMENTS["topk"].ranks
 ALGORITHMS = ("sgd", "topk", "regtopk")
@@ -46,7 +46,7 @@ def run(out: str, quick: bool) -> Dict[str, Any]:
     steps = QUICK_STEPS if quick else STEPS
     # Per-algorithm tables: sgd takes no density.
     config = image_config(out, steps, hyperparameters={"topk": {"density": DENSITY}, "regtopk": {"density": DENSITY, "mu": MU}})
-    runs, figures, table = train_images(topology, config, ALGORITHMS, prefix="results-topk-")
+    _, summaries, figures, table = train_images(topology, config, ALGORITHMS, prefix="results-topk-")
     rank = topology.rank
     topology.Free()
     if rank != 0:
@@ -64,13 +64,11 @@ def run(out: str, quick: bool) -> Dict[str, Any]:
         "start": float(comparison.dense[0]),
     }
     markdown = (
-        f"Image task ({config.dataset}/{config.model}, {steps} steps per rank, batch {config.batch_size} per rank, {RANKS} ranks, "
-        f"density {DENSITY:g}, RegTop-k mu {MU:g}):\n\n{table}\n\n"
+        f"{image_heading(config, RANKS, f', density {DENSITY:g}, RegTop-k mu {MU:g}')}\n\n{table}\n\n"
         f"Distributed linear regression ({comparison.settings['workers']} workers, d = {comparison.settings['dim']}, "
         f"lr {comparison.settings['lr']:g}, ||x_0 - x*||^2 = {linreg['start']:.1f}):\n\n{linreg_bench.markdown_tables(comparison)}"
     )
-    settings = {"algorithms": list(ALGORITHMS), "steps": steps, "ranks": RANKS, "task": f"{config.dataset}/{config.model}",
-                "batch_size": config.batch_size, "hyperparameters": {a: config.algorithm_hyperparameters(a) for a in ALGORITHMS},
-                "linreg": {**comparison.settings, "densities": list(grid["densities"]), "mus": list(grid["mus"])}}
-    numbers = {"image": summaries(runs, config.target_accuracy), "linreg": linreg}
+    settings = image_settings(config, ALGORITHMS, RANKS, steps=steps,
+                              linreg={**comparison.settings, "densities": list(grid["densities"]), "mus": list(grid["mus"])})
+    numbers = {"image": summaries, "linreg": linreg}
     return write_results(out, "topk", quick, settings, numbers, markdown, figures)
