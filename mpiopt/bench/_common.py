@@ -131,7 +131,15 @@ def slowest_seconds(topology: Any, fn: Callable[[], object], calls: int = 1) -> 
     return float(elapsed[0])
 
 
-def rotated(names: Sequence[str], round_: int) -> List[str]:
+def check_choices(flag: str, given: Sequence[str], allowed: Sequence[str]) -> None:
+    """Raise a :class:`UsageError` naming ``flag`` unless ``given`` is a non-empty selection from ``allowed``."""
+    bad = [name for name in given if name not in allowed]
+    if bad or not given:
+        what = f"unknown {', '.join(map(repr, bad))}" if bad else "none given"
+        raise UsageError(f"{flag}: {what}; choose from {', '.join(allowed)}")
+
+
+def rotated(names: Sequence[Any], round_: int) -> List[Any]:
     """``names`` starting at position ``round_`` (mod len): interleaved rounds run every variant, in turn first."""
     shift = round_ % len(names)
     return list(names[shift:]) + list(names[:shift])

@@ -42,7 +42,7 @@ from ..algorithms.topk import Sparsifier
 from ..comm import Topology
 from ..kernels import encoded_nbytes, packed_nbytes
 from ..training.config import TrainConfig, UsageError
-from ._common import comma_list, count, environment, link_rate, markdown_table, module_main, positive_int, say, write_json
+from ._common import check_choices, comma_list, count, environment, link_rate, markdown_table, module_main, positive_int, say, write_json
 
 __all__ = ["SYNCHRONOUS", "FORMULAS", "expected_bytes", "add_arguments", "run", "main"]
 
@@ -185,9 +185,7 @@ def _busy(seconds: float) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    bad = [a for a in args.algorithms if a not in SYNCHRONOUS]
-    if bad or not args.algorithms:
-        raise UsageError(f"--algorithms: {bad or 'none'} not among the synchronous algorithms {', '.join(SYNCHRONOUS)}")
+    check_choices("--algorithms", args.algorithms, SYNCHRONOUS)
     if args.compute_ms < 0:
         raise UsageError(f"--compute-ms must be >= 0, got {args.compute_ms}")
 

@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
 import time
 from typing import Callable, Dict, List, Optional
@@ -65,9 +64,8 @@ from mpi4py import MPI
 
 import mpiopt
 from mpiopt.algorithms.local import LocalSGD
-from mpiopt.bench._common import comma_list, module_main, positive_int, rotated
+from mpiopt.bench._common import check_choices, comma_list, markdown_table, median, module_main, positive_int, rotated, say, slowest_seconds
 from mpiopt.comm import MAX, Topology
-from mpiopt.training.config import UsageError
 
 MODES = ("compute", "sgd", "localsgd", "dasgd", "dasgd+hook", "dasgd+thread", "dasgd/no-test")
 LOCAL = dict(momentum=0.9, weight_decay=0.01)  # DaSGD's defaults, used by every mode
@@ -94,7 +92,7 @@ class Compute:
             t0 = time.perf_counter()
             np.matmul(self.matrix, self.matrix, out=self.out)
             times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median(times)
 
     def step(self, hook: Optional[Callable[[], object]] = None) -> None:
         """One step's work; ``hook`` runs after every layer (a place to poke MPI)."""
@@ -158,18 +156,10 @@ class _Mode:
 
 
 def _blocking_allreduce_seconds(topology: Topology, n: int, repeats: int = 3) -> float:
+    """The slowest rank's seconds for one blocking Allreduce of ``n`` float32, median of ``repeats`` after a warm-up."""
     buf, out = np.ones(n, np.float32), np.empty(n, np.float32)
-    times = []
-    for _ in range(repeats + 1):
-        topology.world.Barrier()
-        t0 = time.perf_counter()
-        topology.world.Allreduce(buf, out=out)
-        times.append(topology.world.allreduce_obj(time.perf_counter() - t0, op=MAX))
-    return statistics.median(times[1:])
-
-
-def _median(values: List[float]) -> float:
-    return statistics.median(values) if values else float("nan")
+    times = [slowest_seconds(topology, lambda: topology.world.Allreduce(buf, out=out)) for _ in range(repeats + 1)]
+    return median(times[1:])
 
 
 def _ratios(results: Dict[str, List[Dict[str, float]]], mode: str) -> List[float]:
@@ -178,21 +168,19 @@ def _ratios(results: Dict[str, List[Dict[str, float]]], mode: str) -> List[float
 
 
 def _table(results: Dict[str, List[Dict[str, float]]], modes: List[str]) -> str:
-    local_overhead = _median(_ratios(results, "localsgd")) - 1 if "localsgd" in results else None
+    local_overhead = median(_ratios(results, "localsgd")) - 1 if "localsgd" in results else None
     best_compute = min(r["step"] for r in results["compute"])
-    lines = [
-        "| mode | ms per step | x compute | blocked in MPI, ms/step | communication hidden | best ms per step | best x best compute |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
+    header = ["mode", "ms per step", "x compute", "blocked in MPI, ms/step", "communication hidden", "best ms per step", "best x best compute"]
+    rows = []
     for mode in modes:
-        ratio = _median(_ratios(results, mode))
+        ratio = median(_ratios(results, mode))
         hidden = f"{1 - (ratio - 1) / local_overhead:.0%}" if mode.startswith("dasgd") and local_overhead else ""
         best = min(r["step"] for r in results[mode])
-        lines.append(
-            f"| {mode} | {1e3 * _median([r['step'] for r in results[mode]]):.1f} | {ratio:.3f} | "
-            f"{1e3 * _median([r['blocked'] for r in results[mode]]):.1f} | {hidden} | {1e3 * best:.1f} | {best / best_compute:.3f} |"
-        )
-    return "\n".join(lines)
+        rows.append([
+            mode, f"{1e3 * median([r['step'] for r in results[mode]]):.1f}", f"{ratio:.3f}",
+            f"{1e3 * median([r['blocked'] for r in results[mode]]):.1f}", hidden, f"{1e3 * best:.1f}", f"{best / best_compute:.3f}",
+        ])
+    return markdown_table(header, rows)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -213,19 +201,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark (a collective call); rank 0 prints the report."""
     modes = list(args.modes)
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown:
-        raise UsageError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    check_choices("--modes", modes, MODES)
     if "compute" not in modes:
         modes.insert(0, "compute")
 
     topology = Topology()
     rank0 = topology.rank == 0
-    say = print if rank0 else (lambda *a, **k: None)
+    out = say(topology.rank)
     if topology.size < 2:
-        say("warning: one rank: nothing crosses a link; run under mpiexec -n 2 (see docs/benchmarks-averaging.md)", file=sys.stderr)
+        out("warning: one rank: nothing crosses a link; run under mpiexec -n 2 (see docs/benchmarks-averaging.md)", file=sys.stderr)
     if not (os.environ.get("OMP_NUM_THREADS") or os.environ.get("OPENBLAS_NUM_THREADS")):
-        say("warning: OMP_NUM_THREADS is not set: BLAS threads of the ranks compete for the cores", file=sys.stderr)
+        out("warning: OMP_NUM_THREADS is not set: BLAS threads of the ranks compete for the cores", file=sys.stderr)
 
     compute = Compute(args.matrix, args.layers)
     allreduce_s = _blocking_allreduce_seconds(topology, args.params)
@@ -239,13 +225,13 @@ def run(args: argparse.Namespace) -> int:
     for rep in range(args.reps):
         for mode in rotated(modes, rep):
             results[mode].append(runners[mode].timed(args.periods * args.period))
-        say(f"repetition {rep + 1}/{args.reps}: " + ", ".join(f"{m} {1e3 * results[m][-1]['step']:.1f} ms" for m in modes), file=sys.stderr)
+        out(f"repetition {rep + 1}/{args.reps}: " + ", ".join(f"{m} {1e3 * results[m][-1]['step']:.1f} ms" for m in modes), file=sys.stderr)
 
     compute_steps = [r["step"] for r in results["compute"]]
-    compute_s = _median(compute_steps)
+    compute_s = median(compute_steps)
     async_progress = os.environ.get("MPICH_ASYNC_PROGRESS") or os.environ.get("MPIR_CVAR_ASYNC_PROGRESS") or "0"
-    say(f"## DaSGD averaging benchmark, {datetime.date.today().isoformat()}\n")
-    say(
+    out(f"## DaSGD averaging benchmark, {datetime.date.today().isoformat()}\n")
+    out(
         f"- {topology.size} ranks, link rate {os.environ.get('EMULATED_LINK_RATE', 'not emulated')}, "
         f"MPICH_ASYNC_PROGRESS={async_progress}, thread level {MPI.Query_thread()} (3 = MULTIPLE), {os.cpu_count()} cores\n"
         f"- {args.params} float32 parameters ({4 * args.params / 1e6:.1f} MB); blocking Allreduce {1e3 * allreduce_s:.1f} ms "
@@ -255,13 +241,13 @@ def run(args: argparse.Namespace) -> int:
         f"{args.reps} interleaved repetitions, medians; compute step ranged {1e3 * min(compute_steps):.1f}-"
         f"{1e3 * max(compute_steps):.1f} ms over the repetitions (machine load)\n"
     )
-    say(_table(results, modes))
+    out(_table(results, modes))
     verdicts = []
     for mode in (m for m in modes if m.startswith("dasgd")):
-        ratio = _median(_ratios(results, mode))
+        ratio = median(_ratios(results, mode))
         verdicts.append(f"{mode} {ratio:.3f} ({'met' if ratio <= 1.10 else 'not met'})")
     if verdicts:
-        say("\ngoal, per-step time <= 1.10 x compute-only: " + "; ".join(verdicts))
+        out("\ngoal, per-step time <= 1.10 x compute-only: " + "; ".join(verdicts))
     topology.Free()
     return 0
 

@@ -53,7 +53,7 @@ import numpy as np
 from ..comm import Topology
 from ..kernels import chunk_bounds, packed_nbytes
 from ..training.config import UsageError
-from ._common import comma_list, count, environment, link_rate, markdown_table, median, module_main, parse_rate, positive_int, rotated, say
+from ._common import check_choices, comma_list, count, environment, link_rate, markdown_table, median, module_main, parse_rate, positive_int, rotated, say
 from ._common import slowest_seconds, write_json
 
 __all__ = ["OPERATIONS", "add_arguments", "run", "main"]
@@ -109,9 +109,7 @@ class _Operation:
 
 
 def _check(args: argparse.Namespace) -> None:
-    unknown = sorted(set(args.ops) - set(OPERATIONS))
-    if unknown or not args.ops:
-        raise UsageError(f"--ops: unknown or no operations {unknown or args.ops}; choose from {', '.join(OPERATIONS)}")
+    check_choices("--ops", args.ops, OPERATIONS)
     if not 0 < args.density <= 1:
         raise UsageError(f"--density must be in (0, 1], got {args.density}")
 
@@ -129,11 +127,8 @@ def measure(topology: Topology, ops: Sequence[str], sizes: Sequence[int], repeat
         sums = world.allreduce_obj(np.array([delta.bytes_sent, delta.bytes_recv], dtype=np.float64))
         bytes_per_call[case] = (float(sums[0]) / P, float(sums[1]) / P)
     seconds: Dict[tuple, List[float]] = {case: [] for case in cases}
-    labels = [f"{op}@{d}" for op, d in cases]
-    by_label = dict(zip(labels, cases))
     for rep in range(repeats):
-        for label in rotated(labels, rep):
-            case = by_label[label]
+        for case in rotated(cases, rep):
             seconds[case].append(slowest_seconds(topology, calls[case]))
     records = []
     for case in cases:

@@ -35,14 +35,13 @@ wire carries.
 from __future__ import annotations
 
 import argparse
-import statistics
 from typing import Dict, List, Optional
 
 import numpy as np
 from mpi4py import MPI
 
 import mpiopt
-from mpiopt.bench._common import count, module_main, positive_int, rotated, slowest_seconds
+from mpiopt.bench._common import count, markdown_table, median, module_main, positive_int, rotated, slowest_seconds
 from mpiopt.comm import Topology
 
 MODES = {
@@ -123,15 +122,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n{size} ranks, d = {args.d}, {args.steps} steps x {args.reps} repetitions, host {link}")
         auto = algorithms["vote/auto"][0]
         print(f"algorithm modes: auto chose {auto.mode!r} in {auto.chunks} pipeline chunks\n")
-        print("| mode | s/step (median) | speed-up vs allreduce (median) | wire bytes received/step/rank | wire limit |")
-        print("|---|---:|---:|---:|---:|")
         base_bytes = received["allreduce"]
+        rows = []
         for name in names:
             limit = base_bytes / received[name] if received[name] else float("inf")
-            print(
-                f"| {name} | {statistics.median(times[name]):.4f} | {statistics.median(ratios[name]):.1f} x | "
-                f"{received[name]:.0f} | {limit:.1f} x |"
-            )
+            rows.append([name, f"{median(times[name]):.4f}", f"{median(ratios[name]):.1f} x", f"{received[name]:.0f}", f"{limit:.1f} x"])
+        header = ["mode", "s/step (median)", "speed-up vs allreduce (median)", "wire bytes received/step/rank", "wire limit"]
+        print(markdown_table(header, rows))
     topo.Free()
     return 0
 

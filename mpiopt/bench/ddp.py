@@ -52,7 +52,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from ..comm import Topology
 from ..training.config import TrainConfig, UsageError
 from ..training.ddp import init_gloo
-from ._common import comma_list, environment, link_rate, markdown_table, median, module_main, positive_int, rotated, say
+from ._common import check_choices, comma_list, environment, link_rate, markdown_table, median, module_main, positive_int, rotated, say
 from ._common import slowest_seconds, write_json
 from .algorithms import SYNCHRONOUS
 
@@ -85,9 +85,7 @@ def overlap_supported() -> bool:
 
 
 def _check(args: argparse.Namespace) -> None:
-    bad = [a for a in args.algorithms if a not in SYNCHRONOUS]
-    if bad:
-        raise UsageError(f"--algorithms: {bad} not among the synchronous algorithms {', '.join(SYNCHRONOUS)}")
+    check_choices("--algorithms", args.algorithms, SYNCHRONOUS)
     if len(args.input_shape) != 3:
         raise UsageError(f"--input-shape must be C,H,W, got {','.join(map(str, args.input_shape))}")
     if args.overlap and not overlap_supported():

@@ -80,7 +80,7 @@ from ..algorithms.signum import choose_exchange
 from ..algorithms.topk import Sparsifier
 from ..kernels import chunk_bounds, encoded_nbytes, packed_nbytes
 from ..training.config import TrainConfig, UsageError
-from ._common import comma_list, count, markdown_table, module_main, parse_rate, save_figure, write_json
+from ._common import check_choices, comma_list, count, markdown_table, module_main, parse_rate, save_figure, write_json
 from .algorithms import ELECTION_BYTES, SYNCHRONOUS
 
 __all__ = [
@@ -641,9 +641,9 @@ def run(args: argparse.Namespace) -> int:
             hits = sum(abs(r["error"]) <= args.goal for r in rows)
             print(f"\n{hits} of {len(rows)} points within {100 * args.goal:.0f} %")
         else:
-            bad = [a for a in args.algorithms if a not in PROJECTED]
-            if bad or min(args.world_sizes) < 2:
-                raise UsageError(f"--algorithms must be among {', '.join(PROJECTED)} (got {bad}) and --ranks >= 2 (got {args.world_sizes})")
+            check_choices("--algorithms", args.algorithms, PROJECTED)
+            if not args.world_sizes or min(args.world_sizes) < 2:
+                raise UsageError(f"--ranks must be >= 2, got {args.world_sizes}")
             rows = project(model, _parse_models(args.models), args.world_sizes, args.rates, args.algorithms, args.alpha)
             print(projection_table(rows))
         if args.json:

@@ -29,14 +29,13 @@ about.
 from __future__ import annotations
 
 import argparse
-import statistics
 from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
 import mpiopt
-from mpiopt.bench._common import count, module_main, positive_int, slowest_seconds
+from mpiopt.bench._common import count, markdown_table, median, module_main, positive_int, rotated, say, slowest_seconds
 from mpiopt.comm import Topology
 
 #: The 5 % goal of the torch front end's overhead on a step.
@@ -116,30 +115,30 @@ def run(args: argparse.Namespace) -> int:
     times: Dict[str, List[float]] = {name: [] for name in steps}
     ratios: List[float] = []
     zero: List[float] = []
-    names = list(steps)
+    out = say(topo.rank)
     for rnd in range(args.rounds):
         fill_grads(model, grad)
-        for name in names[rnd % 2 :] + names[: rnd % 2]:
+        for name in rotated(list(steps), rnd):
             times[name].append(slowest_seconds(topo, steps[name], args.steps))
         ratios.append(times["torch"][-1] / times["flat"][-1])
         zero.append(slowest_seconds(topo, opt.zero_grad, args.steps))
-        if topo.rank == 0:
-            print(f"round {rnd + 1}/{args.rounds} done", flush=True)
+        out(f"round {rnd + 1}/{args.rounds} done")
 
-    if topo.rank == 0:
-        flat, torch_step, ratio = statistics.median(times["flat"]), statistics.median(times["torch"]), statistics.median(ratios)
-        print(
-            f"\n{topo.size} ranks, d = {args.params} float32 in {len(model)} parameter tensors, "
-            f"{args.steps} steps x {args.rounds} rounds, torch {torch.__version__}, host {MPI.Get_processor_name()}\n"
+    flat, torch_step, ratio = median(times["flat"]), median(times["torch"]), median(ratios)
+    out(
+        f"\n{topo.size} ranks, d = {args.params} float32 in {len(model)} parameter tensors, "
+        f"{args.steps} steps x {args.rounds} rounds, torch {torch.__version__}, host {MPI.Get_processor_name()}\n"
+    )
+    rows = [
+        [label, *(f"{1e3 * stat(seconds):.2f}" for stat in (median, min, max))]
+        for label, seconds in (
+            ("flat API: alg.step(params, grad)", times["flat"]), ("torch: opt.step()", times["torch"]), ("torch: opt.zero_grad()", zero),
         )
-        print("| variant | ms/step (median) | min | max |")
-        print("|---|---:|---:|---:|")
-        for name, label in (("flat", "flat API: alg.step(params, grad)"), ("torch", "torch: opt.step()")):
-            print(f"| {label} | {1e3 * statistics.median(times[name]):.2f} | {1e3 * min(times[name]):.2f} | {1e3 * max(times[name]):.2f} |")
-        print(f"| torch: opt.zero_grad() | {1e3 * statistics.median(zero):.2f} | {1e3 * min(zero):.2f} | {1e3 * max(zero):.2f} |")
-        print(f"\nratio of medians torch/flat: {torch_step / flat:.3f}")
-        verdict = "met" if ratio <= GOAL else "missed"
-        print(f"ratio torch/flat (median of per-round ratios): {ratio:.3f} (goal <= {GOAL:.2f}: {verdict})")
+    ]
+    out(markdown_table(["variant", "ms/step (median)", "min", "max"], rows))
+    out(f"\nratio of medians torch/flat: {torch_step / flat:.3f}")
+    verdict = "met" if ratio <= GOAL else "missed"
+    out(f"ratio torch/flat (median of per-round ratios): {ratio:.3f} (goal <= {GOAL:.2f}: {verdict})")
     topo.Free()
     return 0
 

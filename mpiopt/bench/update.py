@@ -40,7 +40,7 @@ from ..algorithms.local import LocalSGD
 from ..comm import Topology
 from ..kernels import update as update_kernels
 from ..training.config import TrainConfig, UsageError
-from ._common import comma_list, count, environment, markdown_table, median, module_main, positive_int, rotated, write_json
+from ._common import check_choices, comma_list, count, environment, markdown_table, median, module_main, positive_int, rotated, write_json
 from .algorithms import SYNCHRONOUS
 
 __all__ = ["GOALS", "add_arguments", "measure", "run", "main"]
@@ -160,9 +160,7 @@ def measure(
     """
     import torch
 
-    bad = [name for name in algorithms if name not in SYNCHRONOUS]
-    if bad or not algorithms:
-        raise UsageError(f"--algorithms: {bad or 'none'} not among the synchronous algorithms {', '.join(SYNCHRONOUS)}")
+    check_choices("--algorithms", algorithms, SYNCHRONOUS)
     own = topology is None
     topology = Topology() if own else topology
     if topology.size != 1:
