@@ -160,7 +160,8 @@ class Checkpointer:
             "step": step,
             "epoch": step / self.batches_per_epoch,
             "algorithm": self.algorithm,
-            "hyperparameters": self.opt.algorithm.hyperparameters(),
+            # The learning rate too: a resume with another --lr is a change of hyperparameters like any other.
+            "hyperparameters": {"lr": self.opt.algorithm.lr, **self.opt.algorithm.hyperparameters()},
             "num_groups": self.topology.num_groups,
             "group_size": self.topology.group.size,
             "model_signature": model_signature(self.model),

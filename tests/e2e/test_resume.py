@@ -139,6 +139,12 @@ def runs(tmp_path_factory):
             resumed += [
                 ("refuse-algorithm", train(size, "signum-allgather", "refused", "--resume", middle(size, "sgd"))),
                 ("refuse-easgd-rates", train(size, "easgd", "refused", "--hp", "alpha=0.2", "--resume", middle(4, "easgd"))),
+                ("refuse-model", train(size, "sgd", "refused-model", "--width", "16", "--resume", middle(size, "sgd"))),
+                ("refuse-lr", train(size, "sgd", "refused-lr", "--lr", "0.01", "--resume", middle(size, "sgd"))),
+                ("override-lr", train(size, "sgd", "override-lr", "--lr", "0.01", "--override-hyperparameters",
+                                      "--resume", middle(size, "sgd"))),
+                ("refuse-groups", train(size, "lsgd-single-leader", "refused-groups", "--group-size", "1",
+                                        "--resume", middle(size, "lsgd-single-leader"))),
             ]
         results.update({(size, n, "resumed"): r for n, r in _drive(size, resumed, root / "logs" / str(size) / "resumed").items()})
     return root, results
@@ -221,6 +227,26 @@ def test_resume_with_another_algorithm_is_refused_naming_both(runs):
     assert len(message) == 1, output
     assert "algorithm is 'sgd', this run's 'signum'" in message[0]
     assert not (_out(root, 2, "signum-allgather", "refused") / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("case,message", [
+    ("refuse-model", "the checkpoint's model signature is"),
+    ("refuse-lr", "hyperparameters differ from this run's (--override-hyperparameters keeps this run's): lr: saved 0.05, here 0.01"),
+    ("refuse-groups", "the checkpoint's number of groups (--group-size) is 1, this run's 2"),
+])
+def test_a_resume_that_does_not_fit_is_refused_once_naming_both_values(runs, case, message):
+    code, output = runs[1][(2, case, "resumed")]
+    assert code == 2, output
+    assert [line for line in output.splitlines() if "error:" in line] == [line for line in output.splitlines() if message in line], output
+    assert output.count(message) == 1, output
+
+
+def test_override_hyperparameters_resumes_with_this_runs_values(runs):
+    root, results = runs
+    code, output = results[(2, "override-lr", "resumed")]
+    assert code == 0, output
+    lrs = {r["lr"] for r in read_metrics(_out(root, 2, "sgd", "override-lr") / "metrics.jsonl").steps}
+    assert lrs == {0.01}
 
 
 def test_easgd_on_another_world_size_keeping_neither_alpha_nor_beta_is_refused(runs):
