@@ -69,6 +69,13 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=lambda v: v.tolist() if hasattr(v, "tolist") else repr(v)))
 
 
+def hyperparameter_lines(saved: Mapping[str, Any], here: Mapping[str, Any], *, skip: Any = ()) -> List[str]:
+    """``"key: saved X, here Y"`` for each key (but ``skip``) whose values differ, compared as plain data."""
+    saved, here = _plain(dict(saved)), _plain(dict(here))
+    keys = sorted((set(saved) | set(here)) - set(skip))
+    return [f"{k}: saved {saved.get(k, _MISSING)!r}, here {here.get(k, _MISSING)!r}" for k in keys if saved.get(k, _MISSING) != here.get(k, _MISSING)]
+
+
 @dataclass
 class StepRecord:
     """What one ``step`` cost this rank.
@@ -348,10 +355,7 @@ class Algorithm:
         if _plain(state["world_size"]) != self.topology.size:
             lines.append(f"world_size: saved {state['world_size']!r}, here {self.topology.size!r}")
         if not override_hyperparameters:
-            saved, here = _plain(state["hyperparameters"]), _plain(self.hyperparameters())
-            for key in sorted(set(saved) | set(here)):
-                if saved.get(key, _MISSING) != here.get(key, _MISSING):
-                    lines.append(f"hyperparameter {key}: saved {saved.get(key, _MISSING)!r}, here {here.get(key, _MISSING)!r}")
+            lines += [f"hyperparameter {line}" for line in hyperparameter_lines(state["hyperparameters"], self.hyperparameters())]
         for key in self.state_arrays:
             value, current = state["arrays"][key], getattr(self, key)
             if value is not None and current is not None and tuple(np.shape(value)) != tuple(current.shape):

@@ -65,7 +65,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .base import _plain
+from .base import _plain, hyperparameter_lines
 
 __all__ = ["resize_states", "hyperparameter_differences", "source_rank", "RULES", "ResizeError"]
 
@@ -165,12 +165,12 @@ def hyperparameter_differences(
     EASGD's ``alpha`` and ``beta`` (``beta = N alpha``) cannot both; the run
     is accepted when either matches (the one its settings fixed).
     """
-    saved, here = _plain(dict(saved)), _plain(dict(here))
-    keys = set(saved) | set(here)
-    if name == "easgd" and old_size != new_size and any(saved.get(k) == here.get(k) for k in ("alpha", "beta")):
-        keys -= {"alpha", "beta"}
-    missing = "<missing>"
-    return [f"{k}: saved {saved.get(k, missing)!r}, here {here.get(k, missing)!r}" for k in sorted(keys) if saved.get(k, missing) != here.get(k, missing)]
+    skip = ()
+    if name == "easgd" and old_size != new_size:
+        plain_saved, plain_here = _plain(dict(saved)), _plain(dict(here))
+        if any(plain_saved.get(k) == plain_here.get(k) for k in ("alpha", "beta")):
+            skip = ("alpha", "beta")
+    return hyperparameter_lines(saved, here, skip=skip)
 
 
 def resize_states(

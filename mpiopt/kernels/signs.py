@@ -36,8 +36,8 @@ try:  # the optional fused C loops (setup.py); the numpy code below gives the sa
     from . import _votec
 except ImportError:  # pragma: no cover - built without a C compiler
     _votec = None
-if _votec is not None and not hasattr(_votec, "unpack_signs"):  # pragma: no cover
-    _votec = None  # a stale build whose vote() counted words, not bytes: rebuild (pip install -e .)
+if _votec is not None and not all(hasattr(_votec, name) for name in ("unpack_signs", "apply_signs", "indexed")):  # pragma: no cover
+    _votec = None  # a stale build (an older vote() counted words, not bytes; newer loops missing): rebuild (pip install -e .)
 
 __all__ = [
     "packed_nbytes",
@@ -255,7 +255,7 @@ def apply_signs(packed: Any, x: Any, lr: float, decay: float = 1.0, scratch: Any
     d = x.shape[0]
     if packed.shape != (packed_nbytes(d),):
         raise ValueError(f"packed must have ceil(d / 8) = {packed_nbytes(d)} bytes for d = {d}, got {packed.shape[0]}")
-    fused = xp is np and _votec is not None and hasattr(_votec, "apply_signs")
+    fused = xp is np and _votec is not None
     if fused and x.dtype in _C_FLOATS and x.flags.c_contiguous and packed.flags.c_contiguous:
         _votec.apply_signs(packed, d, x.dtype.itemsize, x, float(lr), float(decay))
         return x

@@ -76,8 +76,6 @@ _MARGIN_SIGMAS = 4.0
 # the comparison and the gather, while the per-block calls cost little
 # (measured at d = 25M: 64 Ki entries 20 % slower, 1 Mi entries no faster).
 _SCAN_BLOCK = 1 << 18
-# The C loops for selection, aggregation and sparse updates (a stale build lacks them).
-_sparsec = _votec if _votec is not None and hasattr(_votec, "indexed") else None
 # _votec.indexed's operations.
 _TAKE_ZERO, _ADD, _ZERO, _DIVIDE, _SUB_SCALED, _GATHER, _SET = range(7)
 
@@ -193,7 +191,7 @@ class TopkWorkspace:
     def fits(self, values: Any, k: int) -> bool:
         """Whether this workspace (and the C loops) can select ``k`` of ``values``."""
         return (
-            _sparsec is not None and isinstance(values, np.ndarray) and values.dtype == self.dtype
+            _votec is not None and isinstance(values, np.ndarray) and values.dtype == self.dtype
             and values.shape == (self.d,) and k == self.k and values.flags.c_contiguous
         )
 
@@ -235,7 +233,7 @@ def _select(xp: ModuleType, candidates: Any, scores: Any, k: int, workspace: Opt
     missing = k - int(xp.count_nonzero(keep))
     if missing:
         keep[xp.flatnonzero(xp.equal(scores, kth, out=workspace.ties[:n]))[:missing]] = True
-    _sparsec.compress_marked(candidates, keep, n, workspace.selected)
+    _votec.compress_marked(candidates, keep, n, workspace.selected)
     return workspace.selected
 
 
@@ -279,7 +277,7 @@ def topk_indices(values: Any, k: int, *, absolute: bool = True, workspace: Optio
     if workspace is not None and workspace.fits(values, k):
         threshold = _threshold(xp, values, k, absolute, workspace.sample)
         # One C scan into the workspace; more candidates than it holds take the code below.
-        n = _sparsec.candidates(values, d, values.dtype.itemsize, float(threshold), absolute, workspace.candidates, workspace.scores)
+        n = _votec.candidates(values, d, values.dtype.itemsize, float(threshold), absolute, workspace.candidates, workspace.scores)
         if k <= n <= workspace.candidates.shape[0]:
             return _select(xp, workspace.candidates[:n], workspace.scores[:n], k, workspace)
     # Comparisons are false for NaN: candidates are numbers only.
@@ -450,11 +448,11 @@ def error_feedback(grad: Any, error: Any, select: Callable[[Any], Any], values_o
 def _indexed(op: int, x: Any, indices: Any, other: Any = None, scalar: float = 0.0) -> bool:
     """Run one of ``_votec.indexed``'s loops on numpy arrays; False (nothing done) where it cannot."""
     arrays = (x, indices) if other is None else (x, indices, other)
-    if _sparsec is None or not all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays):
+    if _votec is None or not all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays):
         return False
     if indices.dtype != np.int32 or x.dtype not in _VALUE_TYPES or (other is not None and other.dtype != x.dtype):
         return False
-    _sparsec.indexed(op, x, indices, indices.shape[0], x.dtype.itemsize, x if other is None else other, scalar)
+    _votec.indexed(op, x, indices, indices.shape[0], x.dtype.itemsize, x if other is None else other, scalar)
     return True
 
 
@@ -693,12 +691,12 @@ def union_of_sorted(arrays: list, d: int, bits: Any = None, out: Any = None) -> 
     ``np.unique`` takes about 90 ms), then neighbours that repeat are dropped.
     """
     xp = array_module(arrays[0]) if arrays else np
-    c_ok = _sparsec is not None and bits is not None and out is not None and xp is np
+    c_ok = _votec is not None and bits is not None and out is not None and xp is np
     if c_ok and all(a.dtype == np.int32 and a.flags.c_contiguous for a in arrays):
         bits[...] = 0
         for a in arrays:
-            _sparsec.bitmap_mark(a, a.shape[0], d, bits)
-        count = _sparsec.bitmap_indices(bits, d, out)
+            _votec.bitmap_mark(a, a.shape[0], d, bits)
+        count = _votec.bitmap_indices(bits, d, out)
         if count <= out.shape[0]:
             return out[:count]
     joined = xp.concatenate(arrays)

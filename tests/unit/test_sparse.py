@@ -288,7 +288,7 @@ def test_scatter_add_rejects_repeated_indices(xp):
 
 
 # -- preallocated workspaces and the C loops: the same numbers as the plain numpy code -----------------
-needs_c = pytest.mark.skipif(sparse._sparsec is None, reason="mpiopt.kernels._votec was not built")
+needs_c = pytest.mark.skipif(sparse._votec is None, reason="mpiopt.kernels._votec was not built")
 
 
 @needs_c
@@ -374,8 +374,8 @@ def test_indexed_loops_are_the_fancy_indexing(dtype):
 @pytest.mark.parametrize("c_loops", [True, False])
 def test_union_of_sorted(c_loops, monkeypatch):
     if not c_loops:
-        monkeypatch.setattr(sparse, "_sparsec", None)
-    elif sparse._sparsec is None:
+        monkeypatch.setattr(sparse, "_votec", None)
+    elif sparse._votec is None:
         pytest.skip("mpiopt.kernels._votec was not built")
     rng = np.random.default_rng(2)
     d = 1003
