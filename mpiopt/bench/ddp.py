@@ -51,7 +51,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..comm import Topology
 from ..training.config import TrainConfig, UsageError
-from ..training.ddp import init_gloo
 from ._common import check_choices, comma_list, environment, link_rate, markdown_table, median, module_main, positive_int, rotated, say
 from ._common import slowest_seconds, write_json
 from .algorithms import SYNCHRONOUS
@@ -160,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the comparison (a collective call); rank 0 prints the table and writes the JSON."""
     import torch
     import torch.distributed as dist
+
+    from ..training.ddp import init_gloo  # torch's gloo: imported when this benchmark runs, not by every mpiopt command
 
     _check(args)
     link = link_rate(getattr(args, "link", None))

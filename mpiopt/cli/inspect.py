@@ -14,7 +14,6 @@ import sys
 
 from mpi4py import MPI
 
-from ..checkpoint import CheckpointError, describe, format_description
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..checkpoint import CheckpointError, describe, format_description  # h5py: only when inspecting
+
     if MPI.COMM_WORLD.Get_rank() != 0:
         return 0
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+from typing import Any, List, Sequence, Tuple
 
 from ..training.config import UsageError
 
@@ -20,8 +21,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-accuracy", type=float, default=0.9, metavar="X", help="test accuracy for the to-target columns (default: 0.9)")
 
 
+def write_report(runs: Sequence[Any], out: str, target_accuracy: float, heading: str = "") -> Tuple[str, str, List[str]]:
+    """``OUT/results.md`` (``heading`` first, then the table of ``runs``) and the figures; returns (table, its path, figures)."""
+    from ..metrics import markdown_table, plot_runs, summarize
+
+    table = markdown_table([summarize(run, target_accuracy=target_accuracy) for run in runs])
+    results = os.path.join(out, "results.md")
+    with open(results, "w") as handle:
+        handle.write(f"{heading}\n\n{table}\n" if heading else f"{table}\n")
+    return table, results, plot_runs(runs, out)
+
+
 def run(args: argparse.Namespace) -> int:
-    from ..metrics import markdown_table, plot_runs, read_metrics, summarize
+    from ..metrics import read_metrics
 
     paths = []
     for item in args.files:
@@ -41,10 +53,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from None
     os.makedirs(args.out, exist_ok=True)
-    table = markdown_table([summarize(run, target_accuracy=args.target_accuracy) for run in runs])
-    with open(os.path.join(args.out, "results.md"), "w") as handle:
-        handle.write(table + "\n")
+    table, _, figures = write_report(runs, args.out, args.target_accuracy)
     print(table)
-    for path in plot_runs(runs, args.out):
+    for path in figures:
         print(f"figure: {path}")
     return 0

@@ -35,14 +35,12 @@ class Session:
     def finish(self, paths: Sequence[Optional[str]], config: TrainConfig) -> None:
         """On rank 0: the table of results, the figures, and where everything is."""
         if self.rank == 0:
-            from ..metrics import markdown_table, plot_runs, read_metrics, summarize
+            from ..metrics import read_metrics
+            from .plot import write_report
 
             runs = [read_metrics(p) for p in paths if p]
-            table = markdown_table([summarize(run, target_accuracy=config.target_accuracy) for run in runs])
-            results = os.path.join(self.out, "results.md")
-            with open(results, "w") as handle:
-                handle.write(f"# mpiopt {self.command}: {config.dataset}/{config.model}, {self.topology.size} ranks\n\n{table}\n")
-            figures = plot_runs(runs, self.out)
+            heading = f"# mpiopt {self.command}: {config.dataset}/{config.model}, {self.topology.size} ranks"
+            table, results, figures = write_report(runs, self.out, config.target_accuracy, heading)
             print()
             print(table)
             print()

@@ -135,7 +135,8 @@ def _as_array(tensor: torch.Tensor) -> Any:
     return tensor.numpy()
 
 
-def _loss_value(loss: Any) -> Optional[float]:
+def loss_value(loss: Any) -> Optional[float]:
+    """A loss (tensor, number or None) as a Python float, detached from the graph."""
     if loss is None:
         return None
     return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
@@ -459,7 +460,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._flat_grads.mul_(inverse_scale)
             if self.backward_passes_per_step > 1:
                 self._flat_grads.div_(self.backward_passes_per_step)
-            self.last = self.algorithm.step(self._params_array, self._grads_array, loss=_loss_value(loss))
+            self.last = self.algorithm.step(self._params_array, self._grads_array, loss=loss_value(loss))
             return loss
         return self._step_overlapped(loss)
 
@@ -486,7 +487,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._flat_grads.mul_(inverse_scale)
                 self.topology.world.Allreduce(self._grads_array, out=self._total_array)
         exchanged = ledger.since(before)
-        record = self.algorithm.step_reduced(self._params_array, self._grads_array, self._total_array, loss=_loss_value(loss))
+        record = self.algorithm.step_reduced(self._params_array, self._grads_array, self._total_array, loss=loss_value(loss))
         self.last = _add_cost(_add_cost(record, exchanged), verdict, sign=-1)  # as without overlap, the verdict is no part of the record
         return loss
 
@@ -526,7 +527,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = compute_fn(step)
             out[...] = self._grads_array
-            value = _loss_value(loss)
+            value = loss_value(loss)
             return math.nan if value is None else value
 
         self._check_views(keep_replaced_grads=False)
@@ -598,7 +599,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _skipped(self, loss: Any) -> Any:
         """Record a step every rank skipped (a GradScaler overflow somewhere) and return its loss."""
-        self.last = StepRecord(self.algorithm.steps, _loss_value(loss), 0, 0, 0.0, 0.0, 0.0, skipped=True)
+        self.last = StepRecord(self.algorithm.steps, loss_value(loss), 0, 0, 0.0, 0.0, 0.0, skipped=True)
         return loss
 
     def _grad_scaler_verdict(self) -> Tuple[bool, Optional[torch.Tensor], bool]:

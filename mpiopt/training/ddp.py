@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..algorithms.base import StepRecord
+from ..torch.optimizer import loss_value
 from ..comm import Topology
 from .config import DDP
 
@@ -63,8 +64,6 @@ def _free_port() -> int:
 
 def init_gloo(topology: Topology) -> None:
     """Start a torch.distributed gloo group over the MPI world (ranks, size and rank 0's port from MPI)."""
-    import torch.distributed as dist
-
     hosts = topology.world.allgather_obj(socket.gethostname())
     one_host = len(set(hosts)) == 1
     if one_host:
@@ -114,11 +113,6 @@ class DDPBaseline:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    @property
-    def _flat_params(self) -> torch.Tensor:
-        """The parameters as one vector (the loop's evaluator takes it; identical on every rank)."""
-        return torch.nn.utils.parameters_to_vector(self.model.parameters()).detach()
-
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
@@ -127,8 +121,7 @@ class DDPBaseline:
         started = time.perf_counter()
         self.optimizer.step()
         self.steps += 1
-        loss_value = None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
-        self.last = StepRecord(self.steps, loss_value, self._bytes, self._bytes, 0.0, 0.0, time.perf_counter() - started)
+        self.last = StepRecord(self.steps, loss_value(loss), self._bytes, self._bytes, 0.0, 0.0, time.perf_counter() - started)
 
     def finish(self) -> None:
         """Nothing in flight: the process group stays up for later runs of the job."""

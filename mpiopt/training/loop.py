@@ -46,7 +46,7 @@ from ..metrics import MetricsWriter, Tracer, versions
 from ..tasks.images import ImageDataset, ShardSampler, augment_cifar, batch_rng, load_dataset
 from ..tasks.models import build_model
 from ..torch import DistributedOptimizer, average_buffers, broadcast_module
-from .checkpointing import Checkpointer, Interrupted
+from .checkpointing import COUNTERS, Checkpointer, Interrupted
 from .config import DEFAULT_EPOCHS, TrainConfig, UsageError, agree_or_fail
 from .ddp import DDP, NOTES, DDPBaseline
 from .progress import Progress
@@ -65,7 +65,7 @@ def load_data(config: TrainConfig, world: Comm) -> ImageDataset:
     return agree_or_fail(world, "cannot load the dataset", lambda: load_dataset(config.dataset, data_dir=config.data_dir, seed=config.seed))
 
 
-def _set_threads(config: TrainConfig, world: Comm) -> int:
+def _set_threads(config: TrainConfig, world: Comm) -> None:
     """torch threads per rank: the cores this process may use, shared by the ranks on its node."""
     if config.threads:
         threads = config.threads
@@ -75,7 +75,6 @@ def _set_threads(config: TrainConfig, world: Comm) -> int:
         threads = max(1, cores // node.size)
         node.Free()
     torch.set_num_threads(threads)
-    return threads
 
 
 class _Evaluator:
@@ -86,14 +85,16 @@ class _Evaluator:
         self.x = torch.from_numpy(dataset.x_test[world.rank :: world.size])
         self.y = torch.from_numpy(dataset.y_test[world.rank :: world.size])
         # A second model only where another set of parameters than this rank's is evaluated.
+        self.source = source
         self.copy = None if source == "own" else copy.deepcopy(model)
-        self._flat = None if source == "own" else torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+        self._flat = None if source == "own" else torch.empty(sum(p.numel() for p in model.parameters()), dtype=next(model.parameters()).dtype)
 
     @torch.no_grad()
-    def __call__(self, model: torch.nn.Module, source: str, flat: torch.Tensor, train_losses: List[float]) -> Dict[str, float]:
-        """Evaluate; ``source``: "own" (this rank's model), "average" (the ranks' mean), "root" (rank 0's)."""
+    def __call__(self, model: torch.nn.Module, flat: Optional[torch.Tensor], train_losses: List[float]) -> Dict[str, float]:
+        """Evaluate ``model`` itself (source "own"), the ranks' mean of ``flat`` ("average") or rank 0's ``flat`` ("root")."""
         average_buffers(model, self.world)
         evaluated = model
+        source = self.source
         if source != "own":
             self.copy.load_state_dict(model.state_dict())
             if source == "average":
@@ -246,28 +247,28 @@ def train(
         evaluator = _Evaluator(model, dataset, world, source)
         # A resumed run's running totals continue from the checkpoint's.
         resumed = checkpoints.counters
-        state = {"train_seconds": resumed["wall_seconds"], "bytes": resumed["bytes_sent_total"], "losses": []}
+        state = {**{name: resumed[name] for name in COUNTERS}, "losses": []}
 
         def step_record(step: int, loss: float, compute: float, whole: float, record: Any) -> Dict[str, Any]:
-            state["bytes"] += record["bytes_sent"]
+            state["bytes_sent_total"] += record["bytes_sent"]
             state["losses"].append(loss)
             return {
                 "kind": "step", "step": step, "epoch": step / sampler.batches_per_epoch, "loss": loss, "lr": opt.algorithm.lr,
-                "compute_seconds": compute, "step_seconds": whole, "wall_seconds": state["train_seconds"], "algorithm": algorithm,
+                "compute_seconds": compute, "step_seconds": whole, "wall_seconds": state["wall_seconds"], "algorithm": algorithm,
                 **record,
             }
 
-        def evaluate(step: int, source: str) -> None:
+        def evaluate(step: int) -> None:
             with phase("eval"):
-                result = evaluator(model, source, opt._flat_params, state["losses"])
+                result = evaluator(model, None if source == "own" else opt._flat_params, state["losses"])
             state["losses"] = []
             progress.accuracy = result["test_accuracy"]
             if progress.tty:  # the bar is redrawn in place: keep each evaluation as a line of its own
                 progress.note(f"eval at step {step}: test accuracy {100 * result['test_accuracy']:.1f}%, test loss {result['test_loss']:.4f}")
             if writer:
                 writer.write({
-                    "kind": "eval", "step": step, "epoch": step / sampler.batches_per_epoch, "wall_seconds": state["train_seconds"],
-                    "bytes_sent_total": state["bytes"], "evaluated": {"own": "rank0", "average": "average", "root": "leader" if algorithm == "async_lsgd" else "rank0"}[source],
+                    "kind": "eval", "step": step, "epoch": step / sampler.batches_per_epoch, "wall_seconds": state["wall_seconds"],
+                    "bytes_sent_total": state["bytes_sent_total"], "evaluated": {"own": "rank0", "average": "average", "root": "leader" if algorithm == "async_lsgd" else "rank0"}[source],
                     **result,
                 })
 
@@ -285,12 +286,12 @@ def train(
                 delta = topology.ledger.since(clock["ledger"])
                 comm, wait = delta.blocked_seconds()
                 whole = now - clock["last"]
-                state["train_seconds"] += whole
+                state["wall_seconds"] += whole
                 # A worker applies nothing itself: the rest of its time is spent waiting for the server.
                 record = {"bytes_sent": delta.bytes_sent, "bytes_recv": delta.bytes_recv, "comm_seconds": comm,
                           "wait_seconds": max(wait, whole - (now - started) - comm), "algo_seconds": 0.0}
                 log.append(step_record(step + 1, float(loss.detach()), now - started, whole, record))
-                progress.update(step + 1, log[-1]["loss"], whole, state["bytes"] / 1e6)
+                progress.update(step + 1, log[-1]["loss"], whole, state["bytes_sent_total"] / 1e6)
                 clock["last"], clock["ledger"] = now, topology.ledger.snapshot()
                 return loss
 
@@ -309,19 +310,17 @@ def train(
                     results.append(opt.run(compute_fn, count))
                     done += count
                     # The reporter's records and totals, on every rank: rank 0 writes them, every rank checkpoints the totals.
-                    records, state["train_seconds"], state["bytes"] = world.bcast_obj(
-                        (log, state["train_seconds"], state["bytes"]), root=1 if size > 1 else 0)
+                    records, state["wall_seconds"], state["bytes_sent_total"] = world.bcast_obj(
+                        (log, state["wall_seconds"], state["bytes_sent_total"]), root=1 if size > 1 else 0)
                     if writer:
                         for record in records:
                             writer.write(record)
                     tail = (tail + [r["loss"] for r in records])[-max(1, steps // 10):]
                     checkpoints.after_step(done, last=done == steps,
-                                           counters={"wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"]})
+                                           counters={name: state[name] for name in COUNTERS})
             state["losses"] = tail
-            evaluate(steps, source)
-            if writer:
-                writer.write({"kind": "end", "step": steps, "wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"],
-                              **({"result": _job_result(results)} if results else {})})
+            evaluate(steps)
+            end = {"result": _job_result(results)} if results else {}
         else:
             with _written_on_stop(tracer, config.trace):
                 for step in range(start, steps):
@@ -335,20 +334,21 @@ def train(
                     with phase("algorithm"):
                         opt.step(loss=loss)
                     whole = time.perf_counter() - started
-                    state["train_seconds"] += whole
+                    state["wall_seconds"] += whole
                     record = opt.last.as_dict()
-                    record.pop("step"), record.pop("loss")
-                    line = step_record(step + 1, float(loss.detach()), computed - started, whole, record)
+                    record.pop("step")
+                    line = step_record(step + 1, record.pop("loss"), computed - started, whole, record)
                     if writer:
                         writer.write(line)
                     if (step + 1) % eval_every == 0 or step + 1 == steps:
-                        evaluate(step + 1, source)
-                    progress.update(step + 1, line["loss"], whole, state["bytes"] / 1e6)
+                        evaluate(step + 1)
+                    progress.update(step + 1, line["loss"], whole, state["bytes_sent_total"] / 1e6)
                     checkpoints.after_step(step + 1, last=step + 1 == steps,
-                                           counters={"wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"]})
+                                           counters={name: state[name] for name in COUNTERS})
             opt.finish()
-            if writer:
-                writer.write({"kind": "end", "step": steps, "wall_seconds": state["train_seconds"], "bytes_sent_total": state["bytes"]})
+            end = {}
+        if writer:
+            writer.write({"kind": "end", "step": steps, **{name: state[name] for name in COUNTERS}, **end})
         if tracer:
             tracer.write(config.trace)
         if writer:
