@@ -223,7 +223,7 @@ _HELP = {
     "dropout": "dropout before the classifier head",
     "augment": "random crop (padding 4) and horizontal flip of training images (cifar10)",
     "epochs": f"passes over the training set (default {DEFAULT_EPOCHS} when --steps is not given)",
-    "steps": "optimizer steps per rank (instead of --epochs)",
+    "steps": "optimizer steps per rank, instead of --epochs (default: from --epochs)",
     "batch_size": "samples per rank per step",
     "lr": "learning rate; default per algorithm: {lr_defaults}",
     "seed": "seed of the model's initialisation, the data order and augmentation",
@@ -234,12 +234,12 @@ _HELP = {
     "progress": "progress on rank 0: bar (redrawn in place), lines (plain lines, for logs), or auto: a bar when the output is a "
     "terminal (mpiexec passes output through pipes: ask for bar there)",
     "threads": "torch threads per rank (default: the machine's cores divided by the ranks on it)",
-    "trace": "write every rank's phases (compute, algorithm, communication, operations in flight) to this Chrome/Perfetto trace file",
+    "trace": "write every rank's phases (compute, algorithm, communication, operations in flight) to this Chrome/Perfetto trace file (default: no trace)",
     "out": "folder for everything the run writes (default: runs/<command>-<date>-<time>)",
-    "checkpoint_every": "write a checkpoint every N steps (and always at the end)",
+    "checkpoint_every": "write a checkpoint every N steps and at the end (default: no checkpoints)",
     "checkpoint_dir": "folder of the checkpoints (default: OUT/checkpoints)",
     "keep_checkpoints": "checkpoints to keep (older ones are deleted)",
-    "resume": "resume from this checkpoint file, or 'auto': the newest valid one in the checkpoint folder",
+    "resume": "resume from this checkpoint file, or 'auto': the newest valid one in the checkpoint folder (default: start from step 0)",
     "override_hyperparameters": "on resume, let this run's hyperparameters replace the checkpoint's",
 }
 _FLAGS_BY_COMMAND = {

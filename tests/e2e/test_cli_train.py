@@ -149,3 +149,23 @@ def test_progress_bar_on_request_and_plain_lines_in_logs(tmp_path):
     code, output, _ = run_mpi(2, ["-m", "mpiopt", "train", *TINY, "--out", str(tmp_path / "lines")], timeout=120)
     assert code == 0, output
     assert "sgd [" not in output and "sgd step  6/12  loss" in output and "sgd step 12/12" in output  # mpiexec: pipes
+
+
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_help_documents_every_flag_and_its_default(command):
+    import argparse
+    import dataclasses
+
+    from mpiopt.cli.main import build_parser
+    from mpiopt.training.config import TrainConfig, command_settings
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    helps = {o: a.help for a in sub._actions for o in a.option_strings}
+    defaults = {f.name: getattr(TrainConfig(), f.name) for f in dataclasses.fields(TrainConfig)}
+    for name in command_settings(command):
+        text = helps["--" + name.replace("_", "-")]
+        assert text and len(text) > 20, name
+        if defaults[name] is not None:
+            assert f"(default: {defaults[name]})" in text, (name, text)
+        else:  # no fixed default: the text says what happens without the flag
+            assert "default" in text, (name, text)
