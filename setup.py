@@ -5,19 +5,23 @@
 the step) into one pass; without a C compiler the build skips them
 (``optional=True``) and mpiopt uses its numpy code, with identical results.
 ``-ffp-contract=off`` keeps each product and sum rounded on its own, as numpy
-rounds them (a fused multiply-add would change the last bit).
+rounds them (a fused multiply-add would change the last bit).  Long vectors are
+split across threads (``mpiopt/kernels/_parallel.h``, :mod:`mpiopt.kernels.threads`).
 """
 
 from setuptools import Extension, setup
 
+# Both use _parallel.h (POSIX threads, hence -pthread for older C libraries).
+_COMMON = dict(
+    optional=True,
+    depends=["mpiopt/kernels/_parallel.h"],
+    extra_compile_args=["-O3", "-ffp-contract=off", "-pthread"],
+    extra_link_args=["-pthread"],
+)
+
 setup(
     ext_modules=[
-        Extension("mpiopt.kernels._votec", ["mpiopt/kernels/_votec.c"], optional=True, extra_compile_args=["-O3"]),
-        Extension(
-            "mpiopt.kernels._updatec",
-            ["mpiopt/kernels/_updatec.c"],
-            optional=True,
-            extra_compile_args=["-O3", "-ffp-contract=off"],
-        ),
+        Extension("mpiopt.kernels._votec", ["mpiopt/kernels/_votec.c"], **_COMMON),
+        Extension("mpiopt.kernels._updatec", ["mpiopt/kernels/_updatec.c"], **_COMMON),
     ]
 )

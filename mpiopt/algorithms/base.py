@@ -55,6 +55,7 @@ import numpy as np
 
 from ..arrays import array_module, to_numpy
 from ..comm import MAX, Topology
+from ..kernels.update import all_finite
 
 __all__ = ["Algorithm", "StepRecord", "check_positive", "check_range", "check_choice"]
 
@@ -384,9 +385,7 @@ class Algorithm:
             )
 
     def _gradient_ok(self, grad: Any) -> bool:
-        xp = array_module(grad)
-        # One reduction first; only if it is not finite, find out precisely.
-        ok = bool(xp.isfinite(grad.sum())) or bool(xp.isfinite(grad).all())
+        ok = all_finite(grad)
         if self.nan_policy == "raise":
             if not ok:
                 self.topology.raise_or_abort(FloatingPointError(

@@ -6,7 +6,8 @@ dampening) * d`` (``b = d`` at the first step), then ``s = d + momentum * b``
 (Nesterov) or ``s = b``; without momentum ``s = d``; finally ``x = x - lr * s``.
 
 On numpy float32/float64 arrays the whole update is one pass over memory in
-``mpiopt.kernels._updatec`` when it was built; elsewhere (cupy, other dtypes,
+``mpiopt.kernels._updatec`` when it was built (long vectors split across
+:mod:`~mpiopt.kernels.threads`' threads); elsewhere (cupy, other dtypes,
 no C compiler) the same operations run as array calls with ``out=``.  Both
 round every product and sum to the parameters' dtype on its own, in the same
 order, so they give the same bits (NaN payloads aside).  That is not quite
@@ -24,12 +25,16 @@ import numpy as np
 from ..arrays import array_module
 from ._backend import check_array, check_count
 
+from .threads import get_num_threads
+
 try:
     from . import _updatec
 except ImportError:  # built without a C compiler: the array code below is used
     _updatec = None
+if _updatec is not None and not hasattr(_updatec, "all_finite"):  # pragma: no cover
+    _updatec = None  # a stale build (no threads argument): rebuild (pip install -e .)
 
-__all__ = ["fused_update_available", "sgd_update"]
+__all__ = ["all_finite", "fused_update_available", "sgd_update"]
 
 _FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -46,6 +51,22 @@ def fused_update_available(params: Any) -> bool:
         and params.dtype in _FUSED_DTYPES
         and params.flags.c_contiguous
     )
+
+
+def all_finite(arr: Any) -> bool:
+    """Whether every element of the floating-point array ``arr`` is finite (no NaN, no +-inf).
+
+    One C pass (split across :func:`~mpiopt.kernels.threads.get_num_threads`
+    threads) on contiguous numpy float32/float64 arrays when
+    ``mpiopt.kernels._updatec`` was built; otherwise one reduction (a finite
+    sum means every element is finite), and only when it overflows or is
+    not finite, the exact elementwise check.
+    """
+    if fused_update_available(arr):
+        return _updatec.all_finite(arr, get_num_threads())
+    xp = array_module(arr)
+    with np.errstate(all="ignore"):  # the sum may overflow: then the exact check decides
+        return bool(xp.isfinite(arr.sum())) or bool(xp.isfinite(arr).all())
 
 
 def _real(name: str, value: Any) -> float:
@@ -136,7 +157,7 @@ def sgd_update(
     if fused_update_available(params) and all(arr.flags.c_contiguous for _, arr in arrays):
         finite = _updatec.sgd(
             params, grad, buffer if momentum else None, grad_divisor, lr, weight_decay, momentum, dampening, nesterov,
-            bool(first_step),
+            bool(first_step), get_num_threads(),
         )
         return finite if check_finite else None
     work = [] if work is None else work

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mpiopt.algorithms.local import LocalSGD
-from mpiopt.kernels import update
+from mpiopt.kernels import threads, update
 from mpiopt.kernels.update import fused_update_available, sgd_update
 
 SIZES = [0, 1, 7, 1_000_003]
@@ -234,3 +234,63 @@ def test_update_benchmark_reports_every_variant():
     for name, verdict in results["goals"].items():
         assert verdict["goal"] == GOALS[name] and verdict["met"] == (verdict["ratio"] <= verdict["goal"])
     assert all(count == 2 for count in results["samples"].values())
+
+
+# Long enough for 3 parts of at least 2**18 elements (mpiopt/kernels/_parallel.h), with a ragged end.
+SPLIT_SIZE = 3 * 2**18 + 13
+
+
+@pytest.fixture
+def kernel_threads():
+    """Set the kernels' thread count within a test; restored afterwards."""
+    saved = threads.get_num_threads()
+    yield threads.set_num_threads
+    threads.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("rule", [RULES[0], (0.9, 0.0, True, 1e-2, 3), (0.9, 0.3, False, 0.0, 1)], ids=str)
+@pytest.mark.parametrize("count", [2, 3, 7])
+def test_threads_give_the_same_bits(count, rule, kernel_threads):
+    """Split across threads, the update gives the one-thread reference's bits and the exact finite flag."""
+    kernel_threads(count)
+    run_steps(SPLIT_SIZE, np.float32, rule, special=True, steps=2)
+    x, g = np.ones(SPLIT_SIZE, np.float32), np.ones(SPLIT_SIZE, np.float32)
+    for spot in (0, SPLIT_SIZE // 2, SPLIT_SIZE - 1):  # a non-finite value in the first, a middle and the last part
+        g[spot] = np.inf
+        assert sgd_update(x, g, lr=LR, check_finite=True) is False
+        g[spot] = 1.0
+    assert sgd_update(x, g, lr=LR, check_finite=True) is True
+
+
+@pytest.mark.parametrize("c_loop", [True, False], ids=["c", "array"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: t.__name__)
+def test_all_finite_is_exact(dtype, c_loop, kernel_threads, monkeypatch):
+    """all_finite against np.isfinite(...).all(): every spot of short vectors, each quarter and part of long ones."""
+    if not c_loop:
+        monkeypatch.setattr(update, "_updatec", None)
+    big = np.finfo(dtype).max
+    for count in (1, 3):
+        kernel_threads(count)
+        for size in [*range(10), 1_000_003, SPLIT_SIZE]:
+            values = np.full(size, big, dtype)  # the largest finite values: their sum overflows
+            values[::2] = -0.0
+            assert update.all_finite(values)
+            spots = range(size) if size < 10 else np.linspace(0, size - 1, 23).astype(int)
+            for spot in spots:
+                for bad in (np.nan, np.inf, -np.inf):
+                    values[spot] = bad
+                    assert not update.all_finite(values), (size, spot, bad)
+                values[spot] = big
+
+
+def test_thread_count_is_checked(kernel_threads, monkeypatch):
+    for bad in (0, -1, 65, 2.0, True, "2"):
+        with pytest.raises(ValueError, match="threads must be an integer in \\[1, 64\\]"):
+            kernel_threads(bad)
+    for text, want in (("", 1), (" 3 ", 3)):
+        monkeypatch.setenv("MPIOPT_NUM_THREADS", text)
+        assert threads._from_environment() == want
+    for text in ("0", "two", "1.5"):
+        monkeypatch.setenv("MPIOPT_NUM_THREADS", text)
+        with pytest.raises(ValueError, match=f"MPIOPT_NUM_THREADS must be an integer in \\[1, 64\\], got '?{text}'?"):
+            threads._from_environment()
