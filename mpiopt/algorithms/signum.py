@@ -69,7 +69,7 @@ import numpy as np
 
 from ..comm import Request, Topology
 from ..kernels import chunk_bounds, majority_vote, pack_signs, packed_nbytes, vote_chunk
-from ..kernels.signs import apply_signs
+from ..kernels.signs import apply_signs, momentum_signs
 from .base import Algorithm, check_choice, check_positive, check_range
 from .registry import register
 
@@ -258,16 +258,13 @@ class Signum(Algorithm):
             self._plan.append((start, stop, piece.tolist(), *blocks, mine[offset : offset + width]))
             offset += width
 
-    def _direction(self, grad: Any, lo: int, hi: int) -> Any:
-        """Signum's momentum update of elements ``[lo, hi)`` (the signs sent); the gradient itself for signSGD."""
+    def _pack(self, grad: Any, lo: int, hi: int, out: Any) -> None:
+        """Signum's momentum update of elements ``[lo, hi)`` and their signs packed into ``out`` (signSGD: the gradient's)."""
         if not self.momentum:
-            return grad[lo:hi]
-        m, scratch = self.momentum_buffer[lo:hi], self._signs[lo:hi]
-        m *= self.momentum
-        # (1 - beta) g through the scratch buffer, which is free until this chunk's vote.
-        self._xp.multiply(grad[lo:hi], 1.0 - self.momentum, out=scratch)
-        m += scratch
-        return m
+            pack_signs(grad[lo:hi], out=out, nan_policy="unchecked")
+            return
+        # (1 - beta) g goes through the scratch buffer (numpy only), which is free until this chunk's vote.
+        momentum_signs(self.momentum_buffer[lo:hi], grad[lo:hi], self.momentum, out, scratch=self._signs[lo:hi])
 
     def _apply(self, params: Any, start: int, stop: int) -> None:
         """x <- x - lr (V + wd x) on the elements that voted bytes ``[start, stop)`` cover."""
@@ -287,7 +284,7 @@ class Signum(Algorithm):
         """One chunk of the Allgather vote; yields its exchange's request (None when blocking)."""
         start, stop, packed, stack = chunk
         d = params.size
-        pack_signs(self._direction(grad, 8 * start, min(8 * stop, d)), out=packed, nan_policy="unchecked")
+        self._pack(grad, 8 * start, min(8 * stop, d), packed)
         yield self._exchange("Allgather", packed, stack)
         vote_chunk(stack, d, start, stop, out=self._voted[start:stop])
         self._apply(params, start, stop)
@@ -296,10 +293,9 @@ class Signum(Algorithm):
         """One chunk of the two-phase vote: Alltoall of its P pieces, a vote on ours, Allgather of the votes."""
         start, stop, pieces, send, recv, gathered, mine = chunk
         d, rank = params.size, self.topology.world.rank
-        direction = self._direction(grad, 8 * start, min(8 * stop, d))
         for q, (a, b) in enumerate(pieces):  # a loop over ranks, not parameters
             # Pieces start on whole words (64 signs), so packing piece by piece gives the whole chunk's bits.
-            pack_signs(direction[8 * (a - start) : 8 * (b - start)], out=send[q, : b - a], nan_policy="unchecked")
+            self._pack(grad, 8 * a, min(8 * b, d), send[q, : b - a])
         yield self._exchange("Alltoall", send, recv)
         a, b = pieces[rank]
         vote_chunk(recv, d, a, b, out=mine[: b - a])
@@ -308,10 +304,10 @@ class Signum(Algorithm):
             self._voted[a:b] = gathered[q, : b - a]
         self._apply(params, start, stop)
 
-    def _prevote(self, direction: Any) -> Any:
+    def _prevote(self, grad: Any) -> Any:
         """Majority of the groups' majorities: vote in the group, then among leaders, then Bcast."""
-        topo, d = self.topology, direction.size
-        pack_signs(direction, out=self._packed, nan_policy="unchecked")
+        topo, d = self.topology, grad.size
+        self._pack(grad, 0, d, self._packed)
         topo.group.Allgather(self._packed, self._stack)
         majority_vote(self._stack, d, out=self._voted)
         if topo.is_leader:
@@ -323,7 +319,7 @@ class Signum(Algorithm):
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         # The base class has checked the gradient, so the momentum holds no NaN.
         if self.mode == "prevote":
-            self._prevote(self._direction(grad, 0, params.size))
+            self._prevote(grad)
             self._apply(params, 0, self._voted.size)
             return
         work = self._allgather_chunk if self.mode == "allgather" else self._twophase_chunk

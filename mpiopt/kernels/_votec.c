@@ -24,6 +24,10 @@
  * caller's workspaces (numpy's fancy indexing converts int32 indices to a
  * k-element intp copy per call, its masks and nonzero() allocate).
  *
+ * momentum_signs: Signum's momentum update and the packing of its signs in one
+ * pass (numpy needs four).  pack_signs, momentum_signs and apply_signs split
+ * long vectors across threads (_parallel.h) on whole bytes of signs.
+ *
  * Buffers come through the buffer protocol, so building needs no numpy
  * headers.  The build is optional (setup.py): without a C compiler mpiopt
  * uses the numpy code, which gives the same bits.
@@ -34,6 +38,8 @@
 #include <stdlib.h>
 #include <math.h>
 #include <string.h>
+
+#include "_parallel.h"
 
 #define MAX_LEVELS 48
 #define BLOCK 128 /* words per block: the counters (levels x BLOCK words) stay in L1 */
@@ -189,25 +195,138 @@ static PyObject *py_vote(PyObject *self, PyObject *args) {
 PACK_SIGNS(float)
 PACK_SIGNS(double)
 
+/* m[i] = m[i] * beta + g[i] * omb, each product and the sum rounded on their own as numpy's passes
+ * (m *= beta; t = g * (1 - beta); m += t) round them; bit i % 8 of out[i / 8] = (m[i] >= 0). */
+#define MOMENTUM_SIGNS(T)                                                                         \
+    static void momentum_signs_tail_##T(T *restrict m, const T *restrict g, Py_ssize_t n, T beta, T omb, \
+                                        unsigned char *restrict out) {                            \
+        for (Py_ssize_t b = 0; 8 * b < n; ++b) {                                                 \
+            const Py_ssize_t count = n - 8 * b < 8 ? n - 8 * b : 8;                              \
+            T *restrict v = m + 8 * b;                                                           \
+            const T *restrict w = g + 8 * b;                                                     \
+            unsigned bits = 0;                                                                   \
+            for (Py_ssize_t j = 0; j < count; ++j) {                                             \
+                const T t = v[j] * beta, u = w[j] * omb, s = t + u;                              \
+                v[j] = s;                                                                        \
+                bits |= (unsigned)(s >= 0) << j;                                                 \
+            }                                                                                    \
+            out[b] = (unsigned char)bits;                                                        \
+        }                                                                                        \
+    }
+MOMENTUM_SIGNS(float)
+MOMENTUM_SIGNS(double)
+
+/* The whole bytes with SSE2 where the compiler targets it (every x86-64): the compiler does not
+ * vectorize the sign packing, and this is twice as fast (measured at d = 11M).  The same IEEE
+ * products and sums, and cmpge gives >= 0 exactly (true for -0.0, false for NaN). */
+#if defined(__SSE2__)
+#include <emmintrin.h>
+static void momentum_signs_float(float *m, const float *g, Py_ssize_t n, float beta, float omb, unsigned char *out) {
+    const __m128 B = _mm_set1_ps(beta), O = _mm_set1_ps(omb), Z = _mm_setzero_ps();
+    Py_ssize_t b = 0;
+    for (; 8 * b + 8 <= n; ++b) {
+        float *v = m + 8 * b;
+        const float *w = g + 8 * b;
+        const __m128 s0 = _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(v), B), _mm_mul_ps(_mm_loadu_ps(w), O));
+        const __m128 s1 = _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(v + 4), B), _mm_mul_ps(_mm_loadu_ps(w + 4), O));
+        _mm_storeu_ps(v, s0);
+        _mm_storeu_ps(v + 4, s1);
+        out[b] = (unsigned char)(_mm_movemask_ps(_mm_cmpge_ps(s0, Z)) | (_mm_movemask_ps(_mm_cmpge_ps(s1, Z)) << 4));
+    }
+    momentum_signs_tail_float(m + 8 * b, g + 8 * b, n - 8 * b, beta, omb, out + b);
+}
+static void momentum_signs_double(double *m, const double *g, Py_ssize_t n, double beta, double omb, unsigned char *out) {
+    const __m128d B = _mm_set1_pd(beta), O = _mm_set1_pd(omb), Z = _mm_setzero_pd();
+    Py_ssize_t b = 0;
+    for (; 8 * b + 8 <= n; ++b) {
+        double *v = m + 8 * b;
+        const double *w = g + 8 * b;
+        unsigned bits = 0;
+        for (int j = 0; j < 4; ++j) {
+            const __m128d s = _mm_add_pd(_mm_mul_pd(_mm_loadu_pd(v + 2 * j), B), _mm_mul_pd(_mm_loadu_pd(w + 2 * j), O));
+            _mm_storeu_pd(v + 2 * j, s);
+            bits |= (unsigned)_mm_movemask_pd(_mm_cmpge_pd(s, Z)) << (2 * j);
+        }
+        out[b] = (unsigned char)bits;
+    }
+    momentum_signs_tail_double(m + 8 * b, g + 8 * b, n - 8 * b, beta, omb, out + b);
+}
+#else
+#define momentum_signs_float momentum_signs_tail_float
+#define momentum_signs_double momentum_signs_tail_double
+#endif
+
+/* One pack_signs / momentum_signs call: parts start on whole bytes of signs. */
+typedef struct {
+    Py_ssize_t itemsize;
+    const char *x;  /* the values packed (pack_signs) or the gradient (momentum_signs) */
+    char *m;        /* the momentum buffer, or NULL for pack_signs */
+    double beta;
+    unsigned char *out;
+    int nan[MPIOPT_MAX_PARTS];
+} signs_job;
+
+static void signs_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    signs_job *j = (signs_job *)ctx;
+    const Py_ssize_t at = lo * j->itemsize, n = hi - lo;
+    unsigned char *out = j->out + lo / 8;
+    j->nan[part] = 0;
+    if (j->m == NULL)
+        j->nan[part] = j->itemsize == 4 ? pack_signs_float((const float *)(j->x + at), n, out)
+                                        : pack_signs_double((const double *)(j->x + at), n, out);
+    else if (j->itemsize == 4)
+        momentum_signs_float((float *)(j->m + at), (const float *)(j->x + at), n, (float)j->beta, (float)(1.0 - j->beta), out);
+    else
+        momentum_signs_double((double *)(j->m + at), (const double *)(j->x + at), n, j->beta, 1.0 - j->beta, out);
+}
+
+static int run_signs(signs_job *job, Py_ssize_t n, int threads) {
+    int parts, nan = 0;
+    Py_BEGIN_ALLOW_THREADS
+    parts = mpiopt_parallel_for(threads, n, 8, signs_part, job);
+    Py_END_ALLOW_THREADS
+    for (int p = 0; p < parts; ++p) nan |= job->nan[p];
+    return nan;
+}
+
 static PyObject *py_pack_signs(PyObject *self, PyObject *args) {
     Py_buffer x, out;
     Py_ssize_t n, itemsize;
+    int threads;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*nnw*", &x, &n, &itemsize, &out)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*nnw*i", &x, &n, &itemsize, &out, &threads)) return NULL;
     PyObject *result = NULL;
     if (n < 0 || (itemsize != 4 && itemsize != 8)) {
         PyErr_Format(PyExc_ValueError, "pack_signs: bad n=%zd itemsize=%zd", n, itemsize);
     } else if (x.len < n * itemsize || out.len < (n + 7) / 8) {
         PyErr_SetString(PyExc_ValueError, "pack_signs: buffers too small for the given length");
     } else {
-        int nan;
-        Py_BEGIN_ALLOW_THREADS
-        nan = itemsize == 4 ? pack_signs_float((const float *)x.buf, n, (unsigned char *)out.buf)
-                            : pack_signs_double((const double *)x.buf, n, (unsigned char *)out.buf);
-        Py_END_ALLOW_THREADS
-        result = PyBool_FromLong(nan);
+        signs_job job = {itemsize, (const char *)x.buf, NULL, 0.0, (unsigned char *)out.buf, {0}};
+        result = PyBool_FromLong(run_signs(&job, n, threads));
     }
     PyBuffer_Release(&x);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *py_momentum_signs(PyObject *self, PyObject *args) {
+    Py_buffer m, g, out;
+    Py_ssize_t n, itemsize;
+    double beta;
+    int threads;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*y*nndw*i", &m, &g, &n, &itemsize, &beta, &out, &threads)) return NULL;
+    PyObject *result = NULL;
+    if (n < 0 || (itemsize != 4 && itemsize != 8) || m.len < n * itemsize || g.len < n * itemsize || out.len < (n + 7) / 8) {
+        PyErr_Format(PyExc_ValueError, "momentum_signs: bad n=%zd itemsize=%zd or buffers too small", n, itemsize);
+    } else {
+        signs_job job = {itemsize, (const char *)g.buf, (char *)m.buf, beta, (unsigned char *)out.buf, {0}};
+        run_signs(&job, n, threads);
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    PyBuffer_Release(&m);
+    PyBuffer_Release(&g);
     PyBuffer_Release(&out);
     return result;
 }
@@ -231,33 +350,76 @@ UNPACK_SIGNS(double)
 
 /* params[i] = params[i] * decay - lr * sign_i (sign_i = +-1 from the packed bits), each operation
  * rounded on its own as numpy's passes (params *= decay; step = unpack * lr; params -= step) round
- * them, in one pass; decay = 1 skips the product, as the numpy code skips that pass. */
+ * them, in one pass; decay = 1 skips the product, as the numpy code skips that pass.  A byte's 8
+ * steps come from a 256-row table of +-lr (made per call; it stays in L1), so the inner loop has 8
+ * fixed lanes that the compiler vectorizes (a per-bit lookup does not: measured twice as slow). */
 #define APPLY_SIGNS(T)                                                                  \
-    __attribute__((optimize("fp-contract=off")))                                       \
-    static void apply_signs_##T(const unsigned char *packed, Py_ssize_t n, T *x, double lr, double decay) { \
-        const T step[2] = {-(T)lr, (T)lr}, f = (T)decay;                                \
-        if (decay != 1.0)                                                               \
-            for (Py_ssize_t i = 0; i < n; ++i) { T v = x[i] * f; x[i] = v - step[(packed[i >> 3] >> (i & 7)) & 1]; } \
-        else                                                                            \
-            for (Py_ssize_t i = 0; i < n; ++i) x[i] -= step[(packed[i >> 3] >> (i & 7)) & 1]; \
+    static void apply_signs_##T(const unsigned char *packed, Py_ssize_t n, T *restrict x, T (*table)[8], T f, \
+                                int decay) {                                            \
+        const Py_ssize_t whole = n / 8;                                                 \
+        for (Py_ssize_t b = 0; b < whole; ++b) {                                        \
+            const T *restrict step = table[packed[b]];                                  \
+            T *restrict v = x + 8 * b;                                                  \
+            if (decay)                                                                  \
+                for (int j = 0; j < 8; ++j) { const T y = v[j] * f; v[j] = y - step[j]; } \
+            else                                                                        \
+                for (int j = 0; j < 8; ++j) v[j] = v[j] - step[j];                      \
+        }                                                                               \
+        for (Py_ssize_t i = 8 * whole; i < n; ++i) {                                    \
+            const T y = decay ? x[i] * f : x[i];                                        \
+            x[i] = y - table[packed[whole]][i - 8 * whole];                             \
+        }                                                                               \
     }
 APPLY_SIGNS(float)
 APPLY_SIGNS(double)
+
+typedef struct {
+    Py_ssize_t itemsize;
+    const unsigned char *packed;
+    char *x;
+    double decay;
+    float table_f[256][8]; /* +lr where the bit is set, else -lr, in the dtype */
+    double table_d[256][8];
+} apply_job;
+
+static void apply_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    apply_job *j = (apply_job *)ctx;
+    (void)part;
+    const int decay = j->decay != 1.0;
+    if (j->itemsize == 4) apply_signs_float(j->packed + lo / 8, hi - lo, (float *)j->x + lo, j->table_f, (float)j->decay, decay);
+    else apply_signs_double(j->packed + lo / 8, hi - lo, (double *)j->x + lo, j->table_d, j->decay, decay);
+}
 
 static PyObject *py_apply_signs(PyObject *self, PyObject *args) {
     Py_buffer packed, x;
     Py_ssize_t n, itemsize;
     double lr, decay;
+    int threads;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*nnw*dd", &packed, &n, &itemsize, &x, &lr, &decay)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*nnw*ddi", &packed, &n, &itemsize, &x, &lr, &decay, &threads)) return NULL;
     PyObject *result = NULL;
     if (n < 0 || (itemsize != 4 && itemsize != 8) || packed.len < (n + 7) / 8 || x.len < n * itemsize) {
         PyErr_Format(PyExc_ValueError, "apply_signs: bad n=%zd itemsize=%zd or buffers too small", n, itemsize);
     } else {
+        apply_job *job = PyMem_Malloc(sizeof(apply_job));
+        if (job == NULL) {
+            PyBuffer_Release(&packed);
+            PyBuffer_Release(&x);
+            return PyErr_NoMemory();
+        }
+        job->itemsize = itemsize;
+        job->packed = (const unsigned char *)packed.buf;
+        job->x = (char *)x.buf;
+        job->decay = decay;
+        for (int b = 0; b < 256; ++b)
+            for (int j = 0; j < 8; ++j) {
+                job->table_f[b][j] = ((b >> j) & 1) ? (float)lr : -(float)lr;
+                job->table_d[b][j] = ((b >> j) & 1) ? lr : -lr;
+            }
         Py_BEGIN_ALLOW_THREADS
-        if (itemsize == 4) apply_signs_float((const unsigned char *)packed.buf, n, (float *)x.buf, lr, decay);
-        else apply_signs_double((const unsigned char *)packed.buf, n, (double *)x.buf, lr, decay);
+        mpiopt_parallel_for(threads, n, 8, apply_part, job);
         Py_END_ALLOW_THREADS
+        PyMem_Free(job);
         Py_INCREF(Py_None);
         result = Py_None;
     }
@@ -517,14 +679,18 @@ static PyMethodDef methods[] = {
      "Bit j of out byte b (b < nbytes) is set where at least threshold of the voters rows (row r: the\n"
      "nbytes bytes from byte r * stride_bytes, any alignment) have bit j of byte b set."},
     {"pack_signs", py_pack_signs, METH_VARARGS,
-     "pack_signs(x, n, itemsize, out) -> bool\n\n"
+     "pack_signs(x, n, itemsize, out, threads) -> bool\n\n"
      "Bit i % 8 of out[i // 8] = x[i] >= 0 for the n float32 (itemsize 4) or float64 (8) values of x;\n"
      "pad bits 0.  Returns whether x holds a NaN (packed as 0)."},
+    {"momentum_signs", py_momentum_signs, METH_VARARGS,
+     "momentum_signs(m, g, n, itemsize, beta, out, threads)\n\n"
+     "m[i] = m[i] * beta + g[i] * (1 - beta) (beta and 1 - beta in the dtype, each operation rounded), then\n"
+     "bit i % 8 of out[i // 8] = m[i] >= 0, for n float32 (itemsize 4) or float64 (8) values; pad bits 0."},
     {"unpack_signs", py_unpack_signs, METH_VARARGS,
      "unpack_signs(packed, n, itemsize, out)\n\n"
      "out[i] = +1 where bit i % 8 of packed[i // 8] is set, else -1, for n float32 (itemsize 4) or float64 (8)."},
     {"apply_signs", py_apply_signs, METH_VARARGS,
-     "apply_signs(packed, n, itemsize, x, lr, decay)\n\n"
+     "apply_signs(packed, n, itemsize, x, lr, decay, threads)\n\n"
      "x[i] = x[i] * decay - lr * s_i (s_i = +1 where bit i % 8 of packed[i // 8] is set, else -1; lr and decay\n"
      "in x's dtype, each operation rounded; decay = 1 skips the product) for n float32/float64 values."},
     {"bitmap_set", py_bitmap_set, METH_VARARGS,

@@ -31,13 +31,14 @@ from typing import Any, List, Set, Tuple
 import numpy as np
 
 from ._backend import block_length, cached, check_array, check_count, take_rows
+from .threads import get_num_threads
 
 try:  # the optional fused C loops (setup.py); the numpy code below gives the same bits
     from . import _votec
 except ImportError:  # pragma: no cover - built without a C compiler
     _votec = None
-if _votec is not None and not all(hasattr(_votec, name) for name in ("unpack_signs", "apply_signs", "indexed")):  # pragma: no cover
-    _votec = None  # a stale build (an older vote() counted words, not bytes; newer loops missing): rebuild (pip install -e .)
+if _votec is not None and not all(hasattr(_votec, name) for name in ("unpack_signs", "apply_signs", "indexed", "momentum_signs")):  # pragma: no cover
+    _votec = None  # a stale build (older loops' arguments, newer loops missing): rebuild (pip install -e .)
 
 __all__ = [
     "packed_nbytes",
@@ -46,6 +47,7 @@ __all__ = [
     "pack_signs",
     "unpack_signs",
     "apply_signs",
+    "momentum_signs",
     "sign_float",
     "majority_vote",
     "chunk_bounds",
@@ -167,7 +169,7 @@ def pack_signs(x: Any, out: Any = None, nan_policy: str = "raise") -> Any:
     out = _output(xp, out, (packed_nbytes(d),), np.uint8)
     if xp is np and _votec is not None and x.flags.c_contiguous and x.dtype in _C_FLOATS:
         # One C pass into ``out``: no boolean temporary, and the NaN check comes free.
-        if _votec.pack_signs(x, d, x.dtype.itemsize, out) and nan_policy == "raise":
+        if _votec.pack_signs(x, d, x.dtype.itemsize, out, get_num_threads()) and nan_policy == "raise":
             raise ValueError(_NAN_MESSAGE)
         return out
     block = block_length(xp, _PACK_BLOCK, d)
@@ -180,6 +182,48 @@ def pack_signs(x: Any, out: Any = None, nan_policy: str = "raise") -> Any:
         mask = xp.greater_equal(values, 0, out=nonnegative[: values.shape[0]])
         out[start // 8 : start // 8 + packed_nbytes(values.shape[0])] = pack_bits(xp, mask)
     return out
+
+
+def momentum_signs(momentum: Any, grad: Any, beta: float, out: Any, scratch: Any = None) -> Any:
+    """Signum's momentum step and the packing of its signs: ``m <- beta m + (1 - beta) g``, ``out <- signs of m``.
+
+    The numpy passes ``m *= beta``, ``scratch = g * (1 - beta)``, ``m += scratch``,
+    ``pack_signs(m, out)`` (``beta`` and ``1 - beta``, computed in float64, in
+    ``m``'s dtype; NaN unchecked: it packs as -1), with the same roundings; on
+    the CPU one C loop (``mpiopt.kernels._votec``) does them in one pass.
+
+    Parameters
+    ----------
+    momentum : array, 1-D floating, C-contiguous
+        ``m``, updated in place.
+    grad : array like ``momentum``
+        ``g``; left unchanged.
+    beta : float
+        The momentum factor.
+    out : array of uint8, shape (ceil(d / 8),)
+        Where the packed signs go (pad bits 0).
+    scratch : array like ``momentum``, optional
+        Where the numpy passes put ``(1 - beta) g`` (a new array otherwise).
+
+    Returns
+    -------
+    array
+        ``out``.
+    """
+    xp = check_array("momentum", momentum, ndim=1, kinds="f")
+    check_array("grad", grad, ndim=1, kinds="f", dtype=momentum.dtype)
+    d = momentum.shape[0]
+    if grad.shape != momentum.shape:
+        raise ValueError(f"grad must have momentum's shape {momentum.shape}, got {grad.shape}")
+    out = _output(xp, out, (packed_nbytes(d),), np.uint8)
+    arrays = (momentum, grad, out)
+    if xp is np and _votec is not None and momentum.dtype in _C_FLOATS and all(a.flags.c_contiguous for a in arrays):
+        _votec.momentum_signs(momentum, grad, d, momentum.dtype.itemsize, float(beta), out, get_num_threads())
+        return out
+    momentum *= beta
+    scratch = xp.multiply(grad, 1.0 - beta, out=scratch)
+    momentum += scratch
+    return pack_signs(momentum, out=out, nan_policy="unchecked")
 
 
 def _sign_table(dtype: np.dtype) -> np.ndarray:
@@ -257,7 +301,7 @@ def apply_signs(packed: Any, x: Any, lr: float, decay: float = 1.0, scratch: Any
         raise ValueError(f"packed must have ceil(d / 8) = {packed_nbytes(d)} bytes for d = {d}, got {packed.shape[0]}")
     fused = xp is np and _votec is not None
     if fused and x.dtype in _C_FLOATS and x.flags.c_contiguous and packed.flags.c_contiguous:
-        _votec.apply_signs(packed, d, x.dtype.itemsize, x, float(lr), float(decay))
+        _votec.apply_signs(packed, d, x.dtype.itemsize, x, float(lr), float(decay), get_num_threads())
         return x
     step = unpack_signs(packed, d, dtype=x.dtype, out=scratch)
     if decay != 1.0:

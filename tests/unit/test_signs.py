@@ -15,7 +15,7 @@ from mpiopt.kernels import (
     unpack_signs,
     vote_chunk,
 )
-from mpiopt.kernels import signs
+from mpiopt.kernels import signs, threads
 
 SIZES = [1, 7, 8, 9, 63, 64, 65, 1000, 4097]
 VOTERS = [1, 2, 3, 4, 7, 8, 15]
@@ -304,3 +304,61 @@ def test_apply_signs_is_the_numpy_passes(c_loop, dtype, d, decay, monkeypatch):
     # an independent float64 recomputation of the values (not the roundings)
     ref = x.astype(np.float64) * decay - lr * np.where(unpack_signs(packed, d, dtype=np.float64) > 0, 1.0, -1.0)
     np.testing.assert_allclose(got, ref, rtol=1e-6, equal_nan=True)
+
+
+# Long enough for 3 threads' parts of at least 2**18 elements (mpiopt/kernels/_parallel.h), ragged at the end.
+SPLIT_SIZE = 3 * 2**18 + 13
+
+
+@pytest.fixture
+def kernel_threads():
+    """Set the kernels' thread count within a test; restored afterwards."""
+    saved = threads.get_num_threads()
+    yield threads.set_num_threads
+    threads.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+@pytest.mark.parametrize("c_loop", [True, False], ids=["c", "numpy"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("d", [0, 1, 7, 8, 9, 63, 65, 1001, SPLIT_SIZE])
+def test_momentum_signs_is_the_numpy_passes(d, dtype, c_loop, count, kernel_threads, monkeypatch):
+    """m * beta + g * (1 - beta), each operation rounded in the dtype, and the signs of the result, bit for bit."""
+    if not c_loop:
+        monkeypatch.setattr(signs, "_votec", None)
+    elif signs._votec is None:
+        pytest.skip("mpiopt.kernels._votec was not built")
+    kernel_threads(count)
+    rng = np.random.default_rng([d, np.dtype(dtype).itemsize])
+    m, g = (rng.standard_normal(d).astype(dtype) for _ in range(2))
+    special = np.array([0.0, -0.0, np.finfo(dtype).max, -np.finfo(dtype).tiny / 4, np.nan], dtype)
+    m[: min(d, 5)], g[-min(d, 5) :] = special[: min(d, 5)], special[: min(d, 5)]
+    g[: min(d, 2)] = -0.0  # m = +-0.0 with g = -0.0: the sum's sign decides the bit
+    beta, t = 0.9, np.dtype(dtype).type
+    with np.errstate(all="ignore"):
+        want = m * t(beta) + g * t(1.0 - beta)
+    g_before = g.copy()
+    out = np.full(packed_nbytes(d), 0xFF, np.uint8)
+    assert signs.momentum_signs(m, g, beta, out) is out
+    assert m.tobytes() == want.tobytes() and g.tobytes() == g_before.tobytes()
+    # NaN packs as -1 (nan_policy "unchecked"): a set bit is exactly m >= 0
+    np.testing.assert_array_equal(out, reference_pack(np.where(want >= 0, 1, -1)))
+
+
+@pytest.mark.parametrize("count", [2, 3, 7])
+def test_threads_pack_and_apply_the_same_bits(count, kernel_threads):
+    if signs._votec is None:
+        pytest.skip("mpiopt.kernels._votec was not built")
+    rng = np.random.default_rng(count)
+    x = rng.standard_normal(SPLIT_SIZE).astype(np.float32)
+    x[::5] = -0.0
+    want_packed = reference_pack(reference_signs(x)) if count == 2 else pack_signs(x)
+    want_x = x * np.float32(0.999) - np.float32(0.01) * unpack_signs(want_packed, SPLIT_SIZE)
+    kernel_threads(count)
+    np.testing.assert_array_equal(pack_signs(x), want_packed)
+    for spot in (0, SPLIT_SIZE // 2, SPLIT_SIZE - 1):  # NaN in the first, a middle and the last part
+        y = x.copy()
+        y[spot] = np.nan
+        with pytest.raises(ValueError, match="NaN"):
+            pack_signs(y)
+    assert signs.apply_signs(want_packed, x, 0.01, 0.999).tobytes() == want_x.tobytes()
