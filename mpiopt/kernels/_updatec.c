@@ -9,6 +9,7 @@
  *   b = b * m + d              or  b = b * m + d * (1 - dampening)
  *   s = d + b * m  (Nesterov)  or  s = b               or  s = d (no momentum)
  *   x = x - s * lr
+ *   c = x                                                  (a copy of the result, when asked for)
  *
  * Every product and sum is rounded to the parameters' dtype on its own, in the
  * order numpy does them, so the results equal numpy's bit for bit (NaN payloads
@@ -18,6 +19,12 @@
  * (the build is optional: without this extension mpiopt uses the numpy code).
  * The same pass reports whether every element of g is finite; all_finite makes
  * that check alone (the algorithms' gradient check, before any update).
+ * merge_average is DaSGD's merge of a received sum of P models, in one pass
+ * over (x, snapshot, sum) instead of numpy's three:
+ *
+ *   a = sum / P;  x = x - snapshot;  x = x + a             (delayed rule)
+ *   a = sum / P;  a = a * (1 - p);   x = x * p;  x = x + a (proportion rule)
+ *
  * Long vectors are split across threads (_parallel.h): element by element,
  * so the bits do not depend on the split.
  */
@@ -45,9 +52,9 @@
 /* The loop for one dtype; the int flags are constants at every call site, so
  * each case below compiles into its own branch-free (vectorized) loop. */
 #define DEFINE_LOOP(T, NAME, ABS, MAX)                                                                  \
-    ALWAYS_INLINE int NAME(Py_ssize_t n, T *restrict x, const T *restrict g, T *restrict b, T lr, T wd, \
-                           T mom, T scale, T div, int divide, int decay, int momentum, int first, int damp, \
-                           int nesterov) {                                                              \
+    ALWAYS_INLINE int NAME(Py_ssize_t n, T *restrict x, const T *restrict g, T *restrict b, T *restrict c,  \
+                           T lr, T wd, T mom, T scale, T div, int divide, int copy, int decay, int momentum,   \
+                           int first, int damp, int nesterov) {                                         \
         int finite = 1;                                                                                 \
         for (Py_ssize_t i = 0; i < n; ++i) {                                                            \
             T gi = g[i];                                                                                \
@@ -81,7 +88,9 @@
                 }                                                                                       \
             }                                                                                           \
             const T u = s * lr;                                                                         \
-            x[i] = x[i] - u;                                                                            \
+            const T y = x[i] - u;                                                                       \
+            x[i] = y;                                                                                   \
+            if (copy) c[i] = y;                                                                         \
         }                                                                                               \
         return finite;                                                                                  \
     }
@@ -89,44 +98,49 @@
 DEFINE_LOOP(float, loop_f32, fabsf, FLT_MAX)
 DEFINE_LOOP(double, loop_f64, fabs, DBL_MAX)
 
-/* One specialized loop per case: (divide) x (decay) x (no momentum | first/later x plain/dampened/Nesterov). */
-#define CASE(LOOP, DIV, DEC, MOM, FIRST, DAMP, NEST) \
-    return LOOP(n, x_, g_, b_, lr_, wd_, m_, s_, p_, DIV, DEC, MOM, FIRST, DAMP, NEST)
-#define CASES(LOOP, DIV)                                                    \
+/* One specialized loop per case: (divide) x (copy) x (decay) x (no momentum | first/later x plain/dampened/Nesterov). */
+#define CASE(LOOP, DIV, COPY, DEC, MOM, FIRST, DAMP, NEST) \
+    return LOOP(n, x_, g_, b_, c_, lr_, wd_, m_, s_, p_, DIV, COPY, DEC, MOM, FIRST, DAMP, NEST)
+#define CASES(LOOP, DIV, COPY)                                              \
     do {                                                                    \
         if (!momentum) {                                                    \
-            if (decay) CASE(LOOP, DIV, 1, 0, 0, 0, 0);                      \
-            CASE(LOOP, DIV, 0, 0, 0, 0, 0);                                 \
+            if (decay) CASE(LOOP, DIV, COPY, 1, 0, 0, 0, 0);                \
+            CASE(LOOP, DIV, COPY, 0, 0, 0, 0, 0);                           \
         }                                                                   \
         if (first) {                                                        \
             if (decay) {                                                    \
-                if (nesterov) CASE(LOOP, DIV, 1, 1, 1, 0, 1);               \
-                CASE(LOOP, DIV, 1, 1, 1, 0, 0);                             \
+                if (nesterov) CASE(LOOP, DIV, COPY, 1, 1, 1, 0, 1);         \
+                CASE(LOOP, DIV, COPY, 1, 1, 1, 0, 0);                       \
             }                                                               \
-            if (nesterov) CASE(LOOP, DIV, 0, 1, 1, 0, 1);                   \
-            CASE(LOOP, DIV, 0, 1, 1, 0, 0);                                 \
+            if (nesterov) CASE(LOOP, DIV, COPY, 0, 1, 1, 0, 1);             \
+            CASE(LOOP, DIV, COPY, 0, 1, 1, 0, 0);                           \
         }                                                                   \
         if (decay) {                                                        \
-            if (nesterov) CASE(LOOP, DIV, 1, 1, 0, 0, 1);                   \
-            if (damp) CASE(LOOP, DIV, 1, 1, 0, 1, 0);                       \
-            CASE(LOOP, DIV, 1, 1, 0, 0, 0);                                 \
+            if (nesterov) CASE(LOOP, DIV, COPY, 1, 1, 0, 0, 1);             \
+            if (damp) CASE(LOOP, DIV, COPY, 1, 1, 0, 1, 0);                 \
+            CASE(LOOP, DIV, COPY, 1, 1, 0, 0, 0);                           \
         }                                                                   \
-        if (nesterov) CASE(LOOP, DIV, 0, 1, 0, 0, 1);                       \
-        if (damp) CASE(LOOP, DIV, 0, 1, 0, 1, 0);                           \
-        CASE(LOOP, DIV, 0, 1, 0, 0, 0);                                     \
+        if (nesterov) CASE(LOOP, DIV, COPY, 0, 1, 0, 0, 1);                 \
+        if (damp) CASE(LOOP, DIV, COPY, 0, 1, 0, 1, 0);                     \
+        CASE(LOOP, DIV, COPY, 0, 1, 0, 0, 0);                               \
     } while (0)
 #define DISPATCH(LOOP, T)                                                                      \
     do {                                                                                       \
         T *x_ = (T *)x;                                                                        \
         const T *g_ = (const T *)g;                                                            \
         T *b_ = (T *)b;                                                                        \
+        T *c_ = (T *)c;                                                                        \
         const T lr_ = (T)lr, wd_ = (T)wd, m_ = (T)mom, s_ = (T)scale, p_ = (T)divisor;         \
-        if (divisor != 1.0) CASES(LOOP, 1);                                                    \
-        CASES(LOOP, 0);                                                                        \
+        if (c) {                                                                               \
+            if (divisor != 1.0) CASES(LOOP, 1, 1);                                             \
+            CASES(LOOP, 0, 1);                                                                 \
+        }                                                                                      \
+        if (divisor != 1.0) CASES(LOOP, 1, 0);                                                 \
+        CASES(LOOP, 0, 0);                                                                     \
     } while (0)
 
-static int run(int itemsize, Py_ssize_t n, void *x, const void *g, void *b, double divisor, double lr, double wd,
-               double mom, double scale, int decay, int momentum, int first, int damp, int nesterov) {
+static int run(int itemsize, Py_ssize_t n, void *x, const void *g, void *b, void *c, double divisor, double lr,
+               double wd, double mom, double scale, int decay, int momentum, int first, int damp, int nesterov) {
     if (itemsize == 4) DISPATCH(loop_f32, float);
     DISPATCH(loop_f64, double);
 }
@@ -134,7 +148,7 @@ static int run(int itemsize, Py_ssize_t n, void *x, const void *g, void *b, doub
 /* One call's arguments, and each part's finite flag. */
 typedef struct {
     int itemsize, decay, momentum, first, damp, nesterov;
-    char *x, *b;
+    char *x, *b, *c;
     const char *g;
     double divisor, lr, wd, mom, scale;
     int finite[MPIOPT_MAX_PARTS];
@@ -143,8 +157,9 @@ typedef struct {
 static void sgd_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
     sgd_job *j = (sgd_job *)ctx;
     const Py_ssize_t at = lo * j->itemsize;
-    j->finite[part] = run(j->itemsize, hi - lo, j->x + at, j->g + at, j->b ? j->b + at : NULL, j->divisor, j->lr,
-                          j->wd, j->mom, j->scale, j->decay, j->momentum, j->first, j->damp, j->nesterov);
+    j->finite[part] = run(j->itemsize, hi - lo, j->x + at, j->g + at, j->b ? j->b + at : NULL, j->c ? j->c + at : NULL,
+                          j->divisor, j->lr, j->wd, j->mom, j->scale, j->decay, j->momentum, j->first, j->damp,
+                          j->nesterov);
 }
 
 /* Whether every element is finite: no early exit, so the loop vectorizes (NaN is the rare case).
@@ -192,39 +207,53 @@ static int float_itemsize(const Py_buffer *view) {
     return 0;
 }
 
+/* The params' writable buffer; returns its element size (4 or 8), or 0 with an exception set and x released. */
+static int get_params(PyObject *o, Py_buffer *x, const char *what) {
+    if (PyObject_GetBuffer(o, x, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return 0;
+    const int itemsize = float_itemsize(x);
+    if (!itemsize) {
+        PyErr_Format(PyExc_TypeError, "%s: params must be float32 or float64", what);
+        PyBuffer_Release(x);
+    }
+    return itemsize;
+}
+
+/* Another buffer of the params' length (x->len bytes) and element size; -1 with an exception set (and the
+ * view released) if it is not. */
+static int get_like(PyObject *o, Py_buffer *view, int writable, const Py_buffer *x, int itemsize, const char *what) {
+    if (PyObject_GetBuffer(o, view, (writable ? PyBUF_WRITABLE : 0) | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (float_itemsize(view) != itemsize || view->len != x->len) {
+        PyErr_Format(PyExc_ValueError, "%s must have the params' dtype and length (%zd bytes), got %zd bytes", what,
+                     x->len, view->len);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_sgd(PyObject *self, PyObject *args) {
-    PyObject *xo, *go, *bo;
+    PyObject *xo, *go, *bo, *co;
     double divisor, lr, wd, mom, dampening;
     int nesterov, first, threads;
-    Py_buffer x = {0}, g = {0}, b = {0};
-    int have_b = 0;
+    Py_buffer x = {0}, g = {0}, b = {0}, c = {0};
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOdddddppi", &xo, &go, &bo, &divisor, &lr, &wd, &mom, &dampening, &nesterov, &first,
-                          &threads))
+    if (!PyArg_ParseTuple(args, "OOOOdddddppi", &xo, &go, &bo, &co, &divisor, &lr, &wd, &mom, &dampening, &nesterov,
+                          &first, &threads))
         return NULL;
-    if (PyObject_GetBuffer(xo, &x, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    const int itemsize = get_params(xo, &x, "sgd");
+    if (!itemsize) return NULL;
     PyObject *result = NULL;
-    if (PyObject_GetBuffer(go, &g, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (get_like(go, &g, 0, &x, itemsize, "sgd: grad") < 0) goto done;
     if (mom != 0.0) {
         if (bo == Py_None) {
             PyErr_SetString(PyExc_ValueError, "sgd: momentum != 0 needs a buffer");
             goto done;
         }
-        if (PyObject_GetBuffer(bo, &b, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) goto done;
-        have_b = 1;
+        if (get_like(bo, &b, 1, &x, itemsize, "sgd: buffer") < 0) goto done;
     }
-    const int itemsize = float_itemsize(&x);
-    if (!itemsize || float_itemsize(&g) != itemsize || (have_b && float_itemsize(&b) != itemsize)) {
-        PyErr_SetString(PyExc_TypeError, "sgd: params, grad and buffer must all be float32 or all float64");
-        goto done;
-    }
-    if (g.len != x.len || (have_b && b.len != x.len)) {
-        PyErr_Format(PyExc_ValueError, "sgd: params has %zd bytes, grad %zd, buffer %zd", x.len, g.len,
-                     have_b ? b.len : x.len);
-        goto done;
-    }
-    sgd_job job = {itemsize, wd != 0.0, mom != 0.0, first, dampening != 0.0, nesterov, (char *)x.buf,
-                   have_b ? (char *)b.buf : NULL, (const char *)g.buf, divisor, lr, wd, mom, 1.0 - dampening, {0}};
+    if (co != Py_None && get_like(co, &c, 1, &x, itemsize, "sgd: copy_to") < 0) goto done;
+    sgd_job job = {itemsize, wd != 0.0, mom != 0.0, first, dampening != 0.0, nesterov, (char *)x.buf, (char *)b.buf,
+                   (char *)c.buf, (const char *)g.buf, divisor, lr, wd, mom, 1.0 - dampening, {0}};
     int parts;
     Py_BEGIN_ALLOW_THREADS
     parts = mpiopt_parallel_for(threads, x.len / itemsize, 1, sgd_part, &job);
@@ -233,7 +262,79 @@ static PyObject *py_sgd(PyObject *self, PyObject *args) {
 done:
     PyBuffer_Release(&x);
     if (g.obj) PyBuffer_Release(&g);
-    if (have_b) PyBuffer_Release(&b);
+    if (b.obj) PyBuffer_Release(&b);
+    if (c.obj) PyBuffer_Release(&c);
+    return result;
+}
+
+/* DaSGD's merge, one loop per rule and dtype (the rule is a constant at each call site). */
+#define DEFINE_MERGE(T, NAME)                                                                              \
+    ALWAYS_INLINE void NAME(Py_ssize_t n, T *restrict x, const T *restrict snapshot, const T *restrict sum, \
+                            T divisor, T p, T q, int proportion) {                                         \
+        for (Py_ssize_t i = 0; i < n; ++i) {                                                               \
+            const T a = sum[i] / divisor;                                                                  \
+            if (proportion) {                                                                              \
+                const T y = x[i] * p;                                                                      \
+                const T z = a * q;                                                                         \
+                x[i] = y + z;                                                                              \
+            } else {                                                                                       \
+                const T y = x[i] - snapshot[i];                                                            \
+                x[i] = y + a;                                                                              \
+            }                                                                                              \
+        }                                                                                                  \
+    }
+DEFINE_MERGE(float, merge_f32)
+DEFINE_MERGE(double, merge_f64)
+
+typedef struct {
+    int itemsize, proportion;
+    char *x;
+    const char *snapshot, *sum;
+    double divisor, p, q;
+} merge_job;
+
+#define MERGE_PART(T, NAME)                                                                                       \
+    do {                                                                                                          \
+        T *x = (T *)(j->x + at);                                                                                  \
+        const T *snapshot = j->snapshot ? (const T *)(j->snapshot + at) : NULL, *sum = (const T *)(j->sum + at); \
+        if (j->proportion) NAME(hi - lo, x, snapshot, sum, (T)j->divisor, (T)j->p, (T)j->q, 1);                  \
+        else NAME(hi - lo, x, snapshot, sum, (T)j->divisor, (T)j->p, (T)j->q, 0);                                \
+    } while (0)
+
+static void merge_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    const merge_job *j = (const merge_job *)ctx;
+    const Py_ssize_t at = lo * j->itemsize;
+    (void)part;
+    if (j->itemsize == 4) MERGE_PART(float, merge_f32);
+    else MERGE_PART(double, merge_f64);
+}
+
+static PyObject *py_merge(PyObject *self, PyObject *args) {
+    PyObject *xo, *so, *to, *po;
+    double divisor, p = 0.0;
+    int threads;
+    Py_buffer x = {0}, snapshot = {0}, sum = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOdOi", &xo, &so, &to, &divisor, &po, &threads)) return NULL;
+    const int proportion = po != Py_None;
+    if (proportion && (p = PyFloat_AsDouble(po)) == -1.0 && PyErr_Occurred()) return NULL;
+    const int itemsize = get_params(xo, &x, "merge_average");
+    if (!itemsize) return NULL;
+    PyObject *result = NULL;
+    if (get_like(to, &sum, 0, &x, itemsize, "merge_average: total") < 0) goto done;
+    if (!proportion && get_like(so, &snapshot, 0, &x, itemsize, "merge_average: snapshot") < 0) goto done;
+    /* 1 - p in double first, then rounded to the dtype: numpy's `average *= 1.0 - p`. */
+    merge_job job = {itemsize, proportion, (char *)x.buf, (const char *)snapshot.buf, (const char *)sum.buf,
+                     divisor, p, 1.0 - p};
+    Py_BEGIN_ALLOW_THREADS
+    mpiopt_parallel_for(threads, x.len / itemsize, 1, merge_part, &job);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    PyBuffer_Release(&x);
+    if (sum.obj) PyBuffer_Release(&sum);
+    if (snapshot.obj) PyBuffer_Release(&snapshot);
     return result;
 }
 
@@ -262,18 +363,24 @@ static PyObject *py_all_finite(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"sgd", py_sgd, METH_VARARGS,
-     "sgd(params, grad, buffer, divisor, lr, weight_decay, momentum, dampening, nesterov, first_step, threads) -> bool\n\n"
+     "sgd(params, grad, buffer, copy_to, divisor, lr, weight_decay, momentum, dampening, nesterov, first_step, threads)"
+     " -> bool\n\n"
      "torch.optim.SGD's update of params (and of the momentum buffer, None when momentum == 0) in\n"
-     "place, in one pass, for the gradient grad / divisor; contiguous, non-overlapping float32 or\n"
-     "float64 buffers of equal length.\n"
+     "place, in one pass, for the gradient grad / divisor, also writing the new params into copy_to\n"
+     "(unless None); contiguous, non-overlapping float32 or float64 buffers of equal length.\n"
      "Returns whether every element of grad is finite.  Long vectors are split across up to threads threads."},
+    {"merge_average", py_merge, METH_VARARGS,
+     "merge_average(params, snapshot, total, divisor, proportion, threads) -> None\n\n"
+     "DaSGD's merge of the average total / divisor into params in place, in one pass: params - snapshot +\n"
+     "average (proportion None) or proportion * params + (1 - proportion) * average (snapshot unread);\n"
+     "contiguous, non-overlapping float32 or float64 buffers of equal length."},
     {"all_finite", py_all_finite, METH_VARARGS,
      "all_finite(buffer, threads) -> bool\n\nWhether every element of a contiguous float32 or float64 buffer is finite."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_updatec", "Fused CPU torch.optim.SGD update.", -1, methods, NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT, "_updatec", "Fused CPU torch.optim.SGD update and DaSGD merge.", -1, methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__updatec(void) { return PyModule_Create(&module); }

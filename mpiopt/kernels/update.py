@@ -1,4 +1,4 @@
-"""torch.optim.SGD's local update as one function: a fused C loop, or array code.
+"""torch.optim.SGD's local update (and DaSGD's merge) as one function each: a fused C loop, or array code.
 
 ``g = grad / grad_divisor`` (an average's division folded in; skipped for 1),
 ``d = g + weight_decay * x``; with momentum ``b = momentum * b + (1 -
@@ -13,12 +13,15 @@ round every product and sum to the parameters' dtype on its own, in the same
 order, so they give the same bits (NaN payloads aside).  That is not quite
 ``torch.optim.SGD``: torch's CPU kernels compute ``a + alpha * b`` with a
 fused multiply-add, which rounds once where this rounds twice.
+
+:func:`merge_average` is DaSGD's merge of an averaged model, fused and
+rounded the same way.
 """
 
 from __future__ import annotations
 
 import numbers
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
@@ -31,10 +34,13 @@ try:
     from . import _updatec
 except ImportError:  # built without a C compiler: the array code below is used
     _updatec = None
-if _updatec is not None and not hasattr(_updatec, "all_finite"):  # pragma: no cover
-    _updatec = None  # a stale build (no threads argument): rebuild (pip install -e .)
+if _updatec is not None and not hasattr(_updatec, "merge_average"):  # pragma: no cover
+    _updatec = None  # a stale build (no copy_to argument): rebuild (pip install -e .)
 
-__all__ = ["all_finite", "fused_update_available", "sgd_update"]
+__all__ = ["all_finite", "fused_update_available", "merge_average", "sgd_update"]
+
+#: :func:`merge_average`'s rules (DaSGD's ``merge``).
+MERGE_RULES = ("delayed", "proportion")
 
 _FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -75,6 +81,20 @@ def _real(name: str, value: Any) -> float:
     return float(value)
 
 
+def _check_like(xp: Any, params: Any, arrays: List[Tuple[str, Any]]) -> None:
+    """Each ``(name, array)`` like ``params`` (1-D, its dtype, shape and backend), and no two of them overlapping."""
+    for name, arr in arrays:
+        check_array(name, arr, ndim=1, kinds="f", dtype=params.dtype)
+        if array_module(arr) is not xp or arr.shape != params.shape:
+            raise ValueError(f"{name} must be a {xp.__name__} array of shape {params.shape}, got {type(arr).__name__} {arr.shape}")
+    everything = [("params", params)] + arrays
+    if xp is np:
+        for i, (first_name, first) in enumerate(everything):
+            for second_name, second in everything[i + 1:]:
+                if np.may_share_memory(first, second):
+                    raise ValueError(f"{first_name} and {second_name} must not overlap")
+
+
 def sgd_update(
     params: Any,
     grad: Any,
@@ -89,6 +109,7 @@ def sgd_update(
     grad_divisor: int = 1,
     check_finite: bool = False,
     work: Optional[List[Any]] = None,
+    copy_to: Optional[Any] = None,
 ) -> Optional[bool]:
     """``params -= lr * step(grad)`` in place, with torch.optim.SGD's momentum and weight decay.
 
@@ -120,6 +141,10 @@ def sgd_update(
         Scratch for the array code: the arrays it lacks are allocated and
         appended, so a caller that passes the same list every time allocates
         once.  The fused loop uses none.
+    copy_to : array, optional
+        Also receives the updated parameters (same length, dtype and backend,
+        overlapping none of the others): the copy a caller would make after
+        the update, written in the same pass by the fused loop.
 
     Returns
     -------
@@ -142,21 +167,13 @@ def sgd_update(
         raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
     grad_divisor = check_count("grad_divisor", grad_divisor, 1)
     arrays = [("grad", grad)] + ([("buffer", buffer)] if momentum else [])
+    arrays += [("copy_to", copy_to)] if copy_to is not None else []
     if momentum and buffer is None:
         raise ValueError(f"momentum={momentum} needs a buffer, got buffer=None")
-    for name, arr in arrays:
-        check_array(name, arr, ndim=1, kinds="f", dtype=params.dtype)
-        if array_module(arr) is not xp or arr.shape != params.shape:
-            raise ValueError(f"{name} must be a {xp.__name__} array of shape {params.shape}, got {type(arr).__name__} {arr.shape}")
-    everything = [("params", params)] + arrays
-    if xp is np:
-        for i, (first_name, first) in enumerate(everything):
-            for second_name, second in everything[i + 1:]:
-                if np.may_share_memory(first, second):
-                    raise ValueError(f"{first_name} and {second_name} must not overlap")
+    _check_like(xp, params, arrays)
     if fused_update_available(params) and all(arr.flags.c_contiguous for _, arr in arrays):
         finite = _updatec.sgd(
-            params, grad, buffer if momentum else None, grad_divisor, lr, weight_decay, momentum, dampening, nesterov,
+            params, grad, buffer if momentum else None, copy_to, grad_divisor, lr, weight_decay, momentum, dampening, nesterov,
             bool(first_step), get_num_threads(),
         )
         return finite if check_finite else None
@@ -167,6 +184,8 @@ def sgd_update(
     work.extend(xp.empty_like(params) for _ in range(needed - len(work)))
     with np.errstate(all="ignore"):  # inf - inf is NaN here as in the C loop, silently in both
         _array_update(xp, params, grad, buffer, grad_divisor, lr, momentum, dampening, nesterov, weight_decay, bool(first_step), work)
+    if copy_to is not None:
+        xp.copyto(copy_to, params)
     return bool(xp.isfinite(grad).all()) if check_finite else None
 
 
@@ -222,3 +241,60 @@ def _array_update(
             step = buffer
     xp.multiply(step, scalar(lr), out=out)
     params -= out
+
+
+def merge_average(params: Any, snapshot: Any, total: Any, world_size: int, rule: str = "delayed", proportion: float = 0.25) -> None:
+    """Merge the average of ``world_size`` models, ``total / world_size``, into ``params`` in place (DaSGD's merge).
+
+    ``rule="delayed"``: ``params = (params - snapshot) + total / world_size``;
+    ``rule="proportion"``: ``params = proportion * params + (1 - proportion) *
+    (total / world_size)`` (``snapshot`` unread).  Each operation is rounded
+    to the parameters' dtype on its own, as numpy's in-place ``total /=
+    world_size; params -= snapshot; params += total`` (or ``params *= p;
+    total *= 1 - p; params += total``) round it, with the scalars cast to the
+    dtype (``1 - p`` formed in float64 first): the C loop, one pass on numpy
+    float32/float64 arrays, gives those bits.
+
+    Parameters
+    ----------
+    params : array
+        Parameters (1-D numpy or cupy, floating point), updated in place.
+    snapshot : array
+        The parameters when the averaging started (same length, dtype and
+        backend); left unchanged.
+    total : array
+        The sum of ``world_size`` models (same length, dtype and backend).
+        Scratch: the array code leaves its scaled average there, the C loop
+        leaves it unchanged.
+    world_size : int
+        Models summed in ``total`` (>= 1).
+    rule : {"delayed", "proportion"}
+        Merge rule.
+    proportion : float
+        ``p`` of ``rule="proportion"``, a finite real number.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Arrays not 1-D, of a different length, dtype or backend, or
+        overlapping; a bad ``world_size``, ``rule`` or ``proportion``.
+    """
+    xp = check_array("params", params, ndim=1, kinds="f")
+    world_size = check_count("world_size", world_size, 1)
+    if rule not in MERGE_RULES:
+        raise ValueError(f"rule must be one of {MERGE_RULES}, got {rule!r}")
+    proportion = _real("proportion", proportion)
+    arrays = [("total", total)] + ([("snapshot", snapshot)] if rule == "delayed" else [])
+    _check_like(xp, params, arrays)
+    if fused_update_available(params) and all(arr.flags.c_contiguous for _, arr in arrays):
+        _updatec.merge_average(params, snapshot, total, world_size, proportion if rule == "proportion" else None, get_num_threads())
+        return
+    with np.errstate(all="ignore"):  # inf - inf is NaN here as in the C loop, silently in both
+        total /= world_size  # the average
+        if rule == "delayed":
+            params -= snapshot
+            params += total
+        else:
+            params *= proportion
+            total *= 1.0 - proportion
+            params += total

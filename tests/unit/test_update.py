@@ -294,3 +294,142 @@ def test_thread_count_is_checked(kernel_threads, monkeypatch):
         monkeypatch.setenv("MPIOPT_NUM_THREADS", text)
         with pytest.raises(ValueError, match=f"MPIOPT_NUM_THREADS must be an integer in \\[1, 64\\], got '?{text}'?"):
             threads._from_environment()
+
+
+# -- copy_to: the updated parameters also written into a second array -------------------------------
+
+
+@pytest.mark.parametrize("c_loop", [True, False], ids=["c", "array"])
+@pytest.mark.parametrize("rule", [RULES[0], (0.9, 0.0, True, 1e-2, 3), (0.9, 0.3, False, 0.0, 1)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: t.__name__)
+@pytest.mark.parametrize("size, count", [(0, 1), (1, 1), (7, 1), (SPLIT_SIZE, 1), (SPLIT_SIZE, 3)])
+def test_copy_to_receives_the_updated_params(size, count, dtype, rule, c_loop, kernel_threads, monkeypatch):
+    """With copy_to, params and buffer get the reference's bits (as without it) and copy_to params' bits."""
+    if not c_loop:
+        monkeypatch.setattr(update, "_updatec", None)
+    kernel_threads(count)
+    momentum, dampening, nesterov, weight_decay, divisor = rule
+    rng = np.random.default_rng([size, count, np.dtype(dtype).itemsize])
+    x = awkward(rng, size, dtype, special=True)
+    b = awkward(rng, size, dtype, special=True) if momentum else None
+    want_x, want_b = x.copy(), None if b is None else b.copy()
+    copy = np.full(size, 7.0, dtype)
+    for step in range(2):
+        g = awkward(rng, size, dtype, special=True)
+        finite = sgd_update(
+            x, g, b, lr=LR, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay,
+            first_step=step == 0, grad_divisor=divisor, check_finite=True, copy_to=copy if step else None,
+        )
+        want_x, want_b = reference(want_x, g, want_b, momentum, dampening, nesterov, weight_decay, step == 0, divisor)
+        assert finite is bool(np.isfinite(g).all())
+        assert_same_bits(x, want_x)
+        if momentum:
+            assert_same_bits(b, want_b)
+        if not step:
+            assert np.all(copy == 7.0)  # untouched without copy_to
+    assert_same_bits(copy, want_x)
+
+
+def test_copy_to_is_checked():
+    x = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="params and copy_to must not overlap"):
+        sgd_update(x, x.copy(), lr=LR, copy_to=x)
+    with pytest.raises(TypeError, match="copy_to must have dtype float32, got float64"):
+        sgd_update(x, x.copy(), lr=LR, copy_to=np.zeros(4))
+    with pytest.raises(ValueError, match=r"copy_to must be a numpy array of shape \(4,\)"):
+        sgd_update(x, x.copy(), lr=LR, copy_to=np.zeros(3, np.float32))
+
+
+# -- merge_average: DaSGD's merge ---------------------------------------------------------------------
+
+MERGE_CASES = [("delayed", 0.25), ("proportion", 0.3), ("proportion", 0.0), ("proportion", 1.0)]
+
+
+@np.errstate(all="ignore")
+def merge_reference(x, snapshot, total, world_size, rule, proportion):
+    """DaSGD's merge as out-of-place numpy expressions, each operation rounded to x's dtype."""
+    t = x.dtype.type
+    average = total / t(world_size)
+    if rule == "delayed":
+        return (x - snapshot) + average
+    return x * t(proportion) + average * t(1.0 - proportion)
+
+
+@pytest.mark.parametrize("c_loop", [True, False], ids=["c", "array"])
+@pytest.mark.parametrize("rule, proportion", MERGE_CASES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: t.__name__)
+@pytest.mark.parametrize("size, count", [(0, 1), (1, 1), (7, 1), (SPLIT_SIZE, 1), (SPLIT_SIZE, 3)])
+def test_merge_average_equals_reference(size, count, dtype, rule, proportion, c_loop, kernel_threads, monkeypatch):
+    """The C loop (split across threads) and the array code give the reference's bits; snapshot is read only."""
+    if not c_loop:
+        monkeypatch.setattr(update, "_updatec", None)
+    kernel_threads(count)
+    rng = np.random.default_rng([size, count, np.dtype(dtype).itemsize, len(rule)])
+    for world_size in (1, 3):
+        x, snapshot, total = (awkward(rng, size, dtype, special=True) for _ in range(3))
+        want = merge_reference(x, snapshot, total, world_size, rule, proportion)
+        saved_snapshot, saved_total = snapshot.copy(), total.copy()
+        update.merge_average(x, snapshot, total, world_size, rule, proportion)
+        assert_same_bits(x, want)
+        assert_same_bits(snapshot, saved_snapshot)
+        if c_loop and update._updatec is not None:
+            assert_same_bits(total, saved_total)  # the C loop leaves the scratch alone
+
+
+@pytest.mark.parametrize("c_loop", [True, False], ids=["c", "array"])
+@pytest.mark.parametrize("rule, proportion", MERGE_CASES[:2], ids=str)
+def test_merge_average_signed_zeros(rule, proportion, c_loop, monkeypatch):
+    """Every combination of +-0.0 in params, snapshot and sum: the sign numpy's operations give."""
+    if not c_loop:
+        monkeypatch.setattr(update, "_updatec", None)
+    signs = np.array([(a, b, c) for a in (0.0, -0.0) for b in (0.0, -0.0) for c in (0.0, -0.0)], np.float32)
+    x, snapshot, total = (np.ascontiguousarray(column) for column in signs.T)
+    want = merge_reference(x, snapshot, total, 2, rule, proportion)
+    update.merge_average(x, snapshot, total, 2, rule, proportion)
+    assert_same_bits(x, want)
+    if rule == "delayed":  # (x - s) + a is -0.0 only where x is -0, s is +0 and a is -0
+        assert list(np.signbit(x)) == [False] * 5 + [True] + [False] * 2
+
+
+def test_merge_average_matches_float64_closed_form():
+    """Against the rules' values in float64 (not the same roundings: to float32 precision)."""
+    rng = np.random.default_rng(3)
+    x, snapshot, total = (rng.standard_normal(1001).astype(np.float32) for _ in range(3))
+    x64, s64, t64 = (a.astype(np.float64) for a in (x, snapshot, total))
+    delayed, proportion = x.copy(), x.copy()
+    update.merge_average(delayed, snapshot, total.copy(), 4, "delayed")
+    update.merge_average(proportion, snapshot, total.copy(), 4, "proportion", 0.3)
+    np.testing.assert_allclose(delayed, t64 / 4 + x64 - s64, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(proportion, 0.3 * x64 + 0.7 * t64 / 4, rtol=1e-6, atol=1e-6)
+
+
+def test_merge_average_other_dtypes_and_strides_take_the_array_code():
+    rng = np.random.default_rng(4)
+    x, snapshot, total = (rng.standard_normal(33).astype(np.float16) for _ in range(3))
+    want = merge_reference(x, snapshot, total, 3, "proportion", 0.3)
+    update.merge_average(x, snapshot, total, 3, "proportion", 0.3)
+    assert_same_bits(x, want)
+    x, snapshot, total = rng.standard_normal(10), rng.standard_normal(20)[::2], rng.standard_normal(10)
+    want = merge_reference(x, snapshot, total, 3, "delayed", 0.0)
+    update.merge_average(x, snapshot, total, 3, "delayed")
+    assert_same_bits(x, want)
+
+
+def test_merge_average_bad_arguments():
+    x = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="rule must be one of \\('delayed', 'proportion'\\), got 'mean'"):
+        update.merge_average(x, x.copy(), x.copy(), 2, "mean")
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+        update.merge_average(x, x.copy(), x.copy(), 0)
+    with pytest.raises(ValueError, match="proportion must be a finite real number, got nan"):
+        update.merge_average(x, x.copy(), x.copy(), 2, "proportion", float("nan"))
+    with pytest.raises(ValueError, match="params and snapshot must not overlap"):
+        update.merge_average(x, x, x.copy(), 2)
+    with pytest.raises(ValueError, match="params and total must not overlap"):
+        update.merge_average(x, x.copy(), x, 2, "proportion")
+    with pytest.raises(TypeError, match="total must have dtype float32, got float64"):
+        update.merge_average(x, x.copy(), np.zeros(4), 2)
+    with pytest.raises(ValueError, match=r"snapshot must be a numpy array of shape \(4,\)"):
+        update.merge_average(x, np.zeros(5, np.float32), x.copy(), 2)
+    update.merge_average(x, None, np.ones(4, np.float32), 2, "proportion", 0.5)  # the proportion rule reads no snapshot
+    np.testing.assert_array_equal(x, np.full(4, 0.25, np.float32))
