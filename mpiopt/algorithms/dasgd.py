@@ -60,13 +60,13 @@ import threading
 from typing import Any, Dict, Mapping, Optional
 
 from ..comm import Request, Topology, is_gpu_array
+from ..kernels.update import MERGE_RULES, merge_average
 from .base import Algorithm, check_choice, check_positive, check_range
 from .local import LocalSGD, LocalStepState
 from .registry import register
 
 __all__ = ["DaSGD"]
 
-MERGE_RULES = ("delayed", "proportion")
 PROGRESS_MODES = ("test", "thread", "none")
 
 
@@ -283,18 +283,13 @@ class DaSGD(LocalStepState, Algorithm):
             self._request = None
 
     def _merge(self, params: Any) -> None:
-        """Merge the received average into ``params`` (ALGORITHMS.md "DaSGD", merge rule)."""
-        average = self._sum
-        average /= self.topology.world.size  # avg(w_k)
-        if self.merge == "delayed":
-            # w <- avg(w_k) + (w_{k+d} - w_k); exactly avg(w_k) when d = 0.
-            params -= self._snapshot
-            params += average
-        else:
-            # w <- p w_{k+d} + (1 - p) avg(w_k)
-            params *= self.update_proportion
-            average *= 1.0 - self.update_proportion
-            params += average
+        """Merge the received average into ``params`` (ALGORITHMS.md "DaSGD", merge rule).
+
+        ``delayed``: ``w <- avg(w_k) + (w_{k+d} - w_k)``, exactly ``avg(w_k)`` when ``d = 0``;
+        ``proportion``: ``w <- p w_{k+d} + (1 - p) avg(w_k)``.  One fused pass
+        (:func:`~mpiopt.kernels.update.merge_average`); the sum is scratch afterwards.
+        """
+        merge_average(params, self._snapshot, self._sum, self.topology.world.size, self.merge, self.update_proportion)
         self.merge_step = 0
 
     def progress_hook(self) -> bool:

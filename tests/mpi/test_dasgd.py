@@ -238,3 +238,33 @@ def test_state_without_pending_average_omits_buffers(topology):
         fresh.load_state_dict(broken)
     assert state["arrays"]["pending_snapshot"] is None and state["arrays"]["pending_sum"] is None
     assert state["scalars"]["merge_step"] == 0 and state["arrays"]["momentum_buffer"] is not None
+
+
+
+@pytest.mark.parametrize("merge, period, delay_steps", [("delayed", 3, 2), ("proportion", 3, 1), ("delayed", 2, 0)])
+def test_fused_kernels_give_the_array_code_bits(topology, merge, period, delay_steps, monkeypatch):
+    """The fused C update and merge (split across 3 threads) and the array code: the same models, bit for bit.
+
+    The array code is numpy's in-place operations, one per pass; the float64
+    reference above checks the values, this the roundings (+-0.0 included).
+    """
+    from mpiopt.kernels import threads, update
+
+    if update._updatec is None:
+        pytest.skip("mpiopt.kernels._updatec not built: only the array code runs")
+    n = 3 * 2**18 + 13  # 3 parts of the C loops, with a ragged end
+    models = []
+    for c_loop, count in ((True, 3), (False, 1)):
+        monkeypatch.setattr(update, "_updatec", update._updatec if c_loop else None)
+        monkeypatch.setattr(threads, "_threads", count)
+        alg = mpiopt.create("dasgd", topology, period=period, delay_steps=delay_steps, merge=merge, update_proportion=0.3, **HYPER)
+        params = _initial(topology.rank, n)
+        params[::997] = -0.0
+        alg.setup(params)
+        for t in range(1, 8):
+            grad = _random_grad(topology.rank, t, n)
+            grad[t::1000] = (0.0, -0.0)[t % 2]
+            alg.step(params, grad)
+        alg.finish(params)
+        models.append(params.view(np.uint32))
+    assert np.array_equal(*models)
