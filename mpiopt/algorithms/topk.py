@@ -70,7 +70,10 @@ from ..kernels import (
     decode, density_to_k, encode, encoded_nbytes, error_feedback, packed_nbytes, payload_format, regtopk_scores, scatter_add,
     topk_indices,
 )
-from ..kernels.sparse import TopkWorkspace, divide_at, subtract_scaled_at, union_of_sorted, zero_at
+from ..kernels.sparse import (
+    TopkWorkspace, divide_at, feedback_select, fused_feedback_available, regtopk_sent_scores, subtract_scaled_at, take_and_zero,
+    union_of_sorted, unsent_factor, zero_at,
+)
 from .base import Algorithm, check_positive
 from .local import LocalSGD, LocalStepState
 from .registry import register
@@ -220,12 +223,33 @@ class SparseWorker:
         array
             ``out``.
         """
-        if self.sparsifier.regularized:
+        sparsifier = self.sparsifier
+        if sparsifier.regularized:
             select = partial(self._select_regularized, prev_aggregate)
         else:
             select = partial(topk_indices, k=self.k, workspace=self._workspace)
-        # a = g + e; S = select(a); e <- a - a 1_S (in place; values = a on S)
-        indices, values = error_feedback(grad, self.error, select, values_out=self._values)
+        # a = g + e; S = select(a); e <- a - a 1_S (in place; values = a on S).
+        # a = g + e and the candidates in one pass where it can (RegTop-k: the sent entries' scores first)
+        fused = fused_feedback_available(grad, self.error, self._workspace) and (
+            not sparsifier.regularized or unsent_factor(sparsifier.mu, sparsifier.q) == 1.0
+        )
+        sent_indices = sent_scores = None
+        if fused and sparsifier.regularized and self.has_history:
+            sent_indices = self.sent_indices
+            sent_scores = regtopk_sent_scores(
+                self.error, grad, sent_indices, self.sent_values, prev_aggregate, self.n_workers, sparsifier.mu,
+                sparsifier.q, self._workspace,
+            )
+            fused = sent_scores is not None
+        if fused:
+            indices = feedback_select(
+                grad, self.error, self.k, self._workspace, sent_indices=sent_indices, sent_scores=sent_scores,
+            )
+            if indices is None:  # the candidates did not fit: the general selection of a
+                indices = select(self.error)
+            values = take_and_zero(self.error, indices, self._values)
+        else:
+            indices, values = error_feedback(grad, self.error, select, values_out=self._values)
         if self.sent_indices is not None:
             self.sent_indices[...] = indices
             self.sent_values[...] = values

@@ -19,7 +19,7 @@
  * packbits, unpackbits + flatnonzero), here written straight into the caller's buffer,
  * so a step allocates nothing.
  *
- * candidates, compress_marked, bitmap_mark and indexed: top-k's selection,
+ * scan, compress_marked, bitmap_mark and indexed: top-k's selection,
  * aggregation and sparse update with int32 indices, written into the
  * caller's workspaces (numpy's fancy indexing converts int32 indices to a
  * k-element intp copy per call, its masks and nonzero() allocate).
@@ -528,58 +528,156 @@ static PyObject *py_bitmap_indices(PyObject *self, PyObject *args) {
     return result;
 }
 
-/* Top-k candidates: the positions (ascending) and scores (|x| or x) of the entries whose score is
- * >= threshold (NaN never is), as many as the outputs hold; returns how many there are. */
-#define CANDIDATES(T, ABS)                                                                              \
-    static Py_ssize_t candidates_##T(const T *x, Py_ssize_t n, double threshold, int absolute,        \
-                                     int32_t *idx, T *scores, Py_ssize_t capacity) {                   \
-        Py_ssize_t count = 0, i = 0;                                                                   \
-        const T t = (T)threshold;                                                                      \
-        /* Blocks of 16 first ask "any hit?" in a branch-free (vectorisable) loop: hits are rare. */   \
-        for (; i + 16 <= n; i += 16) {                                                                 \
+/* Top-k candidates: the positions (ascending) and scores of the entries of [lo, hi) whose score is
+ * >= t (NaN never is), as many as the outputs hold; returns how many there are.  With g, x[i] +=
+ * g[i] first, in the same pass (error feedback's a = e + g).  A score is |x[i]| (absolute) or x[i],
+ * except at the override positions (ascending; `over` points at the first one >= lo), whose scores
+ * are given (RegTop-k's entries sent last step).  Blocks of 16 first ask "any hit?" in a branch-free
+ * (vectorizable) loop: hits are rare. */
+#define SCAN(T, ABS)                                                                                   \
+    static Py_ssize_t scan_##T(T *restrict x, const T *restrict g, Py_ssize_t lo, Py_ssize_t hi, T t,  \
+                               int absolute, const int32_t *over, const T *over_scores, Py_ssize_t n_over, \
+                               int32_t *idx, T *scores, Py_ssize_t capacity) {                         \
+        Py_ssize_t count = 0, p = 0, i = lo;                                                           \
+        Py_ssize_t next = n_over ? over[0] : hi;                                                       \
+        for (; i < hi; i += 16) {                                                                      \
+            const Py_ssize_t width = hi - i < 16 ? hi - i : 16;                                        \
             int any = 0;                                                                               \
-            if (absolute) for (int j = 0; j < 16; ++j) any |= ABS(x[i + j]) >= t;                      \
-            else for (int j = 0; j < 16; ++j) any |= x[i + j] >= t;                                    \
-            if (!any) continue;                                                                        \
-            for (int j = 0; j < 16; ++j) {                                                             \
-                T v = absolute ? ABS(x[i + j]) : x[i + j];                                             \
+            if (width == 16) {                                                                         \
+                if (g) for (int j = 0; j < 16; ++j) { const T s = x[i + j] + g[i + j]; x[i + j] = s; any |= (absolute ? ABS(s) : s) >= t; } \
+                else if (absolute) for (int j = 0; j < 16; ++j) any |= ABS(x[i + j]) >= t;            \
+                else for (int j = 0; j < 16; ++j) any |= x[i + j] >= t;                                \
+            } else {                                                                                   \
+                if (g) for (Py_ssize_t j = 0; j < width; ++j) x[i + j] = x[i + j] + g[i + j];          \
+                any = 1;                                                                               \
+            }                                                                                          \
+            if (!any && next >= i + 16) continue;                                                      \
+            for (Py_ssize_t j = i; j < i + width; ++j) {                                               \
+                T v;                                                                                   \
+                if (j == next) {                                                                       \
+                    v = over_scores[p++];                                                              \
+                    next = p < n_over ? over[p] : hi;                                                  \
+                } else {                                                                               \
+                    v = absolute ? ABS(x[j]) : x[j];                                                   \
+                }                                                                                      \
                 if (v >= t) {                                                                          \
-                    if (count < capacity) { idx[count] = (int32_t)(i + j); scores[count] = v; }        \
+                    if (count < capacity) { idx[count] = (int32_t)j; scores[count] = v; }             \
                     ++count;                                                                           \
                 }                                                                                      \
             }                                                                                          \
         }                                                                                              \
-        for (; i < n; ++i) {                                                                           \
-            T v = absolute ? ABS(x[i]) : x[i];                                                         \
-            if (v >= t) {                                                                              \
-                if (count < capacity) { idx[count] = (int32_t)i; scores[count] = v; }                  \
-                ++count;                                                                               \
-            }                                                                                          \
-        }                                                                                              \
         return count;                                                                                  \
     }
-CANDIDATES(float, fabsf)
-CANDIDATES(double, fabs)
+SCAN(float, fabsf)
+SCAN(double, fabs)
 
-static PyObject *py_candidates(PyObject *self, PyObject *args) {
-    Py_buffer x, idx, scores;
-    Py_ssize_t n, itemsize;
+/* One scan call, split into parts; part p writes its candidates into its share of the outputs
+ * (proportional to its length) and counts them in counts[p]. */
+typedef struct {
+    Py_ssize_t itemsize, n, capacity, n_over;
+    char *x;
+    const char *g;
     double threshold;
     int absolute;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "y*nndpw*w*", &x, &n, &itemsize, &threshold, &absolute, &idx, &scores)) return NULL;
-    PyObject *result = NULL;
-    if (n < 0 || (itemsize != 4 && itemsize != 8) || x.len < n * itemsize) {
-        PyErr_Format(PyExc_ValueError, "candidates: bad n=%zd itemsize=%zd or x too small", n, itemsize);
-    } else {
-        Py_ssize_t capacity = idx.len / 4 < scores.len / itemsize ? idx.len / 4 : scores.len / itemsize, count;
-        Py_BEGIN_ALLOW_THREADS
-        count = itemsize == 4 ? candidates_float((const float *)x.buf, n, threshold, absolute, (int32_t *)idx.buf, (float *)scores.buf, capacity)
-                              : candidates_double((const double *)x.buf, n, threshold, absolute, (int32_t *)idx.buf, (double *)scores.buf, capacity);
-        Py_END_ALLOW_THREADS
-        result = PyLong_FromSsize_t(count);
+    const int32_t *over;
+    const char *over_scores;
+    int32_t *idx;
+    char *scores;
+    Py_ssize_t start[MPIOPT_MAX_PARTS], counts[MPIOPT_MAX_PARTS], room[MPIOPT_MAX_PARTS];
+} scan_job;
+
+static void scan_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    scan_job *j = (scan_job *)ctx;
+    const Py_ssize_t s = j->itemsize;
+    const Py_ssize_t begin = j->n ? j->capacity * lo / j->n : 0, end = j->n ? j->capacity * hi / j->n : 0;
+    Py_ssize_t a = 0, b = j->n_over; /* the first override >= lo */
+    while (a < b) {
+        const Py_ssize_t mid = a + (b - a) / 2;
+        if (j->over[mid] < lo) a = mid + 1;
+        else b = mid;
     }
+    Py_ssize_t n_over = a;
+    while (n_over < j->n_over && j->over[n_over] < hi) ++n_over;
+    n_over -= a;
+    j->start[part] = begin;
+    j->room[part] = end - begin;
+    if (s == 4)
+        j->counts[part] = scan_float((float *)j->x, (const float *)j->g, lo, hi, (float)j->threshold, j->absolute,
+                                     j->over + a, (const float *)j->over_scores + a, n_over, j->idx + begin,
+                                     (float *)j->scores + begin, end - begin);
+    else
+        j->counts[part] = scan_double((double *)j->x, (const double *)j->g, lo, hi, j->threshold, j->absolute,
+                                      j->over + a, (const double *)j->over_scores + a, n_over, j->idx + begin,
+                                      (double *)j->scores + begin, end - begin);
+}
+
+/* scan(x, g, n, itemsize, threshold, absolute, over, over_scores, idx, scores, threads) -> int */
+static PyObject *py_scan(PyObject *self, PyObject *args) {
+    Py_buffer x = {0}, g = {0}, over = {0}, over_scores = {0}, idx = {0}, scores = {0};
+    PyObject *go, *overo, *over_scoreso;
+    Py_ssize_t n, itemsize;
+    double threshold;
+    int absolute, threads;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*OnndpOOw*w*i", &x, &go, &n, &itemsize, &threshold, &absolute, &overo, &over_scoreso,
+                          &idx, &scores, &threads))
+        return NULL;
+    PyObject *result = NULL;
+    if (go != Py_None && PyObject_GetBuffer(go, &g, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (overo != Py_None && PyObject_GetBuffer(overo, &over, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (over_scoreso != Py_None && PyObject_GetBuffer(over_scoreso, &over_scores, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    const Py_ssize_t n_over = over.obj ? over.len / 4 : 0;
+    if (n < 0 || (itemsize != 4 && itemsize != 8) || x.len < n * itemsize || (g.obj && g.len < n * itemsize) ||
+        (over.obj == NULL) != (over_scores.obj == NULL) || (over.obj && over_scores.len < n_over * itemsize)) {
+        PyErr_Format(PyExc_ValueError, "scan: bad n=%zd itemsize=%zd or buffers too small", n, itemsize);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n_over; ++i) {
+        const int32_t at = ((const int32_t *)over.buf)[i];
+        if (at < 0 || at >= n || (i && at <= ((const int32_t *)over.buf)[i - 1])) {
+            PyErr_SetString(PyExc_ValueError, "scan: override positions must be unique, ascending and in [0, n)");
+            goto done;
+        }
+    }
+    scan_job *job = PyMem_Malloc(sizeof(scan_job));
+    if (job == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    job->itemsize = itemsize;
+    job->n = n;
+    job->capacity = idx.len / 4 < scores.len / itemsize ? idx.len / 4 : scores.len / itemsize;
+    job->n_over = n_over;
+    job->x = (char *)x.buf;
+    job->g = g.obj ? (const char *)g.buf : NULL;
+    job->threshold = threshold;
+    job->absolute = absolute;
+    job->over = (const int32_t *)over.buf;
+    job->over_scores = (const char *)over_scores.buf;
+    job->idx = (int32_t *)idx.buf;
+    job->scores = (char *)scores.buf;
+    int parts;
+    Py_ssize_t total = 0, fits = 1;
+    Py_BEGIN_ALLOW_THREADS
+    parts = mpiopt_parallel_for(threads, n, 16, scan_part, job);
+    /* Move each part's candidates down after the previous part's, in order. */
+    for (int p = 0; p < parts; ++p) {
+        fits &= job->counts[p] <= job->room[p];
+        if (fits && job->start[p] != total) {
+            memmove(job->idx + total, job->idx + job->start[p], job->counts[p] * 4);
+            memmove(job->scores + total * itemsize, job->scores + job->start[p] * itemsize, job->counts[p] * itemsize);
+        }
+        total += job->counts[p];
+    }
+    Py_END_ALLOW_THREADS
+    /* A part whose share overflowed lost candidates: report more than the outputs hold. */
+    result = PyLong_FromSsize_t(fits ? total : (total > job->capacity ? total : job->capacity + 1));
+    PyMem_Free(job);
+done:
     PyBuffer_Release(&x);
+    if (g.obj) PyBuffer_Release(&g);
+    if (over.obj) PyBuffer_Release(&over);
+    if (over_scores.obj) PyBuffer_Release(&over_scores);
     PyBuffer_Release(&idx);
     PyBuffer_Release(&scores);
     return result;
@@ -699,10 +797,12 @@ static PyMethodDef methods[] = {
     {"bitmap_mark", py_bitmap_mark, METH_VARARGS,
      "bitmap_mark(indices, k, d, out)\n\n"
      "Set bit j % 8 of out[j // 8] for the k int32 indices j (other bits unchanged)."},
-    {"candidates", py_candidates, METH_VARARGS,
-     "candidates(x, n, itemsize, threshold, absolute, idx_out, scores_out) -> int\n\n"
-     "Positions (int32, ascending) and scores (|x| if absolute, else x) of the n float32/float64 entries\n"
-     "whose score is >= threshold, as many as the outputs hold; return how many there are."},
+    {"scan", py_scan, METH_VARARGS,
+     "scan(x, g, n, itemsize, threshold, absolute, over, over_scores, idx_out, scores_out, threads) -> int\n\n"
+     "Top-k's candidates: with g (else None), x[i] += g[i] first; the score of i is |x[i]| (absolute) or x[i],\n"
+     "or over_scores[p] where over[p] == i (int32 positions, ascending; both None for none).  The positions\n"
+     "(ascending) and scores of the scores >= threshold go to idx_out / scores_out; returns their number,\n"
+     "which exceeds the outputs' capacity when they did not all fit (then the outputs are partial)."},
     {"compress_marked", py_compress_marked, METH_VARARGS,
      "compress_marked(src, mask, n, out) -> int\n\n"
      "The int32 src[i] with mask[i] (bool bytes) set, i < n, in order into out; return how many."},

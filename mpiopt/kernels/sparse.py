@@ -44,6 +44,7 @@ import numpy as np
 from ..arrays import array_module, to_numpy
 from ._backend import block_length, check_array, check_count
 from .signs import _votec, pack_bits, packed_nbytes, unpack_bits
+from .threads import get_num_threads
 
 __all__ = [
     "density_to_k",
@@ -142,16 +143,23 @@ def _sample_plan(d: int, k: int) -> Tuple[int, int, int]:
 
 def _threshold(xp: ModuleType, values: Any, k: int, absolute: bool, scratch: Any = None) -> Any:
     """A score that about ``k * (1 + margin)`` entries reach, estimated from a strided sample (in ``scratch`` if given)."""
-    stride, n, rank = _sample_plan(values.shape[0], k)
-    sample = values[::stride]
+    stride, _, rank = _sample_plan(values.shape[0], k)
+    return _sample_threshold(xp, values[::stride], rank, absolute, scratch)
+
+
+def _sample_threshold(xp: ModuleType, sample: Any, rank: int, absolute: bool, scratch: Any = None) -> Any:
+    """The rank-th largest score of ``sample`` (``scratch``, which may be ``sample`` itself, is overwritten)."""
+    n = sample.shape[0]
     if scratch is None:
-        return xp.partition(xp.abs(sample) if absolute else sample, n - rank)[n - rank]  # the rank-th largest
+        scratch = xp.empty_like(sample)
     if absolute:
         xp.abs(sample, out=scratch)
-    else:
+    elif scratch is not sample:
         scratch[...] = sample
-    scratch.partition(n - rank)  # in place: the same element as partition()'s copy
-    return scratch[n - rank]
+    # NaN ranks below every number, so it counts as -inf here (partition would put it on top).
+    xp.fmax(scratch, -math.inf, out=scratch)
+    scratch.partition(n - rank)  # in place
+    return scratch[n - rank]  # the rank-th largest
 
 
 class TopkWorkspace:
@@ -177,7 +185,9 @@ class TopkWorkspace:
         stride, n, rank = _sample_plan(d, max(k, 1))
         capacity = min(d, 2 * (rank * stride + k) + 64)
         self.d, self.k, self.dtype = d, k, dtype
-        self.sample = np.empty(n, dtype)
+        # One spare entry after the sample: feedback_select's scatter sends the unsampled entries there.
+        self.padded_sample = np.empty(n + 1, dtype)
+        self.sample = self.padded_sample[:n]
         self.candidates = np.empty(capacity, np.int32)
         self.scores = np.empty(capacity, dtype)
         self.partition = np.empty(capacity, dtype)
@@ -237,6 +247,23 @@ def _select(xp: ModuleType, candidates: Any, scores: Any, k: int, workspace: Opt
     return workspace.selected
 
 
+def _scan_select(
+    values: Any, grad: Any, threshold: Any, absolute: bool, k: int, workspace: TopkWorkspace, over: Any = None, over_scores: Any = None,
+) -> Optional[Any]:
+    """One C scan (``values += grad`` first, when given) into the workspace, and the k best of its candidates.
+
+    None when fewer than k or more candidates than the workspace holds reach
+    ``threshold`` (``values`` has been updated all the same).
+    """
+    n = _votec.scan(
+        values, grad, values.shape[0], values.dtype.itemsize, float(threshold), absolute, over, over_scores,
+        workspace.candidates, workspace.scores, get_num_threads(),
+    )
+    if k <= n <= workspace.candidates.shape[0]:
+        return _select(np, workspace.candidates[:n], workspace.scores[:n], k, workspace)
+    return None
+
+
 def topk_indices(values: Any, k: int, *, absolute: bool = True, workspace: Optional[TopkWorkspace] = None) -> Any:
     """Indices of the ``k`` largest ``|values|`` (or ``values``), sorted ascending.
 
@@ -277,9 +304,9 @@ def topk_indices(values: Any, k: int, *, absolute: bool = True, workspace: Optio
     if workspace is not None and workspace.fits(values, k):
         threshold = _threshold(xp, values, k, absolute, workspace.sample)
         # One C scan into the workspace; more candidates than it holds take the code below.
-        n = _votec.candidates(values, d, values.dtype.itemsize, float(threshold), absolute, workspace.candidates, workspace.scores)
-        if k <= n <= workspace.candidates.shape[0]:
-            return _select(xp, workspace.candidates[:n], workspace.scores[:n], k, workspace)
+        selected = _scan_select(values, None, threshold, absolute, k, workspace)
+        if selected is not None:
+            return selected
     # Comparisons are false for NaN: candidates are numbers only.
     candidates, scores = _candidates(xp, values, _threshold(xp, values, k, absolute), absolute)
     if candidates.shape[0] < k:  # the estimate was too high: every number is a candidate
@@ -288,6 +315,67 @@ def topk_indices(values: Any, k: int, *, absolute: bool = True, workspace: Optio
             nan_indices = xp.flatnonzero(xp.isnan(values))[: k - candidates.shape[0]]
             return xp.sort(xp.concatenate([candidates, nan_indices])).astype(xp.int32)
     return _select(xp, candidates, scores, k)
+
+
+def unsent_factor(mu: float, q: float) -> float:
+    """RegTop-k's ``tanh(|1 + q| / mu)``: the factor of ``|a_j|`` for entries not sent last step."""
+    return math.tanh(abs(1.0 + q) / mu)
+
+
+def _regularizer(
+    sent_indices: Any, sent_values: Any, prev_aggregate: Any, n_workers: int, mu: float, q: float, workspace: Optional[TopkWorkspace],
+) -> Optional[Any]:
+    """``tanh(|1 + delta_j| / mu)`` of the sent entries, in ``workspace.rows[2]`` (None: the workspace cannot).
+
+    The expression of :func:`regtopk_scores`' general code, step by step in
+    the workspace's k-sized rows (``rows[0]`` and ``rows[1]`` are free again
+    afterwards), so nothing is allocated.
+    """
+    k = sent_indices.shape[0]
+    if workspace is None or k > workspace.k or not workspace.fits(prev_aggregate, workspace.k):
+        return None
+    xp = np
+    own, ratio, denominator = (row[:k] for row in workspace.rows)
+    zero_share = workspace.mask[:k]
+    xp.multiply(sent_values, 1.0 / n_workers, out=own)
+    xp.equal(own, 0, out=zero_share)
+    if not _indexed(_GATHER, prev_aggregate, sent_indices, ratio):
+        return None
+    # The expression below, step by step: where() becomes copyto(where=) on the zero shares.
+    with np.errstate(over="ignore"):
+        ratio -= own
+        xp.copyto(denominator, own)
+        xp.copyto(denominator, 1, where=zero_share)
+        xp.divide(ratio, denominator, out=ratio)
+    xp.copyto(ratio, q, where=zero_share)
+    ratio += 1
+    xp.abs(ratio, out=ratio)
+    ratio /= mu
+    xp.tanh(ratio, out=denominator)  # out of place, as the expression's tanh
+    return denominator
+
+
+def regtopk_sent_scores(
+    error: Any, grad: Any, sent_indices: Any, sent_values: Any, prev_aggregate: Any, n_workers: int, mu: float, q: float,
+    workspace: TopkWorkspace,
+) -> Optional[Any]:
+    """:func:`regtopk_scores` at the sent entries only, from ``a = e + g`` there, before ``a`` is formed.
+
+    For :func:`feedback_select`'s ``sent_scores``: the same floats as
+    ``regtopk_scores(error + grad, sent_indices, ...)[sent_indices]``, in the
+    workspace's ``rows[2]`` (None where the workspace cannot hold them).
+    ``sent_indices`` must be checked (what a previous selection returned).
+    """
+    factor = _regularizer(sent_indices, sent_values, prev_aggregate, n_workers, mu, q, workspace)
+    if factor is None:
+        return None
+    acc, other = (row[: sent_indices.shape[0]] for row in workspace.rows[:2])
+    _indexed(_GATHER, error, sent_indices, acc)
+    _indexed(_GATHER, grad, sent_indices, other)
+    acc += other  # the sum a_j = e_j + g_j that the pass over memory will form
+    np.abs(acc, out=acc)
+    factor *= acc
+    return factor
 
 
 def regtopk_scores(
@@ -367,32 +455,19 @@ def regtopk_scores(
         if out.shape != acc.shape:
             raise ValueError(f"out must have acc's shape {acc.shape}, got {out.shape}")
     scores = xp.abs(acc, out=out)
-    unsent = math.tanh(abs(1.0 + q) / mu)  # exactly 1.0 for the paper's q = 1e8: no pass
+    unsent = unsent_factor(mu, q)  # exactly 1.0 for the paper's q = 1e8: no pass
     if unsent != 1.0:
         scores *= unsent
     k = sent_indices.shape[0]
-    if k and workspace is not None and k <= workspace.k and workspace.fits(acc, workspace.k):
-        own, ratio, denominator = (row[:k] for row in workspace.rows)
-        zero_share = workspace.mask[:k]
-        xp.multiply(sent_values, 1.0 / n_workers, out=own)
-        xp.equal(own, 0, out=zero_share)
-        if _indexed(_GATHER, prev_aggregate, sent_indices, ratio):
-            # The expression below, step by step: where() becomes copyto(where=) on the zero shares.
-            with np.errstate(over="ignore"):
-                ratio -= own
-                xp.copyto(denominator, own)
-                xp.copyto(denominator, 1, where=zero_share)
-                xp.divide(ratio, denominator, out=ratio)
-            xp.copyto(ratio, q, where=zero_share)
-            ratio += 1
-            xp.abs(ratio, out=ratio)
-            ratio /= mu
-            xp.tanh(ratio, out=denominator)  # out of place, as the expression's tanh
-            _indexed(_GATHER, acc, sent_indices, own)
-            xp.abs(own, out=own)
-            denominator *= own
-            _indexed(_SET, scores, sent_indices, denominator)
-            return scores
+    usable = k and workspace is not None and workspace.fits(acc, workspace.k)
+    factor = _regularizer(sent_indices, sent_values, prev_aggregate, n_workers, mu, q, workspace) if usable else None
+    if factor is not None:
+        own = workspace.rows[0][:k]
+        _indexed(_GATHER, acc, sent_indices, own)
+        xp.abs(own, out=own)
+        factor *= own
+        _indexed(_SET, scores, sent_indices, factor)
+        return scores
     if k:
         own = (1.0 / n_workers) * sent_values  # w * a_ref: this worker's share of G_prev
         sent = own != 0
@@ -438,11 +513,85 @@ def error_feedback(grad: Any, error: Any, select: Callable[[Any], Any], values_o
     error += grad
     indices = select(error)
     _check_indices("select(a)", indices, error.shape[0])
+    return indices, take_and_zero(error, indices, values_out)
+
+
+def take_and_zero(error: Any, indices: Any, values_out: Any = None) -> Any:
+    """``values = error[indices]; error[indices] = 0``: what error feedback sends, and what it keeps.
+
+    Parameters
+    ----------
+    error : array, 1-D floating
+        Updated in place.
+    indices : array of int
+        Checked positions (unique, in range).
+    values_out : array like ``error``, shape (>= len(indices),), optional
+        Where the values go (their first entries), instead of a new array.
+
+    Returns
+    -------
+    array like ``error``, shape indices.shape
+    """
     if values_out is not None and _indexed(_TAKE_ZERO, error, indices, values_out[: indices.shape[0]]):
-        return indices, values_out[: indices.shape[0]]
+        return values_out[: indices.shape[0]]
     values = error[indices]
     error[indices] = 0
-    return indices, values
+    return values
+
+
+def fused_feedback_available(grad: Any, error: Any, workspace: Optional[TopkWorkspace]) -> bool:
+    """Whether :func:`feedback_select` can run: numpy, the C loops, and a workspace made for ``error``."""
+    return (
+        workspace is not None and workspace.fits(error, workspace.k) and isinstance(grad, np.ndarray)
+        and grad.dtype == error.dtype and grad.shape == error.shape and grad.flags.c_contiguous
+        and not np.may_share_memory(grad, error)
+    )
+
+
+def feedback_select(
+    grad: Any, error: Any, k: int, workspace: TopkWorkspace, *, sent_indices: Any = None, sent_scores: Any = None,
+) -> Optional[Any]:
+    """Error feedback's ``a = e + g`` (into ``error``) and the top-k selection of ``a``, in one pass over memory.
+
+    The same as ``error += grad`` followed by ``topk_indices(error, k)`` (Top-k),
+    or by ``topk_indices(regtopk_scores(error, ...), k, absolute=False)``
+    (RegTop-k, with the paper's ``q``, whose unsent entries score ``|a_j|``):
+    a threshold is estimated from a strided sample of ``e + g`` (the same float
+    sums), and one C loop (:mod:`mpiopt.kernels.threads`' threads) adds,
+    stores and collects the candidates that reach it.
+
+    Parameters
+    ----------
+    grad, error : arrays
+        As :func:`error_feedback`'s; :func:`fused_feedback_available` must hold.
+    k : int
+        ``workspace.k``.
+    workspace : TopkWorkspace
+    sent_indices, sent_scores : arrays, optional
+        RegTop-k: the entries sent last step (int32, ascending) and their
+        scores (:func:`regtopk_scores`' values there), which replace ``|a_j|``.
+
+    Returns
+    -------
+    array of int32 or None
+        The k indices (``workspace.selected``), or None when the candidates
+        did not fit the workspace (rare): ``error`` holds ``a`` all the same,
+        and the caller selects with the general code.
+    """
+    stride, _, rank = _sample_plan(error.shape[0], k)
+    sample = np.add(error[::stride], grad[::stride], out=workspace.sample)
+    np.abs(sample, out=sample)
+    if sent_indices is not None and sent_indices.shape[0]:
+        # The sampled entries that were sent take their own scores: one scatter of all of them, the
+        # others to the spare entry after the sample (no compaction, so nothing is allocated).
+        n = sent_indices.shape[0]
+        positions = workspace.candidates[:n]
+        unsampled = np.not_equal(np.remainder(sent_indices, stride, out=positions), 0, out=workspace.mask[:n])
+        np.floor_divide(sent_indices, stride, out=positions)
+        np.copyto(positions, sample.shape[0], where=unsampled)
+        _indexed(_SET, workspace.padded_sample, positions, sent_scores)
+    threshold = _sample_threshold(np, sample, rank, False, sample)
+    return _scan_select(error, grad, threshold, True, k, workspace, sent_indices, sent_scores)
 
 
 def _indexed(op: int, x: Any, indices: Any, other: Any = None, scalar: float = 0.0) -> bool:

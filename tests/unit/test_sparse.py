@@ -17,7 +17,7 @@ from mpiopt.kernels import (
     scatter_add,
     topk_indices,
 )
-from mpiopt.kernels import sparse
+from mpiopt.kernels import sparse, threads
 
 SIZES = [1, 7, 8, 9, 63, 64, 65, 1000, 4097]
 DENSITIES = [0.001, 0.01, 0.3, 1.0]
@@ -386,3 +386,88 @@ def test_union_of_sorted(c_loops, monkeypatch):
     np.testing.assert_array_equal(got, expect)
     assert np.shares_memory(got, out) == c_loops
     np.testing.assert_array_equal(sparse.union_of_sorted(arrays, d), expect)
+
+
+# Long enough for 3 threads' parts of at least 2**18 elements (mpiopt/kernels/_parallel.h), ragged at the end.
+SPLIT_SIZE = 3 * 2**18 + 13
+
+
+@pytest.fixture
+def kernel_threads():
+    """Set the kernels' thread count within a test; restored afterwards."""
+    saved = threads.get_num_threads()
+    yield threads.set_num_threads
+    threads.set_num_threads(saved)
+
+
+def regtopk_reference(acc, sent_indices, sent_values, prev, n, mu, k):
+    """RegTop-k's selection with numpy's general code (no workspace, no C loops' fused pass)."""
+    return topk_indices(regtopk_scores(acc, sent_indices, sent_values, prev, n, mu), k, absolute=False)
+
+
+@needs_c
+@pytest.mark.parametrize("count", [1, 3])
+@pytest.mark.parametrize("regularized", [False, True], ids=["topk", "regtopk"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("d, k", [(100_003, 100), (100_003, 30_001), (SPLIT_SIZE, 7_000)])
+def test_feedback_select_is_error_feedback_then_the_selection(d, k, dtype, regularized, count, kernel_threads):
+    """One fused pass gives error += grad and the selection of the plain code, bit for bit, over several steps."""
+    kernel_threads(count)
+    rng = np.random.default_rng([d, k, int(regularized)])
+    workspace = sparse.TopkWorkspace(d, k, dtype)
+    error = rng.standard_normal(d).astype(dtype)
+    error[:: max(1, d // 300)] = np.nan  # NaN ranks below every number (an error buffer can hold one after a skip policy's bypass)
+    plain = error.copy()
+    sent_indices = np.sort(rng.choice(d, k, replace=False)).astype(np.int32)
+    sent_values = rng.standard_normal(k).astype(dtype)
+    sent_values[::9] = 0.0
+    prev = rng.standard_normal(d).astype(dtype)
+    prev[sent_indices[::4]] = (sent_values[::4] / 3).astype(dtype)  # delta = 0: the score drops to tanh(1/mu) |a|
+    for step in range(2):
+        grad = (rng.standard_normal(d) * (1 + step)).astype(dtype)
+        grad[rng.integers(0, d, 50)] = -0.0
+        sent_scores = None
+        if regularized:
+            sent_scores = sparse.regtopk_sent_scores(error, grad, sent_indices, sent_values, prev, 3, 5.0, 1e8, workspace)
+            sent_scores = sent_scores.copy()  # the workspace's rows are scratch of the selection below
+        assert sparse.fused_feedback_available(grad, error, workspace)
+        got = sparse.feedback_select(
+            grad, error, k, workspace, sent_indices=sent_indices if regularized else None, sent_scores=sent_scores,
+        )
+        plain += grad
+        if regularized:
+            expect = regtopk_reference(plain, sent_indices, sent_values, prev, 3, 5.0, k)
+            np.testing.assert_array_equal(
+                sent_scores, regtopk_scores(plain, sent_indices, sent_values, prev, 3, 5.0)[sent_indices]
+            )
+        else:
+            expect = topk_indices(plain, k)
+        assert error.tobytes() == plain.tobytes()
+        assert got is not None and got.dtype == np.int32
+        np.testing.assert_array_equal(got, expect)
+        sent_indices = got.copy()
+        sent_values = sparse.take_and_zero(error, sent_indices).copy()
+        sparse.take_and_zero(plain, sent_indices)
+
+
+@needs_c
+def test_feedback_select_reports_candidates_that_do_not_fit():
+    """Every entry tied at the threshold: None, with error += grad done all the same."""
+    d, k = 100_003, 10
+    workspace = sparse.TopkWorkspace(d, k, np.float32)
+    error, grad = np.zeros(d, np.float32), np.ones(d, np.float32)
+    assert sparse.feedback_select(grad, error, k, workspace) is None
+    assert (error == 1).all()
+    assert not sparse.fused_feedback_available(error, error, workspace)  # the same buffer twice
+    assert not sparse.fused_feedback_available(grad.astype(np.float64), error, workspace)
+    assert not sparse.fused_feedback_available(grad, error, None)
+
+
+@needs_c
+def test_scan_refuses_bad_override_positions():
+    x = np.zeros(10, np.float32)
+    idx, scores = np.empty(10, np.int32), np.empty(10, np.float32)
+    for bad in ([3, 3], [4, 2], [-1], [10]):
+        over = np.array(bad, np.int32)
+        with pytest.raises(ValueError, match="override positions must be unique, ascending and in"):
+            sparse._votec.scan(x, None, 10, 4, 0.0, True, over, np.zeros(len(bad), np.float32), idx, scores, 1)
