@@ -9,7 +9,7 @@
  *   b = b * m + d              or  b = b * m + d * (1 - dampening)
  *   s = d + b * m  (Nesterov)  or  s = b               or  s = d (no momentum)
  *   x = x - s * lr
- *   c = x                                                  (a copy of the result, when asked for)
+ *   c = x,  c2 = x                                         (copies of the result, when asked for)
  *
  * Every product and sum is rounded to the parameters' dtype on its own, in the
  * order numpy does them, so the results equal numpy's bit for bit (NaN payloads
@@ -51,96 +51,103 @@
 
 /* The loop for one dtype; the int flags are constants at every call site, so
  * each case below compiles into its own branch-free (vectorized) loop. */
-#define DEFINE_LOOP(T, NAME, ABS, MAX)                                                                  \
-    ALWAYS_INLINE int NAME(Py_ssize_t n, T *restrict x, const T *restrict g, T *restrict b, T *restrict c,  \
-                           T lr, T wd, T mom, T scale, T div, int divide, int copy, int decay, int momentum,   \
-                           int first, int damp, int nesterov) {                                         \
-        int finite = 1;                                                                                 \
-        for (Py_ssize_t i = 0; i < n; ++i) {                                                            \
-            T gi = g[i];                                                                                \
-            finite &= ABS(gi) <= MAX; /* false for inf and NaN */                                       \
-            if (divide) gi = gi / div;                                                                  \
-            T d = gi;                                                                                   \
-            if (decay) {                                                                                \
-                const T t = x[i] * wd;                                                                  \
-                d = t + gi;                                                                             \
-            }                                                                                           \
-            T s = d;                                                                                    \
-            if (momentum) {                                                                             \
-                T bi;                                                                                   \
-                if (first) {                                                                            \
-                    bi = d;                                                                             \
-                } else {                                                                                \
-                    bi = b[i] * mom;                                                                    \
-                    if (damp) {                                                                         \
-                        const T t = d * scale;                                                          \
-                        bi = bi + t;                                                                    \
-                    } else {                                                                            \
-                        bi = bi + d;                                                                    \
-                    }                                                                                   \
-                }                                                                                       \
-                b[i] = bi;                                                                              \
-                if (nesterov) {                                                                         \
-                    const T t = bi * mom;                                                               \
-                    s = d + t;                                                                          \
-                } else {                                                                                \
-                    s = bi;                                                                             \
-                }                                                                                       \
-            }                                                                                           \
-            const T u = s * lr;                                                                         \
-            const T y = x[i] - u;                                                                       \
-            x[i] = y;                                                                                   \
-            if (copy) c[i] = y;                                                                         \
-        }                                                                                               \
-        return finite;                                                                                  \
+#define DEFINE_LOOP(T, NAME, ABS, MAX)                                                                           \
+    ALWAYS_INLINE int NAME(Py_ssize_t n, T *restrict x, const T *restrict g, T *restrict b, T *restrict c,       \
+                           T *restrict c2, T lr, T wd, T mom, T scale, T div, int divide, int copies, int decay, \
+                           int momentum, int first, int damp, int nesterov) {                                    \
+        int finite = 1;                                                                                          \
+        for (Py_ssize_t i = 0; i < n; ++i) {                                                                     \
+            T gi = g[i];                                                                                         \
+            finite &= ABS(gi) <= MAX; /* false for inf and NaN */                                                \
+            if (divide) gi = gi / div;                                                                           \
+            T d = gi;                                                                                            \
+            if (decay) {                                                                                         \
+                const T t = x[i] * wd;                                                                           \
+                d = t + gi;                                                                                      \
+            }                                                                                                    \
+            T s = d;                                                                                             \
+            if (momentum) {                                                                                      \
+                T bi;                                                                                            \
+                if (first) {                                                                                     \
+                    bi = d;                                                                                      \
+                } else {                                                                                         \
+                    bi = b[i] * mom;                                                                             \
+                    if (damp) {                                                                                  \
+                        const T t = d * scale;                                                                   \
+                        bi = bi + t;                                                                             \
+                    } else {                                                                                     \
+                        bi = bi + d;                                                                             \
+                    }                                                                                            \
+                }                                                                                                \
+                b[i] = bi;                                                                                       \
+                if (nesterov) {                                                                                  \
+                    const T t = bi * mom;                                                                        \
+                    s = d + t;                                                                                   \
+                } else {                                                                                         \
+                    s = bi;                                                                                      \
+                }                                                                                                \
+            }                                                                                                    \
+            const T u = s * lr;                                                                                  \
+            const T y = x[i] - u;                                                                                \
+            x[i] = y;                                                                                            \
+            if (copies >= 1) c[i] = y;                                                                           \
+            if (copies == 2) c2[i] = y;                                                                          \
+        }                                                                                                        \
+        return finite;                                                                                           \
     }
 
 DEFINE_LOOP(float, loop_f32, fabsf, FLT_MAX)
 DEFINE_LOOP(double, loop_f64, fabs, DBL_MAX)
 
-/* One specialized loop per case: (divide) x (copy) x (decay) x (no momentum | first/later x plain/dampened/Nesterov). */
-#define CASE(LOOP, DIV, COPY, DEC, MOM, FIRST, DAMP, NEST) \
-    return LOOP(n, x_, g_, b_, c_, lr_, wd_, m_, s_, p_, DIV, COPY, DEC, MOM, FIRST, DAMP, NEST)
-#define CASES(LOOP, DIV, COPY)                                              \
-    do {                                                                    \
-        if (!momentum) {                                                    \
-            if (decay) CASE(LOOP, DIV, COPY, 1, 0, 0, 0, 0);                \
-            CASE(LOOP, DIV, COPY, 0, 0, 0, 0, 0);                           \
-        }                                                                   \
-        if (first) {                                                        \
-            if (decay) {                                                    \
-                if (nesterov) CASE(LOOP, DIV, COPY, 1, 1, 1, 0, 1);         \
-                CASE(LOOP, DIV, COPY, 1, 1, 1, 0, 0);                       \
-            }                                                               \
-            if (nesterov) CASE(LOOP, DIV, COPY, 0, 1, 1, 0, 1);             \
-            CASE(LOOP, DIV, COPY, 0, 1, 1, 0, 0);                           \
-        }                                                                   \
-        if (decay) {                                                        \
-            if (nesterov) CASE(LOOP, DIV, COPY, 1, 1, 0, 0, 1);             \
-            if (damp) CASE(LOOP, DIV, COPY, 1, 1, 0, 1, 0);                 \
-            CASE(LOOP, DIV, COPY, 1, 1, 0, 0, 0);                           \
-        }                                                                   \
-        if (nesterov) CASE(LOOP, DIV, COPY, 0, 1, 0, 0, 1);                 \
-        if (damp) CASE(LOOP, DIV, COPY, 0, 1, 0, 1, 0);                     \
-        CASE(LOOP, DIV, COPY, 0, 1, 0, 0, 0);                               \
+/* One specialized loop per case: (divide) x (0, 1 or 2 copies) x (decay) x
+ * (no momentum | first/later x plain/dampened/Nesterov). */
+#define CASE(LOOP, DIV, COPIES, DEC, MOM, FIRST, DAMP, NEST) \
+    return LOOP(n, x_, g_, b_, c_, c2_, lr_, wd_, m_, s_, p_, DIV, COPIES, DEC, MOM, FIRST, DAMP, NEST)
+#define CASES(LOOP, DIV, COPIES)                                      \
+    do {                                                              \
+        if (!momentum) {                                              \
+            if (decay) CASE(LOOP, DIV, COPIES, 1, 0, 0, 0, 0);        \
+            CASE(LOOP, DIV, COPIES, 0, 0, 0, 0, 0);                   \
+        }                                                             \
+        if (first) {                                                  \
+            if (decay) {                                              \
+                if (nesterov) CASE(LOOP, DIV, COPIES, 1, 1, 1, 0, 1); \
+                CASE(LOOP, DIV, COPIES, 1, 1, 1, 0, 0);               \
+            }                                                         \
+            if (nesterov) CASE(LOOP, DIV, COPIES, 0, 1, 1, 0, 1);     \
+            CASE(LOOP, DIV, COPIES, 0, 1, 1, 0, 0);                   \
+        }                                                             \
+        if (decay) {                                                  \
+            if (nesterov) CASE(LOOP, DIV, COPIES, 1, 1, 0, 0, 1);     \
+            if (damp) CASE(LOOP, DIV, COPIES, 1, 1, 0, 1, 0);         \
+            CASE(LOOP, DIV, COPIES, 1, 1, 0, 0, 0);                   \
+        }                                                             \
+        if (nesterov) CASE(LOOP, DIV, COPIES, 0, 1, 0, 0, 1);         \
+        if (damp) CASE(LOOP, DIV, COPIES, 0, 1, 0, 1, 0);             \
+        CASE(LOOP, DIV, COPIES, 0, 1, 0, 0, 0);                       \
     } while (0)
-#define DISPATCH(LOOP, T)                                                                      \
-    do {                                                                                       \
-        T *x_ = (T *)x;                                                                        \
-        const T *g_ = (const T *)g;                                                            \
-        T *b_ = (T *)b;                                                                        \
-        T *c_ = (T *)c;                                                                        \
-        const T lr_ = (T)lr, wd_ = (T)wd, m_ = (T)mom, s_ = (T)scale, p_ = (T)divisor;         \
-        if (c) {                                                                               \
-            if (divisor != 1.0) CASES(LOOP, 1, 1);                                             \
-            CASES(LOOP, 0, 1);                                                                 \
-        }                                                                                      \
-        if (divisor != 1.0) CASES(LOOP, 1, 0);                                                 \
-        CASES(LOOP, 0, 0);                                                                     \
+#define DISPATCH(LOOP, T)                                                              \
+    do {                                                                               \
+        T *x_ = (T *)x;                                                                \
+        const T *g_ = (const T *)g;                                                    \
+        T *b_ = (T *)b;                                                                \
+        T *c_ = (T *)c, *c2_ = (T *)c2;                                                \
+        const T lr_ = (T)lr, wd_ = (T)wd, m_ = (T)mom, s_ = (T)scale, p_ = (T)divisor; \
+        if (c2) {                                                                      \
+            if (divisor != 1.0) CASES(LOOP, 1, 2);                                     \
+            CASES(LOOP, 0, 2);                                                         \
+        }                                                                              \
+        if (c) {                                                                       \
+            if (divisor != 1.0) CASES(LOOP, 1, 1);                                     \
+            CASES(LOOP, 0, 1);                                                         \
+        }                                                                              \
+        if (divisor != 1.0) CASES(LOOP, 1, 0);                                         \
+        CASES(LOOP, 0, 0);                                                             \
     } while (0)
 
-static int run(int itemsize, Py_ssize_t n, void *x, const void *g, void *b, void *c, double divisor, double lr,
-               double wd, double mom, double scale, int decay, int momentum, int first, int damp, int nesterov) {
+static int run(int itemsize, Py_ssize_t n, void *x, const void *g, void *b, void *c, void *c2, double divisor,
+               double lr, double wd, double mom, double scale, int decay, int momentum, int first, int damp,
+               int nesterov) {
     if (itemsize == 4) DISPATCH(loop_f32, float);
     DISPATCH(loop_f64, double);
 }
@@ -148,7 +155,7 @@ static int run(int itemsize, Py_ssize_t n, void *x, const void *g, void *b, void
 /* One call's arguments, and each part's finite flag. */
 typedef struct {
     int itemsize, decay, momentum, first, damp, nesterov;
-    char *x, *b, *c;
+    char *x, *b, *c, *c2;
     const char *g;
     double divisor, lr, wd, mom, scale;
     int finite[MPIOPT_MAX_PARTS];
@@ -158,8 +165,8 @@ static void sgd_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
     sgd_job *j = (sgd_job *)ctx;
     const Py_ssize_t at = lo * j->itemsize;
     j->finite[part] = run(j->itemsize, hi - lo, j->x + at, j->g + at, j->b ? j->b + at : NULL, j->c ? j->c + at : NULL,
-                          j->divisor, j->lr, j->wd, j->mom, j->scale, j->decay, j->momentum, j->first, j->damp,
-                          j->nesterov);
+                          j->c2 ? j->c2 + at : NULL, j->divisor, j->lr, j->wd, j->mom, j->scale, j->decay, j->momentum,
+                          j->first, j->damp, j->nesterov);
 }
 
 /* Whether every element is finite: no early exit, so the loop vectorizes (NaN is the rare case).
@@ -232,13 +239,13 @@ static int get_like(PyObject *o, Py_buffer *view, int writable, const Py_buffer 
 }
 
 static PyObject *py_sgd(PyObject *self, PyObject *args) {
-    PyObject *xo, *go, *bo, *co;
+    PyObject *xo, *go, *bo, *co, *co2;
     double divisor, lr, wd, mom, dampening;
     int nesterov, first, threads;
-    Py_buffer x = {0}, g = {0}, b = {0}, c = {0};
+    Py_buffer x = {0}, g = {0}, b = {0}, c = {0}, c2 = {0};
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOOdddddppi", &xo, &go, &bo, &co, &divisor, &lr, &wd, &mom, &dampening, &nesterov,
-                          &first, &threads))
+    if (!PyArg_ParseTuple(args, "OOOOOdddddppi", &xo, &go, &bo, &co, &co2, &divisor, &lr, &wd, &mom, &dampening,
+                          &nesterov, &first, &threads))
         return NULL;
     const int itemsize = get_params(xo, &x, "sgd");
     if (!itemsize) return NULL;
@@ -251,9 +258,14 @@ static PyObject *py_sgd(PyObject *self, PyObject *args) {
         }
         if (get_like(bo, &b, 1, &x, itemsize, "sgd: buffer") < 0) goto done;
     }
+    if (co == Py_None && co2 != Py_None) {
+        PyErr_SetString(PyExc_ValueError, "sgd: a second copy needs a first");
+        goto done;
+    }
     if (co != Py_None && get_like(co, &c, 1, &x, itemsize, "sgd: copy_to") < 0) goto done;
+    if (co2 != Py_None && get_like(co2, &c2, 1, &x, itemsize, "sgd: copy_to_2") < 0) goto done;
     sgd_job job = {itemsize, wd != 0.0, mom != 0.0, first, dampening != 0.0, nesterov, (char *)x.buf, (char *)b.buf,
-                   (char *)c.buf, (const char *)g.buf, divisor, lr, wd, mom, 1.0 - dampening, {0}};
+                   (char *)c.buf, (char *)c2.buf, (const char *)g.buf, divisor, lr, wd, mom, 1.0 - dampening, {0}};
     int parts;
     Py_BEGIN_ALLOW_THREADS
     parts = mpiopt_parallel_for(threads, x.len / itemsize, 1, sgd_part, &job);
@@ -264,24 +276,25 @@ done:
     if (g.obj) PyBuffer_Release(&g);
     if (b.obj) PyBuffer_Release(&b);
     if (c.obj) PyBuffer_Release(&c);
+    if (c2.obj) PyBuffer_Release(&c2);
     return result;
 }
 
 /* DaSGD's merge, one loop per rule and dtype (the rule is a constant at each call site). */
-#define DEFINE_MERGE(T, NAME)                                                                              \
+#define DEFINE_MERGE(T, NAME)                                                                               \
     ALWAYS_INLINE void NAME(Py_ssize_t n, T *restrict x, const T *restrict snapshot, const T *restrict sum, \
-                            T divisor, T p, T q, int proportion) {                                         \
-        for (Py_ssize_t i = 0; i < n; ++i) {                                                               \
-            const T a = sum[i] / divisor;                                                                  \
-            if (proportion) {                                                                              \
-                const T y = x[i] * p;                                                                      \
-                const T z = a * q;                                                                         \
-                x[i] = y + z;                                                                              \
-            } else {                                                                                       \
-                const T y = x[i] - snapshot[i];                                                            \
-                x[i] = y + a;                                                                              \
-            }                                                                                              \
-        }                                                                                                  \
+                            T divisor, T p, T q, int proportion) {                                          \
+        for (Py_ssize_t i = 0; i < n; ++i) {                                                                \
+            const T a = sum[i] / divisor;                                                                   \
+            if (proportion) {                                                                               \
+                const T y = x[i] * p;                                                                       \
+                const T z = a * q;                                                                          \
+                x[i] = y + z;                                                                               \
+            } else {                                                                                        \
+                const T y = x[i] - snapshot[i];                                                             \
+                x[i] = y + a;                                                                               \
+            }                                                                                               \
+        }                                                                                                   \
     }
 DEFINE_MERGE(float, merge_f32)
 DEFINE_MERGE(double, merge_f64)
@@ -293,9 +306,9 @@ typedef struct {
     double divisor, p, q;
 } merge_job;
 
-#define MERGE_PART(T, NAME)                                                                                       \
-    do {                                                                                                          \
-        T *x = (T *)(j->x + at);                                                                                  \
+#define MERGE_PART(T, NAME)                                                                                      \
+    do {                                                                                                         \
+        T *x = (T *)(j->x + at);                                                                                 \
         const T *snapshot = j->snapshot ? (const T *)(j->snapshot + at) : NULL, *sum = (const T *)(j->sum + at); \
         if (j->proportion) NAME(hi - lo, x, snapshot, sum, (T)j->divisor, (T)j->p, (T)j->q, 1);                  \
         else NAME(hi - lo, x, snapshot, sum, (T)j->divisor, (T)j->p, (T)j->q, 0);                                \
@@ -363,11 +376,11 @@ static PyObject *py_all_finite(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"sgd", py_sgd, METH_VARARGS,
-     "sgd(params, grad, buffer, copy_to, divisor, lr, weight_decay, momentum, dampening, nesterov, first_step, threads)"
-     " -> bool\n\n"
+     "sgd(params, grad, buffer, copy_to, copy_to_2, divisor, lr, weight_decay, momentum, dampening, nesterov,"
+     " first_step, threads) -> bool\n\n"
      "torch.optim.SGD's update of params (and of the momentum buffer, None when momentum == 0) in\n"
      "place, in one pass, for the gradient grad / divisor, also writing the new params into copy_to\n"
-     "(unless None); contiguous, non-overlapping float32 or float64 buffers of equal length.\n"
+     "and copy_to_2 (unless None); contiguous, non-overlapping float32 or float64 buffers of equal length.\n"
      "Returns whether every element of grad is finite.  Long vectors are split across up to threads threads."},
     {"merge_average", py_merge, METH_VARARGS,
      "merge_average(params, snapshot, total, divisor, proportion, threads) -> None\n\n"

@@ -3,7 +3,9 @@
 ``g = grad / grad_divisor`` (an average's division folded in; skipped for 1),
 ``d = g + weight_decay * x``; with momentum ``b = momentum * b + (1 -
 dampening) * d`` (``b = d`` at the first step), then ``s = d + momentum * b``
-(Nesterov) or ``s = b``; without momentum ``s = d``; finally ``x = x - lr * s``.
+(Nesterov) or ``s = b``; without momentum ``s = d``; finally ``x = x - lr * s``,
+and on request the new ``x`` is also written into one or two more arrays
+(``copy_to``: DaSGD's snapshot and send buffer) in the same pass.
 
 On numpy float32/float64 arrays the whole update is one pass over memory in
 ``mpiopt.kernels._updatec`` when it was built (long vectors split across
@@ -21,7 +23,7 @@ rounded the same way.
 from __future__ import annotations
 
 import numbers
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -39,6 +41,8 @@ if _updatec is not None and not hasattr(_updatec, "merge_average"):  # pragma: n
 
 __all__ = ["all_finite", "fused_update_available", "merge_average", "sgd_update"]
 
+#: How many arrays :func:`sgd_update`'s ``copy_to`` may name.
+MAX_COPIES = 2
 #: :func:`merge_average`'s rules (DaSGD's ``merge``).
 MERGE_RULES = ("delayed", "proportion")
 
@@ -95,6 +99,17 @@ def _check_like(xp: Any, params: Any, arrays: List[Tuple[str, Any]]) -> None:
                     raise ValueError(f"{first_name} and {second_name} must not overlap")
 
 
+def _copies(copy_to: Union[None, Any, Sequence[Any]]) -> List[Tuple[str, Any]]:
+    """``copy_to`` as ``(name, array)`` pairs, at most :data:`MAX_COPIES`."""
+    if copy_to is None:
+        return []
+    if not isinstance(copy_to, (list, tuple)):
+        return [("copy_to", copy_to)]
+    if len(copy_to) > MAX_COPIES:
+        raise ValueError(f"copy_to takes at most {MAX_COPIES} arrays (the fused loop's outputs), got {len(copy_to)}")
+    return [(f"copy_to[{i}]", copy) for i, copy in enumerate(copy_to)]
+
+
 def sgd_update(
     params: Any,
     grad: Any,
@@ -109,7 +124,7 @@ def sgd_update(
     grad_divisor: int = 1,
     check_finite: bool = False,
     work: Optional[List[Any]] = None,
-    copy_to: Optional[Any] = None,
+    copy_to: Union[None, Any, Sequence[Any]] = None,
 ) -> Optional[bool]:
     """``params -= lr * step(grad)`` in place, with torch.optim.SGD's momentum and weight decay.
 
@@ -141,9 +156,9 @@ def sgd_update(
         Scratch for the array code: the arrays it lacks are allocated and
         appended, so a caller that passes the same list every time allocates
         once.  The fused loop uses none.
-    copy_to : array, optional
-        Also receives the updated parameters (same length, dtype and backend,
-        overlapping none of the others): the copy a caller would make after
+    copy_to : array or sequence of up to 2 arrays, optional
+        Also receive the updated parameters (same length, dtype and backend,
+        overlapping none of the others): the copies a caller would make after
         the update, written in the same pass by the fused loop.
 
     Returns
@@ -166,14 +181,15 @@ def sgd_update(
     if not isinstance(nesterov, bool):
         raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
     grad_divisor = check_count("grad_divisor", grad_divisor, 1)
-    arrays = [("grad", grad)] + ([("buffer", buffer)] if momentum else [])
-    arrays += [("copy_to", copy_to)] if copy_to is not None else []
+    copies = _copies(copy_to)
+    arrays = [("grad", grad)] + ([("buffer", buffer)] if momentum else []) + copies
     if momentum and buffer is None:
         raise ValueError(f"momentum={momentum} needs a buffer, got buffer=None")
     _check_like(xp, params, arrays)
     if fused_update_available(params) and all(arr.flags.c_contiguous for _, arr in arrays):
+        outputs = [copy for _, copy in copies] + [None] * (MAX_COPIES - len(copies))
         finite = _updatec.sgd(
-            params, grad, buffer if momentum else None, copy_to, grad_divisor, lr, weight_decay, momentum, dampening, nesterov,
+            params, grad, buffer if momentum else None, *outputs, grad_divisor, lr, weight_decay, momentum, dampening, nesterov,
             bool(first_step), get_num_threads(),
         )
         return finite if check_finite else None
@@ -184,8 +200,8 @@ def sgd_update(
     work.extend(xp.empty_like(params) for _ in range(needed - len(work)))
     with np.errstate(all="ignore"):  # inf - inf is NaN here as in the C loop, silently in both
         _array_update(xp, params, grad, buffer, grad_divisor, lr, momentum, dampening, nesterov, weight_decay, bool(first_step), work)
-    if copy_to is not None:
-        xp.copyto(copy_to, params)
+    for _, copy in copies:
+        xp.copyto(copy, params)
     return bool(xp.isfinite(grad).all()) if check_finite else None
 
 

@@ -299,12 +299,14 @@ def test_thread_count_is_checked(kernel_threads, monkeypatch):
 # -- copy_to: the updated parameters also written into a second array -------------------------------
 
 
+@pytest.mark.parametrize("copies", [1, 2], ids=["one", "two"])
 @pytest.mark.parametrize("c_loop", [True, False], ids=["c", "array"])
 @pytest.mark.parametrize("rule", [RULES[0], (0.9, 0.0, True, 1e-2, 3), (0.9, 0.3, False, 0.0, 1)], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: t.__name__)
 @pytest.mark.parametrize("size, count", [(0, 1), (1, 1), (7, 1), (SPLIT_SIZE, 1), (SPLIT_SIZE, 3)])
-def test_copy_to_receives_the_updated_params(size, count, dtype, rule, c_loop, kernel_threads, monkeypatch):
-    """With copy_to, params and buffer get the reference's bits (as without it) and copy_to params' bits."""
+def test_copy_to_receives_the_updated_params(size, count, dtype, rule, c_loop, copies, kernel_threads, monkeypatch):
+    """With copy_to (an array, or a tuple of two), params and buffer get the reference's bits (as without
+    it) and every copy params' bits."""
     if not c_loop:
         monkeypatch.setattr(update, "_updatec", None)
     kernel_threads(count)
@@ -313,12 +315,13 @@ def test_copy_to_receives_the_updated_params(size, count, dtype, rule, c_loop, k
     x = awkward(rng, size, dtype, special=True)
     b = awkward(rng, size, dtype, special=True) if momentum else None
     want_x, want_b = x.copy(), None if b is None else b.copy()
-    copy = np.full(size, 7.0, dtype)
+    targets = [np.full(size, 7.0, dtype) for _ in range(copies)]
+    copy_to = targets[0] if copies == 1 else tuple(targets)
     for step in range(2):
         g = awkward(rng, size, dtype, special=True)
         finite = sgd_update(
             x, g, b, lr=LR, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay,
-            first_step=step == 0, grad_divisor=divisor, check_finite=True, copy_to=copy if step else None,
+            first_step=step == 0, grad_divisor=divisor, check_finite=True, copy_to=copy_to if step else None,
         )
         want_x, want_b = reference(want_x, g, want_b, momentum, dampening, nesterov, weight_decay, step == 0, divisor)
         assert finite is bool(np.isfinite(g).all())
@@ -326,8 +329,9 @@ def test_copy_to_receives_the_updated_params(size, count, dtype, rule, c_loop, k
         if momentum:
             assert_same_bits(b, want_b)
         if not step:
-            assert np.all(copy == 7.0)  # untouched without copy_to
-    assert_same_bits(copy, want_x)
+            assert all(np.all(copy == 7.0) for copy in targets)  # untouched without copy_to
+    for copy in targets:
+        assert_same_bits(copy, want_x)
 
 
 def test_copy_to_is_checked():
@@ -338,6 +342,11 @@ def test_copy_to_is_checked():
         sgd_update(x, x.copy(), lr=LR, copy_to=np.zeros(4))
     with pytest.raises(ValueError, match=r"copy_to must be a numpy array of shape \(4,\)"):
         sgd_update(x, x.copy(), lr=LR, copy_to=np.zeros(3, np.float32))
+    copy = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match=r"copy_to\[0\] and copy_to\[1\] must not overlap"):
+        sgd_update(x, x.copy(), lr=LR, copy_to=(copy, copy))
+    with pytest.raises(ValueError, match="copy_to takes at most 2 arrays .*, got 3"):
+        sgd_update(x, x.copy(), lr=LR, copy_to=[np.zeros(4, np.float32) for _ in range(3)])
 
 
 # -- merge_average: DaSGD's merge ---------------------------------------------------------------------
