@@ -471,3 +471,48 @@ def test_scan_refuses_bad_override_positions():
         over = np.array(bad, np.int32)
         with pytest.raises(ValueError, match="override positions must be unique, ascending and in"):
             sparse._votec.scan(x, None, 10, 4, 0.0, True, over, np.zeros(len(bad), np.float32), idx, scores, 1)
+
+
+@needs_c
+@pytest.mark.parametrize("d", [1, 7, 8, 63, 64, 65, 1003, 1019, 1024, 64 * 20 - 5])
+def test_bitmap_indices_reads_words_and_ignores_pad_bits(d):
+    """The set bits of a random bitmap, pad bits set too, against numpy's unpackbits."""
+    rng = np.random.default_rng(d)
+    bits = rng.integers(0, 256, -(-d // 8), dtype=np.uint8)
+    bits[-1] |= 0xFF ^ ((1 << (d % 8)) - 1) if d % 8 else 0  # every pad bit set
+    expect = np.flatnonzero(np.unpackbits(bits, bitorder="little")[:d]).astype(np.int32)
+    out = np.full(d + 1, -1, np.int32)
+    assert sparse._votec.bitmap_indices(bits, d, out) == expect.size
+    np.testing.assert_array_equal(out[: expect.size], expect)
+    small = np.empty(max(0, expect.size - 3), np.int32)  # too small: counted all the same, nothing written past it
+    assert sparse._votec.bitmap_indices(bits, d, small) == expect.size
+    np.testing.assert_array_equal(small, expect[: small.size])
+
+
+@needs_c
+@pytest.mark.parametrize("count", [1, 3])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("d", [1, 63, 64, 65, 1000, SPLIT_SIZE])
+def test_scan_against_numpy(d, dtype, count):
+    """x += g, then every score >= t in order, overrides (consecutive ones too, NaN, exactly t) replacing |x|."""
+    rng = np.random.default_rng([d, np.dtype(dtype).itemsize])
+    x, g = rng.standard_normal(d).astype(dtype), rng.standard_normal(d).astype(dtype)
+    x[rng.integers(0, d, 1 + d // 1000)] = np.nan
+    t = dtype(1.5)
+    over = np.unique(np.concatenate([rng.choice(d, min(d, 1 + d // 10), replace=False), np.arange(min(d, 5))])).astype(np.int32)
+    over_scores = rng.uniform(0, 3, over.size).astype(dtype)
+    over_scores[::7], over_scores[1::7] = np.nan, t
+    for overrides in (False, True):
+        y = x.copy()
+        want_x = y + g
+        scores = np.abs(want_x)
+        if overrides:
+            scores[over] = over_scores
+        want = np.flatnonzero(scores >= t)
+        idx, out = np.empty(d, np.int32), np.empty(d, dtype)
+        args = (over, over_scores) if overrides else (None, None)
+        n = sparse._votec.scan(y, g, d, y.dtype.itemsize, float(t), True, *args, idx, out, count)
+        assert y.tobytes() == want_x.tobytes()
+        assert n == want.size
+        np.testing.assert_array_equal(idx[:n], want)
+        assert out[:n].tobytes() == scores[want].tobytes()
