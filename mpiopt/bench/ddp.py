@@ -50,6 +50,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 
 from ..comm import Topology
+from ..kernels import threads as kernel_threads
 from ..training.config import TrainConfig, UsageError
 from ._common import check_choices, comma_list, environment, link_rate, markdown_table, median, module_main, positive_int, rotated, say
 from ._common import slowest_seconds, write_json
@@ -70,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=positive_int, default=64, help="samples per rank per step")
     parser.add_argument("--steps", type=positive_int, default=8, help="timed steps per variant and round")
     parser.add_argument("--rounds", type=positive_int, default=7, help="interleaved rounds (medians reported)")
-    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
+    parser.add_argument("--threads", type=positive_int, default=1, help="threads per rank, for torch and mpiopt's C kernels alike")
     parser.add_argument("--overlap", action="store_true", help="add sgd+overlap: DistributedOptimizer(..., overlap=True), where supported")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results to FILE")
@@ -165,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     link = link_rate(getattr(args, "link", None))
     torch.set_num_threads(args.threads)
+    kernel_threads.set_num_threads(min(args.threads, kernel_threads.MAX_THREADS))  # mpiopt's side uses as many
     topology = Topology()
     out = say(topology.rank)
     init_gloo(topology)

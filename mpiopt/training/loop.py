@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import Comm, Topology
+from ..kernels import threads as kernel_threads
 from ..metrics import MetricsWriter, Tracer, versions
 from ..tasks.images import ImageDataset, ShardSampler, augment_cifar, batch_rng, load_dataset
 from ..tasks.models import build_model
@@ -66,7 +67,7 @@ def load_data(config: TrainConfig, world: Comm) -> ImageDataset:
 
 
 def _set_threads(config: TrainConfig, world: Comm) -> None:
-    """torch threads per rank: the cores this process may use, shared by the ranks on its node."""
+    """Threads per rank, for torch and mpiopt's C kernels alike: the cores this process may use, shared by the ranks on its node."""
     if config.threads:
         threads = config.threads
     else:
@@ -75,6 +76,7 @@ def _set_threads(config: TrainConfig, world: Comm) -> None:
         threads = max(1, cores // node.size)
         node.Free()
     torch.set_num_threads(threads)
+    kernel_threads.set_num_threads(min(threads, kernel_threads.MAX_THREADS))
 
 
 class _Evaluator:

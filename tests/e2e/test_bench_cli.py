@@ -91,6 +91,8 @@ def test_ddp_trains_the_same_model_as_sgd(tmp_path):
 def test_existing_benchmarks_run_as_subcommands(tmp_path):
     code, output, _ = run_mpi(2, [*BENCH, "compressed", "--d", "4096", "--steps", "1", "--reps", "2"], timeout=120)
     assert code == 0 and "| vote/auto |" in output, output
+    code, output = run_cli(["update", "--d", "1000", "--rounds", "1", "--steps", "1", "--algorithms", "sgd", "--threads", "2"])
+    assert code == 0 and "2 thread(s) for torch and the C kernels" in output and "| sgd |" in output, output
     code, output = run_cli(["kernels", "--d", "4096", "--repeat", "1"])
     assert code == 0 and "majority_vote" in output, output
     code, output = run_cli(["tradeoff", "--delays", "0,2", "--momenta", "0,0.5", "--seeds", "1", "--max-steps", "50", "--out", str(tmp_path / "t.png")])

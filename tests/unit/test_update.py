@@ -442,3 +442,17 @@ def test_merge_average_bad_arguments():
         update.merge_average(x, np.zeros(5, np.float32), x.copy(), 2)
     update.merge_average(x, None, np.ones(4, np.float32), 2, "proportion", 0.5)  # the proportion rule reads no snapshot
     np.testing.assert_array_equal(x, np.full(4, 0.25, np.float32))
+
+
+def test_training_gives_the_kernels_torchs_thread_count(kernel_threads):
+    """mpiopt train's --threads sets torch's intra-op threads and the C kernels' alike."""
+    torch = pytest.importorskip("torch")
+    from mpiopt.training.config import TrainConfig
+    from mpiopt.training.loop import _set_threads
+
+    saved = torch.get_num_threads()
+    try:
+        _set_threads(TrainConfig(threads=3), world=None)  # an explicit count asks no communicator
+        assert torch.get_num_threads() == 3 and threads.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(saved)
