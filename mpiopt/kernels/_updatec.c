@@ -9,6 +9,7 @@
  *   b = b * m + d              or  b = b * m + d * (1 - dampening)
  *   s = d + b * m  (Nesterov)  or  s = b               or  s = d (no momentum)
  *   x = x - s * lr
+ *   x = merge(x)                                           (DaSGD's merge, when asked for: below)
  *   c = x,  c2 = x                                         (copies of the result, when asked for)
  *
  * Every product and sum is rounded to the parameters' dtype on its own, in the
@@ -20,7 +21,7 @@
  * The same pass reports whether every element of g is finite; all_finite makes
  * that check alone (the algorithms' gradient check, before any update).
  * merge_average is DaSGD's merge of a received sum of P models, in one pass
- * over (x, snapshot, sum) instead of numpy's three:
+ * over (x, snapshot, sum) instead of numpy's three (or in the update's pass):
  *
  *   a = sum / P;  x = x - snapshot;  x = x + a             (delayed rule)
  *   a = sum / P;  a = a * (1 - p);   x = x * p;  x = x + a (proportion rule)
@@ -49,11 +50,31 @@
 #define ALWAYS_INLINE static inline
 #endif
 
+/* merge's rules (the update's and merge_average's flag). */
+enum { NO_MERGE, DELAYED, PROPORTION };
+
+/* DaSGD's merge of element i, whose parameter is y: (y - snapshot) + sum / P, or y * p + (sum / P) * q. */
+#define DEFINE_MERGE_ONE(T, NAME)                                                                          \
+    ALWAYS_INLINE T NAME(T y, Py_ssize_t i, const T *restrict snapshot, const T *restrict sum, T divisor, T p, \
+                         T q, int rule) {                                                                  \
+        const T a = sum[i] / divisor;                                                                      \
+        if (rule == PROPORTION) {                                                                          \
+            const T z = y * p;                                                                             \
+            const T w = a * q;                                                                             \
+            return z + w;                                                                                  \
+        }                                                                                                  \
+        const T z = y - snapshot[i];                                                                       \
+        return z + a;                                                                                      \
+    }
+DEFINE_MERGE_ONE(float, merge_one_f32)
+DEFINE_MERGE_ONE(double, merge_one_f64)
+
 /* The loop for one dtype; the int flags are constants at every call site, so
  * each case below compiles into its own branch-free (vectorized) loop. */
-#define DEFINE_LOOP(T, NAME, ABS, MAX)                                                                           \
+#define DEFINE_LOOP(T, NAME, ABS, MAX, MERGE_ONE)                                                                \
     ALWAYS_INLINE int NAME(Py_ssize_t n, T *restrict x, const T *restrict g, T *restrict b, T *restrict c,       \
-                           T *restrict c2, T lr, T wd, T mom, T scale, T div, int divide, int copies, int decay, \
+                           T *restrict c2, const T *restrict snapshot, const T *restrict sum, T lr, T wd, T mom, \
+                           T scale, T div, T mdiv, T mp, T mq, int divide, int copies, int merge, int decay,      \
                            int momentum, int first, int damp, int nesterov) {                                    \
         int finite = 1;                                                                                          \
         for (Py_ssize_t i = 0; i < n; ++i) {                                                                     \
@@ -88,7 +109,8 @@
                 }                                                                                                \
             }                                                                                                    \
             const T u = s * lr;                                                                                  \
-            const T y = x[i] - u;                                                                                \
+            T y = x[i] - u;                                                                                      \
+            if (merge) y = MERGE_ONE(y, i, snapshot, sum, mdiv, mp, mq, merge);                                  \
             x[i] = y;                                                                                            \
             if (copies >= 1) c[i] = y;                                                                           \
             if (copies == 2) c2[i] = y;                                                                          \
@@ -96,58 +118,69 @@
         return finite;                                                                                           \
     }
 
-DEFINE_LOOP(float, loop_f32, fabsf, FLT_MAX)
-DEFINE_LOOP(double, loop_f64, fabs, DBL_MAX)
+DEFINE_LOOP(float, loop_f32, fabsf, FLT_MAX, merge_one_f32)
+DEFINE_LOOP(double, loop_f64, fabs, DBL_MAX, merge_one_f64)
 
-/* One specialized loop per case: (divide) x (0, 1 or 2 copies) x (decay) x
+/* One specialized loop per case: (divide) x (0, 1 or 2 copies | delayed/proportion merge) x (decay) x
  * (no momentum | first/later x plain/dampened/Nesterov). */
-#define CASE(LOOP, DIV, COPIES, DEC, MOM, FIRST, DAMP, NEST) \
-    return LOOP(n, x_, g_, b_, c_, c2_, lr_, wd_, m_, s_, p_, DIV, COPIES, DEC, MOM, FIRST, DAMP, NEST)
-#define CASES(LOOP, DIV, COPIES)                                      \
-    do {                                                              \
-        if (!momentum) {                                              \
-            if (decay) CASE(LOOP, DIV, COPIES, 1, 0, 0, 0, 0);        \
-            CASE(LOOP, DIV, COPIES, 0, 0, 0, 0, 0);                   \
-        }                                                             \
-        if (first) {                                                  \
-            if (decay) {                                              \
-                if (nesterov) CASE(LOOP, DIV, COPIES, 1, 1, 1, 0, 1); \
-                CASE(LOOP, DIV, COPIES, 1, 1, 1, 0, 0);               \
-            }                                                         \
-            if (nesterov) CASE(LOOP, DIV, COPIES, 0, 1, 1, 0, 1);     \
-            CASE(LOOP, DIV, COPIES, 0, 1, 1, 0, 0);                   \
-        }                                                             \
-        if (decay) {                                                  \
-            if (nesterov) CASE(LOOP, DIV, COPIES, 1, 1, 0, 0, 1);     \
-            if (damp) CASE(LOOP, DIV, COPIES, 1, 1, 0, 1, 0);         \
-            CASE(LOOP, DIV, COPIES, 1, 1, 0, 0, 0);                   \
-        }                                                             \
-        if (nesterov) CASE(LOOP, DIV, COPIES, 0, 1, 0, 0, 1);         \
-        if (damp) CASE(LOOP, DIV, COPIES, 0, 1, 0, 1, 0);             \
-        CASE(LOOP, DIV, COPIES, 0, 1, 0, 0, 0);                       \
+#define CASE(LOOP, DIV, COPIES, MERGE, DEC, MOM, FIRST, DAMP, NEST)                                           \
+    return LOOP(n, x_, g_, b_, c_, c2_, s_, t_, lr_, wd_, m_, sc_, p_, md_, mp_, mq_, DIV, COPIES, MERGE, DEC, MOM, \
+                FIRST, DAMP, NEST)
+#define CASES(LOOP, DIV, COPIES, MERGE)                                      \
+    do {                                                                     \
+        if (!momentum) {                                                     \
+            if (decay) CASE(LOOP, DIV, COPIES, MERGE, 1, 0, 0, 0, 0);        \
+            CASE(LOOP, DIV, COPIES, MERGE, 0, 0, 0, 0, 0);                   \
+        }                                                                    \
+        if (first) {                                                         \
+            if (decay) {                                                     \
+                if (nesterov) CASE(LOOP, DIV, COPIES, MERGE, 1, 1, 1, 0, 1); \
+                CASE(LOOP, DIV, COPIES, MERGE, 1, 1, 1, 0, 0);               \
+            }                                                                \
+            if (nesterov) CASE(LOOP, DIV, COPIES, MERGE, 0, 1, 1, 0, 1);     \
+            CASE(LOOP, DIV, COPIES, MERGE, 0, 1, 1, 0, 0);                   \
+        }                                                                    \
+        if (decay) {                                                         \
+            if (nesterov) CASE(LOOP, DIV, COPIES, MERGE, 1, 1, 0, 0, 1);     \
+            if (damp) CASE(LOOP, DIV, COPIES, MERGE, 1, 1, 0, 1, 0);         \
+            CASE(LOOP, DIV, COPIES, MERGE, 1, 1, 0, 0, 0);                   \
+        }                                                                    \
+        if (nesterov) CASE(LOOP, DIV, COPIES, MERGE, 0, 1, 0, 0, 1);         \
+        if (damp) CASE(LOOP, DIV, COPIES, MERGE, 0, 1, 0, 1, 0);             \
+        CASE(LOOP, DIV, COPIES, MERGE, 0, 1, 0, 0, 0);                       \
     } while (0)
-#define DISPATCH(LOOP, T)                                                              \
-    do {                                                                               \
-        T *x_ = (T *)x;                                                                \
-        const T *g_ = (const T *)g;                                                    \
-        T *b_ = (T *)b;                                                                \
-        T *c_ = (T *)c, *c2_ = (T *)c2;                                                \
-        const T lr_ = (T)lr, wd_ = (T)wd, m_ = (T)mom, s_ = (T)scale, p_ = (T)divisor; \
-        if (c2) {                                                                      \
-            if (divisor != 1.0) CASES(LOOP, 1, 2);                                     \
-            CASES(LOOP, 0, 2);                                                         \
-        }                                                                              \
-        if (c) {                                                                       \
-            if (divisor != 1.0) CASES(LOOP, 1, 1);                                     \
-            CASES(LOOP, 0, 1);                                                         \
-        }                                                                              \
-        if (divisor != 1.0) CASES(LOOP, 1, 0);                                         \
-        CASES(LOOP, 0, 0);                                                             \
+/* Each output variant with and without the divisor; copies and a merge never come together (py_sgd). */
+#define VARIANT(LOOP, COPIES, MERGE)                   \
+    do {                                               \
+        if (divisor != 1.0) CASES(LOOP, 1, COPIES, MERGE); \
+        CASES(LOOP, 0, COPIES, MERGE);                 \
+    } while (0)
+#define DISPATCH(LOOP, T)                                                                                     \
+    do {                                                                                                      \
+        T *x_ = (T *)x;                                                                                       \
+        const T *g_ = (const T *)g;                                                                           \
+        T *b_ = (T *)b;                                                                                       \
+        T *c_ = (T *)c, *c2_ = (T *)c2;                                                                       \
+        const T *s_ = (const T *)m->snapshot, *t_ = (const T *)m->sum;                                        \
+        const T lr_ = (T)lr, wd_ = (T)wd, m_ = (T)mom, sc_ = (T)scale, p_ = (T)divisor;                       \
+        const T md_ = (T)m->divisor, mp_ = (T)m->p, mq_ = (T)m->q;                                            \
+        if (m->rule == DELAYED) VARIANT(LOOP, 0, DELAYED);                                                    \
+        if (m->rule == PROPORTION) VARIANT(LOOP, 0, PROPORTION);                                              \
+        if (c2) VARIANT(LOOP, 2, NO_MERGE);                                                                   \
+        if (c) VARIANT(LOOP, 1, NO_MERGE);                                                                    \
+        VARIANT(LOOP, 0, NO_MERGE);                                                                           \
     } while (0)
 
-static int run(int itemsize, Py_ssize_t n, void *x, const void *g, void *b, void *c, void *c2, double divisor,
-               double lr, double wd, double mom, double scale, int decay, int momentum, int first, int damp,
-               int nesterov) {
+/* A merge's operands, offset to one part (rule NO_MERGE: none). */
+typedef struct {
+    int rule;
+    const char *snapshot, *sum;
+    double divisor, p, q;
+} merge_args;
+
+static int run(int itemsize, Py_ssize_t n, void *x, const void *g, void *b, void *c, void *c2, const merge_args *m,
+               double divisor, double lr, double wd, double mom, double scale, int decay, int momentum, int first,
+               int damp, int nesterov) {
     if (itemsize == 4) DISPATCH(loop_f32, float);
     DISPATCH(loop_f64, double);
 }
@@ -157,16 +190,26 @@ typedef struct {
     int itemsize, decay, momentum, first, damp, nesterov;
     char *x, *b, *c, *c2;
     const char *g;
+    merge_args merge;
     double divisor, lr, wd, mom, scale;
     int finite[MPIOPT_MAX_PARTS];
 } sgd_job;
 
+/* The merge's operands from element lo on. */
+static merge_args merge_part_args(const merge_args *m, Py_ssize_t at) {
+    merge_args part = *m;
+    if (part.snapshot) part.snapshot += at;
+    if (part.sum) part.sum += at;
+    return part;
+}
+
 static void sgd_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
     sgd_job *j = (sgd_job *)ctx;
     const Py_ssize_t at = lo * j->itemsize;
+    const merge_args m = merge_part_args(&j->merge, at);
     j->finite[part] = run(j->itemsize, hi - lo, j->x + at, j->g + at, j->b ? j->b + at : NULL, j->c ? j->c + at : NULL,
-                          j->c2 ? j->c2 + at : NULL, j->divisor, j->lr, j->wd, j->mom, j->scale, j->decay, j->momentum,
-                          j->first, j->damp, j->nesterov);
+                          j->c2 ? j->c2 + at : NULL, &m, j->divisor, j->lr, j->wd, j->mom, j->scale, j->decay,
+                          j->momentum, j->first, j->damp, j->nesterov);
 }
 
 /* Whether every element is finite: no early exit, so the loop vectorizes (NaN is the rare case).
@@ -238,13 +281,30 @@ static int get_like(PyObject *o, Py_buffer *view, int writable, const Py_buffer 
     return 0;
 }
 
+/* A merge's operands: total (the sum of `divisor` models), the snapshot (unread by the proportion rule) and
+ * the proportion (None: the delayed rule).  0, or -1 with an exception set. */
+static int get_merge(PyObject *so, PyObject *to, double divisor, PyObject *po, const Py_buffer *x, int itemsize,
+                     const char *what, Py_buffer *snapshot, Py_buffer *sum, merge_args *m) {
+    m->rule = po == Py_None ? DELAYED : PROPORTION;
+    m->divisor = divisor;
+    m->p = 0.0;
+    if (m->rule == PROPORTION && (m->p = PyFloat_AsDouble(po)) == -1.0 && PyErr_Occurred()) return -1;
+    m->q = 1.0 - m->p; /* in double first, then rounded to the dtype: numpy's `average *= 1.0 - p` */
+    if (get_like(to, sum, 0, x, itemsize, what) < 0) return -1;
+    m->sum = (const char *)sum->buf;
+    if (m->rule == DELAYED && get_like(so, snapshot, 0, x, itemsize, what) < 0) return -1;
+    m->snapshot = (const char *)snapshot->buf;
+    return 0;
+}
+
 static PyObject *py_sgd(PyObject *self, PyObject *args) {
-    PyObject *xo, *go, *bo, *co, *co2;
+    PyObject *xo, *go, *bo, *co, *co2, *mo;
     double divisor, lr, wd, mom, dampening;
     int nesterov, first, threads;
-    Py_buffer x = {0}, g = {0}, b = {0}, c = {0}, c2 = {0};
+    Py_buffer x = {0}, g = {0}, b = {0}, c = {0}, c2 = {0}, snapshot = {0}, sum = {0};
+    merge_args merge = {NO_MERGE, NULL, NULL, 1.0, 0.0, 1.0};
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOOOdddddppi", &xo, &go, &bo, &co, &co2, &divisor, &lr, &wd, &mom, &dampening,
+    if (!PyArg_ParseTuple(args, "OOOOOOdddddppi", &xo, &go, &bo, &co, &co2, &mo, &divisor, &lr, &wd, &mom, &dampening,
                           &nesterov, &first, &threads))
         return NULL;
     const int itemsize = get_params(xo, &x, "sgd");
@@ -258,14 +318,20 @@ static PyObject *py_sgd(PyObject *self, PyObject *args) {
         }
         if (get_like(bo, &b, 1, &x, itemsize, "sgd: buffer") < 0) goto done;
     }
-    if (co == Py_None && co2 != Py_None) {
-        PyErr_SetString(PyExc_ValueError, "sgd: a second copy needs a first");
+    if ((co == Py_None && co2 != Py_None) || (co != Py_None && mo != Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "sgd: a second copy needs a first, and copies exclude a merge");
         goto done;
     }
     if (co != Py_None && get_like(co, &c, 1, &x, itemsize, "sgd: copy_to") < 0) goto done;
     if (co2 != Py_None && get_like(co2, &c2, 1, &x, itemsize, "sgd: copy_to_2") < 0) goto done;
+    if (mo != Py_None) {
+        PyObject *so, *to, *po;
+        double world_size;
+        if (!PyArg_ParseTuple(mo, "OOdO", &so, &to, &world_size, &po)) goto done;
+        if (get_merge(so, to, world_size, po, &x, itemsize, "sgd: merge", &snapshot, &sum, &merge) < 0) goto done;
+    }
     sgd_job job = {itemsize, wd != 0.0, mom != 0.0, first, dampening != 0.0, nesterov, (char *)x.buf, (char *)b.buf,
-                   (char *)c.buf, (char *)c2.buf, (const char *)g.buf, divisor, lr, wd, mom, 1.0 - dampening, {0}};
+                   (char *)c.buf, (char *)c2.buf, (const char *)g.buf, merge, divisor, lr, wd, mom, 1.0 - dampening, {0}};
     int parts;
     Py_BEGIN_ALLOW_THREADS
     parts = mpiopt_parallel_for(threads, x.len / itemsize, 1, sgd_part, &job);
@@ -277,68 +343,53 @@ done:
     if (b.obj) PyBuffer_Release(&b);
     if (c.obj) PyBuffer_Release(&c);
     if (c2.obj) PyBuffer_Release(&c2);
+    if (snapshot.obj) PyBuffer_Release(&snapshot);
+    if (sum.obj) PyBuffer_Release(&sum);
     return result;
 }
 
-/* DaSGD's merge, one loop per rule and dtype (the rule is a constant at each call site). */
-#define DEFINE_MERGE(T, NAME)                                                                               \
-    ALWAYS_INLINE void NAME(Py_ssize_t n, T *restrict x, const T *restrict snapshot, const T *restrict sum, \
-                            T divisor, T p, T q, int proportion) {                                          \
-        for (Py_ssize_t i = 0; i < n; ++i) {                                                                \
-            const T a = sum[i] / divisor;                                                                   \
-            if (proportion) {                                                                               \
-                const T y = x[i] * p;                                                                       \
-                const T z = a * q;                                                                          \
-                x[i] = y + z;                                                                               \
-            } else {                                                                                        \
-                const T y = x[i] - snapshot[i];                                                             \
-                x[i] = y + a;                                                                               \
-            }                                                                                               \
-        }                                                                                                   \
+/* merge_average's loop, one per rule and dtype (the rule is a constant at each call site). */
+#define DEFINE_MERGE(T, NAME, MERGE_ONE)                                                                       \
+    ALWAYS_INLINE void NAME(Py_ssize_t n, T *restrict x, const merge_args *m, int rule) {                      \
+        const T *restrict snapshot = (const T *)m->snapshot, *restrict sum = (const T *)m->sum;                \
+        const T divisor = (T)m->divisor, p = (T)m->p, q = (T)m->q;                                             \
+        for (Py_ssize_t i = 0; i < n; ++i) x[i] = MERGE_ONE(x[i], i, snapshot, sum, divisor, p, q, rule);      \
     }
-DEFINE_MERGE(float, merge_f32)
-DEFINE_MERGE(double, merge_f64)
+DEFINE_MERGE(float, merge_f32, merge_one_f32)
+DEFINE_MERGE(double, merge_f64, merge_one_f64)
 
 typedef struct {
-    int itemsize, proportion;
+    int itemsize;
     char *x;
-    const char *snapshot, *sum;
-    double divisor, p, q;
+    merge_args merge;
 } merge_job;
-
-#define MERGE_PART(T, NAME)                                                                                      \
-    do {                                                                                                         \
-        T *x = (T *)(j->x + at);                                                                                 \
-        const T *snapshot = j->snapshot ? (const T *)(j->snapshot + at) : NULL, *sum = (const T *)(j->sum + at); \
-        if (j->proportion) NAME(hi - lo, x, snapshot, sum, (T)j->divisor, (T)j->p, (T)j->q, 1);                  \
-        else NAME(hi - lo, x, snapshot, sum, (T)j->divisor, (T)j->p, (T)j->q, 0);                                \
-    } while (0)
 
 static void merge_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
     const merge_job *j = (const merge_job *)ctx;
     const Py_ssize_t at = lo * j->itemsize;
+    const merge_args m = merge_part_args(&j->merge, at);
     (void)part;
-    if (j->itemsize == 4) MERGE_PART(float, merge_f32);
-    else MERGE_PART(double, merge_f64);
+    if (j->itemsize == 4) {
+        if (m.rule == PROPORTION) merge_f32(hi - lo, (float *)(j->x + at), &m, PROPORTION);
+        else merge_f32(hi - lo, (float *)(j->x + at), &m, DELAYED);
+    } else {
+        if (m.rule == PROPORTION) merge_f64(hi - lo, (double *)(j->x + at), &m, PROPORTION);
+        else merge_f64(hi - lo, (double *)(j->x + at), &m, DELAYED);
+    }
 }
 
 static PyObject *py_merge(PyObject *self, PyObject *args) {
     PyObject *xo, *so, *to, *po;
-    double divisor, p = 0.0;
+    double divisor;
     int threads;
     Py_buffer x = {0}, snapshot = {0}, sum = {0};
     (void)self;
     if (!PyArg_ParseTuple(args, "OOOdOi", &xo, &so, &to, &divisor, &po, &threads)) return NULL;
-    const int proportion = po != Py_None;
-    if (proportion && (p = PyFloat_AsDouble(po)) == -1.0 && PyErr_Occurred()) return NULL;
     const int itemsize = get_params(xo, &x, "merge_average");
     if (!itemsize) return NULL;
     PyObject *result = NULL;
-    if (get_like(to, &sum, 0, &x, itemsize, "merge_average: total") < 0) goto done;
-    if (!proportion && get_like(so, &snapshot, 0, &x, itemsize, "merge_average: snapshot") < 0) goto done;
-    /* 1 - p in double first, then rounded to the dtype: numpy's `average *= 1.0 - p`. */
-    merge_job job = {itemsize, proportion, (char *)x.buf, (const char *)snapshot.buf, (const char *)sum.buf,
-                     divisor, p, 1.0 - p};
+    merge_job job = {itemsize, (char *)x.buf, {NO_MERGE, NULL, NULL, 1.0, 0.0, 1.0}};
+    if (get_merge(so, to, divisor, po, &x, itemsize, "merge_average", &snapshot, &sum, &job.merge) < 0) goto done;
     Py_BEGIN_ALLOW_THREADS
     mpiopt_parallel_for(threads, x.len / itemsize, 1, merge_part, &job);
     Py_END_ALLOW_THREADS
@@ -376,11 +427,12 @@ static PyObject *py_all_finite(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"sgd", py_sgd, METH_VARARGS,
-     "sgd(params, grad, buffer, copy_to, copy_to_2, divisor, lr, weight_decay, momentum, dampening, nesterov,"
+     "sgd(params, grad, buffer, copy_to, copy_to_2, merge, divisor, lr, weight_decay, momentum, dampening, nesterov,"
      " first_step, threads) -> bool\n\n"
      "torch.optim.SGD's update of params (and of the momentum buffer, None when momentum == 0) in\n"
-     "place, in one pass, for the gradient grad / divisor, also writing the new params into copy_to\n"
-     "and copy_to_2 (unless None); contiguous, non-overlapping float32 or float64 buffers of equal length.\n"
+     "place, in one pass, for the gradient grad / divisor, then merge_average(params, *merge) unless\n"
+     "merge is None, and the new params written into copy_to and copy_to_2 (unless None; not with a\n"
+     "merge); contiguous, non-overlapping float32 or float64 buffers of equal length.\n"
      "Returns whether every element of grad is finite.  Long vectors are split across up to threads threads."},
     {"merge_average", py_merge, METH_VARARGS,
      "merge_average(params, snapshot, total, divisor, proportion, threads) -> None\n\n"
@@ -396,4 +448,9 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_updatec", "Fused CPU torch.optim.SGD update and DaSGD merge.", -1, methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__updatec(void) { return PyModule_Create(&module); }
+/* VERSION changes with the functions' arguments, so that update.py can refuse a stale build. */
+PyMODINIT_FUNC PyInit__updatec(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "VERSION", 1) < 0) Py_CLEAR(m);
+    return m;
+}

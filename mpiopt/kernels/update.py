@@ -5,7 +5,8 @@
 dampening) * d`` (``b = d`` at the first step), then ``s = d + momentum * b``
 (Nesterov) or ``s = b``; without momentum ``s = d``; finally ``x = x - lr * s``,
 and on request the new ``x`` is also written into one or two more arrays
-(``copy_to``: DaSGD's snapshot and send buffer) in the same pass.
+(``copy_to``: DaSGD's snapshot and send buffer), or merged with an average
+of models (``merge``: DaSGD's merge, :func:`merge_average`), in the same pass.
 
 On numpy float32/float64 arrays the whole update is one pass over memory in
 ``mpiopt.kernels._updatec`` when it was built (long vectors split across
@@ -23,7 +24,7 @@ rounded the same way.
 from __future__ import annotations
 
 import numbers
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -36,10 +37,10 @@ try:
     from . import _updatec
 except ImportError:  # built without a C compiler: the array code below is used
     _updatec = None
-if _updatec is not None and not hasattr(_updatec, "merge_average"):  # pragma: no cover
-    _updatec = None  # a stale build (no copy_to argument): rebuild (pip install -e .)
+if _updatec is not None and getattr(_updatec, "VERSION", 0) != 1:  # pragma: no cover
+    _updatec = None  # a stale build (other arguments): rebuild (pip install -e .)
 
-__all__ = ["all_finite", "fused_update_available", "merge_average", "sgd_update"]
+__all__ = ["Merge", "all_finite", "fused_update_available", "merge_average", "sgd_update"]
 
 #: How many arrays :func:`sgd_update`'s ``copy_to`` may name.
 MAX_COPIES = 2
@@ -110,6 +111,47 @@ def _copies(copy_to: Union[None, Any, Sequence[Any]]) -> List[Tuple[str, Any]]:
     return [(f"copy_to[{i}]", copy) for i, copy in enumerate(copy_to)]
 
 
+class Merge(NamedTuple):
+    """:func:`merge_average`'s arguments after ``params``: a merge for :func:`sgd_update` to fuse."""
+
+    snapshot: Any
+    total: Any
+    world_size: int
+    rule: str = "delayed"
+    proportion: float = 0.25
+
+
+def _checked_merge(merge: Merge) -> Merge:
+    """``merge`` with its scalars checked (``ValueError`` naming the bad one)."""
+    if merge.rule not in MERGE_RULES:
+        raise ValueError(f"rule must be one of {MERGE_RULES}, got {merge.rule!r}")
+    world_size = check_count("world_size", merge.world_size, 1)
+    return merge._replace(world_size=world_size, proportion=_real("proportion", merge.proportion))
+
+
+def _merge_operands(merge: Merge) -> List[Tuple[str, Any]]:
+    """The arrays ``merge`` reads, named (the proportion rule reads no snapshot)."""
+    return [("total", merge.total)] + ([("snapshot", merge.snapshot)] if merge.rule == "delayed" else [])
+
+
+def _c_merge(merge: Merge) -> Tuple[Any, Any, int, Optional[float]]:
+    """``merge`` as the C loops take it: (snapshot, total, world size, proportion or None for the delayed rule)."""
+    return merge.snapshot, merge.total, merge.world_size, merge.proportion if merge.rule == "proportion" else None
+
+
+def _array_merge(params: Any, merge: Merge) -> None:
+    """The merge as numpy's in-place operations (the C loops round each as they do); ``total`` is overwritten."""
+    average = merge.total
+    average /= merge.world_size
+    if merge.rule == "delayed":
+        params -= merge.snapshot
+        params += average
+    else:
+        params *= merge.proportion
+        average *= 1.0 - merge.proportion
+        params += average
+
+
 def sgd_update(
     params: Any,
     grad: Any,
@@ -125,6 +167,7 @@ def sgd_update(
     check_finite: bool = False,
     work: Optional[List[Any]] = None,
     copy_to: Union[None, Any, Sequence[Any]] = None,
+    merge: Optional[Merge] = None,
 ) -> Optional[bool]:
     """``params -= lr * step(grad)`` in place, with torch.optim.SGD's momentum and weight decay.
 
@@ -160,6 +203,9 @@ def sgd_update(
         Also receive the updated parameters (same length, dtype and backend,
         overlapping none of the others): the copies a caller would make after
         the update, written in the same pass by the fused loop.
+    merge : Merge, optional
+        Then ``merge_average(params, *merge)``, in the same pass on the fused
+        loop (with its bits); not together with ``copy_to``.
 
     Returns
     -------
@@ -182,14 +228,19 @@ def sgd_update(
         raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
     grad_divisor = check_count("grad_divisor", grad_divisor, 1)
     copies = _copies(copy_to)
+    if merge is not None:
+        if copies:
+            raise ValueError("copy_to and merge exclude each other: the fused loop copies only without a merge")
+        merge = _checked_merge(Merge(*merge))
     arrays = [("grad", grad)] + ([("buffer", buffer)] if momentum else []) + copies
+    arrays += _merge_operands(merge) if merge is not None else []
     if momentum and buffer is None:
         raise ValueError(f"momentum={momentum} needs a buffer, got buffer=None")
     _check_like(xp, params, arrays)
     if fused_update_available(params) and all(arr.flags.c_contiguous for _, arr in arrays):
         outputs = [copy for _, copy in copies] + [None] * (MAX_COPIES - len(copies))
         finite = _updatec.sgd(
-            params, grad, buffer if momentum else None, *outputs, grad_divisor, lr, weight_decay, momentum, dampening, nesterov,
+            params, grad, buffer if momentum else None, *outputs, _c_merge(merge) if merge is not None else None, grad_divisor, lr, weight_decay, momentum, dampening, nesterov,
             bool(first_step), get_num_threads(),
         )
         return finite if check_finite else None
@@ -200,6 +251,8 @@ def sgd_update(
     work.extend(xp.empty_like(params) for _ in range(needed - len(work)))
     with np.errstate(all="ignore"):  # inf - inf is NaN here as in the C loop, silently in both
         _array_update(xp, params, grad, buffer, grad_divisor, lr, momentum, dampening, nesterov, weight_decay, bool(first_step), work)
+        if merge is not None:
+            _array_merge(params, merge)
     for _, copy in copies:
         xp.copyto(copy, params)
     return bool(xp.isfinite(grad).all()) if check_finite else None
@@ -296,21 +349,11 @@ def merge_average(params: Any, snapshot: Any, total: Any, world_size: int, rule:
         overlapping; a bad ``world_size``, ``rule`` or ``proportion``.
     """
     xp = check_array("params", params, ndim=1, kinds="f")
-    world_size = check_count("world_size", world_size, 1)
-    if rule not in MERGE_RULES:
-        raise ValueError(f"rule must be one of {MERGE_RULES}, got {rule!r}")
-    proportion = _real("proportion", proportion)
-    arrays = [("total", total)] + ([("snapshot", snapshot)] if rule == "delayed" else [])
+    merge = _checked_merge(Merge(snapshot, total, world_size, rule, proportion))
+    arrays = _merge_operands(merge)
     _check_like(xp, params, arrays)
     if fused_update_available(params) and all(arr.flags.c_contiguous for _, arr in arrays):
-        _updatec.merge_average(params, snapshot, total, world_size, proportion if rule == "proportion" else None, get_num_threads())
+        _updatec.merge_average(params, *_c_merge(merge), get_num_threads())
         return
     with np.errstate(all="ignore"):  # inf - inf is NaN here as in the C loop, silently in both
-        total /= world_size  # the average
-        if rule == "delayed":
-            params -= snapshot
-            params += total
-        else:
-            params *= proportion
-            total *= 1.0 - proportion
-            params += total
+        _array_merge(params, merge)

@@ -456,3 +456,47 @@ def test_training_gives_the_kernels_torchs_thread_count(kernel_threads):
         assert torch.get_num_threads() == 3 and threads.get_num_threads() == 3
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("c_loop", [True, False], ids=["c", "array"])
+@pytest.mark.parametrize("rule, proportion", MERGE_CASES[:2], ids=str)
+@pytest.mark.parametrize("update_rule", [RULES[0], (0.9, 0.0, True, 1e-2, 3), (0.9, 0.3, False, 0.0, 1)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: t.__name__)
+@pytest.mark.parametrize("size, count", [(0, 1), (1, 1), (7, 1), (SPLIT_SIZE, 1), (SPLIT_SIZE, 3)])
+def test_update_with_merge_equals_update_then_merge(size, count, dtype, update_rule, rule, proportion, c_loop,
+                                                    kernel_threads, monkeypatch):
+    """sgd_update(merge=...) gives the bits of the update's reference followed by the merge's."""
+    if not c_loop:
+        monkeypatch.setattr(update, "_updatec", None)
+    kernel_threads(count)
+    momentum, dampening, nesterov, weight_decay, divisor = update_rule
+    rng = np.random.default_rng([size, count, np.dtype(dtype).itemsize, len(rule), int(10 * momentum)])
+    x, g, snapshot, total = (awkward(rng, size, dtype, special=True) for _ in range(4))
+    b = awkward(rng, size, dtype, special=True) if momentum else None
+    want_x, want_b = reference(x.copy(), g, None if b is None else b.copy(), momentum, dampening, nesterov, weight_decay, False, divisor)
+    want_x = merge_reference(want_x, snapshot, total, 3, rule, proportion)
+    saved_snapshot = snapshot.copy()
+    finite = sgd_update(
+        x, g, b, lr=LR, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay,
+        grad_divisor=divisor, check_finite=True, merge=update.Merge(snapshot, total, 3, rule, proportion),
+    )
+    assert finite is bool(np.isfinite(g).all())
+    assert_same_bits(x, want_x)
+    if momentum:
+        assert_same_bits(b, want_b)
+    assert_same_bits(snapshot, saved_snapshot)
+
+
+def test_update_with_merge_is_checked():
+    x = np.zeros(4, np.float32)
+    merge = update.Merge(np.zeros(4, np.float32), np.zeros(4, np.float32), 2)
+    with pytest.raises(ValueError, match="copy_to and merge exclude each other"):
+        sgd_update(x, x.copy(), lr=LR, copy_to=np.zeros(4, np.float32), merge=merge)
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+        sgd_update(x, x.copy(), lr=LR, merge=merge._replace(world_size=0))
+    with pytest.raises(ValueError, match="rule must be one of"):
+        sgd_update(x, x.copy(), lr=LR, merge=merge._replace(rule="mean"))
+    with pytest.raises(ValueError, match="params and total must not overlap"):
+        sgd_update(x, x.copy(), lr=LR, merge=merge._replace(total=x))
+    with pytest.raises(ValueError, match=r"snapshot must be a numpy array of shape \(4,\)"):
+        sgd_update(x, x.copy(), lr=LR, merge=merge._replace(snapshot=np.zeros(3, np.float32)))
