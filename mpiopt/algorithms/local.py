@@ -9,10 +9,10 @@ when its C loop was built); a step allocates nothing after the first.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from ..arrays import array_module
-from ..kernels.update import sgd_update
+from ..kernels.update import Merge, sgd_update
 from .base import check_positive, check_range
 
 __all__ = ["LocalSGD", "LocalStepState"]
@@ -56,11 +56,23 @@ class LocalSGD:
         """
         self._work = []
 
-    def apply(self, params: Any, grad: Any, lr: float, grad_divisor: int = 1) -> None:
+    def apply(
+        self,
+        params: Any,
+        grad: Any,
+        lr: float,
+        grad_divisor: int = 1,
+        *,
+        copy_to: Union[None, Any, Sequence[Any]] = None,
+        merge: Optional[Merge] = None,
+    ) -> None:
         """``params -= lr * direction(grad / grad_divisor)`` in place; ``grad`` is left unchanged.
 
         ``grad_divisor`` turns an Allreduce's sum into the average in the same
-        pass, with the bits of ``grad /= grad_divisor`` first.
+        pass, with the bits of ``grad /= grad_divisor`` first.  ``copy_to`` and
+        ``merge`` are :func:`~mpiopt.kernels.update.sgd_update`'s: copies of
+        the new ``params``, or DaSGD's merge of an average into them, in the
+        same pass.
 
         The same floating-point operations as ``torch.optim.SGD``, each rounded
         on its own (torch fuses ``a + alpha * b`` into one rounding: see
@@ -81,6 +93,8 @@ class LocalSGD:
             first_step=first_step,
             grad_divisor=grad_divisor,
             work=self._work,
+            copy_to=copy_to,
+            merge=merge,
         )
 
 
