@@ -6,7 +6,9 @@
  * (mpiopt.kernels.threads); each part is a contiguous range whose bounds are
  * multiples of `align` elements (so parts of a packed-bit loop own whole
  * bytes or words), and vectors too short to be worth a thread start (tens of
- * microseconds) run in the calling thread alone.  Elementwise loops give the
+ * microseconds) run in the calling thread alone.  Loops whose elements cost
+ * more than a streamed pass (random accesses at sparse indices) ask for
+ * smaller parts.  Elementwise loops give the
  * same bits whatever the split; reductions combine per-part results that the
  * caller keeps in its context, indexed by part, in part order.
  */
@@ -34,19 +36,20 @@ static void *mpiopt_run_part(void *arg) {
     return NULL;
 }
 
-/* How many parts mpiopt_parallel_for splits n elements into (at least 1). */
-static int mpiopt_parts(int threads, Py_ssize_t n) {
-    Py_ssize_t parts = n / MPIOPT_MIN_PART;
+/* How many parts of at least min_part elements n elements split into (at least 1, at most threads). */
+static int mpiopt_parts(int threads, Py_ssize_t n, Py_ssize_t min_part) {
+    Py_ssize_t parts = n / min_part;
     if (parts > threads) parts = threads;
     if (parts > MPIOPT_MAX_PARTS) parts = MPIOPT_MAX_PARTS;
     return parts < 1 ? 1 : (int)parts;
 }
 
-/* Run fn(ctx, lo, hi, part) over mpiopt_parts(threads, n) contiguous parts covering [0, n), part 0 in
- * the calling thread; returns the number of parts.  A thread that cannot be started runs its part
- * here instead.  Call without the GIL. */
-static int mpiopt_parallel_for(int threads, Py_ssize_t n, Py_ssize_t align, mpiopt_part_fn fn, void *ctx) {
-    const int parts = mpiopt_parts(threads, n);
+/* Run fn(ctx, lo, hi, part) over mpiopt_parts(threads, n, min_part) contiguous parts covering [0, n),
+ * part 0 in the calling thread; returns the number of parts.  A thread that cannot be started runs
+ * its part here instead.  Call without the GIL. */
+static int mpiopt_parallel_for_min(int threads, Py_ssize_t n, Py_ssize_t align, Py_ssize_t min_part, mpiopt_part_fn fn,
+                                   void *ctx) {
+    const int parts = mpiopt_parts(threads, n, min_part);
     mpiopt_part work[MPIOPT_MAX_PARTS];
     pthread_t ids[MPIOPT_MAX_PARTS];
     int started[MPIOPT_MAX_PARTS] = {0};
@@ -62,6 +65,11 @@ static int mpiopt_parallel_for(int threads, Py_ssize_t n, Py_ssize_t align, mpio
         else mpiopt_run_part(&work[p]);
     }
     return parts;
+}
+
+/* mpiopt_parallel_for_min with parts of at least MPIOPT_MIN_PART elements (streaming loops). */
+static int mpiopt_parallel_for(int threads, Py_ssize_t n, Py_ssize_t align, mpiopt_part_fn fn, void *ctx) {
+    return mpiopt_parallel_for_min(threads, n, align, MPIOPT_MIN_PART, fn, ctx);
 }
 
 #endif

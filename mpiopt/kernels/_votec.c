@@ -809,13 +809,35 @@ enum { TAKE_ZERO, ADD, ZERO, DIVIDE, SUB_SCALED, GATHER, SET };
 INDEXED(float)
 INDEXED(double)
 
+/* Random accesses: a part of 2**15 of them takes far longer than a thread start. */
+#define INDEXED_MIN_PART (1 << 15)
+
+/* One indexed call, split over the k indices (unique within a call, so parts touch disjoint elements). */
+typedef struct {
+    int op;
+    Py_ssize_t itemsize;
+    char *x;
+    const int32_t *idx;
+    char *other;
+    double scalar;
+} indexed_job;
+
+static void indexed_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    const indexed_job *j = (const indexed_job *)ctx;
+    /* other is indexed like idx, except for SUB_SCALED, which reads it at the indices */
+    const Py_ssize_t at = j->op == SUB_SCALED ? 0 : lo * j->itemsize;
+    (void)part;
+    if (j->itemsize == 4) indexed_float(j->op, (float *)j->x, j->idx + lo, hi - lo, (float *)(j->other + at), j->scalar);
+    else indexed_double(j->op, (double *)j->x, j->idx + lo, hi - lo, (double *)(j->other + at), j->scalar);
+}
+
 static PyObject *py_indexed(PyObject *self, PyObject *args) {
     Py_buffer x, indices, other;
-    int op;
+    int op, threads;
     Py_ssize_t k, itemsize;
     double scalar;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iw*y*nnw*d", &op, &x, &indices, &k, &itemsize, &other, &scalar)) return NULL;
+    if (!PyArg_ParseTuple(args, "iw*y*nnw*di", &op, &x, &indices, &k, &itemsize, &other, &scalar, &threads)) return NULL;
     PyObject *result = NULL;
     const Py_ssize_t n = x.len / (itemsize ? itemsize : 1);
     const Py_ssize_t other_needed = op == SUB_SCALED ? n : (op == ZERO || op == DIVIDE ? 0 : k);
@@ -830,9 +852,9 @@ static PyObject *py_indexed(PyObject *self, PyObject *args) {
         if (bad >= 0) {
             PyErr_Format(PyExc_ValueError, "indexed: index %zd is out of [0, %zd)", (Py_ssize_t)idx[bad], n);
         } else {
+            indexed_job job = {op, itemsize, (char *)x.buf, idx, (char *)other.buf, scalar};
             Py_BEGIN_ALLOW_THREADS
-            if (itemsize == 4) indexed_float(op, (float *)x.buf, idx, k, (float *)other.buf, scalar);
-            else indexed_double(op, (double *)x.buf, idx, k, (double *)other.buf, scalar);
+            mpiopt_parallel_for_min(threads, k, 1, INDEXED_MIN_PART, indexed_part, &job);
             Py_END_ALLOW_THREADS
             Py_INCREF(Py_None);
             result = Py_None;
@@ -880,7 +902,7 @@ static PyMethodDef methods[] = {
      "compress_marked(src, mask, n, out) -> int\n\n"
      "The int32 src[i] with mask[i] (bool bytes) set, i < n, in order into out; return how many."},
     {"indexed", py_indexed, METH_VARARGS,
-     "indexed(op, x, indices, k, itemsize, other, scalar)\n\n"
+     "indexed(op, x, indices, k, itemsize, other, scalar, threads)\n\n"
      "For the k int32 indices j of x (float32/float64): op 0 other[i] = x[j], x[j] = 0; 1 x[j] += other[i];\n"
      "2 x[j] = 0; 3 x[j] /= scalar; 4 x[j] -= scalar * other[j] (scalar in x's dtype); 5 other[i] = x[j];\n"
      "6 x[j] = other[i]."},

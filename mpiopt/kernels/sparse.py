@@ -601,7 +601,7 @@ def _indexed(op: int, x: Any, indices: Any, other: Any = None, scalar: float = 0
         return False
     if indices.dtype != np.int32 or x.dtype not in _VALUE_TYPES or (other is not None and other.dtype != x.dtype):
         return False
-    _votec.indexed(op, x, indices, indices.shape[0], x.dtype.itemsize, x if other is None else other, scalar)
+    _votec.indexed(op, x, indices, indices.shape[0], x.dtype.itemsize, x if other is None else other, scalar, get_num_threads())
     return True
 
 

@@ -339,10 +339,12 @@ def test_regtopk_scores_with_a_workspace_are_bitwise_the_expression(dtype):
 
 
 @needs_c
+@pytest.mark.parametrize("count", [1, 3])
+@pytest.mark.parametrize("d, k", [(1001, 37), (1_000_003, 100_003)])  # the second in 3 threads' parts
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_indexed_loops_are_the_fancy_indexing(dtype):
+def test_indexed_loops_are_the_fancy_indexing(dtype, d, k, count, kernel_threads):
+    kernel_threads(count)
     rng = np.random.default_rng(9)
-    d, k = 1001, 37
     indices = np.sort(rng.choice(d, k, replace=False)).astype(np.int32)
     x = rng.standard_normal(d).astype(dtype)
     y = rng.standard_normal(d).astype(dtype)
