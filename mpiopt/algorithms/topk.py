@@ -307,7 +307,8 @@ def aggregate_payloads(
     for indices, values in decoded:  # one worker's indices are unique: one scatter-add per worker
         scatter_add(out, indices, values)
     touched = union_of_sorted([indices for indices, _ in decoded], out.shape[0], union_bits, union_out)
-    divide_at(out, touched, payloads.shape[0])
+    if payloads.shape[0] > 1:  # x / 1 is x
+        divide_at(out, touched, payloads.shape[0])
     return touched
 
 

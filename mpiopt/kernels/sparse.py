@@ -834,12 +834,17 @@ def union_of_sorted(arrays: list, d: int, bits: Any = None, out: Any = None) -> 
 
     With ``bits`` (uint8, ``ceil(d / 8)``) and ``out`` (int32, room for the
     union) on numpy with the C loops: the indices are marked in the bitmap and
-    read back in order, allocating nothing, and a view of ``out`` is returned.
+    read back in order, allocating nothing, and a view of ``out`` is returned
+    (one array is copied there as it is).
     Otherwise a stable sort of the concatenation merges the already sorted
     runs (numpy's timsort: about 3 ms for 4 x 110,000 indices, where
     ``np.unique`` takes about 90 ms), then neighbours that repeat are dropped.
     """
     xp = array_module(arrays[0]) if arrays else np
+    if len(arrays) == 1 and out is not None and out.shape[0] >= arrays[0].shape[0]:
+        union = out[: arrays[0].shape[0]]  # one sorted array is its own union
+        union[...] = arrays[0]
+        return union
     c_ok = _votec is not None and bits is not None and out is not None and xp is np
     if c_ok and all(a.dtype == np.int32 and a.flags.c_contiguous for a in arrays):
         bits[...] = 0

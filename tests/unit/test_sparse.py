@@ -388,6 +388,9 @@ def test_union_of_sorted(c_loops, monkeypatch):
     np.testing.assert_array_equal(got, expect)
     assert np.shares_memory(got, out) == c_loops
     np.testing.assert_array_equal(sparse.union_of_sorted(arrays, d), expect)
+    one = sparse.union_of_sorted(arrays[1:2], d, np.empty(-(-d // 8), np.uint8), out)  # one worker: a copy in out
+    np.testing.assert_array_equal(one, arrays[1])
+    assert np.shares_memory(one, out) and not np.shares_memory(one, arrays[1])
 
 
 # Long enough for 3 threads' parts of at least 2**18 elements (mpiopt/kernels/_parallel.h), ragged at the end.
