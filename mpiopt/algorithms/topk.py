@@ -71,8 +71,8 @@ from ..kernels import (
     topk_indices,
 )
 from ..kernels.sparse import (
-    TopkWorkspace, divide_at, feedback_select, fused_feedback_available, regtopk_sent_scores, subtract_scaled_at, take_and_zero,
-    union_of_sorted, unsent_factor, zero_at,
+    TopkWorkspace, divide_at, feedback_select, fused_feedback_available, merge_sorted_rows, regtopk_sent_scores, settle_aggregate,
+    subtract_scaled_at, take_and_zero, union_of_sorted, unsent_factor, zero_at,
 )
 from .base import Algorithm, check_positive
 from .local import LocalSGD, LocalStepState
@@ -269,7 +269,8 @@ class SparseWorker:
 
 def aggregate_payloads(
     payloads: Any, out: Any, stale: Optional[Any] = None, indices_out: Optional[Any] = None,
-    union_bits: Optional[Any] = None, union_out: Optional[Any] = None,
+    union_bits: Optional[Any] = None, union_out: Optional[Any] = None, sums_out: Optional[Any] = None,
+    params: Optional[Any] = None, lr: float = 0.0,
 ) -> Any:
     """``G = (1/N) sum_n sent_n`` from the N workers' payloads, into ``out``.
 
@@ -291,7 +292,18 @@ def aggregate_payloads(
         A ``ceil(d / 8)``-byte bitmap and an int32 array of ``N k`` entries
         where the union of the sent indices is formed without allocating
         (see :func:`mpiopt.kernels.sparse.union_of_sorted`); the result is
-        then a view of ``union_out``, and may be passed back as ``stale``.
+        then a view of ``union_out``, and may be passed back as ``stale``
+        (of the next call but one: ``union_out`` must not hold ``stale``).
+    sums_out : array like ``out``, ``N k`` entries, optional
+        With ``union_out``: the rows are merged in sorted order
+        (:func:`~mpiopt.kernels.sparse.merge_sorted_rows`) instead of
+        scatter-added one by one, and ``G`` is written in one walk (the same
+        floats).
+    params : array like ``out``, optional
+        Also ``params[j] -= lr * G[j]`` where ``G`` is non-zero (the papers'
+        update), in the same walk where it can.
+    lr : float
+        The learning rate of that update.
 
     Returns
     -------
@@ -300,6 +312,15 @@ def aggregate_payloads(
     """
     rows = [None] * payloads.shape[0] if indices_out is None else indices_out
     decoded = [decode(payload, out.shape[0], out.dtype, row) for payload, row in zip(payloads, rows)]
+    merged = None
+    if union_out is not None and sums_out is not None:
+        merged = merge_sorted_rows([i for i, _ in decoded], [v for _, v in decoded], out.shape[0], union_out, sums_out)
+    if merged is not None:
+        touched, sums = merged
+        if stale is None:
+            out[...] = 0
+        settle_aggregate(out, touched, sums, payloads.shape[0], stale=stale, params=params, lr=lr)
+        return touched
     if stale is None:
         out[...] = 0
     else:
@@ -309,6 +330,8 @@ def aggregate_payloads(
     touched = union_of_sorted([indices for indices, _ in decoded], out.shape[0], union_bits, union_out)
     if payloads.shape[0] > 1:  # x / 1 is x
         divide_at(out, touched, payloads.shape[0])
+    if params is not None:
+        subtract_scaled_at(params, touched, out, lr)
     return touched
 
 
@@ -387,24 +410,27 @@ class _SparseSGD(LocalStepState, Algorithm):
         bitmaps = payload_format(self.worker.k, self.worker.num_params) == "bitmap"
         # Bitmap payloads' indices are decoded here each step (pairs payloads' are read in place).
         self._indices = xp.empty((self.topology.world.size, self.worker.k), dtype=xp.int32) if bitmaps else None
-        # Where the union of the sent indices is formed (and kept as the next step's stale entries).
+        # Where the union of the sent indices is formed and kept as the next step's stale entries: two
+        # buffers used in turn, as a step's union must not overwrite the stale entries it clears.
         self._union_bits = xp.empty(packed_nbytes(params.size), dtype=xp.uint8)
-        self._union = xp.empty(min(params.size, self.topology.world.size * self.worker.k), dtype=xp.int32)
+        union = min(params.size, self.topology.world.size * self.worker.k)
+        self._unions = xp.empty((2, union), dtype=xp.int32)
+        self._sums = xp.empty(union, dtype=params.dtype)  # per union entry, the workers' sum
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         self.worker.compress(grad, self._aggregate, out=self._payload)
         self.topology.world.Allgather(self._payload, self._payloads)
-        # G = (1/N) sum_n sent_n, non-zero on at most P k entries
+        dense = bool(self.local.momentum or self.local.weight_decay)
+        # G = (1/N) sum_n sent_n, non-zero on at most P k entries; without momentum and weight decay the
+        # paper's rule, x <- x - lr G where G is non-zero, in the same walk (the dense update's floats).
         touched = aggregate_payloads(
             self._payloads, out=self._aggregate, stale=self._touched, indices_out=self._indices,
-            union_bits=self._union_bits, union_out=self._union,
+            union_bits=self._union_bits, union_out=self._unions[self.steps % 2], sums_out=self._sums,
+            params=None if dense else params, lr=self.lr,
         )
         self._touched = touched
-        if self.local.momentum or self.local.weight_decay:
+        if dense:
             self.local.apply(params, self._aggregate, self.lr)  # x <- x - lr G with momentum / decay
-        else:
-            # The paper's rule, x <- x - lr G, where G is non-zero: the same floats as the dense update.
-            subtract_scaled_at(params, touched, self._aggregate, self.lr)
 
     def load_state_dict(self, state: Any, *, override_hyperparameters: bool = False) -> None:
         super().load_state_dict(state, override_hyperparameters=override_hyperparameters)

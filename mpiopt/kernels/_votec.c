@@ -19,7 +19,7 @@
  * packbits, unpackbits + flatnonzero), here written straight into the caller's buffer,
  * so a step allocates nothing.
  *
- * scan, compress_marked, bitmap_mark and indexed: top-k's selection,
+ * scan, compress_marked, bitmap_mark, indexed, merge_rows and settle: top-k's selection,
  * aggregation and sparse update with int32 indices, written into the
  * caller's workspaces (numpy's fancy indexing converts int32 indices to a
  * k-element intp copy per call, its masks and nonzero() allocate).
@@ -866,6 +866,163 @@ static PyObject *py_indexed(PyObject *self, PyObject *args) {
     return result;
 }
 
+#define MERGE_MAX_ROWS 8
+
+/* Top-k's aggregation without a scatter per worker: the P workers' sorted rows are merged.
+ *
+ * merge_rows: the sorted union of P rows of int32 indices (each strictly ascending, in [0, d)) into
+ * union_out and, per union entry, the sum of the rows' values there in row order (0 + v_first +
+ * ...: the floats of zeroing the aggregate and scatter-adding the rows in order) into sums_out.
+ * settle: the aggregate's new entries (sums / divisor) written at the union, the previous step's
+ * entries that are not in it zeroed, and optionally x -= lr * G at the union, in one walk over both
+ * sorted lists: a random access per entry instead of one per pass. */
+#define MERGE_ROWS(T)                                                                                   \
+    static Py_ssize_t merge_rows_##T(int rows, const int32_t *const *idx, const char *const *val,      \
+                                     const Py_ssize_t *len, Py_ssize_t d, int32_t *out, T *sums,       \
+                                     Py_ssize_t capacity) {                                            \
+        Py_ssize_t pos[MERGE_MAX_ROWS] = {0}, u = 0;                                                  \
+        for (;;) {                                                                                     \
+            int32_t m = INT32_MAX;                                                                     \
+            int any = 0;                                                                               \
+            for (int r = 0; r < rows; ++r)                                                             \
+                if (pos[r] < len[r] && idx[r][pos[r]] <= m) { m = idx[r][pos[r]]; any = 1; }            \
+            if (!any) return u;                                                                        \
+            if (m < 0 || m >= d) return -1;                                                            \
+            if (u >= capacity) return -2;                                                              \
+            T sum = 0;                                                                                 \
+            for (int r = 0; r < rows; ++r) {                                                           \
+                if (pos[r] < len[r] && idx[r][pos[r]] == m) {                                          \
+                    T v;                                                                               \
+                    memcpy(&v, val[r] + pos[r] * sizeof(T), sizeof v); /* payload rows need not be aligned */ \
+                    sum = sum + v;                                                                     \
+                    ++pos[r];                                                                          \
+                    if (pos[r] < len[r] && idx[r][pos[r]] <= m) return -1; /* not strictly ascending */ \
+                }                                                                                      \
+            }                                                                                          \
+            out[u] = m;                                                                                \
+            sums[u] = sum;                                                                             \
+            ++u;                                                                                       \
+        }                                                                                              \
+    }                                                                                                  \
+    static void settle_##T(T *g, T *x, const int32_t *stale, Py_ssize_t n_stale, const int32_t *idx,    \
+                           const T *sums, Py_ssize_t u, double divisor, double lr) {                   \
+        const T p = (T)divisor, s = (T)lr;                                                             \
+        Py_ssize_t i = 0;                                                                              \
+        for (Py_ssize_t j = 0; j < u; ++j) {                                                           \
+            const int32_t at = idx[j];                                                                 \
+            for (; i < n_stale && stale[i] < at; ++i) g[stale[i]] = 0;                                 \
+            if (i < n_stale && stale[i] == at) ++i; /* written below */                                \
+            const T value = divisor != 1.0 ? sums[j] / p : sums[j];                                    \
+            g[at] = value;                                                                             \
+            if (x) {                                                                                   \
+                const T product = s * value;                                                           \
+                x[at] -= product;                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+        for (; i < n_stale; ++i) g[stale[i]] = 0;                                                      \
+    }
+MERGE_ROWS(float)
+MERGE_ROWS(double)
+
+static PyObject *py_merge_rows(PyObject *self, PyObject *args) {
+    PyObject *idx_rows, *val_rows;
+    Py_ssize_t d, itemsize;
+    Py_buffer out = {0}, sums = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!O!nnw*w*", &PyTuple_Type, &idx_rows, &PyTuple_Type, &val_rows, &d, &itemsize, &out,
+                          &sums))
+        return NULL;
+    Py_buffer ib[MERGE_MAX_ROWS], vb[MERGE_MAX_ROWS];
+    const int32_t *idx[MERGE_MAX_ROWS];
+    const char *val[MERGE_MAX_ROWS];
+    Py_ssize_t len[MERGE_MAX_ROWS];
+    const Py_ssize_t rows = PyTuple_GET_SIZE(idx_rows);
+    int held = 0;
+    PyObject *result = NULL;
+    if (rows > MERGE_MAX_ROWS || PyTuple_GET_SIZE(val_rows) != rows || (itemsize != 4 && itemsize != 8)) {
+        PyErr_Format(PyExc_ValueError, "merge_rows: %zd rows (at most %d, as many values as indices), itemsize %zd",
+                     rows, MERGE_MAX_ROWS, itemsize);
+        goto done;
+    }
+    for (; held < rows; ++held) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(idx_rows, held), &ib[held], PyBUF_C_CONTIGUOUS) < 0) goto done;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(val_rows, held), &vb[held], PyBUF_C_CONTIGUOUS) < 0) {
+            PyBuffer_Release(&ib[held]);
+            goto done;
+        }
+        len[held] = ib[held].len / 4;
+        if (vb[held].len < len[held] * itemsize) {
+            PyErr_SetString(PyExc_ValueError, "merge_rows: a row has fewer values than indices");
+            PyBuffer_Release(&ib[held]);
+            PyBuffer_Release(&vb[held]);
+            goto done;
+        }
+        idx[held] = (const int32_t *)ib[held].buf;
+        val[held] = (const char *)vb[held].buf;
+    }
+    const Py_ssize_t capacity = out.len / 4 < sums.len / itemsize ? out.len / 4 : sums.len / itemsize;
+    Py_ssize_t u;
+    Py_BEGIN_ALLOW_THREADS
+    u = itemsize == 4 ? merge_rows_float((int)rows, idx, val, len, d, (int32_t *)out.buf, (float *)sums.buf, capacity)
+                      : merge_rows_double((int)rows, idx, val, len, d, (int32_t *)out.buf, (double *)sums.buf, capacity);
+    Py_END_ALLOW_THREADS
+    if (u == -1) PyErr_Format(PyExc_ValueError, "merge_rows: every row must hold unique indices in [0, %zd), ascending", d);
+    else if (u == -2) PyErr_SetString(PyExc_ValueError, "merge_rows: the outputs cannot hold the union");
+    else result = PyLong_FromSsize_t(u);
+done:
+    for (int r = 0; r < held; ++r) {
+        PyBuffer_Release(&ib[r]);
+        PyBuffer_Release(&vb[r]);
+    }
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&sums);
+    return result;
+}
+
+static PyObject *py_settle(PyObject *self, PyObject *args) {
+    Py_buffer g = {0}, x = {0}, stale = {0}, idx = {0}, sums = {0};
+    PyObject *xo, *staleo;
+    Py_ssize_t u, itemsize;
+    double divisor, lr;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*OOy*y*nndd", &g, &xo, &staleo, &idx, &sums, &u, &itemsize, &divisor, &lr)) return NULL;
+    PyObject *result = NULL;
+    if (xo != Py_None && PyObject_GetBuffer(xo, &x, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (staleo != Py_None && PyObject_GetBuffer(staleo, &stale, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    const Py_ssize_t n = (itemsize == 4 || itemsize == 8) ? g.len / itemsize : 0, n_stale = stale.obj ? stale.len / 4 : 0;
+    int ok = (itemsize == 4 || itemsize == 8) && u >= 0 && idx.len >= 4 * u && sums.len >= u * itemsize &&
+             (!x.obj || x.len == g.len);
+    for (Py_ssize_t i = 0; ok && i < u; ++i) {
+        const int32_t at = ((const int32_t *)idx.buf)[i];
+        ok = at >= 0 && at < n && (i == 0 || at > ((const int32_t *)idx.buf)[i - 1]);
+    }
+    for (Py_ssize_t i = 0; ok && i < n_stale; ++i) {
+        const int32_t at = ((const int32_t *)stale.buf)[i];
+        ok = at >= 0 && at < n && (i == 0 || at > ((const int32_t *)stale.buf)[i - 1]);
+    }
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "settle: bad sizes, or indices that are not unique, ascending and in range");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (itemsize == 4)
+        settle_float((float *)g.buf, x.obj ? (float *)x.buf : NULL, (const int32_t *)stale.buf, n_stale,
+                     (const int32_t *)idx.buf, (const float *)sums.buf, u, divisor, lr);
+    else
+        settle_double((double *)g.buf, x.obj ? (double *)x.buf : NULL, (const int32_t *)stale.buf, n_stale,
+                      (const int32_t *)idx.buf, (const double *)sums.buf, u, divisor, lr);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    PyBuffer_Release(&g);
+    if (x.obj) PyBuffer_Release(&x);
+    if (stale.obj) PyBuffer_Release(&stale);
+    PyBuffer_Release(&idx);
+    PyBuffer_Release(&sums);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"vote", py_vote, METH_VARARGS,
      "vote(rows, voters, stride_bytes, nbytes, threshold, out)\n\n"
@@ -906,6 +1063,15 @@ static PyMethodDef methods[] = {
      "For the k int32 indices j of x (float32/float64): op 0 other[i] = x[j], x[j] = 0; 1 x[j] += other[i];\n"
      "2 x[j] = 0; 3 x[j] /= scalar; 4 x[j] -= scalar * other[j] (scalar in x's dtype); 5 other[i] = x[j];\n"
      "6 x[j] = other[i]."},
+    {"merge_rows", py_merge_rows, METH_VARARGS,
+     "merge_rows(index_rows, value_rows, d, itemsize, union_out, sums_out) -> int\n\n"
+     "The sorted union of up to 8 rows of int32 indices (each unique, ascending, in [0, d)) into union_out,\n"
+     "and per union entry the sum of the rows' values there, added in row order from 0, into sums_out;\n"
+     "returns the union's size."},
+    {"settle", py_settle, METH_VARARGS,
+     "settle(g, x, stale, union, sums, u, itemsize, divisor, lr)\n\n"
+     "g[union[j]] = sums[j] / divisor (no division when it is 1) for j < u, g[i] = 0 for the stale indices\n"
+     "not in the union (both sorted), and, unless x is None, x[union[j]] -= lr * g[union[j]]."},
     {"bitmap_indices", py_bitmap_indices, METH_VARARGS,
      "bitmap_indices(bitmap, d, out) -> int\n\n"
      "Write the positions (< d, ascending) of the set bits as int32 into out, as many as it holds;\n"

@@ -829,6 +829,65 @@ def divide_at(out: Any, indices: Any, divisor: int) -> Any:
     return out
 
 
+#: The most rows :func:`merge_sorted_rows` merges (its C loop looks at every row for each entry).
+MERGE_MAX_ROWS = 8
+
+
+def merge_sorted_rows(index_rows: list, value_rows: list, d: int, union_out: Any, sums_out: Any) -> Optional[Tuple[Any, Any]]:
+    """The sorted union of sorted index rows, and per union entry the sum of the rows' values there.
+
+    The sums are formed from 0 by adding the rows' values in row order: the
+    floats of zeroing a dense vector and :func:`scatter_add`-ing the rows one
+    after the other, without a random access per row.
+
+    Parameters
+    ----------
+    index_rows : list of int32 arrays
+        At most :data:`MERGE_MAX_ROWS` rows, each unique and ascending in ``[0, d)``.
+    value_rows : list of arrays
+        The values, row by row (float32 or float64, like ``sums_out``).
+    d : int
+        The length of the dense vector.
+    union_out : array of int32
+    sums_out : array like the values
+        Room for the union.
+
+    Returns
+    -------
+    (union, sums) or None
+        Views of the outputs; None where the C loops cannot run (not built,
+        not numpy, more rows, other dtypes), and the caller aggregates by
+        scatter-adding instead.
+
+    Raises
+    ------
+    ValueError
+        A row that is not unique, ascending and in range, or outputs too small.
+    """
+    arrays = [*index_rows, *value_rows, union_out, sums_out]
+    if _votec is None or len(index_rows) > MERGE_MAX_ROWS or not all(isinstance(a, np.ndarray) for a in arrays):
+        return None
+    if any(a.dtype != np.int32 for a in (*index_rows, union_out)) or any(v.dtype != sums_out.dtype for v in value_rows):
+        return None
+    if sums_out.dtype not in _VALUE_TYPES or not all(a.flags.c_contiguous for a in arrays):
+        return None
+    u = _votec.merge_rows(tuple(index_rows), tuple(value_rows), d, sums_out.dtype.itemsize, union_out, sums_out)
+    return union_out[:u], sums_out[:u]
+
+
+def settle_aggregate(out: Any, union: Any, sums: Any, divisor: int, stale: Any = None, params: Any = None, lr: float = 0.0) -> None:
+    """``out[union] = sums / divisor``, the other ``stale`` entries zeroed; with ``params``, ``params[union] -= lr * out[union]``.
+
+    One walk over the sorted ``union`` and ``stale`` (C loops, numpy arrays
+    from :func:`merge_sorted_rows`): the floats of :func:`zero_at`,
+    :func:`divide_at` (skipped for 1) and :func:`subtract_scaled_at`, one
+    random access per entry instead of one per pass.  ``stale`` (the
+    previous union; None: ``out`` is zero outside ``union`` already) must
+    not share memory with ``union``.
+    """
+    _votec.settle(out, params, stale, union, sums, union.shape[0], out.dtype.itemsize, float(divisor), float(lr))
+
+
 def union_of_sorted(arrays: list, d: int, bits: Any = None, out: Any = None) -> Any:
     """Sorted union of sorted index arrays in ``[0, d)``.
 

@@ -521,3 +521,88 @@ def test_scan_against_numpy(d, dtype, count):
         assert n == want.size
         np.testing.assert_array_equal(idx[:n], want)
         assert out[:n].tobytes() == scores[want].tobytes()
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+def test_merge_and_settle_are_the_scatter_passes(rows, dtype):
+    """merge_sorted_rows + settle_aggregate give the floats of zero_at, scatter_add per row, divide_at and subtract_scaled_at."""
+    rng = np.random.default_rng([rows, np.dtype(dtype).itemsize])
+    d = 5003
+    index_rows = [np.sort(rng.choice(d, rng.integers(0, 700), replace=False)).astype(np.int32) for _ in range(rows)]
+    index_rows[0] = np.union1d(index_rows[0], [0, d - 1]).astype(np.int32)  # the ends of the vector
+    value_rows = []
+    for indices in index_rows:
+        raw = np.zeros(indices.size * np.dtype(dtype).itemsize + 1, np.uint8)[1:]  # a misaligned row, as a payload's
+        values = raw.view(dtype)
+        values[...] = rng.standard_normal(indices.size)
+        values[::5] = -0.0
+        value_rows.append(values)
+    stale = np.sort(rng.choice(d, 900, replace=False)).astype(np.int32)
+    start = np.zeros(d, dtype)
+    start[stale] = rng.standard_normal(stale.size)
+    params = rng.standard_normal(d).astype(dtype)
+    # the scatter passes
+    want = start.copy()
+    sparse.zero_at(want, stale)
+    for indices, values in zip(index_rows, value_rows):
+        scatter_add(want, indices, values)
+    union = np.unique(np.concatenate(index_rows)).astype(np.int32)
+    if rows > 1:
+        sparse.divide_at(want, union, rows)
+    want_params = sparse.subtract_scaled_at(params.copy(), union, want, 0.05)
+
+    capacity = sum(i.size for i in index_rows)
+    merged = sparse.merge_sorted_rows(index_rows, value_rows, d, np.empty(capacity, np.int32), np.empty(capacity, dtype))
+    np.testing.assert_array_equal(merged[0], union)
+    got, got_params = start.copy(), params.copy()
+    sparse.settle_aggregate(got, merged[0], merged[1], rows, stale=stale, params=got_params, lr=0.05)
+    assert got.tobytes() == want.tobytes() and got_params.tobytes() == want_params.tobytes()
+
+
+@needs_c
+def test_merge_refuses_bad_rows_and_small_outputs():
+    good = np.array([1, 5], np.int32)
+    values = np.ones(2, np.float32)
+    out, sums = np.empty(4, np.int32), np.empty(4, np.float32)
+    for bad in ([5, 1], [3, 3], [-1, 2], [2, 10]):
+        with pytest.raises(ValueError, match="unique indices in \\[0, 10\\), ascending"):
+            sparse.merge_sorted_rows([good, np.array(bad, np.int32)], [values, values], 10, out, sums)
+    with pytest.raises(ValueError, match="cannot hold the union"):
+        sparse.merge_sorted_rows([good, np.array([2, 3], np.int32)], [values, values], 10, out[:3], sums)
+    assert sparse.merge_sorted_rows([good] * 9, [values] * 9, 10, out, sums) is None  # more rows: the scatter path
+    assert sparse.merge_sorted_rows([good.astype(np.int64)], [values], 10, out, sums) is None
+    with pytest.raises(ValueError, match="unique, ascending and in range"):
+        sparse.settle_aggregate(np.zeros(10, np.float32), np.array([3, 2], np.int32), values, 1)
+
+
+@needs_c
+@pytest.mark.parametrize("density", [0.01, 0.3])  # int32 pairs and bitmap payloads
+@pytest.mark.parametrize("rows", [1, 3, 9])  # 9: more rows than the merge takes
+def test_aggregate_payloads_merged_equals_scattered(rows, density):
+    from mpiopt.algorithms.topk import aggregate_payloads
+
+    rng = np.random.default_rng([rows, int(density * 100)])
+    d = 20_011
+    k = density_to_k(d, density)
+    payloads = np.stack([
+        encode(np.sort(rng.choice(d, k, replace=False)).astype(np.int32), rng.standard_normal(k).astype(np.float32), d)
+        for _ in range(rows)
+    ])
+    params = rng.standard_normal(d).astype(np.float32)
+    want, want_params = np.zeros(d, np.float32), params.copy()
+    got, got_params = np.zeros(d, np.float32), params.copy()
+    capacity = min(d, rows * k)
+    unions, sums = np.empty((2, capacity), np.int32), np.empty(capacity, np.float32)
+    bits, indices = np.empty(-(-d // 8), np.uint8), np.empty((rows, k), np.int32)
+    stale = None
+    for step in range(3):
+        touched_want = aggregate_payloads(payloads, want, params=want_params, lr=0.1)
+        stale = aggregate_payloads(
+            payloads, got, stale=stale, indices_out=indices, union_bits=bits, union_out=unions[step % 2], sums_out=sums,
+            params=got_params, lr=0.1,
+        )
+        np.testing.assert_array_equal(stale, touched_want)
+        assert got.tobytes() == want.tobytes() and got_params.tobytes() == want_params.tobytes()
+        payloads = np.roll(payloads, 1, axis=0)  # other workers' rows at each position next step
