@@ -644,9 +644,11 @@ MASK64(double, fabs)
 SCAN(float, fabsf)
 SCAN(double, fabs)
 
-/* One scan call, split into parts; part p writes its candidates into its share of the outputs
- * (proportional to its length) and counts them in counts[p]. */
+/* One scan call, split into chunks; chunk c writes its candidates into its share of the outputs
+ * (proportional to its length, or, when `exact`, the room start[c] / room[c] that a first pass's
+ * counts give) and counts them in counts[c]. */
 typedef struct {
+    int exact;
     Py_ssize_t itemsize, n, capacity, n_over;
     char *x;
     const char *g;
@@ -662,7 +664,8 @@ typedef struct {
 static void scan_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
     scan_job *j = (scan_job *)ctx;
     const Py_ssize_t s = j->itemsize;
-    const Py_ssize_t begin = j->n ? j->capacity * lo / j->n : 0, end = j->n ? j->capacity * hi / j->n : 0;
+    const Py_ssize_t begin = j->exact ? j->start[part] : (j->n ? j->capacity * lo / j->n : 0);
+    const Py_ssize_t end = j->exact ? begin + j->room[part] : (j->n ? j->capacity * hi / j->n : 0);
     Py_ssize_t a = 0, b = j->n_over; /* the first override >= lo */
     while (a < b) {
         const Py_ssize_t mid = a + (b - a) / 2;
@@ -717,6 +720,7 @@ static PyObject *py_scan(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
+    job->exact = 0;
     job->itemsize = itemsize;
     job->n = n;
     job->capacity = idx.len / 4 < scores.len / itemsize ? idx.len / 4 : scores.len / itemsize;
@@ -733,7 +737,7 @@ static PyObject *py_scan(PyObject *self, PyObject *args) {
     Py_ssize_t total = 0, fits = 1;
     Py_BEGIN_ALLOW_THREADS
     parts = mpiopt_parallel_for(threads, n, 64, scan_part, job);
-    /* Move each part's candidates down after the previous part's, in order. */
+    /* Move each chunk's candidates down after the previous chunk's, in order. */
     for (int p = 0; p < parts; ++p) {
         fits &= job->counts[p] <= job->room[p];
         if (fits && job->start[p] != total) {
@@ -742,9 +746,22 @@ static PyObject *py_scan(PyObject *self, PyObject *args) {
         }
         total += job->counts[p];
     }
+    if (!fits && total <= job->capacity) {
+        /* A chunk's share overflowed (its candidates are many: the large entries of a vector cluster)
+         * although all fit: scan again, x += g done, each chunk writing exactly where its count says. */
+        Py_ssize_t at = 0;
+        for (int p = 0; p < parts; ++p) {
+            job->start[p] = at;
+            job->room[p] = job->counts[p];
+            at += job->counts[p];
+        }
+        job->exact = 1;
+        job->g = NULL;
+        mpiopt_parallel_for(threads, n, 64, scan_part, job);
+    }
     Py_END_ALLOW_THREADS
-    /* A part whose share overflowed lost candidates: report more than the outputs hold. */
-    result = PyLong_FromSsize_t(fits ? total : (total > job->capacity ? total : job->capacity + 1));
+    /* More candidates than the outputs hold: report their number, the outputs partial. */
+    result = PyLong_FromSsize_t(total);
     PyMem_Free(job);
 done:
     PyBuffer_Release(&x);

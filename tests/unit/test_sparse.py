@@ -606,3 +606,22 @@ def test_aggregate_payloads_merged_equals_scattered(rows, density):
         np.testing.assert_array_equal(stale, touched_want)
         assert got.tobytes() == want.tobytes() and got_params.tobytes() == want_params.tobytes()
         payloads = np.roll(payloads, 1, axis=0)  # other workers' rows at each position next step
+
+
+@needs_c
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_scan_of_clustered_candidates_fills_the_outputs_exactly(count, kernel_threads):
+    """Every candidate in the first tenth of the vector: the chunks' proportional shares overflow, all fit."""
+    kernel_threads(count)
+    d = SPLIT_SIZE
+    rng = np.random.default_rng(count)
+    x = (rng.standard_normal(d) * 0.01).astype(np.float32)
+    g = np.zeros(d, np.float32)
+    x[: d // 10 : 7] = 5.0 + rng.random(len(range(0, d // 10, 7))).astype(np.float32)
+    want = np.flatnonzero(np.abs(x) >= 1.0).astype(np.int32)
+    idx, scores = np.empty(2 * want.size, np.int32), np.empty(2 * want.size, np.float32)
+    n = sparse._votec.scan(x, g, d, 4, 1.0, True, None, None, idx, scores, count)
+    assert n == want.size
+    np.testing.assert_array_equal(idx[:n], want)
+    assert scores[:n].tobytes() == np.abs(x[want]).tobytes()
+    assert sparse._votec.scan(x, None, d, 4, 1.0, True, None, None, idx[: want.size - 1], scores, count) == want.size
