@@ -15,7 +15,7 @@ from mpiopt.kernels import (
     unpack_signs,
     vote_chunk,
 )
-from mpiopt.kernels import signs, threads
+from mpiopt.kernels import signs
 
 SIZES = [1, 7, 8, 9, 63, 64, 65, 1000, 4097]
 VOTERS = [1, 2, 3, 4, 7, 8, 15]
@@ -308,14 +308,6 @@ def test_apply_signs_is_the_numpy_passes(c_loop, dtype, d, decay, monkeypatch):
 
 # Long enough for 3 threads' parts of at least 2**18 elements (mpiopt/kernels/_parallel.h), ragged at the end.
 SPLIT_SIZE = 3 * 2**18 + 13
-
-
-@pytest.fixture
-def kernel_threads():
-    """Set the kernels' thread count within a test; restored afterwards."""
-    saved = threads.get_num_threads()
-    yield threads.set_num_threads
-    threads.set_num_threads(saved)
 
 
 @pytest.mark.parametrize("count", [1, 3])

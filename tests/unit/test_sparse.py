@@ -17,7 +17,7 @@ from mpiopt.kernels import (
     scatter_add,
     topk_indices,
 )
-from mpiopt.kernels import sparse, threads
+from mpiopt.kernels import sparse
 
 SIZES = [1, 7, 8, 9, 63, 64, 65, 1000, 4097]
 DENSITIES = [0.001, 0.01, 0.3, 1.0]
@@ -395,14 +395,6 @@ def test_union_of_sorted(c_loops, monkeypatch):
 
 # Long enough for 3 threads' parts of at least 2**18 elements (mpiopt/kernels/_parallel.h), ragged at the end.
 SPLIT_SIZE = 3 * 2**18 + 13
-
-
-@pytest.fixture
-def kernel_threads():
-    """Set the kernels' thread count within a test; restored afterwards."""
-    saved = threads.get_num_threads()
-    yield threads.set_num_threads
-    threads.set_num_threads(saved)
 
 
 def regtopk_reference(acc, sent_indices, sent_values, prev, n, mu, k):

@@ -240,14 +240,6 @@ def test_update_benchmark_reports_every_variant():
 SPLIT_SIZE = 3 * 2**18 + 13
 
 
-@pytest.fixture
-def kernel_threads():
-    """Set the kernels' thread count within a test; restored afterwards."""
-    saved = threads.get_num_threads()
-    yield threads.set_num_threads
-    threads.set_num_threads(saved)
-
-
 @pytest.mark.parametrize("rule", [RULES[0], (0.9, 0.0, True, 1e-2, 3), (0.9, 0.3, False, 0.0, 1)], ids=str)
 @pytest.mark.parametrize("count", [2, 3, 7])
 def test_threads_give_the_same_bits(count, rule, kernel_threads):
