@@ -415,6 +415,7 @@ class _SparseSGD(LocalStepState, Algorithm):
         self._union_bits = xp.empty(packed_nbytes(params.size), dtype=xp.uint8)
         union = min(params.size, self.topology.world.size * self.worker.k)
         self._unions = xp.empty((2, union), dtype=xp.int32)
+        self._union_slot = 0  # the buffer that does not hold self._touched
         self._sums = xp.empty(union, dtype=params.dtype)  # per union entry, the workers' sum
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
@@ -425,10 +426,11 @@ class _SparseSGD(LocalStepState, Algorithm):
         # paper's rule, x <- x - lr G where G is non-zero, in the same walk (the dense update's floats).
         touched = aggregate_payloads(
             self._payloads, out=self._aggregate, stale=self._touched, indices_out=self._indices,
-            union_bits=self._union_bits, union_out=self._unions[self.steps % 2], sums_out=self._sums,
+            union_bits=self._union_bits, union_out=self._unions[self._union_slot], sums_out=self._sums,
             params=None if dense else params, lr=self.lr,
         )
         self._touched = touched
+        self._union_slot ^= 1  # the next union goes to the other buffer
         if dense:
             self.local.apply(params, self._aggregate, self.lr)  # x <- x - lr G with momentum / decay
 

@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     link = link_rate(getattr(args, "link", None))
     torch.set_num_threads(args.threads)
-    kernel_threads.set_num_threads(min(args.threads, kernel_threads.MAX_THREADS))  # mpiopt's side uses as many
+    kernel_threads.set_num_threads(args.threads, clamp=True)  # mpiopt's side uses as many
     topology = Topology()
     out = say(topology.rank)
     init_gloo(topology)

@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    threads.set_num_threads(min(torch.get_num_threads(), threads.MAX_THREADS))
+    threads.set_num_threads(torch.get_num_threads(), clamp=True)
     topology = Topology()
     results = measure(args.d, args.rounds, args.steps, args.algorithms, args.seed, topology)
     print(

@@ -25,8 +25,12 @@
  * k-element intp copy per call, its masks and nonzero() allocate).
  *
  * momentum_signs: Signum's momentum update and the packing of its signs in one
- * pass (numpy needs four).  pack_signs, momentum_signs and apply_signs split
- * long vectors across threads (_parallel.h) on whole bytes of signs.
+ * pass (numpy needs four).
+ *
+ * Threads (_parallel.h): pack_signs, momentum_signs and apply_signs split long
+ * vectors on whole bytes of signs, scan on blocks of 64 entries (with an exact
+ * second pass when the candidates cluster), indexed its indices in parts of
+ * 2**15 (unique within a call, so parts touch disjoint entries).
  *
  * Buffers come through the buffer protocol, so building needs no numpy
  * headers.  The build is optional (setup.py): without a C compiler mpiopt
@@ -1100,8 +1104,11 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_votec", "Fused CPU loops over packed bits: the majority vote, sign packing, bitmaps.", -1, methods, NULL, NULL, NULL, NULL,
 };
 
+/* VERSION changes with the functions' arguments, so that signs.py can refuse a stale build. */
 PyMODINIT_FUNC PyInit__votec(void) {
     fill_sign_table_float();
     fill_sign_table_double();
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "VERSION", 1) < 0) Py_CLEAR(m);
+    return m;
 }

@@ -25,6 +25,7 @@ Conventions, the same in every function here and on every backend:
 
 from __future__ import annotations
 
+import numbers
 from types import ModuleType
 from typing import Any, List, Set, Tuple
 
@@ -37,7 +38,7 @@ try:  # the optional fused C loops (setup.py); the numpy code below gives the sa
     from . import _votec
 except ImportError:  # pragma: no cover - built without a C compiler
     _votec = None
-if _votec is not None and not all(hasattr(_votec, name) for name in ("unpack_signs", "apply_signs", "indexed", "momentum_signs")):  # pragma: no cover
+if _votec is not None and getattr(_votec, "VERSION", 0) != 1:  # pragma: no cover
     _votec = None  # a stale build (older loops' arguments, newer loops missing): rebuild (pip install -e .)
 
 __all__ = [
@@ -209,19 +210,31 @@ def momentum_signs(momentum: Any, grad: Any, beta: float, out: Any, scratch: Any
     -------
     array
         ``out``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Arrays of other dtypes or shapes, ``out`` not C-contiguous, arrays
+        that overlap, or ``beta`` outside ``[0, 1)``.
     """
     xp = check_array("momentum", momentum, ndim=1, kinds="f")
     check_array("grad", grad, ndim=1, kinds="f", dtype=momentum.dtype)
     d = momentum.shape[0]
     if grad.shape != momentum.shape:
         raise ValueError(f"grad must have momentum's shape {momentum.shape}, got {grad.shape}")
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0 <= beta < 1:
+        raise ValueError(f"beta must be a number in [0, 1), got {beta!r}")
     out = _output(xp, out, (packed_nbytes(d),), np.uint8)
+    if xp is np and (np.may_share_memory(momentum, grad) or np.may_share_memory(momentum, out) or np.may_share_memory(grad, out)):
+        raise ValueError("momentum, grad and out must not overlap")
+    beta = float(beta)
     arrays = (momentum, grad, out)
     if xp is np and _votec is not None and momentum.dtype in _C_FLOATS and all(a.flags.c_contiguous for a in arrays):
-        _votec.momentum_signs(momentum, grad, d, momentum.dtype.itemsize, float(beta), out, get_num_threads())
+        _votec.momentum_signs(momentum, grad, d, momentum.dtype.itemsize, beta, out, get_num_threads())
         return out
-    momentum *= beta
-    scratch = xp.multiply(grad, 1.0 - beta, out=scratch)
+    scalar = momentum.dtype.type  # beta and 1 - beta in the dtype, as the C loop has them
+    momentum *= scalar(beta)
+    scratch = xp.multiply(grad, scalar(1.0 - beta), out=scratch)
     momentum += scratch
     return pack_signs(momentum, out=out, nan_policy="unchecked")
 

@@ -5,9 +5,16 @@ worker's step, with ``error`` the error-feedback buffer::
 
     indices, values = error_feedback(grad, error, lambda a: topk_indices(a, k))
     payload = encode(indices, values, d)             # exchanged (Allgather[v])
-    for row in payloads:                             # every worker's payload
+    aggregate[...] = 0
+    for row in payloads:                             # every worker's payload, in rank order
         scatter_add(aggregate, *decode(row, d))
-    aggregate *= 1 / n_workers                       # G = (1/N) sum_n sent_n
+    union = union_of_sorted([decode(row, d)[0] for row in payloads], d)
+    divide_at(aggregate, union, n_workers)           # G = (1/N) sum_n sent_n where some worker sent
+
+With the C loops, :func:`feedback_select` makes the first line one pass over
+memory (``a = e + g`` and the candidates together), and
+:func:`merge_sorted_rows` with :func:`settle_aggregate` the aggregation one
+merge and one walk; both give the same floats.
 
 RegTop-k ranks by :func:`regtopk_scores` instead of ``|a|``::
 
@@ -57,6 +64,18 @@ __all__ = [
     "encode",
     "decode",
     "scatter_add",
+    "take_and_zero",
+    "unsent_factor",
+    "regtopk_sent_scores",
+    "fused_feedback_available",
+    "feedback_select",
+    "merge_sorted_rows",
+    "settle_aggregate",
+    "union_of_sorted",
+    "zero_at",
+    "divide_at",
+    "subtract_scaled_at",
+    "MERGE_MAX_ROWS",
 ]
 
 _MAX_LENGTH = 2**31 - 1  # int32 indices
@@ -318,7 +337,18 @@ def topk_indices(values: Any, k: int, *, absolute: bool = True, workspace: Optio
 
 
 def unsent_factor(mu: float, q: float) -> float:
-    """RegTop-k's ``tanh(|1 + q| / mu)``: the factor of ``|a_j|`` for entries not sent last step."""
+    """RegTop-k's ``tanh(|1 + q| / mu)``: the factor of ``|a_j|`` for entries not sent last step.
+
+    Parameters
+    ----------
+    mu, q : float
+        RegTop-k's ``mu`` (> 0) and ``Q``, as :func:`regtopk_scores` takes them.
+
+    Returns
+    -------
+    float
+        Exactly 1.0 for the paper's ``q = 1e8`` and any ``mu`` it uses.
+    """
     return math.tanh(abs(1.0 + q) / mu)
 
 
@@ -362,16 +392,29 @@ def regtopk_sent_scores(
     """:func:`regtopk_scores` at the sent entries only, from ``a = e + g`` there, before ``a`` is formed.
 
     For :func:`feedback_select`'s ``sent_scores``: the same floats as
-    ``regtopk_scores(error + grad, sent_indices, ...)[sent_indices]``, in the
-    workspace's ``rows[2]`` (None where the workspace cannot hold them).
-    ``sent_indices`` must be checked (what a previous selection returned).
+    ``regtopk_scores(error + grad, sent_indices, ...)[sent_indices]``.
+
+    Parameters
+    ----------
+    error, grad : arrays
+        ``e`` and ``g`` (numpy, C-contiguous, the workspace's dtype and length).
+    sent_indices, sent_values, prev_aggregate, n_workers, mu, q
+        As :func:`regtopk_scores` takes them; ``sent_indices`` must be checked
+        already (what a previous selection returned), at most ``workspace.k``.
+    workspace : TopkWorkspace
+
+    Returns
+    -------
+    array or None
+        The scores, in the workspace's ``rows[2]`` (overwritten by the next
+        call); None where the workspace or the C loops cannot compute them.
     """
     factor = _regularizer(sent_indices, sent_values, prev_aggregate, n_workers, mu, q, workspace)
     if factor is None:
         return None
     acc, other = (row[: sent_indices.shape[0]] for row in workspace.rows[:2])
-    _indexed(_GATHER, error, sent_indices, acc)
-    _indexed(_GATHER, grad, sent_indices, other)
+    if not (_indexed(_GATHER, error, sent_indices, acc) and _indexed(_GATHER, grad, sent_indices, other)):
+        return None
     acc += other  # the sum a_j = e_j + g_j that the pass over memory will form
     np.abs(acc, out=acc)
     factor *= acc
@@ -540,7 +583,19 @@ def take_and_zero(error: Any, indices: Any, values_out: Any = None) -> Any:
 
 
 def fused_feedback_available(grad: Any, error: Any, workspace: Optional[TopkWorkspace]) -> bool:
-    """Whether :func:`feedback_select` can run: numpy, the C loops, and a workspace made for ``error``."""
+    """Whether :func:`feedback_select` can run on these arrays.
+
+    Parameters
+    ----------
+    grad, error : arrays
+    workspace : TopkWorkspace or None
+
+    Returns
+    -------
+    bool
+        True for numpy arrays of the workspace's length and dtype, C-contiguous
+        and not overlapping, when the C loops were built.
+    """
     return (
         workspace is not None and workspace.fits(error, workspace.k) and isinstance(grad, np.ndarray)
         and grad.dtype == error.dtype and grad.shape == error.shape and grad.flags.c_contiguous
@@ -565,8 +620,10 @@ def feedback_select(
     grad, error : arrays
         As :func:`error_feedback`'s; :func:`fused_feedback_available` must hold.
     k : int
-        ``workspace.k``.
+        ``workspace.k``, with ``0 < k <= d``.
     workspace : TopkWorkspace
+        Made for ``error``'s length, ``k`` and dtype; its buffers are
+        overwritten.
     sent_indices, sent_scores : arrays, optional
         RegTop-k: the entries sent last step (int32, ascending) and their
         scores (:func:`regtopk_scores`' values there), which replace ``|a_j|``.
@@ -577,7 +634,20 @@ def feedback_select(
         The k indices (``workspace.selected``), or None when the candidates
         did not fit the workspace (rare): ``error`` holds ``a`` all the same,
         and the caller selects with the general code.
+
+    Raises
+    ------
+    ValueError
+        Arrays :func:`fused_feedback_available` refuses, ``k`` that is not the
+        workspace's or not in ``[1, d]``, or only one of ``sent_indices`` and
+        ``sent_scores`` (or lengths that differ).
     """
+    if not fused_feedback_available(grad, error, workspace):
+        raise ValueError("feedback_select needs numpy arrays of the workspace's length and dtype and the C loops (fused_feedback_available)")
+    if k != workspace.k or not 0 < k <= error.shape[0]:
+        raise ValueError(f"k must be the workspace's k ({workspace.k}) and in [1, {error.shape[0]}], got {k!r}")
+    if (sent_indices is None) != (sent_scores is None) or (sent_indices is not None and sent_indices.shape != sent_scores.shape):
+        raise ValueError("give sent_indices and sent_scores together, of one length")
     stride, _, rank = _sample_plan(error.shape[0], k)
     sample = np.add(error[::stride], grad[::stride], out=workspace.sample)
     np.abs(sample, out=sample)
@@ -589,19 +659,23 @@ def feedback_select(
         unsampled = np.not_equal(np.remainder(sent_indices, stride, out=positions), 0, out=workspace.mask[:n])
         np.floor_divide(sent_indices, stride, out=positions)
         np.copyto(positions, sample.shape[0], where=unsampled)
-        _indexed(_SET, workspace.padded_sample, positions, sent_scores)
+        _indexed(_SET, workspace.padded_sample, positions, sent_scores, threads=1)  # the spare entry repeats
     threshold = _sample_threshold(np, sample, rank, False, sample)
     return _scan_select(error, grad, threshold, True, k, workspace, sent_indices, sent_scores)
 
 
-def _indexed(op: int, x: Any, indices: Any, other: Any = None, scalar: float = 0.0) -> bool:
-    """Run one of ``_votec.indexed``'s loops on numpy arrays; False (nothing done) where it cannot."""
+def _indexed(op: int, x: Any, indices: Any, other: Any = None, scalar: float = 0.0, threads: Optional[int] = None) -> bool:
+    """Run one of ``_votec.indexed``'s loops on numpy arrays; False (nothing done) where it cannot.
+
+    ``threads`` (default: the kernels' count) must be 1 where ``indices`` repeat.
+    """
     arrays = (x, indices) if other is None else (x, indices, other)
     if _votec is None or not all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays):
         return False
     if indices.dtype != np.int32 or x.dtype not in _VALUE_TYPES or (other is not None and other.dtype != x.dtype):
         return False
-    _votec.indexed(op, x, indices, indices.shape[0], x.dtype.itemsize, x if other is None else other, scalar, get_num_threads())
+    threads = get_num_threads() if threads is None else threads
+    _votec.indexed(op, x, indices, indices.shape[0], x.dtype.itemsize, x if other is None else other, scalar, threads)
     return True
 
 
@@ -871,6 +945,8 @@ def merge_sorted_rows(index_rows: list, value_rows: list, d: int, union_out: Any
         return None
     if sums_out.dtype not in _VALUE_TYPES or not all(a.flags.c_contiguous for a in arrays):
         return None
+    if not all(a.flags.aligned for a in (*index_rows, union_out, sums_out)):  # the values are read unaligned
+        return None
     u = _votec.merge_rows(tuple(index_rows), tuple(value_rows), d, sums_out.dtype.itemsize, union_out, sums_out)
     return union_out[:u], sums_out[:u]
 
@@ -878,13 +954,42 @@ def merge_sorted_rows(index_rows: list, value_rows: list, d: int, union_out: Any
 def settle_aggregate(out: Any, union: Any, sums: Any, divisor: int, stale: Any = None, params: Any = None, lr: float = 0.0) -> None:
     """``out[union] = sums / divisor``, the other ``stale`` entries zeroed; with ``params``, ``params[union] -= lr * out[union]``.
 
-    One walk over the sorted ``union`` and ``stale`` (C loops, numpy arrays
-    from :func:`merge_sorted_rows`): the floats of :func:`zero_at`,
-    :func:`divide_at` (skipped for 1) and :func:`subtract_scaled_at`, one
-    random access per entry instead of one per pass.  ``stale`` (the
-    previous union; None: ``out`` is zero outside ``union`` already) must
-    not share memory with ``union``.
+    One walk over the sorted ``union`` and ``stale`` (C loops): the floats of
+    :func:`zero_at`, :func:`divide_at` (skipped for 1) and
+    :func:`subtract_scaled_at`, one random access per entry instead of one per
+    pass.
+
+    Parameters
+    ----------
+    out : numpy array, 1-D float32 or float64, C-contiguous
+        The dense aggregate, updated in place.
+    union, sums : arrays
+        What :func:`merge_sorted_rows` returned (int32 indices, ascending, and
+        values of ``out``'s dtype).
+    divisor : int
+        The number of workers.
+    stale : int32 array, optional
+        The previous union, ascending (not sharing memory with ``union``);
+        None: ``out`` is zero outside ``union`` already.
+    params : array like ``out``, optional
+        Updated by ``-lr * G`` at the union.
+    lr : float
+
+    Raises
+    ------
+    ValueError
+        The C loops not built (only :func:`merge_sorted_rows`' results are
+        settled here), arrays of other dtypes, non-contiguous arrays, or
+        indices that are not unique, ascending and in range.
     """
+    arrays = [a for a in (out, union, sums, stale, params) if a is not None]
+    if _votec is None or not all(isinstance(a, np.ndarray) and a.flags.c_contiguous and a.flags.aligned for a in arrays):
+        raise ValueError("settle_aggregate needs the C loops and C-contiguous numpy arrays (merge_sorted_rows' results)")
+    if out.dtype not in _VALUE_TYPES or sums.dtype != out.dtype or (params is not None and params.dtype != out.dtype):
+        raise ValueError(f"out, sums and params must share a float32 or float64 dtype, got {out.dtype}, {sums.dtype}"
+                         f"{'' if params is None else ', ' + str(params.dtype)}")
+    if union.dtype != np.int32 or (stale is not None and stale.dtype != np.int32):
+        raise ValueError("union and stale must be int32 indices")
     _votec.settle(out, params, stale, union, sums, union.shape[0], out.dtype.itemsize, float(divisor), float(lr))
 
 

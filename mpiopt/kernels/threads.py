@@ -1,15 +1,17 @@
 """How many threads the C kernels may use: one setting for all of them.
 
 The fused loops of :mod:`mpiopt.kernels` (the SGD update, the non-finite
-check, Signum's momentum and packing, ...) are memory-bound, and one thread
-does not reach a socket's memory bandwidth.  They split long vectors (at
-least 2**18 elements per thread) across this many threads; the result is the
-same bits whatever the count.
+check, Signum's momentum and packing, Top-k's scan, ...) are memory-bound,
+and one thread does not reach a socket's memory bandwidth.  They split long
+vectors across this many threads (at least 2**18 elements per thread for
+streamed passes, 2**15 indices for the random-access loops at sparse
+indices); the result is the same bits whatever the count.
 
 The default is 1, right for one MPI rank per core.  ``MPIOPT_NUM_THREADS``
 in the environment sets another at import; :func:`set_num_threads` at run
-time.  ``mpiopt train`` gives the kernels the same count as torch (the cores
-of a node divided by its ranks, or ``--threads``).
+time.  ``mpiopt train`` gives the kernels ``--threads`` when given, else
+``MPIOPT_NUM_THREADS`` when set, else torch's count (the cores of a node
+divided by its ranks).
 """
 
 from __future__ import annotations
@@ -47,8 +49,16 @@ def get_num_threads() -> int:
     return _threads
 
 
-def set_num_threads(threads: int) -> None:
-    """Let the C kernels use ``threads`` threads (1 to :data:`MAX_THREADS`).
+def set_num_threads(threads: int, *, clamp: bool = False) -> None:
+    """Let the C kernels use ``threads`` threads.
+
+    Parameters
+    ----------
+    threads : int
+        1 to :data:`MAX_THREADS`.
+    clamp : bool
+        Take :data:`MAX_THREADS` for a larger count instead of refusing it
+        (for a count that comes from the machine, such as torch's).
 
     Raises
     ------
@@ -56,4 +66,6 @@ def set_num_threads(threads: int) -> None:
         ``threads`` is not an integer in that range.
     """
     global _threads
+    if clamp and isinstance(threads, int) and not isinstance(threads, bool):
+        threads = min(threads, MAX_THREADS)
     _threads = _check(threads, "threads")

@@ -72,6 +72,15 @@ def all_finite(arr: Any) -> bool:
     ``mpiopt.kernels._updatec`` was built; otherwise one reduction (a finite
     sum means every element is finite), and only when it overflows or is
     not finite, the exact elementwise check.
+
+    Parameters
+    ----------
+    arr : array
+        numpy or cupy, floating point.
+
+    Returns
+    -------
+    bool
     """
     if fused_update_available(arr):
         return _updatec.all_finite(arr, get_num_threads())
@@ -112,7 +121,21 @@ def _copies(copy_to: Union[None, Any, Sequence[Any]]) -> List[Tuple[str, Any]]:
 
 
 class Merge(NamedTuple):
-    """:func:`merge_average`'s arguments after ``params``: a merge for :func:`sgd_update` to fuse."""
+    """:func:`merge_average`'s arguments after ``params``: a merge for :func:`sgd_update` to fuse.
+
+    Attributes
+    ----------
+    snapshot : array
+        ``w_k``, the parameters when the averaging started.
+    total : array
+        The sum of ``w_k`` over the ranks (scratch afterwards).
+    world_size : int
+        The number of ranks summed.
+    rule : {"delayed", "proportion"}
+        DaSGD's merge rule (see :func:`merge_average`).
+    proportion : float
+        ``p`` of the proportion rule.
+    """
 
     snapshot: Any
     total: Any

@@ -233,7 +233,7 @@ _HELP = {
     "log_every": "plain progress line every N steps when the output is not a terminal (default: --eval-every)",
     "progress": "progress on rank 0: bar (redrawn in place), lines (plain lines, for logs), or auto: a bar when the output is a "
     "terminal (mpiexec passes output through pipes: ask for bar there)",
-    "threads": "threads per rank for torch and mpiopt's C kernels (default: the machine's cores divided by the ranks on it)",
+    "threads": "threads per rank for torch and mpiopt's C kernels (default: the machine's cores divided by the ranks on it; the kernels keep MPIOPT_NUM_THREADS when it is set)",
     "trace": "write every rank's phases (compute, algorithm, communication, operations in flight) to this Chrome/Perfetto trace file (default: no trace)",
     "out": "folder for everything the run writes (default: runs/<command>-<date>-<time>)",
     "checkpoint_every": "write a checkpoint every N steps and at the end (default: no checkpoints)",

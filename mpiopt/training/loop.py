@@ -76,7 +76,8 @@ def _set_threads(config: TrainConfig, world: Comm) -> None:
         threads = max(1, cores // node.size)
         node.Free()
     torch.set_num_threads(threads)
-    kernel_threads.set_num_threads(min(threads, kernel_threads.MAX_THREADS))
+    if config.threads or not os.environ.get("MPIOPT_NUM_THREADS", "").strip():  # else the environment's count stays
+        kernel_threads.set_num_threads(threads, clamp=True)
 
 
 class _Evaluator:

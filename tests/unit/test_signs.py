@@ -354,3 +354,22 @@ def test_threads_pack_and_apply_the_same_bits(count, kernel_threads):
         with pytest.raises(ValueError, match="NaN"):
             pack_signs(y)
     assert signs.apply_signs(want_packed, x, 0.01, 0.999).tobytes() == want_x.tobytes()
+
+
+def test_momentum_signs_takes_beta_in_the_dtype_and_checks_it(monkeypatch):
+    """A numpy float64 beta gives the C loop's bits on the numpy path too; bad beta and overlap are named."""
+    rng = np.random.default_rng(3)
+    m, g = rng.standard_normal(1000).astype(np.float32), rng.standard_normal(1000).astype(np.float32)
+    results = []
+    for c_loop in (True, False):
+        if not c_loop:
+            monkeypatch.setattr(signs, "_votec", None)
+        mine, out = m.copy(), np.empty(125, np.uint8)
+        signs.momentum_signs(mine, g, np.float64(0.9), out)
+        results.append((mine.tobytes(), out.tobytes()))
+    assert results[0] == results[1]
+    for bad in (1.0, -0.1, np.nan, True, "0.9"):
+        with pytest.raises(ValueError, match="beta must be a number in \\[0, 1\\)"):
+            signs.momentum_signs(m.copy(), g, bad, np.empty(125, np.uint8))
+    with pytest.raises(ValueError, match="must not overlap"):
+        signs.momentum_signs(m, m, 0.9, np.empty(125, np.uint8))

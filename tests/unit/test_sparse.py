@@ -617,3 +617,21 @@ def test_scan_of_clustered_candidates_fills_the_outputs_exactly(count, kernel_th
     np.testing.assert_array_equal(idx[:n], want)
     assert scores[:n].tobytes() == np.abs(x[want]).tobytes()
     assert sparse._votec.scan(x, None, d, 4, 1.0, True, None, None, idx[: want.size - 1], scores, count) == want.size
+
+
+@needs_c
+def test_feedback_select_and_settle_refuse_bad_arguments():
+    d, k = 1000, 10
+    workspace = sparse.TopkWorkspace(d, k, np.float32)
+    error, grad = np.zeros(d, np.float32), np.ones(d, np.float32)
+    with pytest.raises(ValueError, match="k must be the workspace's k \\(10\\) and in \\[1, 1000\\], got 11"):
+        sparse.feedback_select(grad, error, 11, workspace)
+    with pytest.raises(ValueError, match="give sent_indices and sent_scores together"):
+        sparse.feedback_select(grad, error, k, workspace, sent_indices=np.arange(3, dtype=np.int32))
+    with pytest.raises(ValueError, match="fused_feedback_available"):
+        sparse.feedback_select(grad.astype(np.float64), error, k, workspace)
+    union, sums = np.array([1, 2], np.int32), np.ones(2, np.float64)
+    with pytest.raises(ValueError, match="must share a float32 or float64 dtype, got float32, float64"):
+        sparse.settle_aggregate(np.zeros(d, np.float32), union, sums, 2)
+    with pytest.raises(ValueError, match="union and stale must be int32"):
+        sparse.settle_aggregate(np.zeros(d, np.float32), union.astype(np.int64), sums.astype(np.float32), 2)

@@ -436,16 +436,32 @@ def test_merge_average_bad_arguments():
     np.testing.assert_array_equal(x, np.full(4, 0.25, np.float32))
 
 
-def test_training_gives_the_kernels_torchs_thread_count(kernel_threads):
+def test_training_gives_the_kernels_torchs_thread_count(kernel_threads, monkeypatch):
     """mpiopt train's --threads sets torch's intra-op threads and the C kernels' alike."""
     torch = pytest.importorskip("torch")
     from mpiopt.training.config import TrainConfig
     from mpiopt.training.loop import _set_threads
 
+    class OneRankNode:  # what _set_threads asks of the world without --threads
+        size = 1
+
+        def Split_shared(self, name):
+            return self
+
+        def Free(self):
+            pass
+
     saved = torch.get_num_threads()
     try:
         _set_threads(TrainConfig(threads=3), world=None)  # an explicit count asks no communicator
         assert torch.get_num_threads() == 3 and threads.get_num_threads() == 3
+        kernel_threads(5)
+        monkeypatch.setenv("MPIOPT_NUM_THREADS", "5")
+        _set_threads(TrainConfig(), world=OneRankNode())  # torch takes the cores; the environment's count stays
+        assert threads.get_num_threads() == 5
+        monkeypatch.delenv("MPIOPT_NUM_THREADS")
+        _set_threads(TrainConfig(), world=OneRankNode())
+        assert threads.get_num_threads() == min(torch.get_num_threads(), threads.MAX_THREADS)
     finally:
         torch.set_num_threads(saved)
 
