@@ -1109,6 +1109,7 @@ PyMODINIT_FUNC PyInit__votec(void) {
     fill_sign_table_float();
     fill_sign_table_double();
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "VERSION", 1) < 0) Py_CLEAR(m);
+    if (m && (PyModule_AddIntConstant(m, "VERSION", 1) < 0 || PyModule_AddIntConstant(m, "MERGE_MAX_ROWS", MERGE_MAX_ROWS) < 0))
+        Py_CLEAR(m);
     return m;
 }

@@ -904,7 +904,7 @@ def divide_at(out: Any, indices: Any, divisor: int) -> Any:
 
 
 #: The most rows :func:`merge_sorted_rows` merges (its C loop looks at every row for each entry).
-MERGE_MAX_ROWS = 8
+MERGE_MAX_ROWS = _votec.MERGE_MAX_ROWS if _votec is not None else 8
 
 
 def merge_sorted_rows(index_rows: list, value_rows: list, d: int, union_out: Any, sums_out: Any) -> Optional[Tuple[Any, Any]]:

@@ -263,8 +263,8 @@ def sgd_update(
     if fused_update_available(params) and all(arr.flags.c_contiguous for _, arr in arrays):
         outputs = [copy for _, copy in copies] + [None] * (MAX_COPIES - len(copies))
         finite = _updatec.sgd(
-            params, grad, buffer if momentum else None, *outputs, _c_merge(merge) if merge is not None else None, grad_divisor, lr, weight_decay, momentum, dampening, nesterov,
-            bool(first_step), get_num_threads(),
+            params, grad, buffer if momentum else None, *outputs, _c_merge(merge) if merge is not None else None,
+            grad_divisor, lr, weight_decay, momentum, dampening, nesterov, bool(first_step), get_num_threads(),
         )
         return finite if check_finite else None
     work = [] if work is None else work
