@@ -29,8 +29,8 @@
  *
  * Threads (_parallel.h): pack_signs, momentum_signs and apply_signs split long
  * vectors on whole bytes of signs, scan on blocks of 64 entries (with an exact
- * second pass when the candidates cluster), indexed its indices in parts of
- * 2**15 (unique within a call, so parts touch disjoint entries).
+ * second pass when the candidates cluster), indexed its indices and settle its
+ * union in parts of 2**15 (unique within a call, so parts touch disjoint entries).
  *
  * Buffers come through the buffer protocol, so building needs no numpy
  * headers.  The build is optional (setup.py): without a C compiler mpiopt
@@ -1000,13 +1000,48 @@ done:
     return result;
 }
 
+/* One settle call, split over the union: chunk [j0, j1) also zeroes the stale entries from its first
+ * union entry (or the start) up to the next chunk's first one (or the end). */
+typedef struct {
+    Py_ssize_t itemsize, u, n_stale;
+    char *g, *x;
+    const int32_t *stale, *idx;
+    const char *sums;
+    double divisor, lr;
+} settle_job;
+
+static Py_ssize_t lower_bound(const int32_t *a, Py_ssize_t n, int32_t value) {
+    Py_ssize_t lo = 0, hi = n;
+    while (lo < hi) {
+        const Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (a[mid] < value) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+static void settle_part(void *ctx, Py_ssize_t j0, Py_ssize_t j1, int part) {
+    const settle_job *j = (const settle_job *)ctx;
+    const Py_ssize_t s0 = j0 == 0 ? 0 : lower_bound(j->stale, j->n_stale, j->idx[j0]);
+    const Py_ssize_t s1 = j1 == j->u ? j->n_stale : lower_bound(j->stale, j->n_stale, j->idx[j1]);
+    (void)part;
+    if (j->itemsize == 4)
+        settle_float((float *)j->g, (float *)j->x, j->stale + s0, s1 - s0, j->idx + j0, (const float *)j->sums + j0,
+                     j1 - j0, j->divisor, j->lr);
+    else
+        settle_double((double *)j->g, (double *)j->x, j->stale + s0, s1 - s0, j->idx + j0, (const double *)j->sums + j0,
+                      j1 - j0, j->divisor, j->lr);
+}
+
 static PyObject *py_settle(PyObject *self, PyObject *args) {
     Py_buffer g = {0}, x = {0}, stale = {0}, idx = {0}, sums = {0};
     PyObject *xo, *staleo;
     Py_ssize_t u, itemsize;
     double divisor, lr;
     (void)self;
-    if (!PyArg_ParseTuple(args, "w*OOy*y*nndd", &g, &xo, &staleo, &idx, &sums, &u, &itemsize, &divisor, &lr)) return NULL;
+    int threads;
+    if (!PyArg_ParseTuple(args, "w*OOy*y*nnddi", &g, &xo, &staleo, &idx, &sums, &u, &itemsize, &divisor, &lr, &threads))
+        return NULL;
     PyObject *result = NULL;
     if (xo != Py_None && PyObject_GetBuffer(xo, &x, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
     if (staleo != Py_None && PyObject_GetBuffer(staleo, &stale, PyBUF_C_CONTIGUOUS) < 0) goto done;
@@ -1025,13 +1060,10 @@ static PyObject *py_settle(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "settle: bad sizes, or indices that are not unique, ascending and in range");
         goto done;
     }
+    settle_job job = {itemsize, u, n_stale, (char *)g.buf, x.obj ? (char *)x.buf : NULL, (const int32_t *)stale.buf,
+                      (const int32_t *)idx.buf, (const char *)sums.buf, divisor, lr};
     Py_BEGIN_ALLOW_THREADS
-    if (itemsize == 4)
-        settle_float((float *)g.buf, x.obj ? (float *)x.buf : NULL, (const int32_t *)stale.buf, n_stale,
-                     (const int32_t *)idx.buf, (const float *)sums.buf, u, divisor, lr);
-    else
-        settle_double((double *)g.buf, x.obj ? (double *)x.buf : NULL, (const int32_t *)stale.buf, n_stale,
-                      (const int32_t *)idx.buf, (const double *)sums.buf, u, divisor, lr);
+    mpiopt_parallel_for_min(threads, u, 1, INDEXED_MIN_PART, settle_part, &job);
     Py_END_ALLOW_THREADS
     Py_INCREF(Py_None);
     result = Py_None;
@@ -1090,7 +1122,7 @@ static PyMethodDef methods[] = {
      "and per union entry the sum of the rows' values there, added in row order from 0, into sums_out;\n"
      "returns the union's size."},
     {"settle", py_settle, METH_VARARGS,
-     "settle(g, x, stale, union, sums, u, itemsize, divisor, lr)\n\n"
+     "settle(g, x, stale, union, sums, u, itemsize, divisor, lr, threads)\n\n"
      "g[union[j]] = sums[j] / divisor (no division when it is 1) for j < u, g[i] = 0 for the stale indices\n"
      "not in the union (both sorted), and, unless x is None, x[union[j]] -= lr * g[union[j]]."},
     {"bitmap_indices", py_bitmap_indices, METH_VARARGS,

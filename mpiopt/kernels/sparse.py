@@ -990,7 +990,7 @@ def settle_aggregate(out: Any, union: Any, sums: Any, divisor: int, stale: Any =
                          f"{'' if params is None else ', ' + str(params.dtype)}")
     if union.dtype != np.int32 or (stale is not None and stale.dtype != np.int32):
         raise ValueError("union and stale must be int32 indices")
-    _votec.settle(out, params, stale, union, sums, union.shape[0], out.dtype.itemsize, float(divisor), float(lr))
+    _votec.settle(out, params, stale, union, sums, union.shape[0], out.dtype.itemsize, float(divisor), float(lr), get_num_threads())
 
 
 def union_of_sorted(arrays: list, d: int, bits: Any = None, out: Any = None) -> Any:

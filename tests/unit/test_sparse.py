@@ -516,13 +516,14 @@ def test_scan_against_numpy(d, dtype, count):
 
 
 @needs_c
+@pytest.mark.parametrize("d, count", [(5003, 1), (1_000_003, 3)])  # the second settles in 3 threads' chunks
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("rows", [1, 2, 4, 8])
-def test_merge_and_settle_are_the_scatter_passes(rows, dtype):
+def test_merge_and_settle_are_the_scatter_passes(rows, dtype, d, count, kernel_threads):
     """merge_sorted_rows + settle_aggregate give the floats of zero_at, scatter_add per row, divide_at and subtract_scaled_at."""
-    rng = np.random.default_rng([rows, np.dtype(dtype).itemsize])
-    d = 5003
-    index_rows = [np.sort(rng.choice(d, rng.integers(0, 700), replace=False)).astype(np.int32) for _ in range(rows)]
+    kernel_threads(count)
+    rng = np.random.default_rng([rows, np.dtype(dtype).itemsize, d])
+    index_rows = [np.sort(rng.choice(d, rng.integers(0, d // 7), replace=False)).astype(np.int32) for _ in range(rows)]
     index_rows[0] = np.union1d(index_rows[0], [0, d - 1]).astype(np.int32)  # the ends of the vector
     value_rows = []
     for indices in index_rows:
@@ -531,7 +532,7 @@ def test_merge_and_settle_are_the_scatter_passes(rows, dtype):
         values[...] = rng.standard_normal(indices.size)
         values[::5] = -0.0
         value_rows.append(values)
-    stale = np.sort(rng.choice(d, 900, replace=False)).astype(np.int32)
+    stale = np.sort(rng.choice(d, d // 5, replace=False)).astype(np.int32)
     start = np.zeros(d, dtype)
     start[stale] = rng.standard_normal(stale.size)
     params = rng.standard_normal(d).astype(dtype)
