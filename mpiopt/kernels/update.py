@@ -64,6 +64,11 @@ def fused_update_available(params: Any) -> bool:
     )
 
 
+def _fused(params: Any, arrays: List[Tuple[str, Any]]) -> bool:
+    """Whether the C loop takes ``params`` and the other (checked) ``(name, array)`` operands."""
+    return fused_update_available(params) and all(arr.flags.c_contiguous for _, arr in arrays)
+
+
 def all_finite(arr: Any) -> bool:
     """Whether every element of the floating-point array ``arr`` is finite (no NaN, no +-inf).
 
@@ -260,7 +265,7 @@ def sgd_update(
     if momentum and buffer is None:
         raise ValueError(f"momentum={momentum} needs a buffer, got buffer=None")
     _check_like(xp, params, arrays)
-    if fused_update_available(params) and all(arr.flags.c_contiguous for _, arr in arrays):
+    if _fused(params, arrays):
         outputs = [copy for _, copy in copies] + [None] * (MAX_COPIES - len(copies))
         finite = _updatec.sgd(
             params, grad, buffer if momentum else None, *outputs, _c_merge(merge) if merge is not None else None,
@@ -375,7 +380,7 @@ def merge_average(params: Any, snapshot: Any, total: Any, world_size: int, rule:
     merge = _checked_merge(Merge(snapshot, total, world_size, rule, proportion))
     arrays = _merge_operands(merge)
     _check_like(xp, params, arrays)
-    if fused_update_available(params) and all(arr.flags.c_contiguous for _, arr in arrays):
+    if _fused(params, arrays):
         _updatec.merge_average(params, *_c_merge(merge), get_num_threads())
         return
     with np.errstate(all="ignore"):  # inf - inf is NaN here as in the C loop, silently in both
