@@ -69,7 +69,7 @@ import numpy as np
 
 from ..comm import Request, Topology
 from ..kernels import chunk_bounds, majority_vote, pack_signs, packed_nbytes, vote_chunk
-from ..kernels.signs import apply_signs, momentum_signs
+from ..kernels.signs import apply_signs, fused_signs_available, momentum_signs
 from .base import Algorithm, check_choice, check_positive, check_range
 from .registry import register
 
@@ -226,7 +226,8 @@ class Signum(Algorithm):
         P, d = self.topology.size, params.size
         self.mode = choose_exchange(P, d) if self.exchange == "auto" else self.exchange
         nbytes = packed_nbytes(d)
-        self._signs = xp.empty_like(params)  # (1 - beta) g, then (without the C loops) lr times the vote
+        # Scratch of the numpy passes ((1 - beta) g, then lr times the vote); the C loops need none.
+        self._signs = None if fused_signs_available(params) else xp.empty_like(params)
         self._voted = xp.empty(nbytes, dtype=np.uint8)
         if self.momentum:
             self.momentum_buffer = xp.zeros_like(params)
@@ -264,14 +265,18 @@ class Signum(Algorithm):
             pack_signs(grad[lo:hi], out=out, nan_policy="unchecked")
             return
         # (1 - beta) g goes through the scratch buffer (numpy only), which is free until this chunk's vote.
-        momentum_signs(self.momentum_buffer[lo:hi], grad[lo:hi], self.momentum, out, scratch=self._signs[lo:hi])
+        momentum_signs(self.momentum_buffer[lo:hi], grad[lo:hi], self.momentum, out, scratch=self._scratch(lo, hi))
 
     def _apply(self, params: Any, start: int, stop: int) -> None:
         """x <- x - lr (V + wd x) on the elements that voted bytes ``[start, stop)`` cover."""
         lo, hi = 8 * start, min(8 * stop, params.size)
         # x (1 - lr wd) - lr V: element by element, so chunk by chunk gives the same floats.
         decay = 1.0 - self.lr * self.weight_decay if self.weight_decay else 1.0
-        apply_signs(self._voted[start:stop], params[lo:hi], self.lr, decay, scratch=self._signs[lo:hi])
+        apply_signs(self._voted[start:stop], params[lo:hi], self.lr, decay, scratch=self._scratch(lo, hi))
+
+    def _scratch(self, lo: int, hi: int) -> Optional[Any]:
+        """Elements ``[lo, hi)`` of the numpy passes' scratch (None with the C loops)."""
+        return None if self._signs is None else self._signs[lo:hi]
 
     def _exchange(self, op: str, send: Any, recv: Any) -> Optional[Request]:
         """World ``Allgather``/``Alltoall``, nonblocking (its request returned) when pipelined."""

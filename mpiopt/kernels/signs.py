@@ -49,6 +49,7 @@ __all__ = [
     "unpack_signs",
     "apply_signs",
     "momentum_signs",
+    "fused_signs_available",
     "sign_float",
     "majority_vote",
     "chunk_bounds",
@@ -136,6 +137,15 @@ def _output(xp: ModuleType, out: Any, shape: Tuple[int, ...], dtype: Any) -> Any
     return out
 
 
+def fused_signs_available(x: Any) -> bool:
+    """Whether the C loops pack, update and apply the signs of arrays like ``x`` (no scratch needed).
+
+    True for C-contiguous numpy float32/float64 arrays when
+    ``mpiopt.kernels._votec`` was built.
+    """
+    return _votec is not None and isinstance(x, np.ndarray) and x.dtype in _C_FLOATS and x.flags.c_contiguous
+
+
 def pack_signs(x: Any, out: Any = None, nan_policy: str = "raise") -> Any:
     """Pack the signs of ``x`` into bits (+1 for ``x >= 0``, little bit order).
 
@@ -168,7 +178,7 @@ def pack_signs(x: Any, out: Any = None, nan_policy: str = "raise") -> Any:
         raise ValueError(f"nan_policy must be one of {_NAN_POLICIES}, got {nan_policy!r}")
     d = x.shape[0]
     out = _output(xp, out, (packed_nbytes(d),), np.uint8)
-    if xp is np and _votec is not None and x.flags.c_contiguous and x.dtype in _C_FLOATS:
+    if fused_signs_available(x):
         # One C pass into ``out``: no boolean temporary, and the NaN check comes free.
         if _votec.pack_signs(x, d, x.dtype.itemsize, out, get_num_threads()) and nan_policy == "raise":
             raise ValueError(_NAN_MESSAGE)
@@ -229,7 +239,7 @@ def momentum_signs(momentum: Any, grad: Any, beta: float, out: Any, scratch: Any
         raise ValueError("momentum, grad and out must not overlap")
     beta = float(beta)
     arrays = (momentum, grad, out)
-    if xp is np and _votec is not None and momentum.dtype in _C_FLOATS and all(a.flags.c_contiguous for a in arrays):
+    if fused_signs_available(momentum) and all(a.flags.c_contiguous for a in arrays):
         _votec.momentum_signs(momentum, grad, d, momentum.dtype.itemsize, beta, out, get_num_threads())
         return out
     scalar = momentum.dtype.type  # beta and 1 - beta in the dtype, as the C loop has them
@@ -312,8 +322,7 @@ def apply_signs(packed: Any, x: Any, lr: float, decay: float = 1.0, scratch: Any
     d = x.shape[0]
     if packed.shape != (packed_nbytes(d),):
         raise ValueError(f"packed must have ceil(d / 8) = {packed_nbytes(d)} bytes for d = {d}, got {packed.shape[0]}")
-    fused = xp is np and _votec is not None
-    if fused and x.dtype in _C_FLOATS and x.flags.c_contiguous and packed.flags.c_contiguous:
+    if fused_signs_available(x) and packed.flags.c_contiguous:
         _votec.apply_signs(packed, d, x.dtype.itemsize, x, float(lr), float(decay), get_num_threads())
         return x
     step = unpack_signs(packed, d, dtype=x.dtype, out=scratch)
