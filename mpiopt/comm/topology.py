@@ -177,6 +177,16 @@ class Topology:
         self.ledger.reset()  # set-up traffic is not the algorithms'
 
     @property
+    def control(self) -> Comm:
+        """The world's ranks on a communicator of their own, with a ledger of their own.
+
+        For votes between steps (errors, stop signals): they never match a
+        collective an algorithm left half done, and their bytes are not the
+        algorithms'.  Every rank must make the same calls on it, in order.
+        """
+        return self._control
+
+    @property
     def rank(self) -> int:
         return self._rank
 

@@ -54,7 +54,7 @@ import torch
 
 from ..algorithms.resize import hyperparameter_differences, resize_states, source_rank
 from ..checkpoint import Checkpoint, CheckpointError, checkpoint_path, find_latest, load_checkpoint, save_checkpoint
-from ..comm import MAX, Ledger, OtherRankError, Topology
+from ..comm import MAX, OtherRankError, Topology
 from ..metrics import versions
 from ..torch import DistributedOptimizer
 from .config import TrainConfig, UsageError
@@ -128,12 +128,8 @@ class Checkpointer:
         self.counters: Dict[str, float] = {"wall_seconds": 0.0, "bytes_sent_total": 0}
         self._received: Optional[int] = None
         self._previous: Dict[int, Any] = {}
-        self._votes = None
+        self._vote = np.zeros(1, dtype=np.uint8)  # the stop-signal vote, on the topology's control communicator
         if self.enabled:
-            world = topology.world
-            # Votes on a communicator of their own, with a ledger of their own: the algorithm's byte counts stay its own.
-            self._votes = world.Split(0, world.rank, "signals")
-            self._votes.ledger = Ledger()
             for signum in STOP_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._on_signal)
 
@@ -141,13 +137,10 @@ class Checkpointer:
         self._received = signum  # only a flag: the ranks act on it together at the next step boundary
 
     def close(self) -> None:
-        """Restore the previous signal handlers and free the vote communicator."""
+        """Restore the previous signal handlers."""
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
-        if self._votes is not None:
-            self._votes.Free()
-            self._votes = None
 
     # -- saving ---------------------------------------------------------------------------------
     def attrs(self, step: int, counters: Optional[Mapping[str, float]] = None) -> Dict[str, Any]:
@@ -195,8 +188,10 @@ class Checkpointer:
         """
         if not self.enabled:
             return None
-        vote = np.array([self._received or 0], dtype=np.uint8)
-        self._votes.Allreduce(vote, op=MAX)
+        vote = self._vote
+        vote[0] = self._received or 0
+        # On the control communicator: the algorithm's byte counts stay its own.
+        self.topology.control.Allreduce(vote, op=MAX)
         every = self.config.checkpoint_every
         path = None
         if vote[0] or last or (every and step % every == 0):

@@ -98,7 +98,6 @@ class DDPBaseline:
             warnings.filterwarnings("ignore", message=".*broadcast_buffers", category=FutureWarning)
             # mpiopt averages BatchNorm statistics before evaluations only: so does the baseline.
             self.network = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
-        self.model, self.size = model, topology.size
         gradient_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
         self._bytes = gradient_bytes if topology.size > 1 else 0  # at one rank a collective moves nothing
         self.steps = 0

@@ -47,6 +47,7 @@ from ..metrics import MetricsWriter, Tracer, versions
 from ..tasks.images import ImageDataset, ShardSampler, augment_cifar, batch_rng, load_dataset
 from ..tasks.models import build_model
 from ..torch import DistributedOptimizer, average_buffers, broadcast_module
+from ..torch.optimizer import loss_value
 from .checkpointing import COUNTERS, Checkpointer, Interrupted
 from .config import DEFAULT_EPOCHS, TrainConfig, UsageError, agree_or_fail
 from .ddp import DDP, NOTES, DDPBaseline
@@ -99,7 +100,9 @@ class _Evaluator:
         evaluated = model
         source = self.source
         if source != "own":
-            self.copy.load_state_dict(model.state_dict())
+            # The buffers (BatchNorm statistics) from the model; the parameters come from flat below.
+            for mine, theirs in zip(self.copy.buffers(), model.buffers()):
+                mine.copy_(theirs)
             if source == "average":
                 self.world.Allreduce(flat, out=self._flat)
                 self._flat /= self.world.size
@@ -293,7 +296,7 @@ def train(
                 # A worker applies nothing itself: the rest of its time is spent waiting for the server.
                 record = {"bytes_sent": delta.bytes_sent, "bytes_recv": delta.bytes_recv, "comm_seconds": comm,
                           "wait_seconds": max(wait, whole - (now - started) - comm), "algo_seconds": 0.0}
-                log.append(step_record(step + 1, float(loss.detach()), now - started, whole, record))
+                log.append(step_record(step + 1, loss_value(loss), now - started, whole, record))
                 progress.update(step + 1, log[-1]["loss"], whole, state["bytes_sent_total"] / 1e6)
                 clock["last"], clock["ledger"] = now, topology.ledger.snapshot()
                 return loss
@@ -319,8 +322,7 @@ def train(
                         for record in records:
                             writer.write(record)
                     tail = (tail + [r["loss"] for r in records])[-max(1, steps // 10):]
-                    checkpoints.after_step(done, last=done == steps,
-                                           counters={name: state[name] for name in COUNTERS})
+                    checkpoints.after_step(done, last=done == steps, counters=state)  # it saves the COUNTERS
             state["losses"] = tail
             evaluate(steps)
             end = {"result": _job_result(results)} if results else {}
@@ -346,8 +348,7 @@ def train(
                     if (step + 1) % eval_every == 0 or step + 1 == steps:
                         evaluate(step + 1)
                     progress.update(step + 1, line["loss"], whole, state["bytes_sent_total"] / 1e6)
-                    checkpoints.after_step(step + 1, last=step + 1 == steps,
-                                           counters={name: state[name] for name in COUNTERS})
+                    checkpoints.after_step(step + 1, last=step + 1 == steps, counters=state)  # it saves the COUNTERS
             opt.finish()
             end = {}
         if writer:
