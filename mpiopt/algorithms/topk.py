@@ -312,18 +312,16 @@ def aggregate_payloads(
     """
     rows = [None] * payloads.shape[0] if indices_out is None else indices_out
     decoded = [decode(payload, out.shape[0], out.dtype, row) for payload, row in zip(payloads, rows)]
+    if stale is None:
+        out[...] = 0
     merged = None
     if union_out is not None and sums_out is not None:
         merged = merge_sorted_rows([i for i, _ in decoded], [v for _, v in decoded], out.shape[0], union_out, sums_out)
     if merged is not None:
         touched, sums = merged
-        if stale is None:
-            out[...] = 0
         settle_aggregate(out, touched, sums, payloads.shape[0], stale=stale, params=params, lr=lr)
         return touched
-    if stale is None:
-        out[...] = 0
-    else:
+    if stale is not None:
         zero_at(out, stale)  # before the union below, which may overwrite stale's buffer
     for indices, values in decoded:  # one worker's indices are unique: one scatter-add per worker
         scatter_add(out, indices, values)

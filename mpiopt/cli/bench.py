@@ -31,35 +31,23 @@ import shutil
 import subprocess
 import sys
 from types import ModuleType
-from typing import Dict, List, Optional
+from typing import List
 
 from ..bench._common import HelpFormatter, parse_rate, positive_int
 from ..training.config import UsageError
 
-#: subcommand -> module of mpiopt.bench (its docstring's first line is the help; those absent are left out).
-BENCHMARKS: Dict[str, str] = {
-    "collectives": "collectives",
-    "algorithms": "algorithms",
-    "ddp": "ddp",
-    "compressed": "compressed",
-    "averaging": "averaging",
-    "kernels": "kernels",
-    "torch-overhead": "torch_overhead",
-    "update": "update",
-    "regtopk": "regtopk",
-    "tradeoff": "tradeoff",
-    "model": "model",
-}
+#: The subcommands; each is the module of mpiopt.bench of that name ("-" for "_"), whose docstring's first line is its help.
+BENCHMARKS = (
+    "collectives", "algorithms", "ddp", "compressed", "averaging", "kernels", "torch-overhead", "update", "regtopk",
+    "tradeoff", "model",
+)
 
 _LAUNCHER_ENV = ("PMI_", "PMIX_", "MPIR_CVAR_", "HYDRA_", "OMPI_")
 
 
-def _module(name: str) -> Optional[ModuleType]:
-    """The benchmark's module, or None where it is not part of this installation or not a subcommand yet."""
-    if importlib.util.find_spec(f"mpiopt.bench.{BENCHMARKS[name]}") is None:
-        return None
-    module = importlib.import_module(f"mpiopt.bench.{BENCHMARKS[name]}")
-    return module if hasattr(module, "add_arguments") and hasattr(module, "run") else None
+def _module(name: str) -> ModuleType:
+    """The benchmark's module (its ``add_arguments`` and ``run``)."""
+    return importlib.import_module(f"mpiopt.bench.{name.replace('-', '_')}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,8 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub.required = True
     for name in BENCHMARKS:
         module = _module(name)
-        if module is None:
-            continue
         summary = (module.__doc__ or name).strip().splitlines()[0].rstrip(".")
         p = sub.add_parser(name, help=summary, description=module.__doc__, formatter_class=HelpFormatter)
         module.add_arguments(p)

@@ -318,7 +318,7 @@ def apply_signs(packed: Any, x: Any, lr: float, decay: float = 1.0, scratch: Any
     array
         ``x``.
     """
-    xp = check_array("x", x, ndim=1, kinds="f")
+    check_array("x", x, ndim=1, kinds="f")
     d = x.shape[0]
     if packed.shape != (packed_nbytes(d),):
         raise ValueError(f"packed must have ceil(d / 8) = {packed_nbytes(d)} bytes for d = {d}, got {packed.shape[0]}")
