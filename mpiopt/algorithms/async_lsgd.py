@@ -156,6 +156,7 @@ from ..asyncrt import (
     check_run_arguments,
     run_policy,
 )
+from ..arrays import empty_apart
 from ..asyncrt.messages import LAST, PULL_GLOBAL, PULL_LOCAL, STOP, UPLOAD
 from ..asyncrt.state import ServerStateMixin, state_array, state_count
 from ..comm import Topology
@@ -587,7 +588,7 @@ class AsyncLSGD(ServerStateMixin, LSGDState, Algorithm):
         if not isinstance(params, np.ndarray):
             raise TypeError(f"async_lsgd keeps the parameters in host memory: params must be a numpy array, got {type(params).__name__}")
         self.rule.allocate(params)
-        self._leader = np.zeros_like(params)
+        self._leader = empty_apart(params, zero=True)
         groups = self.topology.world.allgather_obj(self.topology.group_index)
         size = self.topology.size
         workers = {w: groups[w] for w in (range(1, size) if size > 1 else [0])}
@@ -723,7 +724,7 @@ class AsyncLSGD(ServerStateMixin, LSGDState, Algorithm):
 
     def _work(self, params: np.ndarray, worker_fn: WorkerFn, steps: Optional[int], seconds: Optional[float], link: Link) -> None:
         """A worker's run: its steps until ``steps`` or ``seconds`` run out; the last reply's pulls; LAST; STOP."""
-        grad = np.empty_like(params)
+        grad = empty_apart(params)
         self._link, self._reported = link, self.steps  # the server has this count already (the last run's LAST)
         deadline = math.inf if seconds is None else time.perf_counter() + seconds
         k = 0

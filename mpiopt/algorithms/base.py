@@ -53,7 +53,7 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ..arrays import array_module, to_numpy
+from ..arrays import array_module, empty_apart, keep_apart, to_numpy
 from ..comm import MAX, Topology
 from ..kernels.update import all_finite
 
@@ -238,6 +238,7 @@ class Algorithm:
         if unfit is not None:
             raise unfit  # the same on every rank: they agreed
         self._xp = array_module(params)  # subclasses allocate with it
+        keep_apart(params)  # their state arrays are streamed beside it
         failure = None
         try:
             self._allocate(params)
@@ -367,8 +368,13 @@ class Algorithm:
     def _load_array(self, key: str, value: Optional[np.ndarray]) -> None:
         current = getattr(self, key)
         if value is None or current is None:
-            # Arrays that appear lazily (a momentum buffer) take the parameters' backend.
-            setattr(self, key, None if value is None else self._xp.array(value))
+            # Arrays that appear lazily (a momentum buffer) take the parameters' backend and a placement of their own.
+            placed = None
+            if value is not None:
+                source = self._xp.asarray(value)
+                placed = empty_apart(source)
+                placed[...] = source
+            setattr(self, key, placed)
             return
         current[...] = array_module(current).asarray(value)
 

@@ -59,6 +59,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, Mapping, Optional
 
+from ..arrays import empty_apart
 from ..comm import Request, Topology, is_gpu_array
 from ..kernels.update import MERGE_RULES, Merge, merge_average
 from .base import Algorithm, check_choice, check_positive, check_range
@@ -251,8 +252,8 @@ class DaSGD(LocalStepState, Algorithm):
                 "in the helper thread, outside the training stream; use progress='test'"
             )
         self.local.allocate(params)
-        self._snapshot = self._xp.empty_like(params)
-        self._sum = self._xp.empty_like(params)
+        self._snapshot = empty_apart(params)
+        self._sum = empty_apart(params)
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         step = self.steps + 1  # the base class counts the step after _step returns

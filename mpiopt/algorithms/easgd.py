@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-from ..arrays import array_module
+from ..arrays import array_module, empty_apart
 from ..comm import Topology
 from .base import Algorithm, check_positive
 from .local import LocalSGD, LocalStepState
@@ -151,12 +151,11 @@ class EASGD(LocalStepState, Algorithm):
         return {"alpha": self.alpha, "beta": self.beta, "period": self.period, **self.local.hyperparameters()}
 
     def _allocate(self, params: Any) -> None:
-        xp = array_module(params)
         self.local.allocate(params)
-        self._mean = xp.empty_like(params)
-        self._work = xp.empty_like(params)
+        self._mean = empty_apart(params)
+        self._work = empty_apart(params)
         world = self.topology.world
-        self.center = xp.empty_like(params)
+        self.center = empty_apart(params)
         world.Allreduce(params, out=self.center)
         self.center /= world.size
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from ..arrays import array_module
+from ..arrays import empty_apart
 from ..kernels.update import Merge, sgd_update
 from .base import check_positive, check_range
 
@@ -80,7 +80,7 @@ class LocalSGD:
         """
         first_step = bool(self.momentum) and self.buffer is None
         if first_step:
-            self.buffer = array_module(params).empty_like(params)
+            self.buffer = empty_apart(params, near=(grad,))
         sgd_update(
             params,
             grad,

@@ -91,7 +91,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..arrays import array_module
+from ..arrays import empty_apart
 from ..comm import Comm, Topology
 from .base import Algorithm
 from .lsgd_rule import PULL_FORMS, LSGDRule, LSGDState
@@ -186,7 +186,7 @@ class LSGD(LSGDState, Algorithm):
     # -- the algorithm --------------------------------------------------------------------
     def _allocate(self, params: Any) -> None:
         self.rule.allocate(params)
-        self._leader = array_module(params).empty_like(params)
+        self._leader = empty_apart(params)
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         """One step in the order of the module docstring ("Order within a step")."""

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..arrays import array_module
+from ..arrays import array_module, empty_apart
 from .base import check_choice, check_positive, check_range
 from .local import LocalSGD, LocalStepState
 
@@ -111,10 +111,9 @@ class LSGDRule:
 
     def allocate(self, params: Any) -> None:
         """Scratch space for ``params`` (call once before the first step)."""
-        xp = array_module(params)
         self.local.allocate(params)
-        self._work = xp.empty_like(params)
-        self._pull = xp.empty_like(params) if self.pull_form == "paper" else None
+        self._work = empty_apart(params)
+        self._pull = empty_apart(params) if self.pull_form == "paper" else None
 
     # -- the election value ---------------------------------------------------------------
     def record_loss(self, loss: float) -> None:

@@ -67,6 +67,7 @@ from typing import Any, Deque, Dict, Iterator, Optional, Tuple, Union
 
 import numpy as np
 
+from ..arrays import empty_apart
 from ..comm import Request, Topology
 from ..kernels import chunk_bounds, majority_vote, pack_signs, packed_nbytes, vote_chunk
 from ..kernels.signs import apply_signs, fused_signs_available, momentum_signs
@@ -227,10 +228,10 @@ class Signum(Algorithm):
         self.mode = choose_exchange(P, d) if self.exchange == "auto" else self.exchange
         nbytes = packed_nbytes(d)
         # Scratch of the numpy passes ((1 - beta) g, then lr times the vote); the C loops need none.
-        self._signs = None if fused_signs_available(params) else xp.empty_like(params)
+        self._signs = None if fused_signs_available(params) else empty_apart(params)
         self._voted = xp.empty(nbytes, dtype=np.uint8)
         if self.momentum:
-            self.momentum_buffer = xp.zeros_like(params)
+            self.momentum_buffer = empty_apart(params, zero=True)
         if self.mode == "prevote":
             topo = self.topology
             self._packed = xp.empty(nbytes, dtype=np.uint8)

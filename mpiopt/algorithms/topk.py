@@ -64,7 +64,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from ..arrays import array_module
+from ..arrays import array_module, empty_apart
 from ..comm import Topology
 from ..kernels import (
     decode, density_to_k, encode, encoded_nbytes, error_feedback, packed_nbytes, payload_format, regtopk_scores, scatter_add,
@@ -195,12 +195,12 @@ class SparseWorker:
         self.num_params = int(like.shape[0])
         self.k = sparsifier.count(self.num_params)
         self.payload_nbytes = encoded_nbytes(self.k, self.num_params, like.dtype)  # values in the parameters' dtype
-        self.error = xp.zeros_like(like)
+        self.error = empty_apart(like, zero=True)
         regularized = sparsifier.regularized
         self.sent_indices = xp.zeros(self.k, dtype=xp.int32) if regularized else None
         self.sent_values = xp.zeros(self.k, dtype=like.dtype) if regularized else None
         self.has_history = False
-        self._scores = xp.empty_like(like) if regularized else None
+        self._scores = empty_apart(like) if regularized else None
         # Selection and the sent values in buffers made once: a step allocates nothing k- or d-sized.
         self._workspace = TopkWorkspace(self.num_params, self.k, like.dtype) if xp is np else None
         self._values = xp.empty(self.k, dtype=like.dtype)
@@ -402,7 +402,7 @@ class _SparseSGD(LocalStepState, Algorithm):
         xp = array_module(params)
         self.worker = SparseWorker(self.sparsifier, params, self.topology.world.size)
         self.local.allocate(params)
-        self._aggregate = xp.zeros_like(params)
+        self._aggregate = empty_apart(params, zero=True)
         self._payload = xp.empty(self.worker.payload_nbytes, dtype=xp.uint8)
         self._payloads = xp.empty((self.topology.world.size, self.worker.payload_nbytes), dtype=xp.uint8)
         bitmaps = payload_format(self.worker.k, self.worker.num_params) == "bitmap"

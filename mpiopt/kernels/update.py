@@ -28,7 +28,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..arrays import array_module
+from ..arrays import array_module, empty_apart
 from ._backend import check_array, check_count
 
 from .threads import get_num_threads
@@ -276,7 +276,7 @@ def sgd_update(
     # A second array where an operand must be formed while work[0] holds d (see _array_update).
     d_in_work = grad_divisor != 1 or weight_decay
     needed = 2 if (weight_decay and grad_divisor != 1) or (nesterov and momentum and d_in_work) else 1
-    work.extend(xp.empty_like(params) for _ in range(needed - len(work)))
+    work.extend(empty_apart(params) for _ in range(needed - len(work)))
     with np.errstate(all="ignore"):  # inf - inf is NaN here as in the C loop, silently in both
         _array_update(xp, params, grad, buffer, grad_divisor, lr, momentum, dampening, nesterov, weight_decay, bool(first_step), work)
         if merge is not None:

@@ -113,6 +113,7 @@ import torch
 
 from ..algorithms import Algorithm, StepRecord, create
 from ..algorithms.base import check_positive
+from ..arrays import host_apart
 from ..comm import MAX, Comm, Ledger, Topology
 
 __all__ = ["DistributedOptimizer"]
@@ -120,6 +121,13 @@ __all__ = ["DistributedOptimizer"]
 _SUPPORTED_DTYPES = (torch.float32, torch.float64)
 #: Keys a parameter group may carry: ours, and what schedulers add.
 _GROUP_KEYS = {"params", "lr", "initial_lr"}
+
+
+def _flat_buffer(total: int, like: torch.Tensor, zero: bool = False) -> torch.Tensor:
+    """A flat buffer of ``total`` elements of ``like``'s dtype and device; on the host, placed by :func:`mpiopt.arrays.host_apart`."""
+    if like.device.type != "cpu":
+        return (torch.zeros if zero else torch.empty)(total, dtype=like.dtype, device=like.device)
+    return torch.from_numpy(host_apart(total, torch.empty(0, dtype=like.dtype).numpy().dtype, zero=zero))
 
 
 def _as_array(tensor: torch.Tensor) -> Any:
@@ -360,7 +368,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._verdict = np.zeros(3)  # GradScaler: overflow somewhere, largest scale, -smallest scale
         self._exchange: Optional[_BucketExchange] = None
         if overlap:
-            self._flat_total = torch.empty_like(self._flat_grads)  # the buckets' sums over the world
+            self._flat_total = _flat_buffer(self._flat_grads.numel(), self._flat_grads)  # the buckets' sums over the world
             self._total_array = _as_array(self._flat_total)
             self._exchange = _BucketExchange(
                 self._params, self._grad_views, self._flat_grads, self._total_array, world, backward_passes_per_step,
@@ -401,8 +409,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Move the parameters into one flat buffer and make every parameter and gradient a view."""
         first = self._params[0]
         total = sum(p.numel() for p in self._params)
-        flat = torch.empty(total, dtype=first.dtype, device=first.device)
-        grads = torch.zeros_like(flat)
+        flat = _flat_buffer(total, first)
+        grads = _flat_buffer(total, first, zero=True)
         offset = 0
         with torch.no_grad():
             for p in self._params:
