@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from ..arrays import array_module
+from ..arrays import empty_apart
 from ..comm import Topology
 from .base import Algorithm, StepRecord
 from .local import LocalSGD, LocalStepState
@@ -63,7 +63,7 @@ class SGD(LocalStepState, Algorithm):
 
     def _allocate(self, params: Any) -> None:
         self.local.allocate(params)
-        self._average = array_module(params).empty_like(params)
+        self._average = empty_apart(params) if self.topology.world.size > 1 else None
 
     def step_reduced(self, params: Any, grad: Any, total: Any, loss: Optional[float] = None) -> StepRecord:
         """:meth:`step` without its Allreduce: ``total`` already holds the sum of ``grad`` over the world.
@@ -86,7 +86,9 @@ class SGD(LocalStepState, Algorithm):
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         world = self.topology.world
         total = self._reduced
-        if total is None:
+        if total is None and world.size == 1:
+            total = grad  # one rank's sum is its gradient: no copy
+        elif total is None:
             world.Allreduce(grad, out=self._average)
             total = self._average
         # The division by the world size rides in the update's one pass over memory (same bits as total /= P first).
