@@ -508,3 +508,54 @@ def test_update_with_merge_is_checked():
         sgd_update(x, x.copy(), lr=LR, merge=merge._replace(total=x))
     with pytest.raises(ValueError, match=r"snapshot must be a numpy array of shape \(4,\)"):
         sgd_update(x, x.copy(), lr=LR, merge=merge._replace(snapshot=np.zeros(3, np.float32)))
+
+
+def sparse_gradient(rng, size, dtype, count):
+    """A gradient that is +0.0 except at ``count`` sorted int32 entries (with NaN, inf, -0.0 among their values)."""
+    nonzero = np.sort(rng.choice(size, size=min(count, size), replace=False)).astype(np.int32) if size else np.zeros(0, np.int32)
+    if size > 40:  # the first and last entries, and a run across a block boundary
+        nonzero = np.union1d(nonzero, [0, 15, 16, 17, size - 1]).astype(np.int32)
+    g = np.zeros(size, dtype)
+    g[nonzero] = awkward(rng, nonzero.size, dtype, special=True)
+    return g, nonzero
+
+
+@pytest.mark.parametrize("rule", [rule for rule in RULES if rule[4] == 1], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: t.__name__)
+@pytest.mark.parametrize("size, count, threads_", [(0, 0, 1), (1, 1, 1), (7, 0, 1), (100, 3, 1), (SPLIT_SIZE, 500, 1), (SPLIT_SIZE, 5000, 3)])
+def test_sparse_gradient_reads_only_its_blocks_with_the_dense_bits(size, count, threads_, dtype, rule, kernel_threads):
+    """nonzero= gives the dense update's bits, -0.0 in x and b included, and reads grad only in the blocks it names."""
+    kernel_threads(threads_)
+    momentum, dampening, nesterov, weight_decay, _ = rule
+    rng = np.random.default_rng([size, count, np.dtype(dtype).itemsize])
+    x = awkward(rng, size, dtype, special=True)
+    b = awkward(rng, size, dtype, special=True) if momentum else None
+    if size:
+        x[::7] = -0.0  # -0.0 + +0.0 is +0.0: the constant must be added, not skipped
+        if momentum:
+            b[::5] = -0.0
+    want_x, want_b = x.copy(), None if b is None else b.copy()
+    for step in range(2):
+        g, nonzero = sparse_gradient(rng, size, dtype, count)
+        poisoned = g.copy()
+        blocks = np.zeros(-(-size // 16), bool)
+        blocks[nonzero // 16] = True
+        unread = np.repeat(~blocks, 16)[:size]
+        poisoned[unread] = np.nan  # what the loop must not read: NaN would show in x
+        flags = dict(lr=LR, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay, first_step=step == 0)
+        finite = sgd_update(x, poisoned, b, nonzero=nonzero, check_finite=True, **flags)
+        sgd_update(want_x, g, want_b, **flags)
+        assert finite is bool(np.isfinite(g).all())
+        assert_same_bits(x, want_x)
+        if momentum:
+            assert_same_bits(b, want_b)
+
+
+def test_sparse_gradient_is_checked():
+    x, g = np.zeros(40, np.float32), np.zeros(40, np.float32)
+    for bad in ([3, 2], [1, 1], [-1], [40]):
+        with pytest.raises(ValueError, match=r"nonzero must be int32 indices in \[0, 40\), unique and ascending"):
+            sgd_update(x, g, lr=0.1, nonzero=np.array(bad, np.int32))
+    for extra in (dict(copy_to=np.zeros(40, np.float32)), dict(grad_divisor=2)):
+        with pytest.raises(ValueError, match="nonzero excludes copy_to, merge and grad_divisor"):
+            sgd_update(x, g, lr=0.1, nonzero=np.array([1], np.int32), **extra)
