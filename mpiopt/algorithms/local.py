@@ -65,7 +65,6 @@ class LocalSGD:
         *,
         copy_to: Union[None, Any, Sequence[Any]] = None,
         merge: Optional[Merge] = None,
-        grad_nonzero: Optional[Any] = None,
     ) -> None:
         """``params -= lr * direction(grad / grad_divisor)`` in place; ``grad`` is left unchanged.
 
@@ -73,8 +72,7 @@ class LocalSGD:
         pass, with the bits of ``grad /= grad_divisor`` first.  ``copy_to`` and
         ``merge`` are :func:`~mpiopt.kernels.update.sgd_update`'s: copies of
         the new ``params``, or DaSGD's merge of an average into them, in the
-        same pass; ``grad_nonzero`` is its ``nonzero``, where a sparse
-        ``grad`` may be non-zero.
+        same pass.
 
         The same floating-point operations as ``torch.optim.SGD``, each rounded
         on its own (torch fuses ``a + alpha * b`` into one rounding: see
@@ -97,7 +95,6 @@ class LocalSGD:
             work=self._work,
             copy_to=copy_to,
             merge=merge,
-            nonzero=grad_nonzero,
         )
 
 

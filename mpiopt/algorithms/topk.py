@@ -430,8 +430,7 @@ class _SparseSGD(LocalStepState, Algorithm):
         self._touched = touched
         self._union_slot ^= 1  # the next union goes to the other buffer
         if dense:
-            # x <- x - lr G with momentum / decay, reading G only around its non-zero entries
-            self.local.apply(params, self._aggregate, self.lr, grad_nonzero=touched)
+            self.local.apply(params, self._aggregate, self.lr)  # x <- x - lr G with momentum / decay
 
     def load_state_dict(self, state: Any, *, override_hyperparameters: bool = False) -> None:
         super().load_state_dict(state, override_hyperparameters=override_hyperparameters)

@@ -20,7 +20,6 @@
 #define MPIOPT_PARALLEL_H
 
 #include <pthread.h>
-#include <stdint.h>
 
 /* The most chunks (and threads) of one call: per-chunk results fit arrays of this length. */
 #define MPIOPT_MAX_PARTS 64
@@ -85,17 +84,6 @@ static int mpiopt_parallel_for_min(int threads, Py_ssize_t n, Py_ssize_t align, 
 /* mpiopt_parallel_for_min with threads' shares of at least MPIOPT_MIN_PART elements (streaming loops). */
 static int mpiopt_parallel_for(int threads, Py_ssize_t n, Py_ssize_t align, mpiopt_part_fn fn, void *ctx) {
     return mpiopt_parallel_for_min(threads, n, align, MPIOPT_MIN_PART, fn, ctx);
-}
-
-/* The first position of a sorted int32 list holding value or more (a part's share of sorted indices). */
-static Py_ssize_t mpiopt_lower_bound(const int32_t *a, Py_ssize_t n, Py_ssize_t value) {
-    Py_ssize_t lo = 0, hi = n;
-    while (lo < hi) {
-        const Py_ssize_t mid = lo + (hi - lo) / 2;
-        if (a[mid] < value) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
 }
 
 #endif

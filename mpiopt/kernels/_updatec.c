@@ -26,10 +26,6 @@
  *   a = sum / P;  x = x - snapshot;  x = x + a             (delayed rule)
  *   a = sum / P;  a = a * (1 - p);   x = x * p;  x = x + a (proportion rule)
  *
- * A gradient known to be +0.0 outside a sorted list of entries (top-k's
- * aggregate) is read only in the blocks of SPARSE_BLOCK elements that hold
- * one of them: elsewhere the loop adds the constant +0.0, the same floats.
- *
  * Long vectors are split across threads (_parallel.h): element by element,
  * so the bits do not depend on the split.
  */
@@ -37,7 +33,6 @@
 #include <Python.h>
 #include <float.h>
 #include <math.h>
-#include <stdint.h>
 #include <string.h>
 
 #include "_parallel.h"
@@ -54,9 +49,6 @@
 #else
 #define ALWAYS_INLINE static inline
 #endif
-
-/* Elements of a sparse gradient's block (a cache line of float32): read whole where an entry may be non-zero. */
-#define SPARSE_BLOCK 16
 
 /* merge's rules (the update's and merge_average's flag). */
 enum { NO_MERGE, DELAYED, PROPORTION };
@@ -80,15 +72,14 @@ DEFINE_MERGE_ONE(double, merge_one_f64)
 /* The loop for one dtype; the int flags are constants at every call site, so
  * each case below compiles into its own branch-free (vectorized) loop. */
 #define DEFINE_LOOP(T, NAME, ABS, MAX, MERGE_ONE)                                                                \
-    ALWAYS_INLINE int NAME##_range(Py_ssize_t lo, Py_ssize_t hi, T *restrict x, const T *restrict g, T *restrict b, \
-                                   T *restrict c, T *restrict c2, const T *restrict snapshot, const T *restrict sum, \
-                                   T lr, T wd, T mom, T scale, T div, T mdiv, T mp, T mq, int zero, int divide,      \
-                                   int copies, int merge, int decay, int momentum, int first, int damp,              \
-                                   int nesterov) {                                                                   \
+    ALWAYS_INLINE int NAME(Py_ssize_t n, T *restrict x, const T *restrict g, T *restrict b, T *restrict c,       \
+                           T *restrict c2, const T *restrict snapshot, const T *restrict sum, T lr, T wd, T mom, \
+                           T scale, T div, T mdiv, T mp, T mq, int divide, int copies, int merge, int decay,      \
+                           int momentum, int first, int damp, int nesterov) {                                    \
         int finite = 1;                                                                                          \
-        for (Py_ssize_t i = lo; i < hi; ++i) {                                                                   \
-            T gi = zero ? (T)0 : g[i]; /* zero: a block the sparse gradient's entries miss */                    \
-            if (!zero) finite &= ABS(gi) <= MAX; /* false for inf and NaN */                                     \
+        for (Py_ssize_t i = 0; i < n; ++i) {                                                                     \
+            T gi = g[i];                                                                                         \
+            finite &= ABS(gi) <= MAX; /* false for inf and NaN */                                                \
             if (divide) gi = gi / div;                                                                           \
             T d = gi;                                                                                            \
             if (decay) {                                                                                         \
@@ -125,31 +116,6 @@ DEFINE_MERGE_ONE(double, merge_one_f64)
             if (copies == 2) c2[i] = y;                                                                          \
         }                                                                                                        \
         return finite;                                                                                           \
-    }                                                                                                            \
-    /* The n elements of a part; sparse: g is +0.0 except where nz[t] - base (t < nnz, ascending) points. */      \
-    ALWAYS_INLINE int NAME(Py_ssize_t n, T *restrict x, const T *restrict g, T *restrict b, T *restrict c,       \
-                           T *restrict c2, const T *restrict snapshot, const T *restrict sum, T lr, T wd, T mom, \
-                           T scale, T div, T mdiv, T mp, T mq, const int32_t *nz, Py_ssize_t nnz, Py_ssize_t base, \
-                           int sparse, int divide, int copies, int merge, int decay, int momentum, int first,     \
-                           int damp, int nesterov) {                                                             \
-        if (!sparse)                                                                                             \
-            return NAME##_range(0, n, x, g, b, c, c2, snapshot, sum, lr, wd, mom, scale, div, mdiv, mp, mq, 0,  \
-                                divide, copies, merge, decay, momentum, first, damp, nesterov);                  \
-        int finite = 1;                                                                                          \
-        Py_ssize_t i = 0, t = 0;                                                                                 \
-        while (t < nnz) {                                                                                        \
-            const Py_ssize_t at = nz[t] - base, start = at / SPARSE_BLOCK * SPARSE_BLOCK;                        \
-            const Py_ssize_t end = start + SPARSE_BLOCK < n ? start + SPARSE_BLOCK : n;                          \
-            NAME##_range(i, start, x, g, b, c, c2, snapshot, sum, lr, wd, mom, scale, div, mdiv, mp, mq, 1,      \
-                         divide, copies, merge, decay, momentum, first, damp, nesterov);                        \
-            finite &= NAME##_range(start, end, x, g, b, c, c2, snapshot, sum, lr, wd, mom, scale, div, mdiv, mp, \
-                                   mq, 0, divide, copies, merge, decay, momentum, first, damp, nesterov);        \
-            i = end;                                                                                             \
-            while (t < nnz && nz[t] - base < end) ++t;                                                           \
-        }                                                                                                        \
-        NAME##_range(i, n, x, g, b, c, c2, snapshot, sum, lr, wd, mom, scale, div, mdiv, mp, mq, 1, divide,      \
-                     copies, merge, decay, momentum, first, damp, nesterov);                                     \
-        return finite;                                                                                           \
     }
 
 DEFINE_LOOP(float, loop_f32, fabsf, FLT_MAX, merge_one_f32)
@@ -157,37 +123,37 @@ DEFINE_LOOP(double, loop_f64, fabs, DBL_MAX, merge_one_f64)
 
 /* One specialized loop per case: (divide) x (0, 1 or 2 copies | delayed/proportion merge) x (decay) x
  * (no momentum | first/later x plain/dampened/Nesterov). */
-#define CASE(LOOP, SPARSE, DIV, COPIES, MERGE, DEC, MOM, FIRST, DAMP, NEST)                                           \
-    return LOOP(n, x_, g_, b_, c_, c2_, s_, t_, lr_, wd_, m_, sc_, p_, md_, mp_, mq_, nz, nnz, base, SPARSE, DIV, COPIES, \
-                MERGE, DEC, MOM, FIRST, DAMP, NEST)
-#define CASES(LOOP, SPARSE, DIV, COPIES, MERGE)                                \
+#define CASE(LOOP, DIV, COPIES, MERGE, DEC, MOM, FIRST, DAMP, NEST)                                           \
+    return LOOP(n, x_, g_, b_, c_, c2_, s_, t_, lr_, wd_, m_, sc_, p_, md_, mp_, mq_, DIV, COPIES, MERGE, DEC, MOM, \
+                FIRST, DAMP, NEST)
+#define CASES(LOOP, DIV, COPIES, MERGE)                                      \
     do {                                                                     \
         if (!momentum) {                                                     \
-            if (decay) CASE(LOOP, SPARSE, DIV, COPIES, MERGE, 1, 0, 0, 0, 0);        \
-            CASE(LOOP, SPARSE, DIV, COPIES, MERGE, 0, 0, 0, 0, 0);                   \
+            if (decay) CASE(LOOP, DIV, COPIES, MERGE, 1, 0, 0, 0, 0);        \
+            CASE(LOOP, DIV, COPIES, MERGE, 0, 0, 0, 0, 0);                   \
         }                                                                    \
         if (first) {                                                         \
             if (decay) {                                                     \
-                if (nesterov) CASE(LOOP, SPARSE, DIV, COPIES, MERGE, 1, 1, 1, 0, 1); \
-                CASE(LOOP, SPARSE, DIV, COPIES, MERGE, 1, 1, 1, 0, 0);               \
+                if (nesterov) CASE(LOOP, DIV, COPIES, MERGE, 1, 1, 1, 0, 1); \
+                CASE(LOOP, DIV, COPIES, MERGE, 1, 1, 1, 0, 0);               \
             }                                                                \
-            if (nesterov) CASE(LOOP, SPARSE, DIV, COPIES, MERGE, 0, 1, 1, 0, 1);     \
-            CASE(LOOP, SPARSE, DIV, COPIES, MERGE, 0, 1, 1, 0, 0);                   \
+            if (nesterov) CASE(LOOP, DIV, COPIES, MERGE, 0, 1, 1, 0, 1);     \
+            CASE(LOOP, DIV, COPIES, MERGE, 0, 1, 1, 0, 0);                   \
         }                                                                    \
         if (decay) {                                                         \
-            if (nesterov) CASE(LOOP, SPARSE, DIV, COPIES, MERGE, 1, 1, 0, 0, 1);     \
-            if (damp) CASE(LOOP, SPARSE, DIV, COPIES, MERGE, 1, 1, 0, 1, 0);         \
-            CASE(LOOP, SPARSE, DIV, COPIES, MERGE, 1, 1, 0, 0, 0);                   \
+            if (nesterov) CASE(LOOP, DIV, COPIES, MERGE, 1, 1, 0, 0, 1);     \
+            if (damp) CASE(LOOP, DIV, COPIES, MERGE, 1, 1, 0, 1, 0);         \
+            CASE(LOOP, DIV, COPIES, MERGE, 1, 1, 0, 0, 0);                   \
         }                                                                    \
-        if (nesterov) CASE(LOOP, SPARSE, DIV, COPIES, MERGE, 0, 1, 0, 0, 1);         \
-        if (damp) CASE(LOOP, SPARSE, DIV, COPIES, MERGE, 0, 1, 0, 1, 0);             \
-        CASE(LOOP, SPARSE, DIV, COPIES, MERGE, 0, 1, 0, 0, 0);                       \
+        if (nesterov) CASE(LOOP, DIV, COPIES, MERGE, 0, 1, 0, 0, 1);         \
+        if (damp) CASE(LOOP, DIV, COPIES, MERGE, 0, 1, 0, 1, 0);             \
+        CASE(LOOP, DIV, COPIES, MERGE, 0, 1, 0, 0, 0);                       \
     } while (0)
 /* Each output variant with and without the divisor; copies and a merge never come together (py_sgd). */
 #define VARIANT(LOOP, COPIES, MERGE)                   \
     do {                                               \
-        if (divisor != 1.0) CASES(LOOP, 0, 1, COPIES, MERGE); \
-        CASES(LOOP, 0, 0, COPIES, MERGE);               \
+        if (divisor != 1.0) CASES(LOOP, 1, COPIES, MERGE); \
+        CASES(LOOP, 0, COPIES, MERGE);                 \
     } while (0)
 #define DISPATCH(LOOP, T)                                                                                     \
     do {                                                                                                      \
@@ -198,7 +164,6 @@ DEFINE_LOOP(double, loop_f64, fabs, DBL_MAX, merge_one_f64)
         const T *s_ = (const T *)m->snapshot, *t_ = (const T *)m->sum;                                        \
         const T lr_ = (T)lr, wd_ = (T)wd, m_ = (T)mom, sc_ = (T)scale, p_ = (T)divisor;                       \
         const T md_ = (T)m->divisor, mp_ = (T)m->p, mq_ = (T)m->q;                                            \
-        if (nz) CASES(LOOP, 1, 0, 0, NO_MERGE); /* py_sgd: a sparse gradient comes alone */                 \
         if (m->rule == DELAYED) VARIANT(LOOP, 0, DELAYED);                                                    \
         if (m->rule == PROPORTION) VARIANT(LOOP, 0, PROPORTION);                                              \
         if (c2) VARIANT(LOOP, 2, NO_MERGE);                                                                   \
@@ -214,8 +179,8 @@ typedef struct {
 } merge_args;
 
 static int run(int itemsize, Py_ssize_t n, void *x, const void *g, void *b, void *c, void *c2, const merge_args *m,
-               const int32_t *nz, Py_ssize_t nnz, Py_ssize_t base, double divisor, double lr, double wd, double mom,
-               double scale, int decay, int momentum, int first, int damp, int nesterov) {
+               double divisor, double lr, double wd, double mom, double scale, int decay, int momentum, int first,
+               int damp, int nesterov) {
     if (itemsize == 4) DISPATCH(loop_f32, float);
     DISPATCH(loop_f64, double);
 }
@@ -226,8 +191,6 @@ typedef struct {
     char *x, *b, *c, *c2;
     const char *g;
     merge_args merge;
-    const int32_t *nz; /* a sparse gradient's entries (NULL: dense) */
-    Py_ssize_t nnz;
     double divisor, lr, wd, mom, scale;
     int finite[MPIOPT_MAX_PARTS];
 } sgd_job;
@@ -244,11 +207,9 @@ static void sgd_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
     sgd_job *j = (sgd_job *)ctx;
     const Py_ssize_t at = lo * j->itemsize;
     const merge_args m = merge_part_args(&j->merge, at);
-    const Py_ssize_t t0 = j->nz ? mpiopt_lower_bound(j->nz, j->nnz, lo) : 0;
-    const Py_ssize_t t1 = j->nz ? mpiopt_lower_bound(j->nz, j->nnz, hi) : 0;
     j->finite[part] = run(j->itemsize, hi - lo, j->x + at, j->g + at, j->b ? j->b + at : NULL, j->c ? j->c + at : NULL,
-                          j->c2 ? j->c2 + at : NULL, &m, j->nz ? j->nz + t0 : NULL, t1 - t0, lo, j->divisor, j->lr,
-                          j->wd, j->mom, j->scale, j->decay, j->momentum, j->first, j->damp, j->nesterov);
+                          j->c2 ? j->c2 + at : NULL, &m, j->divisor, j->lr, j->wd, j->mom, j->scale, j->decay,
+                          j->momentum, j->first, j->damp, j->nesterov);
 }
 
 /* Whether every element is finite: no early exit, so the loop vectorizes (NaN is the rare case).
@@ -336,32 +297,15 @@ static int get_merge(PyObject *so, PyObject *to, double divisor, PyObject *po, c
     return 0;
 }
 
-/* A sparse gradient's entries: int32, strictly ascending, in [0, n).  0, or -1 with an exception set. */
-static int get_nonzero(PyObject *o, Py_buffer *view, Py_ssize_t n) {
-    if (PyObject_GetBuffer(o, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return -1;
-    const char *f = view->format ? view->format : "B";
-    if (*f == '@' || *f == '=' || *f == (PY_LITTLE_ENDIAN ? '<' : '>')) ++f;
-    int ok = view->itemsize == 4 && (strcmp(f, "i") == 0 || strcmp(f, "l") == 0);
-    const int32_t *nz = (const int32_t *)view->buf;
-    const Py_ssize_t nnz = view->len / 4;
-    for (Py_ssize_t t = 0; ok && t < nnz; ++t) ok = nz[t] >= 0 && nz[t] < n && (t == 0 || nz[t] > nz[t - 1]);
-    if (!ok) {
-        PyErr_Format(PyExc_ValueError, "sgd: nonzero must be int32 indices in [0, %zd), unique and ascending", n);
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
-
 static PyObject *py_sgd(PyObject *self, PyObject *args) {
-    PyObject *xo, *go, *bo, *co, *co2, *mo, *nzo;
+    PyObject *xo, *go, *bo, *co, *co2, *mo;
     double divisor, lr, wd, mom, dampening;
     int nesterov, first, threads;
-    Py_buffer x = {0}, g = {0}, b = {0}, c = {0}, c2 = {0}, snapshot = {0}, sum = {0}, nz = {0};
+    Py_buffer x = {0}, g = {0}, b = {0}, c = {0}, c2 = {0}, snapshot = {0}, sum = {0};
     merge_args merge = {NO_MERGE, NULL, NULL, 1.0, 0.0, 1.0};
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOOOOOdddddppi", &xo, &go, &bo, &co, &co2, &mo, &nzo, &divisor, &lr, &wd, &mom,
-                          &dampening, &nesterov, &first, &threads))
+    if (!PyArg_ParseTuple(args, "OOOOOOdddddppi", &xo, &go, &bo, &co, &co2, &mo, &divisor, &lr, &wd, &mom, &dampening,
+                          &nesterov, &first, &threads))
         return NULL;
     const int itemsize = get_params(xo, &x, "sgd");
     if (!itemsize) return NULL;
@@ -378,11 +322,6 @@ static PyObject *py_sgd(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "sgd: a second copy needs a first, and copies exclude a merge");
         goto done;
     }
-    if (nzo != Py_None && (co != Py_None || mo != Py_None || divisor != 1.0)) {
-        PyErr_SetString(PyExc_ValueError, "sgd: a sparse gradient (nonzero) excludes copies, a merge and a divisor");
-        goto done;
-    }
-    if (nzo != Py_None && get_nonzero(nzo, &nz, x.len / itemsize) < 0) goto done;
     if (co != Py_None && get_like(co, &c, 1, &x, itemsize, "sgd: copy_to") < 0) goto done;
     if (co2 != Py_None && get_like(co2, &c2, 1, &x, itemsize, "sgd: copy_to_2") < 0) goto done;
     if (mo != Py_None) {
@@ -392,11 +331,10 @@ static PyObject *py_sgd(PyObject *self, PyObject *args) {
         if (get_merge(so, to, world_size, po, &x, itemsize, "sgd: merge", &snapshot, &sum, &merge) < 0) goto done;
     }
     sgd_job job = {itemsize, wd != 0.0, mom != 0.0, first, dampening != 0.0, nesterov, (char *)x.buf, (char *)b.buf,
-                   (char *)c.buf, (char *)c2.buf, (const char *)g.buf, merge, (const int32_t *)nz.buf, nz.len / 4,
-                   divisor, lr, wd, mom, 1.0 - dampening, {0}};
+                   (char *)c.buf, (char *)c2.buf, (const char *)g.buf, merge, divisor, lr, wd, mom, 1.0 - dampening, {0}};
     int parts;
     Py_BEGIN_ALLOW_THREADS
-    parts = mpiopt_parallel_for(threads, x.len / itemsize, nz.obj ? SPARSE_BLOCK : 1, sgd_part, &job);
+    parts = mpiopt_parallel_for(threads, x.len / itemsize, 1, sgd_part, &job);
     Py_END_ALLOW_THREADS
     result = PyBool_FromLong(all_parts(job.finite, parts));
 done:
@@ -407,7 +345,6 @@ done:
     if (c2.obj) PyBuffer_Release(&c2);
     if (snapshot.obj) PyBuffer_Release(&snapshot);
     if (sum.obj) PyBuffer_Release(&sum);
-    if (nz.obj) PyBuffer_Release(&nz);
     return result;
 }
 
@@ -490,14 +427,12 @@ static PyObject *py_all_finite(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"sgd", py_sgd, METH_VARARGS,
-     "sgd(params, grad, buffer, copy_to, copy_to_2, merge, nonzero, divisor, lr, weight_decay, momentum, dampening,"
-     " nesterov, first_step, threads) -> bool\n\n"
+     "sgd(params, grad, buffer, copy_to, copy_to_2, merge, divisor, lr, weight_decay, momentum, dampening, nesterov,"
+     " first_step, threads) -> bool\n\n"
      "torch.optim.SGD's update of params (and of the momentum buffer, None when momentum == 0) in\n"
      "place, in one pass, for the gradient grad / divisor, then merge_average(params, *merge) unless\n"
      "merge is None, and the new params written into copy_to and copy_to_2 (unless None; not with a\n"
-     "merge); contiguous, non-overlapping float32 or float64 buffers of equal length.  nonzero (unless\n"
-     "None; alone, with divisor 1): the sorted int32 entries outside which grad is +0.0, so that grad is\n"
-     "read only in their blocks (the same floats).\n"
+     "merge); contiguous, non-overlapping float32 or float64 buffers of equal length.\n"
      "Returns whether every element of grad is finite.  Long vectors are split across up to threads threads."},
     {"merge_average", py_merge, METH_VARARGS,
      "merge_average(params, snapshot, total, divisor, proportion, threads) -> None\n\n"
@@ -516,6 +451,6 @@ static struct PyModuleDef module = {
 /* VERSION changes with the functions' arguments, so that update.py can refuse a stale build. */
 PyMODINIT_FUNC PyInit__updatec(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "VERSION", 2) < 0) Py_CLEAR(m);
+    if (m && PyModule_AddIntConstant(m, "VERSION", 1) < 0) Py_CLEAR(m);
     return m;
 }

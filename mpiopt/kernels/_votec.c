@@ -1010,10 +1010,20 @@ typedef struct {
     double divisor, lr;
 } settle_job;
 
+static Py_ssize_t lower_bound(const int32_t *a, Py_ssize_t n, int32_t value) {
+    Py_ssize_t lo = 0, hi = n;
+    while (lo < hi) {
+        const Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (a[mid] < value) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
 static void settle_part(void *ctx, Py_ssize_t j0, Py_ssize_t j1, int part) {
     const settle_job *j = (const settle_job *)ctx;
-    const Py_ssize_t s0 = j0 == 0 ? 0 : mpiopt_lower_bound(j->stale, j->n_stale, j->idx[j0]);
-    const Py_ssize_t s1 = j1 == j->u ? j->n_stale : mpiopt_lower_bound(j->stale, j->n_stale, j->idx[j1]);
+    const Py_ssize_t s0 = j0 == 0 ? 0 : lower_bound(j->stale, j->n_stale, j->idx[j0]);
+    const Py_ssize_t s1 = j1 == j->u ? j->n_stale : lower_bound(j->stale, j->n_stale, j->idx[j1]);
     (void)part;
     if (j->itemsize == 4)
         settle_float((float *)j->g, (float *)j->x, j->stale + s0, s1 - s0, j->idx + j0, (const float *)j->sums + j0,

@@ -37,7 +37,7 @@ try:
     from . import _updatec
 except ImportError:  # built without a C compiler: the array code below is used
     _updatec = None
-if _updatec is not None and getattr(_updatec, "VERSION", 0) != 2:  # pragma: no cover
+if _updatec is not None and getattr(_updatec, "VERSION", 0) != 1:  # pragma: no cover
     _updatec = None  # a stale build (other arguments): rebuild (pip install -e .)
 
 __all__ = ["Merge", "all_finite", "fused_update_available", "merge_average", "sgd_update"]
@@ -196,7 +196,6 @@ def sgd_update(
     work: Optional[List[Any]] = None,
     copy_to: Union[None, Any, Sequence[Any]] = None,
     merge: Optional[Merge] = None,
-    nonzero: Optional[Any] = None,
 ) -> Optional[bool]:
     """``params -= lr * step(grad)`` in place, with torch.optim.SGD's momentum and weight decay.
 
@@ -235,12 +234,6 @@ def sgd_update(
     merge : Merge, optional
         Then ``merge_average(params, *merge)``, in the same pass on the fused
         loop (with its bits); not together with ``copy_to``.
-    nonzero : numpy array of int32, optional
-        Unique ascending indices outside which ``grad`` is +0.0 (top-k's
-        aggregate): the fused loop reads ``grad`` only in the blocks of 16
-        elements that hold one of them and adds the constant +0.0 elsewhere, the same
-        floats (the array code reads it all).  Not with ``copy_to``,
-        ``merge`` or ``grad_divisor != 1``.
 
     Returns
     -------
@@ -267,8 +260,6 @@ def sgd_update(
         if copies:
             raise ValueError("copy_to and merge exclude each other: the fused loop copies only without a merge")
         merge = _checked_merge(Merge(*merge))
-    if nonzero is not None and (copies or merge is not None or grad_divisor != 1):
-        raise ValueError("nonzero excludes copy_to, merge and grad_divisor != 1")
     arrays = [("grad", grad)] + ([("buffer", buffer)] if momentum else []) + copies
     arrays += _merge_operands(merge) if merge is not None else []
     if momentum and buffer is None:
@@ -278,7 +269,7 @@ def sgd_update(
         outputs = [copy for _, copy in copies] + [None] * (MAX_COPIES - len(copies))
         finite = _updatec.sgd(
             params, grad, buffer if momentum else None, *outputs, _c_merge(merge) if merge is not None else None,
-            nonzero if isinstance(nonzero, np.ndarray) and nonzero.dtype == np.int32 else None, grad_divisor, lr, weight_decay, momentum, dampening, nesterov, bool(first_step), get_num_threads(),
+            grad_divisor, lr, weight_decay, momentum, dampening, nesterov, bool(first_step), get_num_threads(),
         )
         return finite if check_finite else None
     work = [] if work is None else work
