@@ -16,9 +16,17 @@ fused C loop and through the array code; and ``np.copyto`` of the vector (a
 floor for any pass that reads and writes it).
 
 Each variant steps twice untimed (allocations, the momentum buffer's first
-step), then ``--rounds`` interleaved rounds run ``--steps`` steps of every
-variant, in rotated order, so that machine noise hits all alike; the table
-gives medians over every timed step, and the ratio to the fused torch step.
+step), then ``--rounds`` interleaved rounds run ``--steps`` consecutive steps
+of every variant, in rotated order, so that machine noise hits all alike;
+each variant's first step in a round is untimed, since it would pay for the
+previous variant's dirty cache lines and for torch's OpenMP workers, which
+spin for milliseconds after each parallel region (``OMP_WAIT_POLICY=PASSIVE``
+puts them to sleep at once; the header says which policy ran).  A
+variant's time per step is the median over the rounds of its mean step in
+the round: the default 4 steps are one period of DaSGD's defaults (an
+averaging starts, then merges, then two plain steps), whose steps differ by
+design, so that a median over single steps would fall between those kinds.
+The table gives it and the ratio to the fused torch step.
 torch and mpiopt's C kernels (:mod:`mpiopt.kernels.threads`) use the same
 number of threads, ``--threads`` (default: torch's own choice), since both
 are memory-bound and one core does not reach the memory bandwidth.
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
@@ -59,7 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--algorithms", type=comma_list(str), default=list(SYNCHRONOUS), metavar="A,B,...", help="synchronous algorithms to time")
     parser.add_argument("--d", type=count, default=11_000_000, help="parameters (suffixes k, M, G)")
     parser.add_argument("--rounds", type=positive_int, default=5, help="interleaved rounds")
-    parser.add_argument("--steps", type=positive_int, default=4, help="timed steps of every variant per round")
+    parser.add_argument(
+        "--steps", type=positive_int, default=4,
+        help="timed consecutive steps of every variant per round (their mean is the round's sample; 4 is one DaSGD period)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random gradients")
     parser.add_argument(
         "--threads", type=positive_int, default=None,
@@ -155,9 +167,9 @@ def measure(
     Returns
     -------
     dict
-        ``seconds`` (median per variant), ``ratio`` (to :data:`UNIT`),
-        ``goals`` (per algorithm: ``{"goal", "ratio", "met"}``), ``samples``
-        (timed steps per variant), ``d``, ``rounds``, ``steps``, ``unit``,
+        ``seconds`` (per variant, the median over rounds of the round's mean
+        step), ``ratio`` (to :data:`UNIT`), ``goals`` (per algorithm:
+        ``{"goal", "ratio", "met"}``), ``samples`` (timed steps per variant), ``d``, ``rounds``, ``steps``, ``unit``,
         ``threads`` (torch's), ``kernel_threads`` (mpiopt's C kernels'), ``c_update_loop`` (whether the fused C loop was built).
 
     Raises
@@ -185,13 +197,14 @@ def measure(
     variants.update({name: _algorithm(topology, name, d, grads) for name in algorithms})
     if update_kernels._updatec is None:
         del variants["LocalSGD.apply (C loop)"]  # it would time the array code twice
-    samples: Dict[str, List[float]] = {name: [] for name in variants}
+    samples: Dict[str, List[float]] = {name: [] for name in variants}  # per round: the mean step
     for name, step in variants.items():  # untimed: allocations and first steps
         step()
         step()
     for round_ in range(rounds):
         for name in rotated(list(variants), round_):
-            samples[name].extend(variants[name]() for _ in range(steps))
+            variants[name]()  # untimed: it would pay for the previous variant's dirty cache lines and spinning threads
+            samples[name].append(sum(variants[name]() for _ in range(steps)) / steps)
     if own:
         topology.Free()
     seconds = {name: median(values) for name, values in samples.items()}
@@ -207,7 +220,7 @@ def measure(
         "seconds": seconds,
         "ratio": ratio,
         "goals": {name: {"goal": GOALS[name], "ratio": ratio[name], "met": ratio[name] <= GOALS[name]} for name in algorithms},
-        "samples": {name: len(values) for name, values in samples.items()},
+        "samples": {name: steps * len(values) for name, values in samples.items()},
     }
 
 
@@ -218,7 +231,7 @@ def table(results: Dict[str, Any]) -> str:
         goal = results["goals"].get(name)
         verdict = f"<= {goal['goal']:g}: {'met' if goal['met'] else 'MISSED'}" if goal else ("unit" if name == UNIT else "-")
         rows.append([name, f"{1e3 * seconds:.2f}", f"{results['ratio'][name]:.2f}", verdict])
-    return markdown_table(["variant", "median ms/step", f"x {UNIT}", "goal"], rows, align="lrrl")
+    return markdown_table(["variant", "ms/step", f"x {UNIT}", "goal"], rows, align="lrrl")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -231,8 +244,8 @@ def run(args: argparse.Namespace) -> int:
     topology = Topology()
     results = measure(args.d, args.rounds, args.steps, args.algorithms, args.seed, topology)
     print(
-        f"\n## update: one rank, d = {args.d:,} float32, momentum {MOMENTUM}; median of {args.rounds} interleaved rounds x "
-        f"{args.steps} steps; {results['threads']} thread(s) for torch and the C kernels; fused C update loop "
+        f"\n## update: one rank, d = {args.d:,} float32, momentum {MOMENTUM}; median over {args.rounds} interleaved rounds of the mean of "
+        f"{args.steps} steps; torch's OpenMP wait policy {os.environ.get('OMP_WAIT_POLICY', 'default')}; {results['threads']} thread(s) for torch and the C kernels; fused C update loop "
         f"{'built' if results['c_update_loop'] else 'NOT built'}\n",
         flush=True,
     )
