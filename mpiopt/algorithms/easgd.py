@@ -47,8 +47,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
-from ..arrays import array_module, empty_apart
+from ..arrays import empty_apart
 from ..comm import Topology
+from ..kernels.update import elastic_pull, fused_update_available
 from .base import Algorithm, check_positive
 from .local import LocalSGD, LocalStepState
 from .registry import register
@@ -153,7 +154,7 @@ class EASGD(LocalStepState, Algorithm):
     def _allocate(self, params: Any) -> None:
         self.local.allocate(params)
         self._mean = empty_apart(params)
-        self._work = empty_apart(params)
+        self._work = None if fused_update_available(params) else empty_apart(params)  # the array code's scratch
         world = self.topology.world
         self.center = empty_apart(params)
         world.Allreduce(params, out=self.center)
@@ -166,14 +167,8 @@ class EASGD(LocalStepState, Algorithm):
 
     def _elastic_pull(self, params: Any) -> None:
         """Zhang et al. eqs. (5)-(6) without the gradient term: workers and centre pull together."""
-        world, center, mean, work = self.topology.world, self.center, self._mean, self._work
-        world.Allreduce(params, out=mean)
-        mean /= world.size
-        # x_i <- x_i - alpha (x_i - c), with the centre before it moves.
-        array_module(params).subtract(params, center, out=work)
-        work *= self.alpha
-        params -= work
-        # c <- c + alpha sum_i (x_i - c) = c + beta (mean - c), from the same (pre-pull) x_i.
-        mean -= center
-        mean *= self.beta
-        center += mean
+        world = self.topology.world
+        world.Allreduce(params, out=self._mean)
+        # x_i <- x_i - alpha (x_i - c), with the centre before it moves, and c <- c + alpha sum_i (x_i - c)
+        # = c + beta (mean - c) from the same (pre-pull) x_i: one pass where the C loop was built.
+        elastic_pull(params, self.center, self._mean, world.size, self.alpha, self.beta, work=self._work)

@@ -20,6 +20,12 @@
  * (the build is optional: without this extension mpiopt uses the numpy code).
  * The same pass reports whether every element of g is finite; all_finite makes
  * that check alone (the algorithms' gradient check, before any update).
+ * elastic_pull is EASGD's pull of the workers and the centre c towards each
+ * other, from a received sum of the P workers' x, in one pass over (x, c,
+ * sum) instead of numpy's seven:
+ *
+ *   m = sum / P;  w = x - c;  w = w * alpha;  x = x - w;  m = m - c;  m = m * beta;  c = c + m
+ *
  * merge_average is DaSGD's merge of a received sum of P models, in one pass
  * over (x, snapshot, sum) instead of numpy's three (or in the update's pass):
  *
@@ -402,6 +408,67 @@ done:
     return result;
 }
 
+/* elastic_pull's loop, one per dtype (the order of numpy's in-place passes, element by element). */
+#define DEFINE_PULL(T, NAME)                                                                                   \
+    ALWAYS_INLINE void NAME(Py_ssize_t n, T *restrict x, T *restrict c, const T *restrict sum, T p, T alpha,    \
+                            T beta) {                                                                          \
+        for (Py_ssize_t i = 0; i < n; ++i) {                                                                   \
+            const T m = sum[i] / p, ci = c[i];                                                                 \
+            const T w = x[i] - ci;                                                                             \
+            const T v = w * alpha;                                                                             \
+            x[i] = x[i] - v;                                                                                   \
+            const T dm = m - ci;                                                                               \
+            const T u = dm * beta;                                                                             \
+            c[i] = ci + u;                                                                                     \
+        }                                                                                                      \
+    }
+DEFINE_PULL(float, pull_f32)
+DEFINE_PULL(double, pull_f64)
+
+typedef struct {
+    int itemsize;
+    char *x, *c;
+    const char *sum;
+    double divisor, alpha, beta;
+} pull_job;
+
+static void pull_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    const pull_job *j = (const pull_job *)ctx;
+    const Py_ssize_t at = lo * j->itemsize;
+    (void)part;
+    if (j->itemsize == 4)
+        pull_f32(hi - lo, (float *)(j->x + at), (float *)(j->c + at), (const float *)(j->sum + at), (float)j->divisor,
+                 (float)j->alpha, (float)j->beta);
+    else
+        pull_f64(hi - lo, (double *)(j->x + at), (double *)(j->c + at), (const double *)(j->sum + at), j->divisor,
+                 j->alpha, j->beta);
+}
+
+static PyObject *py_pull(PyObject *self, PyObject *args) {
+    PyObject *xo, *co, *so;
+    double divisor, alpha, beta;
+    int threads;
+    Py_buffer x = {0}, c = {0}, sum = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOdddi", &xo, &co, &so, &divisor, &alpha, &beta, &threads)) return NULL;
+    const int itemsize = get_params(xo, &x, "elastic_pull");
+    if (!itemsize) return NULL;
+    PyObject *result = NULL;
+    if (get_like(co, &c, 1, &x, itemsize, "elastic_pull: center") < 0) goto done;
+    if (get_like(so, &sum, 0, &x, itemsize, "elastic_pull: total") < 0) goto done;
+    pull_job job = {itemsize, (char *)x.buf, (char *)c.buf, (const char *)sum.buf, divisor, alpha, beta};
+    Py_BEGIN_ALLOW_THREADS
+    mpiopt_parallel_for(threads, x.len / itemsize, 1, pull_part, &job);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    PyBuffer_Release(&x);
+    if (c.obj) PyBuffer_Release(&c);
+    if (sum.obj) PyBuffer_Release(&sum);
+    return result;
+}
+
 static PyObject *py_all_finite(PyObject *self, PyObject *args) {
     PyObject *go;
     int threads;
@@ -439,18 +506,23 @@ static PyMethodDef methods[] = {
      "DaSGD's merge of the average total / divisor into params in place, in one pass: params - snapshot +\n"
      "average (proportion None) or proportion * params + (1 - proportion) * average (snapshot unread);\n"
      "contiguous, non-overlapping float32 or float64 buffers of equal length."},
+    {"elastic_pull", py_pull, METH_VARARGS,
+     "elastic_pull(params, center, total, divisor, alpha, beta, threads) -> None\n\n"
+     "EASGD's pull in place, in one pass: params -= alpha * (params - center), then center += beta *\n"
+     "(total / divisor - center) from the same params; contiguous, non-overlapping float32 or float64\n"
+     "buffers of equal length (total, the sum of divisor workers' params, is left unchanged)."},
     {"all_finite", py_all_finite, METH_VARARGS,
      "all_finite(buffer, threads) -> bool\n\nWhether every element of a contiguous float32 or float64 buffer is finite."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_updatec", "Fused CPU torch.optim.SGD update and DaSGD merge.", -1, methods, NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT, "_updatec", "Fused CPU torch.optim.SGD update, DaSGD merge and EASGD pull.", -1, methods, NULL, NULL, NULL, NULL,
 };
 
 /* VERSION changes with the functions' arguments, so that update.py can refuse a stale build. */
 PyMODINIT_FUNC PyInit__updatec(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "VERSION", 1) < 0) Py_CLEAR(m);
+    if (m && PyModule_AddIntConstant(m, "VERSION", 2) < 0) Py_CLEAR(m);
     return m;
 }

@@ -37,10 +37,10 @@ try:
     from . import _updatec
 except ImportError:  # built without a C compiler: the array code below is used
     _updatec = None
-if _updatec is not None and getattr(_updatec, "VERSION", 0) != 1:  # pragma: no cover
+if _updatec is not None and getattr(_updatec, "VERSION", 0) != 2:  # pragma: no cover
     _updatec = None  # a stale build (other arguments): rebuild (pip install -e .)
 
-__all__ = ["Merge", "all_finite", "fused_update_available", "merge_average", "sgd_update"]
+__all__ = ["Merge", "all_finite", "elastic_pull", "fused_update_available", "merge_average", "sgd_update"]
 
 #: How many arrays :func:`sgd_update`'s ``copy_to`` may name.
 MAX_COPIES = 2
@@ -385,3 +385,57 @@ def merge_average(params: Any, snapshot: Any, total: Any, world_size: int, rule:
         return
     with np.errstate(all="ignore"):  # inf - inf is NaN here as in the C loop, silently in both
         _array_merge(params, merge)
+
+
+def elastic_pull(params: Any, center: Any, total: Any, world_size: int, alpha: float, beta: float, work: Optional[Any] = None) -> None:
+    """EASGD's pull of a worker and the centre towards each other, in place (Zhang et al. eqs. (5)-(6) without the gradient).
+
+    ``params -= alpha * (params - center)`` and, from the same (pre-pull)
+    ``params``, ``center += beta * (total / world_size - center)``.  Each
+    operation is rounded to the parameters' dtype on its own, as numpy's
+    in-place ``total /= world_size; work = params - center; work *= alpha;
+    params -= work; total -= center; total *= beta; center += total`` round
+    it (the scalars cast to the dtype): the C loop, one pass on numpy
+    float32/float64 arrays, gives those bits.
+
+    Parameters
+    ----------
+    params, center : array
+        This worker's parameters and the centre variable (1-D numpy or cupy,
+        floating point, same length, dtype and backend), updated in place.
+    total : array
+        The sum of the ``world_size`` workers' parameters.  Scratch: the
+        array code leaves its scaled difference there, the C loop leaves it
+        unchanged.
+    world_size : int
+        Workers summed in ``total`` (>= 1).
+    alpha, beta : float
+        The worker's and the centre's pull, finite.
+    work : array, optional
+        Scratch like ``params`` for the array code (allocated when needed
+        and not given); the C loop needs none.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Arrays not 1-D, of a different length, dtype or backend, or
+        overlapping; a bad ``world_size``, ``alpha`` or ``beta``.
+    """
+    xp = check_array("params", params, ndim=1, kinds="f")
+    world_size = check_count("world_size", world_size, 1)
+    alpha, beta = _real("alpha", alpha), _real("beta", beta)
+    arrays = [("center", center), ("total", total)]
+    _check_like(xp, params, arrays)
+    if _fused(params, arrays):
+        _updatec.elastic_pull(params, center, total, float(world_size), alpha, beta, get_num_threads())
+        return
+    work = empty_apart(params) if work is None else work
+    _check_like(xp, params, arrays + [("work", work)])
+    with np.errstate(all="ignore"):  # inf - inf is NaN here as in the C loop, silently in both
+        total /= world_size
+        xp.subtract(params, center, out=work)
+        work *= alpha
+        params -= work
+        total -= center
+        total *= beta
+        center += total

@@ -93,7 +93,7 @@ def test_algorithm_state_is_placed_apart_from_the_parameters():
     alg = mpiopt.create("easgd", mpiopt.Topology(MPI.COMM_SELF), lr=0.1, momentum=0.9)
     alg.setup(params)
     alg.step(params, grad)
-    streams = [params, alg.center, alg._mean, alg._work, alg.momentum_buffer]
+    streams = [params, alg.center, alg._mean, alg.momentum_buffer]
     pages = [s.ctypes.data % ALIAS_PAGE for s in streams]
     assert min(circular(a - b, ALIAS_PAGE) for a, b in itertools.combinations(pages, 2)) >= 256
     for a, b in itertools.combinations(streams, 2):

@@ -508,3 +508,46 @@ def test_update_with_merge_is_checked():
         sgd_update(x, x.copy(), lr=LR, merge=merge._replace(total=x))
     with pytest.raises(ValueError, match=r"snapshot must be a numpy array of shape \(4,\)"):
         sgd_update(x, x.copy(), lr=LR, merge=merge._replace(snapshot=np.zeros(3, np.float32)))
+
+
+@np.errstate(all="ignore")
+def pull_reference(x, center, total, world_size, alpha, beta):
+    """EASGD's pull as out-of-place numpy expressions, each operation rounded to x's dtype."""
+    t = x.dtype.type
+    mean = total / t(world_size)
+    return x - (x - center) * t(alpha), center + (mean - center) * t(beta)
+
+
+@pytest.mark.parametrize("c_loop", [True, False], ids=["c", "array"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: t.__name__)
+@pytest.mark.parametrize("size, count", [(0, 1), (1, 1), (7, 1), (SPLIT_SIZE, 1), (SPLIT_SIZE, 3)])
+def test_elastic_pull_equals_reference(size, count, dtype, c_loop, kernel_threads, monkeypatch):
+    """The C loop (split across threads) and the array code give the reference's bits (NaN, inf, +-0.0 included)."""
+    if not c_loop:
+        monkeypatch.setattr(update, "_updatec", None)
+    kernel_threads(count)
+    rng = np.random.default_rng([size, count, np.dtype(dtype).itemsize])
+    for world_size, alpha, beta in ((1, 0.3, 0.3), (3, 0.1, 0.9), (4, 0.0, 1.0)):
+        x, center, total = (awkward(rng, size, dtype, special=True) for _ in range(3))
+        want_x, want_center = pull_reference(x, center, total, world_size, alpha, beta)
+        saved_total = total.copy()
+        update.elastic_pull(x, center, total, world_size, alpha, beta)
+        assert_same_bits(x, want_x)
+        assert_same_bits(center, want_center)
+        if c_loop and update._updatec is not None:
+            assert_same_bits(total, saved_total)  # the C loop leaves the scratch alone
+
+
+def test_elastic_pull_matches_float64_closed_form_and_is_checked():
+    rng = np.random.default_rng(5)
+    x, center, total = (rng.standard_normal(1001).astype(np.float32) for _ in range(3))
+    x64, c64, t64 = (a.astype(np.float64) for a in (x, center, total))
+    update.elastic_pull(x, center, total, 4, 0.1, 0.4)
+    np.testing.assert_allclose(x, x64 - 0.1 * (x64 - c64), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(center, c64 + 0.4 * (t64 / 4 - c64), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="center and total must not overlap"):
+        update.elastic_pull(x, center, center, 4, 0.1, 0.4)
+    with pytest.raises(ValueError, match="alpha must be a finite real number, got nan"):
+        update.elastic_pull(x, center, total, 4, float("nan"), 0.4)
+    with pytest.raises(ValueError, match="world_size"):
+        update.elastic_pull(x, center, total, 0, 0.1, 0.4)
