@@ -71,7 +71,7 @@ from ..kernels import (
     topk_indices,
 )
 from ..kernels.sparse import (
-    TopkWorkspace, divide_at, feedback_select, fused_feedback_available, merge_sorted_rows, regtopk_sent_scores, settle_aggregate,
+    TopkWorkspace, divide_at, feedback_select, fused_feedback_available, merge_sorted_rows, regtopk_sent_factors, settle_aggregate,
     subtract_scaled_at, take_and_zero, union_of_sorted, unsent_factor, zero_at,
 )
 from .base import Algorithm, check_positive
@@ -229,21 +229,21 @@ class SparseWorker:
         else:
             select = partial(topk_indices, k=self.k, workspace=self._workspace)
         # a = g + e; S = select(a); e <- a - a 1_S (in place; values = a on S).
-        # a = g + e and the candidates in one pass where it can (RegTop-k: the sent entries' scores first)
+        # a = g + e and the candidates in one pass where it can (RegTop-k: the sent entries' regularizers
+        # first, from last step's selection and aggregate; the pass multiplies them by |a_j|)
         fused = fused_feedback_available(grad, self.error, self._workspace) and (
             not sparsifier.regularized or unsent_factor(sparsifier.mu, sparsifier.q) == 1.0
         )
-        sent_indices = sent_scores = None
+        sent_indices = sent_factors = None
         if fused and sparsifier.regularized and self.has_history:
             sent_indices = self.sent_indices
-            sent_scores = regtopk_sent_scores(
-                self.error, grad, sent_indices, self.sent_values, prev_aggregate, self.n_workers, sparsifier.mu,
-                sparsifier.q, self._workspace,
+            sent_factors = regtopk_sent_factors(
+                sent_indices, self.sent_values, prev_aggregate, self.n_workers, sparsifier.mu, sparsifier.q, self._workspace,
             )
-            fused = sent_scores is not None
+            fused = sent_factors is not None
         if fused:
             indices = feedback_select(
-                grad, self.error, self.k, self._workspace, sent_indices=sent_indices, sent_scores=sent_scores,
+                grad, self.error, self.k, self._workspace, sent_indices=sent_indices, sent_factors=sent_factors,
             )
             if indices is None:  # the candidates did not fit: the general selection of a
                 indices = select(self.error)

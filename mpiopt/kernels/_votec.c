@@ -598,30 +598,32 @@ MASK64(double, fabs)
 /* Top-k candidates: the positions (ascending) and scores of the entries of [lo, hi) whose score is
  * >= t (NaN never is), as many as the outputs hold; returns how many there are.  With g, x[i] +=
  * g[i] first, in the same pass (error feedback's a = e + g).  A score is |x[i]| (absolute) or x[i],
- * except at the override positions (ascending; `over` points at the first one >= lo), whose scores
- * are given (RegTop-k's entries sent last step).  Blocks of 64 entries give a bit mask of their
- * hits (rare), corrected at the block's overrides, and only the set bits are visited. */
+ * except at the override positions (ascending; `over` points at the first one >= lo), whose score
+ * is that times a given factor (RegTop-k's entries sent last step: their regularizer).  Blocks of
+ * 64 entries give a bit mask of their hits (rare), corrected at the block's overrides, and only the
+ * set bits are visited. */
 #define SCAN(T, ABS)                                                                                   \
     static Py_ssize_t scan_##T(T *restrict x, const T *restrict g, Py_ssize_t lo, Py_ssize_t hi, T t,  \
-                               int absolute, const int32_t *over, const T *over_scores, Py_ssize_t n_over, \
+                               int absolute, const int32_t *over, const T *over_factors, Py_ssize_t n_over, \
                                int32_t *idx, T *scores, Py_ssize_t capacity) {                         \
         Py_ssize_t count = 0, p = 0, i = lo;                                                           \
         Py_ssize_t next = n_over ? over[0] : hi;                                                       \
         for (; i + 64 <= hi; i += 64) {                                                                \
             uint64_t mask = mask64_##T(x + i, g ? g + i : NULL, absolute, t);                          \
-            /* the block's overrides: their own scores decide their bits */                            \
+            /* the block's overrides (x += g done): their factors times their scores decide their bits */ \
             uint64_t overridden = 0;                                                                   \
             const Py_ssize_t first = p;                                                                \
             for (; next < i + 64; next = ++p < n_over ? over[p] : hi) {                                \
+                const T v = over_factors[p] * (absolute ? ABS(x[next]) : x[next]);                     \
                 overridden |= (uint64_t)1 << (next - i);                                               \
-                mask = (mask & ~((uint64_t)1 << (next - i))) | ((uint64_t)(over_scores[p] >= t) << (next - i)); \
+                mask = (mask & ~((uint64_t)1 << (next - i))) | ((uint64_t)(v >= t) << (next - i));     \
             }                                                                                          \
             for (Py_ssize_t q = first; mask; mask &= mask - 1) {                                       \
                 const int b = __builtin_ctzll(mask);                                                   \
                 T v;                                                                                   \
                 if ((overridden >> b) & 1) {                                                           \
                     while (over[q] != i + b) ++q;                                                      \
-                    v = over_scores[q];                                                                \
+                    v = over_factors[q] * (absolute ? ABS(x[i + b]) : x[i + b]);                       \
                 } else {                                                                               \
                     v = absolute ? ABS(x[i + b]) : x[i + b];                                           \
                 }                                                                                      \
@@ -633,7 +635,7 @@ MASK64(double, fabs)
             if (g) x[j] = x[j] + g[j];                                                                 \
             T v;                                                                                       \
             if (j == next) {                                                                           \
-                v = over_scores[p++];                                                                  \
+                v = over_factors[p++] * (absolute ? ABS(x[j]) : x[j]);                                 \
                 next = p < n_over ? over[p] : hi;                                                      \
             } else {                                                                                   \
                 v = absolute ? ABS(x[j]) : x[j];                                                       \
@@ -659,7 +661,7 @@ typedef struct {
     double threshold;
     int absolute;
     const int32_t *over;
-    const char *over_scores;
+    const char *over_factors;
     int32_t *idx;
     char *scores;
     Py_ssize_t start[MPIOPT_MAX_PARTS], counts[MPIOPT_MAX_PARTS], room[MPIOPT_MAX_PARTS];
@@ -683,32 +685,32 @@ static void scan_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
     j->room[part] = end - begin;
     if (s == 4)
         j->counts[part] = scan_float((float *)j->x, (const float *)j->g, lo, hi, (float)j->threshold, j->absolute,
-                                     j->over + a, (const float *)j->over_scores + a, n_over, j->idx + begin,
+                                     j->over + a, (const float *)j->over_factors + a, n_over, j->idx + begin,
                                      (float *)j->scores + begin, end - begin);
     else
         j->counts[part] = scan_double((double *)j->x, (const double *)j->g, lo, hi, j->threshold, j->absolute,
-                                      j->over + a, (const double *)j->over_scores + a, n_over, j->idx + begin,
+                                      j->over + a, (const double *)j->over_factors + a, n_over, j->idx + begin,
                                       (double *)j->scores + begin, end - begin);
 }
 
-/* scan(x, g, n, itemsize, threshold, absolute, over, over_scores, idx, scores, threads) -> int */
+/* scan(x, g, n, itemsize, threshold, absolute, over, over_factors, idx, scores, threads) -> int */
 static PyObject *py_scan(PyObject *self, PyObject *args) {
-    Py_buffer x = {0}, g = {0}, over = {0}, over_scores = {0}, idx = {0}, scores = {0};
-    PyObject *go, *overo, *over_scoreso;
+    Py_buffer x = {0}, g = {0}, over = {0}, over_factors = {0}, idx = {0}, scores = {0};
+    PyObject *go, *overo, *over_factorso;
     Py_ssize_t n, itemsize;
     double threshold;
     int absolute, threads;
     (void)self;
-    if (!PyArg_ParseTuple(args, "w*OnndpOOw*w*i", &x, &go, &n, &itemsize, &threshold, &absolute, &overo, &over_scoreso,
+    if (!PyArg_ParseTuple(args, "w*OnndpOOw*w*i", &x, &go, &n, &itemsize, &threshold, &absolute, &overo, &over_factorso,
                           &idx, &scores, &threads))
         return NULL;
     PyObject *result = NULL;
     if (go != Py_None && PyObject_GetBuffer(go, &g, PyBUF_C_CONTIGUOUS) < 0) goto done;
     if (overo != Py_None && PyObject_GetBuffer(overo, &over, PyBUF_C_CONTIGUOUS) < 0) goto done;
-    if (over_scoreso != Py_None && PyObject_GetBuffer(over_scoreso, &over_scores, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (over_factorso != Py_None && PyObject_GetBuffer(over_factorso, &over_factors, PyBUF_C_CONTIGUOUS) < 0) goto done;
     const Py_ssize_t n_over = over.obj ? over.len / 4 : 0;
     if (n < 0 || (itemsize != 4 && itemsize != 8) || x.len < n * itemsize || (g.obj && g.len < n * itemsize) ||
-        (over.obj == NULL) != (over_scores.obj == NULL) || (over.obj && over_scores.len < n_over * itemsize)) {
+        (over.obj == NULL) != (over_factors.obj == NULL) || (over.obj && over_factors.len < n_over * itemsize)) {
         PyErr_Format(PyExc_ValueError, "scan: bad n=%zd itemsize=%zd or buffers too small", n, itemsize);
         goto done;
     }
@@ -734,7 +736,7 @@ static PyObject *py_scan(PyObject *self, PyObject *args) {
     job->threshold = threshold;
     job->absolute = absolute;
     job->over = (const int32_t *)over.buf;
-    job->over_scores = (const char *)over_scores.buf;
+    job->over_factors = (const char *)over_factors.buf;
     job->idx = (int32_t *)idx.buf;
     job->scores = (char *)scores.buf;
     int parts;
@@ -771,7 +773,7 @@ done:
     PyBuffer_Release(&x);
     if (g.obj) PyBuffer_Release(&g);
     if (over.obj) PyBuffer_Release(&over);
-    if (over_scores.obj) PyBuffer_Release(&over_scores);
+    if (over_factors.obj) PyBuffer_Release(&over_factors);
     PyBuffer_Release(&idx);
     PyBuffer_Release(&scores);
     return result;
@@ -809,7 +811,7 @@ static PyObject *py_compress_marked(PyObject *self, PyObject *args) {
 
 /* x[idx[i]] op= ..., the k int32 indices in [0, n); each element rounded on its own, as numpy's loops
  * (no fused multiply-add, whatever the compiler flags). */
-enum { TAKE_ZERO, ADD, ZERO, DIVIDE, SUB_SCALED, GATHER, SET };
+enum { TAKE_ZERO, ADD, ZERO, DIVIDE, SUB_SCALED, GATHER, SET, MUL };
 #define INDEXED(T)                                                                                     \
     __attribute__((optimize("fp-contract=off")))                                                      \
     static void indexed_##T(int op, T *x, const int32_t *idx, Py_ssize_t k, T *other, double scalar) { \
@@ -823,6 +825,7 @@ enum { TAKE_ZERO, ADD, ZERO, DIVIDE, SUB_SCALED, GATHER, SET };
             case DIVIDE: *xi /= s; break;                                                              \
             case SUB_SCALED: { T product = s * other[idx[i]]; *xi -= product; } break;                 \
             case GATHER: other[i] = *xi; break;                                                        \
+            case MUL: *xi = other[i] * *xi; break;                                                     \
             default: *xi = other[i];                                                                   \
             }                                                                                          \
         }                                                                                              \
@@ -864,7 +867,7 @@ static PyObject *py_indexed(PyObject *self, PyObject *args) {
     const Py_ssize_t other_needed = op == SUB_SCALED ? n : (op == ZERO || op == DIVIDE ? 0 : k);
     const int32_t *idx = (const int32_t *)indices.buf;
     Py_ssize_t bad = -1;
-    if (op < TAKE_ZERO || op > SET || k < 0 || (itemsize != 4 && itemsize != 8) || indices.len < 4 * k
+    if (op < TAKE_ZERO || op > MUL || k < 0 || (itemsize != 4 && itemsize != 8) || indices.len < 4 * k
         || other.len < other_needed * itemsize) {
         PyErr_Format(PyExc_ValueError, "indexed: bad op=%d k=%zd itemsize=%zd or buffers too small", op, k, itemsize);
     } else {
@@ -1103,9 +1106,10 @@ static PyMethodDef methods[] = {
      "bitmap_mark(indices, k, d, out)\n\n"
      "Set bit j % 8 of out[j // 8] for the k int32 indices j (other bits unchanged)."},
     {"scan", py_scan, METH_VARARGS,
-     "scan(x, g, n, itemsize, threshold, absolute, over, over_scores, idx_out, scores_out, threads) -> int\n\n"
+     "scan(x, g, n, itemsize, threshold, absolute, over, over_factors, idx_out, scores_out, threads) -> int\n\n"
      "Top-k's candidates: with g (else None), x[i] += g[i] first; the score of i is |x[i]| (absolute) or x[i],\n"
-     "or over_scores[p] where over[p] == i (int32 positions, ascending; both None for none).  The positions\n"
+     "or over_factors[p] times that where over[p] == i (int32 positions, ascending; both None for none).\n"
+     "The positions\n"
      "(ascending) and scores of the scores >= threshold go to idx_out / scores_out; returns their number,\n"
      "which exceeds the outputs' capacity when they did not all fit (then the outputs are partial)."},
     {"compress_marked", py_compress_marked, METH_VARARGS,
@@ -1115,7 +1119,7 @@ static PyMethodDef methods[] = {
      "indexed(op, x, indices, k, itemsize, other, scalar, threads)\n\n"
      "For the k int32 indices j of x (float32/float64): op 0 other[i] = x[j], x[j] = 0; 1 x[j] += other[i];\n"
      "2 x[j] = 0; 3 x[j] /= scalar; 4 x[j] -= scalar * other[j] (scalar in x's dtype); 5 other[i] = x[j];\n"
-     "6 x[j] = other[i]."},
+     "6 x[j] = other[i]; 7 x[j] = other[i] * x[j]."},
     {"merge_rows", py_merge_rows, METH_VARARGS,
      "merge_rows(index_rows, value_rows, d, itemsize, union_out, sums_out) -> int\n\n"
      "The sorted union of up to 8 rows of int32 indices (each unique, ascending, in [0, d)) into union_out,\n"
@@ -1141,7 +1145,7 @@ PyMODINIT_FUNC PyInit__votec(void) {
     fill_sign_table_float();
     fill_sign_table_double();
     PyObject *m = PyModule_Create(&module);
-    if (m && (PyModule_AddIntConstant(m, "VERSION", 1) < 0 || PyModule_AddIntConstant(m, "MERGE_MAX_ROWS", MERGE_MAX_ROWS) < 0))
+    if (m && (PyModule_AddIntConstant(m, "VERSION", 2) < 0 || PyModule_AddIntConstant(m, "MERGE_MAX_ROWS", MERGE_MAX_ROWS) < 0))
         Py_CLEAR(m);
     return m;
 }

@@ -66,7 +66,7 @@ __all__ = [
     "scatter_add",
     "take_and_zero",
     "unsent_factor",
-    "regtopk_sent_scores",
+    "regtopk_sent_factors",
     "fused_feedback_available",
     "feedback_select",
     "merge_sorted_rows",
@@ -97,7 +97,7 @@ _MARGIN_SIGMAS = 4.0
 # (measured at d = 25M: 64 Ki entries 20 % slower, 1 Mi entries no faster).
 _SCAN_BLOCK = 1 << 18
 # _votec.indexed's operations.
-_TAKE_ZERO, _ADD, _ZERO, _DIVIDE, _SUB_SCALED, _GATHER, _SET = range(7)
+_TAKE_ZERO, _ADD, _ZERO, _DIVIDE, _SUB_SCALED, _GATHER, _SET, _MUL = range(8)
 
 
 def density_to_k(d: int, density_or_count: float | int) -> int:
@@ -267,15 +267,17 @@ def _select(xp: ModuleType, candidates: Any, scores: Any, k: int, workspace: Opt
 
 
 def _scan_select(
-    values: Any, grad: Any, threshold: Any, absolute: bool, k: int, workspace: TopkWorkspace, over: Any = None, over_scores: Any = None,
+    values: Any, grad: Any, threshold: Any, absolute: bool, k: int, workspace: TopkWorkspace, over: Any = None, over_factors: Any = None,
 ) -> Optional[Any]:
     """One C scan (``values += grad`` first, when given) into the workspace, and the k best of its candidates.
+
+    The entries at ``over`` score ``over_factors`` times their usual score.
 
     None when fewer than k or more candidates than the workspace holds reach
     ``threshold`` (``values`` has been updated all the same).
     """
     n = _votec.scan(
-        values, grad, values.shape[0], values.dtype.itemsize, float(threshold), absolute, over, over_scores,
+        values, grad, values.shape[0], values.dtype.itemsize, float(threshold), absolute, over, over_factors,
         workspace.candidates, workspace.scores, get_num_threads(),
     )
     if k <= n <= workspace.candidates.shape[0]:
@@ -352,14 +354,32 @@ def unsent_factor(mu: float, q: float) -> float:
     return math.tanh(abs(1.0 + q) / mu)
 
 
-def _regularizer(
+def regtopk_sent_factors(
     sent_indices: Any, sent_values: Any, prev_aggregate: Any, n_workers: int, mu: float, q: float, workspace: Optional[TopkWorkspace],
 ) -> Optional[Any]:
-    """``tanh(|1 + delta_j| / mu)`` of the sent entries, in ``workspace.rows[2]`` (None: the workspace cannot).
+    """RegTop-k's regularizer ``tanh(|1 + delta_j| / mu)`` at the sent entries, in ``workspace.rows[2]``.
 
-    The expression of :func:`regtopk_scores`' general code, step by step in
-    the workspace's k-sized rows (``rows[0]`` and ``rows[1]`` are free again
-    afterwards), so nothing is allocated.
+    :func:`regtopk_scores` is this factor times ``|a_j|`` at the sent entries
+    (and ``|a_j|`` times the unsent entries' factor elsewhere); the factor
+    needs only last step's selection and aggregate, so it is ready before
+    ``a = e + g`` is formed, and :func:`feedback_select` multiplies it by
+    ``|a_j|`` in its pass (``sent_factors``).  The expression of
+    :func:`regtopk_scores`' general code, step by step in the workspace's
+    k-sized rows (``rows[0]`` and ``rows[1]`` are free again afterwards), so
+    nothing is allocated.
+
+    Parameters
+    ----------
+    sent_indices, sent_values, prev_aggregate, n_workers, mu, q
+        As :func:`regtopk_scores` takes them; ``sent_indices`` must be checked
+        already (what a previous selection returned), at most ``workspace.k``.
+    workspace : TopkWorkspace or None
+
+    Returns
+    -------
+    array or None
+        The factors (the workspace's ``rows[2]``, overwritten by the next
+        call), or None where the workspace or the C loops cannot compute them.
     """
     k = sent_indices.shape[0]
     if workspace is None or k > workspace.k or not workspace.fits(prev_aggregate, workspace.k):
@@ -383,42 +403,6 @@ def _regularizer(
     ratio /= mu
     xp.tanh(ratio, out=denominator)  # out of place, as the expression's tanh
     return denominator
-
-
-def regtopk_sent_scores(
-    error: Any, grad: Any, sent_indices: Any, sent_values: Any, prev_aggregate: Any, n_workers: int, mu: float, q: float,
-    workspace: TopkWorkspace,
-) -> Optional[Any]:
-    """:func:`regtopk_scores` at the sent entries only, from ``a = e + g`` there, before ``a`` is formed.
-
-    For :func:`feedback_select`'s ``sent_scores``: the same floats as
-    ``regtopk_scores(error + grad, sent_indices, ...)[sent_indices]``.
-
-    Parameters
-    ----------
-    error, grad : arrays
-        ``e`` and ``g`` (numpy, C-contiguous, the workspace's dtype and length).
-    sent_indices, sent_values, prev_aggregate, n_workers, mu, q
-        As :func:`regtopk_scores` takes them; ``sent_indices`` must be checked
-        already (what a previous selection returned), at most ``workspace.k``.
-    workspace : TopkWorkspace
-
-    Returns
-    -------
-    array or None
-        The scores, in the workspace's ``rows[2]`` (overwritten by the next
-        call); None where the workspace or the C loops cannot compute them.
-    """
-    factor = _regularizer(sent_indices, sent_values, prev_aggregate, n_workers, mu, q, workspace)
-    if factor is None:
-        return None
-    acc, other = (row[: sent_indices.shape[0]] for row in workspace.rows[:2])
-    if not (_indexed(_GATHER, error, sent_indices, acc) and _indexed(_GATHER, grad, sent_indices, other)):
-        return None
-    acc += other  # the sum a_j = e_j + g_j that the pass over memory will form
-    np.abs(acc, out=acc)
-    factor *= acc
-    return factor
 
 
 def regtopk_scores(
@@ -503,7 +487,7 @@ def regtopk_scores(
         scores *= unsent
     k = sent_indices.shape[0]
     usable = k and workspace is not None and workspace.fits(acc, workspace.k)
-    factor = _regularizer(sent_indices, sent_values, prev_aggregate, n_workers, mu, q, workspace) if usable else None
+    factor = regtopk_sent_factors(sent_indices, sent_values, prev_aggregate, n_workers, mu, q, workspace) if usable else None
     if factor is not None:
         own = workspace.rows[0][:k]
         _indexed(_GATHER, acc, sent_indices, own)
@@ -604,7 +588,7 @@ def fused_feedback_available(grad: Any, error: Any, workspace: Optional[TopkWork
 
 
 def feedback_select(
-    grad: Any, error: Any, k: int, workspace: TopkWorkspace, *, sent_indices: Any = None, sent_scores: Any = None,
+    grad: Any, error: Any, k: int, workspace: TopkWorkspace, *, sent_indices: Any = None, sent_factors: Any = None,
 ) -> Optional[Any]:
     """Error feedback's ``a = e + g`` (into ``error``) and the top-k selection of ``a``, in one pass over memory.
 
@@ -624,9 +608,10 @@ def feedback_select(
     workspace : TopkWorkspace
         Made for ``error``'s length, ``k`` and dtype; its buffers are
         overwritten.
-    sent_indices, sent_scores : arrays, optional
+    sent_indices, sent_factors : arrays, optional
         RegTop-k: the entries sent last step (int32, ascending) and their
-        scores (:func:`regtopk_scores`' values there), which replace ``|a_j|``.
+        regularizers (:func:`regtopk_sent_factors`), which multiply ``|a_j|``
+        there in the same pass (no gathers of ``e`` and ``g`` at them).
 
     Returns
     -------
@@ -640,28 +625,28 @@ def feedback_select(
     ValueError
         Arrays :func:`fused_feedback_available` refuses, ``k`` that is not the
         workspace's or not in ``[1, d]``, or only one of ``sent_indices`` and
-        ``sent_scores`` (or lengths that differ).
+        ``sent_factors`` (or lengths that differ).
     """
     if not fused_feedback_available(grad, error, workspace):
         raise ValueError("feedback_select needs numpy arrays of the workspace's length and dtype and the C loops (fused_feedback_available)")
     if k != workspace.k or not 0 < k <= error.shape[0]:
         raise ValueError(f"k must be the workspace's k ({workspace.k}) and in [1, {error.shape[0]}], got {k!r}")
-    if (sent_indices is None) != (sent_scores is None) or (sent_indices is not None and sent_indices.shape != sent_scores.shape):
-        raise ValueError("give sent_indices and sent_scores together, of one length")
+    if (sent_indices is None) != (sent_factors is None) or (sent_indices is not None and sent_indices.shape != sent_factors.shape):
+        raise ValueError("give sent_indices and sent_factors together, of one length")
     stride, _, rank = _sample_plan(error.shape[0], k)
     sample = np.add(error[::stride], grad[::stride], out=workspace.sample)
     np.abs(sample, out=sample)
     if sent_indices is not None and sent_indices.shape[0]:
-        # The sampled entries that were sent take their own scores: one scatter of all of them, the
-        # others to the spare entry after the sample (no compaction, so nothing is allocated).
+        # The sampled entries that were sent score their factor times |a|: one scaling of all of them,
+        # the others at the spare entry after the sample (no compaction, so nothing is allocated).
         n = sent_indices.shape[0]
         positions = workspace.candidates[:n]
         unsampled = np.not_equal(np.remainder(sent_indices, stride, out=positions), 0, out=workspace.mask[:n])
         np.floor_divide(sent_indices, stride, out=positions)
         np.copyto(positions, sample.shape[0], where=unsampled)
-        _indexed(_SET, workspace.padded_sample, positions, sent_scores, threads=1)  # the spare entry repeats
+        _indexed(_MUL, workspace.padded_sample, positions, sent_factors, threads=1)  # the spare entry repeats
     threshold = _sample_threshold(np, sample, rank, False, sample)
-    return _scan_select(error, grad, threshold, True, k, workspace, sent_indices, sent_scores)
+    return _scan_select(error, grad, threshold, True, k, workspace, sent_indices, sent_factors)
 
 
 def _indexed(op: int, x: Any, indices: Any, other: Any = None, scalar: float = 0.0, threads: Optional[int] = None) -> bool:

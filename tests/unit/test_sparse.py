@@ -369,6 +369,12 @@ def test_indexed_loops_are_the_fancy_indexing(dtype, d, k, count, kernel_threads
     expect = x.copy()
     expect[indices] -= 0.1 * y[indices]
     assert sparse.subtract_scaled_at(x.copy(), indices, y, 0.1).tobytes() == expect.tobytes()
+    for op, numpy_op in ((sparse._SET, lambda e: values), (sparse._MUL, lambda e: values * e)):
+        expect = x.copy()
+        expect[indices] = numpy_op(expect[indices])
+        got = x.copy()
+        assert sparse._indexed(op, got, indices, values)
+        assert got.tobytes() == expect.tobytes()
     with pytest.raises(ValueError, match="out of"):
         sparse.zero_at(x.copy(), np.array([d], np.int32))
 
@@ -423,19 +429,20 @@ def test_feedback_select_is_error_feedback_then_the_selection(d, k, dtype, regul
     for step in range(2):
         grad = (rng.standard_normal(d) * (1 + step)).astype(dtype)
         grad[rng.integers(0, d, 50)] = -0.0
-        sent_scores = None
+        sent_factors = None
         if regularized:
-            sent_scores = sparse.regtopk_sent_scores(error, grad, sent_indices, sent_values, prev, 3, 5.0, 1e8, workspace)
-            sent_scores = sent_scores.copy()  # the workspace's rows are scratch of the selection below
+            sent_factors = sparse.regtopk_sent_factors(sent_indices, sent_values, prev, 3, 5.0, 1e8, workspace)
+            sent_factors = sent_factors.copy()  # the workspace's rows are scratch of the selection below
         assert sparse.fused_feedback_available(grad, error, workspace)
         got = sparse.feedback_select(
-            grad, error, k, workspace, sent_indices=sent_indices if regularized else None, sent_scores=sent_scores,
+            grad, error, k, workspace, sent_indices=sent_indices if regularized else None, sent_factors=sent_factors,
         )
         plain += grad
         if regularized:
             expect = regtopk_reference(plain, sent_indices, sent_values, prev, 3, 5.0, k)
+            # the factor times |a| is the score the general code gives the sent entries, bit for bit
             np.testing.assert_array_equal(
-                sent_scores, regtopk_scores(plain, sent_indices, sent_values, prev, 3, 5.0)[sent_indices]
+                sent_factors * np.abs(plain[sent_indices]), regtopk_scores(plain, sent_indices, sent_values, prev, 3, 5.0)[sent_indices]
             )
         else:
             expect = topk_indices(plain, k)
@@ -491,23 +498,26 @@ def test_bitmap_indices_reads_words_and_ignores_pad_bits(d):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("d", [1, 63, 64, 65, 1000, SPLIT_SIZE])
 def test_scan_against_numpy(d, dtype, count):
-    """x += g, then every score >= t in order, overrides (consecutive ones too, NaN, exactly t) replacing |x|."""
+    """x += g, then every score >= t in order; at the overrides (consecutive ones too) the factor times |x| (NaN, exactly t)."""
     rng = np.random.default_rng([d, np.dtype(dtype).itemsize])
     x, g = rng.standard_normal(d).astype(dtype), rng.standard_normal(d).astype(dtype)
     x[rng.integers(0, d, 1 + d // 1000)] = np.nan
     t = dtype(1.5)
     over = np.unique(np.concatenate([rng.choice(d, min(d, 1 + d // 10), replace=False), np.arange(min(d, 5))])).astype(np.int32)
-    over_scores = rng.uniform(0, 3, over.size).astype(dtype)
-    over_scores[::7], over_scores[1::7] = np.nan, t
+    over_factors = rng.uniform(0, 3, over.size).astype(dtype)
+    over_factors[::7] = np.nan
     for overrides in (False, True):
         y = x.copy()
         want_x = y + g
         scores = np.abs(want_x)
         if overrides:
-            scores[over] = over_scores
+            factors = over_factors.copy()
+            exact = np.isfinite(scores[over]) & (scores[over] > 0)
+            factors[1::7] = np.where(exact[1::7], t / scores[over][1::7], factors[1::7])  # near the threshold
+            scores[over] = factors * scores[over]
         want = np.flatnonzero(scores >= t)
         idx, out = np.empty(d, np.int32), np.empty(d, dtype)
-        args = (over, over_scores) if overrides else (None, None)
+        args = (over, factors) if overrides else (None, None)
         n = sparse._votec.scan(y, g, d, y.dtype.itemsize, float(t), True, *args, idx, out, count)
         assert y.tobytes() == want_x.tobytes()
         assert n == want.size
@@ -627,7 +637,7 @@ def test_feedback_select_and_settle_refuse_bad_arguments():
     error, grad = np.zeros(d, np.float32), np.ones(d, np.float32)
     with pytest.raises(ValueError, match="k must be the workspace's k \\(10\\) and in \\[1, 1000\\], got 11"):
         sparse.feedback_select(grad, error, 11, workspace)
-    with pytest.raises(ValueError, match="give sent_indices and sent_scores together"):
+    with pytest.raises(ValueError, match="give sent_indices and sent_factors together"):
         sparse.feedback_select(grad, error, k, workspace, sent_indices=np.arange(3, dtype=np.int32))
     with pytest.raises(ValueError, match="fused_feedback_available"):
         sparse.feedback_select(grad.astype(np.float64), error, k, workspace)
