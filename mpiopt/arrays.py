@@ -52,8 +52,10 @@ def keep_apart(*arrays: Any) -> None:
 
 
 def _live_addresses() -> List[int]:
-    _known[:] = [ref for ref in _known if ref() is not None]
-    return [ref().ctypes.data for ref in _known]  # type: ignore[union-attr]
+    """The start addresses of the known arrays still alive (the dead ones are forgotten)."""
+    live = [arr for arr in (ref() for ref in _known) if arr is not None]
+    _known[:] = [weakref.ref(arr) for arr in live]
+    return [arr.ctypes.data for arr in live]
 
 
 def _padding(others: int) -> int:
