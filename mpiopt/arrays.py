@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from types import ModuleType
 from typing import Any, List, Sequence
@@ -35,9 +36,12 @@ ALIAS_PAGE = 4096
 ALIAS_SPAN = 1 << 28
 #: How far from those multiples a placed array starts.
 SPAN_GAP = 1 << 16
+#: Placement keeps apart from at most this many known arrays, the latest (the padding grows with their number).
+MAX_KNOWN = 32
 _CACHE_LINE = 64
 
 _known: List["weakref.ref[np.ndarray]"] = []  # large host arrays to keep apart from: placed ones, parameter buffers
+_lock = threading.Lock()  # over _known
 
 
 def keep_apart(*arrays: Any) -> None:
@@ -46,16 +50,18 @@ def keep_apart(*arrays: Any) -> None:
     Algorithms call it with the parameters they are set up with, whose
     streams their state arrays accompany in every update.
     """
-    for arr in arrays:
-        if isinstance(arr, np.ndarray) and arr.nbytes >= PLACE_MIN_BYTES:
-            _known.append(weakref.ref(arr))
+    with _lock:
+        for arr in arrays:
+            if isinstance(arr, np.ndarray) and arr.nbytes >= PLACE_MIN_BYTES and not any(ref() is arr for ref in _known):
+                _known.append(weakref.ref(arr))
 
 
 def _live_addresses() -> List[int]:
-    """The start addresses of the known arrays still alive (the dead ones are forgotten)."""
-    live = [arr for arr in (ref() for ref in _known) if arr is not None]
-    _known[:] = [weakref.ref(arr) for arr in live]
-    return [arr.ctypes.data for arr in live]
+    """The distinct start addresses of the latest :data:`MAX_KNOWN` known arrays still alive (the dead ones are forgotten)."""
+    with _lock:
+        live = [arr for arr in (ref() for ref in _known) if arr is not None]
+        _known[:] = [weakref.ref(arr) for arr in live]
+    return list(dict.fromkeys(arr.ctypes.data for arr in live[-MAX_KNOWN:]))
 
 
 def _padding(others: int) -> int:
@@ -66,9 +72,12 @@ def _padding(others: int) -> int:
 def _start(address: int, others: Sequence[int]) -> int:
     """The offset from ``address`` (within :func:`_padding`) at which a placed array starts.
 
-    Each other array rules out less than one of the slots ``2 * SPAN_GAP``
-    apart, so one slot is always clear of every multiple of ``ALIAS_SPAN``
-    near the others; among the clear offsets (cache lines), the first of
+    The candidates are the cache-line offsets of ``others + 1`` slots
+    ``2 * SPAN_GAP`` apart.  An other array rules out the offsets closer
+    than ``SPAN_GAP`` to a multiple of ``ALIAS_SPAN`` away from it: at most
+    one per cache-line offset within the page (the slots are that far
+    apart, and all of them span far less than ``ALIAS_SPAN``), so some
+    candidates stay clear of every other array.  Among them, the first of
     those farthest from the others' offsets within a page.
     """
     if not others:
@@ -117,12 +126,13 @@ def host_apart(shape: Any, dtype: Any, near: Sequence[Any] = (), *, zero: bool =
     measure on.  Where such pairs fall depends on the order of allocations
     in the process, so an unlucky training script would keep the slow
     layout for its whole run.  Arrays of :data:`PLACE_MIN_BYTES` or more are
-    therefore cut from a slightly larger buffer (4 KiB plus 128 KiB per
-    array to avoid) at the offset that keeps them at least :data:`SPAN_GAP`
-    from every multiple of :data:`ALIAS_SPAN` away from ``near``, from
-    earlier placed arrays and from those given to :func:`keep_apart`, and
-    otherwise farthest from their offsets within a page.  Smaller arrays are
-    allocated as usual.
+    therefore cut from a larger buffer (4 KiB, and 128 KiB for each array to
+    avoid and one more) at the offset that keeps them at least
+    :data:`SPAN_GAP` from every multiple of :data:`ALIAS_SPAN` away from
+    ``near``, from earlier placed arrays and from those given to
+    :func:`keep_apart` (the latest :data:`MAX_KNOWN` of those still alive),
+    and otherwise farthest from their offsets within a page.  Smaller arrays
+    are allocated as usual.
 
     Parameters
     ----------
@@ -142,9 +152,10 @@ def host_apart(shape: Any, dtype: Any, near: Sequence[Any] = (), *, zero: bool =
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes < PLACE_MIN_BYTES:
         return (np.zeros if zero else np.empty)(shape, dtype)
-    others = _live_addresses() + [a.ctypes.data for a in near if isinstance(a, np.ndarray)]
+    others = list(dict.fromkeys(_live_addresses() + [a.ctypes.data for a in near if isinstance(a, np.ndarray)]))
     buffer = (np.zeros if zero else np.empty)(nbytes + _padding(len(others)), np.uint8)
     start = _start(buffer.ctypes.data, others)
     result = buffer[start : start + nbytes].view(dtype).reshape(shape)
-    _known.append(weakref.ref(result))
+    with _lock:
+        _known.append(weakref.ref(result))
     return result

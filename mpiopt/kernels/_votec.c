@@ -1109,8 +1109,8 @@ static PyMethodDef methods[] = {
      "scan(x, g, n, itemsize, threshold, absolute, over, over_factors, idx_out, scores_out, threads) -> int\n\n"
      "Top-k's candidates: with g (else None), x[i] += g[i] first; the score of i is |x[i]| (absolute) or x[i],\n"
      "or over_factors[p] times that where over[p] == i (int32 positions, ascending; both None for none).\n"
-     "The positions\n"
-     "(ascending) and scores of the scores >= threshold go to idx_out / scores_out; returns their number,\n"
+     "The positions (ascending) and scores of the scores >= threshold go to idx_out / scores_out; returns\n"
+     "their number,\n"
      "which exceeds the outputs' capacity when they did not all fit (then the outputs are partial)."},
     {"compress_marked", py_compress_marked, METH_VARARGS,
      "compress_marked(src, mask, n, out) -> int\n\n"

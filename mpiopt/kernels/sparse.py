@@ -354,6 +354,16 @@ def unsent_factor(mu: float, q: float) -> float:
     return math.tanh(abs(1.0 + q) / mu)
 
 
+def _check_regularizer_scalars(n_workers: Any, mu: Any, q: Any) -> int:
+    """RegTop-k's ``n_workers`` (returned as an int), ``mu`` and ``q``, checked; the error names the bad value."""
+    n_workers = check_count("n_workers", n_workers, 1)
+    if not (isinstance(mu, numbers.Real) and math.isfinite(mu) and mu > 0):
+        raise ValueError(f"mu must be a finite number > 0, got {mu!r}")
+    if not (isinstance(q, numbers.Real) and math.isfinite(q)):
+        raise ValueError(f"q must be a finite number, got {q!r}")
+    return n_workers
+
+
 def regtopk_sent_factors(
     sent_indices: Any, sent_values: Any, prev_aggregate: Any, n_workers: int, mu: float, q: float, workspace: Optional[TopkWorkspace],
 ) -> Optional[Any]:
@@ -371,8 +381,9 @@ def regtopk_sent_factors(
     Parameters
     ----------
     sent_indices, sent_values, prev_aggregate, n_workers, mu, q
-        As :func:`regtopk_scores` takes them; ``sent_indices`` must be checked
-        already (what a previous selection returned), at most ``workspace.k``.
+        As :func:`regtopk_scores` takes them (the scalars are checked);
+        ``sent_indices`` must be checked already (what a previous selection
+        returned), at most ``workspace.k``.
     workspace : TopkWorkspace or None
 
     Returns
@@ -381,6 +392,7 @@ def regtopk_sent_factors(
         The factors (the workspace's ``rows[2]``, overwritten by the next
         call), or None where the workspace or the C loops cannot compute them.
     """
+    n_workers = _check_regularizer_scalars(n_workers, mu, q)
     k = sent_indices.shape[0]
     if workspace is None or k > workspace.k or not workspace.fits(prev_aggregate, workspace.k):
         return None
@@ -472,11 +484,7 @@ def regtopk_scores(
         raise ValueError(f"sent_values must match sent_indices' shape {sent_indices.shape}, got {sent_values.shape}")
     if prev_aggregate.shape != acc.shape:
         raise ValueError(f"prev_aggregate must have acc's shape {acc.shape}, got {prev_aggregate.shape}")
-    n_workers = check_count("n_workers", n_workers, 1)
-    if not (isinstance(mu, numbers.Real) and math.isfinite(mu) and mu > 0):
-        raise ValueError(f"mu must be a finite number > 0, got {mu!r}")
-    if not (isinstance(q, numbers.Real) and math.isfinite(q)):
-        raise ValueError(f"q must be a finite number, got {q!r}")
+    n_workers = _check_regularizer_scalars(n_workers, mu, q)
     if out is not None:
         check_array("out", out, ndim=1, kinds="f", dtype=acc.dtype)
         if out.shape != acc.shape:
@@ -633,18 +641,24 @@ def feedback_select(
         raise ValueError(f"k must be the workspace's k ({workspace.k}) and in [1, {error.shape[0]}], got {k!r}")
     if (sent_indices is None) != (sent_factors is None) or (sent_indices is not None and sent_indices.shape != sent_factors.shape):
         raise ValueError("give sent_indices and sent_factors together, of one length")
+    if sent_indices is not None:
+        check_array("sent_indices", sent_indices, ndim=1, kinds="i", dtype=np.int32)
+        check_array("sent_factors", sent_factors, ndim=1, kinds="f", dtype=error.dtype)
+        if not (sent_indices.flags.c_contiguous and sent_factors.flags.c_contiguous):
+            raise ValueError("sent_indices and sent_factors must be contiguous")
     stride, _, rank = _sample_plan(error.shape[0], k)
     sample = np.add(error[::stride], grad[::stride], out=workspace.sample)
     np.abs(sample, out=sample)
     if sent_indices is not None and sent_indices.shape[0]:
         # The sampled entries that were sent score their factor times |a|: one scaling of all of them,
-        # the others at the spare entry after the sample (no compaction, so nothing is allocated).
+        # the others landing on the spare entry after the sample, which is never read (no compaction,
+        # so nothing is allocated).
         n = sent_indices.shape[0]
         positions = workspace.candidates[:n]
         unsampled = np.not_equal(np.remainder(sent_indices, stride, out=positions), 0, out=workspace.mask[:n])
         np.floor_divide(sent_indices, stride, out=positions)
         np.copyto(positions, sample.shape[0], where=unsampled)
-        _indexed(_MUL, workspace.padded_sample, positions, sent_factors, threads=1)  # the spare entry repeats
+        _indexed(_MUL, workspace.padded_sample, positions, sent_factors, threads=1)  # one thread: the spare entry repeats
     threshold = _sample_threshold(np, sample, rank, False, sample)
     return _scan_select(error, grad, threshold, True, k, workspace, sent_indices, sent_factors)
 

@@ -47,9 +47,11 @@ def test_matches_torch_sgd_on_the_averaged_gradient(topology, settings):
 
 def test_one_allreduce_of_4d_bytes_per_step(topology):
     params = np.zeros(D, np.float32)
-    alg = mpiopt.create("sgd", topology, lr=0.1)
+    alg = mpiopt.create("sgd", topology, lr=0.1, momentum=0.9, weight_decay=0.01)
     alg.setup(params)
-    record = alg.step(params, np.ones(D, np.float32), loss=1.5)
+    grad = np.ones(D, np.float32)
+    record = alg.step(params, grad, loss=1.5)
+    np.testing.assert_array_equal(grad, np.ones(D, np.float32))  # read only, also where the step reads it directly (one rank)
     wire = 4 * D if topology.size > 1 else 0
     assert (record.bytes_sent, record.bytes_recv, record.loss, record.step) == (wire, wire, 1.5, 1)
     assert record.comm_seconds >= 0 and record.algo_seconds >= 0

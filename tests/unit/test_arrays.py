@@ -36,7 +36,7 @@ def test_start_keeps_clear_of_span_multiples_and_spreads_page_offsets(address, o
             assert min(circular(address + offset - other, ALIAS_PAGE) for other in others) <= spread
 
 
-def test_start_leaves_an_aliased_slot():
+def test_start_avoids_the_aliased_slot():
     """The case that ran 8x slower: the buffer starting a multiple of 256 MiB (give or take a few KiB) from another."""
     other = 5 * ALIAS_SPAN + 4096
     start = arrays._start(7 * ALIAS_SPAN + 16, [other])
@@ -71,6 +71,19 @@ def test_small_and_float64_and_shapes():
     assert big.sum() == 1.5 * big.size
 
 
+def test_known_arrays_count_once_and_the_latest_few():
+    n = PLACE_MIN_BYTES // 4
+    kept = np.ones(n, np.float32)
+    for _ in range(5):
+        keep_apart(kept)  # an algorithm set up again on the same parameters
+    assert arrays._live_addresses() == [kept.ctypes.data]
+    many = [host_apart(n, np.float32) for _ in range(arrays.MAX_KNOWN + 3)]
+    addresses = arrays._live_addresses()
+    assert addresses == [arr.ctypes.data for arr in many[-arrays.MAX_KNOWN:]]
+    # the padding stays bounded however many arrays live
+    assert many[-1].base.nbytes <= many[-1].nbytes + arrays._padding(arrays.MAX_KNOWN)
+
+
 def test_dead_arrays_are_forgotten():
     n = PLACE_MIN_BYTES // 4
     arr = host_apart(n, np.float32)
@@ -80,6 +93,44 @@ def test_dead_arrays_are_forgotten():
     del arr, kept
     gc.collect()
     assert arrays._live_addresses() == []
+
+
+def test_a_resumed_momentum_buffer_is_placed_too():
+    """A state array that appears lazily (the momentum buffer) and comes back from a checkpoint is placed like a new one."""
+    from mpi4py import MPI
+
+    import mpiopt
+
+    d = PLACE_MIN_BYTES // 4 * 3
+    params, grad = np.zeros(d, np.float32), np.ones(d, np.float32)
+    alg = mpiopt.create("sgd", mpiopt.Topology(MPI.COMM_SELF), lr=0.1, momentum=0.9)
+    alg.setup(params)
+    alg.step(params, grad)
+    state = alg.state_dict()
+    fresh = mpiopt.create("sgd", mpiopt.Topology(MPI.COMM_SELF), lr=0.1, momentum=0.9)
+    fresh.setup(params)
+    assert fresh.momentum_buffer is None
+    fresh.load_state_dict(state)
+    restored = fresh.momentum_buffer
+    np.testing.assert_array_equal(restored, state["arrays"]["momentum_buffer"])
+    assert restored.base is not None and restored.flags.writeable  # cut from a padded buffer
+    assert circular(restored.ctypes.data - params.ctypes.data, ALIAS_SPAN) >= SPAN_GAP
+    assert circular(restored.ctypes.data - params.ctypes.data, ALIAS_PAGE) >= 256
+
+
+def test_torch_front_end_flat_buffers_are_placed_apart():
+    torch = pytest.importorskip("torch")
+    from mpi4py import MPI
+
+    import mpiopt
+    from mpiopt.torch import DistributedOptimizer
+
+    model = torch.nn.Linear(1024, PLACE_MIN_BYTES // 4 // 1024 * 2)
+    opt = DistributedOptimizer(model.parameters(), "sgd", topology=mpiopt.Topology(MPI.COMM_SELF), lr=0.1)
+    flat, grads = opt._params_array, opt._grads_array
+    assert circular(flat.ctypes.data - grads.ctypes.data, ALIAS_SPAN) >= SPAN_GAP
+    assert circular(flat.ctypes.data - grads.ctypes.data, ALIAS_PAGE) >= 256
+    assert model.weight.data.data_ptr() == flat.ctypes.data  # the parameters are views of the placed buffer
 
 
 def test_algorithm_state_is_placed_apart_from_the_parameters():

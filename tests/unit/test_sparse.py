@@ -639,6 +639,12 @@ def test_feedback_select_and_settle_refuse_bad_arguments():
         sparse.feedback_select(grad, error, 11, workspace)
     with pytest.raises(ValueError, match="give sent_indices and sent_factors together"):
         sparse.feedback_select(grad, error, k, workspace, sent_indices=np.arange(3, dtype=np.int32))
+    with pytest.raises((TypeError, ValueError), match="sent_factors"):  # float64 bytes would be read as float32
+        sparse.feedback_select(grad, error, k, workspace, sent_indices=np.arange(3, dtype=np.int32), sent_factors=np.ones(3))
+    with pytest.raises((TypeError, ValueError), match="sent_indices"):
+        sparse.feedback_select(grad, error, k, workspace, sent_indices=np.arange(3), sent_factors=np.ones(3, np.float32))
+    with pytest.raises(ValueError, match="mu must be a finite number > 0, got 0"):
+        sparse.regtopk_sent_factors(np.arange(3, dtype=np.int32), np.ones(3, np.float32), error, 2, 0, 1e8, workspace)
     with pytest.raises(ValueError, match="fused_feedback_available"):
         sparse.feedback_select(grad.astype(np.float64), error, k, workspace)
     union, sums = np.array([1, 2], np.int32), np.ones(2, np.float64)

@@ -523,6 +523,8 @@ def pull_reference(x, center, total, world_size, alpha, beta):
 @pytest.mark.parametrize("size, count", [(0, 1), (1, 1), (7, 1), (SPLIT_SIZE, 1), (SPLIT_SIZE, 3)])
 def test_elastic_pull_equals_reference(size, count, dtype, c_loop, kernel_threads, monkeypatch):
     """The C loop (split across threads) and the array code give the reference's bits (NaN, inf, +-0.0 included)."""
+    if c_loop and update._updatec is None:
+        pytest.skip("built without the C loop")
     if not c_loop:
         monkeypatch.setattr(update, "_updatec", None)
     kernel_threads(count)
@@ -534,7 +536,7 @@ def test_elastic_pull_equals_reference(size, count, dtype, c_loop, kernel_thread
         update.elastic_pull(x, center, total, world_size, alpha, beta)
         assert_same_bits(x, want_x)
         assert_same_bits(center, want_center)
-        if c_loop and update._updatec is not None:
+        if c_loop:
             assert_same_bits(total, saved_total)  # the C loop leaves the scratch alone
 
 
