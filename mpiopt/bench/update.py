@@ -1,6 +1,6 @@
 """Benchmark: each algorithm's own time per step at one rank, in units of torch.optim.SGD(fused=True)'s step.
 
-``python -m mpiopt.bench.update [--d 11M] [--rounds 5] [--steps 4] [--algorithms sgd,topk] [--threads N] [--json FILE]``
+``python -m mpiopt.bench.update [--d 11M] [--rounds 5] [--steps 16] [--algorithms sgd,topk] [--threads N] [--json FILE]``
 (one process; plain ``python`` is one MPI rank).
 
 Every synchronous algorithm runs on its own flat float32 vector of ``d``
@@ -23,9 +23,10 @@ previous variant's dirty cache lines and for torch's OpenMP workers, which
 spin for milliseconds after each parallel region (``OMP_WAIT_POLICY=PASSIVE``
 puts them to sleep at once; the header says which policy ran).  A
 variant's time per step is the median over the rounds of its mean step in
-the round: the default 4 steps are one period of DaSGD's defaults (an
-averaging starts, then merges, then two plain steps), whose steps differ by
-design, so that a median over single steps would fall between those kinds.
+the round: the default 16 steps are a whole number of periods of every
+algorithm's defaults (DaSGD's and EASGD's 4, LSGD's global pull 16), whose
+steps differ by design, so that a median over single steps would report the
+common kind and miss the rest.
 The table gives it and the ratio to the fused torch step.
 torch and mpiopt's C kernels (:mod:`mpiopt.kernels.threads`) use the same
 number of threads, ``--threads`` (default: torch's own choice), since both
@@ -69,8 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--d", type=count, default=11_000_000, help="parameters (suffixes k, M, G)")
     parser.add_argument("--rounds", type=positive_int, default=5, help="interleaved rounds")
     parser.add_argument(
-        "--steps", type=positive_int, default=4,
-        help="timed consecutive steps of every variant per round (their mean is the round's sample; 4 is one DaSGD period)",
+        "--steps", type=positive_int, default=16,
+        help="timed consecutive steps of every variant per round (their mean is the round's sample; 16 covers every default period)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random gradients")
     parser.add_argument(
@@ -143,7 +144,7 @@ def _local_update(grad: np.ndarray, fused: bool) -> Callable[[], float]:
 def measure(
     d: int = 11_000_000,
     rounds: int = 5,
-    steps: int = 4,
+    steps: int = 16,
     algorithms: Sequence[str] = SYNCHRONOUS,
     seed: int = 0,
     topology: Optional[Topology] = None,
