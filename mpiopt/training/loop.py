@@ -246,6 +246,8 @@ def train(
                 **({"notes": NOTES} if algorithm == DDP else {}),
             })
         tracer = Tracer(topology) if config.trace else None
+        # config.trace names the main algorithm's trace; every other run of a compare writes its own into its folder.
+        trace_path = config.trace if algorithm == config.algorithm else os.path.join(out_dir, "trace.json")
         if tracer:
             cleanup.callback(tracer.close)
         phase: Callable[[str], ContextManager[Any]] = tracer.phase if tracer else (lambda name: nullcontext())
@@ -308,7 +310,7 @@ def train(
             tail: List[float] = []  # the latest losses, for the train loss of the final evaluation
             results = []
             done = start
-            with _written_on_stop(tracer, config.trace):
+            with _written_on_stop(tracer, trace_path):
                 while done < steps:
                     count = min(every - done % every, steps - done)
                     clock["last"], clock["ledger"] = time.perf_counter(), topology.ledger.snapshot()  # the checkpoint's time excluded
@@ -327,7 +329,7 @@ def train(
             evaluate(steps)
             end = {"result": _job_result(results)} if results else {}
         else:
-            with _written_on_stop(tracer, config.trace):
+            with _written_on_stop(tracer, trace_path):
                 for step in range(start, steps):
                     started = time.perf_counter()
                     x, y = batch(step)
@@ -354,7 +356,7 @@ def train(
         if writer:
             writer.write({"kind": "end", "step": steps, **{name: state[name] for name in COUNTERS}, **end})
         if tracer:
-            tracer.write(config.trace)
+            tracer.write(trace_path)
         if writer:
             return os.path.join(out_dir, "metrics.jsonl")
         return None

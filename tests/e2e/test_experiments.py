@@ -82,6 +82,12 @@ def test_dasgd(tmp_path):
     for key in ("behind_compute", "behind_any_phase"):
         assert len(numbers["overlap"][key]) == 2 and all(0.0 <= v <= 1.0 for v in numbers["overlap"][key])
     assert all(math.isfinite(v) for v in numbers["final_loss"].values())
+    # Each run's own trace: DaSGD's (the experiment's --trace) and SGD's in its folder, not one over the other.
+    spans = {
+        name: {e["name"] for e in json.loads((tmp_path / "dasgd" / name / "trace.json").read_text())["traceEvents"] if e.get("ph") == "X"}
+        for name in ("sgd", "dasgd")
+    }
+    assert "world.Iallreduce" in spans["dasgd"] and "world.Iallreduce" not in spans["sgd"]
 
 
 def test_signum(tmp_path):
