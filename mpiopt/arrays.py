@@ -51,17 +51,19 @@ def keep_apart(*arrays: Any) -> None:
     streams their state arrays accompany in every update.
     """
     with _lock:
+        known = {arr.ctypes.data for arr in (ref() for ref in _known) if arr is not None}
         for arr in arrays:
-            if isinstance(arr, np.ndarray) and arr.nbytes >= PLACE_MIN_BYTES and not any(ref() is arr for ref in _known):
-                _known.append(weakref.ref(arr))
+            if isinstance(arr, np.ndarray) and arr.nbytes >= PLACE_MIN_BYTES and arr.ctypes.data not in known:
+                _known.append(weakref.ref(arr))  # another view of a known buffer (a tensor's .numpy()) counts once
+                known.add(arr.ctypes.data)
 
 
 def _live_addresses() -> List[int]:
     """The distinct start addresses of the latest :data:`MAX_KNOWN` known arrays still alive (the dead ones are forgotten)."""
     with _lock:
-        live = [arr for arr in (ref() for ref in _known) if arr is not None]
+        live = [arr for arr in (ref() for ref in _known) if arr is not None][-MAX_KNOWN:]
         _known[:] = [weakref.ref(arr) for arr in live]
-    return list(dict.fromkeys(arr.ctypes.data for arr in live[-MAX_KNOWN:]))
+    return list(dict.fromkeys(arr.ctypes.data for arr in live))
 
 
 def _padding(others: int) -> int:

@@ -204,6 +204,8 @@ class SparseWorker:
         # Selection and the sent values in buffers made once: a step allocates nothing k- or d-sized.
         self._workspace = TopkWorkspace(self.num_params, self.k, like.dtype) if xp is np else None
         self._values = xp.empty(self.k, dtype=like.dtype)
+        # The fused pass scores unsent entries |a_j|: RegTop-k only where their factor is exactly 1 (the paper's q).
+        self._fusable = not regularized or unsent_factor(sparsifier.mu, sparsifier.q) == 1.0
 
     def compress(self, grad: Any, prev_aggregate: Any, out: Any) -> Any:
         """Error feedback and selection on ``grad``; the payload to send, written into ``out``.
@@ -231,9 +233,7 @@ class SparseWorker:
         # a = g + e; S = select(a); e <- a - a 1_S (in place; values = a on S).
         # a = g + e and the candidates in one pass where it can (RegTop-k: the sent entries' regularizers
         # first, from last step's selection and aggregate; the pass multiplies them by |a_j|)
-        fused = fused_feedback_available(grad, self.error, self._workspace) and (
-            not sparsifier.regularized or unsent_factor(sparsifier.mu, sparsifier.q) == 1.0
-        )
+        fused = self._fusable and fused_feedback_available(grad, self.error, self._workspace)
         sent_indices = sent_factors = None
         if fused and sparsifier.regularized and self.has_history:
             sent_indices = self.sent_indices
@@ -326,8 +326,7 @@ def aggregate_payloads(
     for indices, values in decoded:  # one worker's indices are unique: one scatter-add per worker
         scatter_add(out, indices, values)
     touched = union_of_sorted([indices for indices, _ in decoded], out.shape[0], union_bits, union_out)
-    if payloads.shape[0] > 1:  # x / 1 is x
-        divide_at(out, touched, payloads.shape[0])
+    divide_at(out, touched, payloads.shape[0])
     if params is not None:
         subtract_scaled_at(params, touched, out, lr)
     return touched
@@ -351,6 +350,8 @@ class _SparseSGD(LocalStepState, Algorithm):
         super().__init__(topology, lr=lr, nan_policy=nan_policy)
         self.sparsifier = sparsifier
         self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
+        # With momentum or weight decay the step on G is LocalSGD's dense update; otherwise the papers' sparse one.
+        self._dense = bool(self.local.momentum or self.local.weight_decay)
         self.worker: Optional[SparseWorker] = None
         self._aggregate: Optional[Any] = None  # G: this step's, and RegTop-k's G_prev in the next
         self._payload: Optional[Any] = None  # this rank's payload (the Allgather's send buffer)
@@ -419,17 +420,16 @@ class _SparseSGD(LocalStepState, Algorithm):
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         self.worker.compress(grad, self._aggregate, out=self._payload)
         self.topology.world.Allgather(self._payload, self._payloads)
-        dense = bool(self.local.momentum or self.local.weight_decay)
         # G = (1/N) sum_n sent_n, non-zero on at most P k entries; without momentum and weight decay the
         # paper's rule, x <- x - lr G where G is non-zero, in the same walk (the dense update's floats).
         touched = aggregate_payloads(
             self._payloads, out=self._aggregate, stale=self._touched, indices_out=self._indices,
             union_bits=self._union_bits, union_out=self._unions[self._union_slot], sums_out=self._sums,
-            params=None if dense else params, lr=self.lr,
+            params=None if self._dense else params, lr=self.lr,
         )
         self._touched = touched
         self._union_slot ^= 1  # the next union goes to the other buffer
-        if dense:
+        if self._dense:
             self.local.apply(params, self._aggregate, self.lr)  # x <- x - lr G with momentum / decay
 
     def load_state_dict(self, state: Any, *, override_hyperparameters: bool = False) -> None:

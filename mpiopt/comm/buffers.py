@@ -155,7 +155,8 @@ def _cupy_contiguous(buf: Any) -> bool:
     return interface.get("strides") is None
 
 
-def _torch_numpy_dtype(tensor: Any) -> np.dtype:
+def torch_numpy_dtype(tensor: Any) -> np.dtype:
+    """The numpy dtype of a torch tensor's elements (TypeError naming a dtype numpy lacks)."""
     import torch
 
     try:
@@ -218,7 +219,7 @@ def as_mpi_buffer(
         import torch
 
         flat = buf.detach().reshape(-1)
-        host = staging.get(slot, nbytes(buf)).view(_torch_numpy_dtype(buf))
+        host = staging.get(slot, nbytes(buf)).view(torch_numpy_dtype(buf))
         host_t = torch.from_numpy(host)
         if read:
             host_t.copy_(flat)

@@ -7,15 +7,26 @@ from __future__ import annotations
 
 import numbers
 from types import ModuleType
-from typing import Any, Callable, Dict, Hashable, List, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 import numpy as np
 
 from ..arrays import array_module
 
-__all__ = ["array_modules", "block_length", "cached", "check_array", "check_count", "take_rows"]
+__all__ = ["C_FLOATS", "array_modules", "block_length", "c_loop_takes", "cached", "check_array", "check_count", "take_rows"]
+
+#: The element types the C loops (``_votec``, ``_updatec``) compute in.
+C_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 _CONSTANTS: Dict[Tuple[Hashable, ...], Any] = {}
+
+
+def c_loop_takes(extension: Optional[ModuleType], x: Any) -> bool:
+    """Whether ``extension`` (a C-loop module, None where it was not built) computes on arrays like ``x``.
+
+    True for C-contiguous numpy float32/float64 arrays.
+    """
+    return extension is not None and isinstance(x, np.ndarray) and x.dtype in C_FLOATS and x.flags.c_contiguous
 
 
 def array_modules() -> List[ModuleType]:

@@ -221,16 +221,16 @@ static void sgd_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
 /* Whether every element is finite: no early exit, so the loop vectorizes (NaN is the rare case).
  * The range is read as 4 quarters in lockstep: one core streams a read-only pass about twice as fast
  * from 4 places at once as from one (measured: 11M floats in 1.3 ms instead of 2.9 ms). */
-#define FINITE(T, ABS, MAX, v) (ABS(v) <= MAX)
+#define FINITE(ABS, MAX, v) (ABS(v) <= MAX)
 #define DEFINE_FINITE(T, NAME, ABS, MAX)                                                          \
     static int NAME(const T *restrict g, Py_ssize_t n) {                                         \
         const Py_ssize_t q = n / 4;                                                              \
         const T *restrict a = g, *restrict b = g + q, *restrict c = g + 2 * q, *restrict d = g + 3 * q; \
         int finite = 1;                                                                          \
         for (Py_ssize_t i = 0; i < q; ++i)                                                       \
-            finite &= FINITE(T, ABS, MAX, a[i]) & FINITE(T, ABS, MAX, b[i]) & FINITE(T, ABS, MAX, c[i]) & \
-                      FINITE(T, ABS, MAX, d[i]);                                                 \
-        for (Py_ssize_t i = 4 * q; i < n; ++i) finite &= FINITE(T, ABS, MAX, g[i]);              \
+            finite &= FINITE(ABS, MAX, a[i]) & FINITE(ABS, MAX, b[i]) & FINITE(ABS, MAX, c[i]) & \
+                      FINITE(ABS, MAX, d[i]);                                                 \
+        for (Py_ssize_t i = 4 * q; i < n; ++i) finite &= FINITE(ABS, MAX, g[i]);              \
         return finite;                                                                           \
     }
 DEFINE_FINITE(float, finite_f32, fabsf, FLT_MAX)

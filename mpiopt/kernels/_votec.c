@@ -34,16 +34,27 @@
  *
  * Buffers come through the buffer protocol, so building needs no numpy
  * headers.  The build is optional (setup.py): without a C compiler mpiopt
- * uses the numpy code, which gives the same bits.
+ * uses the numpy code, which gives the same bits.  The float loops (signs'
+ * momentum and update, indexed, settle) round every product and sum on its
+ * own, as numpy does: setup.py builds with -ffp-contract=off, and the checks
+ * below refuse a build whose arithmetic could differ otherwise.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <math.h>
 #include <string.h>
 
 #include "_parallel.h"
+
+#if defined(__FAST_MATH__)
+#error "_votec needs IEEE arithmetic: build without -ffast-math / -Ofast"
+#endif
+#if !defined(FLT_EVAL_METHOD) || FLT_EVAL_METHOD != 0
+#error "_votec needs float and double evaluated in their own precision (FLT_EVAL_METHOD == 0)"
+#endif
 
 #define MAX_LEVELS 48
 #define BLOCK 128 /* words per block: the counters (levels x BLOCK words) stay in L1 */
@@ -667,20 +678,25 @@ typedef struct {
     Py_ssize_t start[MPIOPT_MAX_PARTS], counts[MPIOPT_MAX_PARTS], room[MPIOPT_MAX_PARTS];
 } scan_job;
 
+/* The first position of the sorted int32 list a (n entries) holding value or more. */
+static Py_ssize_t lower_bound(const int32_t *a, Py_ssize_t n, int32_t value) {
+    Py_ssize_t lo = 0, hi = n;
+    while (lo < hi) {
+        const Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (a[mid] < value) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
 static void scan_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
     scan_job *j = (scan_job *)ctx;
     const Py_ssize_t s = j->itemsize;
     const Py_ssize_t begin = j->exact ? j->start[part] : (j->n ? j->capacity * lo / j->n : 0);
     const Py_ssize_t end = j->exact ? begin + j->room[part] : (j->n ? j->capacity * hi / j->n : 0);
-    Py_ssize_t a = 0, b = j->n_over; /* the first override >= lo */
-    while (a < b) {
-        const Py_ssize_t mid = a + (b - a) / 2;
-        if (j->over[mid] < lo) a = mid + 1;
-        else b = mid;
-    }
-    Py_ssize_t n_over = a;
-    while (n_over < j->n_over && j->over[n_over] < hi) ++n_over;
-    n_over -= a;
+    /* the part's overrides (lo and hi fit int32: n < 2**31) */
+    const Py_ssize_t a = lower_bound(j->over, j->n_over, (int32_t)lo);
+    const Py_ssize_t n_over = lower_bound(j->over, j->n_over, (int32_t)hi) - a;
     j->start[part] = begin;
     j->room[part] = end - begin;
     if (s == 4)
@@ -809,11 +825,9 @@ static PyObject *py_compress_marked(PyObject *self, PyObject *args) {
     return result;
 }
 
-/* x[idx[i]] op= ..., the k int32 indices in [0, n); each element rounded on its own, as numpy's loops
- * (no fused multiply-add, whatever the compiler flags). */
+/* x[idx[i]] op= ..., the k int32 indices in [0, n); each element rounded on its own, as numpy's loops. */
 enum { TAKE_ZERO, ADD, ZERO, DIVIDE, SUB_SCALED, GATHER, SET, MUL };
 #define INDEXED(T)                                                                                     \
-    __attribute__((optimize("fp-contract=off")))                                                      \
     static void indexed_##T(int op, T *x, const int32_t *idx, Py_ssize_t k, T *other, double scalar) { \
         const T s = (T)scalar;                                                                         \
         for (Py_ssize_t i = 0; i < k; ++i) {                                                           \
@@ -1012,16 +1026,6 @@ typedef struct {
     const char *sums;
     double divisor, lr;
 } settle_job;
-
-static Py_ssize_t lower_bound(const int32_t *a, Py_ssize_t n, int32_t value) {
-    Py_ssize_t lo = 0, hi = n;
-    while (lo < hi) {
-        const Py_ssize_t mid = lo + (hi - lo) / 2;
-        if (a[mid] < value) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
-}
 
 static void settle_part(void *ctx, Py_ssize_t j0, Py_ssize_t j1, int part) {
     const settle_job *j = (const settle_job *)ctx;

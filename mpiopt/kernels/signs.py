@@ -31,7 +31,7 @@ from typing import Any, List, Set, Tuple
 
 import numpy as np
 
-from ._backend import block_length, cached, check_array, check_count, take_rows
+from ._backend import C_FLOATS, block_length, c_loop_takes, cached, check_array, check_count, take_rows
 from .threads import get_num_threads
 
 try:  # the optional fused C loops (setup.py); the numpy code below gives the same bits
@@ -59,7 +59,6 @@ __all__ = [
 _NAN_POLICIES = ("raise", "unchecked")
 _NAN_MESSAGE = "x contains NaN, whose sign is undefined (nan_policy='unchecked' packs NaN as -1)"
 # The dtypes the C loops read (native byte order).
-_C_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 # Signs packed per block: 4 MiB of float32, a multiple of 8 so blocks end on
 # whole bytes (measured at d = 25M: as fast as one pass over x, without its
 # d-byte boolean temporary).
@@ -143,7 +142,7 @@ def fused_signs_available(x: Any) -> bool:
     True for C-contiguous numpy float32/float64 arrays when
     ``mpiopt.kernels._votec`` was built.
     """
-    return _votec is not None and isinstance(x, np.ndarray) and x.dtype in _C_FLOATS and x.flags.c_contiguous
+    return c_loop_takes(_votec, x)
 
 
 def pack_signs(x: Any, out: Any = None, nan_policy: str = "raise") -> Any:
@@ -285,7 +284,7 @@ def unpack_signs(packed: Any, d: int, dtype: Any = np.float32, out: Any = None) 
     if dtype.kind not in "fi":
         raise TypeError(f"dtype must be a floating or signed integer type, got {dtype}")
     out = _output(xp, out, (d,), dtype)
-    if xp is np and _votec is not None and dtype in _C_FLOATS and packed.flags.c_contiguous:
+    if xp is np and _votec is not None and dtype in C_FLOATS and packed.flags.c_contiguous:
         _votec.unpack_signs(packed, d, dtype.itemsize, out)  # no intp index temporary (take's)
         return out
     table = cached(xp, ("sign_table", dtype.str), lambda: _sign_table(dtype))

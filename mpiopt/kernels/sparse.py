@@ -49,7 +49,7 @@ from typing import Any, Callable, Optional, Tuple
 import numpy as np
 
 from ..arrays import array_module, to_numpy
-from ._backend import block_length, check_array, check_count
+from ._backend import C_FLOATS, block_length, check_array, check_count
 from .signs import _votec, pack_bits, packed_nbytes, unpack_bits
 from .threads import get_num_threads
 
@@ -81,7 +81,6 @@ __all__ = [
 _MAX_LENGTH = 2**31 - 1  # int32 indices
 _FORMATS = ("pairs", "bitmap")  # position = the code in the payload header
 _HEADER_BYTES = 8
-_VALUE_TYPES = (np.dtype(np.float32), np.dtype(np.float64))
 # Indices checked per block: a bounded temporary (4 KiB) for the "sorted" comparison.
 _CHECK_BLOCK = 1 << 12
 # Threshold estimate: a strided sample of at most 65,536 entries and at most
@@ -392,7 +391,13 @@ def regtopk_sent_factors(
         The factors (the workspace's ``rows[2]``, overwritten by the next
         call), or None where the workspace or the C loops cannot compute them.
     """
-    n_workers = _check_regularizer_scalars(n_workers, mu, q)
+    return _sent_factors(sent_indices, sent_values, prev_aggregate, _check_regularizer_scalars(n_workers, mu, q), mu, q, workspace)
+
+
+def _sent_factors(
+    sent_indices: Any, sent_values: Any, prev_aggregate: Any, n_workers: int, mu: float, q: float, workspace: Optional[TopkWorkspace],
+) -> Optional[Any]:
+    """:func:`regtopk_sent_factors` on checked scalars."""
     k = sent_indices.shape[0]
     if workspace is None or k > workspace.k or not workspace.fits(prev_aggregate, workspace.k):
         return None
@@ -495,7 +500,7 @@ def regtopk_scores(
         scores *= unsent
     k = sent_indices.shape[0]
     usable = k and workspace is not None and workspace.fits(acc, workspace.k)
-    factor = regtopk_sent_factors(sent_indices, sent_values, prev_aggregate, n_workers, mu, q, workspace) if usable else None
+    factor = _sent_factors(sent_indices, sent_values, prev_aggregate, n_workers, mu, q, workspace) if usable else None
     if factor is not None:
         own = workspace.rows[0][:k]
         _indexed(_GATHER, acc, sent_indices, own)
@@ -671,7 +676,7 @@ def _indexed(op: int, x: Any, indices: Any, other: Any = None, scalar: float = 0
     arrays = (x, indices) if other is None else (x, indices, other)
     if _votec is None or not all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays):
         return False
-    if indices.dtype != np.int32 or x.dtype not in _VALUE_TYPES or (other is not None and other.dtype != x.dtype):
+    if indices.dtype != np.int32 or x.dtype not in C_FLOATS or (other is not None and other.dtype != x.dtype):
         return False
     threads = get_num_threads() if threads is None else threads
     _votec.indexed(op, x, indices, indices.shape[0], x.dtype.itemsize, x if other is None else other, scalar, threads)
@@ -713,7 +718,7 @@ def payload_format(k: int, d: int) -> str:
 
 def _value_type(dtype: Any) -> np.dtype:
     dtype = np.dtype(dtype)
-    if dtype not in _VALUE_TYPES:
+    if dtype not in C_FLOATS:
         raise TypeError(f"dtype must be float32 or float64 (the payload's value type), got {dtype}")
     return dtype
 
@@ -896,7 +901,12 @@ def zero_at(out: Any, indices: Any) -> Any:
 
 
 def divide_at(out: Any, indices: Any, divisor: int) -> Any:
-    """``out[indices] /= divisor`` in place, ``divisor`` in ``out``'s dtype (one C loop for int32 numpy indices)."""
+    """``out[indices] /= divisor`` in place, ``divisor`` in ``out``'s dtype (one C loop for int32 numpy indices).
+
+    Nothing to do for a divisor of 1 (x / 1 is x).
+    """
+    if divisor == 1:
+        return out
     if not _indexed(_DIVIDE, out, indices, scalar=float(divisor)):
         out[indices] /= divisor
     return out
@@ -942,7 +952,7 @@ def merge_sorted_rows(index_rows: list, value_rows: list, d: int, union_out: Any
         return None
     if any(a.dtype != np.int32 for a in (*index_rows, union_out)) or any(v.dtype != sums_out.dtype for v in value_rows):
         return None
-    if sums_out.dtype not in _VALUE_TYPES or not all(a.flags.c_contiguous for a in arrays):
+    if sums_out.dtype not in C_FLOATS or not all(a.flags.c_contiguous for a in arrays):
         return None
     if not all(a.flags.aligned for a in (*index_rows, union_out, sums_out)):  # the values are read unaligned
         return None
@@ -984,7 +994,7 @@ def settle_aggregate(out: Any, union: Any, sums: Any, divisor: int, stale: Any =
     arrays = [a for a in (out, union, sums, stale, params) if a is not None]
     if _votec is None or not all(isinstance(a, np.ndarray) and a.flags.c_contiguous and a.flags.aligned for a in arrays):
         raise ValueError("settle_aggregate needs the C loops and C-contiguous numpy arrays (merge_sorted_rows' results)")
-    if out.dtype not in _VALUE_TYPES or sums.dtype != out.dtype or (params is not None and params.dtype != out.dtype):
+    if out.dtype not in C_FLOATS or sums.dtype != out.dtype or (params is not None and params.dtype != out.dtype):
         raise ValueError(f"out, sums and params must share a float32 or float64 dtype, got {out.dtype}, {sums.dtype}"
                          f"{'' if params is None else ', ' + str(params.dtype)}")
     if union.dtype != np.int32 or (stale is not None and stale.dtype != np.int32):

@@ -29,7 +29,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..arrays import array_module, empty_apart
-from ._backend import check_array, check_count
+from ._backend import c_loop_takes, check_array, check_count
 
 from .threads import get_num_threads
 
@@ -47,21 +47,13 @@ MAX_COPIES = 2
 #: :func:`merge_average`'s rules (DaSGD's ``merge``).
 MERGE_RULES = ("delayed", "proportion")
 
-_FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-
-
 def fused_update_available(params: Any) -> bool:
     """Whether :func:`sgd_update` on arrays like ``params`` runs the fused C loop.
 
     True for C-contiguous numpy float32/float64 arrays when
     ``mpiopt.kernels._updatec`` was built.
     """
-    return (
-        _updatec is not None
-        and array_module(params) is np
-        and params.dtype in _FUSED_DTYPES
-        and params.flags.c_contiguous
-    )
+    return c_loop_takes(_updatec, params)
 
 
 def _fused(params: Any, arrays: List[Tuple[str, Any]]) -> bool:
@@ -424,13 +416,12 @@ def elastic_pull(params: Any, center: Any, total: Any, world_size: int, alpha: f
     xp = check_array("params", params, ndim=1, kinds="f")
     world_size = check_count("world_size", world_size, 1)
     alpha, beta = _real("alpha", alpha), _real("beta", beta)
-    arrays = [("center", center), ("total", total)]
-    _check_like(xp, params, arrays)
-    if _fused(params, arrays):
+    operands = [("center", center), ("total", total)]
+    _check_like(xp, params, operands + ([("work", work)] if work is not None else []))
+    if _fused(params, operands):
         _updatec.elastic_pull(params, center, total, float(world_size), alpha, beta, get_num_threads())
         return
     work = empty_apart(params) if work is None else work
-    _check_like(xp, params, arrays + [("work", work)])
     with np.errstate(all="ignore"):  # inf - inf is NaN here as in the C loop, silently in both
         total /= world_size
         xp.subtract(params, center, out=work)

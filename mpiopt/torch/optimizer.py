@@ -115,6 +115,7 @@ from ..algorithms import Algorithm, StepRecord, create
 from ..algorithms.base import check_positive
 from ..arrays import host_apart
 from ..comm import MAX, Comm, Ledger, Topology
+from ..comm.buffers import torch_numpy_dtype
 
 __all__ = ["DistributedOptimizer"]
 
@@ -127,7 +128,7 @@ def _flat_buffer(total: int, like: torch.Tensor, zero: bool = False) -> torch.Te
     """A flat buffer of ``total`` elements of ``like``'s dtype and device; on the host, placed by :func:`mpiopt.arrays.host_apart`."""
     if like.device.type != "cpu":
         return (torch.zeros if zero else torch.empty)(total, dtype=like.dtype, device=like.device)
-    return torch.from_numpy(host_apart(total, torch.empty(0, dtype=like.dtype).numpy().dtype, zero=zero))
+    return torch.from_numpy(host_apart(total, torch_numpy_dtype(like), zero=zero))
 
 
 def _as_array(tensor: torch.Tensor) -> Any:
