@@ -48,7 +48,6 @@ import sys
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-
 from ..comm import Topology
 from ..kernels import threads as kernel_threads
 from ..training.config import TrainConfig, UsageError

@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 from .. import __version__
 from ..comm import Comm
-from .layout import DATASET, JSON_ATTRS, TYPE_ATTR, Entry, attr_decoded, decode_root_attrs, encode_root_attrs, flatten, read_group, write_entry
+from .layout import DATASET, JSON_ATTRS, Entry, attr_decoded, decode_root_attrs, encode_root_attrs, flatten, read_group, write_entry
 
 __all__ = [
     "CheckpointError",
@@ -370,13 +370,7 @@ def _driver() -> str:
 def _create_layout(group: h5py.Group, entries: Sequence[Entry]) -> None:
     """Create ``entries`` under ``group``, datasets without their data: parallel HDF5 wants this done alike on every rank."""
     for entry in entries:
-        if entry.kind != DATASET:
-            write_entry(group, entry, None)
-            continue
-        dtype, shape, marker = entry.value
-        dataset = group.create_dataset(entry.path, shape=shape, dtype=np.dtype(dtype))
-        if marker is not None:
-            dataset.attrs[TYPE_ATTR] = marker
+        write_entry(group, entry, None)
 
 
 def _fill(group: h5py.Group, entries: Sequence[Entry], arrays: Sequence[np.ndarray]) -> None:

@@ -157,15 +157,19 @@ def attr_decoded(value: Any) -> Any:
 
 
 def write_entry(root: h5py.Group, entry: Entry, array: Optional[np.ndarray]) -> None:
-    """Create ``entry`` under ``root``; ``array`` is the data of a ``DATASET`` entry."""
+    """Create ``entry`` under ``root``; ``array`` is the data of a ``DATASET`` entry (None: created without data,
+    of the entry's shape and dtype, to be filled later)."""
     if entry.kind == GROUP:
         root.create_group(entry.path)
     elif entry.kind == ATTR:
         group = root[entry.path] if entry.path else root
         group.attrs[entry.name] = _attr_encoded(entry.value)
     else:
-        dataset = root.create_dataset(entry.path, data=array)
-        marker = entry.value[2]
+        dtype, shape, marker = entry.value
+        if array is None:
+            dataset = root.create_dataset(entry.path, shape=shape, dtype=np.dtype(dtype))
+        else:
+            dataset = root.create_dataset(entry.path, data=array)
         if marker is not None:
             dataset.attrs[TYPE_ATTR] = marker
 

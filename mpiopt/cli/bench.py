@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import os
 import shutil
 import subprocess

@@ -157,8 +157,10 @@ class TrainConfig:
         kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "Dict[str, Any]": (dict,)}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            declared = str(f.type).replace("Optional[", "").rstrip("]") if str(f.type).startswith("Optional[") else str(f.type)
-            if value is None and str(f.type).startswith("Optional["):
+            text = str(f.type)
+            optional = text.startswith("Optional[")
+            declared = text[len("Optional[") : -1] if optional else text
+            if value is None and optional:
                 continue
             allowed = kinds[declared]
             if not isinstance(value, allowed) or (bool not in allowed and isinstance(value, bool)):

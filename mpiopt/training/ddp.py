@@ -74,7 +74,6 @@ def init_gloo(topology: Topology) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=topology.rank, world_size=topology.size)
 
 
-
 class DDPBaseline:
     """A model wrapped in ``DistributedDataParallel`` over gloo, and ``torch.optim.SGD`` (a collective constructor).
 

@@ -231,7 +231,7 @@ def train(
     world.Barrier()
     with ExitStack() as cleanup:
         checkpoints = Checkpointer(config, algorithm, topology, model, opt, out_dir, sampler.batches_per_epoch)
-        cleanup.callback(checkpoints.close)  # signal handlers restored, vote communicator freed, however the run ends
+        cleanup.callback(checkpoints.close)  # signal handlers restored however the run ends
         start = checkpoints.resume()
         reporter = rank == (1 if asynchronous and size > 1 else 0)
         progress = Progress(algorithm, steps, config.log_every or eval_every, stream if reporter else None, config.progress)
@@ -253,9 +253,8 @@ def train(
         phase: Callable[[str], ContextManager[Any]] = tracer.phase if tracer else (lambda name: nullcontext())
         source = "own" if algorithm in IDENTICAL_RANKS else ("root" if asynchronous else "average")
         evaluator = _Evaluator(model, dataset, world, source)
-        # A resumed run's running totals continue from the checkpoint's.
-        resumed = checkpoints.counters
-        state = {**{name: resumed[name] for name in COUNTERS}, "losses": []}
+        # A resumed run's running totals continue from the checkpoint's (checkpoints.counters holds the COUNTERS).
+        state = {**checkpoints.counters, "losses": []}
 
         def step_record(step: int, loss: float, compute: float, whole: float, record: Any) -> Dict[str, Any]:
             state["bytes_sent_total"] += record["bytes_sent"]
