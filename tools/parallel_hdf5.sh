@@ -16,9 +16,8 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 venv=${PH5_VENV:-/tmp/ph5/venv}
 python=${PYTHON:-python3}
-# The versions the project's own venv uses, so that the two differ only in the MPI build.
-h5py_version=3.16.0
-mpi4py_version=4.1.2
+# The versions the project's own venv uses (its constraints file), so that the two differ only in the MPI build.
+export PIP_CONSTRAINT="$repo/constraints.txt"
 
 if ! { [ -x "$venv/bin/python" ] && "$venv/bin/python" -c 'import h5py, sys; sys.exit(not h5py.get_config().mpi)' 2>/dev/null; }; then
     if [ "$(id -u)" != 0 ]; then
@@ -30,13 +29,13 @@ if ! { [ -x "$venv/bin/python" ] && "$venv/bin/python" -c 'import h5py, sys; sys
         DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends libhdf5-mpich-dev libmpich-dev mpich pkg-config
     fi
     "$python" -m venv "$venv"
-    # h5py's build needs setuptools >= 77 (SPDX license field); a new venv may bring an older one.
-    "$venv/bin/pip" install --quiet --upgrade pip "setuptools>=77" wheel
+    # h5py's build needs setuptools >= 77 (SPDX license field); a new venv may bring an older one (the constraints pin a newer).
+    "$venv/bin/pip" install --quiet --upgrade pip setuptools wheel
     "$venv/bin/pip" install --quiet numpy "Cython>=3" pkgconfig pytest pytest-mpi pytest-timeout
     # mpi4py from source against Debian's MPICH (not the PyPI mpich wheel): h5py's MPI must be the same library.
-    MPICC=/usr/bin/mpicc.mpich "$venv/bin/pip" install --quiet --no-binary=mpi4py --no-build-isolation "mpi4py==$mpi4py_version"
+    MPICC=/usr/bin/mpicc.mpich "$venv/bin/pip" install --quiet --no-binary=mpi4py --no-build-isolation mpi4py
     HDF5_MPI=ON CC=/usr/bin/mpicc.mpich HDF5_PKGCONFIG_NAME=hdf5-mpich \
-        "$venv/bin/pip" install --quiet --no-binary=h5py --no-build-isolation "h5py==$h5py_version"
+        "$venv/bin/pip" install --quiet --no-binary=h5py --no-build-isolation h5py
     "$venv/bin/python" -c 'import h5py, sys; sys.exit(not h5py.get_config().mpi)' \
         || { echo "parallel_hdf5.sh: h5py in $venv was built without MPI" >&2; exit 1; }
 fi
