@@ -217,6 +217,9 @@ def run(args: argparse.Namespace) -> int:
             "sgd_parameter_difference": difference, "goal": goal, "results": results,
         })
         out(f"\nwrote {args.json}")
+    # The DDP wrappers go before their process group, and the ranks end it together.
+    variants.clear()
+    dist.barrier()
     dist.destroy_process_group()
     topology.Free()
     return 0

@@ -26,6 +26,7 @@ and reused by later runs of the same job.  Checkpoints are not supported.
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import os
 import socket
@@ -72,6 +73,15 @@ def init_gloo(topology: Topology) -> None:
     address = "127.0.0.1" if one_host else hosts[0]
     port = topology.world.bcast_obj(_free_port() if topology.rank == 0 else None)
     dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=topology.rank, world_size=topology.size)
+    # Ended while the interpreter is still whole: gloo's worker threads torn down during its finalization can
+    # abort the process ("terminate called without an active exception", pytorch/pytorch#190489).
+    atexit.register(_destroy_gloo)
+
+
+def _destroy_gloo() -> None:
+    """Destroy the process group init_gloo started, unless its user did already."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class DDPBaseline:
