@@ -203,18 +203,21 @@ def _own_attrs(world_size: int) -> Dict[str, Any]:
         "h5py_version": h5py.__version__,
         "hdf5_version": h5py.version.hdf5_version,
         "mpi4py_version": mpi4py.__version__,
-        "mpi_library_version": " ".join(MPI.Get_library_version().splitlines()[0].split()),
+        # Open MPI's ends in a NUL character (else the attribute would be stored as JSON text).
+        "mpi_library_version": " ".join(MPI.Get_library_version().replace("\0", " ").splitlines()[0].split()),
     }
 
 
 def _prepare_root(model: Optional[Mapping[str, np.ndarray]], attrs: Mapping[str, Any], world_size: int):
     """Rank 0's checks of ``model`` and ``attrs``: the root attributes and the flattened model."""
-    root_attrs = encode_root_attrs(attrs)
+    if not isinstance(attrs, Mapping):
+        raise TypeError(f"attrs must be a mapping, got {type(attrs).__name__}")
     own = _own_attrs(world_size)
     clash = sorted(set(attrs) & (set(own) | {"complete", JSON_ATTRS}))
     if clash:
         raise ValueError(f"attrs may not set {clash}: save_checkpoint writes these itself")
-    root_attrs.update(encode_root_attrs(own))
+    # Encoded together: one list of the names stored as JSON covers the caller's attributes and ours.
+    root_attrs = encode_root_attrs({**attrs, **own})
     if model is None:
         return root_attrs, None
     if not isinstance(model, Mapping):

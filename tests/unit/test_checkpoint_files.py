@@ -135,6 +135,16 @@ def test_without_a_model_there_is_no_model_group(tmp_path, comm):
         assert "model" not in f
 
 
+def test_json_attrs_survive_a_library_version_with_a_nul(tmp_path, comm, monkeypatch):
+    # Open MPI 4.1's version string ends in a NUL character; it once made the library's own
+    # attributes a second JSON list that replaced the caller's, so JSON attrs read back as text.
+    monkeypatch.setattr(hdf5_module.MPI, "Get_library_version", lambda: "Open MPI v4.1.6, package: Debian OpenMPI\0")
+    attrs = {"hyperparameters": {"period": 4}, "shapes": [[3, 4]]}
+    got = load_checkpoint(save_one(tmp_path / "v.h5", comm, attrs=attrs), comm).attrs
+    assert got["hyperparameters"] == {"period": 4} and got["shapes"] == [[3, 4]]
+    assert got["mpi_library_version"] == "Open MPI v4.1.6, package: Debian OpenMPI"
+
+
 def test_attrs_round_trip_and_the_added_attributes(tmp_path, comm):
     attrs = {
         "step": 1200,
