@@ -31,6 +31,8 @@ from typing import Any, List, Set, Tuple
 
 import numpy as np
 
+from ..arrays import array_module
+from . import _cuda
 from ._backend import C_FLOATS, block_length, c_loop_takes, cached, check_array, check_count, take_rows
 from .threads import get_num_threads
 
@@ -137,21 +139,23 @@ def _output(xp: ModuleType, out: Any, shape: Tuple[int, ...], dtype: Any) -> Any
 
 
 def fused_signs_available(x: Any) -> bool:
-    """Whether the C loops pack, update and apply the signs of arrays like ``x`` (no scratch needed).
+    """Whether fused passes pack, update and apply the signs of arrays like ``x`` (no scratch needed).
 
-    True for C-contiguous numpy float32/float64 arrays when
-    ``mpiopt.kernels._votec`` was built.
+    True for C-contiguous float32/float64 arrays: numpy ones when
+    ``mpiopt.kernels._votec`` was built (C loops), cupy ones always (CUDA
+    kernels, :mod:`~mpiopt.kernels._cuda`).
     """
-    return c_loop_takes(_votec, x)
+    return c_loop_takes(_votec, x) or _cuda.takes(x)
 
 
 def pack_signs(x: Any, out: Any = None, nan_policy: str = "raise") -> Any:
     """Pack the signs of ``x`` into bits (+1 for ``x >= 0``, little bit order).
 
-    On the CPU one C loop (``mpiopt.kernels._votec``, when it was built)
-    packs and checks for NaN straight into ``out``; otherwise numpy works
-    through ``x`` in cache-sized blocks, so the NaN check reads each block
-    from cache, not from memory a second time.  Both give the same bits.
+    On the CPU one C loop (``mpiopt.kernels._votec``, when it was built),
+    on a GPU one CUDA kernel (float32/float64), packs and checks for NaN
+    straight into ``out``; otherwise the array code works through ``x`` in
+    cache-sized blocks, so the NaN check reads each block from cache, not
+    from memory a second time.  All give the same bits.
 
     Parameters
     ----------
@@ -178,8 +182,12 @@ def pack_signs(x: Any, out: Any = None, nan_policy: str = "raise") -> Any:
     d = x.shape[0]
     out = _output(xp, out, (packed_nbytes(d),), np.uint8)
     if fused_signs_available(x):
-        # One C pass into ``out``: no boolean temporary, and the NaN check comes free.
-        if _votec.pack_signs(x, d, x.dtype.itemsize, out, get_num_threads()) and nan_policy == "raise":
+        # One pass into ``out``: no boolean temporary, and the NaN check comes free.
+        if xp is np:
+            nan = _votec.pack_signs(x, d, x.dtype.itemsize, out, get_num_threads())
+        else:
+            nan = _cuda.pack_signs(x, out)
+        if nan and nan_policy == "raise":
             raise ValueError(_NAN_MESSAGE)
         return out
     block = block_length(xp, _PACK_BLOCK, d)
@@ -200,7 +208,8 @@ def momentum_signs(momentum: Any, grad: Any, beta: float, out: Any, scratch: Any
     The numpy passes ``m *= beta``, ``scratch = g * (1 - beta)``, ``m += scratch``,
     ``pack_signs(m, out)`` (``beta`` and ``1 - beta``, computed in float64, in
     ``m``'s dtype; NaN unchecked: it packs as -1), with the same roundings; on
-    the CPU one C loop (``mpiopt.kernels._votec``) does them in one pass.
+    the CPU one C loop (``mpiopt.kernels._votec``), on a GPU one CUDA kernel,
+    does them in one pass.
 
     Parameters
     ----------
@@ -239,7 +248,10 @@ def momentum_signs(momentum: Any, grad: Any, beta: float, out: Any, scratch: Any
     beta = float(beta)
     arrays = (momentum, grad, out)
     if fused_signs_available(momentum) and all(a.flags.c_contiguous for a in arrays):
-        _votec.momentum_signs(momentum, grad, d, momentum.dtype.itemsize, beta, out, get_num_threads())
+        if xp is np:
+            _votec.momentum_signs(momentum, grad, d, momentum.dtype.itemsize, beta, out, get_num_threads())
+        else:
+            _cuda.momentum_signs(momentum, grad, beta, out)
         return out
     scalar = momentum.dtype.type  # beta and 1 - beta in the dtype, as the C loop has them
     momentum *= scalar(beta)
@@ -301,7 +313,8 @@ def apply_signs(packed: Any, x: Any, lr: float, decay: float = 1.0, scratch: Any
     The numpy passes ``s = unpack_signs(packed)``, ``x *= decay`` (skipped when
     ``decay == 1``), ``s *= lr``, ``x -= s``, with the same roundings (``lr``
     and ``decay`` in ``x``'s dtype); on the CPU one C loop
-    (``mpiopt.kernels._votec``) does them in one pass over ``x``.
+    (``mpiopt.kernels._votec``), on a GPU one CUDA kernel, does them in one
+    pass over ``x``.
 
     Parameters
     ----------
@@ -322,7 +335,10 @@ def apply_signs(packed: Any, x: Any, lr: float, decay: float = 1.0, scratch: Any
     if packed.shape != (packed_nbytes(d),):
         raise ValueError(f"packed must have ceil(d / 8) = {packed_nbytes(d)} bytes for d = {d}, got {packed.shape[0]}")
     if fused_signs_available(x) and packed.flags.c_contiguous:
-        _votec.apply_signs(packed, d, x.dtype.itemsize, x, float(lr), float(decay), get_num_threads())
+        if array_module(x) is np:
+            _votec.apply_signs(packed, d, x.dtype.itemsize, x, float(lr), float(decay), get_num_threads())
+        else:
+            _cuda.apply_signs(packed, x, float(lr), float(decay))
         return x
     step = unpack_signs(packed, d, dtype=x.dtype, out=scratch)
     if decay != 1.0:

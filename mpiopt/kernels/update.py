@@ -10,10 +10,11 @@ of models (``merge``: DaSGD's merge, :func:`merge_average`), in the same pass.
 
 On numpy float32/float64 arrays the whole update is one pass over memory in
 ``mpiopt.kernels._updatec`` when it was built (long vectors split across
-:mod:`~mpiopt.kernels.threads`' threads); elsewhere (cupy, other dtypes,
-no C compiler) the same operations run as array calls with ``out=``.  Both
-round every product and sum to the parameters' dtype on its own, in the same
-order, so they give the same bits (NaN payloads aside).  That is not quite
+:mod:`~mpiopt.kernels.threads`' threads), on cupy ones one CUDA kernel
+(:mod:`~mpiopt.kernels._cuda`); elsewhere (other dtypes, no C compiler)
+the same operations run as array calls with ``out=``.  All three round every
+product and sum to the parameters' dtype on its own, in the same order, so
+they give the same bits (NaN payloads aside).  That is not quite
 ``torch.optim.SGD``: torch's CPU kernels compute ``a + alpha * b`` with a
 fused multiply-add, which rounds once where this rounds twice.
 
@@ -29,6 +30,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..arrays import array_module, empty_apart
+from . import _cuda
 from ._backend import c_loop_takes, check_array, check_count
 
 from .threads import get_num_threads
@@ -48,16 +50,17 @@ MAX_COPIES = 2
 MERGE_RULES = ("delayed", "proportion")
 
 def fused_update_available(params: Any) -> bool:
-    """Whether :func:`sgd_update` on arrays like ``params`` runs the fused C loop.
+    """Whether :func:`sgd_update` on arrays like ``params`` runs one fused pass (needing no scratch).
 
-    True for C-contiguous numpy float32/float64 arrays when
-    ``mpiopt.kernels._updatec`` was built.
+    True for C-contiguous float32/float64 arrays: numpy ones when
+    ``mpiopt.kernels._updatec`` was built (the C loop), cupy ones always (a
+    CUDA kernel, :mod:`~mpiopt.kernels._cuda`).
     """
-    return c_loop_takes(_updatec, params)
+    return c_loop_takes(_updatec, params) or _cuda.takes(params)
 
 
 def _fused(params: Any, arrays: List[Tuple[str, Any]]) -> bool:
-    """Whether the C loop takes ``params`` and the other (checked) ``(name, array)`` operands."""
+    """Whether the fused pass takes ``params`` and the other (checked) ``(name, array)`` operands."""
     return fused_update_available(params) and all(arr.flags.c_contiguous for _, arr in arrays)
 
 
@@ -66,7 +69,8 @@ def all_finite(arr: Any) -> bool:
 
     One C pass (split across :func:`~mpiopt.kernels.threads.get_num_threads`
     threads) on contiguous numpy float32/float64 arrays when
-    ``mpiopt.kernels._updatec`` was built; otherwise one reduction (a finite
+    ``mpiopt.kernels._updatec`` was built, one CUDA kernel on contiguous
+    cupy ones; otherwise one reduction (a finite
     sum means every element is finite), and only when it overflows or is
     not finite, the exact elementwise check.
 
@@ -79,8 +83,10 @@ def all_finite(arr: Any) -> bool:
     -------
     bool
     """
-    if fused_update_available(arr):
+    if c_loop_takes(_updatec, arr):
         return _updatec.all_finite(arr, get_num_threads())
+    if _cuda.takes(arr):
+        return _cuda.all_finite(arr)
     xp = array_module(arr)
     with np.errstate(all="ignore"):  # the sum may overflow: then the exact check decides
         return bool(xp.isfinite(arr.sum())) or bool(xp.isfinite(arr).all())
@@ -258,9 +264,15 @@ def sgd_update(
         raise ValueError(f"momentum={momentum} needs a buffer, got buffer=None")
     _check_like(xp, params, arrays)
     if _fused(params, arrays):
+        c_merge = _c_merge(merge) if merge is not None else None
+        if xp is not np:
+            return _cuda.sgd(
+                params, grad, buffer if momentum else None, tuple(copy for _, copy in copies), c_merge,
+                grad_divisor, lr, weight_decay, momentum, dampening, nesterov, bool(first_step), bool(check_finite),
+            )
         outputs = [copy for _, copy in copies] + [None] * (MAX_COPIES - len(copies))
         finite = _updatec.sgd(
-            params, grad, buffer if momentum else None, *outputs, _c_merge(merge) if merge is not None else None,
+            params, grad, buffer if momentum else None, *outputs, c_merge,
             grad_divisor, lr, weight_decay, momentum, dampening, nesterov, bool(first_step), get_num_threads(),
         )
         return finite if check_finite else None
@@ -373,7 +385,10 @@ def merge_average(params: Any, snapshot: Any, total: Any, world_size: int, rule:
     arrays = _merge_operands(merge)
     _check_like(xp, params, arrays)
     if _fused(params, arrays):
-        _updatec.merge_average(params, *_c_merge(merge), get_num_threads())
+        if xp is np:
+            _updatec.merge_average(params, *_c_merge(merge), get_num_threads())
+        else:
+            _cuda.merge_average(params, *_c_merge(merge))
         return
     with np.errstate(all="ignore"):  # inf - inf is NaN here as in the C loop, silently in both
         _array_merge(params, merge)
@@ -419,7 +434,10 @@ def elastic_pull(params: Any, center: Any, total: Any, world_size: int, alpha: f
     operands = [("center", center), ("total", total)]
     _check_like(xp, params, operands + ([("work", work)] if work is not None else []))
     if _fused(params, operands):
-        _updatec.elastic_pull(params, center, total, float(world_size), alpha, beta, get_num_threads())
+        if xp is np:
+            _updatec.elastic_pull(params, center, total, float(world_size), alpha, beta, get_num_threads())
+        else:
+            _cuda.elastic_pull(params, center, total, world_size, alpha, beta)
         return
     work = empty_apart(params) if work is None else work
     with np.errstate(all="ignore"):  # inf - inf is NaN here as in the C loop, silently in both

@@ -1,0 +1,261 @@
+"""The C loops' fused passes for cupy arrays: one CUDA kernel each, with the CPU's bits.
+
+:mod:`~mpiopt.kernels.update` and :mod:`~mpiopt.kernels.signs` call these on
+C-contiguous cupy float32/float64 arrays (:func:`takes`), where the array code
+would make five to nine passes over device memory.  Each kernel computes what
+its C loop (``_updatec.c``, ``_votec.c``) computes, element by element, in the
+same order.
+
+Bits: CuPy compiles every kernel with ``-ftz=true`` (float32 subnormals read
+and written as zero) and lets NVRTC contract ``a * b + c`` into a fused
+multiply-add.  Either would make a GPU rank's numbers differ from a CPU
+rank's.  The float32 helpers below are therefore PTX instructions with an
+explicit round-to-nearest and no ``.ftz`` (never contracted, subnormals kept),
+the float64 ones ``__d*_rn`` (float64 is never flushed), and the sign and
+finiteness tests read the bits.  So the results equal the C loops' and
+numpy's bit for bit, subnormals included (NaN payloads aside); tests/unit/
+test_cuda_kernels.py checks that on a GPU.
+
+Compiled on first use per device (cupy caches the binary on disk); cupy is
+imported only then.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from ..arrays import array_module
+from ._backend import C_FLOATS
+
+__all__ = ["takes", "sgd", "merge_average", "elastic_pull", "all_finite", "pack_signs", "momentum_signs", "apply_signs"]
+
+# Threads per block; a grid of at most _BLOCKS_PER_SM blocks per multiprocessor strides over longer arrays.
+_THREADS = 256
+_BLOCKS_PER_SM = 16
+
+_SOURCE = r"""
+__device__ __forceinline__ float add_(float a, float b) { float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float sub_(float a, float b) { float r; asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float mul_(float a, float b) { float r; asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float div_(float a, float b) { float r; asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ double add_(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ double sub_(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ double mul_(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ double div_(double a, double b) { return __ddiv_rn(a, b); }
+
+/* |v| without the sign bit, as an unsigned integer, and the same for +inf: v is finite iff the first is
+ * below the second, NaN iff above; v >= 0 iff v is +0.0..+inf (sign bit clear, not NaN) or -0.0. */
+__device__ __forceinline__ unsigned bits_(float v) { return __float_as_uint(v); }
+__device__ __forceinline__ unsigned long long bits_(double v) { return (unsigned long long)__double_as_longlong(v); }
+template <typename U> struct ieee;
+template <> struct ieee<unsigned> { static constexpr unsigned sign = 0x80000000u, inf = 0x7f800000u; };
+template <> struct ieee<unsigned long long> {
+    static constexpr unsigned long long sign = 0x8000000000000000ull, inf = 0x7ff0000000000000ull;
+};
+template <typename T> __device__ __forceinline__ bool finite_(T v) {
+    auto u = bits_(v);
+    return (u & ~ieee<decltype(u)>::sign) < ieee<decltype(u)>::inf;
+}
+template <typename T> __device__ __forceinline__ bool nan_(T v) {
+    auto u = bits_(v);
+    return (u & ~ieee<decltype(u)>::sign) > ieee<decltype(u)>::inf;
+}
+template <typename T> __device__ __forceinline__ bool nonnegative_(T v) {
+    auto u = bits_(v);
+    return u <= ieee<decltype(u)>::inf || u == ieee<decltype(u)>::sign;
+}
+
+#define FOR_EACH(i, n) for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n); \
+                            i += (long long)blockDim.x * gridDim.x)
+
+enum { NO_MERGE, DELAYED, PROPORTION };
+
+/* _updatec.c's merge_one: (y - snapshot) + sum / P, or y * p + (sum / P) * q. */
+template <typename T>
+__device__ __forceinline__ T merge_one(T y, long long i, const T *snapshot, const T *sum, T mdiv, T mp, T mq, int rule) {
+    const T a = div_(sum[i], mdiv);
+    if (rule == PROPORTION) return add_(mul_(y, mp), mul_(a, mq));
+    return add_(sub_(y, snapshot[i]), a);
+}
+
+/* _updatec.c's loop; the int flags are the same for every thread (no divergence).  Arrays a flag
+ * leaves unused are never read or written (the caller passes x in their place). */
+template <typename T>
+__global__ void sgd(long long n, T *x, const T *g, T *b, T *c, T *c2, const T *snapshot, const T *sum, T lr, T wd,
+                    T mom, T scale, T div, T mdiv, T mp, T mq, int divide, int copies, int merge, int decay,
+                    int momentum, int first, int damp, int nesterov, int *bad) {
+    bool ok = true;
+    FOR_EACH(i, n) {
+        T gi = g[i];
+        ok &= finite_(gi);
+        if (divide) gi = div_(gi, div);
+        T d = gi;
+        if (decay) d = add_(mul_(x[i], wd), gi);
+        T s = d;
+        if (momentum) {
+            T bi = d;
+            if (!first) bi = damp ? add_(mul_(b[i], mom), mul_(d, scale)) : add_(mul_(b[i], mom), d);
+            b[i] = bi;
+            s = nesterov ? add_(d, mul_(bi, mom)) : bi;
+        }
+        T y = sub_(x[i], mul_(s, lr));
+        if (merge) y = merge_one(y, i, snapshot, sum, mdiv, mp, mq, merge);
+        x[i] = y;
+        if (copies >= 1) c[i] = y;
+        if (copies == 2) c2[i] = y;
+    }
+    if (!ok) *bad = 1;
+}
+
+template <typename T>
+__global__ void merge_average(long long n, T *x, const T *snapshot, const T *sum, T mdiv, T mp, T mq, int rule) {
+    FOR_EACH(i, n) x[i] = merge_one(x[i], i, snapshot, sum, mdiv, mp, mq, rule);
+}
+
+/* _updatec.c's pull: m = sum / P; x -= (x - c) * alpha; c += (m - c) * beta, from the same x and c. */
+template <typename T>
+__global__ void elastic_pull(long long n, T *x, T *c, const T *sum, T p, T alpha, T beta) {
+    FOR_EACH(i, n) {
+        const T m = div_(sum[i], p), ci = c[i], xi = x[i];
+        x[i] = sub_(xi, mul_(sub_(xi, ci), alpha));
+        c[i] = add_(ci, mul_(sub_(m, ci), beta));
+    }
+}
+
+template <typename T>
+__global__ void all_finite(long long n, const T *x, int *bad) {
+    bool ok = true;
+    FOR_EACH(i, n) ok &= finite_(x[i]);
+    if (!ok) *bad = 1;
+}
+
+/* One byte of signs per thread: bit j of out[k] is (v[8k + j] >= 0); pad bits 0.  With momentum (m != 0)
+ * v = m = m * beta + g * omb is formed and stored first (_votec.c's momentum_signs); bad flags a NaN. */
+template <typename T>
+__global__ void pack_signs(long long n, T *v, const T *g, T beta, T omb, int momentum, unsigned char *out, int *bad) {
+    bool nan = false;
+    FOR_EACH(k, (n + 7) / 8) {
+        unsigned bits = 0;
+        for (int j = 0; j < 8; ++j) {
+            const long long i = 8 * k + j;
+            if (i >= n) break;
+            T vi = v[i];
+            if (momentum) {
+                vi = add_(mul_(vi, beta), mul_(g[i], omb));
+                v[i] = vi;
+            }
+            bits |= (unsigned)nonnegative_(vi) << j;
+            nan |= nan_(vi);
+        }
+        out[k] = (unsigned char)bits;
+    }
+    if (nan) *bad = 1;
+}
+
+/* _votec.c's apply_signs: x = x * decay - (+-lr), the product skipped for decay == 1. */
+template <typename T>
+__global__ void apply_signs(long long n, const unsigned char *packed, T *x, T lr, T f, int decay) {
+    FOR_EACH(i, n) {
+        const T y = decay ? mul_(x[i], f) : x[i];
+        x[i] = sub_(y, (packed[i >> 3] >> (i & 7)) & 1 ? lr : -lr);
+    }
+}
+"""
+
+_KERNELS = ("sgd", "merge_average", "elastic_pull", "all_finite", "pack_signs", "apply_signs")
+_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+# Per device: (compiled module, its multiprocessor count, a one-int flag array).
+_MODULES: Dict[int, Tuple[Any, int, Any]] = {}
+
+
+def takes(x: Any) -> bool:
+    """Whether these kernels compute on arrays like ``x``: C-contiguous cupy float32/float64 arrays."""
+    return array_module(x) is not np and x.dtype in C_FLOATS and x.flags.c_contiguous
+
+
+def _device() -> Tuple[Any, int, Any]:
+    import cupy
+
+    device = cupy.cuda.Device()
+    if device.id not in _MODULES:
+        names = [f"{k}<{t}>" for k in _KERNELS for t in _TYPES.values()]
+        module = cupy.RawModule(code=_SOURCE, options=("-std=c++17",), name_expressions=names)
+        _MODULES[device.id] = (module, device.attributes["MultiProcessorCount"], cupy.zeros(1, dtype=np.int32))
+    return _MODULES[device.id]
+
+
+def _launch(name: str, dtype: np.dtype, items: int, args: Tuple[Any, ...], flag: bool = False) -> Optional[bool]:
+    """Run kernel ``name<dtype>`` (a thread an item, grid-strided) on ``args``.
+
+    With ``flag`` the kernel's last argument is a flag reset to 0 first, and
+    the return value whether the kernel raised it (reading it syncs).
+    """
+    module, sms, bad = _device()
+    if flag:
+        bad.fill(0)
+        args += (bad,)
+    if items:
+        blocks = min(-(-items // _THREADS), sms * _BLOCKS_PER_SM)
+        module.get_function(f"{name}<{_TYPES[dtype]}>")((blocks,), (_THREADS,), args)
+    return bool(bad.get()[0]) if flag else None
+
+
+def sgd(
+    x: Any, g: Any, b: Optional[Any], copies: Tuple[Any, ...], merge: Optional[Tuple[Any, Any, int, Optional[float]]],
+    divisor: int, lr: float, wd: float, mom: float, dampening: float, nesterov: bool, first: bool, check: bool,
+) -> Optional[bool]:
+    """``_updatec.sgd`` on the GPU (``merge`` as ``update._c_merge`` gives it); with ``check``, whether ``g`` is finite."""
+    T = x.dtype.type
+    snapshot, total, world, proportion = merge if merge is not None else (None, None, 1, None)
+    rule = 0 if merge is None else 1 if proportion is None else 2
+    p = 0.0 if proportion is None else proportion
+    outputs = list(copies) + [x] * (2 - len(copies))
+    args = (
+        np.int64(x.shape[0]), x, g, x if b is None else b, *outputs, x if snapshot is None else snapshot, x if total is None else total,
+        T(lr), T(wd), T(mom), T(1.0 - dampening), T(divisor), T(world), T(p), T(1.0 - p),
+        *(np.int32(v) for v in (divisor != 1, len(copies), rule, wd != 0, mom != 0, first, dampening != 0 and not nesterov, nesterov)),
+    )
+    if not check:  # the kernel still writes the flag: give it the scratch one
+        args += (_device()[2],)
+    bad = _launch("sgd", x.dtype, x.shape[0], args, flag=check)
+    return None if bad is None else not bad
+
+
+def merge_average(x: Any, snapshot: Optional[Any], total: Any, world_size: int, proportion: Optional[float]) -> None:
+    """``_updatec.merge_average`` on the GPU (``proportion`` None: the delayed rule)."""
+    T = x.dtype.type
+    p = 0.0 if proportion is None else proportion
+    rule = 1 if proportion is None else 2
+    _launch("merge_average", x.dtype, x.shape[0], (np.int64(x.shape[0]), x, x if snapshot is None else snapshot, total, T(world_size), T(p), T(1.0 - p), np.int32(rule)))
+
+
+def elastic_pull(x: Any, center: Any, total: Any, world_size: int, alpha: float, beta: float) -> None:
+    """``_updatec.elastic_pull`` on the GPU."""
+    T = x.dtype.type
+    _launch("elastic_pull", x.dtype, x.shape[0], (np.int64(x.shape[0]), x, center, total, T(world_size), T(alpha), T(beta)))
+
+
+def all_finite(x: Any) -> bool:
+    """Whether every element of ``x`` is finite (one pass, then a sync to read the answer)."""
+    return not _launch("all_finite", x.dtype, x.shape[0], (np.int64(x.shape[0]), x), flag=True)
+
+
+def pack_signs(x: Any, out: Any) -> bool:
+    """Pack the signs of ``x`` into ``out``; whether ``x`` holds a NaN (a sync)."""
+    T = x.dtype.type
+    return bool(_launch("pack_signs", x.dtype, -(-x.shape[0] // 8), (np.int64(x.shape[0]), x, x, T(0), T(0), np.int32(0), out), flag=True))
+
+
+def momentum_signs(m: Any, g: Any, beta: float, out: Any) -> None:
+    """``m = m * beta + g * (1 - beta)``, then its signs packed into ``out``, in one pass (no sync)."""
+    T = m.dtype.type
+    args = (np.int64(m.shape[0]), m, g, T(beta), T(1.0 - beta), np.int32(1), out, _device()[2])
+    _launch("pack_signs", m.dtype, -(-m.shape[0] // 8), args)
+
+
+def apply_signs(packed: Any, x: Any, lr: float, decay: float) -> None:
+    """``x = x * decay - lr * sign`` from the packed signs, in one pass."""
+    T = x.dtype.type
+    _launch("apply_signs", x.dtype, x.shape[0], (np.int64(x.shape[0]), packed, x, T(lr), T(decay), np.int32(decay != 1.0)))
