@@ -1,6 +1,6 @@
 """Benchmark: each algorithm's own time per step at one rank, in units of torch.optim.SGD(fused=True)'s step.
 
-``python -m mpiopt.bench.update [--d 11M] [--rounds 5] [--steps 16] [--algorithms sgd,topk] [--threads N] [--json FILE]``
+``python -m mpiopt.bench.update [--d 11M] [--rounds 5] [--steps 16] [--algorithms sgd,topk] [--threads N] [--device cuda] [--json FILE]``
 (one process; plain ``python`` is one MPI rank).
 
 Every synchronous algorithm runs on its own flat float32 vector of ``d``
@@ -34,6 +34,14 @@ are memory-bound and one core does not reach the memory bandwidth.
 
 Goals (issue 11): ``sgd`` <= 1.2, ``easgd``/``lsgd``/``dasgd`` <= 1.5,
 ``signum`` <= 2, ``topk`` <= 2.5, ``regtopk`` <= 3.
+
+``--device cuda`` times the same variants on cupy arrays and CUDA tensors of
+the current GPU ("C loop" is then the CUDA kernel of
+:mod:`mpiopt.kernels._cuda`).  Device work runs asynchronously, so there
+every variant's step is timed from its call to the end of a device
+synchronization, the algorithms' steps included (their ``algo_seconds``
+would stop at the launch).  The goals are the CPU's; on a GPU the table
+is a measurement only.
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ __all__ = ["GOALS", "add_arguments", "measure", "run", "main"]
 GOALS = {"sgd": 1.2, "easgd": 1.5, "lsgd": 1.5, "dasgd": 1.5, "signum": 2.0, "topk": 2.5, "regtopk": 3.0}
 MOMENTUM = 0.9
 UNIT = "torch.optim.SGD(fused=True)"
+DEVICES = ("cpu", "cuda")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,16 +87,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads", type=positive_int, default=None,
         help="threads of torch and of mpiopt's C kernels alike (default: torch's own choice of intra-op threads)",
     )
+    parser.add_argument(
+        "--device", choices=DEVICES, default="cpu",
+        help="where the vectors live: cpu (numpy, torch CPU tensors) or cuda (cupy arrays, torch CUDA tensors of the current GPU)",
+    )
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results to FILE")
 
 
-def _algorithm(topology: Topology, name: str, d: int, grads: Sequence[np.ndarray]) -> Callable[[], float]:
-    """One step of ``name`` on its own vector; returns the step's ``algo_seconds``."""
+def _algorithm(topology: Topology, name: str, grads: Sequence[Any], sync: Optional[Callable[[], None]]) -> Callable[[], float]:
+    """One step of ``name`` on its own vector; returns the step's ``algo_seconds`` (with ``sync``: its synchronized wall time)."""
     hyper = TrainConfig().algorithm_hyperparameters(name)
     if "momentum" in (algorithm_class(name).__init__.__kwdefaults__ or {}):
         hyper["momentum"] = MOMENTUM
     alg = mpiopt.create(name, topology, **hyper)
-    params = np.zeros(d, np.float32)
+    params = grads[0].copy()
+    params.fill(0)
     alg.setup(params)
     steps = [0]
 
@@ -95,50 +109,56 @@ def _algorithm(topology: Topology, name: str, d: int, grads: Sequence[np.ndarray
         steps[0] += 1
         return alg.step(params, grads[steps[0] % len(grads)], loss=1.0 + 1.0 / steps[0]).algo_seconds
 
-    return step
+    return step if sync is None else _timed(step, sync)
 
 
-def _timed(fn: Callable[[], object]) -> Callable[[], float]:
+def _timed(fn: Callable[[], object], sync: Optional[Callable[[], None]] = None) -> Callable[[], float]:
+    """``fn`` timed from its call to its return, or with ``sync`` to the end of ``sync()`` (the device's work done)."""
+
     def step() -> float:
         started = time.perf_counter()
         fn()
+        if sync is not None:
+            sync()
         return time.perf_counter() - started
 
     return step
 
 
-def _torch_sgd(grad: np.ndarray, **flags: bool) -> Callable[[], float]:
+def _torch_sgd(grad: Any, sync: Optional[Callable[[], None]], **flags: bool) -> Callable[[], float]:
     import torch
 
-    param = torch.zeros(grad.size, dtype=torch.float32, requires_grad=True)
-    param.grad = torch.from_numpy(grad)
+    param = torch.zeros(grad.size, dtype=torch.float32, device="cpu" if sync is None else "cuda", requires_grad=True)
+    param.grad = torch.from_dlpack(grad)
     opt = torch.optim.SGD([param], lr=0.05, momentum=MOMENTUM, **flags)
-    return _timed(opt.step)
+    return _timed(opt.step, sync)
 
 
 @contextlib.contextmanager
-def _c_loop(enabled: bool) -> Iterator[None]:
-    """As where ``mpiopt.kernels._updatec`` was not built, unless ``enabled``."""
-    saved = update_kernels._updatec
-    update_kernels._updatec = saved if enabled else None
+def _fused_loops(enabled: bool) -> Iterator[None]:
+    """As where neither ``mpiopt.kernels._updatec`` nor the CUDA kernels exist, unless ``enabled``."""
+    saved = update_kernels._updatec, update_kernels._cuda.takes
+    if not enabled:
+        update_kernels._updatec, update_kernels._cuda.takes = None, lambda x: False
     try:
         yield
     finally:
-        update_kernels._updatec = saved
+        update_kernels._updatec, update_kernels._cuda.takes = saved
 
 
-def _local_update(grad: np.ndarray, fused: bool) -> Callable[[], float]:
-    """LocalSGD.apply alone, through the C loop or (``fused=False``) the array code."""
-    params = np.zeros_like(grad)
+def _local_update(grad: Any, fused: bool, sync: Optional[Callable[[], None]]) -> Callable[[], float]:
+    """LocalSGD.apply alone, through the fused loop or (``fused=False``) the array code."""
+    params = grad.copy()
+    params.fill(0)
     local = LocalSGD(momentum=MOMENTUM)
-    with _c_loop(fused):
+    with _fused_loops(fused):
         local.allocate(params)
 
     def apply() -> None:
-        with _c_loop(fused):
+        with _fused_loops(fused):
             local.apply(params, grad, 0.05)
 
-    return _timed(apply)
+    return _timed(apply, sync)
 
 
 def measure(
@@ -148,6 +168,7 @@ def measure(
     algorithms: Sequence[str] = SYNCHRONOUS,
     seed: int = 0,
     topology: Optional[Topology] = None,
+    device: str = "cpu",
 ) -> Dict[str, Any]:
     """Time every variant; the results as a dict (what :func:`run` prints and writes as JSON).
 
@@ -164,6 +185,8 @@ def measure(
     topology : Topology, optional
         One rank's communicators (default: a new :class:`~mpiopt.comm.Topology`,
         freed at the end).
+    device : {"cpu", "cuda"}
+        numpy arrays and CPU tensors, or cupy arrays and CUDA tensors.
 
     Returns
     -------
@@ -171,7 +194,8 @@ def measure(
         ``seconds`` (per variant, the median over rounds of the round's mean
         step), ``ratio`` (to :data:`UNIT`), ``goals`` (per algorithm:
         ``{"goal", "ratio", "met"}``), ``samples`` (timed steps per variant), ``d``, ``rounds``, ``steps``, ``unit``,
-        ``threads`` (torch's), ``kernel_threads`` (mpiopt's C kernels'), ``c_update_loop`` (whether the fused C loop was built).
+        ``threads`` (torch's), ``kernel_threads`` (mpiopt's C kernels'), ``c_update_loop`` (whether the fused C loop was built),
+        ``device``.
 
     Raises
     ------
@@ -181,23 +205,30 @@ def measure(
     import torch
 
     check_choices("--algorithms", algorithms, SYNCHRONOUS)
+    check_choices("--device", [device], DEVICES)
+    xp, sync = np, None
+    if device == "cuda":
+        import cupy
+
+        xp, sync = cupy, cupy.cuda.Device().synchronize
     own = topology is None
     topology = Topology() if own else topology
     if topology.size != 1:
         raise UsageError(f"the update benchmark times one rank; run it without mpiexec (got {topology.size} ranks)")
     rng = np.random.default_rng(seed)
-    grads = [(rng.standard_normal(d, dtype=np.float32) * 1e-2) for _ in range(2)]
-    copy_out = np.empty_like(grads[0])
+    grads = [xp.asarray(rng.standard_normal(d, dtype=np.float32) * 1e-2) for _ in range(2)]
+    copy_out = xp.empty_like(grads[0])
+    fused = "LocalSGD.apply (C loop)" if device == "cpu" else "LocalSGD.apply (CUDA kernel)"
     variants: Dict[str, Callable[[], float]] = {
-        UNIT: _torch_sgd(grads[0], fused=True),
-        "torch.optim.SGD(foreach=True)": _torch_sgd(grads[0], foreach=True),
-        "LocalSGD.apply (C loop)": _local_update(grads[0], fused=True),
-        "LocalSGD.apply (array code)": _local_update(grads[0], fused=False),
-        "np.copyto (one read + write)": _timed(lambda: np.copyto(copy_out, grads[0])),
+        UNIT: _torch_sgd(grads[0], sync, fused=True),
+        "torch.optim.SGD(foreach=True)": _torch_sgd(grads[0], sync, foreach=True),
+        fused: _local_update(grads[0], True, sync),
+        "LocalSGD.apply (array code)": _local_update(grads[0], False, sync),
+        f"{xp.__name__}.copyto (one read + write)": _timed(lambda: xp.copyto(copy_out, grads[0]), sync),
     }
-    variants.update({name: _algorithm(topology, name, d, grads) for name in algorithms})
-    if update_kernels._updatec is None:
-        del variants["LocalSGD.apply (C loop)"]  # it would time the array code twice
+    variants.update({name: _algorithm(topology, name, grads, sync) for name in algorithms})
+    if not update_kernels.fused_update_available(grads[0]):
+        del variants[fused]  # it would time the array code twice
     samples: Dict[str, List[float]] = {name: [] for name in variants}  # per round: the mean step
     for name, step in variants.items():  # untimed: allocations and first steps
         step()
@@ -218,6 +249,7 @@ def measure(
         "threads": torch.get_num_threads(),
         "kernel_threads": threads.get_num_threads(),
         "c_update_loop": update_kernels._updatec is not None,
+        "device": device,
         "seconds": seconds,
         "ratio": ratio,
         "goals": {name: {"goal": GOALS[name], "ratio": ratio[name], "met": ratio[name] <= GOALS[name]} for name in algorithms},
@@ -243,9 +275,10 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     threads.set_num_threads(torch.get_num_threads(), clamp=True)
     topology = Topology()
-    results = measure(args.d, args.rounds, args.steps, args.algorithms, args.seed, topology)
+    results = measure(args.d, args.rounds, args.steps, args.algorithms, args.seed, topology, args.device)
+    where = "" if args.device == "cpu" else f" on the GPU ({_gpu_name()}; each step timed to a device sync)"
     print(
-        f"\n## update: one rank, d = {args.d:,} float32, momentum {MOMENTUM}; median over {args.rounds} interleaved rounds of the mean of "
+        f"\n## update: one rank{where}, d = {args.d:,} float32, momentum {MOMENTUM}; median over {args.rounds} interleaved rounds of the mean of "
         f"{args.steps} steps; torch's OpenMP wait policy {os.environ.get('OMP_WAIT_POLICY', 'default')}; {results['threads']} thread(s) for torch and the C kernels; fused C update loop "
         f"{'built' if results['c_update_loop'] else 'NOT built'}\n",
         flush=True,
@@ -256,6 +289,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nwrote {args.json}", file=sys.stderr)
     topology.Free()
     return 0
+
+
+def _gpu_name() -> str:
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
 
 
 def main(argv: Optional[List[str]] = None) -> int:
