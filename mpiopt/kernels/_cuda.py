@@ -34,6 +34,8 @@ __all__ = ["takes", "sgd", "merge_average", "elastic_pull", "all_finite", "pack_
 # Threads per block; a grid of at most _BLOCKS_PER_SM blocks per multiprocessor strides over longer arrays.
 _THREADS = 256
 _BLOCKS_PER_SM = 16
+# Bytes one wide access moves (sgd's and all_finite's kernels, where every array they touch is aligned to them).
+_WIDE = 16
 
 _SOURCE = r"""
 __device__ __forceinline__ float add_(float a, float b) { float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
@@ -74,35 +76,76 @@ enum { NO_MERGE, DELAYED, PROPORTION };
 
 /* _updatec.c's merge_one: (y - snapshot) + sum / P, or y * p + (sum / P) * q. */
 template <typename T>
-__device__ __forceinline__ T merge_one(T y, long long i, const T *snapshot, const T *sum, T mdiv, T mp, T mq, int rule) {
-    const T a = div_(sum[i], mdiv);
+__device__ __forceinline__ T merge_one(T y, T snapshot, T sum, T mdiv, T mp, T mq, int rule) {
+    const T a = div_(sum, mdiv);
     if (rule == PROPORTION) return add_(mul_(y, mp), mul_(a, mq));
-    return add_(sub_(y, snapshot[i]), a);
+    return add_(sub_(y, snapshot), a);
 }
 
-/* _updatec.c's loop; the int flags are the same for every thread (no divergence).  Arrays a flag
- * leaves unused are never read or written (the caller passes x in their place). */
+/* The update's scalars and flags; the flags are the same for every thread (no divergence). */
+template <typename T> struct Step {
+    T lr, wd, mom, scale, div, mdiv, mp, mq;
+    int divide, merge, decay, momentum, first, damp, nesterov;
+};
+
+/* _updatec.c's loop body for one element: returns the new x, updates bi (read only after the first
+ * step) and clears ok on a non-finite gradient. */
+template <typename T>
+__device__ __forceinline__ T sgd_one(const Step<T> &a, T xi, T gi, T &bi, T snapshot, T sum, bool &ok) {
+    ok &= finite_(gi);
+    if (a.divide) gi = div_(gi, a.div);
+    T d = gi;
+    if (a.decay) d = add_(mul_(xi, a.wd), gi);
+    T s = d;
+    if (a.momentum) {
+        if (a.first) bi = d;
+        else bi = a.damp ? add_(mul_(bi, a.mom), mul_(d, a.scale)) : add_(mul_(bi, a.mom), d);
+        s = a.nesterov ? add_(d, mul_(bi, a.mom)) : bi;
+    }
+    T y = sub_(xi, mul_(s, a.lr));
+    return a.merge ? merge_one(y, snapshot, sum, a.mdiv, a.mp, a.mq, a.merge) : y;
+}
+
+/* 16 bytes of T: one load or store instruction moves 4 floats or 2 doubles. */
+template <typename T> struct Wide;
+template <> struct Wide<float> { typedef float4 type; };
+template <> struct Wide<double> { typedef double2 type; };
+
+/* The whole update.  With wide (every array 16-byte aligned) each thread moves whole 16-byte
+ * vectors, which brings the kernel near the memory bandwidth; the elements after the last whole
+ * vector, and every element without wide, go one at a time.  Arrays a flag leaves unused are
+ * never read or written (the caller passes x in their place). */
 template <typename T>
 __global__ void sgd(long long n, T *x, const T *g, T *b, T *c, T *c2, const T *snapshot, const T *sum, T lr, T wd,
                     T mom, T scale, T div, T mdiv, T mp, T mq, int divide, int copies, int merge, int decay,
-                    int momentum, int first, int damp, int nesterov, int *bad) {
+                    int momentum, int first, int damp, int nesterov, int wide, int *bad) {
+    const Step<T> a = {lr, wd, mom, scale, div, mdiv, mp, mq, divide, merge, decay, momentum, first, damp, nesterov};
     bool ok = true;
-    FOR_EACH(i, n) {
-        T gi = g[i];
-        ok &= finite_(gi);
-        if (divide) gi = div_(gi, div);
-        T d = gi;
-        if (decay) d = add_(mul_(x[i], wd), gi);
-        T s = d;
-        if (momentum) {
-            T bi = d;
-            if (!first) bi = damp ? add_(mul_(b[i], mom), mul_(d, scale)) : add_(mul_(b[i], mom), d);
-            b[i] = bi;
-            s = nesterov ? add_(d, mul_(bi, mom)) : bi;
+    long long done = 0;
+    if (wide) {
+        typedef typename Wide<T>::type V;
+        constexpr int W = sizeof(V) / sizeof(T);
+        FOR_EACH(k, n / W) {
+            V xv = ((const V *)x)[k], gv = ((const V *)g)[k], bv = xv, sv = xv, tv = xv;
+            if (momentum && !first) bv = ((const V *)b)[k];
+            if (merge) tv = ((const V *)sum)[k];
+            if (merge == DELAYED) sv = ((const V *)snapshot)[k];
+            T *xe = (T *)&xv, *ge = (T *)&gv, *be = (T *)&bv, *se = (T *)&sv, *te = (T *)&tv;
+#pragma unroll
+            for (int j = 0; j < W; ++j) xe[j] = sgd_one(a, xe[j], ge[j], be[j], se[j], te[j], ok);
+            ((V *)x)[k] = xv;
+            if (momentum) ((V *)b)[k] = bv;
+            if (copies >= 1) ((V *)c)[k] = xv;
+            if (copies == 2) ((V *)c2)[k] = xv;
         }
-        T y = sub_(x[i], mul_(s, lr));
-        if (merge) y = merge_one(y, i, snapshot, sum, mdiv, mp, mq, merge);
+        done = n / W * W;
+    }
+    FOR_EACH(t, n - done) {
+        const long long i = done + t;
+        T bi = momentum && !first ? b[i] : (T)0;
+        const T y = sgd_one(a, x[i], g[i], bi, merge == DELAYED ? snapshot[i] : (T)0, merge ? sum[i] : (T)0, ok);
         x[i] = y;
+        if (momentum) b[i] = bi;
         if (copies >= 1) c[i] = y;
         if (copies == 2) c2[i] = y;
     }
@@ -111,7 +154,7 @@ __global__ void sgd(long long n, T *x, const T *g, T *b, T *c, T *c2, const T *s
 
 template <typename T>
 __global__ void merge_average(long long n, T *x, const T *snapshot, const T *sum, T mdiv, T mp, T mq, int rule) {
-    FOR_EACH(i, n) x[i] = merge_one(x[i], i, snapshot, sum, mdiv, mp, mq, rule);
+    FOR_EACH(i, n) x[i] = merge_one(x[i], rule == DELAYED ? snapshot[i] : (T)0, sum[i], mdiv, mp, mq, rule);
 }
 
 /* _updatec.c's pull: m = sum / P; x -= (x - c) * alpha; c += (m - c) * beta, from the same x and c. */
@@ -124,10 +167,23 @@ __global__ void elastic_pull(long long n, T *x, T *c, const T *sum, T p, T alpha
     }
 }
 
+/* With wide (x 16-byte aligned) whole 16-byte vectors first, as sgd's kernel reads them. */
 template <typename T>
-__global__ void all_finite(long long n, const T *x, int *bad) {
+__global__ void all_finite(long long n, const T *x, int wide, int *bad) {
     bool ok = true;
-    FOR_EACH(i, n) ok &= finite_(x[i]);
+    long long done = 0;
+    if (wide) {
+        typedef typename Wide<T>::type V;
+        constexpr int W = sizeof(V) / sizeof(T);
+        FOR_EACH(k, n / W) {
+            V v = ((const V *)x)[k];
+            const T *e = (const T *)&v;
+#pragma unroll
+            for (int j = 0; j < W; ++j) ok &= finite_(e[j]);
+        }
+        done = n / W * W;
+    }
+    FOR_EACH(t, n - done) ok &= finite_(x[done + t]);
     if (!ok) *bad = 1;
 }
 
@@ -202,6 +258,11 @@ def _launch(name: str, dtype: np.dtype, items: int, args: Tuple[Any, ...], flag:
     return bool(bad.get()[0]) if flag else None
 
 
+def _items(x: Any, wide: bool) -> int:
+    """Threads a kernel over ``x`` needs: one per 16-byte vector with ``wide``, else one per element (at least one)."""
+    return max(1, x.shape[0] // (_WIDE // x.dtype.itemsize) if wide else x.shape[0])
+
+
 def sgd(
     x: Any, g: Any, b: Optional[Any], copies: Tuple[Any, ...], merge: Optional[Tuple[Any, Any, int, Optional[float]]],
     divisor: int, lr: float, wd: float, mom: float, dampening: float, nesterov: bool, first: bool, check: bool,
@@ -217,9 +278,12 @@ def sgd(
         T(lr), T(wd), T(mom), T(1.0 - dampening), T(divisor), T(world), T(p), T(1.0 - p),
         *(np.int32(v) for v in (divisor != 1, len(copies), rule, wd != 0, mom != 0, first, dampening != 0 and not nesterov, nesterov)),
     )
+    used = [x, g, *copies] + ([b] if mom else []) + ([total] if merge is not None else []) + ([snapshot] if rule == 1 else [])
+    wide = all(arr.data.ptr % _WIDE == 0 for arr in used)
+    args += (np.int32(wide),)
     if not check:  # the kernel still writes the flag: give it the scratch one
         args += (_device()[2],)
-    bad = _launch("sgd", x.dtype, x.shape[0], args, flag=check)
+    bad = _launch("sgd", x.dtype, _items(x, wide), args, flag=check)
     return None if bad is None else not bad
 
 
@@ -239,7 +303,8 @@ def elastic_pull(x: Any, center: Any, total: Any, world_size: int, alpha: float,
 
 def all_finite(x: Any) -> bool:
     """Whether every element of ``x`` is finite (one pass, then a sync to read the answer)."""
-    return not _launch("all_finite", x.dtype, x.shape[0], (np.int64(x.shape[0]), x), flag=True)
+    wide = x.data.ptr % _WIDE == 0
+    return not _launch("all_finite", x.dtype, _items(x, wide), (np.int64(x.shape[0]), x, np.int32(wide)), flag=True)
 
 
 def pack_signs(x: Any, out: Any) -> bool:

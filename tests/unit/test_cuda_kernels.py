@@ -88,6 +88,26 @@ def test_sgd_update_is_the_cpu_bits(d, dtype, case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offsets", [(0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 3, 0), (0, 0, 0, 1), (2, 2, 2, 2)])
+def test_sgd_update_on_unaligned_views(dtype, offsets):
+    # The kernel moves 16-byte vectors only where every array it touches is 16-byte aligned; views
+    # that start 1-3 elements into a buffer take the one-element path, with the same bits.
+    d = 1001
+    rng = np.random.default_rng(sum(offsets))
+    host = [awkward(rng, d, dtype) for _ in range(4)]
+    gpu = []
+    for arr, offset in zip(host, offsets):
+        buffer = cupy.empty(d + offset, dtype=dtype)
+        buffer[offset:] = cupy.asarray(arr)
+        gpu.append(buffer[offset:])
+    for arrays in (gpu, host):
+        x, g, b, copy = arrays
+        sgd_update(x, g, b, lr=0.1, momentum=0.9, weight_decay=1e-2, grad_divisor=3, copy_to=copy)
+    for got, expect in zip(gpu, host):
+        same_bits(got, expect)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", SIZES)
 @pytest.mark.parametrize("copies", [0, 1, 2])
 @pytest.mark.parametrize("rule", [None, "delayed", "proportion"])
@@ -142,9 +162,10 @@ def test_elastic_pull_is_the_cpu_bits(d, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_all_finite_is_exact_everywhere(dtype):
+@pytest.mark.parametrize("offset", [0, 1])  # 1: an unaligned view, read one element at a time
+def test_all_finite_is_exact_everywhere(dtype, offset):
     d = 3 * 2**18 + 13
-    x = cupy.asarray(np.random.default_rng(4).standard_normal(d).astype(dtype))
+    x = cupy.asarray(np.random.default_rng(4).standard_normal(d + offset).astype(dtype))[offset:]
     x[:5] = cupy.asarray(np.array([np.finfo(dtype).max, -np.finfo(dtype).max, np.finfo(dtype).smallest_subnormal, 0.0, -0.0], dtype=dtype))
     assert all_finite(x)
     for position in (0, 1, 255, 256, d // 2, d - 1):
