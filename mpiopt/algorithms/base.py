@@ -49,7 +49,7 @@ import json
 import numbers
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Mapping, NoReturn, Optional, Tuple
 
 import numpy as np
 
@@ -161,10 +161,15 @@ class Algorithm:
         ``FloatingPointError`` on that rank at a world size of one or with
         ``Topology(abort_on_error=False)``.  ``skip``: every rank skips the
         step together (one extra 1-byte Allreduce per step, so the decision
-        is collective).
+        is collective).  Under ``raise``, algorithms whose update reads this
+        rank's gradient (``sgd`` at one rank, ``easgd``, ``dasgd``) check it
+        in the update's own pass instead of a pass of its own first; the rank
+        that raises has then applied the step (see :meth:`_checks_in_step`).
     """
 
     name: ClassVar[str] = ""
+    #: Whether :meth:`_step` can check the gradient in its update's own pass (see :meth:`_checks_in_step`).
+    fused_gradient_check: ClassVar[bool] = False
     #: Attribute names of arrays (or None) that make up the state.
     state_arrays: ClassVar[Tuple[str, ...]] = ()
     #: Attribute names of scalars (int, float, bool, str) that make up the state.
@@ -274,7 +279,7 @@ class Algorithm:
         self._check_flat("grad", grad)
         before = self.ledger.snapshot()
         started = time.perf_counter()
-        skipped = not self._gradient_ok(grad)
+        skipped = False if self._checks_in_step() else not self._gradient_ok(grad)
         if not skipped:
             self._step(params, grad, loss)
             self.steps += 1
@@ -394,14 +399,33 @@ class Algorithm:
         ok = all_finite(grad)
         if self.nan_policy == "raise":
             if not ok:
-                self.topology.raise_or_abort(FloatingPointError(
-                    f"{self.name}: non-finite gradient on rank {self.topology.rank} at step {self.steps + 1} "
-                    "(nan_policy='raise'; use nan_policy='skip' to skip such steps on every rank)"
-                ))
+                self._non_finite_gradient()
             return True
         self._flag[0] = 0 if ok else 1
         self.topology.world.Allreduce(self._flag, op=MAX)
         return not self._flag[0]
+
+    def _checks_in_step(self) -> bool:
+        """Whether this step's update checks the gradient in its own pass, instead of :meth:`step` in a pass before.
+
+        Under ``nan_policy="raise"`` only (``skip`` must decide before anything
+        changes, on every rank together), for algorithms that declare
+        :attr:`fused_gradient_check` (their update reads this rank's own
+        gradient, so the rank that finds a non-finite value is the one that
+        had it).  Their ``_step`` calls :meth:`_non_finite_gradient` when the
+        update reports one, before any communication of the step; that rank
+        has then applied the failing step, and its parameters and state are
+        not to be used further (the job ends; with ``abort_on_error=False``
+        load a checkpoint).
+        """
+        return self.fused_gradient_check and self.nan_policy == "raise"
+
+    def _non_finite_gradient(self) -> NoReturn:
+        """End the job (or raise) for this rank's non-finite gradient under ``nan_policy="raise"``."""
+        self.topology.raise_or_abort(FloatingPointError(
+            f"{self.name}: non-finite gradient on rank {self.topology.rank} at step {self.steps + 1} "
+            "(nan_policy='raise'; use nan_policy='skip' to skip such steps on every rank)"
+        ))
 
     def _record(self, before: Any, started: float, loss: Optional[float], skipped: bool) -> StepRecord:
         elapsed = time.perf_counter() - started

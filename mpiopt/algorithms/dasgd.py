@@ -164,6 +164,7 @@ class DaSGD(LocalStepState, Algorithm):
     """
 
     name = "dasgd"
+    fused_gradient_check = True
     state_arrays = ("momentum_buffer", "pending_snapshot", "pending_sum")
     state_scalars = ("merge_step",)
 
@@ -263,10 +264,12 @@ class DaSGD(LocalStepState, Algorithm):
             self._complete()  # the update merges it, so it must be complete first
         # The update's own pass writes w_k into the snapshot and the Iallreduce's buffer, or merges the
         # average: neither makes a pass of its own over the parameters.
-        self.local.apply(
+        finite = self.local.apply(
             params, grad, self.lr, copy_to=(self._snapshot, self._sum) if starts else None,
-            merge=self._pending_merge() if merges else None,
+            merge=self._pending_merge() if merges else None, check_finite=self._checks_in_step(),
         )
+        if finite is False:
+            self._non_finite_gradient()  # before this step's averaging starts
         if merges:
             self.merge_step = 0
         if starts:

@@ -124,6 +124,7 @@ class EASGD(LocalStepState, Algorithm):
     """
 
     name = "easgd"
+    fused_gradient_check = True
     state_arrays = ("center", "momentum_buffer")
 
     def __init__(
@@ -161,7 +162,8 @@ class EASGD(LocalStepState, Algorithm):
         self.center /= world.size
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
-        self.local.apply(params, grad, self.lr)
+        if self.local.apply(params, grad, self.lr, check_finite=self._checks_in_step()) is False:
+            self._non_finite_gradient()  # before the pull's collective
         if (self.steps + 1) % self.period == 0:  # the base class counts the step after _step returns
             self._elastic_pull(params)
 

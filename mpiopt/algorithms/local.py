@@ -65,14 +65,16 @@ class LocalSGD:
         *,
         copy_to: Union[None, Any, Sequence[Any]] = None,
         merge: Optional[Merge] = None,
-    ) -> None:
+        check_finite: bool = False,
+    ) -> Optional[bool]:
         """``params -= lr * direction(grad / grad_divisor)`` in place; ``grad`` is left unchanged.
 
         ``grad_divisor`` turns an Allreduce's sum into the average in the same
-        pass, with the bits of ``grad /= grad_divisor`` first.  ``copy_to`` and
-        ``merge`` are :func:`~mpiopt.kernels.update.sgd_update`'s: copies of
-        the new ``params``, or DaSGD's merge of an average into them, in the
-        same pass.
+        pass, with the bits of ``grad /= grad_divisor`` first.  ``copy_to``,
+        ``merge`` and ``check_finite`` are :func:`~mpiopt.kernels.update.sgd_update`'s:
+        copies of the new ``params``, or DaSGD's merge of an average into
+        them, in the same pass; with ``check_finite`` the return value says
+        whether every element of ``grad`` was finite (else None).
 
         The same floating-point operations as ``torch.optim.SGD``, each rounded
         on its own (torch fuses ``a + alpha * b`` into one rounding: see
@@ -81,7 +83,7 @@ class LocalSGD:
         first_step = bool(self.momentum) and self.buffer is None
         if first_step:
             self.buffer = empty_apart(params, near=(grad,))
-        sgd_update(
+        return sgd_update(
             params,
             grad,
             self.buffer,
@@ -95,6 +97,7 @@ class LocalSGD:
             work=self._work,
             copy_to=copy_to,
             merge=merge,
+            check_finite=check_finite,
         )
 
 

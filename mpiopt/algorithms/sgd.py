@@ -40,6 +40,7 @@ class SGD(LocalStepState, Algorithm):
     """
 
     name = "sgd"
+    fused_gradient_check = True
     state_arrays = ("momentum_buffer",)
 
     def __init__(
@@ -83,6 +84,11 @@ class SGD(LocalStepState, Algorithm):
         finally:
             self._reduced = None
 
+    def _checks_in_step(self) -> bool:
+        # Only where the update reads this rank's own gradient (one rank, no caller's sum): at more ranks it
+        # reads the Allreduce's sum, and a non-finite sum could not name the rank whose gradient was at fault.
+        return super()._checks_in_step() and self.topology.world.size == 1 and self._reduced is None
+
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         world = self.topology.world
         total = self._reduced
@@ -92,4 +98,5 @@ class SGD(LocalStepState, Algorithm):
             world.Allreduce(grad, out=self._average)
             total = self._average
         # The division by the world size rides in the update's one pass over memory (same bits as total /= P first).
-        self.local.apply(params, total, self.lr, grad_divisor=world.size)
+        if self.local.apply(params, total, self.lr, grad_divisor=world.size, check_finite=self._checks_in_step()) is False:
+            self._non_finite_gradient()

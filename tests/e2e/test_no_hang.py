@@ -54,6 +54,22 @@ SCRIPTS = {
         """,
         ["FloatingPointError: sgd: non-finite gradient on rank 1 at step 1", "on rank 1 of 2; aborting the job: its other ranks may be waiting"],
     ),
+    # DaSGD checks the gradient inside its update's pass (nan_policy="raise"): the rank that had it still ends the job.
+    "nan_gradient_checked_in_the_update": (
+        """
+        topo = mpiopt.Topology()
+        alg = mpiopt.create("dasgd", topo, lr=0.1, period=2)
+        alg.setup(params)
+        if rank == 1:
+            grad[2] = np.nan
+        for step in range(3):
+            try:
+                alg.step(params, grad)
+            except FloatingPointError:
+                grad[2] = 0.0
+        """,
+        ["FloatingPointError: dasgd: non-finite gradient on rank 1 at step 1", "on rank 1 of 2; aborting the job: its other ranks may be waiting"],
+    ),
     "lsgd_without_loss": (
         """
         topo = mpiopt.Topology()

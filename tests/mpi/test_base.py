@@ -262,3 +262,33 @@ def test_an_exception_in_a_thread_under_pytest_does_not_abort(topology):
     thread.start()
     thread.join()
     topology.world.Barrier()  # every rank is still alive
+
+
+# -- where the gradient is checked ------------------------------------------------------------
+@pytest.mark.parametrize("name, policy, at_one_rank_only", [
+    ("sgd", "raise", True), ("easgd", "raise", False), ("dasgd", "raise", False),
+    ("sgd", "skip", None), ("easgd", "skip", None), ("lsgd", "raise", None), ("signum", "raise", None),
+])
+def test_the_update_checks_the_gradient_where_it_reads_this_ranks_own(topology, monkeypatch, name, policy, at_one_rank_only):
+    # nan_policy="raise" and an update that reads this rank's gradient: the update's own pass checks it (no
+    # pass of its own before; None: never); a non-finite value still names this rank, before the step communicates.
+    from mpiopt.algorithms import base
+
+    checks = []
+    monkeypatch.setattr(base, "all_finite", lambda grad: checks.append(1) or True)
+    fused = at_one_rank_only is not None and (topology.size == 1 or not at_one_rank_only)
+    own = Topology(abort_on_error=False)
+    try:
+        alg = mpiopt.create(name, own, lr=0.1, nan_policy=policy)
+        params = np.zeros(D, np.float32)
+        alg.setup(params)
+        alg.step(params, np.ones(D, np.float32), loss=1.0)
+        assert alg._checks_in_step() is fused and len(checks) == (0 if fused else 1)
+        if fused:  # every rank's gradient is bad, so every rank raises before the step communicates
+            bad = np.ones(D, np.float32)
+            bad[D - 1] = np.inf
+            with pytest.raises(FloatingPointError, match=f"{name}: non-finite gradient on rank {topology.rank} at step 2"):
+                alg.step(params, bad, loss=1.0)
+            assert alg.steps == 1
+    finally:
+        own.Free()
