@@ -164,7 +164,8 @@ class Algorithm:
         is collective).  Under ``raise``, algorithms whose update reads this
         rank's gradient (``sgd`` at one rank, ``easgd``, ``dasgd``) check it
         in the update's own pass instead of a pass of its own first; the rank
-        that raises has then applied the step (see :meth:`_checks_in_step`).
+        that raises has then applied the step, so a caller that catches the
+        error must reload a checkpoint (see :meth:`_checks_in_step`).
     """
 
     name: ClassVar[str] = ""
@@ -413,10 +414,13 @@ class Algorithm:
         :attr:`fused_gradient_check` (their update reads this rank's own
         gradient, so the rank that finds a non-finite value is the one that
         had it).  Their ``_step`` calls :meth:`_non_finite_gradient` when the
-        update reports one, before any communication of the step; that rank
-        has then applied the failing step, and its parameters and state are
-        not to be used further (the job ends; with ``abort_on_error=False``
-        load a checkpoint).
+        update reports one, before the step starts any communication (DaSGD
+        may first have completed an averaging every rank started earlier).
+        That rank has then applied the failing step: its parameters and
+        state are not to be used further.  With more ranks and the default
+        abort the job ends; where the error is raised instead (one rank, or
+        ``abort_on_error=False``) a caller that catches it must reload a
+        checkpoint, or use ``nan_policy="skip"`` to go on without one.
         """
         return self.fused_gradient_check and self.nan_policy == "raise"
 

@@ -172,5 +172,5 @@ class EASGD(LocalStepState, Algorithm):
         world = self.topology.world
         world.Allreduce(params, out=self._mean)
         # x_i <- x_i - alpha (x_i - c), with the centre before it moves, and c <- c + alpha sum_i (x_i - c)
-        # = c + beta (mean - c) from the same (pre-pull) x_i: one pass where the C loop was built.
+        # = c + beta (mean - c) from the same (pre-pull) x_i: one pass in the fused loop (C or CUDA).
         elastic_pull(params, self.center, self._mean, world.size, self.alpha, self.beta, work=self._work)

@@ -43,7 +43,7 @@ class LocalSGD:
             raise ValueError(f"nesterov=True needs momentum > 0 and dampening = 0, got momentum={momentum}, dampening={dampening}")
         self.nesterov = nesterov
         self.buffer: Optional[Any] = None  # momentum buffer, allocated at the first step
-        self._work: List[Any] = []  # scratch of the array code (cupy, no C compiler): filled at the first step
+        self._work: List[Any] = []  # scratch of the array code (no fused loop: other dtypes, no C compiler): filled at the first step
 
     def hyperparameters(self) -> Dict[str, Any]:
         return {"momentum": self.momentum, "dampening": self.dampening, "nesterov": self.nesterov, "weight_decay": self.weight_decay}

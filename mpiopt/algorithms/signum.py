@@ -227,7 +227,7 @@ class Signum(Algorithm):
         P, d = self.topology.size, params.size
         self.mode = choose_exchange(P, d) if self.exchange == "auto" else self.exchange
         nbytes = packed_nbytes(d)
-        # Scratch of the numpy passes ((1 - beta) g, then lr times the vote); the C loops need none.
+        # Scratch of the array code's passes ((1 - beta) g, then lr times the vote); the fused passes need none.
         self._signs = None if fused_signs_available(params) else empty_apart(params)
         self._voted = xp.empty(nbytes, dtype=np.uint8)
         if self.momentum:
@@ -276,7 +276,7 @@ class Signum(Algorithm):
         apply_signs(self._voted[start:stop], params[lo:hi], self.lr, decay, scratch=self._scratch(lo, hi))
 
     def _scratch(self, lo: int, hi: int) -> Optional[Any]:
-        """Elements ``[lo, hi)`` of the numpy passes' scratch (None with the C loops)."""
+        """Elements ``[lo, hi)`` of the array code's scratch (None with the fused passes)."""
         return None if self._signs is None else self._signs[lo:hi]
 
     def _exchange(self, op: str, send: Any, recv: Any) -> Optional[Request]:

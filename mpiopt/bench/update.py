@@ -194,7 +194,7 @@ def measure(
         ``seconds`` (per variant, the median over rounds of the round's mean
         step), ``ratio`` (to :data:`UNIT`), ``goals`` (per algorithm:
         ``{"goal", "ratio", "met"}``), ``samples`` (timed steps per variant), ``d``, ``rounds``, ``steps``, ``unit``,
-        ``threads`` (torch's), ``kernel_threads`` (mpiopt's C kernels'), ``c_update_loop`` (whether the fused C loop was built),
+        ``threads`` (torch's), ``kernel_threads`` (mpiopt's C kernels'), ``c_update_loop`` (whether the fused C loop was built; the CPU's),
         ``device``.
 
     Raises
@@ -276,11 +276,17 @@ def run(args: argparse.Namespace) -> int:
     threads.set_num_threads(torch.get_num_threads(), clamp=True)
     topology = Topology()
     results = measure(args.d, args.rounds, args.steps, args.algorithms, args.seed, topology, args.device)
-    where = "" if args.device == "cpu" else f" on the GPU ({_gpu_name()}; each step timed to a device sync)"
+    if args.device == "cpu":
+        where = ""
+        host = (
+            f"; torch's OpenMP wait policy {os.environ.get('OMP_WAIT_POLICY', 'default')}; {results['threads']} thread(s) for torch "
+            f"and the C kernels; fused C update loop {'built' if results['c_update_loop'] else 'NOT built'}"
+        )
+    else:
+        where, host = f" on the GPU ({_gpu_name()}; each step timed to a device sync)", ""
     print(
         f"\n## update: one rank{where}, d = {args.d:,} float32, momentum {MOMENTUM}; median over {args.rounds} interleaved rounds of the mean of "
-        f"{args.steps} steps; torch's OpenMP wait policy {os.environ.get('OMP_WAIT_POLICY', 'default')}; {results['threads']} thread(s) for torch and the C kernels; fused C update loop "
-        f"{'built' if results['c_update_loop'] else 'NOT built'}\n",
+        f"{args.steps} steps{host}\n",
         flush=True,
     )
     print(table(results))

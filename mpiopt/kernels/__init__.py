@@ -1,8 +1,8 @@
 """Pure array kernels for the compressed algorithms: no MPI, numpy and cupy alike.
 
 Every function takes numpy or cupy arrays and returns arrays of the same
-module; the code path is the same for both (cupy is imported only when a cupy
-array is passed).  Inputs are validated with ``TypeError``/``ValueError`` that
+module, with the same bits (the fused passes are C loops on numpy arrays and
+CUDA kernels on cupy ones; cupy is imported only when a cupy array is passed).  Inputs are validated with ``TypeError``/``ValueError`` that
 name the argument and the value.
 
 Sign vectors (:mod:`~mpiopt.kernels.signs`, signSGD / Signum / majority vote):

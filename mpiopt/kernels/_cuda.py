@@ -22,7 +22,8 @@ imported only then.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+import warnings
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -215,52 +216,73 @@ template <typename T>
 __global__ void apply_signs(long long n, const unsigned char *packed, T *x, T lr, T f, int decay) {
     FOR_EACH(i, n) {
         const T y = decay ? mul_(x[i], f) : x[i];
-        x[i] = sub_(y, (packed[i >> 3] >> (i & 7)) & 1 ? lr : -lr);
+        x[i] = (packed[i >> 3] >> (i & 7)) & 1 ? sub_(y, lr) : add_(y, lr); /* y - (-lr) without a negation */
     }
 }
 """
 
 _KERNELS = ("sgd", "merge_average", "elastic_pull", "all_finite", "pack_signs", "apply_signs")
 _TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
-# Per device: (compiled module, its multiprocessor count, a one-int flag array).
-_MODULES: Dict[int, Tuple[Any, int, Any]] = {}
+
+
+class _Compiled(NamedTuple):
+    """One device's kernels, its multiprocessor count, the flag a checking kernel raises, and a flag nobody reads."""
+
+    module: Any
+    multiprocessors: int
+    flag: Any
+    scratch: Any
+
+
+# Per device: its kernels, or None where they did not compile (the array code runs there instead).
+_MODULES: Dict[int, Optional[_Compiled]] = {}
 
 
 def takes(x: Any) -> bool:
-    """Whether these kernels compute on arrays like ``x``: C-contiguous cupy float32/float64 arrays."""
-    return array_module(x) is not np and x.dtype in C_FLOATS and x.flags.c_contiguous
+    """Whether these kernels compute on arrays like ``x``: C-contiguous cupy float32/float64 arrays, where they compiled."""
+    return array_module(x) is not np and x.dtype in C_FLOATS and x.flags.c_contiguous and _device() is not None
 
 
-def _device() -> Tuple[Any, int, Any]:
+def _device() -> Optional[_Compiled]:
+    """The current device's kernels, compiled on first use; None (with a warning, once) where that failed."""
     import cupy
 
     device = cupy.cuda.Device()
     if device.id not in _MODULES:
         names = [f"{k}<{t}>" for k in _KERNELS for t in _TYPES.values()]
-        module = cupy.RawModule(code=_SOURCE, options=("-std=c++17",), name_expressions=names)
-        _MODULES[device.id] = (module, device.attributes["MultiProcessorCount"], cupy.zeros(1, dtype=np.int32))
+        try:
+            module = cupy.RawModule(code=_SOURCE, options=("-std=c++17",), name_expressions=names)
+            module.get_function(names[0])  # compiles now, not inside a step
+        except Exception as err:  # noqa: BLE001 - any compiler or driver failure: fall back, say why
+            warnings.warn(f"mpiopt's CUDA kernels did not compile on device {device.id} ({err}); cupy arrays take the array code", RuntimeWarning)
+            _MODULES[device.id] = None
+        else:
+            flags = cupy.zeros(2, dtype=np.int32)
+            _MODULES[device.id] = _Compiled(module, device.attributes["MultiProcessorCount"], flags[:1], flags[1:])
     return _MODULES[device.id]
 
 
-def _launch(name: str, dtype: np.dtype, items: int, args: Tuple[Any, ...], flag: bool = False) -> Optional[bool]:
+def _launch(name: str, dtype: np.dtype, items: int, args: Tuple[Any, ...], flag: Optional[bool] = None) -> Optional[bool]:
     """Run kernel ``name<dtype>`` (a thread an item, grid-strided) on ``args``.
 
-    With ``flag`` the kernel's last argument is a flag reset to 0 first, and
-    the return value whether the kernel raised it (reading it syncs).
+    ``flag``: None for kernels without one; False passes a flag nobody
+    reads; True passes the flag reset to 0 and returns whether the kernel
+    raised it (reading it syncs).
     """
-    module, sms, bad = _device()
-    if flag:
-        bad.fill(0)
-        args += (bad,)
-    if items:
-        blocks = min(-(-items // _THREADS), sms * _BLOCKS_PER_SM)
-        module.get_function(f"{name}<{_TYPES[dtype]}>")((blocks,), (_THREADS,), args)
-    return bool(bad.get()[0]) if flag else None
+    compiled = _device()
+    if flag is not None:
+        if flag:
+            compiled.flag.fill(0)
+        args += (compiled.flag if flag else compiled.scratch,)
+    if items:  # an empty grid is a launch error
+        blocks = min(-(-items // _THREADS), compiled.multiprocessors * _BLOCKS_PER_SM)
+        compiled.module.get_function(f"{name}<{_TYPES[dtype]}>")((blocks,), (_THREADS,), args)
+    return bool(compiled.flag.get()[0]) if flag else None
 
 
 def _items(x: Any, wide: bool) -> int:
-    """Threads a kernel over ``x`` needs: one per 16-byte vector with ``wide``, else one per element (at least one)."""
-    return max(1, x.shape[0] // (_WIDE // x.dtype.itemsize) if wide else x.shape[0])
+    """Threads a kernel over ``x`` needs: one per 16-byte vector with ``wide`` (and one for a shorter tail), else one per element."""
+    return -(-x.shape[0] // (_WIDE // x.dtype.itemsize)) if wide else x.shape[0]
 
 
 def sgd(
@@ -281,8 +303,6 @@ def sgd(
     used = [x, g, *copies] + ([b] if mom else []) + ([total] if merge is not None else []) + ([snapshot] if rule == 1 else [])
     wide = all(arr.data.ptr % _WIDE == 0 for arr in used)
     args += (np.int32(wide),)
-    if not check:  # the kernel still writes the flag: give it the scratch one
-        args += (_device()[2],)
     bad = _launch("sgd", x.dtype, _items(x, wide), args, flag=check)
     return None if bad is None else not bad
 
@@ -316,8 +336,8 @@ def pack_signs(x: Any, out: Any) -> bool:
 def momentum_signs(m: Any, g: Any, beta: float, out: Any) -> None:
     """``m = m * beta + g * (1 - beta)``, then its signs packed into ``out``, in one pass (no sync)."""
     T = m.dtype.type
-    args = (np.int64(m.shape[0]), m, g, T(beta), T(1.0 - beta), np.int32(1), out, _device()[2])
-    _launch("pack_signs", m.dtype, -(-m.shape[0] // 8), args)
+    args = (np.int64(m.shape[0]), m, g, T(beta), T(1.0 - beta), np.int32(1), out)
+    _launch("pack_signs", m.dtype, -(-m.shape[0] // 8), args, flag=False)
 
 
 def apply_signs(packed: Any, x: Any, lr: float, decay: float) -> None:

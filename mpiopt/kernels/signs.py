@@ -31,7 +31,6 @@ from typing import Any, List, Set, Tuple
 
 import numpy as np
 
-from ..arrays import array_module
 from . import _cuda
 from ._backend import C_FLOATS, block_length, c_loop_takes, cached, check_array, check_count, take_rows
 from .threads import get_num_threads
@@ -330,12 +329,14 @@ def apply_signs(packed: Any, x: Any, lr: float, decay: float = 1.0, scratch: Any
     array
         ``x``.
     """
-    check_array("x", x, ndim=1, kinds="f")
+    xp = check_array("x", x, ndim=1, kinds="f")
+    if check_array("packed", packed, ndim=1, kinds="u", dtype=np.uint8) is not xp:
+        raise TypeError(f"packed must be a {xp.__name__} array like x, got {type(packed).__name__}")
     d = x.shape[0]
     if packed.shape != (packed_nbytes(d),):
         raise ValueError(f"packed must have ceil(d / 8) = {packed_nbytes(d)} bytes for d = {d}, got {packed.shape[0]}")
     if fused_signs_available(x) and packed.flags.c_contiguous:
-        if array_module(x) is np:
+        if xp is np:
             _votec.apply_signs(packed, d, x.dtype.itemsize, x, float(lr), float(decay), get_num_threads())
         else:
             _cuda.apply_signs(packed, x, float(lr), float(decay))

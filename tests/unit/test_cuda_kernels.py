@@ -88,23 +88,42 @@ def test_sgd_update_is_the_cpu_bits(d, dtype, case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("offsets", [(0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 3, 0), (0, 0, 0, 1), (2, 2, 2, 2)])
-def test_sgd_update_on_unaligned_views(dtype, offsets):
+@pytest.mark.parametrize("offsets", [(0, 0, 0, 0, 0), (1, 0, 0, 0, 0), (0, 1, 0, 0, 0), (0, 0, 3, 0, 0), (0, 0, 0, 1, 0),
+                                     (0, 0, 0, 0, 1), (3, 3, 3, 3, 3)])
+@pytest.mark.parametrize("merge", [False, True])
+def test_sgd_update_on_unaligned_views(dtype, offsets, merge):
     # The kernel moves 16-byte vectors only where every array it touches is 16-byte aligned; views
-    # that start 1-3 elements into a buffer take the one-element path, with the same bits.
+    # that start 1 or 3 elements into a buffer take the one-element path, with the same bits.
+    # The arrays: x, g, b, then the copy (or, with the merge, the snapshot) and the merge's total.
     d = 1001
     rng = np.random.default_rng(sum(offsets))
-    host = [awkward(rng, d, dtype) for _ in range(4)]
+    host = [awkward(rng, d, dtype) for _ in range(5)]
     gpu = []
     for arr, offset in zip(host, offsets):
         buffer = cupy.empty(d + offset, dtype=dtype)
         buffer[offset:] = cupy.asarray(arr)
         gpu.append(buffer[offset:])
     for arrays in (gpu, host):
-        x, g, b, copy = arrays
-        sgd_update(x, g, b, lr=0.1, momentum=0.9, weight_decay=1e-2, grad_divisor=3, copy_to=copy)
-    for got, expect in zip(gpu, host):
+        x, g, b, fourth, total = arrays
+        more = dict(merge=Merge(fourth, total, 3, "delayed")) if merge else dict(copy_to=fourth)
+        sgd_update(x, g, b, lr=0.1, momentum=0.9, weight_decay=1e-2, grad_divisor=3, **more)
+    for got, expect in zip(gpu[:4], host[:4]):  # the total is scratch: the fused passes leave it, the array code not
         same_bits(got, expect)
+
+
+def test_a_failed_compilation_falls_back_to_the_array_code(monkeypatch):
+    # Where NVRTC cannot build the kernels, cupy arrays take the array code, with a warning once.
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(_cuda, "_MODULES", {})
+    monkeypatch.setattr(cupy, "RawModule", refuse)
+    x = cupy.arange(10, dtype=np.float32)
+    with pytest.warns(RuntimeWarning, match="did not compile.*no compiler here"):
+        assert not _cuda.takes(x)
+    assert not fused_update_available(x) and all_finite(x)
+    sgd_update(x, cupy.ones(10, np.float32), lr=0.5)
+    np.testing.assert_array_equal(x.get(), np.arange(10, dtype=np.float32) - 0.5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -127,7 +146,7 @@ def test_sgd_update_copies_merge_and_finite_flag(d, dtype, copies, rule):
                             check_finite=True, copy_to=outs or None, merge=merge)
         results.append((finite, outs))
     assert results[0][0] is results[1][0] is True
-    for name in ("x", "b", "total"):
+    for name in ("x", "b"):  # the total is scratch: the fused passes leave it, the array code not
         same_bits(gpu[name], host[name])
     for cpu_copy, gpu_copy in zip(results[0][1], results[1][1]):
         same_bits(gpu_copy, cpu_copy)

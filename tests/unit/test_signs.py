@@ -260,6 +260,10 @@ def test_bad_arguments_are_named(xp):
         majority_vote(xp.zeros((2, 2), dtype=xp.uint8), True)
     with pytest.raises(ValueError, match=r"packed_stack must have shape \(P >= 1, m >= 2\)"):
         majority_vote(xp.zeros((2, 1), dtype=xp.uint8), 9)
+    with pytest.raises(TypeError, match="packed must have dtype uint8, got int8"):
+        signs.apply_signs(xp.zeros(2, dtype=xp.int8), x, 0.1)
+    with pytest.raises(ValueError, match=r"packed must have ceil\(d / 8\) = 2 bytes for d = 9, got 3"):
+        signs.apply_signs(xp.zeros(3, dtype=xp.uint8), x, 0.1)
     with pytest.raises(ValueError, match="parts must be >= 1, got 0"):
         chunk_bounds(8, 0)
     with pytest.raises(ValueError, match="stop must be >= 0 and <= 2, got 3"):
