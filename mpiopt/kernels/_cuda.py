@@ -112,6 +112,16 @@ template <typename T> struct Wide;
 template <> struct Wide<float> { typedef float4 type; };
 template <> struct Wide<double> { typedef double2 type; };
 
+/* The part of [0, n) that goes in whole 16-byte vectors: with wide, body(k) for every vector k (grid-
+ * strided); returns the elements done, after which the caller goes one element at a time. */
+template <typename T, typename F>
+__device__ __forceinline__ long long in_vectors(long long n, int wide, F body) {
+    if (!wide) return 0;
+    constexpr long long W = sizeof(typename Wide<T>::type) / sizeof(T);
+    FOR_EACH(k, n / W) body(k);
+    return n / W * W;
+}
+
 /* The whole update.  With wide (every array 16-byte aligned) each thread moves whole 16-byte
  * vectors, which brings the kernel near the memory bandwidth; the elements after the last whole
  * vector, and every element without wide, go one at a time.  Arrays a flag leaves unused are
@@ -121,26 +131,21 @@ __global__ void sgd(long long n, T *x, const T *g, T *b, T *c, T *c2, const T *s
                     T mom, T scale, T div, T mdiv, T mp, T mq, int divide, int copies, int merge, int decay,
                     int momentum, int first, int damp, int nesterov, int wide, int *bad) {
     const Step<T> a = {lr, wd, mom, scale, div, mdiv, mp, mq, divide, merge, decay, momentum, first, damp, nesterov};
+    typedef typename Wide<T>::type V;
     bool ok = true;
-    long long done = 0;
-    if (wide) {
-        typedef typename Wide<T>::type V;
-        constexpr int W = sizeof(V) / sizeof(T);
-        FOR_EACH(k, n / W) {
-            V xv = ((const V *)x)[k], gv = ((const V *)g)[k], bv = xv, sv = xv, tv = xv;
-            if (momentum && !first) bv = ((const V *)b)[k];
-            if (merge) tv = ((const V *)sum)[k];
-            if (merge == DELAYED) sv = ((const V *)snapshot)[k];
-            T *xe = (T *)&xv, *ge = (T *)&gv, *be = (T *)&bv, *se = (T *)&sv, *te = (T *)&tv;
+    const long long done = in_vectors<T>(n, wide, [&](long long k) {
+        V xv = ((const V *)x)[k], gv = ((const V *)g)[k], bv = xv, sv = xv, tv = xv;
+        if (momentum && !first) bv = ((const V *)b)[k];
+        if (merge) tv = ((const V *)sum)[k];
+        if (merge == DELAYED) sv = ((const V *)snapshot)[k];
+        T *xe = (T *)&xv, *ge = (T *)&gv, *be = (T *)&bv, *se = (T *)&sv, *te = (T *)&tv;
 #pragma unroll
-            for (int j = 0; j < W; ++j) xe[j] = sgd_one(a, xe[j], ge[j], be[j], se[j], te[j], ok);
-            ((V *)x)[k] = xv;
-            if (momentum) ((V *)b)[k] = bv;
-            if (copies >= 1) ((V *)c)[k] = xv;
-            if (copies == 2) ((V *)c2)[k] = xv;
-        }
-        done = n / W * W;
-    }
+        for (int j = 0; j < (int)(sizeof(V) / sizeof(T)); ++j) xe[j] = sgd_one(a, xe[j], ge[j], be[j], se[j], te[j], ok);
+        ((V *)x)[k] = xv;
+        if (momentum) ((V *)b)[k] = bv;
+        if (copies >= 1) ((V *)c)[k] = xv;
+        if (copies == 2) ((V *)c2)[k] = xv;
+    });
     FOR_EACH(t, n - done) {
         const long long i = done + t;
         T bi = momentum && !first ? b[i] : (T)0;
@@ -171,19 +176,14 @@ __global__ void elastic_pull(long long n, T *x, T *c, const T *sum, T p, T alpha
 /* With wide (x 16-byte aligned) whole 16-byte vectors first, as sgd's kernel reads them. */
 template <typename T>
 __global__ void all_finite(long long n, const T *x, int wide, int *bad) {
+    typedef typename Wide<T>::type V;
     bool ok = true;
-    long long done = 0;
-    if (wide) {
-        typedef typename Wide<T>::type V;
-        constexpr int W = sizeof(V) / sizeof(T);
-        FOR_EACH(k, n / W) {
-            V v = ((const V *)x)[k];
-            const T *e = (const T *)&v;
+    const long long done = in_vectors<T>(n, wide, [&](long long k) {
+        const V v = ((const V *)x)[k];
+        const T *e = (const T *)&v;
 #pragma unroll
-            for (int j = 0; j < W; ++j) ok &= finite_(e[j]);
-        }
-        done = n / W * W;
-    }
+        for (int j = 0; j < (int)(sizeof(V) / sizeof(T)); ++j) ok &= finite_(e[j]);
+    });
     FOR_EACH(t, n - done) ok &= finite_(x[done + t]);
     if (!ok) *bad = 1;
 }

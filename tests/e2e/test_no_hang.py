@@ -38,38 +38,28 @@ def failing(name):
     return Failing
 """
 
+
+def _nan_gradient(name: str, settings: str):
+    """Algorithm ``name`` whose gradient is NaN on rank 1: that rank names itself and ends the job."""
+    body = f"""
+        topo = mpiopt.Topology()
+        alg = mpiopt.create("{name}", topo, lr=0.1{settings})
+        alg.setup(params)
+        if rank == 1:
+            grad[2] = np.nan
+        for step in range(3):
+            try:
+                alg.step(params, grad)
+            except FloatingPointError:
+                grad[2] = 0.0
+        """
+    return body, [f"FloatingPointError: {name}: non-finite gradient on rank 1 at step 1", "on rank 1 of 2; aborting the job: its other ranks may be waiting"]
+
+
 SCRIPTS = {
-    "nan_gradient": (
-        """
-        topo = mpiopt.Topology()
-        alg = mpiopt.create("sgd", topo, lr=0.1)
-        alg.setup(params)
-        if rank == 1:
-            grad[2] = np.nan
-        for step in range(3):
-            try:
-                alg.step(params, grad)
-            except FloatingPointError:
-                grad[2] = 0.0
-        """,
-        ["FloatingPointError: sgd: non-finite gradient on rank 1 at step 1", "on rank 1 of 2; aborting the job: its other ranks may be waiting"],
-    ),
+    "nan_gradient": _nan_gradient("sgd", ""),
     # DaSGD checks the gradient inside its update's pass (nan_policy="raise"): the rank that had it still ends the job.
-    "nan_gradient_checked_in_the_update": (
-        """
-        topo = mpiopt.Topology()
-        alg = mpiopt.create("dasgd", topo, lr=0.1, period=2)
-        alg.setup(params)
-        if rank == 1:
-            grad[2] = np.nan
-        for step in range(3):
-            try:
-                alg.step(params, grad)
-            except FloatingPointError:
-                grad[2] = 0.0
-        """,
-        ["FloatingPointError: dasgd: non-finite gradient on rank 1 at step 1", "on rank 1 of 2; aborting the job: its other ranks may be waiting"],
-    ),
+    "nan_gradient_checked_in_the_update": _nan_gradient("dasgd", ", period=2"),
     "lsgd_without_loss": (
         """
         topo = mpiopt.Topology()
