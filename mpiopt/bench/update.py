@@ -57,6 +57,7 @@ import numpy as np
 
 import mpiopt
 from ..algorithms import algorithm_class
+from ..arrays import array_module
 from ..algorithms.local import LocalSGD
 from ..comm import Topology
 from ..kernels import threads
@@ -100,8 +101,7 @@ def _algorithm(topology: Topology, name: str, grads: Sequence[Any], sync: Option
     if "momentum" in (algorithm_class(name).__init__.__kwdefaults__ or {}):
         hyper["momentum"] = MOMENTUM
     alg = mpiopt.create(name, topology, **hyper)
-    params = grads[0].copy()
-    params.fill(0)
+    params = array_module(grads[0]).zeros_like(grads[0])
     alg.setup(params)
     steps = [0]
 
@@ -128,7 +128,7 @@ def _timed(fn: Callable[[], object], sync: Optional[Callable[[], None]] = None) 
 def _torch_sgd(grad: Any, sync: Optional[Callable[[], None]], **flags: bool) -> Callable[[], float]:
     import torch
 
-    param = torch.zeros(grad.size, dtype=torch.float32, device="cpu" if sync is None else "cuda", requires_grad=True)
+    param = torch.zeros_like(torch.from_dlpack(grad), requires_grad=True)  # on the gradient's device
     param.grad = torch.from_dlpack(grad)
     opt = torch.optim.SGD([param], lr=0.05, momentum=MOMENTUM, **flags)
     return _timed(opt.step, sync)
@@ -148,8 +148,7 @@ def _fused_loops(enabled: bool) -> Iterator[None]:
 
 def _local_update(grad: Any, fused: bool, sync: Optional[Callable[[], None]]) -> Callable[[], float]:
     """LocalSGD.apply alone, through the fused loop or (``fused=False``) the array code."""
-    params = grad.copy()
-    params.fill(0)
+    params = array_module(grad).zeros_like(grad)
     local = LocalSGD(momentum=MOMENTUM)
     with _fused_loops(fused):
         local.allocate(params)

@@ -2,8 +2,9 @@
 
 Every function takes numpy or cupy arrays and returns arrays of the same
 module, with the same bits (the fused passes are C loops on numpy arrays and
-CUDA kernels on cupy ones; cupy is imported only when a cupy array is passed).  Inputs are validated with ``TypeError``/``ValueError`` that
-name the argument and the value.
+CUDA kernels on cupy ones; cupy is imported only when a cupy array is passed).
+Inputs are validated with ``TypeError``/``ValueError`` that name the argument
+and the value.
 
 Sign vectors (:mod:`~mpiopt.kernels.signs`, signSGD / Signum / majority vote):
 

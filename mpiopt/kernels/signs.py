@@ -141,8 +141,8 @@ def fused_signs_available(x: Any) -> bool:
     """Whether fused passes pack, update and apply the signs of arrays like ``x`` (no scratch needed).
 
     True for C-contiguous float32/float64 arrays: numpy ones when
-    ``mpiopt.kernels._votec`` was built (C loops), cupy ones always (CUDA
-    kernels, :mod:`~mpiopt.kernels._cuda`).
+    ``mpiopt.kernels._votec`` was built (C loops), cupy ones wherever the
+    CUDA kernels compiled (:mod:`~mpiopt.kernels._cuda`).
     """
     return c_loop_takes(_votec, x) or _cuda.takes(x)
 

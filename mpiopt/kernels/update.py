@@ -53,8 +53,8 @@ def fused_update_available(params: Any) -> bool:
     """Whether :func:`sgd_update` on arrays like ``params`` runs one fused pass (needing no scratch).
 
     True for C-contiguous float32/float64 arrays: numpy ones when
-    ``mpiopt.kernels._updatec`` was built (the C loop), cupy ones always (a
-    CUDA kernel, :mod:`~mpiopt.kernels._cuda`).
+    ``mpiopt.kernels._updatec`` was built (the C loop), cupy ones wherever the
+    CUDA kernels compiled (:mod:`~mpiopt.kernels._cuda`).
     """
     return c_loop_takes(_updatec, params) or _cuda.takes(params)
 
