@@ -57,7 +57,7 @@ Example
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from ..arrays import empty_apart
 from ..comm import Request, Topology, is_gpu_array
@@ -117,8 +117,9 @@ class _PendingBuffer:
         return getattr(alg, self.buffer) if alg.merge_step else None
 
     def __set__(self, alg: Any, value: Optional[Any]) -> None:
-        if value is not None:
-            getattr(alg, self.buffer)[...] = value
+        buffer = getattr(alg, self.buffer)
+        if value is not None and buffer is not None:  # no buffer: the merge rule never reads it
+            buffer[...] = value
 
 
 @register
@@ -199,8 +200,9 @@ class DaSGD(LocalStepState, Algorithm):
         self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
         #: Step after which the average in flight is merged; 0 when none is pending.
         self.merge_step = 0
-        self._snapshot: Optional[Any] = None  # w_k, kept for the merge
+        self._snapshot: Optional[Any] = None  # w_k, kept for the delayed rule's merge (the proportion rule needs none)
         self._sum: Optional[Any] = None  # w_k, then (in-place Iallreduce) its sum over the ranks
+        self._starts_into: Tuple[Any, ...] = ()  # the buffers a start's update writes w_k into
         self._request: Optional[Request] = None
         self._progress_thread: Optional[_ProgressThread] = None
 
@@ -224,7 +226,8 @@ class DaSGD(LocalStepState, Algorithm):
         """As :meth:`Algorithm.load_state_dict`; a pending average is merged at its saved ``merge_step``."""
         if self.in_flight:
             raise RuntimeError("dasgd: load_state_dict() while an averaging is in flight; call finish(params) first")
-        if state.get("scalars", {}).get("merge_step") and any(state["arrays"].get(k) is None for k in ("pending_snapshot", "pending_sum")):
+        needed = ("pending_snapshot", "pending_sum") if self.merge == "delayed" else ("pending_sum",)
+        if state.get("scalars", {}).get("merge_step") and any(state["arrays"].get(k) is None for k in needed):
             raise ValueError("dasgd state has a pending merge (merge_step > 0) but lacks its snapshot or sum")
         super().load_state_dict(state, override_hyperparameters=override_hyperparameters)
 
@@ -253,8 +256,9 @@ class DaSGD(LocalStepState, Algorithm):
                 "in the helper thread, outside the training stream; use progress='test'"
             )
         self.local.allocate(params)
-        self._snapshot = empty_apart(params)
+        self._snapshot = empty_apart(params) if self.merge == "delayed" else None
         self._sum = empty_apart(params)
+        self._starts_into = (self._sum,) if self._snapshot is None else (self._snapshot, self._sum)
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         step = self.steps + 1  # the base class counts the step after _step returns
@@ -265,7 +269,7 @@ class DaSGD(LocalStepState, Algorithm):
         # The update's own pass writes w_k into the snapshot and the Iallreduce's buffer, or merges the
         # average: neither makes a pass of its own over the parameters.
         finite = self.local.apply(
-            params, grad, self.lr, copy_to=(self._snapshot, self._sum) if starts else None,
+            params, grad, self.lr, copy_to=self._starts_into if starts else None,
             merge=self._pending_merge() if merges else None, check_finite=self._checks_in_step(),
         )
         if finite is False:

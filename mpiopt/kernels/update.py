@@ -128,8 +128,9 @@ class Merge(NamedTuple):
 
     Attributes
     ----------
-    snapshot : array
-        ``w_k``, the parameters when the averaging started.
+    snapshot : array or None
+        ``w_k``, the parameters when the averaging started (unread, and may
+        be None, under the proportion rule).
     total : array
         The sum of ``w_k`` over the ranks (scratch afterwards).
     world_size : int
