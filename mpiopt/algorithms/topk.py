@@ -70,6 +70,7 @@ from ..kernels import (
     decode, density_to_k, encode, encoded_nbytes, error_feedback, packed_nbytes, payload_format, regtopk_scores, scatter_add,
     topk_indices,
 )
+from ..kernels.update import all_finite
 from ..kernels.sparse import (
     TopkWorkspace, divide_at, feedback_select, fused_feedback_available, merge_sorted_rows, regtopk_sent_factors, settle_aggregate,
     subtract_scaled_at, take_and_zero, union_of_sorted, unsent_factor, zero_at,
@@ -207,7 +208,7 @@ class SparseWorker:
         # The fused pass scores unsent entries |a_j|: RegTop-k only where their factor is exactly 1 (the paper's q).
         self._fusable = not regularized or unsent_factor(sparsifier.mu, sparsifier.q) == 1.0
 
-    def compress(self, grad: Any, prev_aggregate: Any, out: Any) -> Any:
+    def compress(self, grad: Any, prev_aggregate: Any, out: Any, check_finite: bool = False) -> Optional[Any]:
         """Error feedback and selection on ``grad``; the payload to send, written into ``out``.
 
         Parameters
@@ -219,11 +220,17 @@ class SparseWorker:
         out : array of uint8, shape (payload_nbytes,)
             Where the payload goes (a send buffer, or one row of the
             simulator's table of payloads).
+        check_finite : bool
+            Also check that every element of ``grad`` is finite: in the
+            pass that forms ``a = e + g`` where that pass is fused (numpy
+            with the C loops), else in a pass of its own first.
 
         Returns
         -------
-        array
-            ``out``.
+        array or None
+            ``out``; None when ``check_finite`` found a non-finite element
+            (nothing encoded; after the fused pass ``error`` holds ``a``, so
+            this worker's state is not to be used further).
         """
         sparsifier = self.sparsifier
         if sparsifier.regularized:
@@ -241,11 +248,15 @@ class SparseWorker:
                 sent_indices, self.sent_values, prev_aggregate, self.n_workers, sparsifier.mu, sparsifier.q, self._workspace,
             )
             fused = sent_factors is not None
+        if check_finite and not fused and not all_finite(grad):  # before error changes
+            return None
         if fused:
-            indices = feedback_select(
+            indices, finite = feedback_select(
                 grad, self.error, self.k, self._workspace, sent_indices=sent_indices, sent_factors=sent_factors,
             )
-            if indices is None:  # the candidates did not fit: the general selection of a
+            if check_finite and not finite:
+                return None
+            if indices is None:  # the candidates did not fit (or NaN came unchecked): the general selection of a
                 indices = select(self.error)
             values = take_and_zero(self.error, indices, self._values)
         else:
@@ -335,6 +346,8 @@ def aggregate_payloads(
 class _SparseSGD(LocalStepState, Algorithm):
     """Top-k / RegTop-k with error feedback over ``topology.world`` (see the module docstring)."""
 
+    fused_gradient_check = True  # error feedback's pass over g checks it
+
     def __init__(
         self,
         topology: Topology,
@@ -418,7 +431,8 @@ class _SparseSGD(LocalStepState, Algorithm):
         self._sums = xp.empty(union, dtype=params.dtype)  # per union entry, the workers' sum
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
-        self.worker.compress(grad, self._aggregate, out=self._payload)
+        if self.worker.compress(grad, self._aggregate, out=self._payload, check_finite=self._checks_in_step()) is None:
+            self._non_finite_gradient()  # before the Allgather
         self.topology.world.Allgather(self._payload, self._payloads)
         # G = (1/N) sum_n sent_n, non-zero on at most P k entries; without momentum and weight decay the
         # paper's rule, x <- x - lr G where G is non-zero, in the same walk (the dense update's floats).

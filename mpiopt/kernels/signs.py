@@ -39,7 +39,7 @@ try:  # the optional fused C loops (setup.py); the numpy code below gives the sa
     from . import _votec
 except ImportError:  # pragma: no cover - built without a C compiler
     _votec = None
-if _votec is not None and getattr(_votec, "VERSION", 0) != 2:  # pragma: no cover
+if _votec is not None and getattr(_votec, "VERSION", 0) != 3:  # pragma: no cover
     _votec = None  # a stale build (older loops' arguments, newer loops missing): rebuild (pip install -e .)
 
 __all__ = [

@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 import numbers
 from types import ModuleType
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -69,6 +69,7 @@ __all__ = [
     "regtopk_sent_factors",
     "fused_feedback_available",
     "feedback_select",
+    "FeedbackSelection",
     "merge_sorted_rows",
     "settle_aggregate",
     "union_of_sorted",
@@ -265,23 +266,40 @@ def _select(xp: ModuleType, candidates: Any, scores: Any, k: int, workspace: Opt
     return workspace.selected
 
 
+class FeedbackSelection(NamedTuple):
+    """What :func:`feedback_select` returns.
+
+    Attributes
+    ----------
+    indices : array of int32 or None
+        The k selected indices (``workspace.selected``), or None when the
+        candidates did not fit the workspace (rare) or ``finite`` is False.
+    finite : bool
+        Whether every element of the gradient was finite (checked in the same
+        pass).
+    """
+
+    indices: Optional[Any]
+    finite: bool
+
+
 def _scan_select(
     values: Any, grad: Any, threshold: Any, absolute: bool, k: int, workspace: TopkWorkspace, over: Any = None, over_factors: Any = None,
-) -> Optional[Any]:
+) -> FeedbackSelection:
     """One C scan (``values += grad`` first, when given) into the workspace, and the k best of its candidates.
 
     The entries at ``over`` score ``over_factors`` times their usual score.
-
-    None when fewer than k or more candidates than the workspace holds reach
-    ``threshold`` (``values`` has been updated all the same).
+    ``indices`` is None when fewer than k or more candidates than the
+    workspace holds reach ``threshold``, or when ``grad`` is not finite
+    (``values`` has been updated all the same); ``finite`` is True without ``grad``.
     """
-    n = _votec.scan(
+    n, finite = _votec.scan(
         values, grad, values.shape[0], values.dtype.itemsize, float(threshold), absolute, over, over_factors,
         workspace.candidates, workspace.scores, get_num_threads(),
     )
-    if k <= n <= workspace.candidates.shape[0]:
-        return _select(np, workspace.candidates[:n], workspace.scores[:n], k, workspace)
-    return None
+    if finite and k <= n <= workspace.candidates.shape[0]:
+        return FeedbackSelection(_select(np, workspace.candidates[:n], workspace.scores[:n], k, workspace), True)
+    return FeedbackSelection(None, finite)
 
 
 def topk_indices(values: Any, k: int, *, absolute: bool = True, workspace: Optional[TopkWorkspace] = None) -> Any:
@@ -324,7 +342,7 @@ def topk_indices(values: Any, k: int, *, absolute: bool = True, workspace: Optio
     if workspace is not None and workspace.fits(values, k):
         threshold = _threshold(xp, values, k, absolute, workspace.sample)
         # One C scan into the workspace; more candidates than it holds take the code below.
-        selected = _scan_select(values, None, threshold, absolute, k, workspace)
+        selected = _scan_select(values, None, threshold, absolute, k, workspace).indices
         if selected is not None:
             return selected
     # Comparisons are false for NaN: candidates are numbers only.
@@ -602,7 +620,7 @@ def fused_feedback_available(grad: Any, error: Any, workspace: Optional[TopkWork
 
 def feedback_select(
     grad: Any, error: Any, k: int, workspace: TopkWorkspace, *, sent_indices: Any = None, sent_factors: Any = None,
-) -> Optional[Any]:
+) -> FeedbackSelection:
     """Error feedback's ``a = e + g`` (into ``error``) and the top-k selection of ``a``, in one pass over memory.
 
     The same as ``error += grad`` followed by ``topk_indices(error, k)`` (Top-k),
@@ -628,10 +646,13 @@ def feedback_select(
 
     Returns
     -------
-    array of int32 or None
-        The k indices (``workspace.selected``), or None when the candidates
-        did not fit the workspace (rare): ``error`` holds ``a`` all the same,
-        and the caller selects with the general code.
+    FeedbackSelection
+        ``indices``: the k indices (``workspace.selected``), or None when the
+        candidates did not fit the workspace (rare; the caller selects with
+        the general code) or the gradient is not finite; ``error`` holds
+        ``a`` all the same.  ``finite``: whether every element of ``grad``
+        is finite, checked in the same pass (the algorithms' gradient check
+        under ``nan_policy="raise"``, with no pass of its own).
 
     Raises
     ------

@@ -267,7 +267,8 @@ def test_an_exception_in_a_thread_under_pytest_does_not_abort(topology):
 # -- where the gradient is checked ------------------------------------------------------------
 @pytest.mark.parametrize("name, policy, at_one_rank_only", [
     ("sgd", "raise", True), ("easgd", "raise", False), ("dasgd", "raise", False),
-    ("sgd", "skip", None), ("easgd", "skip", None), ("lsgd", "raise", None), ("signum", "raise", None),
+    ("topk", "raise", False), ("regtopk", "raise", False),
+    ("sgd", "skip", None), ("easgd", "skip", None), ("topk", "skip", None), ("lsgd", "raise", None), ("signum", "raise", None),
 ])
 def test_the_update_checks_the_gradient_where_it_reads_this_ranks_own(topology, monkeypatch, name, policy, at_one_rank_only):
     # nan_policy="raise" and an update that reads this rank's gradient: the update's own pass checks it (no

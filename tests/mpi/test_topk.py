@@ -306,3 +306,30 @@ def test_float64_full_density_is_dense_sgd(topology, name):
         sgd.step(reference, g.copy())
     assert params.dtype == np.float64
     np.testing.assert_allclose(params, reference, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("name, hyper, fused", [
+    ("topk", {}, True), ("regtopk", {}, True), ("regtopk", {"q": 1.0}, False),  # q != the paper's: no fused pass
+])
+def test_a_non_finite_gradient_raises_before_the_exchange(name, hyper, fused):
+    """Under nan_policy="raise" the error-feedback pass checks g (the fused one in passing); every rank raises before the Allgather."""
+    own = mpiopt.Topology(abort_on_error=False)
+    try:
+        n = 5000
+        params = _initial(n)
+        alg = mpiopt.create(name, own, lr=0.05, density=0.01, **hyper)
+        alg.setup(params)
+        for step in range(2):  # RegTop-k's second step ranks with its history
+            alg.step(params, _grad(own.rank, step, n))
+        assert alg.worker._fusable is fused
+        error = alg.error.copy()
+        bad = _grad(own.rank, 2, n)
+        bad[n - 1 - own.rank] = np.nan
+        sent = alg.ledger.snapshot()
+        with pytest.raises(FloatingPointError, match=f"{name}: non-finite gradient on rank {own.rank} at step 3"):
+            alg.step(params, bad)
+        assert alg.steps == 2 and alg.ledger.since(sent).bytes_sent == 0
+        # without the fused pass the check comes first and the error is untouched
+        assert np.array_equal(alg.error, error, equal_nan=True) is not fused
+    finally:
+        own.Free()

@@ -434,9 +434,10 @@ def test_feedback_select_is_error_feedback_then_the_selection(d, k, dtype, regul
             sent_factors = sparse.regtopk_sent_factors(sent_indices, sent_values, prev, 3, 5.0, 1e8, workspace)
             sent_factors = sent_factors.copy()  # the workspace's rows are scratch of the selection below
         assert sparse.fused_feedback_available(grad, error, workspace)
-        got = sparse.feedback_select(
+        got, finite = sparse.feedback_select(
             grad, error, k, workspace, sent_indices=sent_indices if regularized else None, sent_factors=sent_factors,
         )
+        assert finite is True
         plain += grad
         if regularized:
             expect = regtopk_reference(plain, sent_indices, sent_values, prev, 3, 5.0, k)
@@ -460,11 +461,49 @@ def test_feedback_select_reports_candidates_that_do_not_fit():
     d, k = 100_003, 10
     workspace = sparse.TopkWorkspace(d, k, np.float32)
     error, grad = np.zeros(d, np.float32), np.ones(d, np.float32)
-    assert sparse.feedback_select(grad, error, k, workspace) is None
+    assert sparse.feedback_select(grad, error, k, workspace) == (None, True)
     assert (error == 1).all()
     assert not sparse.fused_feedback_available(error, error, workspace)  # the same buffer twice
     assert not sparse.fused_feedback_available(grad.astype(np.float64), error, workspace)
     assert not sparse.fused_feedback_available(grad, error, None)
+
+
+@needs_c
+@pytest.mark.parametrize("count", [1, 3])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_scan_checks_the_gradient_it_adds(bad, dtype, count, kernel_threads):
+    """One NaN or +-inf anywhere in g (a 64-entry block, the tail, any thread's chunk) makes the scan report it; never x's own."""
+    kernel_threads(count)
+    d = SPLIT_SIZE + 37  # a tail of 37 entries after the last whole block of 64
+    rng = np.random.default_rng(d)
+    x, g = rng.standard_normal(d).astype(dtype), rng.standard_normal(d).astype(dtype)
+    idx, scores = np.empty(d, np.int32), np.empty(d, dtype)
+    x[5] = np.nan  # a non-finite error entry is not the gradient's
+    g[7] = np.finfo(dtype).max  # the largest finite value is finite
+    g[8] = np.finfo(dtype).tiny / 4  # and so is a subnormal
+    assert sparse._votec.scan(x.copy(), g, d, x.dtype.itemsize, 1.0, True, None, None, idx, scores, count)[1] is True
+    assert sparse._votec.scan(x.copy(), None, d, x.dtype.itemsize, 1.0, True, None, None, idx, scores, count)[1] is True
+    for at in (0, 63, 64, d // 2, d - 38, d - 37, d - 1):
+        h = g.copy()
+        h[at] = bad
+        y = x.copy()
+        n, finite = sparse._votec.scan(y, h, d, x.dtype.itemsize, 1.0, True, None, None, idx, scores, count)
+        assert finite is False, at
+        assert y.tobytes() == (x + h).tobytes()  # x += g done all the same
+
+
+@needs_c
+def test_feedback_select_reports_a_non_finite_gradient():
+    """No selection for a NaN gradient, error += grad done; finite gradients report True."""
+    d, k = 100_003, 100
+    workspace = sparse.TopkWorkspace(d, k, np.float32)
+    rng = np.random.default_rng(4)
+    error, grad = rng.standard_normal(d).astype(np.float32), rng.standard_normal(d).astype(np.float32)
+    grad[d - 3] = np.nan
+    want = error + grad
+    assert sparse.feedback_select(grad, error, k, workspace) == (None, False)
+    assert error.tobytes() == want.tobytes()
 
 
 @needs_c
@@ -518,7 +557,8 @@ def test_scan_against_numpy(d, dtype, count):
         want = np.flatnonzero(scores >= t)
         idx, out = np.empty(d, np.int32), np.empty(d, dtype)
         args = (over, factors) if overrides else (None, None)
-        n = sparse._votec.scan(y, g, d, y.dtype.itemsize, float(t), True, *args, idx, out, count)
+        n, finite = sparse._votec.scan(y, g, d, y.dtype.itemsize, float(t), True, *args, idx, out, count)
+        assert finite is True
         assert y.tobytes() == want_x.tobytes()
         assert n == want.size
         np.testing.assert_array_equal(idx[:n], want)
@@ -623,11 +663,13 @@ def test_scan_of_clustered_candidates_fills_the_outputs_exactly(count, kernel_th
     x[: d // 10 : 7] = 5.0 + rng.random(len(range(0, d // 10, 7))).astype(np.float32)
     want = np.flatnonzero(np.abs(x) >= 1.0).astype(np.int32)
     idx, scores = np.empty(2 * want.size, np.int32), np.empty(2 * want.size, np.float32)
-    n = sparse._votec.scan(x, g, d, 4, 1.0, True, None, None, idx, scores, count)
-    assert n == want.size
+    n, finite = sparse._votec.scan(x, g, d, 4, 1.0, True, None, None, idx, scores, count)
+    assert n == want.size and finite is True
     np.testing.assert_array_equal(idx[:n], want)
     assert scores[:n].tobytes() == np.abs(x[want]).tobytes()
-    assert sparse._votec.scan(x, None, d, 4, 1.0, True, None, None, idx[: want.size - 1], scores, count) == want.size
+    assert sparse._votec.scan(x, None, d, 4, 1.0, True, None, None, idx[: want.size - 1], scores, count) == (want.size, True)
+    g[d - 1] = np.nan  # the exact second pass reads no g: the first pass's finite check stands
+    assert sparse._votec.scan(x, g, d, 4, 1.0, True, None, None, idx, scores, count) == (want.size, False)
 
 
 @needs_c
