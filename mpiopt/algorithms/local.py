@@ -9,7 +9,7 @@ when its C loop was built); a step allocates nothing after the first.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..arrays import empty_apart
 from ..kernels.update import Merge, sgd_update
@@ -66,15 +66,17 @@ class LocalSGD:
         copy_to: Union[None, Any, Sequence[Any]] = None,
         merge: Optional[Merge] = None,
         check_finite: bool = False,
+        grad_support: Optional[Tuple[Any, Any]] = None,
     ) -> Optional[bool]:
         """``params -= lr * direction(grad / grad_divisor)`` in place; ``grad`` is left unchanged.
 
         ``grad_divisor`` turns an Allreduce's sum into the average in the same
         pass, with the bits of ``grad /= grad_divisor`` first.  ``copy_to``,
-        ``merge`` and ``check_finite`` are :func:`~mpiopt.kernels.update.sgd_update`'s:
+        ``merge``, ``check_finite`` and ``grad_support`` are :func:`~mpiopt.kernels.update.sgd_update`'s:
         copies of the new ``params``, or DaSGD's merge of an average into
         them, in the same pass; with ``check_finite`` the return value says
-        whether every element of ``grad`` was finite (else None).
+        whether every element of ``grad`` was finite (else None); a sparse
+        ``grad`` can be given by its ``grad_support`` (indices, values).
 
         The same floating-point operations as ``torch.optim.SGD``, each rounded
         on its own (torch fuses ``a + alpha * b`` into one rounding: see
@@ -98,6 +100,7 @@ class LocalSGD:
             copy_to=copy_to,
             merge=merge,
             check_finite=check_finite,
+            grad_support=grad_support,
         )
 
 

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any, Dict, Optional
+from typing import Any, Dict, NamedTuple, Optional
 
 import numpy as np
 
@@ -79,7 +79,7 @@ from .base import Algorithm, check_positive
 from .local import LocalSGD, LocalStepState
 from .registry import register
 
-__all__ = ["TopK", "RegTopK", "Sparsifier", "SparseWorker", "aggregate_payloads", "DEFAULT_DENSITY"]
+__all__ = ["TopK", "RegTopK", "Sparsifier", "SparseWorker", "SparseAggregate", "aggregate_payloads", "DEFAULT_DENSITY"]
 
 #: Density used when neither ``k`` nor ``density`` is given: the papers'
 #: ResNet-18 / CIFAR-10 setting (0.1 %).
@@ -278,11 +278,27 @@ class SparseWorker:
         return topk_indices(scores, self.k, absolute=False, workspace=self._workspace)
 
 
+class SparseAggregate(NamedTuple):
+    """What :func:`aggregate_payloads` returns.
+
+    Attributes
+    ----------
+    touched : array of int32
+        The sorted entries that some worker sent: ``G`` is +0.0 elsewhere.
+    values : array or None
+        ``G[touched]`` (a view of ``sums_out``) where the rows were merged in
+        sorted order; None where they were scatter-added.
+    """
+
+    touched: Any
+    values: Optional[Any]
+
+
 def aggregate_payloads(
     payloads: Any, out: Any, stale: Optional[Any] = None, indices_out: Optional[Any] = None,
     union_bits: Optional[Any] = None, union_out: Optional[Any] = None, sums_out: Optional[Any] = None,
     params: Optional[Any] = None, lr: float = 0.0,
-) -> Any:
+) -> SparseAggregate:
     """``G = (1/N) sum_n sent_n`` from the N workers' payloads, into ``out``.
 
     Parameters
@@ -318,8 +334,8 @@ def aggregate_payloads(
 
     Returns
     -------
-    array of int
-        The sorted entries that some worker sent: ``G`` is zero elsewhere.
+    SparseAggregate
+        Where ``G`` is non-zero, and its values there when the merge formed them.
     """
     rows = [None] * payloads.shape[0] if indices_out is None else indices_out
     decoded = [decode(payload, out.shape[0], out.dtype, row) for payload, row in zip(payloads, rows)]
@@ -330,8 +346,8 @@ def aggregate_payloads(
         merged = merge_sorted_rows([i for i, _ in decoded], [v for _, v in decoded], out.shape[0], union_out, sums_out)
     if merged is not None:
         touched, sums = merged
-        settle_aggregate(out, touched, sums, payloads.shape[0], stale=stale, params=params, lr=lr)
-        return touched
+        settle_aggregate(out, touched, sums, payloads.shape[0], stale=stale, params=params, lr=lr)  # sums <- G[touched]
+        return SparseAggregate(touched, sums)
     if stale is not None:
         zero_at(out, stale)  # before the union below, which may overwrite stale's buffer
     for indices, values in decoded:  # one worker's indices are unique: one scatter-add per worker
@@ -340,7 +356,7 @@ def aggregate_payloads(
     divide_at(out, touched, payloads.shape[0])
     if params is not None:
         subtract_scaled_at(params, touched, out, lr)
-    return touched
+    return SparseAggregate(touched, None)
 
 
 class _SparseSGD(LocalStepState, Algorithm):
@@ -436,15 +452,16 @@ class _SparseSGD(LocalStepState, Algorithm):
         self.topology.world.Allgather(self._payload, self._payloads)
         # G = (1/N) sum_n sent_n, non-zero on at most P k entries; without momentum and weight decay the
         # paper's rule, x <- x - lr G where G is non-zero, in the same walk (the dense update's floats).
-        touched = aggregate_payloads(
+        aggregate = aggregate_payloads(
             self._payloads, out=self._aggregate, stale=self._touched, indices_out=self._indices,
             union_bits=self._union_bits, union_out=self._unions[self._union_slot], sums_out=self._sums,
             params=None if self._dense else params, lr=self.lr,
         )
-        self._touched = touched
+        self._touched = aggregate.touched
         self._union_slot ^= 1  # the next union goes to the other buffer
-        if self._dense:
-            self.local.apply(params, self._aggregate, self.lr)  # x <- x - lr G with momentum / decay
+        if self._dense:  # x <- x - lr G with momentum / decay, reading only G's non-zero values where they are at hand
+            support = None if aggregate.values is None else aggregate
+            self.local.apply(params, self._aggregate, self.lr, grad_support=support)
 
     def load_state_dict(self, state: Any, *, override_hyperparameters: bool = False) -> None:
         super().load_state_dict(state, override_hyperparameters=override_hyperparameters)

@@ -39,6 +39,7 @@
 #include <Python.h>
 #include <float.h>
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "_parallel.h"
@@ -198,8 +199,14 @@ typedef struct {
     const char *g;
     merge_args merge;
     double divisor, lr, wd, mom, scale;
+    const int32_t *support; /* NULL, or the sorted entries outside which g is +0.0 (n_support of them) */
+    const char *support_values; /* g at them, in their order */
+    Py_ssize_t n_support;
     int finite[MPIOPT_MAX_PARTS];
 } sgd_job;
+
+/* A sparse gradient's block: elements of g gathered into an L1-resident buffer, zero elsewhere. */
+#define SUPPORT_BLOCK 1024
 
 /* The merge's operands from element lo on. */
 static merge_args merge_part_args(const merge_args *m, Py_ssize_t at) {
@@ -209,13 +216,54 @@ static merge_args merge_part_args(const merge_args *m, Py_ssize_t at) {
     return part;
 }
 
-static void sgd_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
-    sgd_job *j = (sgd_job *)ctx;
+/* The update of elements [lo, hi), reading their gradient from g (g[0] is element lo's). */
+static int sgd_range(const sgd_job *j, Py_ssize_t lo, Py_ssize_t hi, const char *g) {
     const Py_ssize_t at = lo * j->itemsize;
     const merge_args m = merge_part_args(&j->merge, at);
-    j->finite[part] = run(j->itemsize, hi - lo, j->x + at, j->g + at, j->b ? j->b + at : NULL, j->c ? j->c + at : NULL,
-                          j->c2 ? j->c2 + at : NULL, &m, j->divisor, j->lr, j->wd, j->mom, j->scale, j->decay,
-                          j->momentum, j->first, j->damp, j->nesterov);
+    return run(j->itemsize, hi - lo, j->x + at, g, j->b ? j->b + at : NULL, j->c ? j->c + at : NULL,
+               j->c2 ? j->c2 + at : NULL, &m, j->divisor, j->lr, j->wd, j->mom, j->scale, j->decay, j->momentum,
+               j->first, j->damp, j->nesterov);
+}
+
+/* The first position of the sorted int32 list a (n entries) holding value or more. */
+static Py_ssize_t lower_bound(const int32_t *a, Py_ssize_t n, Py_ssize_t value) {
+    Py_ssize_t lo = 0, hi = n;
+    while (lo < hi) {
+        const Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (a[mid] < value) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+static void sgd_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    sgd_job *j = (sgd_job *)ctx;
+    if (!j->support) {
+        j->finite[part] = sgd_range(j, lo, hi, j->g + lo * j->itemsize);
+        return;
+    }
+    /* g is +0.0 outside the support: the same loop, block by block, on a buffer that holds g's support
+     * entries and zeros (the same operands, so the same bits), instead of a stream of mostly zeros. */
+    double storage[SUPPORT_BLOCK] = {0}; /* zero bits: +0.0 in either dtype */
+    char *buffer = (char *)storage;
+    const Py_ssize_t s = j->itemsize;
+    int finite = 1;
+    Py_ssize_t p = lower_bound(j->support, j->n_support, lo);
+    for (Py_ssize_t start = lo; start < hi; start += SUPPORT_BLOCK) {
+        const Py_ssize_t end = start + SUPPORT_BLOCK < hi ? start + SUPPORT_BLOCK : hi;
+        const Py_ssize_t first = p;
+        for (; p < j->n_support && j->support[p] < end; ++p) {
+            const Py_ssize_t i = j->support[p];
+            if (s == 4) ((float *)buffer)[i - start] = ((const float *)j->support_values)[p];
+            else ((double *)buffer)[i - start] = ((const double *)j->support_values)[p];
+        }
+        finite &= sgd_range(j, start, end, buffer);
+        for (Py_ssize_t q = first; q < p; ++q) {
+            if (s == 4) ((float *)buffer)[j->support[q] - start] = 0.0f;
+            else ((double *)buffer)[j->support[q] - start] = 0.0;
+        }
+    }
+    j->finite[part] = finite;
 }
 
 /* Whether every element is finite: no early exit, so the loop vectorizes (NaN is the rare case).
@@ -303,15 +351,32 @@ static int get_merge(PyObject *so, PyObject *to, double divisor, PyObject *po, c
     return 0;
 }
 
+/* A gradient's support: int32 positions, ascending, unique and in [0, n).  0, or -1 with an exception
+ * set (and the view released). */
+static int get_support(PyObject *o, Py_buffer *view, Py_ssize_t n) {
+    if (PyObject_GetBuffer(o, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    const char *f = view->format ? view->format : "B";
+    if (*f == '@' || *f == '=' || *f == (PY_LITTLE_ENDIAN ? '<' : '>')) ++f;
+    const int32_t *at = (const int32_t *)view->buf;
+    int ok = view->itemsize == 4 && (strcmp(f, "i") == 0 || strcmp(f, "l") == 0);
+    for (Py_ssize_t i = 0; ok && i < view->len / 4; ++i) ok = at[i] >= 0 && at[i] < n && (i == 0 || at[i] > at[i - 1]);
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError, "sgd: support must be int32 positions, unique, ascending and in [0, %zd)", n);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_sgd(PyObject *self, PyObject *args) {
-    PyObject *xo, *go, *bo, *co, *co2, *mo;
+    PyObject *xo, *go, *bo, *co, *co2, *mo, *so = Py_None, *vo = Py_None;
     double divisor, lr, wd, mom, dampening;
     int nesterov, first, threads;
-    Py_buffer x = {0}, g = {0}, b = {0}, c = {0}, c2 = {0}, snapshot = {0}, sum = {0};
+    Py_buffer x = {0}, g = {0}, b = {0}, c = {0}, c2 = {0}, snapshot = {0}, sum = {0}, support = {0}, values = {0};
     merge_args merge = {NO_MERGE, NULL, NULL, 1.0, 0.0, 1.0};
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOOOOdddddppi", &xo, &go, &bo, &co, &co2, &mo, &divisor, &lr, &wd, &mom, &dampening,
-                          &nesterov, &first, &threads))
+    if (!PyArg_ParseTuple(args, "OOOOOOdddddppi|OO", &xo, &go, &bo, &co, &co2, &mo, &divisor, &lr, &wd, &mom, &dampening,
+                          &nesterov, &first, &threads, &so, &vo))
         return NULL;
     const int itemsize = get_params(xo, &x, "sgd");
     if (!itemsize) return NULL;
@@ -336,8 +401,21 @@ static PyObject *py_sgd(PyObject *self, PyObject *args) {
         if (!PyArg_ParseTuple(mo, "OOdO", &so, &to, &world_size, &po)) goto done;
         if (get_merge(so, to, world_size, po, &x, itemsize, "sgd: merge", &snapshot, &sum, &merge) < 0) goto done;
     }
+    if ((so == Py_None) != (vo == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "sgd: give support and its values together");
+        goto done;
+    }
+    if (so != Py_None) {
+        if (get_support(so, &support, x.len / itemsize) < 0) goto done;
+        if (PyObject_GetBuffer(vo, &values, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) goto done;
+        if (float_itemsize(&values) != itemsize || values.len / itemsize != support.len / 4) {
+            PyErr_SetString(PyExc_ValueError, "sgd: the support's values must have the params' dtype and the support's length");
+            goto done;
+        }
+    }
     sgd_job job = {itemsize, wd != 0.0, mom != 0.0, first, dampening != 0.0, nesterov, (char *)x.buf, (char *)b.buf,
-                   (char *)c.buf, (char *)c2.buf, (const char *)g.buf, merge, divisor, lr, wd, mom, 1.0 - dampening, {0}};
+                   (char *)c.buf, (char *)c2.buf, (const char *)g.buf, merge, divisor, lr, wd, mom, 1.0 - dampening,
+                   (const int32_t *)support.buf, (const char *)values.buf, support.len / 4, {0}};
     int parts;
     Py_BEGIN_ALLOW_THREADS
     parts = mpiopt_parallel_for(threads, x.len / itemsize, 1, sgd_part, &job);
@@ -351,6 +429,8 @@ done:
     if (c2.obj) PyBuffer_Release(&c2);
     if (snapshot.obj) PyBuffer_Release(&snapshot);
     if (sum.obj) PyBuffer_Release(&sum);
+    if (support.obj) PyBuffer_Release(&support);
+    if (values.obj) PyBuffer_Release(&values);
     return result;
 }
 
@@ -495,11 +575,12 @@ static PyObject *py_all_finite(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"sgd", py_sgd, METH_VARARGS,
      "sgd(params, grad, buffer, copy_to, copy_to_2, merge, divisor, lr, weight_decay, momentum, dampening, nesterov,"
-     " first_step, threads) -> bool\n\n"
+     " first_step, threads, support=None) -> bool\n\n"
      "torch.optim.SGD's update of params (and of the momentum buffer, None when momentum == 0) in\n"
      "place, in one pass, for the gradient grad / divisor, then merge_average(params, *merge) unless\n"
      "merge is None, and the new params written into copy_to and copy_to_2 (unless None; not with a\n"
-     "merge); contiguous, non-overlapping float32 or float64 buffers of equal length.\n"
+     "merge); contiguous, non-overlapping float32 or float64 buffers of equal length.  With support\n"
+     "(int32 positions, ascending, unique) grad is read there only and taken as +0.0 elsewhere.\n"
      "Returns whether every element of grad is finite.  Long vectors are split across up to threads threads."},
     {"merge_average", py_merge, METH_VARARGS,
      "merge_average(params, snapshot, total, divisor, proportion, threads) -> None\n\n"
@@ -523,6 +604,6 @@ static struct PyModuleDef module = {
 /* VERSION changes with the functions' arguments, so that update.py can refuse a stale build. */
 PyMODINIT_FUNC PyInit__updatec(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "VERSION", 2) < 0) Py_CLEAR(m);
+    if (m && PyModule_AddIntConstant(m, "VERSION", 3) < 0) Py_CLEAR(m);
     return m;
 }

@@ -963,7 +963,7 @@ static PyObject *py_indexed(PyObject *self, PyObject *args) {
         }                                                                                              \
     }                                                                                                  \
     static void settle_##T(T *g, T *x, const int32_t *stale, Py_ssize_t n_stale, const int32_t *idx,    \
-                           const T *sums, Py_ssize_t u, double divisor, double lr) {                   \
+                           T *sums, Py_ssize_t u, double divisor, double lr) {                         \
         const T p = (T)divisor, s = (T)lr;                                                             \
         Py_ssize_t i = 0;                                                                              \
         for (Py_ssize_t j = 0; j < u; ++j) {                                                           \
@@ -972,6 +972,7 @@ static PyObject *py_indexed(PyObject *self, PyObject *args) {
             if (i < n_stale && stale[i] == at) ++i; /* written below */                                \
             const T value = divisor != 1.0 ? sums[j] / p : sums[j];                                    \
             g[at] = value;                                                                             \
+            sums[j] = value; /* G's values at the union, in order: a sparse gradient for the update */ \
             if (x) {                                                                                   \
                 const T product = s * value;                                                           \
                 x[at] -= product;                                                                      \
@@ -1043,7 +1044,7 @@ typedef struct {
     Py_ssize_t itemsize, u, n_stale;
     char *g, *x;
     const int32_t *stale, *idx;
-    const char *sums;
+    char *sums;
     double divisor, lr;
 } settle_job;
 
@@ -1053,10 +1054,10 @@ static void settle_part(void *ctx, Py_ssize_t j0, Py_ssize_t j1, int part) {
     const Py_ssize_t s1 = j1 == j->u ? j->n_stale : lower_bound(j->stale, j->n_stale, j->idx[j1]);
     (void)part;
     if (j->itemsize == 4)
-        settle_float((float *)j->g, (float *)j->x, j->stale + s0, s1 - s0, j->idx + j0, (const float *)j->sums + j0,
+        settle_float((float *)j->g, (float *)j->x, j->stale + s0, s1 - s0, j->idx + j0, (float *)j->sums + j0,
                      j1 - j0, j->divisor, j->lr);
     else
-        settle_double((double *)j->g, (double *)j->x, j->stale + s0, s1 - s0, j->idx + j0, (const double *)j->sums + j0,
+        settle_double((double *)j->g, (double *)j->x, j->stale + s0, s1 - s0, j->idx + j0, (double *)j->sums + j0,
                       j1 - j0, j->divisor, j->lr);
 }
 
@@ -1067,7 +1068,7 @@ static PyObject *py_settle(PyObject *self, PyObject *args) {
     double divisor, lr;
     (void)self;
     int threads;
-    if (!PyArg_ParseTuple(args, "w*OOy*y*nnddi", &g, &xo, &staleo, &idx, &sums, &u, &itemsize, &divisor, &lr, &threads))
+    if (!PyArg_ParseTuple(args, "w*OOy*w*nnddi", &g, &xo, &staleo, &idx, &sums, &u, &itemsize, &divisor, &lr, &threads))
         return NULL;
     PyObject *result = NULL;
     if (xo != Py_None && PyObject_GetBuffer(xo, &x, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
@@ -1088,7 +1089,7 @@ static PyObject *py_settle(PyObject *self, PyObject *args) {
         goto done;
     }
     settle_job job = {itemsize, u, n_stale, (char *)g.buf, x.obj ? (char *)x.buf : NULL, (const int32_t *)stale.buf,
-                      (const int32_t *)idx.buf, (const char *)sums.buf, divisor, lr};
+                      (const int32_t *)idx.buf, (char *)sums.buf, divisor, lr};
     Py_BEGIN_ALLOW_THREADS
     mpiopt_parallel_for_min(threads, u, 1, INDEXED_MIN_PART, settle_part, &job);
     Py_END_ALLOW_THREADS
@@ -1151,8 +1152,9 @@ static PyMethodDef methods[] = {
      "returns the union's size."},
     {"settle", py_settle, METH_VARARGS,
      "settle(g, x, stale, union, sums, u, itemsize, divisor, lr, threads)\n\n"
-     "g[union[j]] = sums[j] / divisor (no division when it is 1) for j < u, g[i] = 0 for the stale indices\n"
-     "not in the union (both sorted), and, unless x is None, x[union[j]] -= lr * g[union[j]]."},
+     "g[union[j]] = sums[j] / divisor (no division when it is 1) for j < u, also written back into sums[j],\n"
+     "g[i] = 0 for the stale indices not in the union (both sorted), and, unless x is None,\n"
+     "x[union[j]] -= lr * g[union[j]]."},
     {"bitmap_indices", py_bitmap_indices, METH_VARARGS,
      "bitmap_indices(bitmap, d, out) -> int\n\n"
      "Write the positions (< d, ascending) of the set bits as int32 into out, as many as it holds;\n"

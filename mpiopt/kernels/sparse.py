@@ -987,7 +987,9 @@ def settle_aggregate(out: Any, union: Any, sums: Any, divisor: int, stale: Any =
     One walk over the sorted ``union`` and ``stale`` (C loops): the floats of
     :func:`zero_at`, :func:`divide_at` (skipped for 1) and
     :func:`subtract_scaled_at`, one random access per entry instead of one per
-    pass.
+    pass.  ``sums`` is overwritten with ``out[union]``: the aggregate's
+    non-zero values in order, which an update can read instead of all of
+    ``out`` (:func:`~mpiopt.kernels.update.sgd_update`'s ``grad_support``).
 
     Parameters
     ----------
@@ -995,7 +997,7 @@ def settle_aggregate(out: Any, union: Any, sums: Any, divisor: int, stale: Any =
         The dense aggregate, updated in place.
     union, sums : arrays
         What :func:`merge_sorted_rows` returned (int32 indices, ascending, and
-        values of ``out``'s dtype).
+        values of ``out``'s dtype); ``sums`` becomes ``out[union]``.
     divisor : int
         The number of workers.
     stale : int32 array, optional

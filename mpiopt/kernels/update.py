@@ -39,7 +39,7 @@ try:
     from . import _updatec
 except ImportError:  # built without a C compiler: the array code below is used
     _updatec = None
-if _updatec is not None and getattr(_updatec, "VERSION", 0) != 2:  # pragma: no cover
+if _updatec is not None and getattr(_updatec, "VERSION", 0) != 3:  # pragma: no cover
     _updatec = None  # a stale build (other arguments): rebuild (pip install -e .)
 
 __all__ = ["Merge", "all_finite", "elastic_pull", "fused_update_available", "merge_average", "sgd_update"]
@@ -195,6 +195,7 @@ def sgd_update(
     work: Optional[List[Any]] = None,
     copy_to: Union[None, Any, Sequence[Any]] = None,
     merge: Optional[Merge] = None,
+    grad_support: Optional[Tuple[Any, Any]] = None,
 ) -> Optional[bool]:
     """``params -= lr * step(grad)`` in place, with torch.optim.SGD's momentum and weight decay.
 
@@ -233,6 +234,14 @@ def sgd_update(
     merge : Merge, optional
         Then ``merge_average(params, *merge)``, in the same pass on the fused
         loop (with its bits); not together with ``copy_to``.
+    grad_support : (indices, values), optional
+        The caller's promise that ``grad`` is ``values`` at ``indices`` (int32,
+        unique, ascending; ``values`` of ``grad``'s dtype) and +0.0
+        elsewhere: the fused C loop then reads these instead of ``grad``, one
+        stream of memory fewer for a sparse gradient (Top-k's aggregate,
+        ``P k`` of ``d`` entries), with the same bits.  The CUDA kernel, the
+        array code, and supports of more than an eighth of the entries
+        (where the saving is small) read ``grad``.
 
     Returns
     -------
@@ -264,6 +273,12 @@ def sgd_update(
     if momentum and buffer is None:
         raise ValueError(f"momentum={momentum} needs a buffer, got buffer=None")
     _check_like(xp, params, arrays)
+    if grad_support is not None:
+        support, values = grad_support
+        check_array("grad_support's indices", support, ndim=1, kinds="i", dtype=np.int32)
+        check_array("grad_support's values", values, ndim=1, kinds="f", dtype=params.dtype)
+        if values.shape != support.shape:
+            raise ValueError(f"grad_support's values must match its indices' shape {support.shape}, got {values.shape}")
     if _fused(params, arrays):
         c_merge = _c_merge(merge) if merge is not None else None
         if xp is not np:
@@ -272,9 +287,13 @@ def sgd_update(
                 grad_divisor, lr, weight_decay, momentum, dampening, nesterov, bool(first_step), bool(check_finite),
             )
         outputs = [copy for _, copy in copies] + [None] * (MAX_COPIES - len(copies))
+        # A support of more than an eighth of the entries saves little: read grad whole.
+        sparse = grad_support is not None and 8 * grad_support[0].shape[0] < params.shape[0] and all(
+            isinstance(a, np.ndarray) and a.flags.c_contiguous for a in grad_support
+        )
         finite = _updatec.sgd(
-            params, grad, buffer if momentum else None, *outputs, c_merge,
-            grad_divisor, lr, weight_decay, momentum, dampening, nesterov, bool(first_step), get_num_threads(),
+            params, grad, buffer if momentum else None, *outputs, c_merge, grad_divisor, lr, weight_decay, momentum,
+            dampening, nesterov, bool(first_step), get_num_threads(), *(grad_support if sparse else (None, None)),
         )
         return finite if check_finite else None
     work = [] if work is None else work

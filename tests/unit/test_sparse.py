@@ -641,12 +641,16 @@ def test_aggregate_payloads_merged_equals_scattered(rows, density):
     bits, indices = np.empty(-(-d // 8), np.uint8), np.empty((rows, k), np.int32)
     stale = None
     for step in range(3):
-        touched_want = aggregate_payloads(payloads, want, params=want_params, lr=0.1)
-        stale = aggregate_payloads(
+        touched_want = aggregate_payloads(payloads, want, params=want_params, lr=0.1).touched
+        stale, values = aggregate_payloads(
             payloads, got, stale=stale, indices_out=indices, union_bits=bits, union_out=unions[step % 2], sums_out=sums,
             params=got_params, lr=0.1,
         )
         np.testing.assert_array_equal(stale, touched_want)
+        if rows <= sparse.MERGE_MAX_ROWS:  # merged: the sums became G's values
+            assert values.tobytes() == want[touched_want].tobytes()
+        else:  # scatter-added: no values at hand
+            assert values is None
         assert got.tobytes() == want.tobytes() and got_params.tobytes() == want_params.tobytes()
         payloads = np.roll(payloads, 1, axis=0)  # other workers' rows at each position next step
 

@@ -553,3 +553,60 @@ def test_elastic_pull_matches_float64_closed_form_and_is_checked():
         update.elastic_pull(x, center, total, 4, float("nan"), 0.4)
     with pytest.raises(ValueError, match="world_size"):
         update.elastic_pull(x, center, total, 0, 0.1, 0.4)
+
+
+def sparse_gradient(rng, size, dtype, support_size):
+    """A gradient that is +0.0 outside a random support (holding 0.0, -0.0, NaN and inf too), and that support."""
+    support = np.sort(rng.choice(size, support_size, replace=False)).astype(np.int32)
+    for edge in (0, 1023, 1024, size - 1):  # the first and last entries, and both sides of a 1024-entry block boundary
+        if 0 <= edge < size and support_size and edge not in support:
+            support[rng.integers(support_size)] = edge
+    support = np.unique(support).astype(np.int32)
+    grad = np.zeros(size, dtype)
+    grad[support] = awkward(rng, support.size, dtype, special=True)
+    return grad, support
+
+
+@pytest.mark.parametrize("count", [1, 3])
+@pytest.mark.parametrize("rule", RULES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: t.__name__)
+@pytest.mark.parametrize("size, support_size", [(1, 0), (2000, 0), (2000, 5), (2000, 600), (SPLIT_SIZE, 40_000)])
+def test_a_sparse_gradient_read_at_its_support_gives_the_dense_bits(size, support_size, dtype, rule, count, kernel_threads):
+    """grad_support=(indices, values) for a gradient that is +0.0 elsewhere: the dense update's bits and finite flag."""
+    kernel_threads(count)
+    momentum, dampening, nesterov, weight_decay, divisor = rule
+    rng = np.random.default_rng([size, support_size, np.dtype(dtype).itemsize])
+    x = awkward(rng, size, dtype, special=True)
+    x[: size // 3] = -0.0  # -0.0 - lr * s is -0.0 for s = +0.0 but +0.0 for s = -0.0: the zeros must be positive
+    dense_x, dense_b = x.copy(), np.empty_like(x)
+    sparse_x, sparse_b = x.copy(), np.empty_like(x)
+    for step in range(3):
+        grad, support = sparse_gradient(rng, size, dtype, support_size)
+        values = grad[support]
+        hyper = dict(lr=LR, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay,
+                     first_step=step == 0, grad_divisor=divisor, check_finite=True)
+        want = sgd_update(dense_x, grad, dense_b, **hyper)
+        # The promise is the caller's: a support small enough is read instead of grad (poisoned here to show it).
+        given = grad
+        if 8 * support.size < size:
+            given = np.full(size, np.nan, dtype)
+            given[support] = values
+        got = sgd_update(sparse_x, given, sparse_b, **hyper, grad_support=(support, values))
+        assert got is want
+        assert_same_bits(sparse_x, dense_x)
+        if momentum:
+            assert_same_bits(sparse_b, dense_b)
+
+
+def test_grad_support_is_checked():
+    x, g = np.zeros(100, np.float32), np.zeros(100, np.float32)
+    values = np.ones(2, np.float32)
+    for support in ([5, 5], [7, 3], [-1, 3], [3, 100]):
+        with pytest.raises(ValueError, match="support must be int32 positions, unique, ascending and in \\[0, 100\\)"):
+            sgd_update(x, g, lr=LR, grad_support=(np.array(support, np.int32), values))
+    with pytest.raises((TypeError, ValueError), match="grad_support's indices"):
+        sgd_update(x, g, lr=LR, grad_support=(np.array([1, 2]), values))
+    with pytest.raises((TypeError, ValueError), match="grad_support's values"):
+        sgd_update(x, g, lr=LR, grad_support=(np.array([1, 2], np.int32), values.astype(np.float64)))
+    with pytest.raises(ValueError, match="grad_support's values must match its indices' shape \\(3,\\), got \\(2,\\)"):
+        sgd_update(x, g, lr=LR, grad_support=(np.array([1, 2, 3], np.int32), values))
