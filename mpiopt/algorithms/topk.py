@@ -70,7 +70,7 @@ from ..kernels import (
     decode, density_to_k, encode, encoded_nbytes, error_feedback, packed_nbytes, payload_format, regtopk_scores, scatter_add,
     topk_indices,
 )
-from ..kernels.update import all_finite
+from ..kernels.update import all_finite, reads_support
 from ..kernels.sparse import (
     TopkWorkspace, divide_at, feedback_select, fused_feedback_available, merge_sorted_rows, regtopk_sent_factors, settle_aggregate,
     subtract_scaled_at, take_and_zero, union_of_sorted, unsent_factor, zero_at,
@@ -297,7 +297,7 @@ class SparseAggregate(NamedTuple):
 def aggregate_payloads(
     payloads: Any, out: Any, stale: Optional[Any] = None, indices_out: Optional[Any] = None,
     union_bits: Optional[Any] = None, union_out: Optional[Any] = None, sums_out: Optional[Any] = None,
-    params: Optional[Any] = None, lr: float = 0.0,
+    params: Optional[Any] = None, lr: float = 0.0, write_out: bool = True,
 ) -> SparseAggregate:
     """``G = (1/N) sum_n sent_n`` from the N workers' payloads, into ``out``.
 
@@ -331,6 +331,10 @@ def aggregate_payloads(
         update), in the same walk where it can.
     lr : float
         The learning rate of that update.
+    write_out : bool
+        False: where the rows are merged, ``G`` is only returned (``values``)
+        and ``out`` is left as it was (``stale`` unread); the scatter-adding
+        path writes ``out`` all the same.
 
     Returns
     -------
@@ -339,16 +343,20 @@ def aggregate_payloads(
     """
     rows = [None] * payloads.shape[0] if indices_out is None else indices_out
     decoded = [decode(payload, out.shape[0], out.dtype, row) for payload, row in zip(payloads, rows)]
-    if stale is None:
-        out[...] = 0
     merged = None
     if union_out is not None and sums_out is not None:
         merged = merge_sorted_rows([i for i, _ in decoded], [v for _, v in decoded], out.shape[0], union_out, sums_out)
     if merged is not None:
         touched, sums = merged
-        settle_aggregate(out, touched, sums, payloads.shape[0], stale=stale, params=params, lr=lr)  # sums <- G[touched]
+        if write_out and stale is None:
+            out[...] = 0
+        settle_aggregate(
+            out if write_out else None, touched, sums, payloads.shape[0], stale=stale, params=params, lr=lr,
+        )  # sums <- G[touched]
         return SparseAggregate(touched, sums)
-    if stale is not None:
+    if stale is None:
+        out[...] = 0
+    else:
         zero_at(out, stale)  # before the union below, which may overwrite stale's buffer
     for indices, values in decoded:  # one worker's indices are unique: one scatter-add per worker
         scatter_add(out, indices, values)
@@ -382,7 +390,10 @@ class _SparseSGD(LocalStepState, Algorithm):
         # With momentum or weight decay the step on G is LocalSGD's dense update; otherwise the papers' sparse one.
         self._dense = bool(self.local.momentum or self.local.weight_decay)
         self.worker: Optional[SparseWorker] = None
-        self._aggregate: Optional[Any] = None  # G: this step's, and RegTop-k's G_prev in the next
+        self._aggregate: Optional[Any] = None  # G, dense: this step's, and RegTop-k's G_prev in the next
+        # Top-k reads G only where it is non-zero: the dense copy is written when asked for (the aggregate property)
+        self._latest: Optional[SparseAggregate] = None  # this step's G where non-zero, while its buffers hold it
+        self._aggregate_written = True  # whether self._aggregate holds this step's G
         self._payload: Optional[Any] = None  # this rank's payload (the Allgather's send buffer)
         self._payloads: Optional[Any] = None  # every rank's payload, (P, nbytes)
         self._touched: Optional[Any] = None  # where G is non-zero (None: unknown, e.g. after a resume)
@@ -404,6 +415,11 @@ class _SparseSGD(LocalStepState, Algorithm):
     @property
     def aggregate(self) -> Optional[Any]:
         """``G`` of the last step, the same on every rank."""
+        if not self._aggregate_written:  # Top-k's steps leave it to here (one pass over d, when asked)
+            self._aggregate[...] = 0
+            self._aggregate[self._latest.touched] = self._latest.values
+            self._touched = self._latest.touched
+            self._aggregate_written = True
         return self._aggregate
 
     # -- state: the worker's buffers, exposed under stable names ---------------------------
@@ -452,20 +468,26 @@ class _SparseSGD(LocalStepState, Algorithm):
         self.topology.world.Allgather(self._payload, self._payloads)
         # G = (1/N) sum_n sent_n, non-zero on at most P k entries; without momentum and weight decay the
         # paper's rule, x <- x - lr G where G is non-zero, in the same walk (the dense update's floats).
+        # RegTop-k ranks the next step by the dense G, and a dense update that cannot read G's non-zero entries
+        # alone (at most P k: the union buffers' length) reads all of it; otherwise the dense G is written only
+        # when asked for (the aggregate property).
+        write_out = self.sparsifier.regularized or (self._dense and not reads_support(params, (self._unions[0], self._sums)))
         aggregate = aggregate_payloads(
             self._payloads, out=self._aggregate, stale=self._touched, indices_out=self._indices,
             union_bits=self._union_bits, union_out=self._unions[self._union_slot], sums_out=self._sums,
-            params=None if self._dense else params, lr=self.lr,
+            params=None if self._dense else params, lr=self.lr, write_out=write_out,
         )
-        self._touched = aggregate.touched
         self._union_slot ^= 1  # the next union goes to the other buffer
-        if self._dense:  # x <- x - lr G with momentum / decay, reading only G's non-zero values where they are at hand
-            support = None if aggregate.values is None else aggregate
-            self.local.apply(params, self._aggregate, self.lr, grad_support=support)
+        self._latest = None if aggregate.values is None else aggregate
+        self._aggregate_written = write_out or aggregate.values is None
+        self._touched = aggregate.touched if self._aggregate_written else None
+        if self._dense:  # x <- x - lr G with momentum / decay, from G's non-zero values where the loop reads only those
+            self.local.apply(params, self._aggregate, self.lr, grad_support=self._latest)
 
     def load_state_dict(self, state: Any, *, override_hyperparameters: bool = False) -> None:
         super().load_state_dict(state, override_hyperparameters=override_hyperparameters)
         self._touched = None  # the restored G may be non-zero anywhere
+        self._latest, self._aggregate_written = None, True
 
 
 @register

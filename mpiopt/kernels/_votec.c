@@ -846,7 +846,7 @@ static PyObject *py_compress_marked(PyObject *self, PyObject *args) {
 }
 
 /* x[idx[i]] op= ..., the k int32 indices in [0, n); each element rounded on its own, as numpy's loops. */
-enum { TAKE_ZERO, ADD, ZERO, DIVIDE, SUB_SCALED, GATHER, SET, MUL };
+enum { TAKE_ZERO, ADD, ZERO, DIVIDE, SUB_SCALED, GATHER, SET };
 #define INDEXED(T)                                                                                     \
     static void indexed_##T(int op, T *x, const int32_t *idx, Py_ssize_t k, T *other, double scalar) { \
         const T s = (T)scalar;                                                                         \
@@ -859,7 +859,6 @@ enum { TAKE_ZERO, ADD, ZERO, DIVIDE, SUB_SCALED, GATHER, SET, MUL };
             case DIVIDE: *xi /= s; break;                                                              \
             case SUB_SCALED: { T product = s * other[idx[i]]; *xi -= product; } break;                 \
             case GATHER: other[i] = *xi; break;                                                        \
-            case MUL: *xi = other[i] * *xi; break;                                                     \
             default: *xi = other[i];                                                                   \
             }                                                                                          \
         }                                                                                              \
@@ -901,7 +900,7 @@ static PyObject *py_indexed(PyObject *self, PyObject *args) {
     const Py_ssize_t other_needed = op == SUB_SCALED ? n : (op == ZERO || op == DIVIDE ? 0 : k);
     const int32_t *idx = (const int32_t *)indices.buf;
     Py_ssize_t bad = -1;
-    if (op < TAKE_ZERO || op > MUL || k < 0 || (itemsize != 4 && itemsize != 8) || indices.len < 4 * k
+    if (op < TAKE_ZERO || op > SET || k < 0 || (itemsize != 4 && itemsize != 8) || indices.len < 4 * k
         || other.len < other_needed * itemsize) {
         PyErr_Format(PyExc_ValueError, "indexed: bad op=%d k=%zd itemsize=%zd or buffers too small", op, k, itemsize);
     } else {
@@ -971,7 +970,7 @@ static PyObject *py_indexed(PyObject *self, PyObject *args) {
             for (; i < n_stale && stale[i] < at; ++i) g[stale[i]] = 0;                                 \
             if (i < n_stale && stale[i] == at) ++i; /* written below */                                \
             const T value = divisor != 1.0 ? sums[j] / p : sums[j];                                    \
-            g[at] = value;                                                                             \
+            if (g) g[at] = value;                                                                      \
             sums[j] = value; /* G's values at the union, in order: a sparse gradient for the update */ \
             if (x) {                                                                                   \
                 const T product = s * value;                                                           \
@@ -1063,19 +1062,23 @@ static void settle_part(void *ctx, Py_ssize_t j0, Py_ssize_t j1, int part) {
 
 static PyObject *py_settle(PyObject *self, PyObject *args) {
     Py_buffer g = {0}, x = {0}, stale = {0}, idx = {0}, sums = {0};
-    PyObject *xo, *staleo;
+    PyObject *go, *xo, *staleo;
     Py_ssize_t u, itemsize;
     double divisor, lr;
     (void)self;
     int threads;
-    if (!PyArg_ParseTuple(args, "w*OOy*w*nnddi", &g, &xo, &staleo, &idx, &sums, &u, &itemsize, &divisor, &lr, &threads))
+    if (!PyArg_ParseTuple(args, "OOOy*w*nnddi", &go, &xo, &staleo, &idx, &sums, &u, &itemsize, &divisor, &lr, &threads))
         return NULL;
     PyObject *result = NULL;
+    if (go != Py_None && PyObject_GetBuffer(go, &g, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
     if (xo != Py_None && PyObject_GetBuffer(xo, &x, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
     if (staleo != Py_None && PyObject_GetBuffer(staleo, &stale, PyBUF_C_CONTIGUOUS) < 0) goto done;
-    const Py_ssize_t n = (itemsize == 4 || itemsize == 8) ? g.len / itemsize : 0, n_stale = stale.obj ? stale.len / 4 : 0;
+    /* without g the stale entries are not touched, and without g and x no entry of a vector is */
+    const Py_ssize_t written = g.obj ? g.len : x.obj ? x.len : (Py_ssize_t)INT32_MAX * itemsize;
+    const Py_ssize_t n = (itemsize == 4 || itemsize == 8) ? written / itemsize : 0;
+    const Py_ssize_t n_stale = g.obj && stale.obj ? stale.len / 4 : 0;
     int ok = (itemsize == 4 || itemsize == 8) && u >= 0 && idx.len >= 4 * u && sums.len >= u * itemsize &&
-             (!x.obj || x.len == g.len);
+             (!x.obj || !g.obj || x.len == g.len);
     for (Py_ssize_t i = 0; ok && i < u; ++i) {
         const int32_t at = ((const int32_t *)idx.buf)[i];
         ok = at >= 0 && at < n && (i == 0 || at > ((const int32_t *)idx.buf)[i - 1]);
@@ -1088,7 +1091,7 @@ static PyObject *py_settle(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "settle: bad sizes, or indices that are not unique, ascending and in range");
         goto done;
     }
-    settle_job job = {itemsize, u, n_stale, (char *)g.buf, x.obj ? (char *)x.buf : NULL, (const int32_t *)stale.buf,
+    settle_job job = {itemsize, u, n_stale, g.obj ? (char *)g.buf : NULL, x.obj ? (char *)x.buf : NULL, (const int32_t *)stale.buf,
                       (const int32_t *)idx.buf, (char *)sums.buf, divisor, lr};
     Py_BEGIN_ALLOW_THREADS
     mpiopt_parallel_for_min(threads, u, 1, INDEXED_MIN_PART, settle_part, &job);
@@ -1096,11 +1099,123 @@ static PyObject *py_settle(PyObject *self, PyObject *args) {
     Py_INCREF(Py_None);
     result = Py_None;
 done:
-    PyBuffer_Release(&g);
+    if (g.obj) PyBuffer_Release(&g);
     if (x.obj) PyBuffer_Release(&x);
     if (stale.obj) PyBuffer_Release(&stale);
     PyBuffer_Release(&idx);
     PyBuffer_Release(&sums);
+    return result;
+}
+
+/* RegTop-k's |1 + delta| / mu at the k entries sent last step, from the sent values s and last step's
+ * aggregate G: own = s * w; delta = (G[idx] - own) / own, or q where own is 0; out = |delta + 1| / mu.
+ * numpy's operations on k-sized rows, each rounded to the dtype, in one loop (the tanh that makes the
+ * regularizer stays numpy's, for its bits). */
+#define RATIO(T, ABS)                                                                                  \
+    static void ratio_##T(const T *prev, const int32_t *idx, const T *sent, T *out, Py_ssize_t k, double w, \
+                          double q, double mu) {                                                       \
+        const T w_ = (T)w, q_ = (T)q, mu_ = (T)mu;                                                     \
+        for (Py_ssize_t i = 0; i < k; ++i) {                                                           \
+            const T own = sent[i] * w_;                                                                \
+            T r = q_;                                                                                  \
+            if (own != 0) {                                                                            \
+                const T difference = prev[idx[i]] - own;                                               \
+                r = difference / own;                                                                  \
+            }                                                                                          \
+            r = r + (T)1;                                                                              \
+            out[i] = ABS(r) / mu_;                                                                     \
+        }                                                                                              \
+    }
+RATIO(float, fabsf)
+RATIO(double, fabs)
+
+typedef struct {
+    Py_ssize_t itemsize;
+    const char *prev, *sent;
+    const int32_t *idx;
+    char *out;
+    double w, q, mu;
+} ratio_job;
+
+static void ratio_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    const ratio_job *j = (const ratio_job *)ctx;
+    const Py_ssize_t at = lo * j->itemsize;
+    (void)part;
+    if (j->itemsize == 4)
+        ratio_float((const float *)j->prev, j->idx + lo, (const float *)(j->sent + at), (float *)(j->out + at), hi - lo,
+                    j->w, j->q, j->mu);
+    else
+        ratio_double((const double *)j->prev, j->idx + lo, (const double *)(j->sent + at), (double *)(j->out + at),
+                     hi - lo, j->w, j->q, j->mu);
+}
+
+static PyObject *py_regtopk_ratio(PyObject *self, PyObject *args) {
+    Py_buffer prev, indices, sent, out;
+    Py_ssize_t k, itemsize;
+    double w, q, mu;
+    int threads;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*nndddi", &prev, &indices, &sent, &out, &k, &itemsize, &w, &q, &mu, &threads))
+        return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t n = prev.len / (itemsize ? itemsize : 1);
+    const int32_t *idx = (const int32_t *)indices.buf;
+    int ok = (itemsize == 4 || itemsize == 8) && k >= 0 && indices.len >= 4 * k && sent.len >= k * itemsize &&
+             out.len >= k * itemsize;
+    for (Py_ssize_t i = 0; ok && i < k; ++i) ok = idx[i] >= 0 && idx[i] < n;
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError, "regtopk_ratio: bad k=%zd itemsize=%zd, buffers too small or indices out of [0, %zd)",
+                     k, itemsize, n);
+    } else {
+        ratio_job job = {itemsize, (const char *)prev.buf, (const char *)sent.buf, idx, (char *)out.buf, w, q, mu};
+        Py_BEGIN_ALLOW_THREADS
+        mpiopt_parallel_for_min(threads, k, 1, INDEXED_MIN_PART, ratio_part, &job);
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    PyBuffer_Release(&prev);
+    PyBuffer_Release(&indices);
+    PyBuffer_Release(&sent);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* sample[i / stride] = factor[p] * sample[i / stride] for each of the k positions i = idx[p] that the
+ * strided sample holds (i % stride == 0): the sampled entries' RegTop-k scores. */
+#define SCALE_SAMPLED(T)                                                                               \
+    static void scale_sampled_##T(T *sample, Py_ssize_t n, const int32_t *idx, const T *factor, Py_ssize_t k, \
+                                  Py_ssize_t stride) {                                                 \
+        for (Py_ssize_t p = 0; p < k; ++p) {                                                           \
+            const Py_ssize_t i = idx[p];                                                               \
+            if (i % stride == 0 && i / stride < n) sample[i / stride] = factor[p] * sample[i / stride]; \
+        }                                                                                              \
+    }
+SCALE_SAMPLED(float)
+SCALE_SAMPLED(double)
+
+static PyObject *py_scale_sampled(PyObject *self, PyObject *args) {
+    Py_buffer sample, indices, factors;
+    Py_ssize_t k, itemsize, stride;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*y*y*nnn", &sample, &indices, &factors, &k, &itemsize, &stride)) return NULL;
+    PyObject *result = NULL;
+    if ((itemsize != 4 && itemsize != 8) || k < 0 || stride < 1 || indices.len < 4 * k || factors.len < k * itemsize) {
+        PyErr_Format(PyExc_ValueError, "scale_sampled: bad k=%zd itemsize=%zd stride=%zd or buffers too small", k, itemsize,
+                     stride);
+    } else {
+        const Py_ssize_t n = sample.len / itemsize;
+        const int32_t *idx = (const int32_t *)indices.buf;
+        Py_BEGIN_ALLOW_THREADS
+        if (itemsize == 4) scale_sampled_float((float *)sample.buf, n, idx, (const float *)factors.buf, k, stride);
+        else scale_sampled_double((double *)sample.buf, n, idx, (const double *)factors.buf, k, stride);
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    PyBuffer_Release(&sample);
+    PyBuffer_Release(&indices);
+    PyBuffer_Release(&factors);
     return result;
 }
 
@@ -1152,9 +1267,17 @@ static PyMethodDef methods[] = {
      "returns the union's size."},
     {"settle", py_settle, METH_VARARGS,
      "settle(g, x, stale, union, sums, u, itemsize, divisor, lr, threads)\n\n"
-     "g[union[j]] = sums[j] / divisor (no division when it is 1) for j < u, also written back into sums[j],\n"
-     "g[i] = 0 for the stale indices not in the union (both sorted), and, unless x is None,\n"
-     "x[union[j]] -= lr * g[union[j]]."},
+     "G_j = sums[j] / divisor (no division when it is 1) for j < u, written back into sums[j]; unless g is\n"
+     "None, g[union[j]] = G_j and g[i] = 0 for the stale indices not in the union (both sorted); unless x\n"
+     "is None, x[union[j]] -= lr * G_j."},
+    {"regtopk_ratio", py_regtopk_ratio, METH_VARARGS,
+     "regtopk_ratio(prev, idx, sent, out, k, itemsize, w, q, mu, threads)\n\n"
+     "RegTop-k's |1 + delta| / mu before its tanh: out[p] = |(prev[idx[p]] - own) / own + 1| / mu with own =\n"
+     "sent[p] * w, or |q + 1| / mu where own is 0; each operation rounded to the dtype."},
+    {"scale_sampled", py_scale_sampled, METH_VARARGS,
+     "scale_sampled(sample, idx, factors, k, itemsize, stride)\n\n"
+     "sample[i // stride] = factors[p] * sample[i // stride] for each i = idx[p] with i % stride == 0 (and\n"
+     "i // stride < len(sample)): the RegTop-k scores of a strided sample's sent entries."},
     {"bitmap_indices", py_bitmap_indices, METH_VARARGS,
      "bitmap_indices(bitmap, d, out) -> int\n\n"
      "Write the positions (< d, ascending) of the set bits as int32 into out, as many as it holds;\n"

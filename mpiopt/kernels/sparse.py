@@ -97,7 +97,7 @@ _MARGIN_SIGMAS = 4.0
 # (measured at d = 25M: 64 Ki entries 20 % slower, 1 Mi entries no faster).
 _SCAN_BLOCK = 1 << 18
 # _votec.indexed's operations.
-_TAKE_ZERO, _ADD, _ZERO, _DIVIDE, _SUB_SCALED, _GATHER, _SET, _MUL = range(8)
+_TAKE_ZERO, _ADD, _ZERO, _DIVIDE, _SUB_SCALED, _GATHER, _SET = range(7)
 
 
 def density_to_k(d: int, density_or_count: float | int) -> int:
@@ -204,18 +204,15 @@ class TopkWorkspace:
         stride, n, rank = _sample_plan(d, max(k, 1))
         capacity = min(d, 2 * (rank * stride + k) + 64)
         self.d, self.k, self.dtype = d, k, dtype
-        # One spare entry after the sample: feedback_select's scatter sends the unsampled entries there.
-        self.padded_sample = np.empty(n + 1, dtype)
-        self.sample = self.padded_sample[:n]
+        self.sample = np.empty(n, dtype)
         self.candidates = np.empty(capacity, np.int32)
         self.scores = np.empty(capacity, dtype)
         self.partition = np.empty(capacity, dtype)
         self.keep = np.empty(capacity, bool)
         self.ties = np.empty(capacity, bool)
         self.selected = np.empty(k, np.int32)
-        # regtopk_scores' k-sized temporaries: three rows of values and a mask.
+        # regtopk_scores' k-sized temporaries: three rows of values.
         self.rows = np.empty((3, k), dtype)
-        self.mask = np.empty(k, bool)
 
     def fits(self, values: Any, k: int) -> bool:
         """Whether this workspace (and the C loops) can select ``k`` of ``values``."""
@@ -390,10 +387,11 @@ def regtopk_sent_factors(
     (and ``|a_j|`` times the unsent entries' factor elsewhere); the factor
     needs only last step's selection and aggregate, so it is ready before
     ``a = e + g`` is formed, and :func:`feedback_select` multiplies it by
-    ``|a_j|`` in its pass (``sent_factors``).  The expression of
-    :func:`regtopk_scores`' general code, step by step in the workspace's
-    k-sized rows (``rows[0]`` and ``rows[1]`` are free again afterwards), so
-    nothing is allocated.
+    ``|a_j|`` in its pass (``sent_factors``).  The floats of
+    :func:`regtopk_scores`' general code: its expression up to the tanh in
+    one C loop, then numpy's tanh, in the workspace's k-sized rows
+    (``rows[0]`` and ``rows[1]`` are free again afterwards), so nothing is
+    allocated.
 
     Parameters
     ----------
@@ -419,25 +417,18 @@ def _sent_factors(
     k = sent_indices.shape[0]
     if workspace is None or k > workspace.k or not workspace.fits(prev_aggregate, workspace.k):
         return None
-    xp = np
-    own, ratio, denominator = (row[:k] for row in workspace.rows)
-    zero_share = workspace.mask[:k]
-    xp.multiply(sent_values, 1.0 / n_workers, out=own)
-    xp.equal(own, 0, out=zero_share)
-    if not _indexed(_GATHER, prev_aggregate, sent_indices, ratio):
+    arrays = (sent_indices, sent_values)
+    if not all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays) or sent_indices.dtype != np.int32 \
+            or sent_values.dtype != prev_aggregate.dtype:
         return None
-    # The expression below, step by step: where() becomes copyto(where=) on the zero shares.
-    with np.errstate(over="ignore"):
-        ratio -= own
-        xp.copyto(denominator, own)
-        xp.copyto(denominator, 1, where=zero_share)
-        xp.divide(ratio, denominator, out=ratio)
-    xp.copyto(ratio, q, where=zero_share)
-    ratio += 1
-    xp.abs(ratio, out=ratio)
-    ratio /= mu
-    xp.tanh(ratio, out=denominator)  # out of place, as the expression's tanh
-    return denominator
+    ratio, factors = workspace.rows[1][:k], workspace.rows[2][:k]
+    # The expression's |1 + delta| / mu in one C loop (its operations, each rounded as numpy rounds them),
+    # then numpy's own tanh for its bits.
+    _votec.regtopk_ratio(
+        prev_aggregate, sent_indices, sent_values, ratio, k, ratio.dtype.itemsize, 1.0 / n_workers, q, mu, get_num_threads(),
+    )
+    np.tanh(ratio, out=factors)
+    return factors
 
 
 def regtopk_scores(
@@ -675,16 +666,8 @@ def feedback_select(
     stride, _, rank = _sample_plan(error.shape[0], k)
     sample = np.add(error[::stride], grad[::stride], out=workspace.sample)
     np.abs(sample, out=sample)
-    if sent_indices is not None and sent_indices.shape[0]:
-        # The sampled entries that were sent score their factor times |a|: one scaling of all of them,
-        # the others landing on the spare entry after the sample, which is never read (no compaction,
-        # so nothing is allocated).
-        n = sent_indices.shape[0]
-        positions = workspace.candidates[:n]
-        unsampled = np.not_equal(np.remainder(sent_indices, stride, out=positions), 0, out=workspace.mask[:n])
-        np.floor_divide(sent_indices, stride, out=positions)
-        np.copyto(positions, sample.shape[0], where=unsampled)
-        _indexed(_MUL, workspace.padded_sample, positions, sent_factors, threads=1)  # one thread: the spare entry repeats
+    if sent_indices is not None and sent_indices.shape[0]:  # the sampled entries that were sent score their factor times |a|
+        _votec.scale_sampled(sample, sent_indices, sent_factors, sent_indices.shape[0], sample.dtype.itemsize, stride)
     threshold = _sample_threshold(np, sample, rank, False, sample)
     return _scan_select(error, grad, threshold, True, k, workspace, sent_indices, sent_factors)
 
@@ -981,7 +964,9 @@ def merge_sorted_rows(index_rows: list, value_rows: list, d: int, union_out: Any
     return union_out[:u], sums_out[:u]
 
 
-def settle_aggregate(out: Any, union: Any, sums: Any, divisor: int, stale: Any = None, params: Any = None, lr: float = 0.0) -> None:
+def settle_aggregate(
+    out: Optional[Any], union: Any, sums: Any, divisor: int, stale: Any = None, params: Any = None, lr: float = 0.0,
+) -> None:
     """``out[union] = sums / divisor``, the other ``stale`` entries zeroed; with ``params``, ``params[union] -= lr * out[union]``.
 
     One walk over the sorted ``union`` and ``stale`` (C loops): the floats of
@@ -993,8 +978,9 @@ def settle_aggregate(out: Any, union: Any, sums: Any, divisor: int, stale: Any =
 
     Parameters
     ----------
-    out : numpy array, 1-D float32 or float64, C-contiguous
-        The dense aggregate, updated in place.
+    out : numpy array, 1-D float32 or float64, C-contiguous, or None
+        The dense aggregate, updated in place; None: left unwritten (``G``
+        is then only in ``sums``, and ``stale`` is not read).
     union, sums : arrays
         What :func:`merge_sorted_rows` returned (int32 indices, ascending, and
         values of ``out``'s dtype); ``sums`` becomes ``out[union]``.
@@ -1017,12 +1003,12 @@ def settle_aggregate(out: Any, union: Any, sums: Any, divisor: int, stale: Any =
     arrays = [a for a in (out, union, sums, stale, params) if a is not None]
     if _votec is None or not all(isinstance(a, np.ndarray) and a.flags.c_contiguous and a.flags.aligned for a in arrays):
         raise ValueError("settle_aggregate needs the C loops and C-contiguous numpy arrays (merge_sorted_rows' results)")
-    if out.dtype not in C_FLOATS or sums.dtype != out.dtype or (params is not None and params.dtype != out.dtype):
-        raise ValueError(f"out, sums and params must share a float32 or float64 dtype, got {out.dtype}, {sums.dtype}"
-                         f"{'' if params is None else ', ' + str(params.dtype)}")
+    dtypes = [a.dtype for a in (out, sums, params) if a is not None]
+    if sums.dtype not in C_FLOATS or any(dtype != sums.dtype for dtype in dtypes):
+        raise ValueError(f"out, sums and params must share a float32 or float64 dtype, got {', '.join(map(str, dtypes))}")
     if union.dtype != np.int32 or (stale is not None and stale.dtype != np.int32):
         raise ValueError("union and stale must be int32 indices")
-    _votec.settle(out, params, stale, union, sums, union.shape[0], out.dtype.itemsize, float(divisor), float(lr), get_num_threads())
+    _votec.settle(out, params, stale, union, sums, union.shape[0], sums.dtype.itemsize, float(divisor), float(lr), get_num_threads())
 
 
 def union_of_sorted(arrays: list, d: int, bits: Any = None, out: Any = None) -> Any:

@@ -42,7 +42,7 @@ except ImportError:  # built without a C compiler: the array code below is used
 if _updatec is not None and getattr(_updatec, "VERSION", 0) != 3:  # pragma: no cover
     _updatec = None  # a stale build (other arguments): rebuild (pip install -e .)
 
-__all__ = ["Merge", "all_finite", "elastic_pull", "fused_update_available", "merge_average", "sgd_update"]
+__all__ = ["Merge", "all_finite", "elastic_pull", "fused_update_available", "merge_average", "reads_support", "sgd_update"]
 
 #: How many arrays :func:`sgd_update`'s ``copy_to`` may name.
 MAX_COPIES = 2
@@ -57,6 +57,19 @@ def fused_update_available(params: Any) -> bool:
     CUDA kernels compiled (:mod:`~mpiopt.kernels._cuda`).
     """
     return c_loop_takes(_updatec, params) or _cuda.takes(params)
+
+
+def reads_support(params: Any, grad_support: Optional[Tuple[Any, Any]]) -> bool:
+    """Whether :func:`sgd_update` on ``params`` reads ``grad_support``'s values instead of its ``grad``.
+
+    True for the fused C loop (numpy) and a support of contiguous arrays
+    holding fewer than an eighth of the entries (more saves little); the
+    caller may then leave ``grad`` unwritten.
+    """
+    return (
+        grad_support is not None and c_loop_takes(_updatec, params) and 8 * grad_support[0].shape[0] < params.shape[0]
+        and all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in grad_support)
+    )
 
 
 def _fused(params: Any, arrays: List[Tuple[str, Any]]) -> bool:
@@ -287,13 +300,10 @@ def sgd_update(
                 grad_divisor, lr, weight_decay, momentum, dampening, nesterov, bool(first_step), bool(check_finite),
             )
         outputs = [copy for _, copy in copies] + [None] * (MAX_COPIES - len(copies))
-        # A support of more than an eighth of the entries saves little: read grad whole.
-        sparse = grad_support is not None and 8 * grad_support[0].shape[0] < params.shape[0] and all(
-            isinstance(a, np.ndarray) and a.flags.c_contiguous for a in grad_support
-        )
+        support = grad_support if reads_support(params, grad_support) else (None, None)
         finite = _updatec.sgd(
             params, grad, buffer if momentum else None, *outputs, c_merge, grad_divisor, lr, weight_decay, momentum,
-            dampening, nesterov, bool(first_step), get_num_threads(), *(grad_support if sparse else (None, None)),
+            dampening, nesterov, bool(first_step), get_num_threads(), *support,
         )
         return finite if check_finite else None
     work = [] if work is None else work

@@ -211,6 +211,27 @@ def test_mpi_run_is_the_simulation_bitwise(topology, name, density, mu):
     assert run.squared_distance[-1] < 0.5 * run.squared_distance[0]  # it is training, not standing still
 
 
+@pytest.mark.parametrize("name, mu", [("topk", None), ("regtopk", 4.0)])
+def test_sparse_momentum_run_is_the_simulation_bitwise(topology, name, mu):
+    """Momentum at a low density, where the update reads G's non-zero entries alone and Top-k writes the dense G
+    only when asked for: the simulation's dense update, bit for bit, however often the aggregate is read."""
+    rank, size, steps, density = topology.rank, topology.size, 20, 0.004
+    problem = make_problem(num_workers=size, dim=2000, samples=40, seed=7)
+    hyper = dict(mu=mu) if mu is not None else {}
+    alg = mpiopt.create(name, topology, lr=0.01, density=density, momentum=0.9, **hyper)
+    x = np.zeros(problem.dim, np.float32)
+    alg.setup(x)
+    grad = np.empty_like(x)
+    for step in range(steps):
+        alg.step(x, problem.gradient(rank, x, out=grad))
+        if step % 3 == 0:  # read now and then: a step after a read and after none
+            assert np.count_nonzero(alg.aggregate) <= size * alg.k
+    run = simulate(problem, Sparsifier(density=density, mu=mu), steps, momentum=0.9)
+    assert 8 * size * alg.k < problem.dim  # the sparse reading of G
+    assert np.array_equal(x, run.params)
+    assert np.array_equal(alg.aggregate, run.aggregate)
+
+
 @pytest.mark.mpi(min_size=4)
 def test_claim_at_four_ranks_matches_simulation():
     """The linear-regression claim, small, through MPI: 4 workers (d = 20, 200 samples each, heterogeneous

@@ -369,12 +369,11 @@ def test_indexed_loops_are_the_fancy_indexing(dtype, d, k, count, kernel_threads
     expect = x.copy()
     expect[indices] -= 0.1 * y[indices]
     assert sparse.subtract_scaled_at(x.copy(), indices, y, 0.1).tobytes() == expect.tobytes()
-    for op, numpy_op in ((sparse._SET, lambda e: values), (sparse._MUL, lambda e: values * e)):
-        expect = x.copy()
-        expect[indices] = numpy_op(expect[indices])
-        got = x.copy()
-        assert sparse._indexed(op, got, indices, values)
-        assert got.tobytes() == expect.tobytes()
+    expect = x.copy()
+    expect[indices] = values
+    got = x.copy()
+    assert sparse._indexed(sparse._SET, got, indices, values)
+    assert got.tobytes() == expect.tobytes()
     with pytest.raises(ValueError, match="out of"):
         sparse.zero_at(x.copy(), np.array([d], np.int32))
 
@@ -698,3 +697,51 @@ def test_feedback_select_and_settle_refuse_bad_arguments():
         sparse.settle_aggregate(np.zeros(d, np.float32), union, sums, 2)
     with pytest.raises(ValueError, match="union and stale must be int32"):
         sparse.settle_aggregate(np.zeros(d, np.float32), union.astype(np.int64), sums.astype(np.float32), 2)
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_regtopk_sent_factors_are_the_general_expressions_bits(dtype):
+    """The C loop up to the tanh, then numpy's tanh: regtopk_scores' numpy expression bit for bit, special values too."""
+    d, k = 5000, 700
+    rng = np.random.default_rng(np.dtype(dtype).itemsize)
+    indices = np.sort(rng.choice(d, k, replace=False)).astype(np.int32)
+    values = rng.standard_normal(k).astype(dtype)
+    prev = rng.standard_normal(d).astype(dtype)
+    tiny = np.finfo(dtype).smallest_subnormal
+    values[:8] = [0.0, -0.0, tiny, -tiny, np.nan, np.inf, -np.inf, 1.0]
+    prev[indices[8:12]] = [np.nan, np.inf, 0.0, -0.0]
+    prev[indices[::5]] = values[::5] / 3  # delta = 0
+    workspace = sparse.TopkWorkspace(d, k, dtype)
+    got = sparse.regtopk_sent_factors(indices, values, prev, 3, 5.0, 1e8, workspace)
+    acc = np.ones(d, dtype)  # |a| = 1: the general scores at the sent entries are the factors
+    with np.errstate(all="ignore"):
+        want = regtopk_scores(acc, indices, values, prev, 3, 5.0)[indices]
+    assert got.tobytes() == want.tobytes()
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_scale_sampled_scales_the_sampled_positions_only(dtype):
+    d, stride = 1000, 7
+    sample = np.arange(-(-d // stride), dtype=dtype) + 1
+    indices = np.array([0, 3, 7, 8, 14, 700, 994, 999], np.int32)  # 994 = 142 * 7 is the last sampled position
+    factors = np.arange(2, 2 + indices.size, dtype=dtype)
+    want = sample.copy()
+    sampled = indices % stride == 0
+    want[indices[sampled] // stride] = factors[sampled] * want[indices[sampled] // stride]
+    sparse._votec.scale_sampled(sample, indices, factors, indices.size, sample.dtype.itemsize, stride)
+    assert sample.tobytes() == want.tobytes()
+
+
+@needs_c
+def test_settle_without_the_dense_aggregate():
+    """out=None: G only in sums (divided), params updated there, no dense vector touched."""
+    union = np.array([2, 5, 9], np.int32)
+    sums = np.array([3.0, -6.0, 1.0], np.float32)
+    params = np.ones(12, np.float32)
+    want_values = sums / np.float32(3)
+    want_params = params.copy()
+    want_params[union] -= np.float32(0.5) * want_values
+    sparse.settle_aggregate(None, union, sums, 3, stale=np.array([1, 2], np.int32), params=params, lr=0.5)
+    assert sums.tobytes() == want_values.tobytes() and params.tobytes() == want_params.tobytes()
