@@ -208,15 +208,18 @@ class SparseWorker:
         # The fused pass scores unsent entries |a_j|: RegTop-k only where their factor is exactly 1 (the paper's q).
         self._fusable = not regularized or unsent_factor(sparsifier.mu, sparsifier.q) == 1.0
 
-    def compress(self, grad: Any, prev_aggregate: Any, out: Any, check_finite: bool = False) -> Optional[Any]:
+    def compress(
+        self, grad: Any, prev_aggregate: Any, out: Any, check_finite: bool = False, prev_support: Optional[Any] = None,
+    ) -> Optional[Any]:
         """Error feedback and selection on ``grad``; the payload to send, written into ``out``.
 
         Parameters
         ----------
         grad : array like ``error``
             This worker's gradient ``g``.
-        prev_aggregate : array like ``error``
-            Last step's aggregate ``G_prev`` (read by RegTop-k only).
+        prev_aggregate : array like ``error``, or a callable returning it
+            Last step's aggregate ``G_prev`` (read by RegTop-k only; a
+            callable is called only where the dense ``G_prev`` is read).
         out : array of uint8, shape (payload_nbytes,)
             Where the payload goes (a send buffer, or one row of the
             simulator's table of payloads).
@@ -224,6 +227,9 @@ class SparseWorker:
             Also check that every element of ``grad`` is finite: in the
             pass that forms ``a = e + g`` where that pass is fused (numpy
             with the C loops), else in a pass of its own first.
+        prev_support : (indices, values), optional
+            ``G_prev``'s non-zero entries and values (RegTop-k): where the
+            fused pass runs, read instead of the dense ``G_prev``.
 
         Returns
         -------
@@ -234,7 +240,7 @@ class SparseWorker:
         """
         sparsifier = self.sparsifier
         if sparsifier.regularized:
-            select = partial(self._select_regularized, prev_aggregate)
+            select = partial(self._select_regularized, prev_aggregate)  # the general code: the dense G_prev
         else:
             select = partial(topk_indices, k=self.k, workspace=self._workspace)
         # a = g + e; S = select(a); e <- a - a 1_S (in place; values = a on S).
@@ -245,7 +251,8 @@ class SparseWorker:
         if fused and sparsifier.regularized and self.has_history:
             sent_indices = self.sent_indices
             sent_factors = regtopk_sent_factors(
-                sent_indices, self.sent_values, prev_aggregate, self.n_workers, sparsifier.mu, sparsifier.q, self._workspace,
+                sent_indices, self.sent_values, self.error if prev_support is not None else _dense(prev_aggregate),
+                self.n_workers, sparsifier.mu, sparsifier.q, self._workspace, prev_support=prev_support,
             )
             fused = sent_factors is not None
         if check_finite and not fused and not all_finite(grad):  # before error changes
@@ -272,10 +279,15 @@ class SparseWorker:
         """RegTop-k: the k entries of largest ``tanh(|1 + delta| / mu) |a|``."""
         history = self.k if self.has_history else 0
         scores = regtopk_scores(
-            acc, self.sent_indices[:history], self.sent_values[:history], prev_aggregate,
+            acc, self.sent_indices[:history], self.sent_values[:history], _dense(prev_aggregate),
             self.n_workers, self.sparsifier.mu, self.sparsifier.q, out=self._scores, workspace=self._workspace,
         )
         return topk_indices(scores, self.k, absolute=False, workspace=self._workspace)
+
+
+def _dense(aggregate: Any) -> Any:
+    """An aggregate given as an array, or as a callable that returns it."""
+    return aggregate() if callable(aggregate) else aggregate
 
 
 class SparseAggregate(NamedTuple):
@@ -391,7 +403,7 @@ class _SparseSGD(LocalStepState, Algorithm):
         self._dense = bool(self.local.momentum or self.local.weight_decay)
         self.worker: Optional[SparseWorker] = None
         self._aggregate: Optional[Any] = None  # G, dense: this step's, and RegTop-k's G_prev in the next
-        # Top-k reads G only where it is non-zero: the dense copy is written when asked for (the aggregate property)
+        # The steps read G only where it is non-zero: the dense copy is written when asked for (the aggregate property)
         self._latest: Optional[SparseAggregate] = None  # this step's G where non-zero, while its buffers hold it
         self._aggregate_written = True  # whether self._aggregate holds this step's G
         self._payload: Optional[Any] = None  # this rank's payload (the Allgather's send buffer)
@@ -415,7 +427,7 @@ class _SparseSGD(LocalStepState, Algorithm):
     @property
     def aggregate(self) -> Optional[Any]:
         """``G`` of the last step, the same on every rank."""
-        if not self._aggregate_written:  # Top-k's steps leave it to here (one pass over d, when asked)
+        if not self._aggregate_written:  # the steps leave it to here (one pass over d, when asked)
             self._aggregate[...] = 0
             self._aggregate[self._latest.touched] = self._latest.values
             self._touched = self._latest.touched
@@ -463,15 +475,19 @@ class _SparseSGD(LocalStepState, Algorithm):
         self._sums = xp.empty(union, dtype=params.dtype)  # per union entry, the workers' sum
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
-        if self.worker.compress(grad, self._aggregate, out=self._payload, check_finite=self._checks_in_step()) is None:
+        # RegTop-k's G_prev: its non-zero entries where the last step kept them, the dense G (written when
+        # first read: the aggregate property) where the worker's general code reads it.
+        sent = self.worker.compress(
+            grad, lambda: self.aggregate, out=self._payload, check_finite=self._checks_in_step(), prev_support=self._latest,
+        )
+        if sent is None:
             self._non_finite_gradient()  # before the Allgather
         self.topology.world.Allgather(self._payload, self._payloads)
         # G = (1/N) sum_n sent_n, non-zero on at most P k entries; without momentum and weight decay the
         # paper's rule, x <- x - lr G where G is non-zero, in the same walk (the dense update's floats).
-        # RegTop-k ranks the next step by the dense G, and a dense update that cannot read G's non-zero entries
-        # alone (at most P k: the union buffers' length) reads all of it; otherwise the dense G is written only
-        # when asked for (the aggregate property).
-        write_out = self.sparsifier.regularized or (self._dense and not reads_support(params, (self._unions[0], self._sums)))
+        # A dense update that cannot read G's non-zero entries alone (at most P k: the union buffers' length)
+        # reads all of it; otherwise the dense G is written only when asked for (the aggregate property).
+        write_out = self._dense and not reads_support(params, (self._unions[0], self._sums))
         aggregate = aggregate_payloads(
             self._payloads, out=self._aggregate, stale=self._touched, indices_out=self._indices,
             union_bits=self._union_bits, union_out=self._unions[self._union_slot], sums_out=self._sums,

@@ -1112,14 +1112,22 @@ done:
  * numpy's operations on k-sized rows, each rounded to the dtype, in one loop (the tanh that makes the
  * regularizer stays numpy's, for its bits). */
 #define RATIO(T, ABS)                                                                                  \
-    static void ratio_##T(const T *prev, const int32_t *idx, const T *sent, T *out, Py_ssize_t k, double w, \
-                          double q, double mu) {                                                       \
+    static void ratio_##T(const T *prev, const int32_t *support, Py_ssize_t n_support, const int32_t *idx, \
+                          const T *sent, T *out, Py_ssize_t k, double w, double q, double mu) {        \
         const T w_ = (T)w, q_ = (T)q, mu_ = (T)mu;                                                     \
+        Py_ssize_t s = support && k ? lower_bound(support, n_support, idx[0]) : 0;                     \
         for (Py_ssize_t i = 0; i < k; ++i) {                                                           \
             const T own = sent[i] * w_;                                                                \
             T r = q_;                                                                                  \
+            T previous;                                                                                \
+            if (support) { /* G_prev's non-zero entries, walked in step with idx (both ascending) */   \
+                while (s < n_support && support[s] < idx[i]) ++s;                                      \
+                previous = s < n_support && support[s] == idx[i] ? prev[s] : (T)0;                      \
+            } else {                                                                                   \
+                previous = prev[idx[i]];                                                               \
+            }                                                                                          \
             if (own != 0) {                                                                            \
-                const T difference = prev[idx[i]] - own;                                               \
+                const T difference = previous - own;                                                   \
                 r = difference / own;                                                                  \
             }                                                                                          \
             r = r + (T)1;                                                                              \
@@ -1130,9 +1138,9 @@ RATIO(float, fabsf)
 RATIO(double, fabs)
 
 typedef struct {
-    Py_ssize_t itemsize;
+    Py_ssize_t itemsize, n_support;
     const char *prev, *sent;
-    const int32_t *idx;
+    const int32_t *idx, *support;
     char *out;
     double w, q, mu;
 } ratio_job;
@@ -1142,42 +1150,50 @@ static void ratio_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
     const Py_ssize_t at = lo * j->itemsize;
     (void)part;
     if (j->itemsize == 4)
-        ratio_float((const float *)j->prev, j->idx + lo, (const float *)(j->sent + at), (float *)(j->out + at), hi - lo,
-                    j->w, j->q, j->mu);
+        ratio_float((const float *)j->prev, j->support, j->n_support, j->idx + lo, (const float *)(j->sent + at),
+                    (float *)(j->out + at), hi - lo, j->w, j->q, j->mu);
     else
-        ratio_double((const double *)j->prev, j->idx + lo, (const double *)(j->sent + at), (double *)(j->out + at),
-                     hi - lo, j->w, j->q, j->mu);
+        ratio_double((const double *)j->prev, j->support, j->n_support, j->idx + lo, (const double *)(j->sent + at),
+                     (double *)(j->out + at), hi - lo, j->w, j->q, j->mu);
 }
 
 static PyObject *py_regtopk_ratio(PyObject *self, PyObject *args) {
-    Py_buffer prev, indices, sent, out;
+    Py_buffer prev, indices, sent, out, support = {0};
+    PyObject *supporto = Py_None;
     Py_ssize_t k, itemsize;
     double w, q, mu;
     int threads;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*nndddi", &prev, &indices, &sent, &out, &k, &itemsize, &w, &q, &mu, &threads))
+    if (!PyArg_ParseTuple(args, "y*y*y*w*nndddi|O", &prev, &indices, &sent, &out, &k, &itemsize, &w, &q, &mu, &threads,
+                          &supporto))
         return NULL;
     PyObject *result = NULL;
-    const Py_ssize_t n = prev.len / (itemsize ? itemsize : 1);
-    const int32_t *idx = (const int32_t *)indices.buf;
+    if (supporto != Py_None && PyObject_GetBuffer(supporto, &support, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    const Py_ssize_t n = prev.len / (itemsize ? itemsize : 1), n_support = support.obj ? support.len / 4 : 0;
+    const int32_t *idx = (const int32_t *)indices.buf, *at = (const int32_t *)support.buf;
+    /* with a support, prev holds G_prev at its entries (ascending), and idx must ascend too */
     int ok = (itemsize == 4 || itemsize == 8) && k >= 0 && indices.len >= 4 * k && sent.len >= k * itemsize &&
-             out.len >= k * itemsize;
-    for (Py_ssize_t i = 0; ok && i < k; ++i) ok = idx[i] >= 0 && idx[i] < n;
+             out.len >= k * itemsize && (!support.obj || n >= n_support);
+    for (Py_ssize_t i = 0; ok && i < k; ++i) ok = support.obj ? (i == 0 || idx[i] > idx[i - 1]) : idx[i] >= 0 && idx[i] < n;
+    for (Py_ssize_t i = 1; ok && i < n_support; ++i) ok = at[i] > at[i - 1];
     if (!ok) {
-        PyErr_Format(PyExc_ValueError, "regtopk_ratio: bad k=%zd itemsize=%zd, buffers too small or indices out of [0, %zd)",
+        PyErr_Format(PyExc_ValueError,
+                     "regtopk_ratio: bad k=%zd itemsize=%zd, buffers too small, indices out of [0, %zd) or not ascending",
                      k, itemsize, n);
     } else {
-        ratio_job job = {itemsize, (const char *)prev.buf, (const char *)sent.buf, idx, (char *)out.buf, w, q, mu};
+        ratio_job job = {itemsize, n_support, (const char *)prev.buf, (const char *)sent.buf, idx, at, (char *)out.buf, w, q, mu};
         Py_BEGIN_ALLOW_THREADS
         mpiopt_parallel_for_min(threads, k, 1, INDEXED_MIN_PART, ratio_part, &job);
         Py_END_ALLOW_THREADS
         Py_INCREF(Py_None);
         result = Py_None;
     }
+done:
     PyBuffer_Release(&prev);
     PyBuffer_Release(&indices);
     PyBuffer_Release(&sent);
     PyBuffer_Release(&out);
+    if (support.obj) PyBuffer_Release(&support);
     return result;
 }
 
@@ -1271,9 +1287,10 @@ static PyMethodDef methods[] = {
      "None, g[union[j]] = G_j and g[i] = 0 for the stale indices not in the union (both sorted); unless x\n"
      "is None, x[union[j]] -= lr * G_j."},
     {"regtopk_ratio", py_regtopk_ratio, METH_VARARGS,
-     "regtopk_ratio(prev, idx, sent, out, k, itemsize, w, q, mu, threads)\n\n"
-     "RegTop-k's |1 + delta| / mu before its tanh: out[p] = |(prev[idx[p]] - own) / own + 1| / mu with own =\n"
-     "sent[p] * w, or |q + 1| / mu where own is 0; each operation rounded to the dtype."},
+     "regtopk_ratio(prev, idx, sent, out, k, itemsize, w, q, mu, threads, support=None)\n\n"
+     "RegTop-k's |1 + delta| / mu before its tanh: out[p] = |(G - own) / own + 1| / mu with G = prev[idx[p]]\n"
+     "and own = sent[p] * w, or |q + 1| / mu where own is 0; each operation rounded to the dtype.  With\n"
+     "support (int32, ascending), prev holds G's values there only (0 elsewhere) and idx ascends."},
     {"scale_sampled", py_scale_sampled, METH_VARARGS,
      "scale_sampled(sample, idx, factors, k, itemsize, stride)\n\n"
      "sample[i // stride] = factors[p] * sample[i // stride] for each i = idx[p] with i % stride == 0 (and\n"

@@ -380,6 +380,7 @@ def _check_regularizer_scalars(n_workers: Any, mu: Any, q: Any) -> int:
 
 def regtopk_sent_factors(
     sent_indices: Any, sent_values: Any, prev_aggregate: Any, n_workers: int, mu: float, q: float, workspace: Optional[TopkWorkspace],
+    prev_support: Optional[Tuple[Any, Any]] = None,
 ) -> Optional[Any]:
     """RegTop-k's regularizer ``tanh(|1 + delta_j| / mu)`` at the sent entries, in ``workspace.rows[2]``.
 
@@ -400,6 +401,11 @@ def regtopk_sent_factors(
         ``sent_indices`` must be checked already (what a previous selection
         returned), at most ``workspace.k``.
     workspace : TopkWorkspace or None
+    prev_support : (indices, values), optional
+        ``G_prev``'s non-zero entries (int32, ascending) and its values there:
+        read instead of ``prev_aggregate`` (then unread, and only its shape
+        and dtype matter), in one walk beside ``sent_indices`` with no random
+        access.
 
     Returns
     -------
@@ -407,25 +413,29 @@ def regtopk_sent_factors(
         The factors (the workspace's ``rows[2]``, overwritten by the next
         call), or None where the workspace or the C loops cannot compute them.
     """
-    return _sent_factors(sent_indices, sent_values, prev_aggregate, _check_regularizer_scalars(n_workers, mu, q), mu, q, workspace)
+    n_workers = _check_regularizer_scalars(n_workers, mu, q)
+    return _sent_factors(sent_indices, sent_values, prev_aggregate, n_workers, mu, q, workspace, prev_support)
 
 
 def _sent_factors(
     sent_indices: Any, sent_values: Any, prev_aggregate: Any, n_workers: int, mu: float, q: float, workspace: Optional[TopkWorkspace],
+    prev_support: Optional[Tuple[Any, Any]] = None,
 ) -> Optional[Any]:
     """:func:`regtopk_sent_factors` on checked scalars."""
     k = sent_indices.shape[0]
     if workspace is None or k > workspace.k or not workspace.fits(prev_aggregate, workspace.k):
         return None
-    arrays = (sent_indices, sent_values)
+    support, prev = (None, prev_aggregate) if prev_support is None else prev_support
+    arrays = (sent_indices, sent_values, prev) + (() if support is None else (support,))
     if not all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays) or sent_indices.dtype != np.int32 \
-            or sent_values.dtype != prev_aggregate.dtype:
+            or sent_values.dtype != prev_aggregate.dtype or prev.dtype != prev_aggregate.dtype \
+            or (support is not None and (support.dtype != np.int32 or support.shape != prev.shape)):
         return None
     ratio, factors = workspace.rows[1][:k], workspace.rows[2][:k]
     # The expression's |1 + delta| / mu in one C loop (its operations, each rounded as numpy rounds them),
     # then numpy's own tanh for its bits.
     _votec.regtopk_ratio(
-        prev_aggregate, sent_indices, sent_values, ratio, k, ratio.dtype.itemsize, 1.0 / n_workers, q, mu, get_num_threads(),
+        prev, sent_indices, sent_values, ratio, k, ratio.dtype.itemsize, 1.0 / n_workers, q, mu, get_num_threads(), support,
     )
     np.tanh(ratio, out=factors)
     return factors

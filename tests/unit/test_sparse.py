@@ -713,10 +713,19 @@ def test_regtopk_sent_factors_are_the_general_expressions_bits(dtype):
     prev[indices[8:12]] = [np.nan, np.inf, 0.0, -0.0]
     prev[indices[::5]] = values[::5] / 3  # delta = 0
     workspace = sparse.TopkWorkspace(d, k, dtype)
-    got = sparse.regtopk_sent_factors(indices, values, prev, 3, 5.0, 1e8, workspace)
+    got = sparse.regtopk_sent_factors(indices, values, prev, 3, 5.0, 1e8, workspace).copy()
     acc = np.ones(d, dtype)  # |a| = 1: the general scores at the sent entries are the factors
     with np.errstate(all="ignore"):
         want = regtopk_scores(acc, indices, values, prev, 3, 5.0)[indices]
+    assert got.tobytes() == want.tobytes()
+    # G_prev by its non-zero entries (some sent entries outside them, where G_prev is 0): the same bits, no dense read
+    support = np.union1d(indices[::2], rng.choice(d, 300, replace=False)).astype(np.int32)
+    sparse_prev = np.zeros(d, dtype)
+    sparse_prev[support] = prev[support]
+    poisoned = np.full(d, np.nan, dtype)
+    got = sparse.regtopk_sent_factors(indices, values, poisoned, 3, 5.0, 1e8, workspace, prev_support=(support, prev[support]))
+    with np.errstate(all="ignore"):
+        want = regtopk_scores(acc, indices, values, sparse_prev, 3, 5.0)[indices]
     assert got.tobytes() == want.tobytes()
 
 
