@@ -162,10 +162,11 @@ class Algorithm:
         ``Topology(abort_on_error=False)``.  ``skip``: every rank skips the
         step together (one extra 1-byte Allreduce per step, so the decision
         is collective).  Under ``raise``, algorithms whose update reads this
-        rank's gradient (``sgd`` at one rank, ``easgd``, ``dasgd``) check it
-        in the update's own pass instead of a pass of its own first; the rank
-        that raises has then applied the step, so a caller that catches the
-        error must reload a checkpoint (see :meth:`_checks_in_step`).
+        rank's gradient (``sgd`` at one rank, ``easgd``, ``dasgd``, ``topk``,
+        ``regtopk``) check it in the update's own pass (Top-k's: error
+        feedback's) instead of a pass of its own first; the rank that raises
+        has then changed its state, so a caller that catches the error must
+        reload a checkpoint (see :meth:`_checks_in_step`).
     """
 
     name: ClassVar[str] = ""

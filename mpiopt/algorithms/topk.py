@@ -426,7 +426,11 @@ class _SparseSGD(LocalStepState, Algorithm):
 
     @property
     def aggregate(self) -> Optional[Any]:
-        """``G`` of the last step, the same on every rank."""
+        """``G`` of the last step, the same on every rank.
+
+        The steps read ``G`` where it is non-zero only, and leave the dense
+        vector to its first read after a step (one pass over it).
+        """
         if not self._aggregate_written:  # the steps leave it to here (one pass over d, when asked)
             self._aggregate[...] = 0
             self._aggregate[self._latest.touched] = self._latest.values
