@@ -20,6 +20,19 @@
 #define MPIOPT_PARALLEL_H
 
 #include <pthread.h>
+#include <stdint.h>
+
+/* The first position of the sorted int32 list a (n entries) holding value or more: where a part of a
+ * loop over sorted indices starts. */
+static Py_ssize_t mpiopt_lower_bound(const int32_t *a, Py_ssize_t n, Py_ssize_t value) {
+    Py_ssize_t lo = 0, hi = n;
+    while (lo < hi) {
+        const Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (a[mid] < value) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
 
 /* The most chunks (and threads) of one call: per-chunk results fit arrays of this length. */
 #define MPIOPT_MAX_PARTS 64

@@ -225,17 +225,6 @@ static int sgd_range(const sgd_job *j, Py_ssize_t lo, Py_ssize_t hi, const char 
                j->first, j->damp, j->nesterov);
 }
 
-/* The first position of the sorted int32 list a (n entries) holding value or more. */
-static Py_ssize_t lower_bound(const int32_t *a, Py_ssize_t n, Py_ssize_t value) {
-    Py_ssize_t lo = 0, hi = n;
-    while (lo < hi) {
-        const Py_ssize_t mid = lo + (hi - lo) / 2;
-        if (a[mid] < value) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
-}
-
 static void sgd_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
     sgd_job *j = (sgd_job *)ctx;
     if (!j->support) {
@@ -248,7 +237,7 @@ static void sgd_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
     char *buffer = (char *)storage;
     const Py_ssize_t s = j->itemsize;
     int finite = 1;
-    Py_ssize_t p = lower_bound(j->support, j->n_support, lo);
+    Py_ssize_t p = mpiopt_lower_bound(j->support, j->n_support, lo);
     for (Py_ssize_t start = lo; start < hi; start += SUPPORT_BLOCK) {
         const Py_ssize_t end = start + SUPPORT_BLOCK < hi ? start + SUPPORT_BLOCK : hi;
         const Py_ssize_t first = p;

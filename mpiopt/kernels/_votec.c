@@ -693,25 +693,14 @@ typedef struct {
     int nonfinite[MPIOPT_MAX_PARTS]; /* the pass with g: whether chunk c's g has NaN or +-inf */
 } scan_job;
 
-/* The first position of the sorted int32 list a (n entries) holding value or more. */
-static Py_ssize_t lower_bound(const int32_t *a, Py_ssize_t n, int32_t value) {
-    Py_ssize_t lo = 0, hi = n;
-    while (lo < hi) {
-        const Py_ssize_t mid = lo + (hi - lo) / 2;
-        if (a[mid] < value) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
-}
-
 static void scan_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
     scan_job *j = (scan_job *)ctx;
     const Py_ssize_t s = j->itemsize;
     const Py_ssize_t begin = j->exact ? j->start[part] : (j->n ? j->capacity * lo / j->n : 0);
     const Py_ssize_t end = j->exact ? begin + j->room[part] : (j->n ? j->capacity * hi / j->n : 0);
     /* the part's overrides (lo and hi fit int32: n < 2**31) */
-    const Py_ssize_t a = lower_bound(j->over, j->n_over, (int32_t)lo);
-    const Py_ssize_t n_over = lower_bound(j->over, j->n_over, (int32_t)hi) - a;
+    const Py_ssize_t a = mpiopt_lower_bound(j->over, j->n_over, (int32_t)lo);
+    const Py_ssize_t n_over = mpiopt_lower_bound(j->over, j->n_over, (int32_t)hi) - a;
     int nonfinite = 0;
     j->start[part] = begin;
     j->room[part] = end - begin;
@@ -1049,8 +1038,8 @@ typedef struct {
 
 static void settle_part(void *ctx, Py_ssize_t j0, Py_ssize_t j1, int part) {
     const settle_job *j = (const settle_job *)ctx;
-    const Py_ssize_t s0 = j0 == 0 ? 0 : lower_bound(j->stale, j->n_stale, j->idx[j0]);
-    const Py_ssize_t s1 = j1 == j->u ? j->n_stale : lower_bound(j->stale, j->n_stale, j->idx[j1]);
+    const Py_ssize_t s0 = j0 == 0 ? 0 : mpiopt_lower_bound(j->stale, j->n_stale, j->idx[j0]);
+    const Py_ssize_t s1 = j1 == j->u ? j->n_stale : mpiopt_lower_bound(j->stale, j->n_stale, j->idx[j1]);
     (void)part;
     if (j->itemsize == 4)
         settle_float((float *)j->g, (float *)j->x, j->stale + s0, s1 - s0, j->idx + j0, (float *)j->sums + j0,
@@ -1115,7 +1104,7 @@ done:
     static void ratio_##T(const T *prev, const int32_t *support, Py_ssize_t n_support, const int32_t *idx, \
                           const T *sent, T *out, Py_ssize_t k, double w, double q, double mu) {        \
         const T w_ = (T)w, q_ = (T)q, mu_ = (T)mu;                                                     \
-        Py_ssize_t s = support && k ? lower_bound(support, n_support, idx[0]) : 0;                     \
+        Py_ssize_t s = support && k ? mpiopt_lower_bound(support, n_support, idx[0]) : 0;                     \
         for (Py_ssize_t i = 0; i < k; ++i) {                                                           \
             const T own = sent[i] * w_;                                                                \
             T r = q_;                                                                                  \
