@@ -27,7 +27,10 @@ The update ``x <- x - lr G`` goes through
 :class:`~mpiopt.algorithms.local.LocalSGD` when momentum or weight decay is
 set; the papers' rule, the default (``momentum=0``, ``weight_decay=0``),
 touches only the at most ``P k`` entries where ``G`` is non-zero (the same
-floats as the dense update, without its passes over all d entries).
+floats as the dense update, without its passes over all d entries).  Either
+update (the dense one through ``grad_support``) and RegTop-k's next ranking
+read ``G`` where it is non-zero only, so the dense ``G`` is written when
+:attr:`aggregate` is read, not every step.
 
 Exchange
 --------
@@ -251,7 +254,7 @@ class SparseWorker:
         if fused and sparsifier.regularized and self.has_history:
             sent_indices = self.sent_indices
             sent_factors = regtopk_sent_factors(
-                sent_indices, self.sent_values, self.error if prev_support is not None else _dense(prev_aggregate),
+                sent_indices, self.sent_values, None if prev_support is not None else _dense(prev_aggregate),
                 self.n_workers, sparsifier.mu, sparsifier.q, self._workspace, prev_support=prev_support,
             )
             fused = sent_factors is not None
@@ -477,6 +480,9 @@ class _SparseSGD(LocalStepState, Algorithm):
         self._unions = xp.empty((2, union), dtype=xp.int32)
         self._union_slot = 0  # the buffer that does not hold self._touched
         self._sums = xp.empty(union, dtype=params.dtype)  # per union entry, the workers' sum
+        # A dense update that cannot read G's non-zero entries alone (at most P k: the union buffers' length)
+        # reads all of it; otherwise the dense G is written only when asked for (the aggregate property).
+        self._write_out = self._dense and not reads_support(params, (self._unions[0], self._sums))
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         # RegTop-k's G_prev: its non-zero entries where the last step kept them, the dense G (written when
@@ -489,17 +495,14 @@ class _SparseSGD(LocalStepState, Algorithm):
         self.topology.world.Allgather(self._payload, self._payloads)
         # G = (1/N) sum_n sent_n, non-zero on at most P k entries; without momentum and weight decay the
         # paper's rule, x <- x - lr G where G is non-zero, in the same walk (the dense update's floats).
-        # A dense update that cannot read G's non-zero entries alone (at most P k: the union buffers' length)
-        # reads all of it; otherwise the dense G is written only when asked for (the aggregate property).
-        write_out = self._dense and not reads_support(params, (self._unions[0], self._sums))
         aggregate = aggregate_payloads(
             self._payloads, out=self._aggregate, stale=self._touched, indices_out=self._indices,
             union_bits=self._union_bits, union_out=self._unions[self._union_slot], sums_out=self._sums,
-            params=None if self._dense else params, lr=self.lr, write_out=write_out,
+            params=None if self._dense else params, lr=self.lr, write_out=self._write_out,
         )
         self._union_slot ^= 1  # the next union goes to the other buffer
         self._latest = None if aggregate.values is None else aggregate
-        self._aggregate_written = write_out or aggregate.values is None
+        self._aggregate_written = self._write_out or aggregate.values is None
         self._touched = aggregate.touched if self._aggregate_written else None
         if self._dense:  # x <- x - lr G with momentum / decay, from G's non-zero values where the loop reads only those
             self.local.apply(params, self._aggregate, self.lr, grad_support=self._latest)

@@ -379,7 +379,7 @@ def _check_regularizer_scalars(n_workers: Any, mu: Any, q: Any) -> int:
 
 
 def regtopk_sent_factors(
-    sent_indices: Any, sent_values: Any, prev_aggregate: Any, n_workers: int, mu: float, q: float, workspace: Optional[TopkWorkspace],
+    sent_indices: Any, sent_values: Any, prev_aggregate: Optional[Any], n_workers: int, mu: float, q: float, workspace: Optional[TopkWorkspace],
     prev_support: Optional[Tuple[Any, Any]] = None,
 ) -> Optional[Any]:
     """RegTop-k's regularizer ``tanh(|1 + delta_j| / mu)`` at the sent entries, in ``workspace.rows[2]``.
@@ -403,9 +403,8 @@ def regtopk_sent_factors(
     workspace : TopkWorkspace or None
     prev_support : (indices, values), optional
         ``G_prev``'s non-zero entries (int32, ascending) and its values there:
-        read instead of ``prev_aggregate`` (then unread, and only its shape
-        and dtype matter), in one walk beside ``sent_indices`` with no random
-        access.
+        read instead of ``prev_aggregate`` (which may then be None), in one
+        walk beside ``sent_indices`` with no random access.
 
     Returns
     -------
@@ -423,12 +422,12 @@ def _sent_factors(
 ) -> Optional[Any]:
     """:func:`regtopk_sent_factors` on checked scalars."""
     k = sent_indices.shape[0]
-    if workspace is None or k > workspace.k or not workspace.fits(prev_aggregate, workspace.k):
-        return None
     support, prev = (None, prev_aggregate) if prev_support is None else prev_support
+    if workspace is None or k > workspace.k or (support is None and not workspace.fits(prev, workspace.k)):
+        return None
     arrays = (sent_indices, sent_values, prev) + (() if support is None else (support,))
     if not all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays) or sent_indices.dtype != np.int32 \
-            or sent_values.dtype != prev_aggregate.dtype or prev.dtype != prev_aggregate.dtype \
+            or sent_values.dtype != workspace.dtype or prev.dtype != workspace.dtype \
             or (support is not None and (support.dtype != np.int32 or support.shape != prev.shape)):
         return None
     ratio, factors = workspace.rows[1][:k], workspace.rows[2][:k]
