@@ -57,7 +57,7 @@ Example
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional
 
 from ..arrays import empty_apart
 from ..comm import Request, Topology, is_gpu_array
@@ -202,7 +202,6 @@ class DaSGD(LocalStepState, Algorithm):
         self.merge_step = 0
         self._snapshot: Optional[Any] = None  # w_k, kept for the delayed rule's merge (the proportion rule needs none)
         self._sum: Optional[Any] = None  # w_k, then (in-place Iallreduce) its sum over the ranks
-        self._starts_into: Tuple[Any, ...] = ()  # the buffers a start's update writes w_k into
         self._request: Optional[Request] = None
         self._progress_thread: Optional[_ProgressThread] = None
 
@@ -258,7 +257,6 @@ class DaSGD(LocalStepState, Algorithm):
         self.local.allocate(params)
         self._snapshot = empty_apart(params) if self.merge == "delayed" else None
         self._sum = empty_apart(params)
-        self._starts_into = (self._sum,) if self._snapshot is None else (self._snapshot, self._sum)
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         step = self.steps + 1  # the base class counts the step after _step returns
@@ -268,8 +266,10 @@ class DaSGD(LocalStepState, Algorithm):
             self._complete()  # the update merges it, so it must be complete first
         # The update's own pass writes w_k into the snapshot and the Iallreduce's buffer, or merges the
         # average: neither makes a pass of its own over the parameters.
+        # A start writes w_k into the snapshot (the proportion rule keeps none) and the Iallreduce's buffer.
+        starts_into = tuple(buffer for buffer in (self._snapshot, self._sum) if buffer is not None) if starts else None
         finite = self.local.apply(
-            params, grad, self.lr, copy_to=self._starts_into if starts else None,
+            params, grad, self.lr, copy_to=starts_into,
             merge=self._pending_merge() if merges else None, check_finite=self._checks_in_step(),
         )
         if finite is False:

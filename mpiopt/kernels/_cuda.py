@@ -327,10 +327,11 @@ def all_finite(x: Any) -> bool:
     return not _launch("all_finite", x.dtype, _items(x, wide), (np.int64(x.shape[0]), x, np.int32(wide)), flag=True)
 
 
-def pack_signs(x: Any, out: Any) -> bool:
-    """Pack the signs of ``x`` into ``out``; whether ``x`` holds a NaN (a sync)."""
+def pack_signs(x: Any, out: Any, check_nan: bool = True) -> bool:
+    """Pack the signs of ``x`` into ``out``; with ``check_nan``, whether ``x`` holds a NaN (a sync), else False (none)."""
     T = x.dtype.type
-    return bool(_launch("pack_signs", x.dtype, -(-x.shape[0] // 8), (np.int64(x.shape[0]), x, x, T(0), T(0), np.int32(0), out), flag=True))
+    args = (np.int64(x.shape[0]), x, x, T(0), T(0), np.int32(0), out)
+    return bool(_launch("pack_signs", x.dtype, -(-x.shape[0] // 8), args, flag=check_nan))
 
 
 def momentum_signs(m: Any, g: Any, beta: float, out: Any) -> None:

@@ -185,7 +185,7 @@ def pack_signs(x: Any, out: Any = None, nan_policy: str = "raise") -> Any:
         if xp is np:
             nan = _votec.pack_signs(x, d, x.dtype.itemsize, out, get_num_threads())
         else:
-            nan = _cuda.pack_signs(x, out)
+            nan = _cuda.pack_signs(x, out, check_nan=nan_policy == "raise")  # reading the answer waits for the device
         if nan and nan_policy == "raise":
             raise ValueError(_NAN_MESSAGE)
         return out

@@ -317,7 +317,7 @@ def sgd_update(
             _array_merge(params, merge)
     for _, copy in copies:
         xp.copyto(copy, params)
-    return bool(xp.isfinite(grad).all()) if check_finite else None
+    return all_finite(grad) if check_finite else None
 
 
 def _array_update(
