@@ -22,12 +22,13 @@ their next collective.  mpiopt has two answers:
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
 import traceback
 from types import TracebackType
-from typing import Optional, Type
+from typing import NoReturn, Optional, Type
 
 __all__ = ["abort_on_exception", "abort_job", "OtherRankError", "ABORT_ENV"]
 
@@ -42,8 +43,8 @@ class OtherRankError(RuntimeError):
     """Raised on the ranks that did not fail when a collective check found an error on another rank."""
 
 
-def abort_job(message: str, code: int = 1) -> None:
-    """Print ``message`` to stderr and abort every rank of ``MPI.COMM_WORLD``."""
+def abort_job(message: str, code: int = 1) -> NoReturn:
+    """Print ``message`` to stderr, abort every rank of ``MPI.COMM_WORLD`` and end this process (never returns)."""
     from mpi4py import MPI
 
     sys.stderr.write(message)
@@ -53,6 +54,9 @@ def abort_job(message: str, code: int = 1) -> None:
     # once it kills the job: give it a moment to deliver the traceback.
     time.sleep(ABORT_GRACE_SECONDS)
     MPI.COMM_WORLD.Abort(code)
+    # MPI_Abort may return before the launcher ends this process (MPICH 5 does, now and then): a caller that
+    # catches the error must not go on, into collectives the other ranks will never join.
+    os._exit(code)
 
 
 def _hook(exc_type: Type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:

@@ -274,7 +274,6 @@ class Topology:
             f"on rank {self.rank} of {self.size}; aborting the job: {why} "
             f"(with Topology(abort_on_error=False) or {ABORT_ENV}=0 it is raised instead).  It happened here:\n{where}"
         )
-        raise error  # only if the abort did not end this process
 
     def Free(self) -> None:
         """Release the communicators."""

@@ -52,6 +52,7 @@ def _nan_gradient(name: str, settings: str):
                 alg.step(params, grad)
             except FloatingPointError:
                 grad[2] = 0.0
+        alg.finish(params)  # DaSGD's averaging is nonblocking: completing it waits for rank 1, as a training loop would
         """
     return body, [f"FloatingPointError: {name}: non-finite gradient on rank 1 at step 1", "on rank 1 of 2; aborting the job: its other ranks may be waiting"]
 
