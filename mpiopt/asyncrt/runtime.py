@@ -14,15 +14,13 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import numpy as np
 
 from ..comm import ANY_TAG, Comm, Request
+from ..comm.waiting import Backoff
 from .messages import DOWN, LAST, SERVER, TAG_DOWN, TAG_UP, UP, Message, Reply
 
 __all__ = ["Poller", "Policy", "Link", "MPILink", "LocalLink", "Outcome", "run_policy", "DEFAULT_MAX_SLEEP"]
 
 #: Longest pause between two polls of an idle rank (seconds).
 DEFAULT_MAX_SLEEP = 1e-3
-# Poll without sleeping this long first: a reply usually comes within microseconds.
-_SPIN_SECONDS = 1e-4
-_FIRST_SLEEP = 1e-5
 # Worker messages carry at most one copy (a gradient, or the worker's parameters).
 _MAX_UP_COPIES = 1
 
@@ -30,10 +28,11 @@ _MAX_UP_COPIES = 1
 class Poller:
     """Wait for one of several requests by polling ``Request.Test`` (``Comm`` has no Waitany).
 
-    Polling drives MPI progress; when nothing completes for
-    ``_SPIN_SECONDS`` the poller sleeps between sweeps, doubling the pause up
-    to ``max_sleep``, so that an idle rank leaves the core to a busy one (ranks
-    are often oversubscribed on one machine, and MPICH's blocking waits spin).
+    Polling drives MPI progress; when nothing completes for 0.1 ms the
+    poller sleeps between sweeps, doubling the pause up to ``max_sleep``
+    (:class:`~mpiopt.comm.waiting.Backoff`, as a passive ``Request.Wait``),
+    so that an idle rank leaves the core to a busy one (ranks are often
+    oversubscribed on one machine, and MPICH's blocking waits spin).
     Completed requests are served in turn, starting after the last one
     served, so a fast sender cannot starve the others.
 
@@ -63,8 +62,7 @@ class Poller:
         if all(r is None for r in requests):
             raise ValueError("wait_any needs at least one request")
         started = time.perf_counter()
-        spin_until = started + _SPIN_SECONDS
-        pause = min(_FIRST_SLEEP, self.max_sleep)
+        backoff = Backoff(self.max_sleep)
         n = len(requests)
         while True:
             for i in range(n):
@@ -74,9 +72,7 @@ class Poller:
                     self._next = (j + 1) % n
                     self.idle_seconds += time.perf_counter() - started
                     return j
-            if self.max_sleep and time.perf_counter() > spin_until:
-                time.sleep(pause)
-                pause = min(2 * pause, self.max_sleep)
+            backoff.pause()
 
     def wait_all(self, requests: Sequence[Optional[Any]]) -> None:
         """Block until every request (None entries skipped) has completed."""

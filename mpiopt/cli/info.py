@@ -1,7 +1,7 @@
 """``mpiopt info``: what this job looks like to mpiopt.
 
-Prints the topology (groups, leaders, hosts), whether the MPI library is
-GPU-aware and why we think so, and the bytes each wrapped collective puts on
+Prints the topology (groups, leaders, hosts, each rank's wait policy),
+whether the MPI library is GPU-aware and why we think so, and the bytes each wrapped collective puts on
 the wire for a buffer of the given size (from the ledger, summed over ranks).
 """
 
@@ -14,6 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm import Topology
+from ..comm.waiting import WAIT_POLICY_ENV
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,10 +56,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"GPU-aware MPI: {'yes' if topo.gpu_aware else 'no'} ({world.gpu_aware_reason})")
         print(f"groups: {topo.num_groups}" + (f" of at most {topo.group_size_setting} ranks (emulated)" if topo.group_size_setting else " (one per node)"))
         print()
-        print("| rank | host | group | rank in group | leader |")
-        print("|---:|---|---:|---:|---|")
+        print("| rank | host | group | rank in group | leader | wait policy |")
+        print("|---:|---|---:|---:|---|---|")
         for p in places:
-            print(f"| {p['world_rank']} | {p['host']} | {p['group_index']} | {p['group_rank']}/{p['group_size']} | {'yes' if p['is_leader'] else ''} |")
+            print(
+                f"| {p['world_rank']} | {p['host']} | {p['group_index']} | {p['group_rank']}/{p['group_size']} "
+                f"| {'yes' if p['is_leader'] else ''} | {p['wait_policy']} |"
+            )
+        print(f"(wait policy: how a rank waits for a nonblocking operation; {WAIT_POLICY_ENV}=auto|active|passive, see mpiopt.comm.waiting)")
         print()
         print(totals.table(f"bytes on the wire per collective, summed over ranks ({args.elements} float32 values = {4 * args.elements} bytes; {elapsed:.3f} s)"))
     topo.Free()

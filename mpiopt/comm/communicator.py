@@ -26,6 +26,7 @@ from mpi4py import MPI
 
 from .buffers import HostStaging, as_mpi_buffer, gpu_aware_mpi, nbytes
 from .ledger import Ledger
+from .waiting import Backoff, resolve_wait_policy
 
 __all__ = ["Comm", "Request", "SetupMismatchError", "SUM", "MAX", "MIN", "ANY_SOURCE", "ANY_TAG"]
 
@@ -60,8 +61,10 @@ class Request:
         writebacks: List[Callable[[], None]],
         started: float,
         release: Callable[[], None],
+        passive: bool = False,
     ):
         self._ledger = ledger
+        self._passive = passive
         self._op = op
         self._request = request
         self._writebacks = writebacks
@@ -89,11 +92,16 @@ class Request:
         return self.done
 
     def Wait(self) -> None:
-        """Block until the operation completes."""
+        """Block until the operation completes (spinning in MPI, or polling and sleeping: :mod:`~mpiopt.comm.waiting`)."""
         if self.done:
             return
         t0 = time.perf_counter()
-        self._request.Wait()
+        if self._passive:
+            backoff = Backoff()
+            while not self._request.Test():
+                backoff.pause()
+        else:
+            self._request.Wait()
         self._complete(time.perf_counter() - t0)
 
 
@@ -115,6 +123,16 @@ class Comm:
     dup : bool
         Duplicate ``comm`` (default).  Communicators made by :meth:`Split` are
         new already and are not duplicated again.
+    wait_policy : {"auto", "active", "passive"}, optional
+        How :meth:`Request.Wait` waits (:mod:`mpiopt.comm.waiting`); default:
+        the environment variable ``MPIOPT_WAIT_POLICY``, else ``"auto"``
+        (passive where a node has more ranks than CPUs).  Resolved
+        collectively at construction; sub-communicators inherit it.
+
+    Attributes
+    ----------
+    wait_policy : str
+        ``"active"`` or ``"passive"``: what the policy means on this rank.
     """
 
     def __init__(
@@ -125,11 +143,18 @@ class Comm:
         ledger: Optional[Ledger] = None,
         gpu_aware: Optional[bool] = None,
         dup: bool = True,
+        wait_policy: Optional[str] = None,
     ) -> None:
         base = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(base, MPI.Intracomm):
             raise TypeError(f"comm must be an mpi4py Intracomm, got {type(base).__name__}")
         self._comm = base.Dup() if dup else base
+        try:
+            self.wait_policy = resolve_wait_policy(wait_policy, self._comm)
+        except ValueError:
+            if dup:
+                self._comm.Free()
+            raise
         self.name = name
         self.ledger = Ledger() if ledger is None else ledger
         self.gpu_aware, self.gpu_aware_reason = gpu_aware_mpi(gpu_aware)
@@ -173,12 +198,16 @@ class Comm:
         raw = self._comm.Split(MPI.UNDEFINED if color < 0 else color, key)
         if raw == MPI.COMM_NULL:
             return None
-        return Comm(raw, name=name, ledger=self.ledger, gpu_aware=self.gpu_aware, dup=False)
+        return self._sub(raw, name)
 
     def Split_shared(self, name: str) -> "Comm":
         """Sub-communicator of the ranks that share memory (one node)."""
         raw = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        return Comm(raw, name=name, ledger=self.ledger, gpu_aware=self.gpu_aware, dup=False)
+        return self._sub(raw, name)
+
+    def _sub(self, raw: MPI.Intracomm, name: str) -> "Comm":
+        """A new communicator of some of our ranks, sharing our ledger and settings."""
+        return Comm(raw, name=name, ledger=self.ledger, gpu_aware=self.gpu_aware, dup=False, wait_policy=self.wait_policy)
 
     # -- the shared code path ------------------------------------------------------
     def _run(
@@ -212,7 +241,9 @@ class Comm:
         result = call(*mpi_bufs)
         if nonblocking:
             self.ledger.record(name, sent, recv)
-            return Request(self.ledger, name, result, writebacks, started, lambda: busy.discard(lane))
+            return Request(
+                self.ledger, name, result, writebacks, started, lambda: busy.discard(lane), passive=self.wait_policy == "passive"
+            )
         for writeback in writebacks:
             writeback()
         ended = time.perf_counter()

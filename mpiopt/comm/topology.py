@@ -214,6 +214,7 @@ class Topology:
             "is_leader": self.is_leader,
             "leaders_size": self.leaders.size if self.leaders is not None else None,
             "host": MPI.Get_processor_name(),
+            "wait_policy": self.world.wait_policy,
         }
 
     # -- errors found on one rank ------------------------------------------------------

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -242,3 +245,70 @@ def test_nonblocking_gathers_check_sizes(comm):
         comm.Iallgather(np.zeros(2, np.uint8), np.zeros(3, np.uint8))
     with pytest.raises(ValueError, match="Alltoall needs equal send and receive sizes"):
         comm.Ialltoall(np.zeros(2 * comm.size, np.uint8), np.zeros(2 * comm.size + 1, np.uint8))
+
+
+def test_sub_communicators_inherit_the_wait_policy():
+    for policy in ("active", "passive"):
+        c = Comm(wait_policy=policy)
+        assert c.wait_policy == policy
+        for sub in (c.Split(c.rank % 2, c.rank, "half"), c.Split_shared("node")):
+            assert sub.wait_policy == policy
+            sub.Free()
+        c.Free()
+
+
+def test_auto_waits_passively_where_a_node_has_more_ranks_than_cpus(monkeypatch):
+    monkeypatch.delenv("MPIOPT_WAIT_POLICY", raising=False)
+    c = Comm()
+    # The node's ranks by MPI's own shared-memory split (the policy goes by host name) and their CPUs together.
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    cpus = set().union(*node.allgather(os.sched_getaffinity(0)))
+    expect = "passive" if node.Get_size() > len(cpus) else "active"
+    node.Free()
+    assert c.wait_policy == expect
+    monkeypatch.setenv("MPIOPT_WAIT_POLICY", " Passive ")
+    assert Comm().wait_policy == "passive"
+    c.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_bad_wait_policy_on_one_rank_raises_on_every_rank(monkeypatch):
+    if MPI.COMM_WORLD.rank == 1:
+        monkeypatch.setenv("MPIOPT_WAIT_POLICY", "spin")
+    else:
+        monkeypatch.delenv("MPIOPT_WAIT_POLICY", raising=False)
+    with pytest.raises(ValueError, match=r"MPIOPT_WAIT_POLICY must be one of auto, active, passive; got 'spin' on rank 1"):
+        Comm()
+    with pytest.raises(ValueError, match=r"wait_policy must be one of auto, active, passive; got 'busy' on rank 0"):
+        Comm(wait_policy="busy" if MPI.COMM_WORLD.rank == 0 else "active")
+
+
+@pytest.mark.parametrize("policy", ["active", "passive"])
+def test_a_passive_wait_polls_and_sleeps_and_completes_the_same_operation(policy, monkeypatch):
+    from mpiopt.comm import communicator
+
+    pauses = []
+
+    class Counting(communicator.Backoff):
+        def pause(self):
+            pauses.append(1)
+            super().pause()
+
+    monkeypatch.setattr(communicator, "Backoff", Counting)
+    c = Comm(wait_policy=policy)
+    P = c.size
+    buf = rank_data(c.rank, 1000)
+    out = np.empty_like(buf)
+    if c.rank == 0:
+        time.sleep(0.05)  # the others wait for rank 0's contribution
+    request = c.Iallreduce(buf, out=out)
+    request.Wait()
+    np.testing.assert_allclose(out, sum(rank_data(q, 1000, np.float64) for q in range(P)))
+    waited = c.ledger["world.Iallreduce"].wait_seconds
+    polled = c.allgather_obj(len(pauses))
+    if policy == "active":
+        assert polled == [0] * P
+    elif P > 1:
+        assert all(n > 0 for n in polled[1:]), polled  # they polled while rank 0 slept
+        assert c.allgather_obj(waited)[1] > 0.02
+    c.Free()
