@@ -1,8 +1,9 @@
 """``mpiopt info``: what this job looks like to mpiopt.
 
 Prints the topology (groups, leaders, hosts, each rank's wait policy),
-whether the MPI library is GPU-aware and why we think so, and the bytes each wrapped collective puts on
-the wire for a buffer of the given size (from the ledger, summed over ranks).
+whether the MPI library is GPU-aware and why we think so, and the bytes each
+wrapped collective puts on the wire for a buffer of the given size (from the
+ledger, summed over ranks).
 """
 
 from __future__ import annotations

@@ -8,11 +8,15 @@ from .launch import run_mpi
 
 
 def test_info_four_ranks_two_groups():
-    code, output, _ = run_mpi(4, ["-m", "mpiopt", "info", "--group-size", "2", "--elements", "1024"])
+    code, output, _ = run_mpi(
+        4, ["-m", "mpiopt", "info", "--group-size", "2", "--elements", "1024"], env={"MPIOPT_WAIT_POLICY": "passive"}
+    )
     assert code == 0, output
     assert "4 rank(s)" in output and "GPU-aware MPI: no" in output
-    rows = re.findall(r"^\| (\d) \| \S+ \| (\d) \| (\d)/(\d) \| (yes)? ?\|$", output, flags=re.M)
-    assert [(r[0], r[1], r[2], r[4]) for r in rows] == [("0", "0", "0", "yes"), ("1", "0", "1", ""), ("2", "1", "0", "yes"), ("3", "1", "1", "")]
+    rows = re.findall(r"^\| (\d) \| \S+ \| (\d) \| (\d)/(\d) \| (yes)? ?\| (\w+) \|$", output, flags=re.M)
+    assert [(r[0], r[1], r[2], r[4], r[5]) for r in rows] == [
+        ("0", "0", "0", "yes", "passive"), ("1", "0", "1", "", "passive"), ("2", "1", "0", "yes", "passive"), ("3", "1", "1", "", "passive"),
+    ]
     # Allreduce of 1024 float32 values: 4096 bytes sent by each of the 4 ranks.
     assert re.search(r"^\| world\.Allreduce \| 4 \| 16384 \| 16384 \|", output, flags=re.M), output
 
