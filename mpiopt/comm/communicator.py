@@ -123,16 +123,16 @@ class Comm:
     dup : bool
         Duplicate ``comm`` (default).  Communicators made by :meth:`Split` are
         new already and are not duplicated again.
-    wait_policy : {"auto", "active", "passive"}, optional
-        How :meth:`Request.Wait` waits (:mod:`mpiopt.comm.waiting`); default:
-        the environment variable ``MPIOPT_WAIT_POLICY``, else ``"auto"``
-        (passive where a node has more ranks than CPUs).  Resolved
+    wait_policy : {"active", "passive"}, optional
+        How :meth:`Request.Wait` waits (:mod:`mpiopt.comm.waiting`): spinning
+        in ``MPI_Wait`` or polling and sleeping; default: the environment
+        variable ``MPIOPT_WAIT_POLICY``, else ``"active"``.  Checked
         collectively at construction; sub-communicators inherit it.
 
     Attributes
     ----------
     wait_policy : str
-        ``"active"`` or ``"passive"``: what the policy means on this rank.
+        ``"active"`` or ``"passive"``.
     """
 
     def __init__(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -257,18 +256,20 @@ def test_sub_communicators_inherit_the_wait_policy():
         c.Free()
 
 
-def test_auto_waits_passively_where_a_node_has_more_ranks_than_cpus(monkeypatch):
+def test_the_wait_policy_is_active_unless_asked(monkeypatch):
     monkeypatch.delenv("MPIOPT_WAIT_POLICY", raising=False)
     c = Comm()
-    # The node's ranks by MPI's own shared-memory split (the policy goes by host name) and their CPUs together.
-    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-    cpus = set().union(*node.allgather(os.sched_getaffinity(0)))
-    expect = "passive" if node.Get_size() > len(cpus) else "active"
-    node.Free()
-    assert c.wait_policy == expect
-    monkeypatch.setenv("MPIOPT_WAIT_POLICY", " Passive ")
-    assert Comm().wait_policy == "passive"
+    assert c.wait_policy == "active"
     c.Free()
+    monkeypatch.setenv("MPIOPT_WAIT_POLICY", " Passive ")
+    c = Comm()
+    assert c.wait_policy == "passive"
+    c.Free()
+    c = Comm(wait_policy="active")  # the argument before the environment
+    assert c.wait_policy == "active"
+    c.Free()
+    with pytest.raises(ValueError, match=r"wait_policy must be one of active, passive; got 'auto' on rank 0"):
+        Comm(wait_policy="auto")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -276,10 +277,10 @@ def test_a_bad_wait_policy_on_one_rank_raises_on_every_rank(monkeypatch):
     if MPI.COMM_WORLD.rank == 1:
         monkeypatch.setenv("MPIOPT_WAIT_POLICY", "spin")
     else:
-        monkeypatch.delenv("MPIOPT_WAIT_POLICY", raising=False)
-    with pytest.raises(ValueError, match=r"MPIOPT_WAIT_POLICY must be one of auto, active, passive; got 'spin' on rank 1"):
+        monkeypatch.setenv("MPIOPT_WAIT_POLICY", "passive")
+    with pytest.raises(ValueError, match=r"MPIOPT_WAIT_POLICY must be one of active, passive; got 'spin' on rank 1"):
         Comm()
-    with pytest.raises(ValueError, match=r"wait_policy must be one of auto, active, passive; got 'busy' on rank 0"):
+    with pytest.raises(ValueError, match=r"wait_policy must be one of active, passive; got 'busy' on rank 0"):
         Comm(wait_policy="busy" if MPI.COMM_WORLD.rank == 0 else "active")
 
 

@@ -1,37 +1,11 @@
-"""The wait policy's pure parts: what ``auto`` means for a node, and the pauses between polls."""
+"""The passive wait policy's pauses between polls."""
 
 from __future__ import annotations
 
 import pytest
 
 from mpiopt.comm import waiting
-from mpiopt.comm.waiting import Backoff, choose_wait_policy
-
-
-@pytest.mark.parametrize(
-    "ranks, masks, expect",
-    [
-        (4, [[0, 1]] * 4, "passive"),  # 4 unbound ranks on a 2-CPU machine
-        (2, [[0, 1]] * 2, "active"),
-        (4, [[0], [1], [2], [3]], "active"),  # bound one rank per core, as srun --cpu-bind=cores does
-        (4, [[0], [0], [1], [1]], "passive"),  # bound two ranks per core
-        (1, [[7]], "active"),
-    ],
-)
-def test_auto_compares_the_node_ranks_with_their_cpus_together(ranks, masks, expect):
-    assert choose_wait_policy("auto", ranks, masks) == expect
-
-
-@pytest.mark.parametrize("policy", ["active", "passive"])
-def test_an_explicit_policy_is_kept_whatever_the_node(policy):
-    assert choose_wait_policy(policy, 8, [[0]] * 8) == policy
-    assert choose_wait_policy(policy, 1, [[0, 1, 2]]) == policy
-
-
-@pytest.mark.parametrize("bad", ["spin", "", None, 1])
-def test_a_bad_policy_is_named(bad):
-    with pytest.raises(ValueError, match="auto, active, passive; got " + repr(bad).replace("(", r"\(")):
-        choose_wait_policy(bad, 1, [[0]])
+from mpiopt.comm.waiting import Backoff
 
 
 def test_backoff_spins_first_then_sleeps_doubling_up_to_the_longest(monkeypatch):
