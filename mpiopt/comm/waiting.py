@@ -20,7 +20,8 @@ The *wait policy* of a :class:`~mpiopt.comm.Comm` decides how
 Passive waiting pays where ranks outnumber cores and the bytes cross a
 network, whose kernel moves them while the rank sleeps: on 4 ranks over 2
 cores and the emulated 1 Gbit/s link, ``DistributedOptimizer(overlap=True)``
-went from 1.00-1.04x DDP's step to 0.94-0.98x (docs/benchmarks-ddp.md).  It
+on an MLP went from 1.00-1.04x DDP's step to 0.94-0.98x
+(docs/benchmarks-ddp.md).  It
 costs where both sides must poll to move the bytes, as MPICH's shared-memory
 transfers do: DaSGD's small averages in ``tools/run.sh`` (4 ranks, 2 cores,
 shared memory) took 1.7x as long.  Hence not the default.
