@@ -264,9 +264,8 @@ class DaSGD(LocalStepState, Algorithm):
         merges = step == self.merge_step  # an average started delay_steps > 0 steps ago (never at a start)
         if merges:
             self._complete()  # the update merges it, so it must be complete first
-        # The update's own pass writes w_k into the snapshot and the Iallreduce's buffer, or merges the
-        # average: neither makes a pass of its own over the parameters.
-        # A start writes w_k into the snapshot (the proportion rule keeps none) and the Iallreduce's buffer.
+        # The update's own pass writes w_k into the snapshot (the proportion rule keeps none) and the
+        # Iallreduce's buffer, or merges the average: neither makes a pass of its own over the parameters.
         starts_into = tuple(buffer for buffer in (self._snapshot, self._sum) if buffer is not None) if starts else None
         finite = self.local.apply(
             params, grad, self.lr, copy_to=starts_into,
@@ -288,7 +287,8 @@ class DaSGD(LocalStepState, Algorithm):
         """Start summing ``w_k`` over the ranks: an in-place ``Iallreduce`` of its copy in the sum buffer.
 
         In place, so that MPI makes no copy of a send buffer (a pass over the
-        parameters, 5 ms at d = 11M); the snapshot keeps ``w_k`` for the merge.
+        parameters, 5 ms at d = 11M); the snapshot keeps ``w_k`` for the
+        delayed rule's merge.
         """
         self._request = self.topology.world.Iallreduce(self._sum)
         self.merge_step = step + self.delay_steps

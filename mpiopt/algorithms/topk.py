@@ -210,6 +210,11 @@ class SparseWorker:
         self._values = xp.empty(self.k, dtype=like.dtype)
         # The fused pass scores unsent entries |a_j|: RegTop-k only where their factor is exactly 1 (the paper's q).
         self._fusable = not regularized or unsent_factor(sparsifier.mu, sparsifier.q) == 1.0
+        #: Whether :meth:`compress` reads the dense G_prev every step (RegTop-k where the fused pass cannot
+        #: run); otherwise G_prev comes by its non-zero entries, and the dense one only on a rare fallback.
+        self.reads_dense_aggregate = regularized and not (
+            self._fusable and self._workspace is not None and self._workspace.fits(self.error, self.k)
+        )
 
     def compress(
         self, grad: Any, prev_aggregate: Any, out: Any, check_finite: bool = False, prev_support: Optional[Any] = None,
@@ -481,8 +486,10 @@ class _SparseSGD(LocalStepState, Algorithm):
         self._union_slot = 0  # the buffer that does not hold self._touched
         self._sums = xp.empty(union, dtype=params.dtype)  # per union entry, the workers' sum
         # A dense update that cannot read G's non-zero entries alone (at most P k: the union buffers' length)
-        # reads all of it; otherwise the dense G is written only when asked for (the aggregate property).
-        self._write_out = self._dense and not reads_support(params, (self._unions[0], self._sums))
+        # reads all of it, as does RegTop-k's general selection; otherwise the dense G is written only when
+        # asked for (the aggregate property), since writing it costs a pass over d where clearing costs P k.
+        self._reads_support = self._dense and reads_support(params, (self._unions[0], self._sums))
+        self._write_out = (self._dense and not self._reads_support) or self.worker.reads_dense_aggregate
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         # RegTop-k's G_prev: its non-zero entries where the last step kept them, the dense G (written when
@@ -505,7 +512,7 @@ class _SparseSGD(LocalStepState, Algorithm):
         self._aggregate_written = self._write_out or aggregate.values is None
         self._touched = aggregate.touched if self._aggregate_written else None
         if self._dense:  # x <- x - lr G with momentum / decay, from G's non-zero values where the loop reads only those
-            self.local.apply(params, self._aggregate, self.lr, grad_support=self._latest)
+            self.local.apply(params, self._aggregate, self.lr, grad_support=self._latest if self._reads_support else None)
 
     def load_state_dict(self, state: Any, *, override_hyperparameters: bool = False) -> None:
         super().load_state_dict(state, override_hyperparameters=override_hyperparameters)

@@ -15,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm import Topology
-from ..comm.waiting import WAIT_POLICY_ENV
+from ..comm.waiting import WAIT_POLICIES, WAIT_POLICY_ENV
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
                 f"| {p['world_rank']} | {p['host']} | {p['group_index']} | {p['group_rank']}/{p['group_size']} "
                 f"| {'yes' if p['is_leader'] else ''} | {p['wait_policy']} |"
             )
-        print(f"(wait policy: how a rank waits for a nonblocking operation; {WAIT_POLICY_ENV}=auto|active|passive, see mpiopt.comm.waiting)")
+        print(f"(wait policy: how a rank waits for a nonblocking operation; {WAIT_POLICY_ENV}={'|'.join(WAIT_POLICIES)}, see mpiopt.comm.waiting)")
         print()
         print(totals.table(f"bytes on the wire per collective, summed over ranks ({args.elements} float32 values = {4 * args.elements} bytes; {elapsed:.3f} s)"))
     topo.Free()

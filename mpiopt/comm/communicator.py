@@ -151,6 +151,7 @@ class Comm:
         self._comm = base.Dup() if dup else base
         try:
             self.wait_policy = resolve_wait_policy(wait_policy, self._comm)
+            self._passive = self.wait_policy == "passive"
         except ValueError:
             if dup:
                 self._comm.Free()
@@ -242,7 +243,7 @@ class Comm:
         if nonblocking:
             self.ledger.record(name, sent, recv)
             return Request(
-                self.ledger, name, result, writebacks, started, lambda: busy.discard(lane), passive=self.wait_policy == "passive"
+                self.ledger, name, result, writebacks, started, lambda: busy.discard(lane), passive=self._passive
             )
         for writeback in writebacks:
             writeback()

@@ -564,7 +564,7 @@ static PyObject *py_all_finite(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"sgd", py_sgd, METH_VARARGS,
      "sgd(params, grad, buffer, copy_to, copy_to_2, merge, divisor, lr, weight_decay, momentum, dampening, nesterov,"
-     " first_step, threads, support=None) -> bool\n\n"
+     " first_step, threads, support=None, values=None) -> bool\n\n"
      "torch.optim.SGD's update of params (and of the momentum buffer, None when momentum == 0) in\n"
      "place, in one pass, for the gradient grad / divisor, then merge_average(params, *merge) unless\n"
      "merge is None, and the new params written into copy_to and copy_to_2 (unless None; not with a\n"

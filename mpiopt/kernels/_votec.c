@@ -698,9 +698,9 @@ static void scan_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
     const Py_ssize_t s = j->itemsize;
     const Py_ssize_t begin = j->exact ? j->start[part] : (j->n ? j->capacity * lo / j->n : 0);
     const Py_ssize_t end = j->exact ? begin + j->room[part] : (j->n ? j->capacity * hi / j->n : 0);
-    /* the part's overrides (lo and hi fit int32: n < 2**31) */
-    const Py_ssize_t a = mpiopt_lower_bound(j->over, j->n_over, (int32_t)lo);
-    const Py_ssize_t n_over = mpiopt_lower_bound(j->over, j->n_over, (int32_t)hi) - a;
+    /* the part's overrides */
+    const Py_ssize_t a = mpiopt_lower_bound(j->over, j->n_over, lo);
+    const Py_ssize_t n_over = mpiopt_lower_bound(j->over, j->n_over, hi) - a;
     int nonfinite = 0;
     j->start[part] = begin;
     j->room[part] = end - begin;

@@ -681,18 +681,14 @@ def feedback_select(
     return _scan_select(error, grad, threshold, True, k, workspace, sent_indices, sent_factors)
 
 
-def _indexed(op: int, x: Any, indices: Any, other: Any = None, scalar: float = 0.0, threads: Optional[int] = None) -> bool:
-    """Run one of ``_votec.indexed``'s loops on numpy arrays; False (nothing done) where it cannot.
-
-    ``threads`` (default: the kernels' count) must be 1 where ``indices`` repeat.
-    """
+def _indexed(op: int, x: Any, indices: Any, other: Any = None, scalar: float = 0.0) -> bool:
+    """Run one of ``_votec.indexed``'s loops on numpy arrays; False (nothing done) where it cannot."""
     arrays = (x, indices) if other is None else (x, indices, other)
     if _votec is None or not all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays):
         return False
     if indices.dtype != np.int32 or x.dtype not in C_FLOATS or (other is not None and other.dtype != x.dtype):
         return False
-    threads = get_num_threads() if threads is None else threads
-    _votec.indexed(op, x, indices, indices.shape[0], x.dtype.itemsize, x if other is None else other, scalar, threads)
+    _votec.indexed(op, x, indices, indices.shape[0], x.dtype.itemsize, x if other is None else other, scalar, get_num_threads())
     return True
 
 

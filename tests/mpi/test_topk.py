@@ -232,6 +232,24 @@ def test_sparse_momentum_run_is_the_simulation_bitwise(topology, name, mu):
     assert np.array_equal(alg.aggregate, run.aggregate)
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_regtopk_general_selection_run_is_the_simulation_bitwise(topology, momentum):
+    """RegTop-k with a q other than the paper's, whose selection reads the dense G_prev every step (the fused
+    pass does not apply), so the step writes G every step: the simulation, bit for bit."""
+    rank, size, steps, density = topology.rank, topology.size, 20, 0.004
+    problem = make_problem(num_workers=size, dim=2000, samples=40, seed=7)
+    alg = mpiopt.create("regtopk", topology, lr=0.01, density=density, momentum=momentum, mu=2.0, q=0.5)
+    x = np.zeros(problem.dim, np.float32)
+    alg.setup(x)
+    assert alg.worker.reads_dense_aggregate
+    grad = np.empty_like(x)
+    for _ in range(steps):
+        alg.step(x, problem.gradient(rank, x, out=grad))
+    run = simulate(problem, Sparsifier(density=density, mu=2.0, q=0.5), steps, momentum=momentum)
+    assert np.array_equal(x, run.params)
+    assert np.array_equal(alg.aggregate, run.aggregate)
+
+
 @pytest.mark.mpi(min_size=4)
 def test_claim_at_four_ranks_matches_simulation():
     """The linear-regression claim, small, through MPI: 4 workers (d = 20, 200 samples each, heterogeneous
