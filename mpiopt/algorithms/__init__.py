@@ -15,10 +15,16 @@ name           algorithm
 =============  ================================================================
 
 Create one with :func:`create`; see :class:`~mpiopt.algorithms.base.Algorithm`
-for the protocol they share.
+for what every algorithm declares and the two protocols (``step`` or ``run``).
+An algorithm is one module: everything the rest of the package asks about it
+(protocol, evaluated model, resize rules, training defaults, communication
+plan) is an attribute of its class.
 """
 
-from .base import Algorithm, StepRecord
-from .registry import algorithm_class, available, create, register
+from .base import ASYNCHRONOUS, SYNCHRONOUS, Algorithm, AsynchronousAlgorithm, StepRecord, SynchronousAlgorithm
+from .registry import algorithm_class, algorithms, available, create, register
 
-__all__ = ["Algorithm", "StepRecord", "algorithm_class", "available", "create", "register"]
+__all__ = [
+    "Algorithm", "SynchronousAlgorithm", "AsynchronousAlgorithm", "StepRecord", "SYNCHRONOUS", "ASYNCHRONOUS",
+    "algorithm_class", "algorithms", "available", "create", "register",
+]

@@ -160,7 +160,7 @@ from ..arrays import empty_apart
 from ..asyncrt.messages import LAST, PULL_GLOBAL, PULL_LOCAL, STOP, UPLOAD
 from ..asyncrt.state import ServerStateMixin, state_array, state_count
 from ..comm import Topology
-from .base import Algorithm, StepRecord, check_positive
+from .base import AsynchronousAlgorithm, check_positive
 from .lsgd_rule import LSGDRule, LSGDState, Pull, elect
 from .registry import register
 
@@ -522,7 +522,7 @@ class AsyncLSGDResult:
 
 
 @register
-class AsyncLSGD(ServerStateMixin, LSGDState, Algorithm):
+class AsyncLSGD(ServerStateMixin, LSGDState, AsynchronousAlgorithm):
     """Asynchronous LSGD (Teng et al. 2019): a server keeps the leaders, workers never wait for each other.
 
     Parameters
@@ -561,6 +561,8 @@ class AsyncLSGD(ServerStateMixin, LSGDState, Algorithm):
     """
 
     name = "async_lsgd"
+    listing_order = 80
+    evaluates = "leader"
     state_arrays = ("momentum_buffer", "leader_copy", "recent_losses")
     state_scalars = ("losses_seen", "last_local_leader", "last_global_leader", "pulls_local", "pulls_global")
 
@@ -604,10 +606,6 @@ class AsyncLSGD(ServerStateMixin, LSGDState, Algorithm):
         if saved is not None:
             raise ValueError(f"server state on rank {self.topology.rank}: only world rank {SERVER} keeps the book (state saved on another rank?)")
         return lambda: None
-
-    def step(self, params: Any, grad: Any, loss: Optional[float] = None) -> StepRecord:
-        """Not for async_lsgd: a worker's steps happen inside :meth:`run`, which drives them and the server."""
-        raise RuntimeError("async_lsgd: a worker's steps happen inside run(params, worker_fn, ...), which drives them; call run()")
 
     # -- a worker's step (inside run) ------------------------------------------------------------
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
@@ -730,7 +728,7 @@ class AsyncLSGD(ServerStateMixin, LSGDState, Algorithm):
         k = 0
         while (steps is None or k < steps) and time.perf_counter() < deadline:
             loss = worker_fn(params, self.steps, grad)
-            super().step(params, grad, loss=loss)  # the base class's checks and accounting around _step
+            self._apply_step(params, grad, loss=loss)  # the base class's checks and accounting around _step
             k += 1
         self._pull_and_step(params, None, self._take(params, link.wait()))
         self._upload(params, UPLOAD | LAST)

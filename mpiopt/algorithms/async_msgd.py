@@ -8,7 +8,7 @@ is heavy-ball momentum where the gradient was computed at an iterate
 ``tau_k`` updates old.  It runs where ``x`` lives, once per arriving
 gradient: on the parameter server of :func:`mpiopt.asyncrt.run_async`
 (:meth:`AsyncMSGD.run`, real asynchrony, ``tau_k`` measured) or in its
-one-process twin :func:`mpiopt.sim.asynchronous.simulate`
+one-process twin :func:`mpiopt.asyncrt.simulated.simulate`
 (:meth:`AsyncMSGD.simulate`, ``tau_k`` fixed or random).  Both call the
 same function, :meth:`AsyncMSGDRule.__call__`, which is the step of
 :class:`~mpiopt.algorithms.local.LocalSGD` (torch.optim.SGD's momentum
@@ -57,7 +57,7 @@ as the first would have: from exactly those parameters, momentum and version
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
@@ -75,8 +75,8 @@ from ..asyncrt import (
 from ..comm import Topology
 from ..asyncrt.result import add_counts
 from ..asyncrt.state import ServerStateMixin, state_array, state_count
-from ..sim.asynchronous import FixedDelay, RandomDelay, RecentIterates, simulate
-from .base import Algorithm, check_positive
+from ..asyncrt.simulated import FixedDelay, RandomDelay, RecentIterates, simulate
+from .base import AsynchronousAlgorithm, StepRecord, check_positive
 from .local import LocalSGD, LocalStepState
 from .registry import register
 
@@ -112,7 +112,7 @@ class AsyncMSGDRule:
 
 
 @register
-class AsyncMSGD(ServerStateMixin, LocalStepState, Algorithm):
+class AsyncMSGD(ServerStateMixin, LocalStepState, AsynchronousAlgorithm):
     """Asynchronous momentum SGD on a parameter server.
 
     Parameters
@@ -147,7 +147,13 @@ class AsyncMSGD(ServerStateMixin, LocalStepState, Algorithm):
     """
 
     name = "async_msgd"
+    listing_order = 70
     state_arrays = ("momentum_buffer",)
+    training_defaults = {"lr": 0.05, "momentum": 0.5}
+
+    @classmethod
+    def server_messages(cls, d: int, itemsize: int = 4) -> Optional[Tuple[float, ...]]:
+        return (itemsize * d, itemsize * d)  # a gradient in, the parameters out
 
     def __init__(self, topology: Topology, *, lr: float = 0.01, momentum: float = 0.9, nan_policy: str = "raise") -> None:
         if nan_policy != "raise":
@@ -185,9 +191,13 @@ class AsyncMSGD(ServerStateMixin, LocalStepState, Algorithm):
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         self.rule(params, grad)
 
+    def apply(self, params: np.ndarray, grad: np.ndarray, loss: Optional[float] = None) -> StepRecord:
+        """The server's update with one gradient, on this rank alone (what :meth:`run`'s server does with each arrival)."""
+        return self._apply_step(params, grad, loss)
+
     def _apply(self, params: np.ndarray, grad: np.ndarray, arrival: Arrival) -> None:
-        # Through ``step`` for the NaN check and the per-update record (``alg.last``).
-        self.step(params, grad, loss=arrival.loss)
+        # Through the base class's step for the NaN check and the per-update record (``alg.last``).
+        self._apply_step(params, grad, loss=arrival.loss)
 
     def _count(self, result: AsyncResult) -> None:
         """Add a run's counts to the state (the result is the same on every rank)."""
@@ -285,7 +295,7 @@ class AsyncMSGD(ServerStateMixin, LocalStepState, Algorithm):
         delay: Union[int, FixedDelay, RandomDelay] = 0,
         until: Optional[UntilFn] = None,
     ) -> AsyncResult:
-        """Deterministic mode on this rank alone: see :func:`mpiopt.sim.asynchronous.simulate`.
+        """Deterministic mode on this rank alone: see :func:`mpiopt.asyncrt.simulated.simulate`.
 
         It continues this rank's copy of the state (:attr:`version`,
         :attr:`recent`) and adds its counts to it: ``k`` steps, then ``k``

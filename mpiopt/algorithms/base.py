@@ -49,15 +49,24 @@ import json
 import numbers
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar, Dict, List, Mapping, NoReturn, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Mapping, NoReturn, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..arrays import array_module, empty_apart, keep_apart, to_numpy
 from ..comm import MAX, Topology
+from ..comm.ledger import Call
 from ..kernels.update import all_finite
 
-__all__ = ["Algorithm", "StepRecord", "check_positive", "check_range", "check_choice"]
+__all__ = [
+    "Algorithm", "SynchronousAlgorithm", "AsynchronousAlgorithm", "StepRecord", "SYNCHRONOUS", "ASYNCHRONOUS",
+    "EVALUATED_MODELS", "due_steps", "check_positive", "check_range", "check_choice",
+]
+
+#: The two protocols: ``step`` (every rank steps together) or ``run`` (a server and workers).
+SYNCHRONOUS, ASYNCHRONOUS = "synchronous", "asynchronous"
+#: What a training run evaluates: every rank's model (identical on all), the ranks' mean, the server's, the global leader's.
+EVALUATED_MODELS = ("identical", "average", "server", "leader")
 
 NAN_POLICIES = ("raise", "skip")
 #: The entries every state_dict has.
@@ -75,6 +84,14 @@ def hyperparameter_lines(saved: Mapping[str, Any], here: Mapping[str, Any], *, s
     saved, here = _plain(dict(saved)), _plain(dict(here))
     keys = sorted((set(saved) | set(here)) - set(skip))
     return [f"{k}: saved {saved.get(k, _MISSING)!r}, here {here.get(k, _MISSING)!r}" for k in keys if saved.get(k, _MISSING) != here.get(k, _MISSING)]
+
+
+def due_steps(period: int, steps: range) -> int:
+    """How many of ``steps`` are multiples of ``period`` (the steps at which a periodic exchange happens)."""
+    if not steps:
+        return 0
+    return (steps[-1]) // int(period) - (steps[0] - 1) // int(period)
+
 
 
 @dataclass
@@ -143,10 +160,13 @@ def check_choice(name: str, value: Any, choices: Tuple[str, ...]) -> str:
 class Algorithm:
     """Base class of every distributed optimizer in :mod:`mpiopt.algorithms`.
 
-    Subclasses set :attr:`name`, validate their hyperparameters in
-    ``__init__`` (calling ``super().__init__``), allocate state in
+    An algorithm derives from one of the two protocols,
+    :class:`SynchronousAlgorithm` (``step``) or :class:`AsynchronousAlgorithm`
+    (``run``).  Subclasses set :attr:`name`, validate their hyperparameters
+    in ``__init__`` (calling ``super().__init__``), allocate state in
     :meth:`_allocate`, do the math in :meth:`_step` and list their state in
-    :attr:`state_arrays` and :attr:`state_scalars`.
+    :attr:`state_arrays` and :attr:`state_scalars`.  The class attributes
+    below are everything the rest of the package asks about an algorithm.
 
     Parameters
     ----------
@@ -162,20 +182,109 @@ class Algorithm:
         ``Topology(abort_on_error=False)``.  ``skip``: every rank skips the
         step together (one extra 1-byte Allreduce per step, so the decision
         is collective).  Under ``raise``, algorithms whose update reads this
-        rank's gradient (``sgd`` at one rank, ``easgd``, ``dasgd``, ``topk``,
-        ``regtopk``) check it in the update's own pass (Top-k's: error
-        feedback's) instead of a pass of its own first; the rank that raises
-        has then changed its state, so a caller that catches the error must
-        reload a checkpoint (see :meth:`_checks_in_step`).
+        rank's gradient (:attr:`fused_gradient_check`) check it in the
+        update's own pass instead of a pass of its own first; the rank that
+        raises has then changed its state, so a caller that catches the
+        error must reload a checkpoint (see :meth:`_checks_in_step`).
     """
 
     name: ClassVar[str] = ""
+    #: :data:`SYNCHRONOUS` or :data:`ASYNCHRONOUS`: set by the protocol classes.
+    protocol: ClassVar[str] = ""
+    #: Which model a training run evaluates: one of :data:`EVALUATED_MODELS`.
+    evaluates: ClassVar[str] = "identical"
+    #: ``mpiopt train``'s starting hyperparameters, where the papers' were chosen for other models.
+    training_defaults: ClassVar[Mapping[str, Any]] = {"lr": 0.05}
+    #: How each state entry moves to another world size (rules of :mod:`~mpiopt.algorithms.resize`); None: it cannot.
+    resize_rules: ClassVar[Optional[Mapping[str, Any]]] = None
+    #: Why a state without :attr:`resize_rules` cannot move to another world size.
+    resize_refusal: ClassVar[str] = "no rule is defined for it"
+    #: What a step puts on the wire, in words (d parameters, P ranks), for tables.
+    wire_summary: ClassVar[str] = ""
+    #: ``bench update``'s goal: the step's cost at most this many ``torch.optim.SGD(fused=True)`` steps.
+    update_goal: ClassVar[Optional[float]] = None
+    #: The baseline the others are measured against.
+    baseline: ClassVar[bool] = False
+    #: Place in listings (``available()``, ``compare``'s default, benchmarks' tables), then the name.
+    listing_order: ClassVar[int] = 1000
     #: Whether :meth:`_step` can check the gradient in its update's own pass (see :meth:`_checks_in_step`).
     fused_gradient_check: ClassVar[bool] = False
     #: Attribute names of arrays (or None) that make up the state.
     state_arrays: ClassVar[Tuple[str, ...]] = ()
     #: Attribute names of scalars (int, float, bool, str) that make up the state.
     state_scalars: ClassVar[Tuple[str, ...]] = ()
+
+    # -- facts about the class ---------------------------------------------------------
+    @classmethod
+    def default_hyperparameters(cls) -> Dict[str, Any]:
+        """The constructor's keyword defaults (the papers' values), ``nan_policy`` aside."""
+        defaults = dict(cls.__init__.__kwdefaults__ or {})
+        defaults.pop("nan_policy", None)
+        return defaults
+
+    @classmethod
+    def communication(
+        cls,
+        d: int,
+        ranks: int,
+        hyper: Optional[Mapping[str, Any]] = None,
+        *,
+        groups: Optional[Sequence[int]] = None,
+        steps: Optional[range] = None,
+        itemsize: int = 4,
+    ) -> List[Call]:
+        """The collectives of steps ``steps`` (default: step 1) over ``ranks`` ranks: the source of every byte formula.
+
+        Parameters
+        ----------
+        d : int
+            Parameters.
+        ranks : int
+            World size P.
+        hyper : mapping, optional
+            Hyperparameters; the class's defaults fill in what is missing.
+        groups : sequence of int, optional
+            Sizes of the topology's groups (default: one group of all ranks).
+        steps : range, optional
+            Step numbers (1 for the first step); each call's ``count`` is
+            how often it happens over them.
+        itemsize : int
+            Bytes per parameter (4: float32).
+
+        Returns
+        -------
+        list of Call
+            Empty at one rank (nothing crosses a wire).
+
+        Raises
+        ------
+        ValueError
+            Groups that do not add up to ``ranks``, or an algorithm that
+            declares no plan (an asynchronous one).
+        """
+        groups = [ranks] if groups is None else [int(g) for g in groups]
+        if sum(groups) != ranks or min(groups) < 1:
+            raise ValueError(f"groups must be positive sizes adding up to ranks ({ranks}), got {groups!r}")
+        steps = range(1, 2) if steps is None else steps
+        h = {**cls.default_hyperparameters(), **(hyper or {})}
+        if ranks == 1:
+            return []
+        return cls._plan(int(d), int(ranks), h, groups, steps, itemsize)
+
+    @classmethod
+    def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
+        """The calls of :meth:`communication` (at ``ranks`` >= 2, ``hyper`` complete)."""
+        raise ValueError(f"{cls.name} declares no communication plan (its traffic depends on timing: {cls.protocol})")
+
+    @classmethod
+    def plan_cycle(cls, hyper: Mapping[str, Any]) -> int:
+        """Steps after which the plan repeats (an average over them is the mean step)."""
+        return 1
+
+    @classmethod
+    def resize_skip(cls, saved: Mapping[str, Any], here: Mapping[str, Any], old_size: int, new_size: int) -> Tuple[str, ...]:
+        """Hyperparameters that may differ when resuming ``saved`` as ``here`` on another world size."""
+        return ()
 
     def __init__(self, topology: Topology, *, lr: float, nan_policy: str = "raise") -> None:
         if not isinstance(topology, Topology):
@@ -259,24 +368,11 @@ class Algorithm:
         self.num_params = int(params.size)
         self.dtype = np.dtype(params.dtype)
 
-    def step(self, params: Any, grad: Any, loss: Optional[float] = None) -> StepRecord:
-        """Apply one step: read ``grad``, communicate as the algorithm says, update ``params`` in place.
-
-        Parameters
-        ----------
-        params, grad : array
-            Flat buffers of ``num_params`` elements (same dtype as at set-up).
-        loss : float, optional
-            This rank's training loss for the step (needed by LSGD's leader
-            election; recorded by every algorithm).
-
-        Returns
-        -------
-        StepRecord
-            Bytes and times of this step (also kept as :attr:`last`).
+    def _apply_step(self, params: Any, grad: Any, loss: Optional[float] = None) -> StepRecord:
+        """One step on this rank: the checks, :meth:`_step` and the accounting.
         """
         if self.num_params is None:
-            raise RuntimeError(f"{type(self).__name__}.setup(params) must be called before step()")
+            raise RuntimeError(f"{type(self).__name__}.setup(params) must be called before stepping")
         self._check_flat("params", params)
         self._check_flat("grad", grad)
         before = self.ledger.snapshot()
@@ -445,4 +541,55 @@ class Algorithm:
             wait_seconds=wait,
             algo_seconds=max(0.0, elapsed - comm - wait),
             skipped=skipped,
+        )
+
+
+class SynchronousAlgorithm(Algorithm):
+    """The protocol of algorithms whose ranks step together: ``setup``, ``step`` after every gradient, ``finish``."""
+
+    protocol: ClassVar[str] = SYNCHRONOUS
+
+    def step(self, params: Any, grad: Any, loss: Optional[float] = None) -> StepRecord:
+        """Apply one step: read ``grad``, communicate as the algorithm says, update ``params`` in place.
+
+        Parameters
+        ----------
+        params, grad : array
+            Flat buffers of ``num_params`` elements (same dtype as at set-up).
+        loss : float, optional
+            This rank's training loss for the step (needed by LSGD's leader
+            election; recorded by every algorithm).
+
+        Returns
+        -------
+        StepRecord
+            Bytes and times of this step (also kept as :attr:`last`).
+        """
+        return self._apply_step(params, grad, loss)
+
+
+class AsynchronousAlgorithm(Algorithm):
+    """The protocol of algorithms with a server and workers: ``setup``, then ``run(params, worker_fn, ...)``.
+
+    A worker's steps (and the server's updates) happen inside :meth:`run`,
+    which drives them; there is no ``step`` to call.
+    """
+
+    protocol: ClassVar[str] = ASYNCHRONOUS
+    evaluates: ClassVar[str] = "server"
+    resize_refusal: ClassVar[str] = "the server's and the leaders' state belong to one layout of server and workers"
+
+    @classmethod
+    def server_messages(cls, d: int, itemsize: int = 4) -> Optional[Tuple[float, ...]]:
+        """Bytes the server receives and sends per update, one after the other (the cost model's); None: not modelled."""
+        return None
+
+    def run(self, params: Any, worker_fn: Any, steps: Optional[int] = None, **options: Any) -> Any:
+        """Train asynchronously on every rank of the world (a collective call)."""
+        raise NotImplementedError
+
+    def step(self, params: Any, grad: Any, loss: Optional[float] = None) -> NoReturn:
+        """Not for an asynchronous algorithm: its steps happen inside :meth:`run`."""
+        raise RuntimeError(
+            f"{self.name} is asynchronous: its steps happen inside run(params, worker_fn, ...), which drives them; call run()"
         )

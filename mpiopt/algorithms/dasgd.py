@@ -57,14 +57,16 @@ Example
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from ..arrays import empty_apart
 from ..comm import Request, Topology, is_gpu_array
+from ..comm.ledger import Call
 from ..kernels.update import MERGE_RULES, Merge, merge_average
-from .base import Algorithm, check_choice, check_positive, check_range
+from .base import SynchronousAlgorithm, due_steps, check_choice, check_positive, check_range
 from .local import LocalSGD, LocalStepState
 from .registry import register
+from .resize import COPY, FOLLOW, RESCALE
 
 __all__ = ["DaSGD"]
 
@@ -123,7 +125,7 @@ class _PendingBuffer:
 
 
 @register
-class DaSGD(LocalStepState, Algorithm):
+class DaSGD(LocalStepState, SynchronousAlgorithm):
     """Delayed-averaging SGD (Zhou et al. 2020) over ``topology.world``.
 
     Parameters
@@ -165,9 +167,25 @@ class DaSGD(LocalStepState, Algorithm):
     """
 
     name = "dasgd"
+    listing_order = 30
+    evaluates = "average"
     fused_gradient_check = True
     state_arrays = ("momentum_buffer", "pending_snapshot", "pending_sum")
     state_scalars = ("merge_step",)
+    # The merge divides pending_sum by M and must find the old ranks' average; an averaging in flight is merged at
+    # its step, each new rank adding its own progress since its snapshot.
+    resize_rules = {"momentum_buffer": FOLLOW, "pending_snapshot": FOLLOW, "pending_sum": RESCALE, "merge_step": COPY}
+    wire_summary = "4d every `period` steps, hidden"
+    update_goal = 1.5
+
+    @classmethod
+    def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
+        count = due_steps(hyper["period"], steps)
+        return [Call("iallreduce", itemsize * d, ranks, count, overlap_steps=int(hyper["delay_steps"]))]
+
+    @classmethod
+    def plan_cycle(cls, hyper: Mapping[str, Any]) -> int:
+        return int(hyper["period"])
 
     def __init__(
         self,

@@ -45,14 +45,16 @@ Example
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..arrays import empty_apart
 from ..comm import Topology
+from ..comm.ledger import Call
 from ..kernels.update import elastic_pull, fused_update_available
-from .base import Algorithm, check_positive
+from .base import SynchronousAlgorithm, due_steps, _plain, check_positive
 from .local import LocalSGD, LocalStepState
 from .registry import register
+from .resize import COPY, FOLLOW
 
 __all__ = ["EASGD", "DEFAULT_BETA", "moving_rates"]
 
@@ -93,7 +95,7 @@ def moving_rates(alpha: Optional[float], beta: Optional[float], workers: int) ->
 
 
 @register
-class EASGD(LocalStepState, Algorithm):
+class EASGD(LocalStepState, SynchronousAlgorithm):
     """Synchronous elastic averaging SGD (EASGD; EAMSGD with Nesterov momentum).
 
     Parameters
@@ -124,8 +126,29 @@ class EASGD(LocalStepState, Algorithm):
     """
 
     name = "easgd"
+    listing_order = 10
+    evaluates = "average"
     fused_gradient_check = True
     state_arrays = ("center", "momentum_buffer")
+    # Every rank holds the same centre; a momentum buffer belongs to the parameters it moved.
+    resize_rules = {"center": COPY, "momentum_buffer": FOLLOW}
+    training_defaults = {"lr": 0.05, "momentum": 0.9}
+    wire_summary = "4d every `period` steps"
+    update_goal = 1.5
+
+    @classmethod
+    def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
+        return [Call("allreduce", itemsize * d, ranks, due_steps(hyper["period"], steps))]
+
+    @classmethod
+    def plan_cycle(cls, hyper: Mapping[str, Any]) -> int:
+        return int(hyper["period"])
+
+    @classmethod
+    def resize_skip(cls, saved: Mapping[str, Any], here: Mapping[str, Any], old_size: int, new_size: int) -> Tuple[str, ...]:
+        # alpha and beta = N alpha cannot both stay at another N: accept the run when either does (the one its settings fixed).
+        plain_saved, plain_here = _plain(dict(saved)), _plain(dict(here))
+        return ("alpha", "beta") if any(plain_saved.get(k) == plain_here.get(k) for k in ("alpha", "beta")) else ()
 
     def __init__(
         self,

@@ -88,20 +88,42 @@ Example
 
 from __future__ import annotations
 
+import math
 from functools import partial
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..arrays import empty_apart
 from ..comm import Comm, Topology
-from .base import Algorithm
+from ..comm.ledger import Call
+from .base import SynchronousAlgorithm
 from .lsgd_rule import PULL_FORMS, LSGDRule, LSGDState
 from .registry import register
+from .resize import FOLLOW, NO_LEADER
+
+#: Bytes of one leader election (:meth:`mpiopt.comm.Comm.elect_min`: a padded (float64, int32) pair).
+ELECTION_BYTES = 16
+
+
+def pulls_due(step: int, hyper: Mapping[str, Any], groups: int) -> List[Tuple[str, float, bool]]:
+    """``(scope, coefficient, fetch)`` of the pulls after ``step``, local first, for ``groups`` groups.
+
+    ``fetch`` is False for a global pull that follows a local one in a
+    single group: the leader and its parameters are already at hand.
+    """
+    global_period = int(hyper["global_period"])
+    period = max(1, global_period // 4) if hyper["period"] is None else int(hyper["period"])
+    due = []
+    if hyper["pull_local"] and step % period == 0:
+        due.append(("local", hyper["pull_local"], True))
+    if hyper["pull_global"] and step % global_period == 0:
+        due.append(("global", hyper["pull_global"], not due or groups > 1))
+    return due
 
 __all__ = ["LSGD", "PULL_FORMS"]
 
 
 @register
-class LSGD(LSGDState, Algorithm):
+class LSGD(LSGDState, SynchronousAlgorithm):
     """Synchronous leader SGD (Teng et al. 2019) with local (group) and global (world) leaders.
 
     Parameters
@@ -145,8 +167,40 @@ class LSGD(LSGDState, Algorithm):
     """
 
     name = "lsgd"
+    listing_order = 20
+    evaluates = "average"
     state_arrays = ("momentum_buffer", "leader_copy", "recent_losses")
     state_scalars = ("losses_seen", "last_local_leader", "last_global_leader")
+    # The loss history describes the parameters the new rank takes over; leaders named ranks of the old world (with
+    # proximal > 0 the proximal pull then waits for the next election, at most ``period`` steps).
+    resize_rules = {
+        "momentum_buffer": FOLLOW, "leader_copy": FOLLOW, "recent_losses": FOLLOW, "losses_seen": FOLLOW,
+        "last_local_leader": NO_LEADER, "last_global_leader": NO_LEADER,
+    }
+    wire_summary = "16-byte election + 4d Bcast per pull"
+    update_goal = 1.5
+
+    @classmethod
+    def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
+        local = global_ = 0
+        for step in steps:
+            for scope, _, fetch in pulls_due(step, hyper, len(groups)):
+                local += scope == "local"
+                global_ += scope == "global" and fetch
+        n = itemsize * d
+        calls = []
+        for g in groups:  # an election and a Bcast in every group of more than one rank, the groups side by side
+            if g > 1 and local:
+                calls += [Call("allreduce", ELECTION_BYTES, g, local, 0), Call("bcast", n, g, local, 1)]
+        if global_:
+            calls += [Call("allreduce", ELECTION_BYTES, ranks, global_, 2), Call("bcast", n, ranks, global_, 3)]
+        return calls
+
+    @classmethod
+    def plan_cycle(cls, hyper: Mapping[str, Any]) -> int:
+        global_period = int(hyper["global_period"])
+        period = max(1, global_period // 4) if hyper["period"] is None else int(hyper["period"])
+        return period * global_period // math.gcd(period, global_period)
 
     def __init__(
         self,
@@ -201,17 +255,8 @@ class LSGD(LSGDState, Algorithm):
         self._pull_and_step(params, grad, [(coeff, partial(self._fetch_leader, params, scope, fetch)) for scope, coeff, fetch in due])
 
     def _pulls_due(self, step: int) -> List[Tuple[str, float, bool]]:
-        """``(scope, coefficient, fetch)`` of the pulls after ``step``, local first.
-
-        ``fetch`` is False for a global pull that follows a local one in a
-        single group: the leader and its parameters are already at hand.
-        """
-        due = []
-        if self.pull_local and step % self.period == 0:
-            due.append(("local", self.pull_local, True))
-        if self.pull_global and step % self.global_period == 0:
-            due.append(("global", self.pull_global, not due or self.topology.num_groups > 1))
-        return due
+        """``(scope, coefficient, fetch)`` of the pulls after ``step`` (:func:`pulls_due`)."""
+        return pulls_due(step, self.rule.hyperparameters(), self.topology.num_groups)
 
     def _fetch_leader(self, params: Any, scope: str, fetch: bool) -> Optional[Any]:
         """Elect the leader of ``scope`` and receive its parameters; None where this rank leads."""

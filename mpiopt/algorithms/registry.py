@@ -3,62 +3,71 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any, Dict, List, Type, TypeVar
+import os
+import pkgutil
+from typing import Any, Dict, List, Optional, Type, TypeVar
 
 from ..comm import Topology
 from .base import Algorithm
 
-__all__ = ["register", "create", "available"]
+__all__ = ["register", "create", "available", "algorithm_class", "algorithms", "PLUGINS_ENV"]
+
+#: Comma-separated modules (importable names) that define and register more algorithms, imported with mpiopt's own.
+PLUGINS_ENV = "MPIOPT_ALGORITHMS"
 
 _REGISTRY: Dict[str, Type[Algorithm]] = {}
-# Name -> module of mpiopt.algorithms that defines it; imported on first use
-# so that one algorithm's optional needs never slow down or break another.
-_MODULES: Dict[str, str] = {
-    "sgd": "sgd",
-    "easgd": "easgd",
-    "lsgd": "lsgd",
-    "dasgd": "dasgd",
-    "signum": "signum",
-    "topk": "topk",
-    "regtopk": "topk",
-    "async_msgd": "async_msgd",
-    "async_lsgd": "async_lsgd",
-}
+_discovered = False
 A = TypeVar("A", bound=Type[Algorithm])
 
 
 def register(cls: A) -> A:
-    """Class decorator: make ``cls`` available to :func:`create` under ``cls.name``."""
+    """Class decorator: make ``cls`` available to :func:`create` under ``cls.name``.
+
+    Works for algorithms defined outside :mod:`mpiopt.algorithms` too: once
+    their module is imported (by the caller, or through ``$MPIOPT_ALGORITHMS``
+    for the command line), ``create``, ``mpiopt train --algorithm NAME`` and
+    the benchmarks find them like the built-in ones.
+    """
     if not cls.name or cls.name in _REGISTRY:
         raise ValueError(f"algorithm name {cls.name!r} is empty or taken")
+    if not cls.protocol:
+        raise TypeError(f"{cls.__name__} must derive from SynchronousAlgorithm or AsynchronousAlgorithm")
     _REGISTRY[cls.name] = cls
     return cls
 
 
-def available() -> List[str]:
-    """Names accepted by :func:`create` (those whose module is present)."""
-    names = []
-    for name in _MODULES:
+def _discover() -> None:
+    """Import this package's modules, and those of ``$MPIOPT_ALGORITHMS``, once: each algorithm module registers its classes."""
+    global _discovered
+    if _discovered:
+        return
+    modules = [f"{__package__}.{m.name}" for m in pkgutil.iter_modules(importlib.import_module(__package__).__path__)]
+    modules += [name.strip() for name in os.environ.get(PLUGINS_ENV, "").split(",") if name.strip()]
+    for module in modules:
         try:
-            algorithm_class(name)
-        except ValueError:
-            continue
-        names.append(name)
-    return sorted(names)
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ImportError(f"cannot import algorithm module {module!r} (from ${PLUGINS_ENV} or mpiopt.algorithms): {err}") from err
+    _discovered = True
+
+
+def available(protocol: Optional[str] = None) -> List[str]:
+    """Names accepted by :func:`create` (of one ``protocol`` only, if given), in their classes' ``listing_order``."""
+    return [cls.name for cls in algorithms() if protocol is None or cls.protocol == protocol]
+
+
+def algorithms() -> List[Type[Algorithm]]:
+    """Every registered algorithm class, in the order of :func:`available`."""
+    _discover()
+    return sorted(_REGISTRY.values(), key=lambda cls: (cls.listing_order, cls.name))
 
 
 def algorithm_class(name: str) -> Type[Algorithm]:
-    """The class registered under ``name`` (importing its module on first use)."""
-    if name not in _MODULES:
-        raise ValueError(f"unknown algorithm {name!r}; available: {', '.join(available())}")
+    """The class registered under ``name``."""
     if name not in _REGISTRY:
-        module = f"{__package__}.{_MODULES[name]}"
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as err:
-            if err.name != module:
-                raise
-            raise ValueError(f"algorithm {name!r} is not part of this installation (no module {module})") from None
+        _discover()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown algorithm {name!r}; available: {', '.join(available())}")
     return _REGISTRY[name]
 
 

@@ -3,37 +3,9 @@
 :func:`resize_states` takes the :meth:`~mpiopt.algorithms.base.Algorithm.state_dict`
 of every rank of a checkpoint written by ``P`` ranks and returns one state
 per rank of a job of ``M`` ranks, ready for ``load_state_dict``.  Every state
-entry of every synchronous algorithm has a rule:
-
-============  ======================================  ====================================================
-algorithm     entry                                   rule
-============  ======================================  ====================================================
-``sgd``       ``momentum_buffer``                     copied: the same on every rank (averaged gradients)
-``signum``    ``momentum_buffer``                     follows: new rank r takes old rank r % P's
-``topk``      ``error``                               mean of the old ranks' on every new rank
-              ``momentum_buffer``                     copied (momentum of the aggregate, same everywhere)
-``regtopk``   ``error``                               mean of the old ranks' on every new rank
-              ``aggregate``, ``momentum_buffer``      copied (last step's aggregate, same everywhere)
-              ``sent_indices``, ``sent_values``,      reset (zeros, ``has_history=False``): the first
-              ``has_history``                         step after the resume ranks as Top-k, as the first
-                                                      step of a run does
-``easgd``     ``center``                              copied: every rank holds the same centre
-              ``momentum_buffer``                     follows (it belongs to the parameters it moved)
-``lsgd``      ``momentum_buffer``, ``leader_copy``,   follow: the loss history describes the parameters
-              ``recent_losses``, ``losses_seen``      that the new rank takes over
-              ``last_local_leader``,                  reset to -1: they name ranks and groups of the old
-              ``last_global_leader``                  world; with ``proximal > 0`` the proximal pull
-                                                      waits for the next election (at most ``period``
-                                                      steps)
-``dasgd``     ``momentum_buffer``, ``pending_snapshot``  follow
-              ``pending_sum``                         rescaled by M / P: the merge divides it by M and
-                                                      must find the old ranks' average ``avg(w_k)``
-              ``merge_step``                          copied: an averaging in flight at the checkpoint
-                                                      is merged at its step, each new rank adding its
-                                                      own progress since its snapshot
-``async_*``   --                                      refused: the server's and leaders' state belongs
-                                                      to one layout of server and workers
-============  ======================================  ====================================================
+entry of an algorithm that can resize has a rule, declared beside the state
+in its class (``resize_rules``); the asynchronous algorithms have none (the
+server's and the leaders' state belong to one layout of server and workers).
 
 Why these rules:
 
@@ -53,9 +25,9 @@ Why these rules:
   no new rank can own it; the caller warns.
 
 The step counter and the learning rate are copied (the ranks agree on
-them); ``world_size`` becomes ``M`` and ``hyperparameters`` this run's.  At
-another world size EASGD's ``alpha`` and ``beta = N alpha`` cannot both
-stay: :func:`hyperparameter_differences` accepts the run when either does.
+them); ``world_size`` becomes ``M`` and ``hyperparameters`` this run's.
+Hyperparameters that scale with the world size may differ where the class
+says so (``Algorithm.resize_skip``: EASGD's ``alpha`` or ``beta = N alpha``).
 """
 
 from __future__ import annotations
@@ -65,9 +37,13 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .base import _plain, hyperparameter_lines
+from .base import hyperparameter_lines
+from .registry import algorithm_class
 
-__all__ = ["resize_states", "hyperparameter_differences", "source_rank", "RULES", "ResizeError"]
+__all__ = [
+    "resize_states", "hyperparameter_differences", "source_rank", "rules_of", "ResizeError",
+    "COPY", "FOLLOW", "MEAN", "RESCALE", "ZERO", "NO_HISTORY", "NO_LEADER",
+]
 
 
 class ResizeError(ValueError):
@@ -128,32 +104,13 @@ ZERO = Rule(_reset_to(None), "reset", "reset to zeros")
 NO_HISTORY = Rule(_reset_to(False), "reset", "reset (the first step ranks as Top-k)")
 NO_LEADER = Rule(_reset_to(-1), "reset", "reset to -1 (they named ranks of the old world)")
 
-#: Each synchronous algorithm's rule per state entry (``state_arrays`` and ``state_scalars``); see the module docstring.
-RULES: Dict[str, Dict[str, Rule]] = {
-    "sgd": {"momentum_buffer": COPY},
-    "signum": {"momentum_buffer": FOLLOW},
-    "topk": {"error": MEAN, "momentum_buffer": COPY},
-    "regtopk": {
-        "error": MEAN, "aggregate": COPY, "momentum_buffer": COPY,
-        "sent_indices": ZERO, "sent_values": ZERO, "has_history": NO_HISTORY,
-    },
-    "easgd": {"center": COPY, "momentum_buffer": FOLLOW},
-    "lsgd": {
-        "momentum_buffer": FOLLOW, "leader_copy": FOLLOW, "recent_losses": FOLLOW, "losses_seen": FOLLOW,
-        "last_local_leader": NO_LEADER, "last_global_leader": NO_LEADER,
-    },
-    "dasgd": {"momentum_buffer": FOLLOW, "pending_snapshot": FOLLOW, "pending_sum": RESCALE, "merge_step": COPY},
-}
 
-
-def _rules(name: str) -> Dict[str, Rule]:
-    if name not in RULES:
-        why = (
-            "the server's and the leaders' state belong to one layout of server and workers"
-            if name.startswith("async_") else "no rule is defined for it"
-        )
-        raise ResizeError(f"{name!r} cannot resume on another number of ranks: {why}")
-    return RULES[name]
+def rules_of(name: str) -> Dict[str, Rule]:
+    """The resize rule of each state entry of algorithm ``name`` (its class's ``resize_rules``)."""
+    cls = algorithm_class(name)
+    if cls.resize_rules is None:
+        raise ResizeError(f"{name!r} cannot resume on another number of ranks: {cls.resize_refusal}")
+    return dict(cls.resize_rules)
 
 
 def hyperparameter_differences(
@@ -162,14 +119,9 @@ def hyperparameter_differences(
     """``"key: saved X, here Y"`` for each hyperparameter that forbids resuming ``saved`` as ``here``.
 
     At the same world size every hyperparameter must match.  At another,
-    EASGD's ``alpha`` and ``beta`` (``beta = N alpha``) cannot both; the run
-    is accepted when either matches (the one its settings fixed).
+    those the class's ``resize_skip`` names may differ.
     """
-    skip = ()
-    if name == "easgd" and old_size != new_size:
-        plain_saved, plain_here = _plain(dict(saved)), _plain(dict(here))
-        if any(plain_saved.get(k) == plain_here.get(k) for k in ("alpha", "beta")):
-            skip = ("alpha", "beta")
+    skip = algorithm_class(name).resize_skip(saved, here, old_size, new_size) if old_size != new_size else ()
     return hyperparameter_lines(saved, here, skip=skip)
 
 
@@ -215,7 +167,7 @@ def resize_states(
         another algorithm, states whose entries are not the ones the rule
         knows, or old ranks at different steps.
     """
-    rules = _rules(name)
+    rules = rules_of(name)
     if isinstance(new_size, bool) or not isinstance(new_size, (int, np.integer)) or new_size < 1:
         raise ValueError(f"new_size must be an integer >= 1, got {new_size!r}")
     if ranks is not None and any(not 0 <= r < new_size for r in ranks):

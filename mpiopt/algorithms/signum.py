@@ -63,16 +63,18 @@ Compare with the float32 Allreduce of data-parallel SGD: 4d bytes each way.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Deque, Dict, Iterator, Optional, Tuple, Union
+from typing import Any, Deque, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
 from ..arrays import empty_apart
 from ..comm import Request, Topology
+from ..comm.ledger import Call, plan_bytes
 from ..kernels import chunk_bounds, majority_vote, pack_signs, packed_nbytes, vote_chunk
 from ..kernels.signs import apply_signs, fused_signs_available, momentum_signs
-from .base import Algorithm, check_choice, check_positive, check_range
+from .base import SynchronousAlgorithm, check_choice, check_positive, check_range
 from .registry import register
+from .resize import FOLLOW
 
 __all__ = [
     "Signum", "EXCHANGES", "LATENCY_BYTES", "PIPELINE_CHUNKS", "PIPELINE_DEPTH", "PIPELINE_MIN_BYTES",
@@ -97,7 +99,7 @@ PIPELINE_DEPTH = 2
 
 
 def exchange_bytes(mode: str, ranks: int, d: int, chunks: Union[int, str] = "auto") -> Dict[str, int]:
-    """Bytes one rank sends and receives per step in ``mode`` (the ledger's convention).
+    """Bytes one rank sends and receives per step in ``mode`` (the ledger's convention, from the plan).
 
     Parameters
     ----------
@@ -111,13 +113,8 @@ def exchange_bytes(mode: str, ranks: int, d: int, chunks: Union[int, str] = "aut
         ``pipeline_chunks`` (the default is the algorithm's): ``twophase``
         pads each chunk's pieces to whole words.
     """
-    nbytes = packed_nbytes(d)
-    if ranks == 1:
-        return {"sent": 0, "recv": 0}
-    if mode == "allgather":
-        return {"sent": nbytes, "recv": (ranks - 1) * nbytes}
-    width = sum(_chunk_width(int(stop - start), ranks) for start, stop in pipeline_bounds(d, chunks))
-    return {"sent": ranks * width, "recv": 2 * (ranks - 1) * width}
+    calls = Signum.communication(d, ranks, {"exchange": mode, "pipeline_chunks": chunks})
+    return {key: int(value) for key, value in plan_bytes(calls, ranks).items()}
 
 
 def pipeline_bounds(d: int, chunks: Union[int, str]) -> np.ndarray:
@@ -156,7 +153,7 @@ def _chunk_width(nbytes: int, ranks: int) -> int:
 
 
 @register
-class Signum(Algorithm):
+class Signum(SynchronousAlgorithm):
     """Signum / signSGD with majority vote over packed sign bits.
 
     Parameters
@@ -187,7 +184,30 @@ class Signum(Algorithm):
     """
 
     name = "signum"
+    listing_order = 40
     state_arrays = ("momentum_buffer",)
+    # Per-worker momentum goes with that worker's parameters: averaging would cast a lower-variance vote than any worker.
+    resize_rules = {"momentum_buffer": FOLLOW}
+    training_defaults = {"lr": 1e-3}  # the paper's 1e-4 barely moves a small model in a few hundred steps
+    wire_summary = "d/8 sent; (P-1)d/8 or < d/4 received"
+    update_goal = 2.0
+
+    @classmethod
+    def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
+        count, nbytes = len(steps), packed_nbytes(d)
+        mode = choose_exchange(ranks, d) if hyper["exchange"] == "auto" else hyper["exchange"]
+        if mode == "allgather":
+            return [Call("allgather", nbytes, ranks, count)]
+        if mode == "twophase":
+            width = sum(_chunk_width(int(stop - start), ranks) for start, stop in pipeline_bounds(d, hyper["pipeline_chunks"]))
+            return [Call("twophase", width, ranks, count)]
+        calls = []  # prevote: an Allgather in each group and its leader's Bcast of the outcome, then the leaders' Allgather
+        for g in groups:
+            if g > 1:
+                calls += [Call("allgather", nbytes, g, count, 0), Call("bcast", nbytes, g, count, 1)]
+        if len(groups) > 1:
+            calls.append(Call("allgather", nbytes, len(groups), count, 2))
+        return calls
 
     def __init__(
         self,

@@ -63,12 +63,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional
 
 import numpy as np
 
 from ..arrays import array_module, empty_apart
 from ..comm import Topology
+from ..comm.ledger import Call
 from ..kernels import (
     decode, density_to_k, encode, encoded_nbytes, error_feedback, packed_nbytes, payload_format, regtopk_scores, scatter_add,
     topk_indices,
@@ -78,9 +79,10 @@ from ..kernels.sparse import (
     TopkWorkspace, divide_at, feedback_select, fused_feedback_available, merge_sorted_rows, regtopk_sent_factors, settle_aggregate,
     subtract_scaled_at, take_and_zero, union_of_sorted, unsent_factor, zero_at,
 )
-from .base import Algorithm, check_positive
+from .base import SynchronousAlgorithm, check_positive
 from .local import LocalSGD, LocalStepState
 from .registry import register
+from .resize import COPY, MEAN, NO_HISTORY, ZERO
 
 __all__ = ["TopK", "RegTopK", "Sparsifier", "SparseWorker", "SparseAggregate", "aggregate_payloads", "DEFAULT_DENSITY"]
 
@@ -387,10 +389,17 @@ def aggregate_payloads(
     return SparseAggregate(touched, None)
 
 
-class _SparseSGD(LocalStepState, Algorithm):
+class _SparseSGD(LocalStepState, SynchronousAlgorithm):
     """Top-k / RegTop-k with error feedback over ``topology.world`` (see the module docstring)."""
 
     fused_gradient_check = True  # error feedback's pass over g checks it
+    training_defaults = {"lr": 0.05, "density": 0.01, "momentum": 0.9}
+    wire_summary = "8k bytes (or bitmap + values) + 8-byte header sent, (P-1) times that received"
+
+    @classmethod
+    def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
+        k = Sparsifier(k=hyper.get("k"), density=hyper.get("density")).count(d)
+        return [Call("allgather", encoded_nbytes(k, d), ranks, len(steps))]  # every rank's encoded payload
 
     def __init__(
         self,
@@ -550,7 +559,11 @@ class TopK(_SparseSGD):
     """
 
     name = "topk"
+    listing_order = 50
     state_arrays = ("error", "momentum_buffer")
+    # The residuals still owed are (1/P) sum e: the mean on every new rank keeps them; momentum of G is the same everywhere.
+    resize_rules = {"error": MEAN, "momentum_buffer": COPY}
+    update_goal = 2.5
 
     def __init__(
         self,
@@ -595,8 +608,16 @@ class RegTopK(_SparseSGD):
     """
 
     name = "regtopk"
+    listing_order = 60
     state_arrays = ("error", "sent_indices", "sent_values", "aggregate", "momentum_buffer")
     state_scalars = ("has_history",)
+    # As Top-k's, and last step's G is the same everywhere; what a rank sent belongs to an old rank, so the first
+    # step after a resize ranks as Top-k, as the first step of a run does.
+    resize_rules = {
+        "error": MEAN, "aggregate": COPY, "momentum_buffer": COPY,
+        "sent_indices": ZERO, "sent_values": ZERO, "has_history": NO_HISTORY,
+    }
+    update_goal = 3.0
 
     def __init__(
         self,

@@ -130,7 +130,7 @@ it is the bottleneck at large P (a sharded server would spread it; not needed
 at the scales tested here).
 
 The deterministic one-process twin with a chosen delay is
-:func:`mpiopt.sim.asynchronous.simulate`.
+:func:`mpiopt.asyncrt.simulated.simulate`.
 """
 
 from .apply import ApplyPolicy, run_async

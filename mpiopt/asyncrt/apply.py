@@ -184,7 +184,7 @@ def run_async(
     -----
     At one rank there is nobody to wait for: the rank computes and applies in
     turn (staleness 0 throughout), which is
-    :func:`mpiopt.sim.asynchronous.simulate` with delay 0.
+    :func:`mpiopt.asyncrt.simulated.simulate` with delay 0.
     """
     agree_on_arguments(
         world,

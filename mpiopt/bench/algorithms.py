@@ -7,7 +7,7 @@
 Every algorithm runs on a flat float32 vector of ``d`` parameters with random
 gradients (a new one each step, different on every rank, from a fixed seed)
 and the hyperparameters ``mpiopt train`` starts from
-(:data:`mpiopt.training.ALGORITHM_DEFAULTS`).  A step is a synthetic compute
+(:func:`mpiopt.training.training_defaults`).  A step is a synthetic compute
 phase (a busy wait of ``--compute-ms``, the forward and backward pass's
 stand-in) followed by ``alg.step``.  ``--steps`` steps run once untimed
 (warm-up), then ``--steps`` more are measured.
@@ -15,8 +15,8 @@ stand-in) followed by ``alg.step``.  ``--steps`` steps run once untimed
 Bytes: the ledger's (:mod:`mpiopt.comm.ledger`) over the measured steps,
 summed over the ranks, divided by the ranks, the steps and ``d``: bytes
 per parameter per step of the mean rank, beside :func:`expected_bytes`, the
-closed form of the README's algorithm table for the same steps, ranks,
-groups and hyperparameters.  ``--steps`` should be a multiple of every
+closed form from the algorithm's communication plan for the same steps,
+ranks, groups and hyperparameters.  ``--steps`` should be a multiple of every
 period (the default 16 is, for the defaults) for the mean per step to mean
 what it says.
 
@@ -35,38 +35,18 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-import mpiopt
-from ..algorithms import algorithm_class
-from ..algorithms.signum import choose_exchange, exchange_bytes
-from ..algorithms.topk import Sparsifier
+from ..algorithms import SYNCHRONOUS, algorithm_class, available, create
 from ..comm import Topology
-from ..kernels import encoded_nbytes, packed_nbytes
+from ..comm.ledger import plan_bytes
 from ..training.config import TrainConfig, UsageError
 from ._common import check_choices, comma_list, count, environment, link_rate, markdown_table, module_main, positive_int, say, write_json
 
-__all__ = ["SYNCHRONOUS", "FORMULAS", "expected_bytes", "add_arguments", "run", "main"]
-
-#: The algorithms driven by ``step`` (the asynchronous ones run ``alg.run`` instead).
-SYNCHRONOUS = ("sgd", "easgd", "lsgd", "dasgd", "signum", "topk", "regtopk")
-
-#: The README's "per step on the wire" column, per algorithm (d parameters, P ranks).
-FORMULAS = {
-    "sgd": "4d bytes each way",
-    "easgd": "4d every `period` steps",
-    "lsgd": "16-byte election + 4d Bcast per pull",
-    "dasgd": "4d every `period` steps, hidden",
-    "signum": "d/8 sent; (P-1)d/8 or < d/4 received",
-    "topk": "8k bytes (or bitmap + values) + 8-byte header sent, (P-1) times that received",
-    "regtopk": "8k bytes (or bitmap + values) + 8-byte header sent, (P-1) times that received",
-}
-
-#: Bytes of one leader election (:meth:`mpiopt.comm.Comm.elect_min`: a padded (float64, int32) pair).
-ELECTION_BYTES = 16
+__all__ = ["synchronous", "expected_bytes", "add_arguments", "run", "main"]
 
 
-def _due(period: int, start: int, steps: int) -> int:
-    """How many of the steps ``start .. start + steps - 1`` are multiples of ``period``."""
-    return (start + steps - 1) // period - (start - 1) // period
+def synchronous() -> List[str]:
+    """The algorithms driven by ``step`` (the asynchronous ones run ``alg.run`` instead), the baseline first."""
+    return available(SYNCHRONOUS)
 
 
 def expected_bytes(
@@ -80,20 +60,18 @@ def expected_bytes(
     start: int = 1,
     itemsize: int = 4,
 ) -> Dict[str, float]:
-    """Bytes the mean rank sends and receives per step: the README's formulas, exactly, in the ledger's convention.
+    """Bytes the mean rank sends and receives per step, in the ledger's convention, from the algorithm's plan.
 
     Parameters
     ----------
     name : str
-        A synchronous algorithm (:data:`SYNCHRONOUS`).
+        A synchronous algorithm (:func:`synchronous`).
     d : int
         Parameters.
     ranks : int
         World size P.
     hyper : mapping, optional
-        The algorithm's hyperparameters (its defaults where missing):
-        ``period``, ``global_period``, ``pull_local``, ``pull_global``,
-        ``exchange``, ``k``, ``density``.
+        The algorithm's hyperparameters (its defaults where missing).
     groups : sequence of int, optional
         The sizes of the topology's groups (default: one group of all
         ranks); used by ``lsgd`` and by ``signum``'s ``prevote``.
@@ -115,60 +93,15 @@ def expected_bytes(
         An asynchronous or unknown algorithm, or groups that do not add up
         to ``ranks``.
     """
-    if name not in SYNCHRONOUS:
-        raise ValueError(f"expected_bytes covers the synchronous algorithms {', '.join(SYNCHRONOUS)}; got {name!r}")
-    groups = [ranks] if groups is None else [int(g) for g in groups]
-    if sum(groups) != ranks or min(groups) < 1:
-        raise ValueError(f"groups must be positive sizes adding up to ranks ({ranks}), got {groups!r}")
-    # The algorithm's own defaults where ``hyper`` leaves a value out.
-    params = algorithm_class(name).__init__.__kwdefaults__ or {}
-    h = {**params, **(hyper or {})}
-    if ranks == 1:
-        return {"sent": 0.0, "recv": 0.0}  # nothing crosses a wire
-    n = itemsize * d
-    sent = recv = 0.0  # summed over all ranks, over all steps
-    if name == "sgd":
-        sent = recv = ranks * n * steps
-    elif name in ("easgd", "dasgd"):
-        sent = recv = ranks * n * _due(h["period"], start, steps)
-    elif name == "lsgd":
-        global_period = h["global_period"]
-        period = h["period"] if h["period"] is not None else max(1, global_period // 4)
-        for step in range(start, start + steps):
-            local = bool(h["pull_local"]) and step % period == 0
-            world = bool(h["pull_global"]) and step % global_period == 0 and not (local and len(groups) == 1)
-            if local:  # an election and a Bcast in every group of more than one rank
-                for g in groups:
-                    if g > 1:
-                        sent += g * ELECTION_BYTES + n
-                        recv += g * ELECTION_BYTES + (g - 1) * n
-            if world:
-                sent += ranks * ELECTION_BYTES + n
-                recv += ranks * ELECTION_BYTES + (ranks - 1) * n
-    elif name == "signum":
-        mode = choose_exchange(ranks, d) if h["exchange"] == "auto" else h["exchange"]
-        if mode == "prevote":
-            nbytes, leaders = packed_nbytes(d), len(groups)
-            for g in groups:
-                if g > 1:  # Allgather in the group, then the leader's Bcast of the outcome
-                    sent += g * nbytes + nbytes
-                    recv += g * (g - 1) * nbytes + (g - 1) * nbytes
-            if leaders > 1:
-                sent += leaders * nbytes
-                recv += leaders * (leaders - 1) * nbytes
-            sent, recv = sent * steps, recv * steps
-        else:
-            per_rank = exchange_bytes(mode, ranks, d, h.get("pipeline_chunks", "auto"))
-            sent, recv = ranks * per_rank["sent"] * steps, ranks * per_rank["recv"] * steps
-    else:  # topk, regtopk: one Allgather of every rank's encoded payload
-        k = Sparsifier(k=h.get("k"), density=h.get("density")).count(d)
-        payload = encoded_nbytes(k, d)
-        sent, recv = ranks * payload * steps, ranks * (ranks - 1) * payload * steps
-    return {"sent": sent / ranks / steps, "recv": recv / ranks / steps}
+    cls = algorithm_class(name)
+    if cls.protocol != SYNCHRONOUS:
+        raise ValueError(f"expected_bytes covers the synchronous algorithms {', '.join(synchronous())}; got {name!r}")
+    calls = cls.communication(d, ranks, hyper, groups=groups, steps=range(start, start + steps), itemsize=itemsize)
+    return plan_bytes(calls, ranks, steps)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--algorithms", type=comma_list(str), default=list(SYNCHRONOUS), metavar="A,B,...", help="synchronous algorithms to run")
+    parser.add_argument("--algorithms", type=comma_list(str), default=None, metavar="A,B,...", help="synchronous algorithms to run (default: all)")
     parser.add_argument("--d", type=count, default=1_000_000, help="parameters (suffixes k, M, G)")
     parser.add_argument("--steps", type=positive_int, default=16, help="measured steps per algorithm (after as many warm-up steps)")
     parser.add_argument("--compute-ms", type=float, default=0.0, help="synthetic compute phase per step, milliseconds (a busy wait)")
@@ -185,7 +118,8 @@ def _busy(seconds: float) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    check_choices("--algorithms", args.algorithms, SYNCHRONOUS)
+    args.algorithms = args.algorithms or synchronous()
+    check_choices("--algorithms", args.algorithms, synchronous())
     if args.compute_ms < 0:
         raise UsageError(f"--compute-ms must be >= 0, got {args.compute_ms}")
 
@@ -193,7 +127,7 @@ def _check(args: argparse.Namespace) -> None:
 def measure(topology: Topology, name: str, d: int, steps: int, compute_seconds: float, seed: int) -> Dict[str, Any]:
     """Run ``name`` for ``2 steps`` steps; bytes and time of the last ``steps``, and the expected bytes."""
     hyper = TrainConfig().algorithm_hyperparameters(name)
-    alg = mpiopt.create(name, topology, **hyper)
+    alg = create(name, topology, **hyper)
     params = np.zeros(d, np.float32)
     alg.setup(params)
     rng = np.random.default_rng([seed, topology.rank])
@@ -226,7 +160,7 @@ def measure(topology: Topology, name: str, d: int, steps: int, compute_seconds: 
         "bytes_recv_per_rank_step": float(sums[1]) / P / steps,
         "expected_sent_per_rank_step": expected["sent"],
         "expected_recv_per_rank_step": expected["recv"],
-        "formula": FORMULAS[name],
+        "formula": algorithm_class(name).wire_summary,
         "seconds_per_step": dict(zip(("compute", "algorithm", "communication", "waiting"), (float(s) / P / steps for s in sums[2:]))),
     }
 

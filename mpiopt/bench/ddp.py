@@ -53,7 +53,7 @@ from ..kernels import threads as kernel_threads
 from ..training.config import TrainConfig, UsageError
 from ._common import check_choices, comma_list, environment, link_rate, markdown_table, median, module_main, positive_int, rotated, say
 from ._common import slowest_seconds, write_json
-from .algorithms import SYNCHRONOUS
+from .algorithms import synchronous
 
 __all__ = ["add_arguments", "run", "main", "overlap_supported"]
 
@@ -63,7 +63,7 @@ GOALS = {"shared memory": 0.95, "link": 1.0}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--algorithms", type=comma_list(str), default=list(SYNCHRONOUS), metavar="A,B,...", help="mpiopt algorithms to compare with DDP")
+    parser.add_argument("--algorithms", type=comma_list(str), default=None, metavar="A,B,...", help="mpiopt algorithms to compare with DDP (default: every synchronous one)")
     parser.add_argument("--model", choices=MODELS, default="mlp", help="model (mpiopt.tasks.models.build_model)")
     parser.add_argument("--width", type=positive_int, default=1024, help="the model's width (mlp: hidden units; cnn, resnet20: first channels)")
     parser.add_argument("--input-shape", type=comma_list(int), default=[1, 8, 8], metavar="C,H,W", help="shape of one synthetic sample")
@@ -84,7 +84,8 @@ def overlap_supported() -> bool:
 
 
 def _check(args: argparse.Namespace) -> None:
-    check_choices("--algorithms", args.algorithms, SYNCHRONOUS)
+    args.algorithms = args.algorithms or synchronous()
+    check_choices("--algorithms", args.algorithms, synchronous())
     if len(args.input_shape) != 3:
         raise UsageError(f"--input-shape must be C,H,W, got {','.join(map(str, args.input_shape))}")
     if args.overlap and not overlap_supported():

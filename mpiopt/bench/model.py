@@ -36,27 +36,18 @@ so calibration on the emulated link fits ``beta`` per byte of the one
 link.  ``iallreduce`` and ``allgatherv`` are fitted separately from
 ``allreduce`` and ``allgather``, as their MPI implementations differ.
 
-An algorithm's step (:func:`plan`) is its actual collective calls, each
-with how often it happens per step:
-
-* ``sgd``: an allreduce of ``4d`` bytes every step;
-* ``easgd``: an allreduce of ``4d`` every ``period`` steps;
-* ``dasgd``: an iallreduce of ``4d`` every ``period`` steps, hidden behind
-  ``delay_steps`` steps of computation: exposed ``max(0, t_comm -
-  delay_steps t_compute)`` per averaging;
-* ``lsgd``: per pull, an election (an allreduce of 16 bytes) and a bcast
-  of ``4d`` in every group of more than one rank (local pulls every
-  ``period``, global every ``global_period``; groups run in parallel on a
-  switched medium, one after the other on a shared one);
-* ``signum``: an allgather of ``ceil(d/8)`` bytes or twophase (``auto``
-  picks as the algorithm does);
-* ``topk``, ``regtopk``: an allgather of the encoded payload (``8k``
-  bytes + 8 or a bitmap + values);
-* ``async_msgd`` (projection only): the parameter server receives a
-  ``4d``-byte gradient and sends ``4d`` bytes of parameters per update,
-  one after the other, so updates per second are at most ``1 / (2 (alpha +
-  4d beta))`` however many workers; its "step" is the time of ``P``
-  gradients (one synchronous step's worth).
+An algorithm's step (:func:`plan`) is its class's communication plan
+(``Algorithm.communication``), each call with how often it happens per step
+averaged over the plan's cycle; a call in flight across ``overlap_steps``
+steps of computation (DaSGD's averaging) exposes only ``max(0, t_comm -
+overlap_steps t_compute)``; calls of one phase (LSGD's groups) run in
+parallel on a switched medium, one after the other on a shared one.  An
+asynchronous algorithm with a server model (``server_messages``, projection
+only; ``async_msgd``): the server receives and sends its messages per
+update one after the other (``async_msgd``: a ``4d``-byte gradient in,
+``4d`` bytes of parameters out), so updates per second are at most ``1 /
+sum(alpha + bytes beta)`` however many workers; its "step" is the time of
+``P`` gradients (one synchronous step's worth).
 
 Step time = local computation + communication (no overlap; DaSGD's hidden
 averaging as above).  The calibrated ``beta`` is projected to another link
@@ -70,28 +61,26 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..algorithms import algorithm_class
-from ..algorithms.signum import choose_exchange
-from ..algorithms.topk import Sparsifier
-from ..kernels import chunk_bounds, encoded_nbytes, packed_nbytes
-from ..training.config import TrainConfig, UsageError
+from ..algorithms import ASYNCHRONOUS, SYNCHRONOUS, algorithm_class, available
+from ..algorithms import algorithms as registered
+from ..comm.ledger import Call
+from ..kernels import chunk_bounds, packed_nbytes
+from ..training.config import UsageError, training_defaults
 from ._common import check_choices, comma_list, count, markdown_table, module_main, parse_rate, save_figure, write_json
-from .algorithms import ELECTION_BYTES, SYNCHRONOUS
 
 __all__ = [
-    "MEDIA", "COLLECTIVES", "Call", "latency_terms", "wire_bytes", "ledger_bytes", "collective_seconds", "fit",
-    "calibrate", "plan", "plan_bytes", "step_seconds", "async_seconds", "validate", "project",
+    "MEDIA", "COLLECTIVES", "latency_terms", "wire_bytes", "collective_seconds", "fit",
+    "calibrate", "plan", "projected", "step_seconds", "async_seconds", "validate", "project",
     "add_arguments", "run", "main",
 ]
 
 MEDIA = ("switched", "shared")
 COLLECTIVES = ("allreduce", "iallreduce", "allgather", "allgatherv", "bcast", "twophase")
-PROJECTED = (*SYNCHRONOUS, "async_msgd")
 #: MPICH's MPIR_CVAR_BCAST_MIN_PROCS: fewer ranks broadcast along a binomial tree, more scatter and allgather.
 BCAST_MIN_PROCS = 8
 RANKS = (64, 128, 256, 512, 1024)
@@ -140,21 +129,6 @@ def wire_bytes(op: str, P: int, n: float, medium: str = "switched") -> float:
         return (_log2(P) / 2 + P - 1) * n if shared else 2 * (P - 1) / P * n
     if op == "twophase":
         return 2 * P * (P - 1) * n if shared else 2 * (P - 1) * n
-    raise ValueError(f"op must be one of {', '.join(COLLECTIVES)}, got {op!r}")
-
-
-def ledger_bytes(op: str, P: int, n: float) -> Tuple[float, float]:
-    """(sent, received) bytes of the mean rank in the ledger's convention (payload once, not wire bytes)."""
-    if P < 2:
-        return 0.0, 0.0
-    if op in ("allreduce", "iallreduce"):
-        return n, n
-    if op in ("allgather", "allgatherv"):
-        return n, (P - 1) * n
-    if op == "bcast":
-        return n / P, (P - 1) * n / P
-    if op == "twophase":  # Alltoall of P chunks (one stays), then Allgather of one
-        return P * n, 2 * (P - 1) * n
     raise ValueError(f"op must be one of {', '.join(COLLECTIVES)}, got {op!r}")
 
 
@@ -265,85 +239,34 @@ def calibrate(runs: Sequence[Mapping[str, Any]], medium: Optional[str] = None) -
 # --------------------------------------------------------------------------------------------------------------- plan
 
 
-@dataclass(frozen=True)
-class Call:
-    """One collective: ``op`` with an ``nbytes`` message over ``ranks`` ranks, ``per_step`` times per step on average.
-
-    Calls with the same ``phase`` run at the same time on disjoint ranks
-    (``lsgd``'s groups); different phases run one after the other.
-    """
-
-    op: str
-    nbytes: float
-    ranks: int
-    per_step: float
-    phase: int = 0
+def projected() -> List[str]:
+    """The algorithms the model projects: every synchronous one, and the asynchronous ones with a server model."""
+    return [cls.name for cls in registered() if cls.protocol == SYNCHRONOUS or cls.server_messages(1) is not None]
 
 
 def _hyper(name: str, hyper: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     """The algorithm's own defaults, then ``mpiopt train``'s, then ``hyper``."""
-    defaults = algorithm_class(name).__init__.__kwdefaults__ or {}
-    return {**defaults, **TrainConfig().algorithm_hyperparameters(name), **(hyper or {})}
+    return {**algorithm_class(name).default_hyperparameters(), **training_defaults(name), **(hyper or {})}
 
 
 def plan(name: str, d: int, P: int, hyper: Optional[Mapping[str, Any]] = None, groups: Optional[Sequence[int]] = None) -> List[Call]:
     """The collective calls of one step of synchronous algorithm ``name`` (d float32 parameters, P ranks), averaged over a cycle.
 
+    The algorithm's own plan (``Algorithm.communication``) over the steps
+    after which it repeats, each call's ``count`` divided by their number.
+
     Raises
     ------
     ValueError
-        An unknown or asynchronous algorithm, ``signum``'s ``prevote``
-        (not modelled), or groups that do not add up to ``P``.
+        An unknown or asynchronous algorithm, or groups that do not add up to ``P``.
     """
-    if name not in SYNCHRONOUS:
-        raise ValueError(f"plan covers the synchronous algorithms {', '.join(SYNCHRONOUS)}; got {name!r}")
-    groups = [P] if groups is None else [int(g) for g in groups]
-    if sum(groups) != P or min(groups) < 1:
-        raise ValueError(f"groups must be positive sizes adding up to P ({P}), got {groups!r}")
+    cls = algorithm_class(name)
+    if cls.protocol != SYNCHRONOUS:
+        raise ValueError(f"plan covers the synchronous algorithms {', '.join(available(SYNCHRONOUS))}; got {name!r}")
     h = _hyper(name, hyper)
-    n = 4 * d
-    if P < 2:
-        return []
-    if name == "sgd":
-        return [Call("allreduce", n, P, 1.0)]
-    if name in ("easgd", "dasgd"):
-        return [Call("allreduce" if name == "easgd" else "iallreduce", n, P, 1.0 / int(h["period"]))]
-    if name == "lsgd":
-        global_period = int(h["global_period"])
-        period = int(h["period"]) if h["period"] is not None else max(1, global_period // 4)
-        cycle = period * global_period // math.gcd(period, global_period)
-        local = global_ = 0
-        for step in range(1, cycle + 1):  # the pulls of steps 1..cycle, as LSGD.step decides them
-            is_local = bool(h["pull_local"]) and step % period == 0
-            local += is_local
-            global_ += bool(h["pull_global"]) and step % global_period == 0 and not (is_local and len(groups) == 1)
-        calls = []
-        for g in groups:
-            if g > 1 and local:
-                calls += [Call("allreduce", ELECTION_BYTES, g, local / cycle, 0), Call("bcast", n, g, local / cycle, 1)]
-        if global_:
-            calls += [Call("allreduce", ELECTION_BYTES, P, global_ / cycle, 2), Call("bcast", n, P, global_ / cycle, 3)]
-        return calls
-    if name == "signum":
-        mode = choose_exchange(P, d) if h["exchange"] == "auto" else h["exchange"]
-        if mode == "allgather":
-            return [Call("allgather", packed_nbytes(d), P, 1.0)]
-        if mode == "twophase":
-            bounds = chunk_bounds(packed_nbytes(d), P)
-            return [Call("twophase", int((bounds[:, 1] - bounds[:, 0]).max()), P, 1.0)]
-        raise ValueError(f"signum's exchange {mode!r} is not modelled (allgather and twophase are)")
-    k = Sparsifier(k=h.get("k"), density=h.get("density")).count(d)  # topk, regtopk
-    return [Call("allgather", encoded_nbytes(k, d), P, 1.0)]
-
-
-def plan_bytes(calls: Iterable[Call], P: int) -> Dict[str, float]:
-    """Ledger bytes per step of the mean rank over ``P``: ``{"sent", "recv"}`` (compare :func:`~mpiopt.bench.algorithms.expected_bytes`)."""
-    sent = recv = 0.0
-    for c in calls:
-        s, r = ledger_bytes(c.op, c.ranks, c.nbytes)
-        sent += c.per_step * s * c.ranks / P
-        recv += c.per_step * r * c.ranks / P
-    return {"sent": sent, "recv": recv}
+    cycle = cls.plan_cycle(h)
+    calls = cls.communication(d, P, h, groups=groups, steps=range(1, cycle + 1))
+    return [replace(call, count=call.count / cycle) for call in calls]
 
 
 def _params(model: Mapping[str, Any], op: str) -> Tuple[float, float]:
@@ -355,13 +278,18 @@ def _params(model: Mapping[str, Any], op: str) -> Tuple[float, float]:
     return float(entry["alpha"]), float(entry["beta"])
 
 
-def comm_seconds(calls: Iterable[Call], model: Mapping[str, Any]) -> float:
-    """Communication seconds per step: phases one after the other; calls of a phase in parallel (switched) or one after the other (shared)."""
+def comm_seconds(calls: Iterable[Call], model: Mapping[str, Any], compute: float = 0.0) -> float:
+    """Communication seconds per step: phases one after the other; calls of a phase in parallel (switched) or one after the other (shared).
+
+    A call in flight across ``overlap_steps`` steps of ``compute`` seconds
+    (DaSGD's averaging) exposes only what outlasts them.
+    """
     medium = model["medium"]
     phases: Dict[int, List[float]] = {}
     for c in calls:
         alpha, beta = _params(model, c.op)
-        phases.setdefault(c.phase, []).append(c.per_step * collective_seconds(c.op, c.ranks, c.nbytes, alpha, beta, medium))
+        whole = collective_seconds(c.op, c.ranks, c.nbytes, alpha, beta, medium)
+        phases.setdefault(c.phase, []).append(c.count * max(0.0, whole - c.overlap_steps * compute))
     return sum((sum(ts) if medium == "shared" else max(ts)) for ts in phases.values())
 
 
@@ -376,20 +304,18 @@ def step_seconds(
     but ``dasgd``'s averaging, of which only ``max(0, t - delay_steps
     compute)`` per averaging is exposed.
     """
-    calls = plan(name, d, P, hyper, groups)
-    if name == "dasgd" and calls:
-        h = _hyper(name, hyper)
-        (call,) = calls
-        alpha, beta = _params(model, call.op)
-        whole = collective_seconds(call.op, P, call.nbytes, alpha, beta, model["medium"])
-        comm = call.per_step * max(0.0, whole - int(h["delay_steps"]) * compute)
-    else:
-        comm = comm_seconds(calls, model)
+    comm = comm_seconds(plan(name, d, P, hyper, groups), model, compute)
     return {"compute": compute, "comm": comm, "total": compute + comm}
 
 
-def async_seconds(d: int, P: int, compute: float, model: Mapping[str, Any]) -> Dict[str, Any]:
-    """``async_msgd``'s seconds per ``P`` gradients: P-1 workers, one server whose link carries 2 x 4d bytes per update.
+def async_seconds(
+    d: int, P: int, compute: float, model: Mapping[str, Any], messages: Optional[Sequence[float]] = None
+) -> Dict[str, Any]:
+    """A parameter server's seconds per ``P`` gradients: P-1 workers, one server whose link carries ``messages`` per update.
+
+    ``messages`` are the bytes the server receives and sends per update
+    (the algorithm's ``server_messages``; default a 4d-byte gradient in and
+    4d bytes of parameters out, one after the other).
 
     Returns ``{"compute", "comm", "total", "server_bound"}``: ``total`` is
     ``P`` over the gradients per second, ``server_bound`` whether the
@@ -401,9 +327,10 @@ def async_seconds(d: int, P: int, compute: float, model: Mapping[str, Any]) -> D
     already counts.
     """
     if P < 2:
-        raise ValueError(f"async_msgd needs a server and a worker: P >= 2, got {P}")
+        raise ValueError(f"a parameter server needs a server and a worker: P >= 2, got {P}")
     alpha, beta = _params(model, "allreduce")
-    server = 2 * (alpha + 4 * d * beta)  # one update: receive a gradient, send the parameters back
+    messages = (4 * d, 4 * d) if messages is None else messages
+    server = sum(alpha + nbytes * beta for nbytes in messages)  # one update: its messages one after the other
     throughput = min((P - 1) / (compute + server), 1.0 / server)  # gradients per second
     total = P / throughput
     return {"compute": compute, "comm": total - compute, "total": total, "server_bound": 1.0 / server < (P - 1) / (compute + server)}
@@ -466,7 +393,7 @@ def project(
     models: Sequence[Tuple[str, int, float]],
     ranks: Sequence[int] = RANKS,
     rates: Sequence[str] = RATES,
-    algorithms: Sequence[str] = PROJECTED,
+    algorithms: Optional[Sequence[str]] = None,
     alpha: Optional[float] = None,
 ) -> List[Dict[str, Any]]:
     """Projected seconds per step and speed-up over ``sgd`` for every (model, rate, ranks, algorithm) on a switched network.
@@ -475,18 +402,20 @@ def project(
     algorithm runs with ``mpiopt train``'s hyperparameters and one group of
     all ranks (``lsgd`` without node-local pulls).
     """
+    baseline = next(cls.name for cls in registered() if cls.baseline)
     rows = []
     for rate in rates:
         moved = at_rate(model, parse_rate(rate), "switched", alpha)
         for label, d, compute in models:
             for P in ranks:
                 times = {}
-                for name in algorithms:
-                    if name == "async_msgd":
-                        times[name] = async_seconds(d, P, compute, moved)["total"]
+                for name in algorithms or projected():
+                    cls = algorithm_class(name)
+                    if cls.protocol == ASYNCHRONOUS:
+                        times[name] = async_seconds(d, P, compute, moved, cls.server_messages(d))["total"]
                     else:
                         times[name] = step_seconds(name, d, P, compute, moved)["total"]
-                base = times.get("sgd") or step_seconds("sgd", d, P, compute, moved)["total"]
+                base = times.get(baseline) or step_seconds(baseline, d, P, compute, moved)["total"]
                 for name, total in times.items():
                     rows.append({"model": label, "d": d, "compute": compute, "rate": rate, "P": P, "algorithm": name,
                                  "seconds": total, "speedup": base / total})
@@ -618,7 +547,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # dest: ``mpiopt bench --ranks N`` (start the job) shares this namespace.
     p.add_argument("--ranks", dest="world_sizes", type=comma_list(int), default=list(RANKS), metavar="P,P,...", help="world sizes")
     p.add_argument("--rates", type=comma_list(str), default=list(RATES), metavar="RATE,...", help="link rates in tc's units")
-    p.add_argument("--algorithms", type=comma_list(str), default=list(PROJECTED), metavar="A,B,...")
+    p.add_argument("--algorithms", type=comma_list(str), default=None, metavar="A,B,...",
+                   help="algorithms to project (default: every synchronous one, and the asynchronous ones with a server model)")
     p.add_argument("--alpha", type=float, default=None, metavar="SECONDS", help="latency per hop (default: the calibrated)")
     p.add_argument("--json", default=None, metavar="FILE")
     p.add_argument("--plot", default=None, metavar="PNG")
@@ -641,7 +571,8 @@ def run(args: argparse.Namespace) -> int:
             hits = sum(abs(r["error"]) <= args.goal for r in rows)
             print(f"\n{hits} of {len(rows)} points within {100 * args.goal:.0f} %")
         else:
-            check_choices("--algorithms", args.algorithms, PROJECTED)
+            args.algorithms = args.algorithms or projected()
+            check_choices("--algorithms", args.algorithms, projected())
             if not args.world_sizes or min(args.world_sizes) < 2:
                 raise UsageError(f"--ranks must be >= 2, got {args.world_sizes}")
             rows = project(model, _parse_models(args.models), args.world_sizes, args.rates, args.algorithms, args.alpha)

@@ -7,7 +7,7 @@ plain SGD (``mu = 0``) hardly notices ``tau``.
 
 For every delay ``tau`` and momentum ``mu`` of a grid, Async-MSGD
 (:class:`~mpiopt.algorithms.async_msgd.AsyncMSGDRule`) runs in
-:func:`mpiopt.sim.asynchronous.simulate` with :class:`~mpiopt.sim.asynchronous.FixedDelay`
+:func:`mpiopt.asyncrt.simulated.simulate` with :class:`~mpiopt.asyncrt.simulated.FixedDelay`
 ``(tau)`` (``tau + 1`` equally fast workers) on the streaming-PCA problem of
 :func:`mpiopt.tasks.pca.make_problem` and counts the updates until
 ``sin^2(v, u) <= accuracy``.  A cell is the mean over seeds (seed ``s``: its
@@ -36,7 +36,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from ..algorithms.async_msgd import AsyncMSGDRule
-from ..sim.asynchronous import FixedDelay, simulate
+from ..asyncrt.simulated import FixedDelay, simulate
 from ..tasks.pca import PCAProblem, PCAStream, diverged, make_problem, sin2
 from ._common import comma_list, module_main, positive_int, save_figure
 

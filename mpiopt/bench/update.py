@@ -55,8 +55,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
-import mpiopt
-from ..algorithms import algorithm_class
+from ..algorithms import algorithm_class, create
 from ..arrays import array_module
 from ..algorithms.local import LocalSGD
 from ..comm import Topology
@@ -64,19 +63,17 @@ from ..kernels import threads
 from ..kernels import update as update_kernels
 from ..training.config import TrainConfig, UsageError
 from ._common import check_choices, comma_list, count, environment, markdown_table, median, module_main, positive_int, rotated, write_json
-from .algorithms import SYNCHRONOUS
+from .algorithms import synchronous
 
-__all__ = ["GOALS", "add_arguments", "measure", "run", "main"]
+__all__ = ["add_arguments", "measure", "run", "main"]
 
-#: Most time per step, in units of torch.optim.SGD(fused=True)'s step (issue 11).
-GOALS = {"sgd": 1.2, "easgd": 1.5, "lsgd": 1.5, "dasgd": 1.5, "signum": 2.0, "topk": 2.5, "regtopk": 3.0}
 MOMENTUM = 0.9
 UNIT = "torch.optim.SGD(fused=True)"
 DEVICES = ("cpu", "cuda")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--algorithms", type=comma_list(str), default=list(SYNCHRONOUS), metavar="A,B,...", help="synchronous algorithms to time")
+    parser.add_argument("--algorithms", type=comma_list(str), default=None, metavar="A,B,...", help="synchronous algorithms to time (default: all)")
     parser.add_argument("--d", type=count, default=11_000_000, help="parameters (suffixes k, M, G)")
     parser.add_argument("--rounds", type=positive_int, default=5, help="interleaved rounds")
     parser.add_argument(
@@ -100,7 +97,7 @@ def _algorithm(topology: Topology, name: str, grads: Sequence[Any], sync: Option
     hyper = TrainConfig().algorithm_hyperparameters(name)
     if "momentum" in (algorithm_class(name).__init__.__kwdefaults__ or {}):
         hyper["momentum"] = MOMENTUM
-    alg = mpiopt.create(name, topology, **hyper)
+    alg = create(name, topology, **hyper)
     params = array_module(grads[0]).zeros_like(grads[0])
     alg.setup(params)
     steps = [0]
@@ -164,7 +161,7 @@ def measure(
     d: int = 11_000_000,
     rounds: int = 5,
     steps: int = 16,
-    algorithms: Sequence[str] = SYNCHRONOUS,
+    algorithms: Optional[Sequence[str]] = None,
     seed: int = 0,
     topology: Optional[Topology] = None,
     device: str = "cpu",
@@ -177,8 +174,8 @@ def measure(
         Parameters.
     rounds, steps : int
         Interleaved rounds, and timed steps of every variant per round.
-    algorithms : sequence of str
-        Synchronous algorithms to time.
+    algorithms : sequence of str, optional
+        Synchronous algorithms to time (default: all).
     seed : int
         Seed of the random gradients.
     topology : Topology, optional
@@ -191,8 +188,8 @@ def measure(
     -------
     dict
         ``seconds`` (per variant, the median over rounds of the round's mean
-        step), ``ratio`` (to :data:`UNIT`), ``goals`` (per algorithm:
-        ``{"goal", "ratio", "met"}``), ``samples`` (timed steps per variant), ``d``, ``rounds``, ``steps``, ``unit``,
+        step), ``ratio`` (to :data:`UNIT`), ``goals`` (per algorithm with an
+        ``update_goal``: ``{"goal", "ratio", "met"}``), ``samples`` (timed steps per variant), ``d``, ``rounds``, ``steps``, ``unit``,
         ``threads`` (torch's), ``kernel_threads`` (mpiopt's C kernels'), ``c_update_loop`` (whether the fused C loop was built; the CPU's),
         ``device``.
 
@@ -203,7 +200,8 @@ def measure(
     """
     import torch
 
-    check_choices("--algorithms", algorithms, SYNCHRONOUS)
+    algorithms = list(algorithms or synchronous())
+    check_choices("--algorithms", algorithms, synchronous())
     check_choices("--device", [device], DEVICES)
     xp, sync = np, None
     if device == "cuda":
@@ -239,6 +237,7 @@ def measure(
     if own:
         topology.Free()
     seconds = {name: median(values) for name, values in samples.items()}
+    goals = {name: algorithm_class(name).update_goal for name in algorithms if algorithm_class(name).update_goal is not None}
     ratio = {name: value / seconds[UNIT] for name, value in seconds.items()}
     return {
         "d": d,
@@ -251,7 +250,7 @@ def measure(
         "device": device,
         "seconds": seconds,
         "ratio": ratio,
-        "goals": {name: {"goal": GOALS[name], "ratio": ratio[name], "met": ratio[name] <= GOALS[name]} for name in algorithms},
+        "goals": {name: {"goal": goal, "ratio": ratio[name], "met": ratio[name] <= goal} for name, goal in goals.items()},
         "samples": {name: steps * len(values) for name, values in samples.items()},
     }
 

@@ -40,14 +40,22 @@ call, ``"inflight"`` for a nonblocking call from posting to completion, and
 ``"wait"`` for the part of it spent blocked in ``Wait`` (when not zero).
 With no listener the cost is one attribute check per call.  The listener is
 not part of the totals: snapshots, differences and comparisons ignore it.
+
+Communication plans
+-------------------
+An algorithm declares the collectives its steps make as a list of
+:class:`Call` (``Algorithm.plan``).  :func:`plan_bytes` turns a plan into the
+bytes the ledger will record, by the convention above; the benchmarks'
+expected bytes and the alpha-beta cost model (:mod:`mpiopt.bench.model`)
+read the same plan, so the bytes of a step are written down once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Callable, Dict, Iterator, Mapping, Optional
+from typing import Callable, Dict, Iterable, Iterator, Mapping, Optional, Tuple
 
-__all__ = ["OpStats", "Ledger", "NONBLOCKING_OPS", "SPAN_KINDS"]
+__all__ = ["OpStats", "Ledger", "Call", "PLANNED_OPS", "call_bytes", "plan_bytes", "NONBLOCKING_OPS", "SPAN_KINDS"]
 
 # Operations whose ``seconds`` run from posting to completion (overlapping
 # other work); only their ``wait_seconds`` is time this rank was blocked.
@@ -174,3 +182,74 @@ class Ledger:
             s = self.ops[op]
             lines.append(f"| {op} | {s.calls} | {s.bytes_sent} | {s.bytes_recv} | {s.seconds:.6f} | {s.wait_seconds:.6f} |")
         return "\n".join(lines)
+
+
+#: The collectives a :class:`Call` can name: ``twophase`` is the sign vote's Alltoall of chunks plus Allgather of one.
+PLANNED_OPS = ("allreduce", "iallreduce", "allgather", "allgatherv", "bcast", "twophase")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective of an algorithm's plan: ``op`` with an ``nbytes`` message over ``ranks`` ranks, ``count`` times.
+
+    Attributes
+    ----------
+    op : str
+        One of :data:`PLANNED_OPS`.
+    nbytes : float
+        The message: the vector's bytes (allreduce, bcast), one rank's
+        contribution (allgather) or the chunk width (twophase).
+    ranks : int
+        Size of the communicator the call runs on.
+    count : float
+        How often the call is made over the planned steps (or per step, in
+        a plan averaged over its cycle).
+    phase : int
+        Calls of one phase run at the same time on disjoint ranks (LSGD's
+        groups); phases run one after the other.
+    overlap_steps : int
+        Steps of computation the call is in flight across (DaSGD's delayed
+        averaging): only what outlasts them is waited for.
+    """
+
+    op: str
+    nbytes: float
+    ranks: int
+    count: float = 1.0
+    phase: int = 0
+    overlap_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.op not in PLANNED_OPS:
+            raise ValueError(f"op must be one of {', '.join(PLANNED_OPS)}, got {self.op!r}")
+
+
+def call_bytes(op: str, ranks: int, nbytes: float) -> Tuple[float, float]:
+    """(sent, received) bytes of one ``ranks``-rank call, summed over its ranks, in the ledger's convention."""
+    P, n = ranks, nbytes
+    if op not in PLANNED_OPS:
+        raise ValueError(f"op must be one of {', '.join(PLANNED_OPS)}, got {op!r}")
+    if P < 2:
+        return 0.0, 0.0
+    if op in ("allreduce", "iallreduce"):
+        return P * n, P * n
+    if op in ("allgather", "allgatherv"):
+        return P * n, P * (P - 1) * n
+    if op == "bcast":
+        return n, (P - 1) * n
+    return P * P * n, 2 * P * (P - 1) * n  # twophase: Alltoall of P chunks (one stays), then Allgather of one
+
+
+def plan_bytes(calls: Iterable[Call], ranks: int, steps: float = 1) -> Dict[str, float]:
+    """Bytes the mean rank of a ``ranks``-rank world sends and receives per step under ``calls`` made over ``steps`` steps.
+
+    Returns ``{"sent": bytes, "recv": bytes}`` in the ledger's convention:
+    every call's bytes summed over its communicator's ranks, divided by the
+    world's ranks and by ``steps``.
+    """
+    sent = recv = 0.0
+    for call in calls:
+        s, r = call_bytes(call.op, call.ranks, call.nbytes)
+        sent += call.count * s
+        recv += call.count * r
+    return {"sent": sent / ranks / steps, "recv": recv / ranks / steps}

@@ -9,8 +9,8 @@ code an MPI run uses and returns what the run would record:
 ==========================================  ======================================  ===========================
 module                                      twin of                                 what it adds
 ==========================================  ======================================  ===========================
-:mod:`~mpiopt.sim.asynchronous`             :func:`mpiopt.asyncrt.run_async`        a fixed or random delay
-                                            (Async-MSGD)                            (``FixedDelay``,
+:mod:`~mpiopt.asyncrt.simulated`           :func:`mpiopt.asyncrt.run_async`        a fixed or random delay
+(beside the runtime it twins)               (Async-MSGD)                            (``FixedDelay``,
                                                                                     ``RandomDelay``)
 :mod:`~mpiopt.sim.topk`                     :class:`~mpiopt.algorithms.topk.TopK`   N workers' payloads in
                                             (Top-k, RegTop-k)                       rank order: bitwise the

@@ -111,7 +111,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..algorithms import Algorithm, StepRecord, create
+from ..algorithms import ASYNCHRONOUS, SYNCHRONOUS, Algorithm, StepRecord, create
 from ..algorithms.base import check_positive
 from ..arrays import host_apart
 from ..comm import MAX, Comm, Ledger, Topology
@@ -454,7 +454,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         -------
         The loss (the closure's value, or ``loss``).
         """
-        if hasattr(self.algorithm, "run"):
+        if self.algorithm.protocol == ASYNCHRONOUS:
             raise TypeError(f"{self.algorithm.name} is asynchronous: train with opt.run(compute_fn, steps), not step()")
         if closure is not None:
             with torch.enable_grad():
@@ -525,7 +525,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         The algorithm's result record (staleness histogram, counts, ...).
         On return the model holds the final parameters.
         """
-        if not hasattr(self.algorithm, "run"):
+        if self.algorithm.protocol == SYNCHRONOUS:
             raise TypeError(f"{self.algorithm.name} is synchronous: call step() after each backward pass")
         flat = self._params_array
 

@@ -5,6 +5,6 @@ torch front end, the tasks, metrics and checkpoints, and nothing below it
 imports it.  :mod:`.config` needs no torch; :mod:`.loop` does.
 """
 
-from .config import ALGORITHM_DEFAULTS, TrainConfig, UsageError
+from .config import TrainConfig, UsageError, training_defaults
 
-__all__ = ["TrainConfig", "UsageError", "ALGORITHM_DEFAULTS"]
+__all__ = ["TrainConfig", "UsageError", "training_defaults"]

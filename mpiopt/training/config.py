@@ -27,30 +27,31 @@ else:  # pragma: no cover - Python 3.10
 if TYPE_CHECKING:
     from ..comm import Comm
 
-__all__ = ["agree_or_fail", "TrainConfig", "UsageError", "ALGORITHM_DEFAULTS", "DDP", "add_config_arguments", "config_from_args", "command_settings", "dump_toml"]
+__all__ = ["agree_or_fail", "TrainConfig", "UsageError", "training_defaults", "DDP", "add_config_arguments", "config_from_args", "command_settings", "dump_toml"]
 
 
 class UsageError(ValueError):
     """A bad setting: the message names it, its value and what is allowed."""
 
 
-# Starting points for the image tasks, per algorithm, where the papers' values
-# were chosen for other models (a sign step of 1e-4 barely moves a small MLP in
-# a few hundred steps).  Any of them can be overridden with --lr / --hp.
-ALGORITHM_DEFAULTS: Dict[str, Dict[str, Any]] = {
-    "sgd": {"lr": 0.05, "momentum": 0.9},
-    "easgd": {"lr": 0.05, "momentum": 0.9},
-    "lsgd": {"lr": 0.05},
-    "dasgd": {"lr": 0.05},
-    "signum": {"lr": 1e-3},
-    "topk": {"lr": 0.05, "density": 0.01, "momentum": 0.9},
-    "regtopk": {"lr": 0.05, "density": 0.01, "momentum": 0.9},
-    "async_msgd": {"lr": 0.05, "momentum": 0.5},
-    "async_lsgd": {"lr": 0.05},
-}
 #: The torch DDP-on-gloo baseline (:mod:`mpiopt.training.ddp`): not an mpiopt algorithm, so opt-in by name;
-#: it takes ``sgd``'s defaults, being the same mathematics (mean-gradient SGD with momentum).
+#: it takes the baseline algorithm's defaults, being the same mathematics (mean-gradient SGD with momentum).
 DDP = "ddp"
+
+
+def training_defaults(name: str) -> Dict[str, Any]:
+    """The hyperparameters ``mpiopt train`` starts ``name`` from (its class's ``training_defaults``); {} for an unknown name.
+
+    Any of them can be overridden with ``--lr`` / ``--hp``.
+    """
+    from ..algorithms import algorithm_class, algorithms
+
+    if name == DDP:
+        return dict(next(cls for cls in algorithms() if cls.baseline).training_defaults)
+    try:
+        return dict(algorithm_class(name).training_defaults)
+    except ValueError:
+        return {}
 
 DATASETS = ("digits", "cifar10", "synthetic")
 MODELS = ("mlp", "cnn", "resnet20")
@@ -94,7 +95,7 @@ class TrainConfig:
         name = algorithm or self.algorithm
         shared = {k: v for k, v in self.hyperparameters.items() if not isinstance(v, dict)}
         own = self.hyperparameters.get(name, {})
-        hyper = {**ALGORITHM_DEFAULTS.get("sgd" if name == DDP else name, {}), **shared, **own}
+        hyper = {**training_defaults(name), **shared, **own}
         if self.lr is not None:
             hyper["lr"] = self.lr
         return hyper
@@ -278,14 +279,15 @@ def _toml_value(text: str) -> Any:
 
 def add_config_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     """Add one flag per setting of ``command`` (``train`` or ``compare``), every default None (= not given)."""
-    from ..algorithms import available
+    from ..algorithms import algorithms, available
 
     defaults = TrainConfig()
+    starts = {cls.name: training_defaults(cls.name) for cls in algorithms()}
     parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (keys as below, with underscores); flags override it")
     for name in _FLAGS_BY_COMMAND[command]:
         f = next(x for x in dataclasses.fields(TrainConfig) if x.name == name)
         default = getattr(defaults, name)
-        lr_defaults = ", ".join(f"{a} {h['lr']:g}" for a, h in ALGORITHM_DEFAULTS.items())
+        lr_defaults = ", ".join(f"{a} {h['lr']:g}" for a, h in starts.items() if "lr" in h)
         text = _HELP[name].format(choices=", ".join(available()), lr_defaults=lr_defaults)
         text += "" if default is None else f" (default: {default})"
         flag = "--" + name.replace("_", "-")
@@ -308,7 +310,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         "--hp", action="append", default=[], metavar="KEY=VALUE",
         help="an algorithm hyperparameter, e.g. --hp momentum=0.9 or, for one algorithm only, --hp lsgd.pull_local=0.2 "
         "(repeatable). Defaults: each algorithm's own (python -c 'import mpiopt; help(mpiopt.algorithms.algorithm_class(\"lsgd\"))'), except "
-        + "; ".join(f"{a}: " + ", ".join(f"{k}={v}" for k, v in h.items() if k != "lr") for a, h in ALGORITHM_DEFAULTS.items() if len(h) > 1),
+        + "; ".join(f"{a}: " + ", ".join(f"{k}={v}" for k, v in h.items() if k != "lr") for a, h in starts.items() if set(h) - {"lr"}),
     )
 
 
@@ -359,7 +361,7 @@ def config_from_args(args: argparse.Namespace, command: str) -> "tuple[TrainConf
         elif isinstance(given, list):
             algorithms = [str(a) for a in given]
         else:
-            algorithms = [a for a in ALGORITHM_DEFAULTS if a in available()]  # the baseline first
+            algorithms = available()  # the baseline first
         if not algorithms:
             raise UsageError("--algorithms names no algorithm")
     config = TrainConfig(**values, hyperparameters=hyper)

@@ -8,7 +8,7 @@ through :attr:`DDPBaseline.network` (the wrapped model), then calls
 ``zero_grad``, ``step``, ``finish`` and reads ``last`` as for any algorithm.
 
 A step is ``torch.optim.SGD`` (``sgd``'s defaults of
-:data:`~mpiopt.training.config.ALGORITHM_DEFAULTS` unless overridden) on the
+:func:`~mpiopt.training.config.training_defaults` unless overridden) on the
 mean gradient, which DDP's bucketed gloo Allreduce computes *during* the
 backward pass.  Two consequences for the step records:
 
@@ -40,9 +40,8 @@ import torch.distributed as dist
 from ..algorithms.base import StepRecord
 from ..torch.optimizer import loss_value
 from ..comm import Topology
-from .config import DDP
 
-__all__ = ["DDP", "NOTES", "DDPBaseline", "hyperparameter_names"]
+__all__ = ["NOTES", "DDPBaseline", "hyperparameter_names"]
 
 #: What the run header says about the baseline's step records.
 NOTES = {

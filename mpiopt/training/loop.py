@@ -13,14 +13,13 @@ What a run does, on every rank:
 4. on rank 0, writes a JSON-lines record per step and per evaluation
    (:mod:`mpiopt.metrics.records`) and reports progress.
 
-Which model is evaluated: ``sgd``, ``signum``, ``topk``, ``regtopk`` and the
-``ddp`` baseline (:mod:`mpiopt.training.ddp`) keep every rank's model
-identical, and that model is evaluated; for ``easgd``, ``lsgd`` and
-``dasgd`` (ranks differ between averaging points) it is the
+Which model is evaluated is the algorithm class's ``evaluates``: where
+every rank's model is identical (``sgd``, ``signum``, ``topk``, ``regtopk``,
+and the ``ddp`` baseline of :mod:`mpiopt.training.ddp`) that model; where
+ranks differ between averaging points (``easgd``, ``lsgd``, ``dasgd``) the
 average of the ranks' models; for the asynchronous algorithms (evaluated at
-the end only, the ranks being busy in the runtime) it is the server's model
-(``async_msgd``: the final parameters, the same on every rank; ``async_lsgd``:
-the final global leader's).
+the end only, the ranks being busy in the runtime) the server's model (the
+final parameters, the same on every rank), or the final global leader's.
 
 Times: ``wall_seconds`` counts training only (evaluations excluded), so
 time-to-accuracy compares the algorithms, not the evaluation schedule.
@@ -41,6 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..algorithms import ASYNCHRONOUS, algorithm_class
 from ..comm import Comm, Topology
 from ..kernels import threads as kernel_threads
 from ..metrics import MetricsWriter, Tracer, versions
@@ -49,17 +49,15 @@ from ..tasks.models import build_model
 from ..torch import DistributedOptimizer, average_buffers, broadcast_module
 from ..torch.optimizer import loss_value
 from .checkpointing import COUNTERS, Checkpointer, Interrupted
-from .config import DEFAULT_EPOCHS, TrainConfig, UsageError, agree_or_fail
-from .ddp import DDP, NOTES, DDPBaseline
+from .config import DDP, DEFAULT_EPOCHS, TrainConfig, UsageError, agree_or_fail
+from .ddp import NOTES, DDPBaseline
 from .progress import Progress
 
-__all__ = ["train", "load_data", "IDENTICAL_RANKS", "ASYNCHRONOUS"]
+__all__ = ["train", "load_data"]
 
-#: Algorithms that keep every rank's parameters identical after every step.
-IDENTICAL_RANKS = frozenset({"sgd", "signum", "topk", "regtopk", DDP})
-#: Algorithms driven by DistributedOptimizer.run (world rank 0 serves).
-ASYNCHRONOUS = frozenset({"async_msgd", "async_lsgd"})
 EVAL_BATCH = 1000
+#: Per evaluated model (``Algorithm.evaluates``): whose parameters the evaluator reads, and the records' name for them.
+_EVALUATED = {"identical": ("own", "rank0"), "average": ("average", "average"), "server": ("root", "rank0"), "leader": ("root", "leader")}
 
 
 def load_data(config: TrainConfig, world: Comm) -> ImageDataset:
@@ -197,7 +195,8 @@ def train(
     """
     world = topology.world
     rank, size = world.rank, world.size
-    asynchronous = algorithm in ASYNCHRONOUS
+    evaluates = "identical" if algorithm == DDP else algorithm_class(algorithm).evaluates
+    asynchronous = algorithm != DDP and algorithm_class(algorithm).protocol == ASYNCHRONOUS
     _set_threads(config, world)
     torch.manual_seed(config.seed)
     model = build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, width=config.width, dropout=config.dropout)
@@ -251,7 +250,7 @@ def train(
         if tracer:
             cleanup.callback(tracer.close)
         phase: Callable[[str], ContextManager[Any]] = tracer.phase if tracer else (lambda name: nullcontext())
-        source = "own" if algorithm in IDENTICAL_RANKS else ("root" if asynchronous else "average")
+        source, evaluated_name = _EVALUATED[evaluates]
         evaluator = _Evaluator(model, dataset, world, source)
         # A resumed run's running totals continue from the checkpoint's (checkpoints.counters holds the COUNTERS).
         state = {**checkpoints.counters, "losses": []}
@@ -275,7 +274,7 @@ def train(
             if writer:
                 writer.write({
                     "kind": "eval", "step": step, "epoch": step / sampler.batches_per_epoch, "wall_seconds": state["wall_seconds"],
-                    "bytes_sent_total": state["bytes_sent_total"], "evaluated": {"own": "rank0", "average": "average", "root": "leader" if algorithm == "async_lsgd" else "rank0"}[source],
+                    "bytes_sent_total": state["bytes_sent_total"], "evaluated": evaluated_name,
                     **result,
                 })
 

@@ -106,16 +106,16 @@ def test_state_round_trip_continues_bit_identically(topology):
     alg = mpiopt.create("async_msgd", topology, lr=0.05, momentum=0.9)
     alg.setup(params)
     for g in grads[:5]:
-        alg.step(params, g)
+        alg.apply(params, g)
     state, saved = alg.state_dict(), params.copy()
     for g in grads[5:]:
-        alg.step(params, g)
+        alg.apply(params, g)
     fresh = mpiopt.create("async_msgd", topology, lr=0.5, momentum=0.9)
     fresh.setup(saved)
     fresh.load_state_dict(state)
     assert fresh.lr == 0.05 and fresh.rule.lr == 0.05 and fresh.steps == 5
     for g in grads[5:]:
-        fresh.step(saved, g)
+        fresh.apply(saved, g)
     assert np.array_equal(saved, params) and np.array_equal(fresh.momentum_buffer, alg.momentum_buffer)
     fresh.lr = 0.01  # a scheduler's change reaches the rule
     assert fresh.rule.lr == 0.01
@@ -138,7 +138,7 @@ def test_registry_and_validation(topology):
     alg = mpiopt.create("async_msgd", quiet)
     alg.setup(np.zeros(4, np.float32))
     with pytest.raises(FloatingPointError, match="non-finite"):
-        alg.step(np.zeros(4, np.float32), np.array([0, np.nan, 0, 0], np.float32))
+        alg.apply(np.zeros(4, np.float32), np.array([0, np.nan, 0, 0], np.float32))
     quiet.Free()
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import mpiopt
-from mpiopt.bench.algorithms import SYNCHRONOUS, expected_bytes
+from mpiopt.bench.algorithms import expected_bytes, synchronous
 
 pytestmark = pytest.mark.mpi
 
@@ -32,7 +32,7 @@ STEPS, START = 12, 4  # steps 4..15: periods 2, 3, 4, 5 fall at different places
 
 
 def test_every_synchronous_algorithm_has_a_case():
-    assert {name for name, _, _ in CASES} == set(SYNCHRONOUS)
+    assert {name for name, _, _ in CASES} == set(synchronous())
 
 
 @pytest.mark.parametrize("name, hyper, group_size", CASES, ids=lambda v: str(v))

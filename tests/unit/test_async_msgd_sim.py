@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mpiopt.algorithms.async_msgd import AsyncMSGDRule
-from mpiopt.sim.asynchronous import FixedDelay, RandomDelay, simulate
+from mpiopt.asyncrt.simulated import FixedDelay, RandomDelay, simulate
 from mpiopt.bench.tradeoff import markdown_table, tradeoff_grid
 from mpiopt.tasks.pca import PCAStream, make_problem
 

@@ -1,6 +1,6 @@
 """Resuming the asynchronous algorithms in their deterministic modes: k steps, state, k more is 2k steps, bitwise.
 
-The deterministic modes are :func:`mpiopt.sim.asynchronous.simulate` (Async-MSGD's
+The deterministic modes are :func:`mpiopt.asyncrt.simulated.simulate` (Async-MSGD's
 twin, with a delay) and the runtime at world size 1 (its own server, a LocalLink),
 for both algorithms.  The reference is always the uninterrupted run of 2k steps;
 a state goes through an actual checkpoint file where a test says so.
@@ -12,7 +12,7 @@ import pytest
 import mpiopt
 from mpiopt.algorithms.async_msgd import AsyncMSGDRule
 from mpiopt.checkpoint import load_checkpoint, save_checkpoint
-from mpiopt.sim.asynchronous import FixedDelay, RandomDelay, RecentIterates, simulate
+from mpiopt.asyncrt.simulated import FixedDelay, RandomDelay, RecentIterates, simulate
 
 D, K = 12, 15
 MSGD = dict(lr=0.03, momentum=0.7)

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from mpiopt.bench import model as M
-from mpiopt.bench.algorithms import SYNCHRONOUS, expected_bytes
+from mpiopt.bench.algorithms import expected_bytes, synchronous
+from mpiopt.comm.ledger import plan_bytes
 from mpiopt.training.config import TrainConfig
 
 ALPHA, BETA = 50e-6, 8e-9
@@ -86,7 +87,7 @@ def test_calibration_rejects_mixed_links_and_other_benchmarks():
         M.calibrate([{**a, "benchmark": "algorithms"}])
 
 
-CASES = [(name, P, None) for name in SYNCHRONOUS for P in (2, 3, 4, 8, 16)] + [
+CASES = [(name, P, None) for name in synchronous() for P in (2, 3, 4, 8, 16)] + [
     ("lsgd", 8, [4, 4]), ("lsgd", 8, [3, 5]), ("lsgd", 7, [1, 6]), ("lsgd", 4, [1, 1, 1, 1]),
 ]
 
@@ -95,7 +96,7 @@ CASES = [(name, P, None) for name in SYNCHRONOUS for P in (2, 3, 4, 8, 16)] + [
 @pytest.mark.parametrize("d", [1000, 1_000_003])
 def test_plan_bytes_equal_expected_bytes(name, P, groups, d):
     hyper = TrainConfig().algorithm_hyperparameters(name)
-    got = M.plan_bytes(M.plan(name, d, P, hyper, groups), P)
+    got = plan_bytes(M.plan(name, d, P, hyper, groups), P)
     want = expected_bytes(name, d, P, hyper, groups=groups, steps=48)  # 48: a whole number of every default period
     assert got["sent"] == pytest.approx(want["sent"], rel=1e-12)
     assert got["recv"] == pytest.approx(want["recv"], rel=1e-12)
@@ -104,15 +105,19 @@ def test_plan_bytes_equal_expected_bytes(name, P, groups, d):
 @pytest.mark.parametrize("hyper", [{"exchange": "allgather"}, {"exchange": "twophase"}])
 def test_plan_bytes_signum_modes(hyper):
     for P in (2, 5, 8):
-        got = M.plan_bytes(M.plan("signum", 100_000, P, hyper), P)
+        got = plan_bytes(M.plan("signum", 100_000, P, hyper), P)
         assert got == pytest.approx(expected_bytes("signum", 100_000, P, hyper))
 
 
-def test_plan_rejects_async_and_prevote():
+def test_plan_rejects_async_and_models_prevote():
     with pytest.raises(ValueError, match="async_msgd"):
         M.plan("async_msgd", 10, 4)
-    with pytest.raises(ValueError, match="prevote"):
-        M.plan("signum", 1000, 4, {"exchange": "prevote"})
+    # signum's prevote: an Allgather and a Bcast in each group, then the leaders' Allgather, each group in parallel.
+    calls = M.plan("signum", 1000, 4, {"exchange": "prevote"}, [2, 2])
+    assert [(c.op, c.ranks, c.phase) for c in calls] == [
+        ("allgather", 2, 0), ("bcast", 2, 1), ("allgather", 2, 0), ("bcast", 2, 1), ("allgather", 2, 2)]
+    got = plan_bytes(calls, 4)
+    assert got == pytest.approx(expected_bytes("signum", 1000, 4, {"exchange": "prevote"}, groups=[2, 2]))
 
 
 def test_step_seconds_by_hand():

@@ -29,7 +29,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from ..asyncrt.result import ApplyFn, Arrival, AsyncResult, UntilFn, WorkerFn, check_count, check_run_arguments, staleness_counts
+from .result import ApplyFn, Arrival, AsyncResult, UntilFn, WorkerFn, check_count, check_run_arguments, staleness_counts
 
 __all__ = ["FixedDelay", "RandomDelay", "RecentIterates", "simulate"]
 
