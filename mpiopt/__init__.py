@@ -7,10 +7,9 @@
 >>> alg.step(params, grad, loss=loss)
 """
 
+from ._version import __version__
 from .algorithms import Algorithm, StepRecord, available, create
 from .comm import Comm, Ledger, SetupMismatchError, Topology, abort_on_exception
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Algorithm",

@@ -62,7 +62,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 from mpi4py import MPI
 
-import mpiopt
+from ..algorithms import create
 from mpiopt.algorithms.local import LocalSGD
 from mpiopt.bench._common import check_choices, comma_list, markdown_table, median, module_main, positive_int, rotated, say, slowest_seconds
 from mpiopt.comm import MAX, Topology
@@ -121,11 +121,11 @@ class _Mode:
             self.step = lambda p, g: local.apply(p, g, args.lr)
         else:
             if mode == "sgd":
-                alg = mpiopt.create("sgd", topology, lr=args.lr, **LOCAL)
+                alg = create("sgd", topology, lr=args.lr, **LOCAL)
             elif mode == "localsgd":
-                alg = mpiopt.create("dasgd", topology, lr=args.lr, period=args.period, delay_steps=0, **LOCAL)
+                alg = create("dasgd", topology, lr=args.lr, period=args.period, delay_steps=0, **LOCAL)
             else:
-                alg = mpiopt.create(
+                alg = create(
                     "dasgd", topology, lr=args.lr, period=args.period, delay_steps=args.delay,
                     progress={"dasgd/no-test": "none", "dasgd+thread": "thread"}.get(mode, "test"),
                     progress_interval=args.progress_interval, tests_per_poke=args.tests_per_poke, **LOCAL,

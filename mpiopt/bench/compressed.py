@@ -40,7 +40,8 @@ from typing import Dict, List, Optional
 import numpy as np
 from mpi4py import MPI
 
-import mpiopt
+from ..algorithms import available, create
+from ..comm import abort_on_exception
 from mpiopt.bench._common import count, markdown_table, median, module_main, positive_int, rotated, slowest_seconds
 from mpiopt.comm import Topology
 
@@ -61,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def modes(densities: List[float]) -> Dict[str, tuple]:
     out = dict(MODES)
-    if "topk" in mpiopt.available():
+    if "topk" in available():
         for density in densities:
             out[f"topk/{density:g}"] = ("topk", {"density": density})
     return out
@@ -91,7 +92,7 @@ def time_steps(topo: Topology, alg, params: np.ndarray, grad: np.ndarray, steps:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark (a collective call); rank 0 prints the table."""
-    mpiopt.abort_on_exception()
+    abort_on_exception()
     topo = Topology()
     rank, size = topo.rank, topo.size
     grad = np.random.default_rng(rank).standard_normal(args.d).astype(np.float32)
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     algorithms = {}
     for name, (algorithm, hyper) in table.items():
         params = np.zeros(args.d, np.float32)
-        alg = mpiopt.create(algorithm, topo, lr=1e-3, **hyper)
+        alg = create(algorithm, topo, lr=1e-3, **hyper)
         alg.setup(params)
         alg.step(params, grad)  # warm-up: first-touch allocations, connections
         algorithms[name] = (alg, params)

@@ -34,7 +34,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 from mpi4py import MPI
 
-import mpiopt
+from ..algorithms import create
+from ..comm import abort_on_exception
 from mpiopt.bench._common import count, markdown_table, median, module_main, positive_int, rotated, say, slowest_seconds
 from mpiopt.comm import Topology
 
@@ -97,13 +98,13 @@ def run(args: argparse.Namespace) -> int:
 
     from mpiopt.torch import DistributedOptimizer
 
-    mpiopt.abort_on_exception()
+    abort_on_exception()
     torch.set_num_threads(1)  # one core per rank, as the flat API's numpy
     topo = Topology()
     grad = np.random.default_rng(topo.rank).standard_normal(args.params).astype(np.float32)
 
     params = np.zeros(args.params, np.float32)
-    alg = mpiopt.create("sgd", topo, lr=LR, momentum=MOMENTUM)
+    alg = create("sgd", topo, lr=LR, momentum=MOMENTUM)
     alg.setup(params)
     model = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(shape)) for shape in layer_shapes(args.params))
     opt = DistributedOptimizer(model.parameters(), "sgd", topology=topo, lr=LR, momentum=MOMENTUM)

@@ -19,7 +19,7 @@ import mpi4py
 import numpy as np
 from mpi4py import MPI
 
-from .. import __version__
+from .._version import __version__
 from ..comm import Comm
 from .layout import DATASET, JSON_ATTRS, Entry, attr_decoded, decode_root_attrs, encode_root_attrs, flatten, read_group, write_entry
 

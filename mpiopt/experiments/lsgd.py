@@ -25,7 +25,7 @@ from typing import Any, Dict
 
 import numpy as np
 
-import mpiopt
+from ..algorithms import create
 from ..bench._common import markdown_table
 from ..comm import Topology
 from ..tasks import symmetric
@@ -62,7 +62,7 @@ def symmetry_paths(topology: Topology, steps: int, seed: int = 5) -> Dict[str, n
     for label, name, group_size, hyper in SYMMETRY_RUNS:
         topo = Topology(group_size=group_size or topology.size)
         params = start.copy()
-        alg = mpiopt.create(name, topo, lr=SYMMETRY_LR, period=1, momentum=0.0, nesterov=False, weight_decay=0.0, **hyper)
+        alg = create(name, topo, lr=SYMMETRY_LR, period=1, momentum=0.0, nesterov=False, weight_decay=0.0, **hyper)
         alg.setup(params)
         own, centre = [params.copy()], [np.array(getattr(alg, "center", params))]
         for _ in range(steps):

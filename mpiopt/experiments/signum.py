@@ -24,7 +24,7 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-import mpiopt
+from ..algorithms import create
 from ..bench._common import markdown_table
 from ..comm import Topology
 from ..tasks import logistic
@@ -55,7 +55,7 @@ def byzantine_curves(topology: Topology, steps: int, seed: int = 0) -> Dict[str,
         curves[name] = {}
         for adversaries in range(topology.size):
             w = np.zeros(data.num_features, np.float32)
-            alg = mpiopt.create(name, topology, **hyper)
+            alg = create(name, topology, **hyper)
             alg.setup(w)
             rng = np.random.default_rng([seed, topology.rank])
             excess = [float(logistic.loss(w, everyone) - best)]

@@ -94,7 +94,7 @@ def versions() -> Dict[str, str]:
     """Versions of what a run depends on, for the ``"run"`` header."""
     from mpi4py import MPI
 
-    from .. import __version__
+    from .._version import __version__
 
     found = {
         "mpiopt": __version__,
