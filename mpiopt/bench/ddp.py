@@ -49,7 +49,6 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..comm import Topology
-from ..kernels import threads as kernel_threads
 from ..training.config import TrainConfig, UsageError
 from ._common import check_choices, comma_list, environment, link_rate, markdown_table, median, module_main, positive_int, rotated, say
 from ._common import slowest_seconds, write_json
@@ -161,12 +160,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
+    from ..torch.threads import set_threads
     from ..training.ddp import init_gloo  # torch's gloo: imported when this benchmark runs, not by every mpiopt command
 
     _check(args)
     link = link_rate(getattr(args, "link", None))
-    torch.set_num_threads(args.threads)
-    kernel_threads.set_num_threads(args.threads, clamp=True)  # mpiopt's side uses as many
+    set_threads(args.threads)  # mpiopt's side uses as many as torch's
     topology = Topology()
     out = say(topology.rank)
     init_gloo(topology)

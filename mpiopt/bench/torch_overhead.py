@@ -97,9 +97,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from mpiopt.torch import DistributedOptimizer
+    from mpiopt.torch.threads import set_threads
 
     abort_on_exception()
-    torch.set_num_threads(1)  # one core per rank, as the flat API's numpy
+    set_threads(1)  # one core per rank, as the flat API's numpy
     topo = Topology()
     grad = np.random.default_rng(topo.rank).standard_normal(args.params).astype(np.float32)
 

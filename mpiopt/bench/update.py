@@ -267,11 +267,9 @@ def table(results: Dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print the table (and write the JSON); returns 0 (missed goals are reported, not failed)."""
-    import torch
+    from ..torch.threads import set_threads
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    threads.set_num_threads(torch.get_num_threads(), clamp=True)
+    set_threads(args.threads)
     topology = Topology()
     results = measure(args.d, args.rounds, args.steps, args.algorithms, args.seed, topology, args.device)
     if args.device == "cpu":

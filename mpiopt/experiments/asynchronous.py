@@ -38,6 +38,7 @@ from ..metrics.plots import running_mean
 from ..tasks.images import ShardSampler
 from ..tasks.models import build_model
 from ..torch import DistributedOptimizer, broadcast_module
+from ..torch.threads import set_threads
 from . import EXPERIMENTS
 from ._common import image_config, image_settings, new_figure, write_results
 
@@ -68,7 +69,7 @@ def straggler_run(topology: Topology, dataset: Any, config: Any, algorithm: str,
     ``(seconds since the start, loss)`` of every gradient it computed.
     """
     world = topology.world
-    torch.set_num_threads(1)  # oversubscribed: one thread per rank
+    set_threads(1)  # oversubscribed: one thread per rank
     torch.manual_seed(config.seed)
     model = build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes)
     opt = DistributedOptimizer(model.parameters(), algorithm, topology=topology, **config.algorithm_hyperparameters(algorithm))

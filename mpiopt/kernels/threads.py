@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["get_num_threads", "set_num_threads", "MAX_THREADS"]
+__all__ = ["get_num_threads", "set_num_threads", "MAX_THREADS", "THREADS_ENV"]
 
 #: The most threads a kernel uses (the C loops' limit).
 MAX_THREADS = 64
+#: The environment variable that sets the kernels' count at import.
+THREADS_ENV = "MPIOPT_NUM_THREADS"
 
 
 def _check(value: object, name: str) -> int:
@@ -31,14 +33,14 @@ def _check(value: object, name: str) -> int:
 
 
 def _from_environment() -> int:
-    text = os.environ.get("MPIOPT_NUM_THREADS", "").strip()
+    text = os.environ.get(THREADS_ENV, "").strip()
     if not text:
         return 1
     try:
         value = int(text)
     except ValueError:
         value = None
-    return _check(value if value is not None else text, "MPIOPT_NUM_THREADS")
+    return _check(value if value is not None else text, THREADS_ENV)
 
 
 _threads = _from_environment()

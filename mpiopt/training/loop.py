@@ -42,12 +42,12 @@ import torch.nn.functional as F
 
 from ..algorithms import ASYNCHRONOUS, algorithm_class
 from ..comm import Comm, Topology
-from ..kernels import threads as kernel_threads
 from ..metrics import MetricsWriter, Tracer, versions
 from ..tasks.images import ImageDataset, ShardSampler, augment_cifar, batch_rng, load_dataset
 from ..tasks.models import build_model
 from ..torch import DistributedOptimizer, average_buffers, broadcast_module
 from ..torch.optimizer import loss_value
+from ..torch.threads import set_threads
 from .checkpointing import COUNTERS, Checkpointer, Interrupted
 from .config import DDP, DEFAULT_EPOCHS, TrainConfig, UsageError, agree_or_fail
 from .ddp import NOTES, DDPBaseline
@@ -66,17 +66,8 @@ def load_data(config: TrainConfig, world: Comm) -> ImageDataset:
 
 
 def _set_threads(config: TrainConfig, world: Comm) -> None:
-    """Threads per rank, for torch and mpiopt's C kernels alike: the cores this process may use, shared by the ranks on its node."""
-    if config.threads:
-        threads = config.threads
-    else:
-        node = world.Split_shared("node")
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = max(1, cores // node.size)
-        node.Free()
-    torch.set_num_threads(threads)
-    if config.threads or not os.environ.get("MPIOPT_NUM_THREADS", "").strip():  # else the environment's count stays
-        kernel_threads.set_num_threads(threads, clamp=True)
+    """Threads per rank, for torch and mpiopt's C kernels alike (:func:`mpiopt.torch.threads.set_threads`)."""
+    set_threads(config.threads, world)
 
 
 class _Evaluator:
