@@ -160,8 +160,9 @@ from ..arrays import empty_apart
 from ..asyncrt.messages import LAST, PULL_GLOBAL, PULL_LOCAL, STOP, UPLOAD
 from ..asyncrt.state import ServerStateMixin, state_array, state_count
 from ..comm import Topology
-from .base import AsynchronousAlgorithm, check_positive
-from .lsgd_rule import LSGDRule, LSGDState, Pull, elect
+from .base import BASE, AsynchronousAlgorithm
+from .lsgd_rule import LSGD_RULE, LSGDRule, LSGDState, Pull, elect
+from .schema import Hyperparameter, Schema, check_positive, positive
 from .registry import register
 
 __all__ = ["AsyncLSGD", "AsyncLSGDResult", "LeaderBook"]
@@ -562,6 +563,9 @@ class AsyncLSGD(ServerStateMixin, LSGDState, AsynchronousAlgorithm):
 
     name = "async_lsgd"
     listing_order = 80
+    schema = BASE.with_defaults(lr=0.1) + Schema(
+        Hyperparameter("report_every", 1, positive(integer=True), "a worker's steps between reports of its running loss"),
+    ) + LSGD_RULE
     evaluates = "leader"
     state_arrays = ("momentum_buffer", "leader_copy", "recent_losses")
     state_scalars = ("losses_seen", "last_local_leader", "last_global_leader", "pulls_local", "pulls_global")
@@ -573,7 +577,7 @@ class AsyncLSGD(ServerStateMixin, LSGDState, AsynchronousAlgorithm):
             )
         super().__init__(topology, lr=lr, nan_policy=nan_policy)
         self.rule = LSGDRule(**lsgd)
-        self.report_every = check_positive("report_every", report_every, integer=True)
+        self.report_every = self.schema["report_every"].validate(report_every)
         self.pulls_local = 0
         self.pulls_global = 0
         self.last_local_leader = -1

@@ -76,8 +76,9 @@ from ..comm import Topology
 from ..asyncrt.result import add_counts
 from ..asyncrt.state import ServerStateMixin, state_array, state_count
 from ..asyncrt.simulated import FixedDelay, RandomDelay, RecentIterates, simulate
-from .base import AsynchronousAlgorithm, StepRecord, check_positive
-from .local import LocalSGD, LocalStepState
+from .base import BASE, AsynchronousAlgorithm, StepRecord
+from .local import LOCAL_SGD, LocalSGD, LocalStepState
+from .schema import Schema
 from .registry import register
 
 __all__ = ["AsyncMSGD", "AsyncMSGDRule"]
@@ -95,7 +96,7 @@ class AsyncMSGDRule:
     """
 
     def __init__(self, lr: float, momentum: float) -> None:
-        self.lr = float(check_positive("lr", lr))
+        self.lr = float(BASE["lr"].validate(lr))
         self.local = LocalSGD(momentum=momentum)
 
     @property
@@ -148,6 +149,7 @@ class AsyncMSGD(ServerStateMixin, LocalStepState, AsynchronousAlgorithm):
 
     name = "async_msgd"
     listing_order = 70
+    schema = BASE.with_defaults(lr=0.01) + Schema(LOCAL_SGD.with_defaults(momentum=0.9)["momentum"])
     state_arrays = ("momentum_buffer",)
     training_defaults = {"lr": 0.05, "momentum": 0.5}
 

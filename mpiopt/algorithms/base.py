@@ -46,7 +46,6 @@ Example
 from __future__ import annotations
 
 import json
-import numbers
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Dict, List, Mapping, NoReturn, Optional, Sequence, Tuple
@@ -54,21 +53,27 @@ from typing import Any, ClassVar, Dict, List, Mapping, NoReturn, Optional, Seque
 import numpy as np
 
 from ..arrays import array_module, empty_apart, keep_apart, to_numpy
-from ..comm import MAX, Topology
+from ..comm import Topology
 from ..comm.ledger import Call
 from ..kernels.update import all_finite
+from .schema import Hyperparameter, Schema, choice, positive
 
 __all__ = [
     "Algorithm", "SynchronousAlgorithm", "AsynchronousAlgorithm", "StepRecord", "SYNCHRONOUS", "ASYNCHRONOUS",
-    "EVALUATED_MODELS", "due_steps", "check_positive", "check_range", "check_choice",
+    "EVALUATED_MODELS", "BASE", "due_steps",
 ]
 
 #: The two protocols: ``step`` (every rank steps together) or ``run`` (a server and workers).
 SYNCHRONOUS, ASYNCHRONOUS = "synchronous", "asynchronous"
 #: What a training run evaluates: every rank's model (identical on all), the ranks' mean, the server's, the global leader's.
 EVALUATED_MODELS = ("identical", "average", "server", "leader")
-
 NAN_POLICIES = ("raise", "skip")
+#: The entries every algorithm takes; each class adds its own and re-defaults ``lr`` (``BASE.with_defaults(lr=...)``).
+BASE = Schema(
+    Hyperparameter("lr", 0.1, positive(), "learning rate (schedulers may change it between steps)", per_group=True),
+    Hyperparameter("nan_policy", "raise", choice(*NAN_POLICIES), "a non-finite gradient ends the job (raise) or skips the step on every rank (skip)"),
+)
+
 #: The entries every state_dict has.
 _STATE_KEYS = frozenset({"algorithm", "world_size", "steps", "lr", "hyperparameters", "arrays", "scalars"})
 _MISSING = "<missing>"
@@ -130,33 +135,6 @@ class StepRecord:
         return asdict(self)
 
 
-def check_positive(name: str, value: Any, *, allow_zero: bool = False, integer: bool = False) -> Any:
-    """Validate a number (> 0, or >= 0 with ``allow_zero``); the error names ``name`` and ``value``."""
-    kind = numbers.Integral if integer else numbers.Real
-    if isinstance(value, bool) or not isinstance(value, kind) or (not integer and not np.isfinite(value)):
-        want = "an integer" if integer else "a finite number"
-        raise TypeError(f"{name} must be {want}, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-    return int(value) if integer else value
-
-
-def check_range(name: str, value: Any, low: float, high: float, *, high_open: bool = False) -> float:
-    """Validate ``low <= value <= high`` (``< high`` with ``high_open``)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not np.isfinite(value):
-        raise TypeError(f"{name} must be a finite number, got {value!r}")
-    if not (low <= value <= high) or (high_open and value == high):
-        raise ValueError(f"{name} must be in [{low}, {high}{')' if high_open else ']'}, got {value!r}")
-    return float(value)
-
-
-def check_choice(name: str, value: Any, choices: Tuple[str, ...]) -> str:
-    """Validate that ``value`` is one of ``choices``."""
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
-    return value
-
-
 class Algorithm:
     """Base class of every distributed optimizer in :mod:`mpiopt.algorithms`.
 
@@ -180,8 +158,8 @@ class Algorithm:
         see "Errors on one rank" in the module docstring), or a
         ``FloatingPointError`` on that rank at a world size of one or with
         ``Topology(abort_on_error=False)``.  ``skip``: every rank skips the
-        step together (one extra 1-byte Allreduce per step, so the decision
-        is collective).  Under ``raise``, algorithms whose update reads this
+        step together (one extra 1-byte vote per step on the control
+        communicator, so the decision is collective; not in the step's bytes).  Under ``raise``, algorithms whose update reads this
         rank's gradient (:attr:`fused_gradient_check`) check it in the
         update's own pass instead of a pass of its own first; the rank that
         raises has then changed its state, so a caller that catches the
@@ -189,6 +167,8 @@ class Algorithm:
     """
 
     name: ClassVar[str] = ""
+    #: The constructor's keywords: defaults, checks, which are per parameter group or execution knobs (:mod:`.schema`).
+    schema: ClassVar[Schema] = BASE
     #: :data:`SYNCHRONOUS` or :data:`ASYNCHRONOUS`: set by the protocol classes.
     protocol: ClassVar[str] = ""
     #: Which model a training run evaluates: one of :data:`EVALUATED_MODELS`.
@@ -217,8 +197,8 @@ class Algorithm:
     # -- facts about the class ---------------------------------------------------------
     @classmethod
     def default_hyperparameters(cls) -> Dict[str, Any]:
-        """The constructor's keyword defaults (the papers' values), ``nan_policy`` aside."""
-        defaults = dict(cls.__init__.__kwdefaults__ or {})
+        """The schema's defaults (the papers' values), ``nan_policy`` aside."""
+        defaults = cls.schema.defaults()
         defaults.pop("nan_policy", None)
         return defaults
 
@@ -290,19 +270,22 @@ class Algorithm:
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be an mpiopt.Topology, got {type(topology).__name__}")
         self.topology = topology
-        self.lr = float(check_positive("lr", lr))
-        self.nan_policy = check_choice("nan_policy", nan_policy, NAN_POLICIES)
+        self.lr = float(self.schema["lr"].validate(lr))
+        self.nan_policy = self.schema["nan_policy"].validate(nan_policy)
         self.steps = 0
         self.last: Optional[StepRecord] = None
         self.num_params: Optional[int] = None
         self.dtype: Optional[np.dtype] = None
         self._xp = np  # the parameters' array module, set by setup()
-        self._flag = np.zeros(1, dtype=np.uint8)
 
     # -- what subclasses provide -----------------------------------------------------
     def hyperparameters(self) -> Dict[str, Any]:
-        """The hyperparameters as plain data (checked for agreement, saved in checkpoints)."""
+        """The hyperparameters as plain data (checked for agreement, saved in checkpoints), execution knobs aside."""
         raise NotImplementedError
+
+    def execution(self) -> Dict[str, Any]:
+        """The execution knobs' values (the schema's ``execution`` entries, kept as attributes of the same name)."""
+        return {name: getattr(self, name) for name in self.schema.knobs()}
 
     def _allocate(self, params: Any) -> None:
         """Allocate state for ``params`` (called once by :meth:`setup`)."""
@@ -348,6 +331,8 @@ class Algorithm:
                 "lr": self.lr,
                 "nan_policy": self.nan_policy,
                 "hyperparameters": self.hyperparameters(),
+                # Knobs are not mathematics, but some shape the collectives (pipeline chunks): ranks agree on them too.
+                "execution": self.execution(),
             },
             what=f"{self.name} set-up",
         )
@@ -355,13 +340,8 @@ class Algorithm:
             raise unfit  # the same on every rank: they agreed
         self._xp = array_module(params)  # subclasses allocate with it
         keep_apart(params)  # their state arrays are streamed beside it
-        failure = None
-        try:
-            self._allocate(params)
-        except Exception as err:  # noqa: BLE001 - any failure must reach the other ranks
-            failure = err
-        try:
-            self.topology.raise_together(failure, what=f"{self.name} set-up")
+        try:  # any failure must reach the other ranks
+            self.topology.decide(lambda: self._allocate(params), f"{self.name} set-up", catch=(Exception,))
         except Exception:
             self._xp = np
             raise
@@ -369,8 +349,7 @@ class Algorithm:
         self.dtype = np.dtype(params.dtype)
 
     def _apply_step(self, params: Any, grad: Any, loss: Optional[float] = None) -> StepRecord:
-        """One step on this rank: the checks, :meth:`_step` and the accounting.
-        """
+        """One step on this rank: the checks, :meth:`_step` and the accounting."""
         if self.num_params is None:
             raise RuntimeError(f"{type(self).__name__}.setup(params) must be called before stepping")
         self._check_flat("params", params)
@@ -460,7 +439,8 @@ class Algorithm:
         if _plain(state["world_size"]) != self.topology.size:
             lines.append(f"world_size: saved {state['world_size']!r}, here {self.topology.size!r}")
         if not override_hyperparameters:
-            lines += [f"hyperparameter {line}" for line in hyperparameter_lines(state["hyperparameters"], self.hyperparameters())]
+            # Execution knobs never refuse a resume (states saved before they were told apart carry them).
+            lines += [f"hyperparameter {line}" for line in hyperparameter_lines(state["hyperparameters"], self.hyperparameters(), skip=self.schema.knobs())]
         for key in self.state_arrays:
             value, current = state["arrays"][key], getattr(self, key)
             if value is not None and current is not None and tuple(np.shape(value)) != tuple(current.shape):
@@ -499,9 +479,7 @@ class Algorithm:
             if not ok:
                 self._non_finite_gradient()
             return True
-        self._flag[0] = 0 if ok else 1
-        self.topology.world.Allreduce(self._flag, op=MAX)
-        return not self._flag[0]
+        return not self.topology.any(not ok)
 
     def _checks_in_step(self) -> bool:
         """Whether this step's update checks the gradient in its own pass, instead of :meth:`step` in a pass before.

@@ -63,8 +63,9 @@ from ..arrays import empty_apart
 from ..comm import Request, Topology, is_gpu_array
 from ..comm.ledger import Call
 from ..kernels.update import MERGE_RULES, Merge, merge_average
-from .base import SynchronousAlgorithm, due_steps, check_choice, check_positive, check_range
-from .local import LocalSGD, LocalStepState
+from .base import BASE, SynchronousAlgorithm, due_steps
+from .local import LOCAL_SGD, LocalSGD, LocalStepState
+from .schema import Hyperparameter, Schema, choice, in_range, positive
 from .registry import register
 from .resize import COPY, FOLLOW, RESCALE
 
@@ -168,6 +169,15 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
 
     name = "dasgd"
     listing_order = 30
+    schema = BASE.with_defaults(lr=0.1) + Schema(
+        Hyperparameter("period", 4, positive(integer=True), "steps between averagings (tau)"),
+        Hyperparameter("delay_steps", 1, positive(allow_zero=True, integer=True), "steps an averaging stays in flight, < period"),
+        Hyperparameter("merge", "delayed", choice(*MERGE_RULES), "how the late average is merged into the parameters"),
+        Hyperparameter("update_proportion", 0.25, in_range(0.0, 1.0), "merge='proportion': the weight of the local progress"),
+        Hyperparameter("progress", "test", choice(*PROGRESS_MODES), "how the averaging in flight is made to progress", execution=True),
+        Hyperparameter("progress_interval", 0.002, positive(), "progress='thread': seconds between the thread's tests", execution=True),
+        Hyperparameter("tests_per_poke", 8, positive(integer=True), "progress='test': MPI_Test calls per step", execution=True),
+    ) + LOCAL_SGD.with_defaults(momentum=0.9, weight_decay=0.01)
     evaluates = "average"
     fused_gradient_check = True
     state_arrays = ("momentum_buffer", "pending_snapshot", "pending_sum")
@@ -206,15 +216,15 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
         nan_policy: str = "raise",
     ) -> None:
         super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.period = check_positive("period", period, integer=True)
-        self.delay_steps = check_positive("delay_steps", delay_steps, allow_zero=True, integer=True)
+        self.period = self.schema["period"].validate(period)
+        self.delay_steps = self.schema["delay_steps"].validate(delay_steps)
         if self.delay_steps >= self.period:
             raise ValueError(f"delay_steps must be < period ({period}): the next averaging would start first; got {delay_steps}")
-        self.merge = check_choice("merge", merge, MERGE_RULES)
-        self.update_proportion = check_range("update_proportion", update_proportion, 0.0, 1.0)
-        self.progress = check_choice("progress", progress, PROGRESS_MODES)
-        self.progress_interval = float(check_positive("progress_interval", progress_interval))
-        self.tests_per_poke = check_positive("tests_per_poke", tests_per_poke, integer=True)
+        self.merge = self.schema["merge"].validate(merge)
+        self.update_proportion = self.schema["update_proportion"].validate(update_proportion)
+        self.progress = self.schema["progress"].validate(progress)
+        self.progress_interval = float(self.schema["progress_interval"].validate(progress_interval))
+        self.tests_per_poke = self.schema["tests_per_poke"].validate(tests_per_poke)
         self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
         #: Step after which the average in flight is merged; 0 when none is pending.
         self.merge_step = 0
@@ -254,9 +264,6 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
             "delay_steps": self.delay_steps,
             "merge": self.merge,
             "update_proportion": self.update_proportion,
-            "progress": self.progress,
-            "progress_interval": self.progress_interval,
-            "tests_per_poke": self.tests_per_poke,
             **self.local.hyperparameters(),
         }
 

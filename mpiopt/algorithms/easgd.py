@@ -51,8 +51,9 @@ from ..arrays import empty_apart
 from ..comm import Topology
 from ..comm.ledger import Call
 from ..kernels.update import elastic_pull, fused_update_available
-from .base import SynchronousAlgorithm, due_steps, _plain, check_positive
-from .local import LocalSGD, LocalStepState
+from .base import BASE, SynchronousAlgorithm, _plain, due_steps
+from .local import LOCAL_SGD, LocalSGD, LocalStepState
+from .schema import Hyperparameter, Schema, check_positive, optional, positive
 from .registry import register
 from .resize import COPY, FOLLOW
 
@@ -127,6 +128,11 @@ class EASGD(LocalStepState, SynchronousAlgorithm):
 
     name = "easgd"
     listing_order = 10
+    schema = BASE.with_defaults(lr=0.1) + Schema(
+        Hyperparameter("alpha", None, optional(positive(allow_zero=True)), "moving rate of a worker towards the centre (give alpha or beta)"),
+        Hyperparameter("beta", None, optional(positive(allow_zero=True)), "beta = N alpha, the centre's moving rate (default 0.9)"),
+        Hyperparameter("period", 4, positive(integer=True), "steps between elastic pulls (tau)"),
+    ) + LOCAL_SGD
     evaluates = "average"
     fused_gradient_check = True
     state_arrays = ("center", "momentum_buffer")
@@ -166,7 +172,7 @@ class EASGD(LocalStepState, SynchronousAlgorithm):
     ) -> None:
         super().__init__(topology, lr=lr, nan_policy=nan_policy)
         self.alpha, self.beta = moving_rates(alpha, beta, topology.size)
-        self.period = check_positive("period", period, integer=True)
+        self.period = self.schema["period"].validate(period)
         self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
         self.center: Optional[Any] = None
         self._mean: Optional[Any] = None  # receives sum_i x_i

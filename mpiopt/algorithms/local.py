@@ -13,9 +13,17 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..arrays import empty_apart
 from ..kernels.update import Merge, sgd_update
-from .base import check_positive, check_range
+from .schema import Hyperparameter, Schema, boolean, in_range, positive
 
-__all__ = ["LocalSGD", "LocalStepState"]
+__all__ = ["LocalSGD", "LocalStepState", "LOCAL_SGD"]
+
+#: torch.optim.SGD's keywords, every one per parameter group; each algorithm re-defaults them to its paper's values.
+LOCAL_SGD = Schema(
+    Hyperparameter("momentum", 0.0, in_range(0.0, 1.0, high_open=True), "momentum factor, in [0, 1)", per_group=True),
+    Hyperparameter("dampening", 0.0, in_range(0.0, 1.0), "dampening of the momentum, in [0, 1]", per_group=True),
+    Hyperparameter("nesterov", False, boolean(), "Nesterov momentum (needs momentum > 0 and dampening 0)", per_group=True),
+    Hyperparameter("weight_decay", 0.0, positive(allow_zero=True), "L2 penalty added to the gradient", per_group=True),
+)
 
 
 class LocalSGD:
@@ -34,11 +42,10 @@ class LocalSGD:
     """
 
     def __init__(self, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0) -> None:
-        self.momentum = check_range("momentum", momentum, 0.0, 1.0, high_open=True)
-        self.dampening = check_range("dampening", dampening, 0.0, 1.0)
-        self.weight_decay = float(check_positive("weight_decay", weight_decay, allow_zero=True))
-        if not isinstance(nesterov, bool):
-            raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
+        self.momentum = LOCAL_SGD["momentum"].validate(momentum)
+        self.dampening = LOCAL_SGD["dampening"].validate(dampening)
+        self.weight_decay = float(LOCAL_SGD["weight_decay"].validate(weight_decay))
+        LOCAL_SGD["nesterov"].validate(nesterov)
         if nesterov and (self.momentum == 0 or self.dampening != 0):
             raise ValueError(f"nesterov=True needs momentum > 0 and dampening = 0, got momentum={momentum}, dampening={dampening}")
         self.nesterov = nesterov

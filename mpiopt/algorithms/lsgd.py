@@ -95,8 +95,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from ..arrays import empty_apart
 from ..comm import Comm, Topology
 from ..comm.ledger import Call
-from .base import SynchronousAlgorithm
-from .lsgd_rule import PULL_FORMS, LSGDRule, LSGDState
+from .base import BASE, SynchronousAlgorithm
+from .lsgd_rule import LSGD_RULE, PULL_FORMS, LSGDRule, LSGDState
 from .registry import register
 from .resize import FOLLOW, NO_LEADER
 
@@ -168,6 +168,7 @@ class LSGD(LSGDState, SynchronousAlgorithm):
 
     name = "lsgd"
     listing_order = 20
+    schema = BASE.with_defaults(lr=0.1) + LSGD_RULE
     evaluates = "average"
     state_arrays = ("momentum_buffer", "leader_copy", "recent_losses")
     state_scalars = ("losses_seen", "last_local_leader", "last_global_leader")

@@ -23,12 +23,22 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 import numpy as np
 
 from ..arrays import array_module, empty_apart
-from .base import check_choice, check_positive, check_range
-from .local import LocalSGD, LocalStepState
+from .schema import Hyperparameter, Schema, choice, in_range, optional, positive
+from .local import LOCAL_SGD, LocalSGD, LocalStepState
 
-__all__ = ["LSGDRule", "LSGDState", "PULL_FORMS", "elect", "Pull"]
+__all__ = ["LSGDRule", "LSGDState", "PULL_FORMS", "LSGD_RULE", "elect", "Pull"]
 
 PULL_FORMS = ("paper", "convex")
+#: The keywords of LSGD's rule (synchronous and asynchronous), with the paper's local optimizer.
+LSGD_RULE = Schema(
+    Hyperparameter("pull_local", 0.1, in_range(0.0, 1.0), "pull towards the group's leader at a local pull (0: none)"),
+    Hyperparameter("pull_global", 0.1, in_range(0.0, 1.0), "pull towards the global leader at a global pull (0: none)"),
+    Hyperparameter("period", None, optional(positive(integer=True)), "steps between local pulls (default: global_period // 4)"),
+    Hyperparameter("global_period", 16, positive(integer=True), "steps between global pulls, >= period"),
+    Hyperparameter("pull_form", "paper", choice(*PULL_FORMS), "the pull as the paper writes it, or a convex combination"),
+    Hyperparameter("proximal", 0.0, in_range(0.0, 1.0, high_open=True), "proximal pull towards the last leader between elections"),
+    Hyperparameter("loss_window", 4, positive(integer=True), "losses in the running mean that elects the leaders"),
+) + LOCAL_SGD.with_defaults(momentum=0.9, nesterov=True, weight_decay=1e-4)
 
 #: A pull: ``(coefficient, fetch)``; ``fetch()`` returns the leader's
 #: parameters, or None where this worker is the leader (its own pull would not move it).
@@ -80,17 +90,17 @@ class LSGDRule:
         nesterov: bool = True,
         weight_decay: float = 1e-4,
     ) -> None:
-        self.pull_local = check_range("pull_local", pull_local, 0.0, 1.0)
-        self.pull_global = check_range("pull_global", pull_global, 0.0, 1.0)
-        self.global_period = check_positive("global_period", global_period, integer=True)
+        self.pull_local = LSGD_RULE["pull_local"].validate(pull_local)
+        self.pull_global = LSGD_RULE["pull_global"].validate(pull_global)
+        self.global_period = LSGD_RULE["global_period"].validate(global_period)
         if period is None:
             period = max(1, global_period // 4)
-        self.period = check_positive("period", period, integer=True)
+        self.period = LSGD_RULE["period"].validate(period)
         if self.period > self.global_period:
             raise ValueError(f"period must be <= global_period ({global_period}), got {period}")
-        self.pull_form = check_choice("pull_form", pull_form, PULL_FORMS)
-        self.proximal = check_range("proximal", proximal, 0.0, 1.0, high_open=True)
-        self.loss_window = check_positive("loss_window", loss_window, integer=True)
+        self.pull_form = LSGD_RULE["pull_form"].validate(pull_form)
+        self.proximal = LSGD_RULE["proximal"].validate(proximal)
+        self.loss_window = LSGD_RULE["loss_window"].validate(loss_window)
         self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
         self.recent_losses = np.zeros(self.loss_window)  # host floats
         self.losses_seen = 0

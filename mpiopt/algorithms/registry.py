@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import pkgutil
 from typing import Any, Dict, List, Optional, Type, TypeVar
@@ -32,8 +33,25 @@ def register(cls: A) -> A:
         raise ValueError(f"algorithm name {cls.name!r} is empty or taken")
     if not cls.protocol:
         raise TypeError(f"{cls.__name__} must derive from SynchronousAlgorithm or AsynchronousAlgorithm")
+    _check_schema(cls)
     _REGISTRY[cls.name] = cls
     return cls
+
+
+def _check_schema(cls: Type[Algorithm]) -> None:
+    """The class's schema declares exactly its constructor's keywords, with the same defaults."""
+    parameters = inspect.signature(cls.__init__).parameters
+    keywords = {k: p.default for k, p in parameters.items() if p.kind is p.KEYWORD_ONLY}
+    passes_on = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    declared = cls.schema.defaults()
+    missing = sorted(set(keywords) - set(declared))
+    extra = [] if passes_on else sorted(set(declared) - set(keywords))
+    differ = sorted(k for k in set(keywords) & set(declared) if keywords[k] != declared[k])
+    if missing or extra or differ:
+        raise TypeError(
+            f"{cls.__name__}.schema does not match its constructor: undeclared {missing}, not taken {extra}, "
+            f"other defaults {differ}"
+        )
 
 
 def _discover() -> None:

@@ -121,8 +121,9 @@ def hyperparameter_differences(
     At the same world size every hyperparameter must match.  At another,
     those the class's ``resize_skip`` names may differ.
     """
-    skip = algorithm_class(name).resize_skip(saved, here, old_size, new_size) if old_size != new_size else ()
-    return hyperparameter_lines(saved, here, skip=skip)
+    cls = algorithm_class(name)
+    skip = cls.resize_skip(saved, here, old_size, new_size) if old_size != new_size else ()
+    return hyperparameter_lines(saved, here, skip=(*skip, *cls.schema.knobs()))
 
 
 def resize_states(

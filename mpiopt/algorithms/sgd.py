@@ -17,8 +17,8 @@ from typing import Any, Dict, List, Mapping, Optional
 from ..arrays import empty_apart
 from ..comm import Topology
 from ..comm.ledger import Call
-from .base import StepRecord, SynchronousAlgorithm
-from .local import LocalSGD, LocalStepState
+from .base import BASE, StepRecord, SynchronousAlgorithm
+from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .registry import register
 from .resize import COPY
 
@@ -43,6 +43,7 @@ class SGD(LocalStepState, SynchronousAlgorithm):
 
     name = "sgd"
     listing_order = 0
+    schema = BASE.with_defaults(lr=0.1) + LOCAL_SGD
     baseline = True
     fused_gradient_check = True
     state_arrays = ("momentum_buffer",)

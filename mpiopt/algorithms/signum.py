@@ -72,7 +72,8 @@ from ..comm import Request, Topology
 from ..comm.ledger import Call, plan_bytes
 from ..kernels import chunk_bounds, majority_vote, pack_signs, packed_nbytes, vote_chunk
 from ..kernels.signs import apply_signs, fused_signs_available, momentum_signs
-from .base import SynchronousAlgorithm, check_choice, check_positive, check_range
+from .base import BASE, SynchronousAlgorithm
+from .schema import Hyperparameter, Schema, choice, count_or_auto, in_range, positive
 from .registry import register
 from .resize import FOLLOW
 
@@ -185,6 +186,12 @@ class Signum(SynchronousAlgorithm):
 
     name = "signum"
     listing_order = 40
+    schema = BASE.with_defaults(lr=1e-4) + Schema(
+        Hyperparameter("momentum", 0.9, in_range(0.0, 1.0, high_open=True), "momentum of the signs (0: signSGD)", per_group=True),
+        Hyperparameter("weight_decay", 1e-4, positive(allow_zero=True), "decoupled weight decay", per_group=True),
+        Hyperparameter("exchange", "auto", choice(*EXCHANGES), "how the signs are voted: Allgather, two-phase, or per-node pre-vote"),
+        Hyperparameter("pipeline_chunks", "auto", count_or_auto(), "pieces the vote is pipelined in (same bits)", execution=True),
+    )
     state_arrays = ("momentum_buffer",)
     # Per-worker momentum goes with that worker's parameters: averaging would cast a lower-variance vote than any worker.
     resize_rules = {"momentum_buffer": FOLLOW}
@@ -221,12 +228,10 @@ class Signum(SynchronousAlgorithm):
         nan_policy: str = "raise",
     ) -> None:
         super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.momentum = check_range("momentum", momentum, 0.0, 1.0, high_open=True)
-        self.weight_decay = float(check_positive("weight_decay", weight_decay, allow_zero=True))
-        self.exchange = check_choice("exchange", exchange, EXCHANGES)
-        if pipeline_chunks != "auto":
-            check_positive("pipeline_chunks", pipeline_chunks, integer=True)
-        self.pipeline_chunks = pipeline_chunks if pipeline_chunks == "auto" else int(pipeline_chunks)
+        self.momentum = self.schema["momentum"].validate(momentum)
+        self.weight_decay = float(self.schema["weight_decay"].validate(weight_decay))
+        self.exchange = self.schema["exchange"].validate(exchange)
+        self.pipeline_chunks = self.schema["pipeline_chunks"].validate(pipeline_chunks)
         self.mode: Optional[str] = None
         self.chunks = 1
         self.momentum_buffer: Optional[Any] = None
@@ -239,7 +244,6 @@ class Signum(SynchronousAlgorithm):
     def hyperparameters(self) -> Dict[str, Any]:
         return {
             "momentum": self.momentum, "weight_decay": self.weight_decay, "exchange": self.exchange,
-            "pipeline_chunks": self.pipeline_chunks,
         }
 
     def _allocate(self, params: Any) -> None:

@@ -79,8 +79,9 @@ from ..kernels.sparse import (
     TopkWorkspace, divide_at, feedback_select, fused_feedback_available, merge_sorted_rows, regtopk_sent_factors, settle_aggregate,
     subtract_scaled_at, take_and_zero, union_of_sorted, unsent_factor, zero_at,
 )
-from .base import SynchronousAlgorithm, check_positive
-from .local import LocalSGD, LocalStepState
+from .base import BASE, SynchronousAlgorithm
+from .local import LOCAL_SGD, LocalSGD, LocalStepState
+from .schema import Hyperparameter, Schema, check_positive, optional, positive
 from .registry import register
 from .resize import COPY, MEAN, NO_HISTORY, ZERO
 
@@ -89,6 +90,22 @@ __all__ = ["TopK", "RegTopK", "Sparsifier", "SparseWorker", "SparseAggregate", "
 #: Density used when neither ``k`` nor ``density`` is given: the papers'
 #: ResNet-18 / CIFAR-10 setting (0.1 %).
 DEFAULT_DENSITY = 0.001
+
+
+def check_density(name: str, value: Any) -> float:
+    """A fraction in ``(0, 1]``, as a float (``density_to_k`` reads an int as a count: density=1 would send one entry)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+        raise TypeError(f"{name} must be a finite number, got {value!r}")
+    if not 0 < value <= 1:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+    return float(value)
+
+
+#: Top-k's keywords (RegTop-k adds mu and q).
+TOPK = BASE.with_defaults(lr=0.01) + Schema(
+    Hyperparameter("k", None, optional(positive(integer=True)), "entries each rank sends per step (give k or density)"),
+    Hyperparameter("density", None, optional(check_density), f"or the fraction sent, in (0, 1] (neither: {DEFAULT_DENSITY})"),
+) + LOCAL_SGD
 
 
 @dataclass(frozen=True)
@@ -127,12 +144,7 @@ class Sparsifier:
             check_positive("k", self.k, integer=True)
         else:
             density = DEFAULT_DENSITY if self.density is None else self.density
-            if isinstance(density, bool) or not isinstance(density, (int, float)) or not np.isfinite(density):
-                raise TypeError(f"density must be a finite number, got {density!r}")
-            if not 0 < density <= 1:
-                raise ValueError(f"density must be in (0, 1], got {density!r}")
-            # A float, always: density_to_k reads an int as a count (density=1 would send one entry).
-            object.__setattr__(self, "density", float(density))
+            object.__setattr__(self, "density", check_density("density", density))
         if self.mu is not None:
             object.__setattr__(self, "mu", float(check_positive("mu", self.mu)))
         object.__setattr__(self, "q", float(check_positive("q", self.q)))
@@ -560,6 +572,7 @@ class TopK(_SparseSGD):
 
     name = "topk"
     listing_order = 50
+    schema = TOPK
     state_arrays = ("error", "momentum_buffer")
     # The residuals still owed are (1/P) sum e: the mean on every new rank keeps them; momentum of G is the same everywhere.
     resize_rules = {"error": MEAN, "momentum_buffer": COPY}
@@ -609,6 +622,10 @@ class RegTopK(_SparseSGD):
 
     name = "regtopk"
     listing_order = 60
+    schema = TOPK + Schema(
+        Hyperparameter("mu", 5.0, positive(), "RegTop-k's temperature of the tanh in the selection score"),
+        Hyperparameter("q", 1e8, positive(), "RegTop-k's Q: delta of entries not sent last step"),
+    )
     state_arrays = ("error", "sent_indices", "sent_values", "aggregate", "momentum_buffer")
     state_scalars = ("has_history",)
     # As Top-k's, and last step's G is the same everywhere; what a rank sent belongs to an old rank, so the first

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import numpy as np
 
 from ..comm import Comm
+from ..comm.communicator import Failure
 
 __all__ = [
     "Arrival",
@@ -166,8 +167,8 @@ def agree_on_arguments(world: Any, what: str, check: Callable[[], None]) -> None
     ``seconds``), so a bad value can sit on one rank only; raising there
     alone would leave the others waiting for it.  So every rank runs
     ``check`` (which raises ``TypeError``, ``ValueError`` or ``RuntimeError``)
-    and the verdicts are exchanged in one small collective before the first
-    message (an ``allgather`` of ``None`` when all is well).
+    and the ranks decide together (:meth:`~mpiopt.comm.Comm.decide`: one
+    byte each when all is well) before the first message.
 
     Parameters
     ----------
@@ -185,22 +186,16 @@ def agree_on_arguments(world: Any, what: str, check: Callable[[], None]) -> None
         The type of the lowest failing rank's error, with every failing
         rank's message: ``"run_async: rank 2: steps must be >= 0, got -1"``.
     """
-    try:
-        check()
-        verdict: Optional[Tuple[type, str]] = None
-    except (TypeError, ValueError, RuntimeError) as err:
-        if not isinstance(world, Comm):
-            raise
-        verdict = (type(err), str(err))
     if not isinstance(world, Comm):
+        check()  # nobody to agree with: this rank's error stands
         raise TypeError(f"world must be an mpiopt.comm.Comm, got {type(world).__name__}")
-    failed = [(rank, v) for rank, v in enumerate(world.allgather_obj(verdict)) if v is not None]
-    if not failed:
-        return
-    by_message: Dict[str, List[int]] = {}
-    for rank, (_, message) in failed:
-        by_message.setdefault(message, []).append(rank)
-    lines = [
-        f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}: {message}" for message, ranks in by_message.items()
-    ]
-    raise failed[0][1][0](f"{what}: " + "; ".join(lines))
+    kinds = {kind.__name__: kind for kind in (TypeError, ValueError, RuntimeError)}
+
+    def error(failures: List[Failure], own: Optional[BaseException]) -> BaseException:
+        by_message: Dict[str, List[int]] = {}
+        for failure in failures:
+            by_message.setdefault(failure.message, []).append(failure.rank)
+        lines = [f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}: {message}" for message, ranks in by_message.items()]
+        return kinds[failures[0].kind](f"{what}: " + "; ".join(lines))
+
+    world.decide(check, what, catch=tuple(kinds.values()), error=error)

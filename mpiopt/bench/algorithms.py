@@ -150,7 +150,8 @@ def measure(topology: Topology, name: str, d: int, steps: int, compute_seconds: 
     sums = topology.world.allreduce_obj(np.array([delta.bytes_sent, delta.bytes_recv, *phases], dtype=np.float64))
     P = topology.size
     groups = [size for index, size in sorted(set(topology.world.allgather_obj((topology.group_index, topology.group.size))))]
-    expected = expected_bytes(name, d, P, alg.hyperparameters(), groups=groups, steps=steps, start=steps + 1)
+    settings = {**alg.hyperparameters(), **alg.execution()}  # a knob such as pipeline_chunks can shape the messages
+    expected = expected_bytes(name, d, P, settings, groups=groups, steps=steps, start=steps + 1)
     return {
         "algorithm": name,
         "hyperparameters": alg.hyperparameters(),

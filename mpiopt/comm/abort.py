@@ -14,7 +14,7 @@ their next collective.  mpiopt has two answers:
   exceptions in threads, an application's own hook); calling
   :func:`abort_on_exception` yourself replaces those too, as the CLI does.
 - Checks that can fail on one rank alone either decide together
-  (:meth:`Topology.raise_together`: every rank raises, the others an
+  (:meth:`Topology.decide`: every rank raises, the others an
   :class:`OtherRankError` naming the rank and its error) or, where the other
   ranks may already be inside a collective that only this rank knows it will
   not join, abort the job (:meth:`Topology.raise_or_abort`).

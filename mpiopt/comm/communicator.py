@@ -19,16 +19,18 @@ import hashlib
 import json
 import pickle
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, NoReturn, Optional, Sequence, Set, Tuple, Type
 
 import numpy as np
 from mpi4py import MPI
 
+from .abort import OtherRankError
 from .buffers import HostStaging, as_mpi_buffer, gpu_aware_mpi, nbytes
 from .ledger import Ledger
-from .waiting import Backoff, resolve_wait_policy
+from .waiting import Backoff, check_wait_policy
 
-__all__ = ["Comm", "Request", "SetupMismatchError", "SUM", "MAX", "MIN", "ANY_SOURCE", "ANY_TAG"]
+__all__ = ["Comm", "Request", "SetupMismatchError", "Failure", "raise_own_or_name_them", "SUM", "MAX", "MIN", "ANY_SOURCE", "ANY_TAG"]
 
 SUM = MPI.SUM
 MAX = MPI.MAX
@@ -42,6 +44,35 @@ _DOUBLE_INT = np.dtype([("value", np.float64), ("rank", np.int32)], align=True)
 
 class SetupMismatchError(ValueError):
     """Ranks disagree on something that must be identical everywhere."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One rank's failed check in a :meth:`Comm.decide`: its rank, the error's type name and message."""
+
+    rank: int
+    kind: str
+    message: str
+
+
+def raise_own_or_name_them(what: str) -> Callable[[List[Failure], Optional[BaseException]], BaseException]:
+    """:meth:`Comm.decide`'s default: a failed rank raises its own error, the others
+    :class:`~mpiopt.comm.abort.OtherRankError` naming every failed rank and its error."""
+
+    def error(failures: List[Failure], own: Optional[BaseException]) -> BaseException:
+        if own is not None:
+            return own
+        return OtherRankError(
+            f"the {what} failed on rank {', '.join(str(f.rank) for f in failures)}:\n"
+            + "\n".join(f"  rank {f.rank}: {f.kind}: {f.message}" for f in failures)
+        )
+
+    return error
+
+
+def _first_failure(kind: Type[BaseException]) -> Callable[[List[Failure], Optional[BaseException]], BaseException]:
+    """A :meth:`Comm.decide` error: ``kind`` with the lowest failed rank's message, naming that rank, on every rank."""
+    return lambda failures, own: kind(f"{failures[0].message} on rank {failures[0].rank}")
 
 
 class Request:
@@ -149,14 +180,14 @@ class Comm:
         if not isinstance(base, MPI.Intracomm):
             raise TypeError(f"comm must be an mpi4py Intracomm, got {type(base).__name__}")
         self._comm = base.Dup() if dup else base
+        self.name = name
         try:
-            self.wait_policy = resolve_wait_policy(wait_policy, self._comm)
+            self.wait_policy = self.decide(lambda: check_wait_policy(wait_policy), "wait policy", error=_first_failure(ValueError))
             self._passive = self.wait_policy == "passive"
         except ValueError:
             if dup:
                 self._comm.Free()
             raise
-        self.name = name
         self.ledger = Ledger() if ledger is None else ledger
         self.gpu_aware, self.gpu_aware_reason = gpu_aware_mpi(gpu_aware)
         self._staging = HostStaging()
@@ -425,31 +456,90 @@ class Comm:
         return result
 
     # -- agreement and totals --------------------------------------------------------------
-    def agree(self, signature: Mapping[str, Any], what: str = "set-up") -> None:
-        """Check that every rank passes an identical ``signature``; raise the same error everywhere if not.
+    def decide(
+        self,
+        check: Callable[[], Any],
+        what: str,
+        *,
+        catch: Tuple[Type[BaseException], ...] = (TypeError, ValueError, RuntimeError, OSError),
+        agree_on: Any = None,
+        error: Optional[Callable[[List[Failure], Optional[BaseException]], BaseException]] = None,
+        stuck_after: Optional[float] = None,
+        on_stuck: Optional[Callable[[BaseException], NoReturn]] = None,
+    ) -> Any:
+        """Run ``check`` on every rank and decide together: its value where every rank passed, else an error on every rank.
+
+        The one collective decision of mpiopt: set-up and argument
+        agreement, settings, checkpoints, the wait policy all go through it.
+        It costs one Allreduce of a byte (of 65 with ``agree_on``) when all
+        is well; the failures' texts (or the disagreeing values) travel only
+        when something failed.  It is not recorded in the ledger: deciding
+        is not an algorithm's traffic.
 
         Parameters
         ----------
-        signature : mapping
-            JSON-serialisable description (parameter count, dtype, algorithm
-            name, hyperparameters, ...).
+        check : callable
+            This rank's check; its return value is returned.
         what : str
-            Words for the error message.
-
-        Raises
-        ------
-        SetupMismatchError
-            On every rank, naming each key that differs and each rank's value.
+            The decision, for messages (``"sgd set-up"``).
+        catch : tuple of exception types
+            What counts as this rank's failure (anything else propagates at
+            once, as a bug would).
+        agree_on : JSON-serialisable, optional
+            A value every rank must pass alike; when ranks differ, every rank
+            raises :class:`SetupMismatchError` naming each differing key and
+            each rank's value (before any failure is reported).
+        error : callable, optional
+            ``error(failures, own) -> exception`` to raise on every rank when
+            some rank failed (``own``: this rank's error or None).  Default:
+            :func:`raise_own_or_name_them`.
+        stuck_after, on_stuck : float, callable, optional
+            A rank that failed waits at most ``stuck_after`` seconds for the
+            others, then calls ``on_stuck(its error)`` (which ends the job):
+            ranks that do not come are stuck in a collective it left.
         """
-        text = json.dumps(signature, sort_keys=True, default=repr)
-        digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), dtype=np.uint8).copy()
-        lowest = digest.copy()
-        highest = digest.copy()
-        self.Allreduce(lowest, op=MIN)
-        self.Allreduce(highest, op=MAX)
-        if np.array_equal(lowest, highest):
-            return
-        everyone = self.allgather_obj(json.loads(text))
+        try:
+            value, own = check(), None
+        except catch as err:
+            value, own = None, err
+        vote = np.zeros(1 if agree_on is None else 65, np.uint8)
+        vote[0] = own is not None
+        if agree_on is not None:
+            text = json.dumps(agree_on, sort_keys=True, default=repr)
+            digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), dtype=np.uint8)
+            vote[1:33], vote[33:] = digest, 255 - digest  # one MAX finds both the highest and the lowest digest
+        if not self.vote(vote, patience=stuck_after if own is not None and on_stuck is not None else None):
+            on_stuck(own)
+        if agree_on is not None and not np.array_equal(vote[1:33], 255 - vote[33:]):
+            self._mismatch(self._comm.allgather(json.loads(text)), what)
+        if not vote[0]:
+            return value
+        reports = self._comm.allgather(None if own is None else (type(own).__name__, str(own)))
+        failures = [Failure(rank, *report) for rank, report in enumerate(reports) if report is not None]
+        raise (error or raise_own_or_name_them(what))(failures, own)
+
+    def vote(self, values: np.ndarray, *, patience: Optional[float] = None) -> bool:
+        """Every rank's ``values`` reduced by elementwise maximum, in place (a collective call, not recorded).
+
+        The verdicts every rank must act on alike (a non-finite gradient to
+        skip, a GradScaler overflow, a stop signal) and :meth:`decide`'s first
+        phase.  With ``patience``, give up after that many seconds and return
+        False (the others did not come); True once the reduction is done.
+        """
+        if self.size == 1:
+            return True
+        request = self._comm.Iallreduce(MPI.IN_PLACE, values, MPI.MAX)
+        if patience is None:
+            request.Wait()
+            return True
+        deadline = time.monotonic() + patience
+        while not request.Test():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def _mismatch(self, everyone: List[Mapping[str, Any]], what: str) -> NoReturn:
         keys = sorted(set().union(*everyone))
         lines = []
         for key in keys:
@@ -458,6 +548,16 @@ class Comm:
                 per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
                 lines.append(f"  {key}: {per_rank}")
         raise SetupMismatchError(f"ranks disagree on the {what} ({self.name} communicator):\n" + "\n".join(lines))
+
+    def agree(self, signature: Mapping[str, Any], what: str = "set-up") -> None:
+        """Check that every rank passes an identical ``signature`` (:meth:`decide` with ``agree_on``).
+
+        Raises
+        ------
+        SetupMismatchError
+            On every rank, naming each key that differs and each rank's value.
+        """
+        self.decide(lambda: None, what, agree_on=signature)
 
     def ledger_totals(self) -> Ledger:
         """The ledger summed over the ranks of this communicator (a collective call; not itself recorded)."""

@@ -23,23 +23,22 @@ error on every rank.
 from __future__ import annotations
 
 import os
-import time
 import traceback
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
-from .abort import ABORT_ENV, OtherRankError, abort_job, abort_on_exception
+from .abort import ABORT_ENV, abort_job, abort_on_exception
 from .buffers import _parse_flag
-from .communicator import MAX, Comm, Request
+from .communicator import Comm
 from .ledger import Ledger
 
 __all__ = ["Topology", "GROUP_SIZE_ENV"]
 
 GROUP_SIZE_ENV = "MPIOPT_GROUP_SIZE"
 #: How long a rank whose check failed waits for the others to join the vote
-#: of :meth:`Topology.raise_together` before it concludes that they are stuck
+#: of :meth:`Topology.decide` before it concludes that they are stuck
 #: in a collective it left.
 VOTE_SECONDS = 10.0
 
@@ -76,16 +75,6 @@ def _outcome(parse: Callable[[], Any]) -> Tuple[Any, Optional[Exception]]:
         return parse(), None
     except (TypeError, ValueError) as err:
         return f"{type(err).__name__}: {err}", err
-
-
-def _completes(request: Request, seconds: float) -> bool:
-    """Whether ``request`` completes within ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while not request.Test():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
 
 
 class Topology:
@@ -218,46 +207,40 @@ class Topology:
         }
 
     # -- errors found on one rank ------------------------------------------------------
-    def raise_together(self, error: Optional[BaseException], what: str) -> None:
-        """Raise on every rank when any rank passes an ``error`` (a collective call; nothing when all pass None).
+    def decide(self, check: Callable[[], Any], what: str, **options: Any) -> Any:
+        """Run ``check`` on every rank and decide together (:meth:`Comm.decide` on the control communicator).
 
-        A rank that failed raises its own ``error``; the others raise
+        A failed rank raises its own error, the others
         :class:`~mpiopt.comm.abort.OtherRankError` naming the failed ranks and
-        their errors.  One byte per rank on a communicator of its own, and the
-        error texts only when something failed.
-
-        A rank that failed waits at most :data:`VOTE_SECONDS` for the others:
-        those that do not come are stuck in a collective this rank left (a
-        set-up that communicates after the point where it failed), so it ends
-        the job through :meth:`raise_or_abort`.
+        their errors (unless ``error=`` says otherwise).  A rank that failed
+        waits at most :data:`VOTE_SECONDS` for the others: those that do not
+        come are stuck in a collective this rank left (a set-up that
+        communicates after the point where it failed), so it ends the job
+        through :meth:`raise_or_abort`.
 
         Parameters
         ----------
-        error : exception or None
-            What this rank found.
+        check : callable
+            This rank's check; its value is returned where every rank passed.
         what : str
-            The check, for the message (``"lsgd set-up"``).
+            The decision, for the message (``"lsgd set-up"``).
+        **options
+            ``catch``, ``agree_on``, ``error``: see :meth:`Comm.decide`.
         """
-        if self.size == 1:
-            if error is not None:
-                raise error
-            return
-        failed = np.array([error is not None], dtype=np.uint8)
-        vote = self._control.Iallreduce(failed, op=MAX)
-        if error is None:
-            vote.Wait()
-        elif not _completes(vote, VOTE_SECONDS):
+        def stuck(error: BaseException) -> NoReturn:
             self.raise_or_abort(error, why=f"the other ranks did not come to the {what} check within {VOTE_SECONDS:g} s")
-        if not failed[0]:
-            return
-        texts = self._control.allgather_obj(None if error is None else f"{type(error).__name__}: {error}")
-        if error is not None:
-            raise error
-        failed_ranks = [r for r, text in enumerate(texts) if text is not None]
-        raise OtherRankError(
-            f"the {what} failed on rank {', '.join(map(str, failed_ranks))}:\n"
-            + "\n".join(f"  rank {r}: {texts[r]}" for r in failed_ranks)
-        )
+
+        return self._control.decide(check, what, stuck_after=VOTE_SECONDS, on_stuck=stuck, **options)
+
+    def any(self, flag: bool) -> bool:
+        """Whether any rank passes a true ``flag``: one byte on the control communicator (a collective call).
+
+        For verdicts every rank must act on alike: a non-finite gradient to
+        skip, a GradScaler overflow, a stop signal.
+        """
+        vote = np.array([flag], dtype=np.uint8)
+        self._control.vote(vote)
+        return bool(vote[0])
 
     def raise_or_abort(self, error: BaseException, why: str = "its other ranks may be waiting in a collective") -> NoReturn:
         """Give up on an ``error`` found on this rank alone, where the others may be waiting in a collective.

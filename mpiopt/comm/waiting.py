@@ -39,9 +39,7 @@ import os
 import time
 from typing import Optional
 
-from mpi4py import MPI
-
-__all__ = ["WAIT_POLICY_ENV", "WAIT_POLICIES", "Backoff", "resolve_wait_policy"]
+__all__ = ["WAIT_POLICY_ENV", "WAIT_POLICIES", "Backoff", "check_wait_policy"]
 
 #: Environment variable giving the wait policy when ``Comm`` gets none.
 WAIT_POLICY_ENV = "MPIOPT_WAIT_POLICY"
@@ -83,21 +81,19 @@ class Backoff:
             self._pause = min(2 * self._pause, self.longest)
 
 
-def resolve_wait_policy(policy: Optional[str], comm: MPI.Intracomm) -> str:
+def check_wait_policy(policy: Optional[str]) -> str:
     """``"active"`` or ``"passive"``: ``policy``, or when None :data:`WAIT_POLICY_ENV`, else ``"active"``.
 
-    Collective over ``comm``: one Allgather of each rank's choice, so that a
-    bad value on any rank raises the same ``ValueError`` (naming the rank and
-    the value) on every rank instead of leaving the others waiting.  Ranks
-    may choose differently: the policy is how a rank waits, not what it
+    This rank's choice only; :class:`~mpiopt.comm.Comm` decides it with the
+    other ranks, so that a bad value on any rank raises the same
+    ``ValueError`` (naming the rank and the value) on every rank.  Ranks may
+    choose differently: the policy is how a rank waits, not what it
     computes.
     """
     source = "wait_policy" if policy is not None else WAIT_POLICY_ENV
     asked = policy if policy is not None else os.environ.get(WAIT_POLICY_ENV, "active")
     if isinstance(asked, str):
         asked = asked.strip().lower() or "active"
-    choices = comm.allgather((asked, source))
-    for rank, (value, named) in enumerate(choices):
-        if value not in WAIT_POLICIES:
-            raise ValueError(f"{named} must be one of {', '.join(WAIT_POLICIES)}; got {value!r} on rank {rank}")
+    if asked not in WAIT_POLICIES:
+        raise ValueError(f"{source} must be one of {', '.join(WAIT_POLICIES)}; got {asked!r}")
     return asked

@@ -50,7 +50,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 
 import numpy as np
 
-from ..algorithms.base import check_positive
+from ..algorithms.schema import check_positive
 from ..comm import Comm, Topology
 from ..comm.ledger import SPAN_KINDS
 

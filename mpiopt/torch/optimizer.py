@@ -28,7 +28,7 @@ What carries over from torch.optim
   ``param_groups``) with the algorithm's full state under ``"mpiopt"``.
 - ``torch.amp.GradScaler``: ``scaler.step(opt)`` hands the optimizer the
   scale and the local overflow flag; the optimizer decides collectively
-  (an Allreduce of three numbers, only when a scaler is used): if any rank
+  (a vote of three numbers on the control communicator, only when a scaler is used): if any rank
   overflowed, every rank skips the step, so no rank is left waiting in a
   collective the others skipped.  Each rank's scaler then updates its own
   scale.
@@ -112,9 +112,9 @@ import numpy as np
 import torch
 
 from ..algorithms import ASYNCHRONOUS, SYNCHRONOUS, Algorithm, StepRecord, create
-from ..algorithms.base import check_positive
+from ..algorithms.schema import check_positive
 from ..arrays import host_apart
-from ..comm import MAX, Comm, Ledger, Topology
+from ..comm import Comm, Ledger, Topology
 from ..comm.buffers import torch_numpy_dtype
 
 __all__ = ["DistributedOptimizer"]
@@ -155,15 +155,15 @@ def _address(array: Any) -> int:
     return array.data.ptr if hasattr(array.data, "ptr") else array.ctypes.data
 
 
-def _add_cost(record: StepRecord, delta: Ledger, sign: int = 1) -> StepRecord:
-    """``record`` with the bytes and blocked times of a ledger delta added (``sign=-1``: taken away)."""
+def _add_cost(record: StepRecord, delta: Ledger) -> StepRecord:
+    """``record`` with the bytes and blocked times of a ledger delta added."""
     comm, wait = delta.blocked_seconds()
     return dataclasses.replace(
         record,
-        bytes_sent=record.bytes_sent + sign * delta.bytes_sent,
-        bytes_recv=record.bytes_recv + sign * delta.bytes_recv,
-        comm_seconds=record.comm_seconds + sign * comm,
-        wait_seconds=record.wait_seconds + sign * wait,
+        bytes_sent=record.bytes_sent + delta.bytes_sent,
+        bytes_recv=record.bytes_recv + delta.bytes_recv,
+        comm_seconds=record.comm_seconds + comm,
+        wait_seconds=record.wait_seconds + wait,
     )
 
 
@@ -483,9 +483,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "scaler.unscale_(opt) changed the gradients while overlap=True was sending them: create the optimizer "
                 "with overlap=False to unscale (or clip) before step()"
             )
-        before_verdict = ledger.snapshot()
         skip, inverse_scale, same_scale = self._grad_scaler_verdict()
-        verdict = ledger.since(before_verdict)
         before = exchange.finish()
         if skip:
             return self._skipped(loss)
@@ -497,7 +495,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self.topology.world.Allreduce(self._grads_array, out=self._total_array)
         exchanged = ledger.since(before)
         record = self.algorithm.step_reduced(self._params_array, self._grads_array, self._total_array, loss=loss_value(loss))
-        self.last = _add_cost(_add_cost(record, exchanged), verdict, sign=-1)  # as without overlap, the verdict is no part of the record
+        self.last = _add_cost(record, exchanged)
         return loss
 
     def finish(self) -> None:
@@ -625,6 +623,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         scale = getattr(self, "grad_scale", None)
         value = 0.0 if scale is None else float(scale)
         self._verdict[:] = (1.0 if float(found_inf) > 0 else 0.0, value, -value)
-        self.topology.world.Allreduce(self._verdict, op=MAX)
+        self.topology.control.vote(self._verdict)
         inverse = None if scale is None else scale.double().reciprocal().float().to(self._flat_grads.dtype)
         return bool(self._verdict[0]), inverse, bool(self._verdict[1] == -self._verdict[2])

@@ -34,7 +34,7 @@ counter continues, and the data order with it: step ``s + 1`` of the
 one's, so samples are not tracked across the change.
 
 Signals: SIGTERM or SIGUSR1 arriving at any rank sets a flag; at every step
-(or segment) boundary the ranks take a one-byte MAX vote on a communicator of their own
+(or segment) boundary the ranks take a one-byte vote on a communicator of their own
 (its bytes are not the algorithm's), and on a positive vote every rank saves
 a checkpoint and :class:`Interrupted` is raised: ``mpiopt train`` exits with
 :data:`EXIT_INTERRUPTED` (75, ``EX_TEMPFAIL``), which the Slurm templates
@@ -54,7 +54,7 @@ import torch
 
 from ..algorithms.resize import hyperparameter_differences, resize_states, source_rank
 from ..checkpoint import Checkpoint, CheckpointError, checkpoint_path, find_latest, load_checkpoint, save_checkpoint
-from ..comm import MAX, OtherRankError, Topology
+from ..comm import OtherRankError, Topology
 from ..metrics import versions
 from ..torch import DistributedOptimizer
 from .config import TrainConfig, UsageError
@@ -190,8 +190,7 @@ class Checkpointer:
             return None
         vote = self._vote
         vote[0] = self._received or 0
-        # On the control communicator: the algorithm's byte counts stay its own.
-        self.topology.control.Allreduce(vote, op=MAX)
+        self.topology.control.vote(vote)  # the highest signal number any rank received
         every = self.config.checkpoint_every
         path = None
         if vote[0] or last or (every and step % every == 0):
@@ -263,13 +262,10 @@ class Checkpointer:
         if len(set(steps)) > 1 or steps[0] != int(saved["step"]):
             raise UsageError(f"--resume {path}: the ranks' states are at different steps {steps}; the file says step {saved['step']}")
         state = ckpt.rank_state if states is None else self._resized(ckpt)
-        error: Optional[Exception] = None
-        try:
-            self.opt.algorithm.load_state_dict(state["algorithm"], override_hyperparameters=self.config.override_hyperparameters)
-        except ValueError as err:
-            error = err
+        load = self.opt.algorithm.load_state_dict
         try:  # a state may fail on some ranks only (the asynchronous server's, a leader's): decide together
-            self.topology.raise_together(error, "resume")
+            self.topology.decide(lambda: load(state["algorithm"], override_hyperparameters=self.config.override_hyperparameters),
+                                 "resume", catch=(ValueError,))
         except (ValueError, OtherRankError) as err:
             raise UsageError(f"--resume {path}: {err}") from None
         with torch.no_grad():

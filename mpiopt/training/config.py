@@ -26,6 +26,7 @@ else:  # pragma: no cover - Python 3.10
 
 if TYPE_CHECKING:
     from ..comm import Comm
+    from ..comm.communicator import Failure
 
 __all__ = ["agree_or_fail", "TrainConfig", "UsageError", "training_defaults", "DDP", "add_config_arguments", "config_from_args", "command_settings", "dump_toml"]
 
@@ -168,23 +169,27 @@ class TrainConfig:
                 raise UsageError(f"{f.name} must be {'a table' if declared.startswith('Dict') else 'a ' + declared}, got {value!r}")
 
     def _check_hyperparameters(self, name: str) -> None:
-        """Construct nothing, but check the keyword names against the algorithm's signature."""
-        import inspect
-
+        """Check the names and values against the algorithm's schema: construct nothing, communicate nothing."""
+        values = self.algorithm_hyperparameters(name)
         if name == DDP:
             from .ddp import hyperparameter_names
 
-            accepted = set(hyperparameter_names())
-        else:
-            from ..algorithms import algorithm_class
+            unknown = sorted(set(values) - set(hyperparameter_names()))
+            if unknown:
+                raise UsageError(
+                    f"{name} has no hyperparameter {', '.join(map(repr, unknown))}; it takes {', '.join(sorted(hyperparameter_names()))}"
+                )
+            return
+        from ..algorithms import algorithm_class
 
-            parameters = inspect.signature(algorithm_class(name).__init__).parameters
-            if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-                return  # passes keywords on: the algorithm's constructor names a bad one (see loop.train)
-            accepted = set(parameters) - {"self", "topology"}
-        unknown = sorted(set(self.algorithm_hyperparameters(name)) - accepted)
+        schema = algorithm_class(name).schema
+        unknown = sorted(set(values) - set(schema.names()))
         if unknown:
-            raise UsageError(f"{name} has no hyperparameter {', '.join(map(repr, unknown))}; it takes {', '.join(sorted(accepted))}")
+            raise UsageError(f"{name} has no hyperparameter {', '.join(map(repr, unknown))}; it takes {', '.join(sorted(schema.names()))}")
+        try:
+            schema.validate(values, what=name)
+        except (TypeError, ValueError) as err:
+            raise UsageError(f"{name}: {err}") from None
 
 
 def agree_or_fail(world: "Comm", what: Optional[str], fn: Callable[[], Any]) -> Any:
@@ -195,16 +200,13 @@ def agree_or_fail(world: "Comm", what: Optional[str], fn: Callable[[], Any]) -> 
     missing on one node) must not leave the others waiting in the next
     collective.  ``what`` prefixes the message.
     """
-    try:
-        value, error = fn(), None
-    except (UsageError, OSError, ValueError, TypeError) as err:  # DatasetError is a ValueError
-        value, error = None, str(err)
-    errors = world.allgather_obj(error)
-    bad = [rank for rank, e in enumerate(errors) if e]
-    if bad:
-        where = "" if len(bad) == world.size else f" (on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))})"
-        raise UsageError(f"{what + ': ' if what else ''}{errors[bad[0]]}{where}")
-    return value
+
+    def error(failures: List["Failure"], own: Optional[BaseException]) -> BaseException:
+        where = "" if len(failures) == world.size else f" (on rank{'s' if len(failures) > 1 else ''} {', '.join(str(f.rank) for f in failures)})"
+        return UsageError(f"{what + ': ' if what else ''}{failures[0].message}{where}")
+
+    caught = (UsageError, OSError, ValueError, TypeError)  # a DatasetError is a ValueError
+    return world.decide(fn, what or "settings", catch=caught, error=error)
 
 
 def _positive(name: str, value: Any, integer: bool = False) -> None:
@@ -306,12 +308,30 @@ def add_config_arguments(parser: argparse.ArgumentParser, command: str) -> None:
             help=f"comma-separated algorithms to compare, one after another on the same task, seed and ranks (default: all: {','.join(available())}); "
             f"add {DDP} for the baseline torch DistributedDataParallel on gloo",
         )
+    parser.epilog = hyperparameter_help()
     parser.add_argument(
         "--hp", action="append", default=[], metavar="KEY=VALUE",
         help="an algorithm hyperparameter, e.g. --hp momentum=0.9 or, for one algorithm only, --hp lsgd.pull_local=0.2 "
-        "(repeatable). Defaults: each algorithm's own (python -c 'import mpiopt; help(mpiopt.algorithms.algorithm_class(\"lsgd\"))'), except "
+        "(repeatable). Defaults: each algorithm's own (listed below), except "
         + "; ".join(f"{a}: " + ", ".join(f"{k}={v}" for k, v in h.items() if k != "lr") for a, h in starts.items() if set(h) - {"lr"}),
     )
+
+
+def hyperparameter_help() -> str:
+    """Every algorithm's hyperparameters, from its schema: the help's epilog."""
+    from ..algorithms import algorithms
+
+    lines = [
+        "hyperparameters of each algorithm (--hp KEY=VALUE, --hp ALGORITHM.KEY=VALUE, or a [hyperparameters] TOML table;",
+        "the papers' defaults, and where mpiopt train starts from others, those; [per group]: a parameter group may set it;",
+        "[execution]: how the work is done, not its result: it never refuses a resume). Every algorithm also takes",
+        "nan_policy='raise' (a non-finite gradient ends the job) or 'skip' (every rank skips that step):",
+    ]
+    for cls in algorithms():
+        starts = ", ".join(f"{k}={v!r}" for k, v in training_defaults(cls.name).items())
+        lines.append(f"  {cls.name}" + (f" (mpiopt train starts from {starts})" if starts else "") + ":")
+        lines += [f"    {line}" for line in cls.schema.help(skip=("nan_policy",))]
+    return "\n".join(lines)
 
 
 def _load_file(path: str) -> Dict[str, Any]:

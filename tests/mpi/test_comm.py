@@ -313,3 +313,53 @@ def test_a_passive_wait_polls_and_sleeps_and_completes_the_same_operation(policy
         assert all(n > 0 for n in polled[1:]), polled  # they polled while rank 0 slept
         assert c.allgather_obj(waited)[1] > 0.02
     c.Free()
+
+
+def test_decide_returns_the_check_when_every_rank_passes_and_records_nothing(comm):
+    assert comm.decide(lambda: comm.rank * 10, "test") == comm.rank * 10
+    assert comm.decide(lambda: "same", "test", agree_on={"a": 1}) == "same"
+    assert comm.ledger.bytes_sent == 0 and comm.ledger.bytes_recv == 0  # deciding is not an algorithm's traffic
+
+
+def test_decide_a_failure_on_one_rank_raises_on_every_rank(comm):
+    from mpiopt.comm import OtherRankError
+
+    last = comm.size - 1
+
+    def check():
+        if comm.rank == last:
+            raise ValueError("bad value 7")
+        return 1
+
+    if comm.size == 1:
+        with pytest.raises(ValueError, match="bad value 7"):
+            comm.decide(check, "test check")
+        return
+    if comm.rank == last:
+        with pytest.raises(ValueError, match="^bad value 7$"):  # its own error, as raised
+            comm.decide(check, "test check")
+    else:
+        with pytest.raises(OtherRankError, match=f"the test check failed on rank {last}:\n  rank {last}: ValueError: bad value 7"):
+            comm.decide(check, "test check")
+    # A caller's error: the same type and message on every rank, naming the failed ranks.
+    with pytest.raises(KeyError, match=f"ranks \\[{last}\\]"):
+        comm.decide(check, "test", error=lambda failures, own: KeyError(f"ranks {[f.rank for f in failures]}"))
+    # What check raises outside ``catch`` is a bug, not a verdict: it propagates on its rank alone (none here).
+    assert comm.decide(lambda: 2, "test", catch=(KeyError,)) == 2
+
+
+@pytest.mark.mpi(min_size=2)
+def test_decide_disagreement_comes_before_failures(comm):
+    with pytest.raises(SetupMismatchError, match=r"ranks disagree on the test \(world communicator\):\n  x: rank 0: 0, rank 1: 1"):
+        comm.decide(lambda: 1 / 0 if comm.rank == 0 else None, "test", catch=(ZeroDivisionError,), agree_on={"x": comm.rank})
+
+
+def test_votes_reduce_by_maximum_and_any_rank_decides(comm):
+    import mpiopt
+
+    values = np.array([comm.rank, -comm.rank, 3.0])
+    assert comm.vote(values) and values.tolist() == [comm.size - 1, 0.0, 3.0]
+    topology = mpiopt.Topology()
+    assert topology.any(topology.rank == topology.size - 1) is True
+    assert topology.any(False) is False
+    topology.Free()

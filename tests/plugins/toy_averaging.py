@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping, Optional
 
 from mpiopt.algorithms import SynchronousAlgorithm, register
-from mpiopt.algorithms.base import check_positive, due_steps
+from mpiopt.algorithms.base import BASE, due_steps
 from mpiopt.algorithms.resize import COPY
+from mpiopt.algorithms.schema import Hyperparameter, Schema, positive
 from mpiopt.arrays import empty_apart
 from mpiopt.comm.ledger import Call
 
@@ -27,10 +28,11 @@ class ToyAveraging(SynchronousAlgorithm):
     resize_rules = {"averages": COPY}
     training_defaults = {"lr": 0.05, "period": 2}
     wire_summary = "4d every `period` steps"
+    schema = BASE.with_defaults(lr=0.1) + Schema(Hyperparameter("period", 4, positive(integer=True), "steps between averagings"))
 
     def __init__(self, topology: Any, *, lr: float = 0.1, period: int = 4, nan_policy: str = "raise") -> None:
         super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.period = check_positive("period", period, integer=True)
+        self.period = self.schema["period"].validate(period)
         self.averages = 0
         self._sum: Optional[Any] = None
 

@@ -1,0 +1,92 @@
+"""Hyperparameter schemas: one declaration per algorithm serves constructors, the command line, TOML and checkpoints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mpiopt
+from mpiopt.algorithms import SynchronousAlgorithm, algorithm_class, algorithms, register
+from mpiopt.algorithms.base import BASE
+from mpiopt.algorithms.schema import Hyperparameter, Schema, positive
+from mpiopt.training.config import TrainConfig, UsageError, hyperparameter_help
+
+
+def test_every_schema_declares_its_constructor():
+    import inspect
+
+    for cls in algorithms():
+        parameters = inspect.signature(cls.__init__).parameters
+        keywords = {k: p.default for k, p in parameters.items() if p.kind is p.KEYWORD_ONLY}
+        assert keywords == {k: cls.schema[k].default for k in keywords}, cls.name
+        assert {"lr", "nan_policy"} <= set(cls.schema.names()) and "lr" in cls.schema.per_group()
+
+
+def test_register_refuses_a_schema_that_is_not_the_constructor():
+    class Undeclared(SynchronousAlgorithm):
+        name = "undeclared_toy"
+
+        def __init__(self, topology, *, lr: float = 0.1, period: int = 2, nan_policy: str = "raise") -> None:
+            super().__init__(topology, lr=lr, nan_policy=nan_policy)
+
+    with pytest.raises(TypeError, match=r"undeclared \['period'\]"):
+        register(Undeclared)
+    Undeclared.schema = BASE + Schema(Hyperparameter("period", 3, positive(integer=True), "steps"))
+    with pytest.raises(TypeError, match=r"other defaults \['period'\]"):
+        register(Undeclared)
+    assert "undeclared_toy" not in mpiopt.available()
+
+
+def test_validate_names_the_bad_key_and_value():
+    schema = algorithm_class("lsgd").schema
+    assert schema.validate({"pull_local": 0.5, "period": None}) == {"pull_local": 0.5, "period": None}
+    with pytest.raises(TypeError, match="lsgd has no hyperparameter 'pull'; it takes lr, nan_policy, pull_local"):
+        schema.validate({"pull": 0.5}, what="lsgd")
+    with pytest.raises(ValueError, match=r"pull_local must be in \[0.0, 1.0\], got 1.5"):
+        schema.validate({"pull_local": 1.5})
+    with pytest.raises(TypeError, match="global_period must be an integer, got 4.0"):
+        schema.validate({"global_period": 4.0})
+    with pytest.raises(ValueError, match="declared twice"):
+        Schema(schema["lr"], schema["lr"])
+    assert schema.with_defaults(pull_local=0.3)["pull_local"].default == 0.3 and schema["pull_local"].default == 0.1
+
+
+def test_the_command_line_and_toml_check_against_the_schema_before_any_rank_starts():
+    config = TrainConfig(algorithm="dasgd", hyperparameters={"dasgd": {"delay_steps": -1}})
+    with pytest.raises(UsageError, match="dasgd: delay_steps must be >= 0, got -1"):
+        config.validate(["dasgd"])
+    with pytest.raises(UsageError, match="signum has no hyperparameter 'period'"):
+        TrainConfig(algorithm="signum", hyperparameters={"period": 2}).validate(["signum"])
+    TrainConfig(algorithm="signum", hyperparameters={"pipeline_chunks": 3}).validate(["signum"])
+
+
+def test_help_lists_every_algorithm_and_hyperparameter():
+    text = hyperparameter_help()
+    for cls in algorithms():
+        assert f"  {cls.name}" in text
+        for entry in cls.schema:
+            if entry.name != "nan_policy":
+                assert f"{entry.name}={entry.default!r}" in text, (cls.name, entry.name)
+    assert "progress='test'" in text and "[execution]" in text and "[per group]" in text
+
+
+def test_execution_knobs_are_not_hyperparameters_and_never_refuse_a_resume():
+    topology = mpiopt.Topology()
+    params = np.zeros(8, np.float32)
+    saved = mpiopt.create("dasgd", topology, progress="test", tests_per_poke=8)
+    saved.setup(params)
+    saved.step(params, np.ones(8, np.float32))
+    state = saved.state_dict()
+    assert "progress" not in state["hyperparameters"] and saved.execution()["tests_per_poke"] == 8
+    other = mpiopt.create("dasgd", topology, progress="none", tests_per_poke=2)
+    other.setup(np.zeros(8, np.float32))
+    other.load_state_dict(state)  # another progress mode: the same mathematics
+    assert other.steps == 1 and other.progress == "none"
+    # A state from before knobs were told apart carries them among its hyperparameters: still no refusal.
+    old = {**state, "hyperparameters": {**state["hyperparameters"], "progress": "thread", "progress_interval": 0.5}}
+    other.load_state_dict(old)
+    with pytest.raises(ValueError, match="hyperparameter period: saved 4, here 8"):
+        changed = mpiopt.create("dasgd", topology, period=8)
+        changed.setup(np.zeros(8, np.float32))
+        changed.load_state_dict(state)
+    topology.Free()
