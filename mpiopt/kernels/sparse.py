@@ -49,9 +49,12 @@ from typing import Any, Callable, NamedTuple, Optional, Tuple
 import numpy as np
 
 from ..arrays import array_module, to_numpy
-from ._backend import C_FLOATS, block_length, check_array, check_count
-from .signs import _votec, pack_bits, packed_nbytes, unpack_bits
+from ._backend import C_FLOATS, block_length, check_array, check_count, load_extension
+from .signs import pack_bits, packed_nbytes, unpack_bits
 from .threads import get_num_threads
+
+# The optional fused C loops (setup.py); the numpy code below gives the same bits.
+_sparsec = load_extension("_sparsec", 1)
 
 __all__ = [
     "density_to_k",
@@ -96,7 +99,7 @@ _MARGIN_SIGMAS = 4.0
 # the comparison and the gather, while the per-block calls cost little
 # (measured at d = 25M: 64 Ki entries 20 % slower, 1 Mi entries no faster).
 _SCAN_BLOCK = 1 << 18
-# _votec.indexed's operations.
+# _sparsec.indexed's operations.
 _TAKE_ZERO, _ADD, _ZERO, _DIVIDE, _SUB_SCALED, _GATHER, _SET = range(7)
 
 
@@ -187,7 +190,7 @@ class TopkWorkspace:
     Sized for the candidates the threshold estimate lets through (twice the
     expected number); a call with more candidates (ties at the threshold, a
     rare estimate) falls back to the allocating code, with the same result.
-    Needs the C loops (``mpiopt.kernels._votec``); without them
+    Needs the C loops (``mpiopt.kernels._sparsec``); without them
     :func:`topk_indices` ignores it.
 
     Parameters
@@ -217,7 +220,7 @@ class TopkWorkspace:
     def fits(self, values: Any, k: int) -> bool:
         """Whether this workspace (and the C loops) can select ``k`` of ``values``."""
         return (
-            _votec is not None and isinstance(values, np.ndarray) and values.dtype == self.dtype
+            _sparsec is not None and isinstance(values, np.ndarray) and values.dtype == self.dtype
             and values.shape == (self.d,) and k == self.k and values.flags.c_contiguous
         )
 
@@ -259,7 +262,7 @@ def _select(xp: ModuleType, candidates: Any, scores: Any, k: int, workspace: Opt
     missing = k - int(xp.count_nonzero(keep))
     if missing:
         keep[xp.flatnonzero(xp.equal(scores, kth, out=workspace.ties[:n]))[:missing]] = True
-    _votec.compress_marked(candidates, keep, n, workspace.selected)
+    _sparsec.compress_marked(candidates, keep, n, workspace.selected)
     return workspace.selected
 
 
@@ -290,7 +293,7 @@ def _scan_select(
     workspace holds reach ``threshold``, or when ``grad`` is not finite
     (``values`` has been updated all the same); ``finite`` is True without ``grad``.
     """
-    n, finite = _votec.scan(
+    n, finite = _sparsec.scan(
         values, grad, values.shape[0], values.dtype.itemsize, float(threshold), absolute, over, over_factors,
         workspace.candidates, workspace.scores, get_num_threads(),
     )
@@ -433,7 +436,7 @@ def _sent_factors(
     ratio, factors = workspace.rows[1][:k], workspace.rows[2][:k]
     # The expression's |1 + delta| / mu in one C loop (its operations, each rounded as numpy rounds them),
     # then numpy's own tanh for its bits.
-    _votec.regtopk_ratio(
+    _sparsec.regtopk_ratio(
         prev, sent_indices, sent_values, ratio, k, ratio.dtype.itemsize, 1.0 / n_workers, q, mu, get_num_threads(), support,
     )
     np.tanh(ratio, out=factors)
@@ -676,19 +679,19 @@ def feedback_select(
     sample = np.add(error[::stride], grad[::stride], out=workspace.sample)
     np.abs(sample, out=sample)
     if sent_indices is not None and sent_indices.shape[0]:  # the sampled entries that were sent score their factor times |a|
-        _votec.scale_sampled(sample, sent_indices, sent_factors, sent_indices.shape[0], sample.dtype.itemsize, stride)
+        _sparsec.scale_sampled(sample, sent_indices, sent_factors, sent_indices.shape[0], sample.dtype.itemsize, stride)
     threshold = _sample_threshold(np, sample, rank, False, sample)
     return _scan_select(error, grad, threshold, True, k, workspace, sent_indices, sent_factors)
 
 
 def _indexed(op: int, x: Any, indices: Any, other: Any = None, scalar: float = 0.0) -> bool:
-    """Run one of ``_votec.indexed``'s loops on numpy arrays; False (nothing done) where it cannot."""
+    """Run one of ``_sparsec.indexed``'s loops on numpy arrays; False (nothing done) where it cannot."""
     arrays = (x, indices) if other is None else (x, indices, other)
-    if _votec is None or not all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays):
+    if _sparsec is None or not all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays):
         return False
     if indices.dtype != np.int32 or x.dtype not in C_FLOATS or (other is not None and other.dtype != x.dtype):
         return False
-    _votec.indexed(op, x, indices, indices.shape[0], x.dtype.itemsize, x if other is None else other, scalar, get_num_threads())
+    _sparsec.indexed(op, x, indices, indices.shape[0], x.dtype.itemsize, x if other is None else other, scalar, get_num_threads())
     return True
 
 
@@ -800,8 +803,8 @@ def encode(indices: Any, values: Any, d: int, out: Any = None, dtype: Any = np.f
     index_part = out[value_end:]
     if fmt == "pairs":
         index_part.view(xp.int32)[...] = indices
-    elif xp is np and _votec is not None and indices.dtype == np.int32 and indices.flags.c_contiguous:
-        _votec.bitmap_set(indices, k, d, index_part)  # no d-byte mask
+    elif xp is np and _sparsec is not None and indices.dtype == np.int32 and indices.flags.c_contiguous:
+        _sparsec.bitmap_set(indices, k, d, index_part)  # no d-byte mask
     else:
         mask = xp.zeros(d, dtype=bool)
         mask[indices] = True
@@ -856,9 +859,9 @@ def decode(payload: Any, d: int, dtype: Any = np.float32, indices_out: Any = Non
         check_array("indices_out", indices_out, ndim=1, kinds="i", dtype=np.int32)
         if indices_out.shape[0] < k or not indices_out.flags.c_contiguous:
             raise ValueError(f"indices_out must be C-contiguous with at least k = {k} entries, got shape {indices_out.shape}")
-    if xp is np and _votec is not None and index_part.flags.c_contiguous:
+    if xp is np and _sparsec is not None and index_part.flags.c_contiguous:
         indices = np.empty(k, dtype=np.int32) if indices_out is None else indices_out[:k]
-        marked = _votec.bitmap_indices(index_part, d, indices)  # no d-element unpacking
+        marked = _sparsec.bitmap_indices(index_part, d, indices)  # no d-element unpacking
     else:
         found = xp.flatnonzero(unpack_bits(xp, index_part, d))
         marked = found.shape[0]
@@ -922,7 +925,7 @@ def divide_at(out: Any, indices: Any, divisor: int) -> Any:
 
 
 #: The most rows :func:`merge_sorted_rows` merges (its C loop looks at every row for each entry).
-MERGE_MAX_ROWS = _votec.MERGE_MAX_ROWS if _votec is not None else 8
+MERGE_MAX_ROWS = _sparsec.MERGE_MAX_ROWS if _sparsec is not None else 8
 
 
 def merge_sorted_rows(index_rows: list, value_rows: list, d: int, union_out: Any, sums_out: Any) -> Optional[Tuple[Any, Any]]:
@@ -957,7 +960,7 @@ def merge_sorted_rows(index_rows: list, value_rows: list, d: int, union_out: Any
         A row that is not unique, ascending and in range, or outputs too small.
     """
     arrays = [*index_rows, *value_rows, union_out, sums_out]
-    if _votec is None or len(index_rows) > MERGE_MAX_ROWS or not all(isinstance(a, np.ndarray) for a in arrays):
+    if _sparsec is None or len(index_rows) > MERGE_MAX_ROWS or not all(isinstance(a, np.ndarray) for a in arrays):
         return None
     if any(a.dtype != np.int32 for a in (*index_rows, union_out)) or any(v.dtype != sums_out.dtype for v in value_rows):
         return None
@@ -965,7 +968,7 @@ def merge_sorted_rows(index_rows: list, value_rows: list, d: int, union_out: Any
         return None
     if not all(a.flags.aligned for a in (*index_rows, union_out, sums_out)):  # the values are read unaligned
         return None
-    u = _votec.merge_rows(tuple(index_rows), tuple(value_rows), d, sums_out.dtype.itemsize, union_out, sums_out)
+    u = _sparsec.merge_rows(tuple(index_rows), tuple(value_rows), d, sums_out.dtype.itemsize, union_out, sums_out)
     return union_out[:u], sums_out[:u]
 
 
@@ -1006,14 +1009,14 @@ def settle_aggregate(
         indices that are not unique, ascending and in range.
     """
     arrays = [a for a in (out, union, sums, stale, params) if a is not None]
-    if _votec is None or not all(isinstance(a, np.ndarray) and a.flags.c_contiguous and a.flags.aligned for a in arrays):
+    if _sparsec is None or not all(isinstance(a, np.ndarray) and a.flags.c_contiguous and a.flags.aligned for a in arrays):
         raise ValueError("settle_aggregate needs the C loops and C-contiguous numpy arrays (merge_sorted_rows' results)")
     dtypes = [a.dtype for a in (out, sums, params) if a is not None]
     if sums.dtype not in C_FLOATS or any(dtype != sums.dtype for dtype in dtypes):
         raise ValueError(f"out, sums and params must share a float32 or float64 dtype, got {', '.join(map(str, dtypes))}")
     if union.dtype != np.int32 or (stale is not None and stale.dtype != np.int32):
         raise ValueError("union and stale must be int32 indices")
-    _votec.settle(out, params, stale, union, sums, union.shape[0], sums.dtype.itemsize, float(divisor), float(lr), get_num_threads())
+    _sparsec.settle(out, params, stale, union, sums, union.shape[0], sums.dtype.itemsize, float(divisor), float(lr), get_num_threads())
 
 
 def union_of_sorted(arrays: list, d: int, bits: Any = None, out: Any = None) -> Any:
@@ -1032,12 +1035,12 @@ def union_of_sorted(arrays: list, d: int, bits: Any = None, out: Any = None) -> 
         union = out[: arrays[0].shape[0]]  # one sorted array is its own union
         union[...] = arrays[0]
         return union
-    c_ok = _votec is not None and bits is not None and out is not None and xp is np
+    c_ok = _sparsec is not None and bits is not None and out is not None and xp is np
     if c_ok and all(a.dtype == np.int32 and a.flags.c_contiguous for a in arrays):
         bits[...] = 0
         for a in arrays:
-            _votec.bitmap_mark(a, a.shape[0], d, bits)
-        count = _votec.bitmap_indices(bits, d, out)
+            _sparsec.bitmap_mark(a, a.shape[0], d, bits)
+        count = _sparsec.bitmap_indices(bits, d, out)
         if count <= out.shape[0]:
             return out[:count]
     joined = xp.concatenate(arrays)
