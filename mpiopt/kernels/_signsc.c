@@ -199,7 +199,7 @@ MOMENTUM_SIGNS(float)
 MOMENTUM_SIGNS(double)
 
 /* The whole bytes with SSE2 where the compiler targets it (every x86-64): the compiler does not
- * vectorize the sign packing, and this is twice as fast (measured at d = 11M).  The same IEEE
+ * vectorize the sign packing, and this halves the time (docs/benchmarks-kernels.md).  The same IEEE
  * products and sums, and cmpge gives >= 0 exactly (true for -0.0, false for NaN). */
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -315,7 +315,7 @@ static PyObject *py_momentum_signs(PyObject *self, PyObject *args) {
 
 /* out[i] = +1 where bit i % 8 of packed[i / 8] is set, else -1 (the inverse of pack_signs).
  * Whole bytes copy their 8 signs from a 256-row table (filled when the module loads): a
- * per-bit branch mispredicts on random signs (measured at d = 11M: about 8 times slower). */
+ * per-bit branch mispredicts on random signs. */
 #define UNPACK_SIGNS(T)                                                                 \
     static T sign_table_##T[256][8];                                                    \
     static void fill_sign_table_##T(void) {                                             \
@@ -334,7 +334,7 @@ UNPACK_SIGNS(double)
  * rounded on its own as numpy's passes (params *= decay; step = unpack * lr; params -= step) round
  * them, in one pass; decay = 1 skips the product, as the numpy code skips that pass.  A byte's 8
  * steps come from a 256-row table of +-lr (made per call; it stays in L1), so the inner loop has 8
- * fixed lanes that the compiler vectorizes (a per-bit lookup does not: measured twice as slow). */
+ * fixed lanes that the compiler vectorizes (a per-bit lookup does not). */
 #define APPLY_SIGNS(T)                                                                  \
     static void apply_signs_##T(const unsigned char *packed, Py_ssize_t n, T *restrict x, T (*table)[8], T f, \
                                 int decay) {                                            \
