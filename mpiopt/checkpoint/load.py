@@ -31,7 +31,7 @@ class Checkpoint:
         The file.
     attrs : dict
         The root attributes, decoded (the caller's and the ones
-        :func:`save_checkpoint` adds: ``world_size``, versions, ...).
+        :func:`~mpiopt.checkpoint.save_checkpoint` adds: ``world_size``, versions, ...).
     model : dict of numpy.ndarray or None
         Rank 0's model state as saved (on every rank); None when saved without one.
     rank_state : dict or None
@@ -74,7 +74,7 @@ def _read(path: str, rank: int, size: int, allow_world_size_change: bool) -> Che
 
 
 def load_checkpoint(path: str, world: Comm, *, allow_world_size_change: bool = False) -> Checkpoint:
-    """Read a checkpoint written by :func:`save_checkpoint`; a collective call on ``world``.
+    """Read a checkpoint written by :func:`~mpiopt.checkpoint.save_checkpoint`; a collective call on ``world``.
 
     Every rank opens the file read-only (a shared file system), reads the
     root attributes, the model and its own ``/ranks/<rank>``.

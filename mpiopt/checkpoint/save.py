@@ -79,8 +79,8 @@ def save_checkpoint(
     Parameters
     ----------
     path : str or os.PathLike
-        Where the file goes (same on every rank); :func:`checkpoint_path`
-        gives the names that ``keep`` and :func:`find_latest` recognise.
+        Where the file goes (same on every rank); :func:`~mpiopt.checkpoint.checkpoint_path`
+        gives the names that ``keep`` and :func:`~mpiopt.checkpoint.find_latest` recognise.
     world : Comm
         Every rank that holds state (usually ``topology.world``).
     model : mapping of str to numpy.ndarray or None
@@ -94,7 +94,7 @@ def save_checkpoint(
         torch version, ...); JSON-serialisable.  Rank 0's are written.
     keep : int, optional
         After a successful write, delete all but the newest ``keep``
-        checkpoints (by step) named like :func:`checkpoint_path` in the same
+        checkpoints (by step) named like :func:`~mpiopt.checkpoint.checkpoint_path` in the same
         directory; the file just written is never deleted.
 
     Returns

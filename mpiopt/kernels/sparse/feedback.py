@@ -123,7 +123,7 @@ def feedback_select(
         overwritten.
     sent_indices, sent_factors : arrays, optional
         RegTop-k: the entries sent last step (int32, ascending) and their
-        regularizers (:func:`regtopk_sent_factors`), which multiply ``|a_j|``
+        regularizers (:func:`~mpiopt.kernels.sparse.regtopk_sent_factors`), which multiply ``|a_j|``
         there in the same pass (no gathers of ``e`` and ``g`` at them).
 
     Returns

@@ -89,7 +89,7 @@ def encode(indices: Any, values: Any, d: int, out: Any = None, dtype: Any = np.f
         the same.
     check_indices : bool, optional
         False skips the check that ``indices`` are unique and sorted (for
-        indices a checked call has just returned, e.g. :func:`error_feedback`);
+        indices a checked call has just returned, e.g. :func:`~mpiopt.kernels.sparse.error_feedback`);
         they must still be in ``[0, d)``.
 
     Returns

@@ -59,7 +59,7 @@ def regtopk_sent_factors(
     :func:`regtopk_scores` is this factor times ``|a_j|`` at the sent entries
     (and ``|a_j|`` times the unsent entries' factor elsewhere); the factor
     needs only last step's selection and aggregate, so it is ready before
-    ``a = e + g`` is formed, and :func:`feedback_select` multiplies it by
+    ``a = e + g`` is formed, and :func:`~mpiopt.kernels.sparse.feedback_select` multiplies it by
     ``|a_j|`` in its pass (``sent_factors``).  The floats of
     :func:`regtopk_scores`' general code: its expression up to the tanh in
     one C loop, then numpy's tanh, in the workspace's k-sized rows
@@ -156,7 +156,7 @@ def regtopk_scores(
     check_indices : bool, optional
         False skips the check that ``sent_indices`` are unique, sorted and in
         range (for indices a checked call has returned, such as
-        :func:`error_feedback`'s last step).
+        :func:`~mpiopt.kernels.sparse.error_feedback`'s last step).
     workspace : TopkWorkspace, optional
         Made for ``acc``'s length and dtype and at least ``k_prev`` entries:
         the per-entry terms of the sent entries are computed in its buffers

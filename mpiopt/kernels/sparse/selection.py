@@ -181,7 +181,7 @@ def _select(xp: ModuleType, candidates: Any, scores: Any, k: int, workspace: Opt
 
 
 class FeedbackSelection(NamedTuple):
-    """What :func:`feedback_select` returns.
+    """What :func:`~mpiopt.kernels.sparse.feedback_select` returns.
 
     Attributes
     ----------
@@ -233,7 +233,7 @@ def topk_indices(values: Any, k: int, *, absolute: bool = True, workspace: Optio
         ``0 <= k <= d``; ``k = d`` returns every index, ``k = 0`` none.
     absolute : bool, optional
         Rank by ``|values|`` (default, Top-k).  ``False`` ranks by ``values``
-        themselves, for precomputed scores such as :func:`regtopk_scores`
+        themselves, for precomputed scores such as :func:`~mpiopt.kernels.sparse.regtopk_scores`
         (saves the ``|.|`` pass).
     workspace : TopkWorkspace, optional
         Buffers made for this ``d``, ``k`` and dtype: the call then allocates
