@@ -1,6 +1,7 @@
 """Top-k, RegTop-k, error feedback and the sparse payloads against plain numpy references."""
 
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -290,6 +291,13 @@ def test_scatter_add_rejects_repeated_indices(xp):
 
 # -- preallocated workspaces and the C loops: the same numbers as the plain numpy code -----------------
 needs_c = pytest.mark.skipif(index_sets._sparsec is None, reason="mpiopt.kernels._sparsec was not built")
+
+
+def test_the_c_loops_are_built_where_a_c_compiler_is():
+    """Else every test marked needs_c would skip without a word."""
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler: the numpy code runs everywhere")
+    assert index_sets._sparsec is not None, "mpiopt.kernels._sparsec was not built although a C compiler is present"
 
 
 @needs_c
