@@ -1,27 +1,29 @@
 """Build hook for the optional C extensions (metadata lives in pyproject.toml).
 
-``mpiopt.kernels._votec`` fuses the bit-sliced majority vote into one loop and
-``mpiopt.kernels._updatec`` the SGD update (weight decay, momentum, Nesterov,
-the step) into one pass; without a C compiler the build skips them
-(``optional=True``) and mpiopt uses its numpy code, with identical results.
-``-ffp-contract=off`` keeps each product and sum rounded on its own, as numpy
-rounds them (a fused multiply-add would change the last bit).  Long vectors are
-split across threads (``mpiopt/kernels/_parallel.h``, :mod:`mpiopt.kernels.threads`).
+``mpiopt.kernels._signsc`` fuses sign packing, the bit-sliced majority vote and
+Signum's update, ``mpiopt.kernels._sparsec`` Top-k's selection, payload bitmaps
+and aggregation, and ``mpiopt.kernels._updatec`` the SGD update (weight decay,
+momentum, Nesterov, the step) into one pass each; without a C compiler the build
+skips them (``optional=True``) and mpiopt uses its numpy code, with identical
+results.  ``-ffp-contract=off`` keeps each product and sum rounded on its own, as
+numpy rounds them (a fused multiply-add would change the last bit).  Long vectors
+are split across threads (``mpiopt/kernels/_parallel.h``, :mod:`mpiopt.kernels.threads`).
 """
 
 from setuptools import Extension, setup
 
-# Both use _parallel.h (POSIX threads, hence -pthread for older C libraries).
+# All include _cloops.h and _parallel.h (POSIX threads, hence -pthread for older C libraries).
 _COMMON = dict(
     optional=True,
-    depends=["mpiopt/kernels/_parallel.h"],
+    depends=["mpiopt/kernels/_cloops.h", "mpiopt/kernels/_parallel.h"],
     extra_compile_args=["-O3", "-ffp-contract=off", "-pthread"],
     extra_link_args=["-pthread"],
 )
 
 setup(
     ext_modules=[
-        Extension("mpiopt.kernels._votec", ["mpiopt/kernels/_votec.c"], **_COMMON),
+        Extension("mpiopt.kernels._signsc", ["mpiopt/kernels/_signsc.c"], **_COMMON),
+        Extension("mpiopt.kernels._sparsec", ["mpiopt/kernels/_sparsec.c"], **_COMMON),
         Extension("mpiopt.kernels._updatec", ["mpiopt/kernels/_updatec.c"], **_COMMON),
     ]
 )

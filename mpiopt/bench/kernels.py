@@ -42,11 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _numpy_vote(stack: np.ndarray, d: int) -> np.ndarray:
     """majority_vote through its numpy code, as where the C loop was not built."""
-    fused, signs._votec = signs._votec, None
+    fused, signs._signsc = signs._signsc, None
     try:
         return majority_vote(stack, d)
     finally:
-        signs._votec = fused
+        signs._signsc = fused
 
 
 def _medians(kernels: Dict[str, Callable[[], object]], repeat: int) -> Dict[str, float]:

@@ -96,23 +96,21 @@ naming the file and what is wrong.  :func:`find_latest` (not collective)
 skips invalid files with a warning naming each; :func:`describe` (``mpiopt
 inspect``) lists what a file holds, and :func:`first_difference` compares two
 states bit for bit (for resume tests).
+
+Modules: :mod:`.save` and :mod:`.load` (the collective calls), :mod:`.layout`
+(a state to groups, datasets and attributes), :mod:`.writers` (the two
+writers), :mod:`.files` (names, the format check, atomic publication),
+:mod:`.agreement` (one verdict on every rank), :mod:`.summary` (``mpiopt
+inspect``).
 """
 
-from .summary import describe, format_description
-from .hdf5 import (
-    DRIVER_ENV,
-    FORMAT,
-    FORMAT_VERSION,
-    Checkpoint,
-    CheckpointError,
-    checkpoint_path,
-    find_latest,
-    list_checkpoints,
-    load_checkpoint,
-    save_checkpoint,
-    validate_checkpoint,
-)
+from .agreement import CheckpointError
+from .files import FORMAT, FORMAT_VERSION, checkpoint_path, find_latest, list_checkpoints, validate_checkpoint
 from .layout import first_difference
+from .load import Checkpoint, load_checkpoint
+from .save import save_checkpoint
+from .summary import describe, format_description
+from .writers import DRIVER_ENV
 
 __all__ = [
     "DRIVER_ENV",

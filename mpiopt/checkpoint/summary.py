@@ -9,7 +9,8 @@ from typing import Any, Dict, Iterator, List, Optional
 import h5py
 import numpy as np
 
-from .hdf5 import CheckpointError, _Invalid, _open, validate_checkpoint
+from .agreement import CheckpointError
+from .files import InvalidFile, open_readonly, validate_checkpoint
 from .layout import TYPE_ATTR, attr_decoded, decode_root_attrs
 
 __all__ = ["describe", "format_description"]
@@ -75,8 +76,8 @@ def describe(path: str) -> Dict[str, Any]:
     """
     problem = validate_checkpoint(path)
     try:
-        f = _open(path)
-    except _Invalid as err:
+        f = open_readonly(path)
+    except InvalidFile as err:
         raise CheckpointError(f"cannot read checkpoint {path}: {err}") from None
     with f:
         try:

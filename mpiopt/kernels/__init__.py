@@ -22,8 +22,9 @@ feedback):
 
 * indices are int32, unique, sorted ascending; ties at the k-th place take the
   lowest indices; NaN ranks below every number;
-* payloads: 8-byte header, float32 values, then int32 indices or a bitmap
-  (in the sign vectors' bit order), whichever is smaller for (k, d).
+* payloads (:mod:`~mpiopt.kernels.sparse.payload`): 8-byte header, the
+  values, then int32 indices or a bitmap (in the sign vectors' bit order),
+  whichever is smaller for (k, d).
 """
 
 from .signs import (

@@ -5,6 +5,7 @@ between numpy and cupy.  cupy is never imported unless a cupy array is passed
 
 from __future__ import annotations
 
+import importlib
 import numbers
 from types import ModuleType
 from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
@@ -13,12 +14,27 @@ import numpy as np
 
 from ..arrays import array_module
 
-__all__ = ["C_FLOATS", "array_modules", "block_length", "c_loop_takes", "cached", "check_array", "check_count", "take_rows"]
+__all__ = [
+    "C_FLOATS", "array_modules", "block_length", "c_loop_takes", "cached", "check_array", "check_count", "load_extension", "take_rows",
+]
 
-#: The element types the C loops (``_votec``, ``_updatec``) compute in.
+#: The element types the C loops (``_signsc``, ``_sparsec``, ``_updatec``) compute in.
 C_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 _CONSTANTS: Dict[Tuple[Hashable, ...], Any] = {}
+
+
+def load_extension(name: str, version: int) -> Optional[ModuleType]:
+    """The optional C extension ``mpiopt.kernels.<name>`` (setup.py), or None where the numpy code must run.
+
+    None when it was not built (no C compiler) or is a stale build whose
+    ``VERSION`` is not ``version`` (other arguments: rebuild with ``pip install -e .``).
+    """
+    try:
+        module = importlib.import_module(f"{__package__}.{name}")
+    except ImportError:  # pragma: no cover - built without a C compiler
+        return None
+    return module if getattr(module, "VERSION", 0) == version else None
 
 
 def c_loop_takes(extension: Optional[ModuleType], x: Any) -> bool:

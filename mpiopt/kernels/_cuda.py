@@ -3,7 +3,7 @@
 :mod:`~mpiopt.kernels.update` and :mod:`~mpiopt.kernels.signs` call these on
 C-contiguous cupy float32/float64 arrays (:func:`takes`), where the array code
 would make five to nine passes over device memory.  Each kernel computes what
-its C loop (``_updatec.c``, ``_votec.c``) computes, element by element, in the
+its C loop (``_updatec.c``, ``_signsc.c``) computes, element by element, in the
 same order.
 
 Bits: CuPy compiles every kernel with ``-ftz=true`` (float32 subnormals read
@@ -189,7 +189,7 @@ __global__ void all_finite(long long n, const T *x, int wide, int *bad) {
 }
 
 /* One byte of signs per thread: bit j of out[k] is (v[8k + j] >= 0); pad bits 0.  With momentum (m != 0)
- * v = m = m * beta + g * omb is formed and stored first (_votec.c's momentum_signs); bad flags a NaN. */
+ * v = m = m * beta + g * omb is formed and stored first (_signsc.c's momentum_signs); bad flags a NaN. */
 template <typename T>
 __global__ void pack_signs(long long n, T *v, const T *g, T beta, T omb, int momentum, unsigned char *out, int *bad) {
     bool nan = false;
@@ -211,7 +211,7 @@ __global__ void pack_signs(long long n, T *v, const T *g, T beta, T omb, int mom
     if (nan) *bad = 1;
 }
 
-/* _votec.c's apply_signs: x = x * decay - (+-lr), the product skipped for decay == 1. */
+/* _signsc.c's apply_signs: x = x * decay - (+-lr), the product skipped for decay == 1. */
 template <typename T>
 __global__ void apply_signs(long long n, const unsigned char *packed, T *x, T lr, T f, int decay) {
     FOR_EACH(i, n) {

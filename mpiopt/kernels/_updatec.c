@@ -16,7 +16,7 @@
  * order numpy does them, so the results equal numpy's bit for bit (NaN payloads
  * aside).  That needs IEEE single/double arithmetic without excess precision and
  * without a*b+c contracted into a fused multiply-add: setup.py builds with
- * -ffp-contract=off, and the checks below refuse a build that could differ
+ * -ffp-contract=off, and the checks in _cloops.h refuse a build that could differ
  * (the build is optional: without this extension mpiopt uses the numpy code).
  * The same pass reports whether every element of g is finite; all_finite makes
  * that check alone (the algorithms' gradient check, before any update).
@@ -35,21 +35,9 @@
  * Long vectors are split across threads (_parallel.h): element by element,
  * so the bits do not depend on the split.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <float.h>
+#include "_cloops.h"
+
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-#include "_parallel.h"
-
-#if defined(__FAST_MATH__)
-#error "_updatec needs IEEE arithmetic: build without -ffast-math / -Ofast"
-#endif
-#if !defined(FLT_EVAL_METHOD) || FLT_EVAL_METHOD != 0
-#error "_updatec needs float and double evaluated in their own precision (FLT_EVAL_METHOD == 0)"
-#endif
 
 #if defined(__GNUC__)
 #define ALWAYS_INLINE static inline __attribute__((always_inline))

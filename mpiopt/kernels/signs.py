@@ -32,15 +32,11 @@ from typing import Any, List, Set, Tuple
 import numpy as np
 
 from . import _cuda
-from ._backend import C_FLOATS, block_length, c_loop_takes, cached, check_array, check_count, take_rows
+from ._backend import C_FLOATS, block_length, c_loop_takes, cached, check_array, check_count, load_extension, take_rows
 from .threads import get_num_threads
 
-try:  # the optional fused C loops (setup.py); the numpy code below gives the same bits
-    from . import _votec
-except ImportError:  # pragma: no cover - built without a C compiler
-    _votec = None
-if _votec is not None and getattr(_votec, "VERSION", 0) != 3:  # pragma: no cover
-    _votec = None  # a stale build (older loops' arguments, newer loops missing): rebuild (pip install -e .)
+# The optional fused C loops (setup.py); the numpy code below gives the same bits.
+_signsc = load_extension("_signsc", 1)
 
 __all__ = [
     "packed_nbytes",
@@ -141,16 +137,16 @@ def fused_signs_available(x: Any) -> bool:
     """Whether fused passes pack, update and apply the signs of arrays like ``x`` (no scratch needed).
 
     True for C-contiguous float32/float64 arrays: numpy ones when
-    ``mpiopt.kernels._votec`` was built (C loops), cupy ones wherever the
+    ``mpiopt.kernels._signsc`` was built (C loops), cupy ones wherever the
     CUDA kernels compiled (:mod:`~mpiopt.kernels._cuda`).
     """
-    return c_loop_takes(_votec, x) or _cuda.takes(x)
+    return c_loop_takes(_signsc, x) or _cuda.takes(x)
 
 
 def pack_signs(x: Any, out: Any = None, nan_policy: str = "raise") -> Any:
     """Pack the signs of ``x`` into bits (+1 for ``x >= 0``, little bit order).
 
-    On the CPU one C loop (``mpiopt.kernels._votec``, when it was built),
+    On the CPU one C loop (``mpiopt.kernels._signsc``, when it was built),
     on a GPU one CUDA kernel (float32/float64), packs and checks for NaN
     straight into ``out``; otherwise the array code works through ``x`` in
     cache-sized blocks, so the NaN check reads each block from cache, not
@@ -183,7 +179,7 @@ def pack_signs(x: Any, out: Any = None, nan_policy: str = "raise") -> Any:
     if fused_signs_available(x):
         # One pass into ``out``: no boolean temporary, and the NaN check comes free.
         if xp is np:
-            nan = _votec.pack_signs(x, d, x.dtype.itemsize, out, get_num_threads())
+            nan = _signsc.pack_signs(x, d, x.dtype.itemsize, out, get_num_threads())
         else:
             nan = _cuda.pack_signs(x, out, check_nan=nan_policy == "raise")  # reading the answer waits for the device
         if nan and nan_policy == "raise":
@@ -207,7 +203,7 @@ def momentum_signs(momentum: Any, grad: Any, beta: float, out: Any, scratch: Any
     The numpy passes ``m *= beta``, ``scratch = g * (1 - beta)``, ``m += scratch``,
     ``pack_signs(m, out)`` (``beta`` and ``1 - beta``, computed in float64, in
     ``m``'s dtype; NaN unchecked: it packs as -1), with the same roundings; on
-    the CPU one C loop (``mpiopt.kernels._votec``), on a GPU one CUDA kernel,
+    the CPU one C loop (``mpiopt.kernels._signsc``), on a GPU one CUDA kernel,
     does them in one pass.
 
     Parameters
@@ -248,7 +244,7 @@ def momentum_signs(momentum: Any, grad: Any, beta: float, out: Any, scratch: Any
     arrays = (momentum, grad, out)
     if fused_signs_available(momentum) and all(a.flags.c_contiguous for a in arrays):
         if xp is np:
-            _votec.momentum_signs(momentum, grad, d, momentum.dtype.itemsize, beta, out, get_num_threads())
+            _signsc.momentum_signs(momentum, grad, d, momentum.dtype.itemsize, beta, out, get_num_threads())
         else:
             _cuda.momentum_signs(momentum, grad, beta, out)
         return out
@@ -295,8 +291,8 @@ def unpack_signs(packed: Any, d: int, dtype: Any = np.float32, out: Any = None) 
     if dtype.kind not in "fi":
         raise TypeError(f"dtype must be a floating or signed integer type, got {dtype}")
     out = _output(xp, out, (d,), dtype)
-    if xp is np and _votec is not None and dtype in C_FLOATS and packed.flags.c_contiguous:
-        _votec.unpack_signs(packed, d, dtype.itemsize, out)  # no intp index temporary (take's)
+    if xp is np and _signsc is not None and dtype in C_FLOATS and packed.flags.c_contiguous:
+        _signsc.unpack_signs(packed, d, dtype.itemsize, out)  # no intp index temporary (take's)
         return out
     table = cached(xp, ("sign_table", dtype.str), lambda: _sign_table(dtype))
     whole = d // 8
@@ -312,7 +308,7 @@ def apply_signs(packed: Any, x: Any, lr: float, decay: float = 1.0, scratch: Any
     The numpy passes ``s = unpack_signs(packed)``, ``x *= decay`` (skipped when
     ``decay == 1``), ``s *= lr``, ``x -= s``, with the same roundings (``lr``
     and ``decay`` in ``x``'s dtype); on the CPU one C loop
-    (``mpiopt.kernels._votec``), on a GPU one CUDA kernel, does them in one
+    (``mpiopt.kernels._signsc``), on a GPU one CUDA kernel, does them in one
     pass over ``x``.
 
     Parameters
@@ -337,7 +333,7 @@ def apply_signs(packed: Any, x: Any, lr: float, decay: float = 1.0, scratch: Any
         raise ValueError(f"packed must have ceil(d / 8) = {packed_nbytes(d)} bytes for d = {d}, got {packed.shape[0]}")
     if fused_signs_available(x) and packed.flags.c_contiguous:
         if xp is np:
-            _votec.apply_signs(packed, d, x.dtype.itemsize, x, float(lr), float(decay), get_num_threads())
+            _signsc.apply_signs(packed, d, x.dtype.itemsize, x, float(lr), float(decay), get_num_threads())
         else:
             _cuda.apply_signs(packed, x, float(lr), float(decay))
         return x
@@ -475,7 +471,7 @@ def majority_vote(packed_stack: Any, d: int, out: Any = None) -> Any:
     The rows are read as uint64 words and counted bit-sliced (a carry-save
     adder tree over bit planes), then compared with ``ceil(P / 2)`` bit-sliced;
     no row is ever unpacked.  A tie (even ``P``) votes +1.  On the CPU this
-    runs in one fused C loop (``mpiopt.kernels._votec``) when it was built,
+    runs in one fused C loop (``mpiopt.kernels._signsc``) when it was built,
     else in numpy operations block by block; both give the same bits.
 
     Parameters
@@ -503,9 +499,9 @@ def majority_vote(packed_stack: Any, d: int, out: Any = None) -> Any:
         raise ValueError(f"packed_stack must have shape (P >= 1, m >= {nbytes}) for d = {d}, got {packed_stack.shape}")
     out = _output(xp, out, (nbytes,), np.uint8)
     threshold = (voters + 1) // 2  # ceil(P / 2): a tie votes +1
-    if xp is np and _votec is not None and packed_stack.flags.c_contiguous:
+    if xp is np and _signsc is not None and packed_stack.flags.c_contiguous:
         # Rows read in place at any alignment, the result written straight into out.
-        _votec.vote(packed_stack, voters, width, nbytes, threshold, out)
+        _signsc.vote(packed_stack, voters, width, nbytes, threshold, out)
     else:
         whole = nbytes // 8
         _vote_words(xp, _as_words(xp, packed_stack[:, : 8 * whole], 8 * whole), threshold, out[: 8 * whole].view(xp.uint64))

@@ -31,16 +31,11 @@ import numpy as np
 
 from ..arrays import array_module, empty_apart
 from . import _cuda
-from ._backend import c_loop_takes, check_array, check_count
-
+from ._backend import c_loop_takes, check_array, check_count, load_extension
 from .threads import get_num_threads
 
-try:
-    from . import _updatec
-except ImportError:  # built without a C compiler: the array code below is used
-    _updatec = None
-if _updatec is not None and getattr(_updatec, "VERSION", 0) != 3:  # pragma: no cover
-    _updatec = None  # a stale build (other arguments): rebuild (pip install -e .)
+# The optional fused C loop (setup.py); without it the array code below runs, with the same bits.
+_updatec = load_extension("_updatec", 3)
 
 __all__ = ["Merge", "all_finite", "elastic_pull", "fused_update_available", "merge_average", "reads_support", "sgd_update"]
 

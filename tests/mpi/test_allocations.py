@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mpiopt
-from mpiopt.kernels import sparse
+from mpiopt.kernels.sparse import index_sets
 
 pytestmark = pytest.mark.mpi
 
@@ -33,7 +33,7 @@ CASES = [
 ]
 # Top-k and RegTop-k select, aggregate and update through workspaces made at setup, with the C loops
 # (the numpy fallback allocates k-sized temporaries).
-NEEDS_C = pytest.mark.skipif(sparse._votec is None, reason="mpiopt.kernels._votec was not built")
+NEEDS_C = pytest.mark.skipif(index_sets._sparsec is None, reason="mpiopt.kernels._sparsec was not built")
 CASES += [pytest.param(name, dict(density=density), marks=NEEDS_C) for name in ("topk", "regtopk") for density in (0.001, 0.3)]
 
 

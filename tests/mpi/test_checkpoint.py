@@ -15,7 +15,7 @@ import pytest
 from mpi4py import MPI
 
 import mpiopt
-import mpiopt.checkpoint.hdf5 as hdf5_module
+import mpiopt.checkpoint.writers as writers_module
 from mpiopt.algorithms.registry import algorithm_class
 from mpiopt.checkpoint import CheckpointError, checkpoint_path, first_difference, load_checkpoint, save_checkpoint
 
@@ -142,14 +142,14 @@ def test_a_failed_write_on_rank_0_is_the_same_error_everywhere(topology, shared_
     if rank == 0:
         before = open(path, "rb").read()
         # The disk fills up while the last rank's arrays are written (rank 0's own at one rank).
-        real = hdf5_module.write_entry
+        real = writers_module.write_entry
 
         def full_disk(root, entry, array):
             if root.name == f"/ranks/{topology.size - 1}" and entry.kind == "dataset":
                 raise OSError(28, "No space left on device")
             real(root, entry, array)
 
-        monkeypatch.setattr(hdf5_module, "write_entry", full_disk)
+        monkeypatch.setattr(writers_module, "write_entry", full_disk)
     message = raised_alike(save_checkpoint, path, world, model=None, rank_state={"v": np.zeros(10), "w": np.ones(3)}, attrs={"step": 6})
     assert message.startswith(f"cannot save checkpoint {path}: writing on rank 0 failed: OSError") and "No space left on device" in message
     monkeypatch.undo()

@@ -15,7 +15,7 @@ import pytest
 from test_checkpoint import raised_alike, rank_state, shared_dir  # noqa: F401  (shared_dir is a fixture)
 
 from mpiopt.checkpoint import checkpoint_path, first_difference, load_checkpoint, save_checkpoint, validate_checkpoint
-from mpiopt.checkpoint.hdf5 import DRIVER_ENV
+from mpiopt.checkpoint.writers import DRIVER_ENV
 
 pytestmark = pytest.mark.mpi
 

@@ -16,7 +16,9 @@ import pytest
 from mpi4py import MPI
 
 import mpiopt.checkpoint.summary as summary_module
-import mpiopt.checkpoint.hdf5 as hdf5_module
+import mpiopt.checkpoint.files as files_module
+import mpiopt.checkpoint.save as save_module
+import mpiopt.checkpoint.writers as writers_module
 from mpiopt import Comm
 from mpiopt.checkpoint import (
     CheckpointError,
@@ -138,7 +140,7 @@ def test_without_a_model_there_is_no_model_group(tmp_path, comm):
 def test_json_attrs_survive_a_library_version_with_a_nul(tmp_path, comm, monkeypatch):
     # Open MPI 4.1's version string ends in a NUL character; it once made the library's own
     # attributes a second JSON list that replaced the caller's, so JSON attrs read back as text.
-    monkeypatch.setattr(hdf5_module.MPI, "Get_library_version", lambda: "Open MPI v4.1.6, package: Debian OpenMPI\0")
+    monkeypatch.setattr(save_module.MPI, "Get_library_version", lambda: "Open MPI v4.1.6, package: Debian OpenMPI\0")
     attrs = {"hyperparameters": {"period": 4}, "shapes": [[3, 4]]}
     got = load_checkpoint(save_one(tmp_path / "v.h5", comm, attrs=attrs), comm).attrs
     assert got["hyperparameters"] == {"period": 4} and got["shapes"] == [[3, 4]]
@@ -203,7 +205,7 @@ def test_model_values_must_be_arrays(tmp_path, comm):
 # -- atomic writes ---------------------------------------------------------------------------
 def _fail_on_dataset(monkeypatch, nth):
     """Make the ``nth`` dataset write raise ENOSPC, as a full disk would."""
-    real, count = hdf5_module.write_entry, [0]
+    real, count = writers_module.write_entry, [0]
 
     def failing(root, entry, array):
         if entry.kind == "dataset":
@@ -212,7 +214,7 @@ def _fail_on_dataset(monkeypatch, nth):
                 raise OSError(28, "No space left on device")
         real(root, entry, array)
 
-    monkeypatch.setattr(hdf5_module, "write_entry", failing)
+    monkeypatch.setattr(writers_module, "write_entry", failing)
 
 
 @pytest.mark.parametrize("how", ["mid-write", "rename"])
@@ -229,7 +231,7 @@ def test_a_failed_write_leaves_the_previous_checkpoint_and_no_temporary_file(tmp
         def refuse(src, dst):
             raise PermissionError(13, "Permission denied")
 
-        monkeypatch.setattr(hdf5_module.os, "replace", refuse)
+        monkeypatch.setattr(files_module.os, "replace", refuse)
         expected = "Permission denied"
     with pytest.raises(CheckpointError, match=f"cannot save checkpoint {path}: writing on rank 0 failed: .*{expected}"):
         save_one(path, comm, {"x": np.zeros(5), "y": np.ones(3), "z": np.ones(2), "tag": "new"})
@@ -246,7 +248,7 @@ def test_the_temporary_file_is_hidden_in_the_same_directory(tmp_path, comm, monk
         seen.append((src, dst, validate_checkpoint(src)))
         real_replace(src, dst)
 
-    monkeypatch.setattr(hdf5_module.os, "replace", spy)
+    monkeypatch.setattr(files_module.os, "replace", spy)
     path = save_one(checkpoint_path(tmp_path / "new" / "dir", 3), comm)  # the directory is created
     (src, dst, problem), = seen
     assert dst == path and os.path.dirname(src) == os.path.dirname(os.path.abspath(path))

@@ -150,7 +150,7 @@ def test_majority_vote_matches_reference(xp, d, voters):
 def test_vote_in_several_blocks(xp, voters, monkeypatch):
     """Blocks of 3 words over 65 words: the scratch planes are reused, and the last block is shorter."""
     monkeypatch.setattr(signs, "_VOTE_BLOCK_WORDS", 3)
-    monkeypatch.setattr(signs, "_votec", None)  # the numpy code's blocks (the C loop has its own)
+    monkeypatch.setattr(signs, "_signsc", None)  # the numpy code's blocks (the C loop has its own)
     d = 4097
     sign_rows = random_votes(np.random.default_rng(voters), voters, d)
     stack = np.stack([reference_pack(row) for row in sign_rows])
@@ -275,12 +275,12 @@ def test_bad_arguments_are_named(xp):
 def test_c_vote_equals_numpy_vote(voters, d, monkeypatch):
     """The fused C loop (built wherever a C compiler is) gives the numpy code's bits."""
     if shutil.which("cc") or shutil.which("gcc"):
-        assert signs._votec is not None, "mpiopt.kernels._votec was not built although a C compiler is present"
-    if signs._votec is None:
-        pytest.skip("mpiopt.kernels._votec not built (no C compiler): the numpy code runs everywhere")
+        assert signs._signsc is not None, "mpiopt.kernels._signsc was not built although a C compiler is present"
+    if signs._signsc is None:
+        pytest.skip("mpiopt.kernels._signsc not built (no C compiler): the numpy code runs everywhere")
     stack = np.random.default_rng([voters, d]).integers(0, 256, (voters, signs.packed_nbytes(d)), dtype=np.uint8)
     fused = majority_vote(stack, d)
-    monkeypatch.setattr(signs, "_votec", None)
+    monkeypatch.setattr(signs, "_signsc", None)
     np.testing.assert_array_equal(fused, majority_vote(stack, d))
 
 
@@ -291,9 +291,9 @@ def test_c_vote_equals_numpy_vote(voters, d, monkeypatch):
 def test_apply_signs_is_the_numpy_passes(c_loop, dtype, d, decay, monkeypatch):
     """x * decay - lr * s, rounded as the separate numpy passes round it, with NaN, +-0.0 and extremes in x."""
     if not c_loop:
-        monkeypatch.setattr(signs, "_votec", None)
-    elif signs._votec is None:
-        pytest.skip("mpiopt.kernels._votec was not built")
+        monkeypatch.setattr(signs, "_signsc", None)
+    elif signs._signsc is None:
+        pytest.skip("mpiopt.kernels._signsc was not built")
     rng = np.random.default_rng([d, int(decay < 1)])
     x = rng.standard_normal(d).astype(dtype)
     x[: min(d, 4)] = np.array([np.nan, 0.0, -0.0, np.finfo(dtype).max], dtype)[: min(d, 4)]
@@ -321,9 +321,9 @@ SPLIT_SIZE = 3 * 2**18 + 13
 def test_momentum_signs_is_the_numpy_passes(d, dtype, c_loop, count, kernel_threads, monkeypatch):
     """m * beta + g * (1 - beta), each operation rounded in the dtype, and the signs of the result, bit for bit."""
     if not c_loop:
-        monkeypatch.setattr(signs, "_votec", None)
-    elif signs._votec is None:
-        pytest.skip("mpiopt.kernels._votec was not built")
+        monkeypatch.setattr(signs, "_signsc", None)
+    elif signs._signsc is None:
+        pytest.skip("mpiopt.kernels._signsc was not built")
     kernel_threads(count)
     rng = np.random.default_rng([d, np.dtype(dtype).itemsize])
     m, g = (rng.standard_normal(d).astype(dtype) for _ in range(2))
@@ -343,8 +343,8 @@ def test_momentum_signs_is_the_numpy_passes(d, dtype, c_loop, count, kernel_thre
 
 @pytest.mark.parametrize("count", [2, 3, 7])
 def test_threads_pack_and_apply_the_same_bits(count, kernel_threads):
-    if signs._votec is None:
-        pytest.skip("mpiopt.kernels._votec was not built")
+    if signs._signsc is None:
+        pytest.skip("mpiopt.kernels._signsc was not built")
     rng = np.random.default_rng(count)
     x = rng.standard_normal(SPLIT_SIZE).astype(np.float32)
     x[::5] = -0.0
@@ -367,7 +367,7 @@ def test_momentum_signs_takes_beta_in_the_dtype_and_checks_it(monkeypatch):
     results = []
     for c_loop in (True, False):
         if not c_loop:
-            monkeypatch.setattr(signs, "_votec", None)
+            monkeypatch.setattr(signs, "_signsc", None)
         mine, out = m.copy(), np.empty(125, np.uint8)
         signs.momentum_signs(mine, g, np.float64(0.9), out)
         results.append((mine.tobytes(), out.tobytes()))

@@ -1,0 +1,114 @@
+"""``load_checkpoint``: every rank reads the attributes, the model and its own state, as one collective call.
+
+Every rank opens the file itself (the directory must be shared); the ranks
+then agree that all read the same whole file, or all raise the same
+:class:`~mpiopt.checkpoint.CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from ..comm import Comm
+from .agreement import CheckpointError, agree
+from .files import InvalidFile, check_format, open_readonly
+from .layout import decode_root_attrs, read_group
+
+__all__ = ["Checkpoint", "load_checkpoint"]
+
+
+@dataclass
+class Checkpoint:
+    """What :func:`load_checkpoint` read.
+
+    Attributes
+    ----------
+    path : str
+        The file.
+    attrs : dict
+        The root attributes, decoded (the caller's and the ones
+        :func:`~mpiopt.checkpoint.save_checkpoint` adds: ``world_size``, versions, ...).
+    model : dict of numpy.ndarray or None
+        Rank 0's model state as saved (on every rank); None when saved without one.
+    rank_state : dict or None
+        This rank's state, exactly as saved; None for a rank beyond the saved
+        world size (``allow_world_size_change=True``).
+    rank_states : list of dict or None
+        Loaded at another world size (``allow_world_size_change=True``):
+        every saved rank's state in rank order, on every rank, for the
+        caller's redistribution (:mod:`mpiopt.algorithms.resize`); None at
+        the saved world size.
+    """
+
+    path: str
+    attrs: Dict[str, Any]
+    model: Optional[Dict[str, np.ndarray]]
+    rank_state: Optional[Dict[str, Any]]
+    rank_states: Optional[List[Dict[str, Any]]] = None
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks that wrote the checkpoint."""
+        return int(self.attrs["world_size"])
+
+
+def _read(path: str, rank: int, size: int, allow_world_size_change: bool) -> Checkpoint:
+    with open_readonly(path) as f:
+        check_format(f)
+        attrs = decode_root_attrs(f.attrs)
+        saved = int(attrs["world_size"])
+        if saved != size and not allow_world_size_change:
+            raise InvalidFile(
+                f"written by {saved} rank{'s' * (saved != 1)}; this job has {size} (allow_world_size_change=True loads it anyway)"
+            )
+        model = read_group(f["model"]) if "model" in f else None
+        if saved == size:
+            return Checkpoint(path=path, attrs=attrs, model=model, rank_state=read_group(f["ranks"][str(rank)]))
+        # Another world size: every rank needs every saved rank's state to redistribute it.
+        states = [read_group(f["ranks"][str(r)]) for r in range(saved)]
+    return Checkpoint(path=path, attrs=attrs, model=model, rank_state=states[rank] if rank < saved else None, rank_states=states)
+
+
+def load_checkpoint(path: str, world: Comm, *, allow_world_size_change: bool = False) -> Checkpoint:
+    """Read a checkpoint written by :func:`~mpiopt.checkpoint.save_checkpoint`; a collective call on ``world``.
+
+    Every rank opens the file read-only (a shared file system), reads the
+    root attributes, the model and its own ``/ranks/<rank>``.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The file (same on every rank).
+    world : Comm
+        The job's ranks.
+    allow_world_size_change : bool
+        Load a checkpoint written by another number of ranks: ranks beyond
+        the saved ones get ``rank_state=None``, every rank gets every saved
+        rank's state in ``rank_states`` (memory: the whole file's rank
+        states on each rank), and the caller decides what to do.
+
+    Raises
+    ------
+    CheckpointError
+        On every rank, with the same message naming the file and what is
+        wrong: missing, truncated, corrupted, foreign or incomplete; written
+        by another world size (both sizes named); ranks that disagree on the
+        path or see different files under it.
+    """
+    path = os.fspath(path)
+    result, error = None, None
+    try:
+        result = _read(path, world.rank, world.size, allow_world_size_change)
+    except InvalidFile as err:
+        error = str(err)
+    except Exception as err:  # h5py/OS errors reading data after a successful open
+        error = f"cannot be read: {type(err).__name__}: {err}"
+    identities = agree(world, path, error, "load", None if result is None else result.attrs["id"])
+    if len(set(identities)) > 1:
+        listing = ", ".join(f"rank {r}: {i}" for r, i in enumerate(identities))
+        raise CheckpointError(f"cannot load checkpoint {path}: ranks read different files under this name (ids {listing}); is the directory shared?")
+    return result

@@ -1,0 +1,191 @@
+"""The sparse wire format: k (index, value) pairs of a length-d vector as one uint8 payload.
+
+Layout: an 8-byte header of two native-endian uint32 (format code, k), then
+the k values in index order in the parameters' dtype (float32 or float64),
+then either the k int32 indices (``"pairs"``) or a ``ceil(d / 8)``-byte bitmap
+in the bit order of :mod:`mpiopt.kernels.signs` (``"bitmap"``, for k > d / 32).
+The format depends only on (k, d), so with a fixed k every rank's payload has
+the same :func:`encoded_nbytes` (one Allgather instead of an Allgatherv).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Tuple
+
+import numpy as np
+
+from ...arrays import to_numpy
+from .._backend import C_FLOATS, check_array, check_count
+from ..signs import pack_bits, packed_nbytes, unpack_bits
+from .index_sets import _MAX_LENGTH, _check_indices, _sparsec
+
+__all__ = ["payload_format", "encoded_nbytes", "encode", "decode"]
+
+_FORMATS = ("pairs", "bitmap")  # position = the code in the payload header
+_HEADER_BYTES = 8
+
+
+def payload_format(k: int, d: int) -> str:
+    """The smaller encoding of k of d entries: ``"pairs"`` (8k bytes) or ``"bitmap"`` (ceil(d/8) + 4k bytes).
+
+    Ties go to ``"pairs"``.
+
+    Parameters
+    ----------
+    k : int
+        Number of entries sent, ``0 <= k <= d``.
+    d : int
+        Vector length.
+
+    Returns
+    -------
+    str
+    """
+    d = check_count("d", d, 0, _MAX_LENGTH)
+    k = check_count("k", k, 0, d)
+    return "pairs" if 4 * k <= packed_nbytes(d) else "bitmap"
+
+
+def _value_type(dtype: Any) -> np.dtype:
+    dtype = np.dtype(dtype)
+    if dtype not in C_FLOATS:
+        raise TypeError(f"dtype must be float32 or float64 (the payload's value type), got {dtype}")
+    return dtype
+
+
+def encoded_nbytes(k: int, d: int, dtype: Any = np.float32) -> int:
+    """Size in bytes of :func:`encode`'s payload for k of d entries (to size buffers).
+
+    Parameters
+    ----------
+    k : int
+    d : int
+    dtype : float32 or float64, optional
+        The values' type (the parameters').
+
+    Returns
+    -------
+    int
+        ``8 + s k + min(4k, ceil(d / 8))`` with ``s`` the value size (4 or 8 bytes).
+    """
+    index_bytes = 4 * k if payload_format(k, d) == "pairs" else packed_nbytes(d)
+    return _HEADER_BYTES + _value_type(dtype).itemsize * k + index_bytes
+
+
+def encode(indices: Any, values: Any, d: int, out: Any = None, dtype: Any = np.float32, check_indices: bool = True) -> Any:
+    """Encode k (index, value) pairs of a length-d vector in the smaller format.
+
+    Parameters
+    ----------
+    indices : array of int, shape (k,)
+        Unique, sorted ascending, in ``[0, d)``.
+    values : array of ``dtype``, shape (k,)
+    d : int
+        Vector length (< 2**31).
+    out : array of uint8, shape (encoded_nbytes(k, d, dtype),), optional
+        Where to write the payload (e.g. a send buffer).
+    dtype : float32 or float64, optional
+        The payload's value type (the parameters'); :func:`decode` is told
+        the same.
+    check_indices : bool, optional
+        False skips the check that ``indices`` are unique and sorted (for
+        indices a checked call has just returned, e.g. :func:`~mpiopt.kernels.sparse.error_feedback`);
+        they must still be in ``[0, d)``.
+
+    Returns
+    -------
+    array of uint8, shape (encoded_nbytes(k, d, dtype),)
+        See the module docstring for the layout.
+    """
+    d = check_count("d", d, 0, _MAX_LENGTH)
+    xp = check_array("values", values, ndim=1, kinds="f", dtype=_value_type(dtype))
+    if check_indices:
+        _check_indices("indices", indices, d)
+    else:
+        check_array("indices", indices, ndim=1, kinds="iu")
+    k = values.shape[0]
+    if indices.shape != (k,):
+        raise ValueError(f"indices must match values' shape ({k},), got {indices.shape}")
+    nbytes = encoded_nbytes(k, d, values.dtype)
+    if out is None:
+        out = xp.empty(nbytes, dtype=xp.uint8)
+    else:
+        check_array("out", out, ndim=1, kinds="u", dtype=np.uint8)
+        if out.shape != (nbytes,):
+            raise ValueError(f"out must have shape ({nbytes},) = encoded_nbytes({k}, {d}, {values.dtype}), got {out.shape}")
+    fmt = payload_format(k, d)
+    header = out[:_HEADER_BYTES].view(xp.uint32)
+    header[0], header[1] = _FORMATS.index(fmt), k
+    value_end = _HEADER_BYTES + values.dtype.itemsize * k
+    out[_HEADER_BYTES:value_end].view(values.dtype)[...] = values
+    index_part = out[value_end:]
+    if fmt == "pairs":
+        index_part.view(xp.int32)[...] = indices
+    elif xp is np and _sparsec is not None and indices.dtype == np.int32 and indices.flags.c_contiguous:
+        _sparsec.bitmap_set(indices, k, d, index_part)  # no d-byte mask
+    else:
+        mask = xp.zeros(d, dtype=bool)
+        mask[indices] = True
+        index_part[...] = pack_bits(xp, mask)
+    return out
+
+
+def decode(payload: Any, d: int, dtype: Any = np.float32, indices_out: Any = None) -> Tuple[Any, Any]:
+    """Decode a payload of :func:`encode`.
+
+    Parameters
+    ----------
+    payload : array of uint8
+        Exactly one payload (``encoded_nbytes(k, d, dtype)`` bytes).
+    d : int
+        Vector length the payload was encoded for.
+    dtype : float32 or float64, optional
+        The values' type it was encoded with.
+    indices_out : array of int32, shape (>= k,), optional
+        Where the bitmap format's indices go (its first k entries); ignored
+        by the pairs format, whose indices are read in place.
+
+    Returns
+    -------
+    indices : array of int32, shape (k,)
+        Sorted ascending.  A view into ``payload`` for the pairs format (into
+        ``indices_out`` for the bitmap format, when given).
+    values : array of ``dtype``, shape (k,)
+        A view into ``payload``.
+
+    Raises
+    ------
+    ValueError
+        The payload is not one that :func:`encode` makes for this ``d``.
+    """
+    d = check_count("d", d, 0, _MAX_LENGTH)
+    xp = check_array("payload", payload, ndim=1, kinds="u", dtype=np.uint8)
+    dtype = _value_type(dtype)
+    size = payload.shape[0]
+    if size < _HEADER_BYTES:
+        raise ValueError(f"payload must have at least {_HEADER_BYTES} bytes (the header), got {size}")
+    code, k = (int(v) for v in to_numpy(payload[:_HEADER_BYTES]).view(np.uint32))
+    valid = code < len(_FORMATS) and k <= d
+    if not (valid and _FORMATS[code] == payload_format(k, d) and size == encoded_nbytes(k, d, dtype)):
+        raise ValueError(f"payload of {size} bytes (format code {code}, k = {k}) is not an encoding for d = {d} with {dtype} values")
+    value_end = _HEADER_BYTES + dtype.itemsize * k
+    values = payload[_HEADER_BYTES:value_end].view(dtype)
+    index_part = payload[value_end:]
+    if _FORMATS[code] == "pairs":
+        return index_part.view(xp.int32), values
+    if indices_out is not None:
+        check_array("indices_out", indices_out, ndim=1, kinds="i", dtype=np.int32)
+        if indices_out.shape[0] < k or not indices_out.flags.c_contiguous:
+            raise ValueError(f"indices_out must be C-contiguous with at least k = {k} entries, got shape {indices_out.shape}")
+    if xp is np and _sparsec is not None and index_part.flags.c_contiguous:
+        indices = np.empty(k, dtype=np.int32) if indices_out is None else indices_out[:k]
+        marked = _sparsec.bitmap_indices(index_part, d, indices)  # no d-element unpacking
+    else:
+        found = xp.flatnonzero(unpack_bits(xp, index_part, d))
+        marked = found.shape[0]
+        indices = found.astype(xp.int32) if indices_out is None else indices_out[: min(k, marked)]
+        if indices_out is not None:
+            indices[...] = found[: min(k, marked)]
+    if marked != k:
+        raise ValueError(f"payload bitmap marks {marked} entries, its header says k = {k}")
+    return indices, values

@@ -1,0 +1,208 @@
+"""RegTop-k's scores (Bereyhi et al. 2024/2025): Top-k's ``|a_j|`` times a regularizer from last step.
+
+Where the other workers cancelled what this worker sent last step, the
+regularizer ``tanh(|1 + delta_j| / mu)`` drops toward 0 and the entry stays in
+the error buffer.  RegTop-k selects with
+``topk_indices(regtopk_scores(...), k, absolute=False)``, or with
+:func:`~mpiopt.kernels.sparse.feedback.feedback_select` given
+:func:`regtopk_sent_factors`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from .._backend import check_array, check_count
+from ..threads import get_num_threads
+from .index_sets import _GATHER, _SET, _check_indices, _indexed, _sparsec
+from .selection import TopkWorkspace
+
+__all__ = ["unsent_factor", "regtopk_sent_factors", "regtopk_scores"]
+
+
+def unsent_factor(mu: float, q: float) -> float:
+    """RegTop-k's ``tanh(|1 + q| / mu)``: the factor of ``|a_j|`` for entries not sent last step.
+
+    Parameters
+    ----------
+    mu, q : float
+        RegTop-k's ``mu`` (> 0) and ``Q``, as :func:`regtopk_scores` takes them.
+
+    Returns
+    -------
+    float
+        Exactly 1.0 for the paper's ``q = 1e8`` and any ``mu`` it uses.
+    """
+    return math.tanh(abs(1.0 + q) / mu)
+
+
+def _check_regularizer_scalars(n_workers: Any, mu: Any, q: Any) -> int:
+    """RegTop-k's ``n_workers`` (returned as an int), ``mu`` and ``q``, checked; the error names the bad value."""
+    n_workers = check_count("n_workers", n_workers, 1)
+    if not (isinstance(mu, numbers.Real) and math.isfinite(mu) and mu > 0):
+        raise ValueError(f"mu must be a finite number > 0, got {mu!r}")
+    if not (isinstance(q, numbers.Real) and math.isfinite(q)):
+        raise ValueError(f"q must be a finite number, got {q!r}")
+    return n_workers
+
+
+def regtopk_sent_factors(
+    sent_indices: Any, sent_values: Any, prev_aggregate: Optional[Any], n_workers: int, mu: float, q: float, workspace: Optional[TopkWorkspace],
+    prev_support: Optional[Tuple[Any, Any]] = None,
+) -> Optional[Any]:
+    """RegTop-k's regularizer ``tanh(|1 + delta_j| / mu)`` at the sent entries, in ``workspace.rows[2]``.
+
+    :func:`regtopk_scores` is this factor times ``|a_j|`` at the sent entries
+    (and ``|a_j|`` times the unsent entries' factor elsewhere); the factor
+    needs only last step's selection and aggregate, so it is ready before
+    ``a = e + g`` is formed, and :func:`~mpiopt.kernels.sparse.feedback_select` multiplies it by
+    ``|a_j|`` in its pass (``sent_factors``).  The floats of
+    :func:`regtopk_scores`' general code: its expression up to the tanh in
+    one C loop, then numpy's tanh, in the workspace's k-sized rows
+    (``rows[0]`` and ``rows[1]`` are free again afterwards), so nothing is
+    allocated.
+
+    Parameters
+    ----------
+    sent_indices, sent_values, prev_aggregate, n_workers, mu, q
+        As :func:`regtopk_scores` takes them (the scalars are checked);
+        ``sent_indices`` must be checked already (what a previous selection
+        returned), at most ``workspace.k``.
+    workspace : TopkWorkspace or None
+    prev_support : (indices, values), optional
+        ``G_prev``'s non-zero entries (int32, ascending) and its values there:
+        read instead of ``prev_aggregate`` (which may then be None), in one
+        walk beside ``sent_indices`` with no random access.
+
+    Returns
+    -------
+    array or None
+        The factors (the workspace's ``rows[2]``, overwritten by the next
+        call), or None where the workspace or the C loops cannot compute them.
+    """
+    n_workers = _check_regularizer_scalars(n_workers, mu, q)
+    return _sent_factors(sent_indices, sent_values, prev_aggregate, n_workers, mu, q, workspace, prev_support)
+
+
+def _sent_factors(
+    sent_indices: Any, sent_values: Any, prev_aggregate: Any, n_workers: int, mu: float, q: float, workspace: Optional[TopkWorkspace],
+    prev_support: Optional[Tuple[Any, Any]] = None,
+) -> Optional[Any]:
+    """:func:`regtopk_sent_factors` on checked scalars."""
+    k = sent_indices.shape[0]
+    support, prev = (None, prev_aggregate) if prev_support is None else prev_support
+    if workspace is None or k > workspace.k or (support is None and not workspace.fits(prev, workspace.k)):
+        return None
+    arrays = (sent_indices, sent_values, prev) + (() if support is None else (support,))
+    if not all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays) or sent_indices.dtype != np.int32 \
+            or sent_values.dtype != workspace.dtype or prev.dtype != workspace.dtype \
+            or (support is not None and (support.dtype != np.int32 or support.shape != prev.shape)):
+        return None
+    ratio, factors = workspace.rows[1][:k], workspace.rows[2][:k]
+    # The expression's |1 + delta| / mu in one C loop (its operations, each rounded as numpy rounds them),
+    # then numpy's own tanh for its bits.
+    _sparsec.regtopk_ratio(
+        prev, sent_indices, sent_values, ratio, k, ratio.dtype.itemsize, 1.0 / n_workers, q, mu, get_num_threads(), support,
+    )
+    np.tanh(ratio, out=factors)
+    return factors
+
+
+def regtopk_scores(
+    acc: Any,
+    sent_indices: Any,
+    sent_values: Any,
+    prev_aggregate: Any,
+    n_workers: int,
+    mu: float,
+    q: float = 1e8,
+    out: Any = None,
+    check_indices: bool = True,
+    workspace: Optional[TopkWorkspace] = None,
+) -> Any:
+    """RegTop-k scores ``tanh(|1 + delta_j| / mu) * |a_j|`` (Bereyhi et al.).
+
+    ``delta_j = (G_prev_j - w s_j) / (w s_j)`` for the entries this worker sent
+    last round (``w = 1 / n_workers``, ``s_j`` the value it sent, which is also
+    the paper's ``a_ref_j``), and ``delta_j = q`` for the others (and for sent
+    values that were exactly 0, where the ratio is undefined), so those rank as
+    in Top-k.  ``|1 + delta_j| = |G_prev_j| / |w s_j|`` compares last round's
+    aggregate with this worker's share of it: where the other workers cancelled
+    the entry the score drops toward 0 and the entry stays in the error buffer.
+
+    Parameters
+    ----------
+    acc : array, 1-D floating, length d
+        ``a = g + e``, the error-compensated gradient.
+    sent_indices : array of int, shape (k_prev,)
+        What this worker sent last round: unique, sorted ascending (empty in
+        the first round).
+    sent_values : array, shape (k_prev,)
+        The values it sent at those indices.
+    prev_aggregate : array like ``acc``
+        Last round's aggregate ``G_prev = (1/N) sum_n sent_n`` (dense).
+    n_workers : int
+        N.
+    mu : float
+        > 0; the paper uses 4 (linear regression) and 5 (CIFAR).
+    q : float, optional
+        ``delta`` of entries not sent last round (the paper's Q, large).
+    out : array like ``acc``, optional
+        Where to write the scores (may be a scratch buffer reused each step).
+    check_indices : bool, optional
+        False skips the check that ``sent_indices`` are unique, sorted and in
+        range (for indices a checked call has returned, such as
+        :func:`~mpiopt.kernels.sparse.error_feedback`'s last step).
+    workspace : TopkWorkspace, optional
+        Made for ``acc``'s length and dtype and at least ``k_prev`` entries:
+        the per-entry terms of the sent entries are computed in its buffers
+        (numpy with the C loops), with the same floats, and nothing is allocated.
+
+    Returns
+    -------
+    array like ``acc``
+        Non-negative scores for ``topk_indices(scores, k, absolute=False)``.
+    """
+    xp = check_array("acc", acc, ndim=1, kinds="f")
+    d = acc.shape[0]
+    if check_indices:
+        _check_indices("sent_indices", sent_indices, d)
+    else:
+        check_array("sent_indices", sent_indices, ndim=1, kinds="iu")
+    check_array("sent_values", sent_values, ndim=1, kinds="f")
+    check_array("prev_aggregate", prev_aggregate, ndim=1, kinds="f")
+    if sent_values.shape != sent_indices.shape:
+        raise ValueError(f"sent_values must match sent_indices' shape {sent_indices.shape}, got {sent_values.shape}")
+    if prev_aggregate.shape != acc.shape:
+        raise ValueError(f"prev_aggregate must have acc's shape {acc.shape}, got {prev_aggregate.shape}")
+    n_workers = _check_regularizer_scalars(n_workers, mu, q)
+    if out is not None:
+        check_array("out", out, ndim=1, kinds="f", dtype=acc.dtype)
+        if out.shape != acc.shape:
+            raise ValueError(f"out must have acc's shape {acc.shape}, got {out.shape}")
+    scores = xp.abs(acc, out=out)
+    unsent = unsent_factor(mu, q)  # exactly 1.0 for the paper's q = 1e8: no pass
+    if unsent != 1.0:
+        scores *= unsent
+    k = sent_indices.shape[0]
+    usable = k and workspace is not None and workspace.fits(acc, workspace.k)
+    factor = _sent_factors(sent_indices, sent_values, prev_aggregate, n_workers, mu, q, workspace) if usable else None
+    if factor is not None:
+        own = workspace.rows[0][:k]
+        _indexed(_GATHER, acc, sent_indices, own)
+        xp.abs(own, out=own)
+        factor *= own
+        _indexed(_SET, scores, sent_indices, factor)
+        return scores
+    if k:
+        own = (1.0 / n_workers) * sent_values  # w * a_ref: this worker's share of G_prev
+        sent = own != 0
+        # A subnormal share can overflow delta to +-inf: tanh(inf) = 1 is the right limit.
+        with np.errstate(over="ignore"):
+            delta = xp.where(sent, (prev_aggregate[sent_indices] - own) / xp.where(sent, own, 1), q)
+        scores[sent_indices] = xp.tanh(xp.abs(1 + delta) / mu) * xp.abs(acc[sent_indices])
+    return scores
