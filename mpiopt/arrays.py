@@ -32,7 +32,7 @@ def to_numpy(x: Any) -> np.ndarray:
 PLACE_MIN_BYTES = 1 << 20
 #: Offsets modulo this are kept apart: a load stalls behind a store to the same offset in another 4 KiB page.
 ALIAS_PAGE = 4096
-#: Streams a multiple of this apart ran 8x slower (cache and memory-bank set conflicts on the machine we measured).
+#: Streams a multiple of this apart run several times slower (cache and memory-bank set conflicts; docs/benchmarks-kernels.md).
 ALIAS_SPAN = 1 << 28
 #: How far from those multiples a placed array starts.
 SPAN_GAP = 1 << 16

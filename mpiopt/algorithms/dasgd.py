@@ -24,10 +24,9 @@ computation when the MPI library moves the data while the worker computes.
 Progress
 --------
 MPI implementations advance a nonblocking collective only inside MPI calls,
-and one call advances it only so far.  On the emulated 1 Gbit/s link (two
-ranks, 8 MB, three steps of about 70 ms to hide it in) one ``Test`` per step
-hid half of the averaging; two or more back-to-back ``Test`` calls per step
-(0.5 us each when there is nothing to do) hid 90%.  A *poke* is
+and one call advances it only so far: one ``Test`` per step hides part of
+an averaging, several back-to-back ``Test`` calls (cheap when there is
+nothing to do) hide most of it (docs/benchmarks-averaging.md).  A *poke* is
 ``tests_per_poke`` ``Test`` calls.  Who pokes:
 
 - ``progress="test"`` (default): one poke per step, plus whatever the
@@ -312,8 +311,7 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
         """Start summing ``w_k`` over the ranks: an in-place ``Iallreduce`` of its copy in the sum buffer.
 
         In place, so that MPI makes no copy of a send buffer (a pass over the
-        parameters, 5 ms at d = 11M); the snapshot keeps ``w_k`` for the
-        delayed rule's merge.
+        parameters); the snapshot keeps ``w_k`` for the delayed rule's merge.
         """
         self._request = self.topology.world.Iallreduce(self._sum)
         self.merge_step = step + self.delay_steps

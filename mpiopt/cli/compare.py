@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..training.config import add_config_arguments
+from ..training.flags import add_config_arguments
 from .session import read_settings, start_session
 
 

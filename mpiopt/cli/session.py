@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..comm import Comm, Topology
-from ..training.config import TrainConfig, agree_or_fail, command_settings, config_from_args, dump_toml
+from ..training.config import TrainConfig, agree_or_fail
+from ..training.flags import command_settings, config_from_args, dump_toml
 
 
 @dataclass

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..training.config import add_config_arguments
+from ..training.flags import add_config_arguments
 from .session import read_settings, start_session
 
 

@@ -18,13 +18,10 @@ The *wait policy* of a :class:`~mpiopt.comm.Comm` decides how
     operation, which MPI does only inside MPI calls.
 
 Passive waiting pays where ranks outnumber cores and the bytes cross a
-network, whose kernel moves them while the rank sleeps: on 4 ranks over 2
-cores and the emulated 1 Gbit/s link, ``DistributedOptimizer(overlap=True)``
-on an MLP went from 1.00-1.04x DDP's step to 0.94-0.98x
-(docs/benchmarks-ddp.md).  It
-costs where both sides must poll to move the bytes, as MPICH's shared-memory
-transfers do: DaSGD's small averages in ``tools/run.sh`` (4 ranks, 2 cores,
-shared memory) took 1.7x as long.  Hence not the default.
+network, whose kernel moves them while the rank sleeps (docs/benchmarks-ddp.md
+has the overlap's numbers on the emulated link).  It costs where both sides
+must poll to move the bytes, as MPICH's shared-memory transfers do (DaSGD's
+small averages in ``tools/run.sh`` slowed down).  Hence not the default.
 
 The policy comes from ``Comm(wait_policy=...)``, else from the environment
 variable :data:`WAIT_POLICY_ENV`.  It changes no result, only how the time

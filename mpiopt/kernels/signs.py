@@ -57,12 +57,11 @@ _NAN_POLICIES = ("raise", "unchecked")
 _NAN_MESSAGE = "x contains NaN, whose sign is undefined (nan_policy='unchecked' packs NaN as -1)"
 # The dtypes the C loops read (native byte order).
 # Signs packed per block: 4 MiB of float32, a multiple of 8 so blocks end on
-# whole bytes (measured at d = 25M: as fast as one pass over x, without its
-# d-byte boolean temporary).
+# whole bytes; as fast as one pass over x, without its d-byte boolean temporary
+# (docs/benchmarks-kernels.md, "Design measurements").
 _PACK_BLOCK = 1 << 20
 # 128 KiB per bit plane: fewer, longer numpy calls than L2-sized blocks while the
-# planes of one block stay in the L3 cache (measured at d = 25M, P = 8: 4 Ki words
-# 35 % slower, 8 Ki words 10-50 % slower, 32 Ki words within 5 %).
+# planes of one block stay in the L3 cache (docs/benchmarks-kernels.md, "Design measurements").
 _VOTE_BLOCK_WORDS = 16384
 
 

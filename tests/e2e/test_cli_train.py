@@ -157,7 +157,8 @@ def test_help_documents_every_flag_and_its_default(command):
     import dataclasses
 
     from mpiopt.cli.main import build_parser
-    from mpiopt.training.config import TrainConfig, command_settings
+    from mpiopt.training.config import TrainConfig
+    from mpiopt.training.flags import command_settings
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
     helps = {o: a.help for a in sub._actions for o in a.option_strings}

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from mpiopt.metrics import read_metrics
-from mpiopt.training.config import UsageError, add_config_arguments, config_from_args
+from mpiopt.training.config import UsageError
+from mpiopt.training.flags import add_config_arguments, config_from_args
 
 from .launch import run_mpi
 

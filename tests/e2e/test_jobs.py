@@ -173,7 +173,7 @@ def test_every_mpiopt_command_and_flag_used_exists():
 
 def test_lsgd_example_settings_are_valid(tmp_path):
     from mpiopt.cli.main import build_parser
-    from mpiopt.training.config import config_from_args
+    from mpiopt.training.flags import config_from_args
 
     # The example reads CIFAR-10 from data_dir; any existing folder passes the check.
     args = build_parser().parse_args(["train", "--config", str(JOBS / "lsgd-multinode.toml"), "--data-dir", str(tmp_path)])

@@ -9,7 +9,8 @@ import mpiopt
 from mpiopt.algorithms import SynchronousAlgorithm, algorithm_class, algorithms, register
 from mpiopt.algorithms.base import BASE
 from mpiopt.algorithms.schema import Hyperparameter, Schema, positive
-from mpiopt.training.config import TrainConfig, UsageError, hyperparameter_help
+from mpiopt.training.config import TrainConfig, UsageError
+from mpiopt.training.flags import hyperparameter_help
 
 
 def test_every_schema_declares_its_constructor():

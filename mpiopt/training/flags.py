@@ -1,0 +1,232 @@
+"""Training settings on the command line: one flag per setting of ``mpiopt train`` and ``compare``, TOML files, the help.
+
+Precedence: :class:`~mpiopt.training.config.TrainConfig`'s defaults, then the
+file given with ``--config``, then the flags.  Algorithm hyperparameters come
+from ``--hp KEY=VALUE`` (``--hp lsgd.pull_local=0.2`` for one algorithm only)
+or a ``[hyperparameters]`` table (for ``compare``, a sub-table per algorithm
+overrides it: ``[hyperparameters.lsgd]``), and are checked against each
+algorithm's schema with every other setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any, Dict, List
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from .config import DDP, DEFAULT_EPOCHS, TrainConfig, UsageError, training_defaults
+
+__all__ = ["add_config_arguments", "config_from_args", "command_settings", "dump_toml", "hyperparameter_help"]
+
+_HELP = {
+    "algorithm": "algorithm to train with: {choices}, or ddp (the baseline: torch DistributedDataParallel on gloo, sgd's defaults)",
+    "dataset": "dataset: digits (8x8 handwritten digits shipped with scikit-learn, offline), cifar10 (binary batches in --data-dir), synthetic (Gaussian clusters)",
+    "data_dir": "folder of the dataset files (cifar10: data_batch_1.bin..test_batch.bin; digits: digits.csv.gz, default: scikit-learn's copy)",
+    "model": "model: mlp (2 hidden layers of --width, default 128), cnn (2 conv layers, width 32), resnet20 (He et al., width 16)",
+    "width": "hidden units (mlp) or channels (cnn, resnet20's first stage); default per model",
+    "dropout": "dropout before the classifier head",
+    "augment": "random crop (padding 4) and horizontal flip of training images (cifar10)",
+    "epochs": f"passes over the training set (default {DEFAULT_EPOCHS} when --steps is not given)",
+    "steps": "optimizer steps per rank, instead of --epochs (default: from --epochs)",
+    "batch_size": "samples per rank per step",
+    "lr": "learning rate; default per algorithm: {lr_defaults}",
+    "seed": "seed of the model's initialisation, the data order and augmentation",
+    "group_size": "ranks per group (LSGD's local leaders, signum's pre-vote); default: the real nodes",
+    "eval_every": "evaluate on the test split every N steps (default: 10 times per run, and at the end)",
+    "target_accuracy": "test accuracy for the time-to-target and bytes-to-target columns",
+    "log_every": "plain progress line every N steps when the output is not a terminal (default: --eval-every)",
+    "progress": "progress on rank 0: bar (redrawn in place), lines (plain lines, for logs), or auto: a bar when the output is a "
+    "terminal (mpiexec passes output through pipes: ask for bar there)",
+    "threads": "threads per rank for torch and mpiopt's C kernels (default: the machine's cores divided by the ranks on it; the kernels keep MPIOPT_NUM_THREADS when it is set)",
+    "trace": "write every rank's phases (compute, algorithm, communication, operations in flight) to this Chrome/Perfetto trace file (default: no trace)",
+    "out": "folder for everything the run writes (default: runs/<command>-<date>-<time>)",
+    "checkpoint_every": "write a checkpoint every N steps and at the end (default: no checkpoints)",
+    "checkpoint_dir": "folder of the checkpoints (default: OUT/checkpoints)",
+    "keep_checkpoints": "checkpoints to keep (older ones are deleted)",
+    "resume": "resume from this checkpoint file, or 'auto': the newest valid one in the checkpoint folder (default: start from step 0)",
+    "override_hyperparameters": "on resume, let this run's hyperparameters replace the checkpoint's",
+}
+_FLAGS_BY_COMMAND = {
+    "train": [f.name for f in dataclasses.fields(TrainConfig) if f.name != "hyperparameters"],
+    "compare": [
+        f.name for f in dataclasses.fields(TrainConfig)
+        if f.name not in ("hyperparameters", "algorithm", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "resume",
+                          "override_hyperparameters", "trace")
+    ],
+}
+
+
+def command_settings(command: str) -> List[str]:
+    """The settings ``command`` (``train`` or ``compare``) takes, as field names of :class:`TrainConfig`."""
+    return list(_FLAGS_BY_COMMAND[command])
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _toml_value(text: str) -> Any:
+    """``0.9`` -> 0.9, ``true`` -> True, ``"x"`` or ``x`` -> 'x'."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    """Add one flag per setting of ``command`` (``train`` or ``compare``), every default None (= not given)."""
+    from ..algorithms import algorithms, available
+
+    defaults = TrainConfig()
+    starts = {cls.name: training_defaults(cls.name) for cls in algorithms()}
+    parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (keys as below, with underscores); flags override it")
+    for name in _FLAGS_BY_COMMAND[command]:
+        f = next(x for x in dataclasses.fields(TrainConfig) if x.name == name)
+        default = getattr(defaults, name)
+        lr_defaults = ", ".join(f"{a} {h['lr']:g}" for a, h in starts.items() if "lr" in h)
+        text = _HELP[name].format(choices=", ".join(available()), lr_defaults=lr_defaults)
+        text += "" if default is None else f" (default: {default})"
+        flag = "--" + name.replace("_", "-")
+        kind = f.type if isinstance(f.type, str) else str(f.type)
+        if "bool" in kind:
+            parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=None, metavar="BOOL", help=text)
+        elif "int" in kind:
+            parser.add_argument(flag, type=int, default=None, metavar="N", help=text)
+        elif "float" in kind:
+            parser.add_argument(flag, type=float, default=None, metavar="X", help=text)
+        else:
+            parser.add_argument(flag, default=None, metavar=name.upper(), help=text)
+    if command == "compare":
+        parser.add_argument(
+            "--algorithms", default=None, metavar="A,B,...",
+            help=f"comma-separated algorithms to compare, one after another on the same task, seed and ranks (default: all: {','.join(available())}); "
+            f"add {DDP} for the baseline torch DistributedDataParallel on gloo",
+        )
+    parser.epilog = hyperparameter_help()
+    parser.add_argument(
+        "--hp", action="append", default=[], metavar="KEY=VALUE",
+        help="an algorithm hyperparameter, e.g. --hp momentum=0.9 or, for one algorithm only, --hp lsgd.pull_local=0.2 "
+        "(repeatable). Defaults: each algorithm's own (listed below), except "
+        + "; ".join(f"{a}: " + ", ".join(f"{k}={v}" for k, v in h.items() if k != "lr") for a, h in starts.items() if set(h) - {"lr"}),
+    )
+
+
+def hyperparameter_help() -> str:
+    """Every algorithm's hyperparameters, from its schema: the help's epilog."""
+    from ..algorithms import algorithms
+
+    lines = [
+        "hyperparameters of each algorithm (--hp KEY=VALUE, --hp ALGORITHM.KEY=VALUE, or a [hyperparameters] TOML table;",
+        "the papers' defaults, and where mpiopt train starts from others, those; [per group]: a parameter group may set it;",
+        "[execution]: how the work is done, not its result: it never refuses a resume). Every algorithm also takes",
+        "nan_policy='raise' (a non-finite gradient ends the job) or 'skip' (every rank skips that step):",
+    ]
+    for cls in algorithms():
+        starts = ", ".join(f"{k}={v!r}" for k, v in training_defaults(cls.name).items())
+        lines.append(f"  {cls.name}" + (f" (mpiopt train starts from {starts})" if starts else "") + ":")
+        lines += [f"    {line}" for line in cls.schema.help(skip=("nan_policy",))]
+    return "\n".join(lines)
+
+
+def _load_file(path: str) -> Dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError:
+        raise UsageError(f"config file {path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise UsageError(f"config file {path!r} is not valid TOML: {err}") from None
+
+
+def config_from_args(args: argparse.Namespace, command: str) -> "tuple[TrainConfig, List[str]]":
+    """Merge defaults, ``--config`` file and flags; return the config and the algorithms to run."""
+    from ..algorithms import available
+
+    values: Dict[str, Any] = {}
+    allowed = set(_FLAGS_BY_COMMAND[command]) | {"hyperparameters"} | ({"algorithms"} if command == "compare" else set())
+    if args.config:
+        loaded = _load_file(args.config)
+        unknown = sorted(set(loaded) - allowed)
+        if unknown:
+            raise UsageError(f"config file {args.config!r}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+        values.update(loaded)
+    for name in _FLAGS_BY_COMMAND[command]:
+        given = getattr(args, name, None)
+        if given is not None:
+            values[name] = given
+    hyper = values.pop("hyperparameters", {})
+    if not isinstance(hyper, dict):
+        raise UsageError(f"hyperparameters must be a table ([hyperparameters] with KEY = VALUE lines), got {hyper!r}")
+    hyper = dict(hyper)
+    for item in args.hp:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--hp takes KEY=VALUE, got {item!r}")
+        target, _, leaf = key.strip().rpartition(".")
+        if target:
+            hyper.setdefault(target, {})[leaf] = _toml_value(text)
+        else:
+            hyper[leaf] = _toml_value(text)
+    algorithms_text = values.pop("algorithms", None)
+    if command == "compare":
+        given = getattr(args, "algorithms", None) or algorithms_text
+        if isinstance(given, str):
+            algorithms = [a.strip() for a in given.split(",") if a.strip()]
+        elif isinstance(given, list):
+            algorithms = [str(a) for a in given]
+        else:
+            algorithms = available()  # the baseline first
+        if not algorithms:
+            raise UsageError("--algorithms names no algorithm")
+    config = TrainConfig(**values, hyperparameters=hyper)
+    if config.steps is None and config.epochs is None:
+        config.epochs = float(DEFAULT_EPOCHS)
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(config, f.name)
+        if value is not None and f.name in ("epochs", "dropout", "target_accuracy", "lr") and isinstance(value, int) and not isinstance(value, bool):
+            setattr(config, f.name, float(value))  # TOML's 1 where 1.0 was meant
+    if command == "train":
+        algorithms = [config.algorithm]
+    config.validate(algorithms)
+    return config, algorithms
+
+
+def dump_toml(values: Dict[str, Any]) -> str:
+    """A TOML document for flat settings and (nested) tables of plain values; None is left out."""
+    lines, tables = [], []
+    for key, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            tables.append((key, value))
+        else:
+            lines.append(f"{key} = {_toml_literal(value)}")
+    for key, table in tables:
+        plain = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        nested = {k: v for k, v in table.items() if isinstance(v, dict)}
+        if plain or not nested:
+            lines += ["", f"[{key}]"] + [f"{k} = {_toml_literal(v)}" for k, v in plain.items() if v is not None]
+        for sub, subtable in nested.items():
+            lines += ["", f"[{key}.{sub}]"] + [f"{k} = {_toml_literal(v)}" for k, v in subtable.items() if v is not None]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
