@@ -122,10 +122,9 @@ def host_apart(shape: Any, dtype: Any, near: Sequence[Any] = (), *, zero: bool =
 
     The update loops stream the parameters, the gradient and several state
     arrays side by side.  Where two of those streams start at the same offset
-    in a 4 KiB page, loads wait behind unrelated stores (4K aliasing; removing
-    it made the fused SGD loop 5-10 % faster here), and where they lie a
-    multiple of 256 MiB apart, the loop ran 8x slower on the machine we
-    measure on.  Where such pairs fall depends on the order of allocations
+    in a 4 KiB page, loads wait behind unrelated stores (4K aliasing), and
+    where they lie a multiple of 256 MiB apart, cache and memory-bank set
+    conflicts slow the loop several times (docs/benchmarks-kernels.md).  Where such pairs fall depends on the order of allocations
     in the process, so an unlucky training script would keep the slow
     layout for its whole run.  Arrays of :data:`PLACE_MIN_BYTES` or more are
     therefore cut from a larger buffer (4 KiB, and 128 KiB for each array to
