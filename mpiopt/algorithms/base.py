@@ -48,7 +48,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar, Dict, List, Mapping, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, NoReturn, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -56,6 +56,7 @@ from ..arrays import array_module, empty_apart, keep_apart, to_numpy
 from ..comm import Topology
 from ..comm.ledger import Call
 from ..kernels.update import all_finite
+from .local import InnerUpdate
 from .schema import Hyperparameter, Schema, choice, positive
 
 __all__ = [
@@ -187,6 +188,11 @@ class Algorithm:
     baseline: ClassVar[bool] = False
     #: Place in listings (``available()``, ``compare``'s default, benchmarks' tables), then the name.
     listing_order: ClassVar[int] = 1000
+    #: What an inner optimizer (:meth:`use_inner`) does here: ``"gradient"``, it steps on the exchanged gradient;
+    #: ``"local"``, it takes each rank's local step, which the algorithm then averages or pulls; None: refused.
+    inner_role: ClassVar[Optional[str]] = None
+    #: Why an algorithm without an ``inner_role`` takes no inner optimizer.
+    inner_refusal: ClassVar[str] = "its update is its own"
     #: Whether :meth:`_step` can check the gradient in its update's own pass (see :meth:`_checks_in_step`).
     fused_gradient_check: ClassVar[bool] = False
     #: Attribute names of arrays (or None) that make up the state.
@@ -296,6 +302,38 @@ class Algorithm:
 
     def _finish(self, params: Any) -> None:
         """Complete any communication still in flight."""
+
+    def use_inner(self, step: Callable[[Any, Any], None], name: str) -> None:
+        """Take the local step with the caller's optimizer, ``step(params, grad)``, instead of the built-in SGD update.
+
+        Call before :meth:`setup`.  Where it steps depends on
+        :attr:`inner_role`; ``name`` (``"AdamW"``) joins the hyperparameters,
+        so every rank and every checkpoint agrees on it.  The built-in
+        update's hyperparameters (momentum, weight decay, ...) and ``lr``
+        are then the caller's optimizer's business.
+
+        Raises
+        ------
+        TypeError
+            For an algorithm that takes no inner optimizer (the message says why).
+        RuntimeError
+            After :meth:`setup`.
+        """
+        if self.inner_role is None:
+            raise TypeError(f"{self.name} takes no inner optimizer: {self.inner_refusal}")
+        if self.num_params is not None:
+            raise RuntimeError(f"{self.name}: use_inner() must come before setup()")
+        self._use_inner(InnerUpdate(step, name))
+
+    def _use_inner(self, inner: InnerUpdate) -> None:
+        """Put ``inner`` where the local step is (``self.local`` unless the class keeps it elsewhere)."""
+        self.local = inner
+
+    @property
+    def inner(self) -> Optional[InnerUpdate]:
+        """The caller's optimizer as the local step, or None for the built-in update."""
+        local = getattr(self, "local", None)
+        return local if isinstance(local, InnerUpdate) else None
 
     # -- the protocol ------------------------------------------------------------------
     @property
@@ -545,6 +583,48 @@ class SynchronousAlgorithm(Algorithm):
         """
         return self._apply_step(params, grad, loss)
 
+    def exchange(self, params: Any, grad: Any) -> Optional[Any]:
+        """The exchange alone: the gradient every rank will apply, combined from every rank's ``grad`` (a collective call).
+
+        For the gradient-exchanging algorithms (:attr:`inner_role` ``"gradient"``):
+        ``sgd``'s mean, Top-k's and RegTop-k's aggregate (their error feedback
+        advances).  The returned buffer is the algorithm's and is read by the
+        next :meth:`step_exchanged`, which applies it (a caller may clip it
+        in between).  None when every rank skips this step
+        (``nan_policy="skip"``).
+
+        Raises
+        ------
+        TypeError
+            For an algorithm that exchanges parameters after the local step.
+        """
+        if self.inner_role != "gradient":
+            raise TypeError(
+                f"{self.name} exchanges parameters after the local step, not gradients: there is no exchanged gradient "
+                "before the step (clip the local gradient instead)"
+            )
+        if self.num_params is None:
+            raise RuntimeError(f"{type(self).__name__}.setup(params) must be called before exchange()")
+        self._check_flat("params", params)
+        self._check_flat("grad", grad)
+        if not self._gradient_ok(grad):
+            return None
+        return self._exchange(params, grad)
+
+    def step_exchanged(self, params: Any, exchanged: Optional[Any], loss: Optional[float] = None) -> StepRecord:
+        """The local update with what :meth:`exchange` returned (perhaps changed since): the rest of a :meth:`step`."""
+        before, started = self.ledger.snapshot(), time.perf_counter()
+        if exchanged is not None:
+            self._check_flat("exchanged", exchanged)
+            self.local.apply(params, exchanged, self.lr)
+            self.steps += 1
+        self.last = self._record(before, started, loss, exchanged is None)
+        return self.last
+
+    def _exchange(self, params: Any, grad: Any) -> Any:
+        """:meth:`exchange`'s communication (the gradient-exchanging algorithms say how)."""
+        raise NotImplementedError
+
 
 class AsynchronousAlgorithm(Algorithm):
     """The protocol of algorithms with a server and workers: ``setup``, then ``run(params, worker_fn, ...)``.
@@ -555,6 +635,7 @@ class AsynchronousAlgorithm(Algorithm):
 
     protocol: ClassVar[str] = ASYNCHRONOUS
     evaluates: ClassVar[str] = "server"
+    inner_refusal: ClassVar[str] = "a server applies its workers' gradients with its own update rule"
     resize_refusal: ClassVar[str] = "the server's and the leaders' state belong to one layout of server and workers"
 
     @classmethod

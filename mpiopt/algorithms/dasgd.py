@@ -167,6 +167,7 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
     """
 
     name = "dasgd"
+    inner_role = "local"
     listing_order = 30
     schema = BASE.with_defaults(lr=0.1) + Schema(
         Hyperparameter("period", 4, positive(integer=True), "steps between averagings (tau)"),

@@ -127,6 +127,7 @@ class EASGD(LocalStepState, SynchronousAlgorithm):
     """
 
     name = "easgd"
+    inner_role = "local"
     listing_order = 10
     schema = BASE.with_defaults(lr=0.1) + Schema(
         Hyperparameter("alpha", None, optional(positive(allow_zero=True)), "moving rate of a worker towards the centre (give alpha or beta)"),

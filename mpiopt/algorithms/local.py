@@ -9,13 +9,13 @@ when its C loop was built); a step allocates nothing after the first.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..arrays import empty_apart
-from ..kernels.update import Merge, sgd_update
+from ..kernels.update import Merge, all_finite, merge_average, sgd_update
 from .schema import Hyperparameter, Schema, boolean, in_range, positive
 
-__all__ = ["LocalSGD", "LocalStepState", "LOCAL_SGD"]
+__all__ = ["LocalSGD", "InnerUpdate", "LocalStepState", "LOCAL_SGD"]
 
 #: torch.optim.SGD's keywords, every one per parameter group; each algorithm re-defaults them to its paper's values.
 LOCAL_SGD = Schema(
@@ -109,6 +109,75 @@ class LocalSGD:
             check_finite=check_finite,
             grad_support=grad_support,
         )
+
+
+class InnerUpdate:
+    """The caller's optimizer as the local step, in :class:`LocalSGD`'s place (``Algorithm.use_inner``).
+
+    ``step(params, grad)`` updates ``params`` in place from ``grad`` with the
+    caller's own rule, learning rate and state (a ``torch.optim`` optimizer
+    over views of the same memory, say).  What :class:`LocalSGD` fuses into
+    its one pass (the division by the world size, DaSGD's copies and merge,
+    the finite check) takes passes of its own here, around the caller's step.
+
+    Parameters
+    ----------
+    step : callable
+        ``step(params, grad) -> None``.
+    name : str
+        What the step is (``"AdamW"``): recorded among the hyperparameters,
+        so ranks and checkpoints agree on it.
+    """
+
+    #: No momentum buffer of mpiopt's: the caller's optimizer keeps its own state.
+    buffer = None
+    momentum = weight_decay = 0.0
+
+    def __init__(self, step: Callable[[Any, Any], None], name: str) -> None:
+        if not callable(step):
+            raise TypeError(f"the inner step must be callable, got {type(step).__name__}")
+        self.step = step
+        self.name = str(name)
+        self._mean: Optional[Any] = None  # grad / grad_divisor, allocated once
+
+    def hyperparameters(self) -> Dict[str, Any]:
+        return {"inner": self.name}
+
+    def allocate(self, params: Any) -> None:
+        self._mean = None
+
+    def apply(
+        self,
+        params: Any,
+        grad: Any,
+        lr: float,
+        grad_divisor: int = 1,
+        *,
+        copy_to: Union[None, Any, Sequence[Any]] = None,
+        merge: Optional[Merge] = None,
+        check_finite: bool = False,
+        grad_support: Optional[Tuple[Any, Any]] = None,
+    ) -> Optional[bool]:
+        """:meth:`LocalSGD.apply`'s contract with the caller's step (``lr`` is the caller's optimizer's own; ``grad`` dense)."""
+        if grad_support is not None:
+            raise ValueError("an inner optimizer reads the dense gradient: grad_support is for the built-in update")
+        finite = None
+        if check_finite:
+            finite = bool(all_finite(grad))
+            if not finite:
+                return False  # nothing changed: the caller ends the job or raises
+        if grad_divisor != 1:
+            if self._mean is None:
+                self._mean = empty_apart(grad)
+            self._mean[...] = grad
+            self._mean /= grad_divisor
+            grad = self._mean
+        self.step(params, grad)
+        if merge is not None:
+            merge_average(params, merge.snapshot, merge.total, merge.world_size, merge.rule, merge.proportion)
+        for target in () if copy_to is None else ((copy_to,) if hasattr(copy_to, "shape") else copy_to):
+            target[...] = params
+        return finite
 
 
 class LocalStepState:

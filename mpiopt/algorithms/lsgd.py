@@ -167,6 +167,7 @@ class LSGD(LSGDState, SynchronousAlgorithm):
     """
 
     name = "lsgd"
+    inner_role = "local"
     listing_order = 20
     schema = BASE.with_defaults(lr=0.1) + LSGD_RULE
     evaluates = "average"
@@ -196,6 +197,9 @@ class LSGD(LSGDState, SynchronousAlgorithm):
         if global_:
             calls += [Call("allreduce", ELECTION_BYTES, ranks, global_, 2), Call("bcast", n, ranks, global_, 3)]
         return calls
+
+    def _use_inner(self, inner: Any) -> None:
+        self.rule.local = inner
 
     @classmethod
     def plan_cycle(cls, hyper: Mapping[str, Any]) -> int:

@@ -42,6 +42,7 @@ class SGD(LocalStepState, SynchronousAlgorithm):
     """
 
     name = "sgd"
+    inner_role = "gradient"
     listing_order = 0
     schema = BASE.with_defaults(lr=0.1) + LOCAL_SGD
     baseline = True
@@ -101,6 +102,14 @@ class SGD(LocalStepState, SynchronousAlgorithm):
         # Only where the update reads this rank's own gradient (one rank, no caller's sum): at more ranks it
         # reads the Allreduce's sum, and a non-finite sum could not name the rank whose gradient was at fault.
         return super()._checks_in_step() and self.topology.world.size == 1 and self._reduced is None
+
+    def _exchange(self, params: Any, grad: Any) -> Any:
+        world = self.topology.world
+        if world.size == 1:
+            return grad
+        world.Allreduce(grad, out=self._average)
+        self._average /= world.size
+        return self._average
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         world = self.topology.world

@@ -185,6 +185,10 @@ class Signum(SynchronousAlgorithm):
     """
 
     name = "signum"
+    inner_refusal = (
+        "Signum is its own optimizer: its update is the sign of the voted momentum, and an inner optimizer "
+        "would have to step on those signs (use sgd, topk or regtopk to exchange gradients for an inner optimizer)"
+    )
     listing_order = 40
     schema = BASE.with_defaults(lr=1e-4) + Schema(
         Hyperparameter("momentum", 0.9, in_range(0.0, 1.0, high_open=True), "momentum of the signs (0: signSGD)", per_group=True),

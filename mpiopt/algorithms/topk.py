@@ -405,6 +405,7 @@ class _SparseSGD(LocalStepState, SynchronousAlgorithm):
     """Top-k / RegTop-k with error feedback over ``topology.world`` (see the module docstring)."""
 
     fused_gradient_check = True  # error feedback's pass over g checks it
+    inner_role = "gradient"
     training_defaults = {"lr": 0.05, "density": 0.01, "momentum": 0.9}
     wire_summary = "8k bytes (or bitmap + values) + 8-byte header sent, (P-1) times that received"
 
@@ -442,6 +443,10 @@ class _SparseSGD(LocalStepState, SynchronousAlgorithm):
 
     def hyperparameters(self) -> Dict[str, Any]:
         return {**self.sparsifier.hyperparameters(), **self.local.hyperparameters()}
+
+    def _use_inner(self, inner: Any) -> None:
+        super()._use_inner(inner)
+        self._dense = True  # the inner optimizer steps on the dense aggregate G
 
     @property
     def k(self) -> Optional[int]:
@@ -509,31 +514,40 @@ class _SparseSGD(LocalStepState, SynchronousAlgorithm):
         # A dense update that cannot read G's non-zero entries alone (at most P k: the union buffers' length)
         # reads all of it, as does RegTop-k's general selection; otherwise the dense G is written only when
         # asked for (the aggregate property), since writing it costs a pass over d where clearing costs P k.
-        self._reads_support = self._dense and reads_support(params, (self._unions[0], self._sums))
+        self._reads_support = self._dense and self.inner is None and reads_support(params, (self._unions[0], self._sums))
         self._write_out = (self._dense and not self._reads_support) or self.worker.reads_dense_aggregate
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
+        # Without momentum and weight decay the paper's rule, x <- x - lr G where G is non-zero, rides in the aggregation.
+        self._exchange_payloads(grad, check_finite=self._checks_in_step(), params=None if self._dense else params)
+        if self._dense:  # x <- x - lr G with momentum / decay, from G's non-zero values where the loop reads only those
+            self.local.apply(params, self._aggregate, self.lr, grad_support=self._latest if self._reads_support else None)
+
+    def _exchange_payloads(self, grad: Any, check_finite: bool, params: Optional[Any]) -> None:
+        """Compress, Allgather and aggregate: G of this step (and ``x <- x - lr G`` on ``params`` where given)."""
         # RegTop-k's G_prev: its non-zero entries where the last step kept them, the dense G (written when
         # first read: the aggregate property) where the worker's general code reads it.
         sent = self.worker.compress(
-            grad, lambda: self.aggregate, out=self._payload, check_finite=self._checks_in_step(), prev_support=self._latest,
+            grad, lambda: self.aggregate, out=self._payload, check_finite=check_finite, prev_support=self._latest,
         )
         if sent is None:
             self._non_finite_gradient()  # before the Allgather
         self.topology.world.Allgather(self._payload, self._payloads)
-        # G = (1/N) sum_n sent_n, non-zero on at most P k entries; without momentum and weight decay the
-        # paper's rule, x <- x - lr G where G is non-zero, in the same walk (the dense update's floats).
+        # G = (1/N) sum_n sent_n, non-zero on at most P k entries; the update on params in the same walk
+        # gives the dense update's floats.
         aggregate = aggregate_payloads(
             self._payloads, out=self._aggregate, stale=self._touched, indices_out=self._indices,
             union_bits=self._union_bits, union_out=self._unions[self._union_slot], sums_out=self._sums,
-            params=None if self._dense else params, lr=self.lr, write_out=self._write_out,
+            params=params, lr=self.lr, write_out=self._write_out,
         )
         self._union_slot ^= 1  # the next union goes to the other buffer
         self._latest = None if aggregate.values is None else aggregate
         self._aggregate_written = self._write_out or aggregate.values is None
         self._touched = aggregate.touched if self._aggregate_written else None
-        if self._dense:  # x <- x - lr G with momentum / decay, from G's non-zero values where the loop reads only those
-            self.local.apply(params, self._aggregate, self.lr, grad_support=self._latest if self._reads_support else None)
+
+    def _exchange(self, params: Any, grad: Any) -> Any:
+        self._exchange_payloads(grad, check_finite=False, params=None)
+        return self.aggregate  # dense: the caller applies (and may clip) it
 
     def load_state_dict(self, state: Any, *, override_hyperparameters: bool = False) -> None:
         super().load_state_dict(state, override_hyperparameters=override_hyperparameters)

@@ -112,6 +112,7 @@ import numpy as np
 import torch
 
 from ..algorithms import ASYNCHRONOUS, SYNCHRONOUS, Algorithm, StepRecord, create
+from ..algorithms.local import LOCAL_SGD
 from ..algorithms.schema import check_positive
 from ..arrays import host_apart
 from ..comm import Comm, Ledger, Topology
@@ -274,6 +275,20 @@ class _BucketExchange:
         return self._before
 
 
+def _check_inner(inner: Optional[torch.optim.Optimizer], algorithm: str, hyperparameters: Dict[str, Any]) -> Optional[torch.optim.Optimizer]:
+    """``inner`` if it can serve as ``algorithm``'s local step; the built-in update's hyperparameters are then refused."""
+    if inner is None:
+        return None
+    if not isinstance(inner, torch.optim.Optimizer) or isinstance(inner, DistributedOptimizer):
+        raise TypeError(f"inner must be a torch.optim.Optimizer over the model's parameters, got {type(inner).__name__}")
+    local = sorted(set(hyperparameters) & ({"lr"} | set(LOCAL_SGD.names())))
+    if local:
+        raise ValueError(
+            f"{algorithm} with inner={type(inner).__name__}: {', '.join(local)} belong to the inner optimizer; set them there"
+        )
+    return inner
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """An mpiopt algorithm as a ``torch.optim.Optimizer`` over flat parameter and gradient buffers.
 
@@ -333,6 +348,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         backward_passes_per_step: int = 1,
         overlap: bool = False,
         bucket_cap_mb: float = 25.0,
+        inner: Optional[torch.optim.Optimizer] = None,
         **hyperparameters: Any,
     ) -> None:
         if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
@@ -341,7 +357,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"overlap must be a bool, got {overlap!r}")
         check_positive("bucket_cap_mb", bucket_cap_mb)
         self.topology = Topology() if topology is None else topology
+        self.inner = _check_inner(inner, algorithm, hyperparameters)
         self.algorithm: Algorithm = create(algorithm, self.topology, **hyperparameters)
+        if self.inner is not None:  # before anything changes: an algorithm without an inner role refuses here
+            self.algorithm.use_inner(self._inner_step, type(self.inner).__name__)
         if overlap and not hasattr(self.algorithm, "step_reduced"):
             raise ValueError(
                 f"overlap=True needs an algorithm that exchanges the gradient by Allreduce (sgd); {algorithm!r} does not "
@@ -352,6 +371,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._frozen = False
         super().__init__(params, {"lr": self.algorithm.lr})
         self._frozen = True
+        if self.inner is not None:  # its groups are ours: schedulers and clipping see one set of groups
+            self._adopt_groups(self.inner)
         self._params: List[torch.nn.Parameter] = [p for group in self.param_groups for p in group["params"]]
         self._check_groups()
         self._flat_params, self._flat_grads = self._flatten()
@@ -368,6 +389,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.algorithm.setup(self._params_array)
         self._verdict = np.zeros(3)  # GradScaler: overflow somewhere, largest scale, -smallest scale
         self._exchange: Optional[_BucketExchange] = None
+        self._synchronized: Optional[Tuple[Any, Ledger]] = None  # (exchanged gradient or None: skipped, its cost)
         if overlap:
             self._flat_total = _flat_buffer(self._flat_grads.numel(), self._flat_grads)  # the buckets' sums over the world
             self._total_array = _as_array(self._flat_total)
@@ -383,9 +405,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("DistributedOptimizer: parameters cannot be added after construction (the flat buffer is fixed)")
         super().add_param_group(param_group)
 
+    def _adopt_groups(self, inner: torch.optim.Optimizer) -> None:
+        """Share ``inner``'s parameter groups (the same list), after checking that they hold our parameters."""
+        ours = [p for group in self.param_groups for p in group["params"]]
+        theirs = [p for group in inner.param_groups for p in group["params"]]
+        if {id(p) for p in ours} != {id(p) for p in theirs} or len(ours) != len(theirs):
+            raise ValueError(
+                f"inner optimizer {type(inner).__name__} holds other parameters than DistributedOptimizer's "
+                f"({len(theirs)} against {len(ours)}): create it over the same parameters, e.g. inner=torch.optim.AdamW(model.parameters())"
+            )
+        self.param_groups = inner.param_groups
+        self.defaults = inner.defaults
+        self.state = inner.state
+
+    def _inner_step(self, params: Any, grad: Any) -> None:
+        """The inner optimizer's step with ``grad`` in the parameters' ``.grad`` (copied there unless it is that buffer)."""
+        if grad is not self._grads_array:
+            self._grads_array[...] = grad
+        self.inner.step()
+
     def _check_groups(self) -> None:
         if not self._params:
             raise ValueError("DistributedOptimizer got no parameters")
+        if self.inner is not None:  # the groups are the inner optimizer's, with its hyperparameters
+            self._check_tensors()
+            return
         for i, group in enumerate(self.param_groups):
             extra = sorted(set(group) - _GROUP_KEYS)
             if extra:
@@ -394,6 +438,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "parameters; pass them to DistributedOptimizer instead"
                 )
         self._group_lr()
+        self._check_tensors()
+
+    def _check_tensors(self) -> None:
         kinds = sorted({(str(p.dtype), str(p.device)) for p in self._params})
         if len(kinds) > 1:
             raise ValueError(f"all parameters must share one dtype and device; got {kinds}")
@@ -434,8 +481,66 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._exchange is not None and self._exchange.pending:
             self._exchange.start_rest()
             self._exchange.finish()
+        self._synchronized = None  # an exchanged gradient not stepped on is dropped with the rest
         self._flat_grads.zero_()
         self._check_views(keep_replaced_grads=False)
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Complete the gradient exchange now and leave the exchanged gradient in every parameter's ``.grad``.
+
+        For the gradient-exchanging algorithms (``sgd``, ``topk``, ``regtopk``):
+        ``torch.nn.utils.clip_grad_norm_`` after it clips what every rank
+        shares, as under torch DDP, and the next :meth:`step` applies
+        ``.grad`` without exchanging again (Horovod's ``synchronize``).
+        ``easgd``, ``lsgd`` and ``dasgd`` exchange parameters after the local
+        step: there, clipping between ``backward()`` and ``step()`` clips this
+        rank's own gradient, and ``synchronize()`` raises ``TypeError``.
+
+        Raises
+        ------
+        RuntimeError
+            When called twice without a :meth:`step` in between.
+        TypeError
+            For an algorithm that exchanges no gradient (see above).
+        """
+        if self._synchronized is not None:
+            raise RuntimeError("synchronize() was called twice without step(): the exchanged gradient is in .grad already")
+        if self.algorithm.inner_role != "gradient":
+            raise TypeError(
+                f"{self.algorithm.name} exchanges parameters after the local step, not gradients: there is nothing to "
+                "synchronize before step() (clipping .grad clips this rank's own gradient)"
+            )
+        self._check_views(keep_replaced_grads=True)
+        ledger = self.topology.ledger
+        before = ledger.snapshot()
+        if self._exchange is not None:  # the buckets backward started: their sums, then the mean into .grad
+            self._exchange.start_rest()
+            before = self._exchange.finish()  # the ledger when the first bucket left
+            if self.backward_passes_per_step > 1:
+                self._flat_total.div_(self.backward_passes_per_step)
+            torch.div(self._flat_total, self.topology.size, out=self._flat_grads)
+            exchanged = self._grads_array
+        else:
+            if self.backward_passes_per_step > 1:
+                self._flat_grads.div_(self.backward_passes_per_step)
+            exchanged = self.algorithm.exchange(self._params_array, self._grads_array)
+            if exchanged is not None and exchanged is not self._grads_array:
+                self._grads_array[...] = exchanged
+        self._synchronized = (None if exchanged is None else self._grads_array, ledger.since(before))
+
+    def _step_synchronized(self, loss: Any) -> Any:
+        """``step()`` after :meth:`synchronize`: the local update with ``.grad`` as it is now."""
+        exchanged, cost = self._synchronized
+        self._synchronized = None
+        skip, inverse_scale, _ = self._grad_scaler_verdict()
+        if skip:
+            return self._skipped(loss)
+        if inverse_scale is not None:
+            self._flat_grads.mul_(inverse_scale)
+        record = self.algorithm.step_exchanged(self._params_array, exchanged, loss=loss_value(loss))
+        self.last = _add_cost(record, cost)
+        return loss
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, loss: Any = None) -> Any:
@@ -460,7 +565,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_views(keep_replaced_grads=True)
-        self.algorithm.lr = self._group_lr()
+        if self.inner is None:  # with an inner optimizer the rates are its own
+            self.algorithm.lr = self._group_lr()
+        if self._synchronized is not None:
+            return self._step_synchronized(loss)
         if self._exchange is None:
             skip, inverse_scale, _ = self._grad_scaler_verdict()
             if skip:
@@ -550,7 +658,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             index += len(group["params"])
             groups.append(saved)
         return {
-            "state": {},
+            "state": {} if self.inner is None else self.inner.state_dict()["state"],
             "param_groups": groups,
             "mpiopt": {"algorithm": self.algorithm.state_dict(), "backward_passes_per_step": self.backward_passes_per_step},
         }
@@ -572,6 +680,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"backward_passes_per_step is {self.backward_passes_per_step}, the state has {saved['backward_passes_per_step']}"
             )
         self.algorithm.load_state_dict(saved["algorithm"], override_hyperparameters=override_hyperparameters)
+        if self.inner is not None:  # its state and groups, in torch.optim's own format
+            self.inner.load_state_dict({"state": state_dict["state"], "param_groups": groups})
+            return
         for group, stored in zip(self.param_groups, groups):
             group.update({k: v for k, v in stored.items() if k != "params"})
 

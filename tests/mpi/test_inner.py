@@ -1,0 +1,206 @@
+"""Inner optimizers: every synchronous algorithm over a torch optimizer (AdamW first), synchronize() and clipping.
+
+References: single-process AdamW on the mean gradient of every rank's batch,
+torch DDP with AdamW, and each algorithm's own built-in update.  float64
+models, so "to rounding" means a few ulps of float64.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mpiopt
+from mpiopt.algorithms import SYNCHRONOUS, algorithm_class, available
+from mpiopt.torch import DistributedOptimizer
+
+pytestmark = pytest.mark.mpi
+STEPS = 6
+ROUNDING = dict(rtol=1e-12, atol=1e-14)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
+
+
+def batches(size: int, steps: int = STEPS):
+    """``steps`` batches for each of ``size`` ranks, the same on every rank."""
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(size, 8, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (size, 8), generator=g)) for _ in range(steps)]
+
+
+def decay_groups(model: torch.nn.Module, decay: float = 0.1):
+    """Weight decay on the weights, none on the biases: two parameter groups, as transformer recipes use."""
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": decay},
+            {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}]
+
+
+def train_reference(data, size: int, clip=None) -> torch.nn.Module:
+    """One process, AdamW on the mean of every rank's loss (the gradient every data-parallel rank applies)."""
+    model = make_model()
+    opt = torch.optim.AdamW(decay_groups(model), lr=1e-2, betas=(0.9, 0.95))
+    for xs, ys in data:
+        opt.zero_grad()
+        (sum(F.cross_entropy(model(xs[r]), ys[r]) for r in range(size)) / size).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return model
+
+
+def train_mpiopt(topology, data, algorithm="sgd", clip=None, **hyper) -> torch.nn.Module:
+    model = make_model()
+    inner = torch.optim.AdamW(decay_groups(model), lr=1e-2, betas=(0.9, 0.95))
+    opt = DistributedOptimizer(model.parameters(), algorithm, topology=topology, inner=inner, **hyper)
+    rank = topology.rank
+    for xs, ys in data:
+        opt.zero_grad()
+        F.cross_entropy(model(xs[rank]), ys[rank]).backward()
+        if clip:
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return model
+
+
+def assert_close(model, reference, **tolerance):
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        np.testing.assert_allclose(mine.detach().numpy(), theirs.detach().numpy(), **(tolerance or ROUNDING))
+
+
+def test_sgd_with_adamw_is_adamw_on_the_mean_gradient(topology):
+    data = batches(topology.size)
+    assert_close(train_mpiopt(topology, data), train_reference(data, topology.size))
+
+
+@pytest.mark.parametrize("algorithm, hyper", [("sgd", {}), ("topk", {"density": 1.0}), ("regtopk", {"density": 1.0})])
+def test_synchronize_then_clip_clips_the_exchanged_gradient(topology, algorithm, hyper):
+    """At density 1 Top-k and RegTop-k send everything: all three exchange the mean, which is what gets clipped."""
+    data = batches(topology.size)
+    assert_close(train_mpiopt(topology, data, algorithm, clip=0.3, **hyper), train_reference(data, topology.size, clip=0.3))
+
+
+def test_step_after_synchronize_exchanges_once(topology):
+    model = make_model()
+    opt = DistributedOptimizer(model.parameters(), "sgd", topology=topology, inner=torch.optim.AdamW(model.parameters()))
+    d = sum(p.numel() for p in model.parameters())
+    xs, ys = batches(topology.size, 1)[0]
+    F.cross_entropy(model(xs[topology.rank]), ys[topology.rank]).backward()
+    before = topology.ledger.snapshot()
+    opt.synchronize()
+    with pytest.raises(RuntimeError, match="synchronize\\(\\) was called twice"):
+        opt.synchronize()
+    opt.step()
+    delta = topology.ledger.since(before)
+    wire = 8 * d if topology.size > 1 else 0  # float64
+    assert delta.bytes_sent == wire and opt.last.bytes_sent == wire and opt.algorithm.steps == 1
+
+
+def test_sgd_with_adamw_is_ddp_with_adamw(topology):
+    import torch.distributed as dist
+
+    from mpiopt.training.ddp import init_gloo
+
+    if not dist.is_initialized():
+        init_gloo(topology)
+    data = batches(topology.size)
+    reference = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(reference)
+    opt = torch.optim.AdamW(decay_groups(reference), lr=1e-2, betas=(0.9, 0.95))
+    for xs, ys in data:
+        opt.zero_grad()
+        F.cross_entropy(ddp(xs[topology.rank]), ys[topology.rank]).backward()
+        opt.step()
+    assert_close(train_mpiopt(topology, data), reference)
+
+
+def _torch_sgd_step(params: np.ndarray, hyper):
+    """A torch.optim.SGD over a tensor sharing ``params``'s memory, as an inner step ``(params, grad)``."""
+    weight = torch.nn.Parameter(torch.from_numpy(params))
+    weight.grad = torch.zeros_like(weight)
+    sgd = torch.optim.SGD([weight], lr=0.05, **hyper)
+
+    def step(p, g):
+        weight.grad.copy_(torch.from_numpy(g))
+        sgd.step()
+
+    return step
+
+
+@pytest.mark.parametrize("name", [n for n in available(SYNCHRONOUS) if algorithm_class(n).inner_role])
+def test_every_algorithm_with_inner_torch_sgd_is_its_builtin_update(topology, name):
+    """To rounding, not bitwise: torch's CPU SGD computes ``a + alpha * b`` with a fused multiply-add that rounds
+    once, where mpiopt's update rounds twice (mpiopt/kernels/update.py); what the built-in update fuses
+    besides (DaSGD's merge, the division by the world size) is rounded the same when done apart."""
+    extra = {"density": 0.3} if name in ("topk", "regtopk") else {}
+    builtin = mpiopt.create(name, topology, lr=0.05, **extra)
+    local = {k: v for k, v in builtin.hyperparameters().items() if k in ("momentum", "dampening", "nesterov", "weight_decay")}
+    rng = np.random.default_rng([3, topology.rank])
+    start = np.random.default_rng(5).standard_normal(301)
+    grads = rng.standard_normal((12, 301))
+    a, b = start.copy(), start.copy()
+    builtin.setup(a)
+    other = mpiopt.create(name, topology, **extra)
+    other.use_inner(_torch_sgd_step(b, local), "SGD")
+    other.setup(b)
+    for step, g in enumerate(grads):
+        builtin.step(a, g, loss=float(step % 3 + topology.rank))
+        other.step(b, g, loss=float(step % 3 + topology.rank))
+    other.finish(b)
+    builtin.finish(a)
+    np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-13)
+    assert other.hyperparameters()["inner"] == "SGD" and other.momentum_buffer is None
+
+
+def test_state_dict_with_an_inner_optimizer_resumes_bitwise(topology):
+    data = batches(topology.size, 8)
+    rank = topology.rank
+
+    def run(model, opt, part):
+        for xs, ys in part:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(xs[rank]), ys[rank])
+            loss.backward()
+            opt.step(loss=loss)
+
+    model = make_model()
+    opt = DistributedOptimizer(model.parameters(), "lsgd", topology=topology, inner=torch.optim.AdamW(decay_groups(model)))
+    run(model, opt, data[:4])
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    run(model, opt, data[4:])
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    again = make_model()
+    opt2 = DistributedOptimizer(again.parameters(), "lsgd", topology=topology, inner=torch.optim.AdamW(decay_groups(again)))
+    again.load_state_dict(saved["model"])  # after the optimizer, which starts every rank from rank 0's parameters
+    opt2.load_state_dict(saved["opt"])
+    assert opt2.param_groups[1]["weight_decay"] == 0.0 and len(opt2.inner.state) == 4
+    run(again, opt2, data[4:])
+    assert_close(again, model, rtol=0, atol=0)
+
+
+def test_bad_inner_optimizers_are_refused_on_every_rank(topology):
+    model, other = make_model(), make_model()
+    with pytest.raises(ValueError, match="inner optimizer AdamW holds other parameters"):
+        DistributedOptimizer(model.parameters(), "sgd", topology=topology, inner=torch.optim.AdamW(other.parameters()))
+    with pytest.raises(ValueError, match="sgd with inner=AdamW: lr, momentum belong to the inner optimizer"):
+        DistributedOptimizer(model.parameters(), "sgd", topology=topology, inner=torch.optim.AdamW(model.parameters()), lr=0.1, momentum=0.9)
+    with pytest.raises(TypeError, match="signum takes no inner optimizer: Signum is its own optimizer"):
+        DistributedOptimizer(model.parameters(), "signum", topology=topology, inner=torch.optim.AdamW(model.parameters()))
+    with pytest.raises(TypeError, match="inner must be a torch.optim.Optimizer"):
+        DistributedOptimizer(model.parameters(), "sgd", topology=topology, inner="adamw")
+    lsgd = DistributedOptimizer(model.parameters(), "lsgd", topology=topology, inner=torch.optim.AdamW(model.parameters()))
+    with pytest.raises(TypeError, match="lsgd exchanges parameters after the local step"):
+        lsgd.synchronize()
+    if topology.size > 1:
+        served = make_model()
+        with pytest.raises(TypeError, match="async_msgd takes no inner optimizer"):
+            DistributedOptimizer(served.parameters(), "async_msgd", topology=topology, inner=torch.optim.SGD(served.parameters(), lr=0.1))
