@@ -266,7 +266,7 @@ def train(
 
         def evaluate(step: int) -> None:
             with phase("eval"):
-                result = evaluator(model, None if source == "own" else opt._flat_params, state["losses"])
+                result = evaluator(model, None if source == "own" else opt.flat_params, state["losses"])
             state["losses"] = []
             progress.accuracy = result["test_accuracy"]
             if progress.tty:  # the bar is redrawn in place: keep each evaluation as a line of its own
