@@ -317,6 +317,7 @@ class _Run:
         return None
 
     def _phase(self, name: str) -> ContextManager[Any]:
+        """The trace's span of phase ``name``; nothing without ``--trace``."""
         return self.tracer.phase(name) if self.tracer else nullcontext()
 
     def _step_record(self, step: int, loss: float, compute: float, whole: float, record: Dict[str, Any]) -> Dict[str, Any]:

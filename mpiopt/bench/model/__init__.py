@@ -78,4 +78,5 @@ __all__ = [
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m mpiopt.bench.model``: parse ``argv`` and run the action (exit 2 on a usage error)."""
     return module_main("model", __doc__, add_arguments, run, argv)

@@ -20,6 +20,7 @@ MODELS = ("resnet50=25.6M@100", "350M=350M@500")
 
 
 def _load(paths: Sequence[str]) -> List[Dict[str, Any]]:
+    """The JSON documents at ``paths``; one that cannot be read is a usage error naming it."""
     docs = []
     for path in paths:
         try:
@@ -44,6 +45,7 @@ def _parse_models(specs: Sequence[str]) -> List[Tuple[str, int, float]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The actions calibrate, validate and project, each with its files and options."""
     sub = parser.add_subparsers(dest="action", metavar="ACTION", parser_class=argparse.ArgumentParser)
     sub.required = True
     p = sub.add_parser("calibrate", help="fit alpha and beta per collective to bench collectives JSON files")

@@ -55,6 +55,7 @@ def plan(name: str, d: int, P: int, hyper: Optional[Mapping[str, Any]] = None, g
 
 
 def _params(model: Mapping[str, Any], op: str) -> Tuple[float, float]:
+    """``(alpha, beta)`` of ``op`` in ``model``; a missing one says which measurement to add."""
     try:
         entry = model["collectives"][op]
     except KeyError:
