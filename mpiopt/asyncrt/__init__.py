@@ -12,9 +12,10 @@ algorithm           policy
 ==================  ==========================================================
 ``async_msgd``      :class:`ApplyPolicy` (through :func:`run_async`): apply
                     each gradient at once, answer with the new parameters
-``async_lsgd``      :class:`~mpiopt.algorithms.async_lsgd.LeaderBook`: count
-                    the steps workers report, elect leaders, keep their
-                    uploads, answer with the leaders' copies to pull towards
+``async_lsgd``      :class:`~mpiopt.algorithms.async_lsgd_server.LeaderBook`:
+                    count the steps workers report, elect leaders, keep
+                    their uploads, answer with the leaders' copies to pull
+                    towards
 ==================  ==========================================================
 
 Adding a third

@@ -323,6 +323,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Its communicators.
     last : StepRecord or None
         Bytes and times of the last step.
+    flat_params : torch.Tensor
+        The flat parameter buffer the model's parameters are views into (read-only property).
 
     Examples
     --------
@@ -397,6 +399,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._params, self._grad_views, self._flat_grads, self._total_array, world, backward_passes_per_step,
                 bucket_cap_mb * 2**20,
             )
+
+    @property
+    def flat_params(self) -> torch.Tensor:
+        """The flat parameter buffer: one 1-D tensor, in parameter order, that every parameter is a view into.
+
+        Read-only as an attribute (the views depend on this very tensor); its
+        values may be read and written in place (``opt.flat_params.copy_(x)``
+        sets the model's parameters), as a checkpoint restore does.
+        """
+        return self._flat_params
 
     # -- construction -------------------------------------------------------------------------
     def add_param_group(self, param_group: Dict[str, Any]) -> None:

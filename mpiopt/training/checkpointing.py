@@ -166,7 +166,7 @@ class Checkpointer:
         """Write the checkpoint after ``step`` (collective); returns its path.  ``counters``: see :meth:`attrs`."""
         model = {name: _numpy(t) for name, t in self.model.state_dict().items()} if self.topology.rank == 0 else None
         rank_state = {
-            "params": _numpy(self.opt._flat_params),
+            "params": _numpy(self.opt.flat_params),
             "algorithm": self.opt.algorithm.state_dict(),
             "buffers": {name: _numpy(b) for name, b in self.model.named_buffers()},
             "rng": {"torch": torch.get_rng_state().numpy().copy()},
@@ -269,7 +269,7 @@ class Checkpointer:
         except (ValueError, OtherRankError) as err:
             raise UsageError(f"--resume {path}: {err}") from None
         with torch.no_grad():
-            self.opt._flat_params.copy_(torch.from_numpy(state["params"]))
+            self.opt.flat_params.copy_(torch.from_numpy(state["params"]))
             for name, buffer in self.model.named_buffers():
                 buffer.copy_(torch.from_numpy(state["buffers"][name]))
         if state["rng"] is not None:

@@ -34,7 +34,7 @@ import sys
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
+from typing import Any, ContextManager, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -185,167 +185,236 @@ def train(
         The metrics file's path on rank 0; None on the other ranks.
     """
     world = topology.world
-    rank, size = world.rank, world.size
-    evaluates = "identical" if algorithm == DDP else algorithm_class(algorithm).evaluates
-    asynchronous = algorithm != DDP and algorithm_class(algorithm).protocol == ASYNCHRONOUS
     _set_threads(config, world)
     torch.manual_seed(config.seed)
     model = build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, width=config.width, dropout=config.dropout)
     hyper = config.algorithm_hyperparameters(algorithm)
-    try:  # validation before any communication: every rank fails alike
-        if algorithm == DDP:
-            opt: Any = DDPBaseline(model, topology, **hyper)
-        else:
-            opt = DistributedOptimizer(model.parameters(), algorithm, topology=topology, **hyper)
-    except (TypeError, ValueError) as err:
-        raise UsageError(f"{algorithm}: {err}") from None
+    opt = _optimizer(algorithm, model, topology, hyper)
     broadcast_module(model, topology)
-    network = opt.network if algorithm == DDP else model  # the forward pass through DDP: its hooks average the gradient
-    torch.manual_seed(config.seed + 1 + rank)  # dropout differs between ranks, reproducibly
-    workers = max(1, size - 1) if asynchronous else size
-    worker_rank = max(0, rank - 1) if asynchronous else rank
-    sampler = ShardSampler(len(dataset.y_train), rank=worker_rank, world_size=workers, batch_size=config.batch_size, seed=config.seed)
-    steps = config.steps or max(1, math.ceil((config.epochs or DEFAULT_EPOCHS) * sampler.batches_per_epoch))
-    eval_every = config.eval_every or max(1, steps // 10)
-    x_train, y_train = torch.from_numpy(dataset.x_train), torch.from_numpy(dataset.y_train)
-
-    def batch(step: int):
-        index = sampler.indices(step)
-        x = dataset.x_train[index] if config.augment else x_train[index]
-        if config.augment:
-            x = torch.from_numpy(augment_cifar(x, batch_rng(config.seed, worker_rank, step)))
-        return x, y_train[index]
-
-    if rank == 0:
+    torch.manual_seed(config.seed + 1 + world.rank)  # dropout differs between ranks, reproducibly
+    if world.rank == 0:
         os.makedirs(out_dir, exist_ok=True)
     world.Barrier()
     with ExitStack() as cleanup:
-        checkpoints = Checkpointer(config, algorithm, topology, model, opt, out_dir, sampler.batches_per_epoch)
-        cleanup.callback(checkpoints.close)  # signal handlers restored however the run ends
-        start = checkpoints.resume()
-        reporter = rank == (1 if asynchronous and size > 1 else 0)
-        progress = Progress(algorithm, steps, config.log_every or eval_every, stream if reporter else None, config.progress)
-        writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), truncate=not start) if rank == 0 else None
-        if writer:
-            cleanup.callback(writer.close)
-            writer.write({
-                "kind": "run", "algorithm": algorithm, "task": f"{config.dataset}/{config.model}",
-                "config": {**asdict(config), "algorithm": algorithm, "hyperparameters": hyper}, "world_size": size,
-                "versions": versions(), "steps": steps, "batches_per_epoch": sampler.batches_per_epoch,
-                "parameters": sum(p.numel() for p in model.parameters()), **({"resumed_after_step": start} if start else {}),
-                **({"notes": NOTES} if algorithm == DDP else {}),
-            })
-        tracer = Tracer(topology) if config.trace else None
-        # config.trace names the main algorithm's trace; every other run of a compare writes its own into its folder.
-        trace_path = config.trace if algorithm == config.algorithm else os.path.join(out_dir, "trace.json")
-        if tracer:
-            cleanup.callback(tracer.close)
-        phase: Callable[[str], ContextManager[Any]] = tracer.phase if tracer else (lambda name: nullcontext())
-        source, evaluated_name = _EVALUATED[evaluates]
-        evaluator = _Evaluator(model, dataset, world, source)
-        # A resumed run's running totals continue from the checkpoint's (checkpoints.counters holds the COUNTERS).
-        state = {**checkpoints.counters, "losses": []}
+        run = _Run(config, algorithm, topology, dataset, model, opt, hyper, out_dir, stream, cleanup)
+        end = run.asynchronous() if run.is_asynchronous else run.synchronous()
+        return run.close_records(end)
 
-        def step_record(step: int, loss: float, compute: float, whole: float, record: Any) -> Dict[str, Any]:
-            state["bytes_sent_total"] += record["bytes_sent"]
-            state["losses"].append(loss)
-            return {
-                "kind": "step", "step": step, "epoch": step / sampler.batches_per_epoch, "loss": loss, "lr": opt.algorithm.lr,
-                "compute_seconds": compute, "step_seconds": whole, "wall_seconds": state["wall_seconds"], "algorithm": algorithm,
-                **record,
-            }
 
-        def evaluate(step: int) -> None:
-            with phase("eval"):
-                result = evaluator(model, None if source == "own" else opt._flat_params, state["losses"])
-            state["losses"] = []
-            progress.accuracy = result["test_accuracy"]
-            if progress.tty:  # the bar is redrawn in place: keep each evaluation as a line of its own
-                progress.note(f"eval at step {step}: test accuracy {100 * result['test_accuracy']:.1f}%, test loss {result['test_loss']:.4f}")
-            if writer:
-                writer.write({
-                    "kind": "eval", "step": step, "epoch": step / sampler.batches_per_epoch, "wall_seconds": state["wall_seconds"],
-                    "bytes_sent_total": state["bytes_sent_total"], "evaluated": evaluated_name,
-                    **result,
-                })
+def _optimizer(algorithm: str, model: torch.nn.Module, topology: Topology, hyper: Dict[str, Any]) -> Any:
+    """The run's optimizer (DDP's baseline or a :class:`DistributedOptimizer`), validated before any communication."""
+    try:  # every rank fails alike
+        if algorithm == DDP:
+            return DDPBaseline(model, topology, **hyper)
+        return DistributedOptimizer(model.parameters(), algorithm, topology=topology, **hyper)
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"{algorithm}: {err}") from None
 
-        if asynchronous:
-            log: List[Dict[str, Any]] = []  # the reporter's step records of the current segment
-            clock = {"last": time.perf_counter(), "ledger": topology.ledger.snapshot()}
 
-            def compute_fn(step: int) -> torch.Tensor:
-                started = time.perf_counter()
-                with phase("compute"):
-                    x, y = batch(step)
-                    loss = F.cross_entropy(model(x), y)
-                    loss.backward()
-                now = time.perf_counter()
-                delta = topology.ledger.since(clock["ledger"])
-                comm, wait = delta.blocked_seconds()
-                whole = now - clock["last"]
-                state["wall_seconds"] += whole
-                # A worker applies nothing itself: the rest of its time is spent waiting for the server.
-                record = {"bytes_sent": delta.bytes_sent, "bytes_recv": delta.bytes_recv, "comm_seconds": comm,
-                          "wait_seconds": max(wait, whole - (now - started) - comm), "algo_seconds": 0.0}
-                log.append(step_record(step + 1, loss_value(loss), now - started, whole, record))
-                progress.update(step + 1, log[-1]["loss"], whole, state["bytes_sent_total"] / 1e6)
-                clock["last"], clock["ledger"] = now, topology.ledger.snapshot()
-                return loss
+class _Batches:
+    """This rank's shard of the training set (:class:`ShardSampler`) and the batch of each step, augmented if asked.
 
-            # Segments of runs that end quiescent, each until the next multiple of --checkpoint-every: between them every
-            # rank saves and the ranks vote on stop signals.  compute_fn's step runs on from run to run by itself (the
-            # algorithm's state: async_msgd's per-rank ``applied``, async_lsgd's ``steps``), restored by a resume too.
-            every = config.checkpoint_every or steps
-            tail: List[float] = []  # the latest losses, for the train loss of the final evaluation
-            results = []
-            done = start
-            with _written_on_stop(tracer, trace_path):
-                while done < steps:
-                    count = min(every - done % every, steps - done)
-                    clock["last"], clock["ledger"] = time.perf_counter(), topology.ledger.snapshot()  # the checkpoint's time excluded
-                    log.clear()
-                    results.append(opt.run(compute_fn, count))
-                    done += count
-                    # The reporter's records and totals, on every rank: rank 0 writes them, every rank checkpoints the totals.
-                    records, state["wall_seconds"], state["bytes_sent_total"] = world.bcast_obj(
-                        (log, state["wall_seconds"], state["bytes_sent_total"]), root=1 if size > 1 else 0)
-                    if writer:
-                        for record in records:
-                            writer.write(record)
-                    tail = (tail + [r["loss"] for r in records])[-max(1, steps // 10):]
-                    checkpoints.after_step(done, last=done == steps, counters=state)  # it saves the COUNTERS
-            state["losses"] = tail
-            evaluate(steps)
-            end = {"result": _job_result(results)} if results else {}
+    An asynchronous run's server computes nothing: the shards are the workers' (world ranks 1..P-1).
+    """
+
+    def __init__(self, config: TrainConfig, dataset: ImageDataset, world: Comm, asynchronous: bool) -> None:
+        workers = max(1, world.size - 1) if asynchronous else world.size
+        self.worker_rank = max(0, world.rank - 1) if asynchronous else world.rank
+        self.sampler = ShardSampler(len(dataset.y_train), rank=self.worker_rank, world_size=workers, batch_size=config.batch_size, seed=config.seed)
+        self.config, self.dataset = config, dataset
+        self.x, self.y = torch.from_numpy(dataset.x_train), torch.from_numpy(dataset.y_train)
+
+    def __call__(self, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        index = self.sampler.indices(step)
+        if self.config.augment:
+            x = torch.from_numpy(augment_cifar(self.dataset.x_train[index], batch_rng(self.config.seed, self.worker_rank, step)))
         else:
-            with _written_on_stop(tracer, trace_path):
-                for step in range(start, steps):
-                    started = time.perf_counter()
-                    x, y = batch(step)
-                    with phase("compute"):
-                        opt.zero_grad()
-                        loss = F.cross_entropy(network(x), y)
-                        loss.backward()
-                    computed = time.perf_counter()
-                    with phase("algorithm"):
-                        opt.step(loss=loss)
-                    whole = time.perf_counter() - started
-                    state["wall_seconds"] += whole
-                    record = opt.last.as_dict()
-                    record.pop("step")
-                    line = step_record(step + 1, record.pop("loss"), computed - started, whole, record)
-                    if writer:
-                        writer.write(line)
-                    if (step + 1) % eval_every == 0 or step + 1 == steps:
-                        evaluate(step + 1)
-                    progress.update(step + 1, line["loss"], whole, state["bytes_sent_total"] / 1e6)
-                    checkpoints.after_step(step + 1, last=step + 1 == steps, counters=state)  # it saves the COUNTERS
-            opt.finish()
-            end = {}
-        if writer:
-            writer.write({"kind": "end", "step": steps, **{name: state[name] for name in COUNTERS}, **end})
-        if tracer:
-            tracer.write(trace_path)
-        if writer:
-            return os.path.join(out_dir, "metrics.jsonl")
+            x = self.x[index]
+        return x, self.y[index]
+
+
+class _Totals:
+    """A run's running totals (:data:`COUNTERS`: a resumed run continues the checkpoint's) and the training losses since the last evaluation."""
+
+    def __init__(self, counters: Mapping[str, float]) -> None:
+        self.wall_seconds = counters["wall_seconds"]
+        self.bytes_sent_total = counters["bytes_sent_total"]
+        self.losses: List[float] = []
+
+    def counters(self) -> Dict[str, float]:
+        """The :data:`COUNTERS`, as checkpoints save them and the end record holds them."""
+        return {name: getattr(self, name) for name in COUNTERS}
+
+
+class _Run:
+    """One :func:`train` on this rank once its model and optimizer exist: the steps, evaluations and records.
+
+    :meth:`synchronous` and :meth:`asynchronous` run the steps (from the
+    resumed step, if any); both write a record per step (rank 0), evaluate and
+    checkpoint.  Files and handlers opened here close with ``cleanup``.
+    """
+
+    def __init__(
+        self, config: TrainConfig, algorithm: str, topology: Topology, dataset: ImageDataset, model: torch.nn.Module, opt: Any,
+        hyper: Dict[str, Any], out_dir: str, stream: Optional[Any], cleanup: ExitStack,
+    ) -> None:
+        self.config, self.algorithm, self.topology, self.model, self.opt, self.out_dir = config, algorithm, topology, model, opt, out_dir
+        world = topology.world
+        self.is_asynchronous = algorithm != DDP and algorithm_class(algorithm).protocol == ASYNCHRONOUS
+        self.network = opt.network if algorithm == DDP else model  # the forward pass through DDP: its hooks average the gradient
+        self.batches = _Batches(config, dataset, world, self.is_asynchronous)
+        self.batches_per_epoch = self.batches.sampler.batches_per_epoch
+        self.steps = config.steps or max(1, math.ceil((config.epochs or DEFAULT_EPOCHS) * self.batches_per_epoch))
+        self.eval_every = config.eval_every or max(1, self.steps // 10)
+        self.checkpoints = Checkpointer(config, algorithm, topology, model, opt, out_dir, self.batches_per_epoch)
+        cleanup.callback(self.checkpoints.close)  # signal handlers restored however the run ends
+        self.start = self.checkpoints.resume()
+        reporter = world.rank == (1 if self.is_asynchronous and world.size > 1 else 0)
+        self.progress = Progress(algorithm, self.steps, config.log_every or self.eval_every, stream if reporter else None, config.progress)
+        self.writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), truncate=not self.start) if world.rank == 0 else None
+        if self.writer:
+            cleanup.callback(self.writer.close)
+            self.writer.write(self._run_record(hyper))
+        self.tracer = Tracer(topology) if config.trace else None
+        # config.trace names the main algorithm's trace; every other run of a compare writes its own into its folder.
+        self.trace_path = config.trace if algorithm == config.algorithm else os.path.join(out_dir, "trace.json")
+        if self.tracer:
+            cleanup.callback(self.tracer.close)
+        evaluates = "identical" if algorithm == DDP else algorithm_class(algorithm).evaluates
+        self.source, self.evaluated_name = _EVALUATED[evaluates]
+        self.evaluator = _Evaluator(model, dataset, world, self.source)
+        self.totals = _Totals(self.checkpoints.counters)
+
+    # -- records ------------------------------------------------------------------------------
+    def _run_record(self, hyper: Dict[str, Any]) -> Dict[str, Any]:
+        """The metrics file's first record: the algorithm, the settings, the versions, the run's size."""
+        config = self.config
+        return {
+            "kind": "run", "algorithm": self.algorithm, "task": f"{config.dataset}/{config.model}",
+            "config": {**asdict(config), "algorithm": self.algorithm, "hyperparameters": hyper}, "world_size": self.topology.world.size,
+            "versions": versions(), "steps": self.steps, "batches_per_epoch": self.batches_per_epoch,
+            "parameters": sum(p.numel() for p in self.model.parameters()), **({"resumed_after_step": self.start} if self.start else {}),
+            **({"notes": NOTES} if self.algorithm == DDP else {}),
+        }
+
+    def close_records(self, end: Dict[str, Any]) -> Optional[str]:
+        """The end record (rank 0) and the trace; returns the metrics file's path on rank 0."""
+        if self.writer:
+            self.writer.write({"kind": "end", "step": self.steps, **self.totals.counters(), **end})
+        if self.tracer:
+            self.tracer.write(self.trace_path)
+        if self.writer:
+            return os.path.join(self.out_dir, "metrics.jsonl")
         return None
+
+    def _phase(self, name: str) -> ContextManager[Any]:
+        """The trace's span of phase ``name``; nothing without ``--trace``."""
+        return self.tracer.phase(name) if self.tracer else nullcontext()
+
+    def _step_record(self, step: int, loss: float, compute: float, whole: float, record: Dict[str, Any]) -> Dict[str, Any]:
+        """The record of one step; adds its bytes and loss to the totals."""
+        self.totals.bytes_sent_total += record["bytes_sent"]
+        self.totals.losses.append(loss)
+        return {
+            "kind": "step", "step": step, "epoch": step / self.batches_per_epoch, "loss": loss, "lr": self.opt.algorithm.lr,
+            "compute_seconds": compute, "step_seconds": whole, "wall_seconds": self.totals.wall_seconds, "algorithm": self.algorithm,
+            **record,
+        }
+
+    def _evaluate(self, step: int) -> None:
+        """Evaluate the model the algorithm's ``evaluates`` names (collective); record and report it."""
+        with self._phase("eval"):
+            result = self.evaluator(self.model, None if self.source == "own" else self.opt.flat_params, self.totals.losses)
+        self.totals.losses = []
+        self.progress.accuracy = result["test_accuracy"]
+        if self.progress.tty:  # the bar is redrawn in place: keep each evaluation as a line of its own
+            self.progress.note(f"eval at step {step}: test accuracy {100 * result['test_accuracy']:.1f}%, test loss {result['test_loss']:.4f}")
+        if self.writer:
+            self.writer.write({
+                "kind": "eval", "step": step, "epoch": step / self.batches_per_epoch, "wall_seconds": self.totals.wall_seconds,
+                "bytes_sent_total": self.totals.bytes_sent_total, "evaluated": self.evaluated_name,
+                **result,
+            })
+
+    # -- the synchronous protocol ----------------------------------------------------------------
+    def synchronous(self) -> Dict[str, Any]:
+        """Every rank steps together: forward, backward, the algorithm's step; evaluations every ``eval_every`` steps."""
+        opt, steps = self.opt, self.steps
+        with _written_on_stop(self.tracer, self.trace_path):
+            for step in range(self.start, steps):
+                started = time.perf_counter()
+                x, y = self.batches(step)
+                with self._phase("compute"):
+                    opt.zero_grad()
+                    loss = F.cross_entropy(self.network(x), y)
+                    loss.backward()
+                computed = time.perf_counter()
+                with self._phase("algorithm"):
+                    opt.step(loss=loss)
+                whole = time.perf_counter() - started
+                self.totals.wall_seconds += whole
+                record = opt.last.as_dict()
+                record.pop("step")
+                line = self._step_record(step + 1, record.pop("loss"), computed - started, whole, record)
+                if self.writer:
+                    self.writer.write(line)
+                if (step + 1) % self.eval_every == 0 or step + 1 == steps:
+                    self._evaluate(step + 1)
+                self.progress.update(step + 1, line["loss"], whole, self.totals.bytes_sent_total / 1e6)
+                self.checkpoints.after_step(step + 1, last=step + 1 == steps, counters=self.totals.counters())
+        opt.finish()
+        return {}
+
+    # -- the asynchronous protocol ---------------------------------------------------------------
+    def asynchronous(self) -> Dict[str, Any]:
+        """Segments of runs that end quiescent, each until the next multiple of ``--checkpoint-every``; one evaluation at the end.
+
+        Between segments every rank saves and the ranks vote on stop signals.
+        The step that :meth:`_compute` is given runs on from run to run by
+        itself (the algorithm's state: async_msgd's per-rank ``applied``,
+        async_lsgd's ``steps``), restored by a resume too.
+        """
+        world, steps = self.topology.world, self.steps
+        every = self.config.checkpoint_every or steps
+        self._log: List[Dict[str, Any]] = []  # the reporter's step records of the current segment
+        tail: List[float] = []  # the latest losses, for the train loss of the final evaluation
+        results = []
+        done = self.start
+        with _written_on_stop(self.tracer, self.trace_path):
+            while done < steps:
+                count = min(every - done % every, steps - done)
+                self._last, self._ledger = time.perf_counter(), self.topology.ledger.snapshot()  # the checkpoint's time excluded
+                self._log.clear()
+                results.append(self.opt.run(self._compute, count))
+                done += count
+                # The reporter's records and totals, on every rank: rank 0 writes them, every rank checkpoints the totals.
+                records, self.totals.wall_seconds, self.totals.bytes_sent_total = world.bcast_obj(
+                    (self._log, self.totals.wall_seconds, self.totals.bytes_sent_total), root=1 if world.size > 1 else 0)
+                if self.writer:
+                    for record in records:
+                        self.writer.write(record)
+                tail = (tail + [r["loss"] for r in records])[-max(1, steps // 10):]
+                self.checkpoints.after_step(done, last=done == steps, counters=self.totals.counters())
+        self.totals.losses = tail
+        self._evaluate(steps)
+        return {"result": _job_result(results)} if results else {}
+
+    def _compute(self, step: int) -> torch.Tensor:
+        """A worker's forward and backward at ``step`` (the runtime's ``compute_fn``), recorded as a step."""
+        started = time.perf_counter()
+        with self._phase("compute"):
+            x, y = self.batches(step)
+            loss = F.cross_entropy(self.model(x), y)
+            loss.backward()
+        now = time.perf_counter()
+        delta = self.topology.ledger.since(self._ledger)
+        comm, wait = delta.blocked_seconds()
+        whole = now - self._last
+        self.totals.wall_seconds += whole
+        # A worker applies nothing itself: the rest of its time is spent waiting for the server.
+        record = {"bytes_sent": delta.bytes_sent, "bytes_recv": delta.bytes_recv, "comm_seconds": comm,
+                  "wait_seconds": max(wait, whole - (now - started) - comm), "algo_seconds": 0.0}
+        self._log.append(self._step_record(step + 1, loss_value(loss), now - started, whole, record))
+        self.progress.update(step + 1, self._log[-1]["loss"], whole, self.totals.bytes_sent_total / 1e6)
+        self._last, self._ledger = now, self.topology.ledger.snapshot()
+        return loss

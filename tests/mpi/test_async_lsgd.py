@@ -12,7 +12,8 @@ import torch
 from mpi4py import MPI
 
 import mpiopt
-from mpiopt.algorithms.async_lsgd import AsyncLSGD, LeaderBook
+from mpiopt.algorithms.async_lsgd import AsyncLSGD
+from mpiopt.algorithms.async_lsgd_server import LeaderBook
 from mpiopt.tasks import logistic
 
 pytestmark = pytest.mark.mpi

@@ -271,7 +271,7 @@ def test_cuda_parameters_live_in_one_device_buffer(topology):
             x, y = batch(topology.rank, step)
             loss_of(m, x.to(device), y.to(device)).backward()
             o.step()
-    assert opt._flat_params.is_cuda
+    assert opt.flat_params.is_cuda
     torch.testing.assert_close(
         torch.nn.utils.parameters_to_vector(model.parameters()).cpu(), torch.nn.utils.parameters_to_vector(ref.parameters()),
         rtol=1e-5, atol=1e-6,

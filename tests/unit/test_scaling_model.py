@@ -12,6 +12,7 @@ import pytest
 
 from mpiopt.bench import model as M
 from mpiopt.bench.algorithms import expected_bytes, synchronous
+from mpiopt.bench.model.calibration import _message
 from mpiopt.comm.ledger import plan_bytes
 from mpiopt.training.config import TrainConfig
 
@@ -53,7 +54,7 @@ def _collectives_doc(P, alpha, beta, medium, emulated=True, sizes=(1000, 64000, 
     results = []
     for d in sizes:
         for op in ("allreduce", "iallreduce", "bcast", "allgather-bits", "allgatherv-sparse", "vote-twophase"):
-            kind, n = M._message({"op": op, "d": d}, P, 0.01)
+            kind, n = _message({"op": op, "d": d}, P, 0.01)
             results.append({"op": op, "d": d, "median_seconds": M.collective_seconds(kind, P, n, alpha, beta, medium)})
     return {"benchmark": "collectives", "world_size": P, "link_bits_per_second": 1e9, "emulated_link": emulated,
             "density": 0.01, "results": results}

@@ -1,0 +1,189 @@
+"""An algorithm's step under the model: its plan of calls, their seconds, and the projection to other links and ranks.
+
+Validation compares the predictions with ``bench algorithms`` measurements;
+projection runs them at rank counts and link rates this machine cannot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from ...algorithms import ASYNCHRONOUS, SYNCHRONOUS, algorithm_class, available
+from ...algorithms import algorithms as registered
+from ...comm.ledger import Call
+from ...training.config import training_defaults
+from .._common import parse_rate
+from .costs import collective_seconds
+
+__all__ = [
+    "RANKS", "RATES", "projected", "plan", "comm_seconds", "step_seconds", "async_seconds", "at_rate", "validate", "project",
+]
+
+RANKS = (64, 128, 256, 512, 1024)
+RATES = ("10gbit", "100gbit")
+
+
+def projected() -> List[str]:
+    """The algorithms the model projects: every synchronous one, and the asynchronous ones with a server model."""
+    return [cls.name for cls in registered() if cls.protocol == SYNCHRONOUS or cls.server_messages(1) is not None]
+
+
+def _hyper(name: str, hyper: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """The algorithm's own defaults, then ``mpiopt train``'s, then ``hyper``."""
+    return {**algorithm_class(name).default_hyperparameters(), **training_defaults(name), **(hyper or {})}
+
+
+def plan(name: str, d: int, P: int, hyper: Optional[Mapping[str, Any]] = None, groups: Optional[Sequence[int]] = None) -> List[Call]:
+    """The collective calls of one step of synchronous algorithm ``name`` (d float32 parameters, P ranks), averaged over a cycle.
+
+    The algorithm's own plan (``Algorithm.communication``) over the steps
+    after which it repeats, each call's ``count`` divided by their number.
+
+    Raises
+    ------
+    ValueError
+        An unknown or asynchronous algorithm, or groups that do not add up to ``P``.
+    """
+    cls = algorithm_class(name)
+    if cls.protocol != SYNCHRONOUS:
+        raise ValueError(f"plan covers the synchronous algorithms {', '.join(available(SYNCHRONOUS))}; got {name!r}")
+    h = _hyper(name, hyper)
+    cycle = cls.plan_cycle(h)
+    calls = cls.communication(d, P, h, groups=groups, steps=range(1, cycle + 1))
+    return [replace(call, count=call.count / cycle) for call in calls]
+
+
+def _params(model: Mapping[str, Any], op: str) -> Tuple[float, float]:
+    """``(alpha, beta)`` of ``op`` in ``model``; a missing one says which measurement to add."""
+    try:
+        entry = model["collectives"][op]
+    except KeyError:
+        raise ValueError(f"the model has no calibration of {op!r} (has {', '.join(model['collectives'])}): "
+                         "run bench collectives with that operation") from None
+    return float(entry["alpha"]), float(entry["beta"])
+
+
+def comm_seconds(calls: Iterable[Call], model: Mapping[str, Any], compute: float = 0.0) -> float:
+    """Communication seconds per step: phases one after the other; calls of a phase in parallel (switched) or one after the other (shared).
+
+    A call in flight across ``overlap_steps`` steps of ``compute`` seconds
+    (DaSGD's averaging) exposes only what outlasts them.
+    """
+    medium = model["medium"]
+    phases: Dict[int, List[float]] = {}
+    for c in calls:
+        alpha, beta = _params(model, c.op)
+        whole = collective_seconds(c.op, c.ranks, c.nbytes, alpha, beta, medium)
+        phases.setdefault(c.phase, []).append(c.count * max(0.0, whole - c.overlap_steps * compute))
+    return sum((sum(ts) if medium == "shared" else max(ts)) for ts in phases.values())
+
+
+def step_seconds(
+    name: str, d: int, P: int, compute: float, model: Mapping[str, Any],
+    hyper: Optional[Mapping[str, Any]] = None, groups: Optional[Sequence[int]] = None,
+) -> Dict[str, float]:
+    """Predicted seconds per step of synchronous ``name``: ``{"compute", "comm", "total"}``.
+
+    ``compute`` is the step's local computation (forward, backward and the
+    algorithm's own work).  ``comm`` is what the step waits for: everything
+    but ``dasgd``'s averaging, of which only ``max(0, t - delay_steps
+    compute)`` per averaging is exposed.
+    """
+    comm = comm_seconds(plan(name, d, P, hyper, groups), model, compute)
+    return {"compute": compute, "comm": comm, "total": compute + comm}
+
+
+def async_seconds(
+    d: int, P: int, compute: float, model: Mapping[str, Any], messages: Optional[Sequence[float]] = None
+) -> Dict[str, Any]:
+    """A parameter server's seconds per ``P`` gradients: P-1 workers, one server whose link carries ``messages`` per update.
+
+    ``messages`` are the bytes the server receives and sends per update
+    (the algorithm's ``server_messages``; default a 4d-byte gradient in and
+    4d bytes of parameters out, one after the other).
+
+    Returns ``{"compute", "comm", "total", "server_bound"}``: ``total`` is
+    ``P`` over the gradients per second, ``server_bound`` whether the
+    server, not the workers, sets that rate.
+
+    Point-to-point messages cost ``alpha + bytes beta`` with the
+    allreduce's calibration; on a shared medium a worker's send and the
+    server's reply also share the one link, which the same serialisation
+    already counts.
+    """
+    if P < 2:
+        raise ValueError(f"a parameter server needs a server and a worker: P >= 2, got {P}")
+    alpha, beta = _params(model, "allreduce")
+    messages = (4 * d, 4 * d) if messages is None else messages
+    server = sum(alpha + nbytes * beta for nbytes in messages)  # one update: its messages one after the other
+    throughput = min((P - 1) / (compute + server), 1.0 / server)  # gradients per second
+    total = P / throughput
+    return {"compute": compute, "comm": total - compute, "total": total, "server_bound": 1.0 / server < (P - 1) / (compute + server)}
+
+
+def at_rate(model: Mapping[str, Any], bits_per_second: float, medium: str = "switched", alpha: Optional[float] = None) -> Dict[str, Any]:
+    """The model moved to a link of ``bits_per_second``: every beta scaled by the rate ratio, alpha kept (or ``alpha``)."""
+    scale = float(model["link_bits_per_second"]) / bits_per_second
+    collectives = {op: {"alpha": entry["alpha"] if alpha is None else alpha, "beta": entry["beta"] * scale}
+                   for op, entry in model["collectives"].items()}
+    return {**model, "medium": medium, "link_bits_per_second": bits_per_second, "collectives": collectives}
+
+
+def validate(model: Mapping[str, Any], measured: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
+    """Predicted against measured step time for every algorithm of every ``bench algorithms`` document.
+
+    The prediction's computation is the measured ``compute`` + ``algorithm``
+    seconds (the model's input); the communication is the model's.  The
+    measured step is the sum of all four phases.
+    """
+    rows = []
+    for doc in measured:
+        if doc.get("benchmark") != "algorithms":
+            raise ValueError(f"expected a bench algorithms document, got benchmark={doc.get('benchmark')!r}")
+        P, d = int(doc["world_size"]), int(doc["d"])
+        for r in doc["results"]:
+            t = r["seconds_per_step"]
+            compute = t["compute"] + t["algorithm"]
+            measured_total = sum(t.values())
+            predicted = step_seconds(r["algorithm"], d, P, compute, model, r["hyperparameters"], r["groups"])
+            rows.append({
+                "algorithm": r["algorithm"], "mode": r.get("mode"), "P": P, "d": d, "compute": compute,
+                "measured_comm": t["communication"] + t["waiting"], "predicted_comm": predicted["comm"],
+                "measured": measured_total, "predicted": predicted["total"], "error": predicted["total"] / measured_total - 1,
+            })
+    return rows
+
+
+def project(
+    model: Mapping[str, Any],
+    models: Sequence[Tuple[str, int, float]],
+    ranks: Sequence[int] = RANKS,
+    rates: Sequence[str] = RATES,
+    algorithms: Optional[Sequence[str]] = None,
+    alpha: Optional[float] = None,
+) -> List[Dict[str, Any]]:
+    """Projected seconds per step and speed-up over ``sgd`` for every (model, rate, ranks, algorithm) on a switched network.
+
+    ``models`` are ``(label, parameters, compute seconds per step)``; every
+    algorithm runs with ``mpiopt train``'s hyperparameters and one group of
+    all ranks (``lsgd`` without node-local pulls).
+    """
+    baseline = next(cls.name for cls in registered() if cls.baseline)
+    rows = []
+    for rate in rates:
+        moved = at_rate(model, parse_rate(rate), "switched", alpha)
+        for label, d, compute in models:
+            for P in ranks:
+                times = {}
+                for name in algorithms or projected():
+                    cls = algorithm_class(name)
+                    if cls.protocol == ASYNCHRONOUS:
+                        times[name] = async_seconds(d, P, compute, moved, cls.server_messages(d))["total"]
+                    else:
+                        times[name] = step_seconds(name, d, P, compute, moved)["total"]
+                base = times.get(baseline) or step_seconds(baseline, d, P, compute, moved)["total"]
+                for name, total in times.items():
+                    rows.append({"model": label, "d": d, "compute": compute, "rate": rate, "P": P, "algorithm": name,
+                                 "seconds": total, "speedup": base / total})
+    return rows
