@@ -13,13 +13,26 @@ from different seeds begin identical.
 
 What carries over from torch.optim
 ----------------------------------
-- ``param_groups`` and learning-rate schedulers: the learning rate of the
-  groups is read at every ``step()`` and handed to the algorithm.  Several
-  groups are accepted only if they share one learning rate and set no other
-  hyperparameter: every mpiopt algorithm has one learning rate and one set
-  of hyperparameters for the whole flat buffer (a per-group weight decay
-  would need a per-element decay in every algorithm's update).  Anything
-  else is refused with a ``ValueError`` naming the group and the key.
+- ``param_groups`` and learning-rate schedulers: with an inner optimizer
+  (``inner=``, below) its groups are the wrapper's, each with its own
+  hyperparameters.  With the built-in update the learning rate of the groups
+  is read at every ``step()`` and handed to the algorithm; several groups
+  are accepted only if they share one learning rate and set no other
+  hyperparameter (anything else is refused with a ``ValueError`` naming the
+  group and the key).
+
+Your own optimizer
+------------------
+``inner=torch.optim.AdamW(model.parameters(), ...)`` (any ``torch.optim``
+optimizer over the same parameters) replaces the built-in SGD update:
+``sgd``, ``topk`` and ``regtopk`` write the exchanged gradient into ``.grad``
+and step it; ``easgd``, ``lsgd`` and ``dasgd`` step it on this rank's
+gradient, then pull or average the parameters; ``signum`` and the
+asynchronous algorithms refuse it.  ``synchronize()`` (gradient-exchanging
+algorithms) completes the exchange early and leaves the exchanged gradient
+in ``.grad``: clip it there, and ``step()`` applies it without exchanging
+again.  For the parameter-averaging algorithms clipping between
+``backward()`` and ``step()`` clips this rank's own gradient.
 - ``zero_grad(set_to_none=...)`` always zeroes the flat gradient in place
   and keeps the views: setting gradients to None would detach them from
   the flat buffer.  A gradient the user replaced or set to None is copied
@@ -311,6 +324,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         module docstring for what it asks of the training loop).
     bucket_cap_mb : float
         With ``overlap``: bucket size in MiB (as DDP's ``bucket_cap_mb``).
+    inner : torch.optim.Optimizer, optional
+        The local update (see "Your own optimizer" in the module docstring);
+        the built-in SGD update without one.  Its ``param_groups`` become
+        this optimizer's; ``lr``, ``momentum``, ``dampening``, ``nesterov``
+        and ``weight_decay`` are then refused here (set them on it).
     **hyperparameters
         The algorithm's keyword arguments (``lr``, ``momentum``, ...), with
         the papers' defaults; validated by the algorithm.

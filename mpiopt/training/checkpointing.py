@@ -58,6 +58,7 @@ from ..comm import OtherRankError, Topology
 from ..metrics import versions
 from ..torch import DistributedOptimizer
 from .config import TrainConfig, UsageError
+from .optimizers import inner_state, load_inner_state
 
 __all__ = ["Checkpointer", "Interrupted", "EXIT_INTERRUPTED", "STOP_SIGNALS", "COUNTERS"]
 
@@ -153,8 +154,9 @@ class Checkpointer:
             "step": step,
             "epoch": step / self.batches_per_epoch,
             "algorithm": self.algorithm,
-            # The learning rate too: a resume with another --lr is a change of hyperparameters like any other.
-            "hyperparameters": {"lr": self.opt.algorithm.lr, **self.opt.algorithm.hyperparameters()},
+            # The learning rate too: a resume with another --lr is a change of hyperparameters like any other; so are
+            # the inner optimizer, its keywords and the settings around it.
+            "hyperparameters": {"lr": self.opt.algorithm.lr, **self.opt.algorithm.hyperparameters(), **self._optimizer_settings()},
             "num_groups": self.topology.num_groups,
             "group_size": self.topology.group.size,
             "model_signature": model_signature(self.model),
@@ -162,12 +164,23 @@ class Checkpointer:
             "versions": versions(),
         }
 
+    def _optimizer_settings(self) -> Dict[str, Any]:
+        config = self.config
+        if not (config.optimizer or config.clip_grad_norm or config.warmup_steps):
+            return {}  # checkpoints of runs without them compare as before
+        return {"optimizer": {
+            "name": config.optimizer, "keywords": dict(config.hyperparameters.get(config.optimizer or "", {})),
+            "lr": config.lr if config.optimizer else None, "no_decay_on": config.no_decay_on,
+            "clip_grad_norm": config.clip_grad_norm, "warmup_steps": config.warmup_steps,
+        }}
+
     def save(self, step: int, counters: Optional[Mapping[str, float]] = None) -> str:
         """Write the checkpoint after ``step`` (collective); returns its path.  ``counters``: see :meth:`attrs`."""
         model = {name: _numpy(t) for name, t in self.model.state_dict().items()} if self.topology.rank == 0 else None
         rank_state = {
             "params": _numpy(self.opt.flat_params),
             "algorithm": self.opt.algorithm.state_dict(),
+            **({"inner": inner_state(self.opt.inner)} if self.opt.inner is not None else {}),
             "buffers": {name: _numpy(b) for name, b in self.model.named_buffers()},
             "rng": {"torch": torch.get_rng_state().numpy().copy()},
             "step": step,
@@ -268,6 +281,7 @@ class Checkpointer:
                                  "resume", catch=(ValueError,))
         except (ValueError, OtherRankError) as err:
             raise UsageError(f"--resume {path}: {err}") from None
+        load_inner_state(self.opt.inner, state.get("inner"))
         with torch.no_grad():
             self.opt.flat_params.copy_(torch.from_numpy(state["params"]))
             for name, buffer in self.model.named_buffers():
@@ -299,4 +313,6 @@ class Checkpointer:
                 stacklevel=2,
             )
         rng = ckpt.rank_states[world.rank]["rng"] if world.rank < old else None  # a new rank keeps its fresh seed
-        return {"algorithm": algorithm, "params": mine["params"], "buffers": mine["buffers"], "rng": rng}
+        # The inner optimizer's state follows the parameters it moved (identical on every rank where the exchanged
+        # gradient is what it steps on).
+        return {"algorithm": algorithm, "params": mine["params"], "buffers": mine["buffers"], "rng": rng, "inner": mine.get("inner")}

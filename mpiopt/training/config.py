@@ -47,6 +47,9 @@ DATASETS = ("digits", "cifar10", "synthetic")
 MODELS = ("mlp", "cnn", "resnet20")
 DEFAULT_EPOCHS = 20
 PROGRESS_MODES = ("auto", "bar", "lines")
+#: ``--optimizer`` choices (:mod:`.optimizers` makes them) and ``--no-decay-on`` kinds.
+OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
+NO_DECAY_KINDS = ("bias", "norm")
 
 
 @dataclass
@@ -64,6 +67,10 @@ class TrainConfig:
     steps: Optional[int] = None
     batch_size: int = 32
     lr: Optional[float] = None
+    optimizer: Optional[str] = None
+    no_decay_on: Optional[str] = None
+    clip_grad_norm: Optional[float] = None
+    warmup_steps: Optional[int] = None
     hyperparameters: Dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     group_size: Optional[int] = None
@@ -85,8 +92,13 @@ class TrainConfig:
         name = algorithm or self.algorithm
         shared = {k: v for k, v in self.hyperparameters.items() if not isinstance(v, dict)}
         own = self.hyperparameters.get(name, {})
-        hyper = {**training_defaults(name), **shared, **own}
-        if self.lr is not None:
+        starts = training_defaults(name)
+        if self.optimizer and name != DDP:  # the rate and the local update's settings are the inner optimizer's
+            from ..algorithms.local import LOCAL_SGD
+
+            starts = {k: v for k, v in starts.items() if k != "lr" and k not in LOCAL_SGD}
+        hyper = {**starts, **shared, **own}
+        if self.lr is not None and not self.optimizer:
             hyper["lr"] = self.lr
         return hyper
 
@@ -99,9 +111,11 @@ class TrainConfig:
         for name in algorithms:
             if name not in known:
                 raise UsageError(f"unknown algorithm {name!r}; choose from {', '.join(known)}")
+        tables = known + ([self.optimizer] if self.optimizer else [])
         for name, value in self.hyperparameters.items():
-            if isinstance(value, dict) and name not in known:
-                raise UsageError(f"hyperparameter table {name!r} names no algorithm; algorithms: {', '.join(known)}")
+            if isinstance(value, dict) and name not in tables:
+                raise UsageError(f"hyperparameter table {name!r} names no algorithm or --optimizer; those: {', '.join(tables)}")
+        self._check_optimizer(algorithms)
         if self.seed < 0:
             raise UsageError(f"seed must be an integer >= 0, got {self.seed!r}")
         if self.override_hyperparameters and not self.resume:
@@ -142,6 +156,28 @@ class TrainConfig:
             raise UsageError(f"data_dir {self.data_dir!r} is not a directory")
         for name in algorithms:
             self._check_hyperparameters(name)
+
+    def _check_optimizer(self, algorithms: Sequence[str]) -> None:
+        """``--optimizer`` and its companions: known values, and algorithms that take them."""
+        from ..algorithms import ASYNCHRONOUS, algorithm_class
+
+        if self.optimizer is not None and self.optimizer not in OPTIMIZER_NAMES:
+            raise UsageError(f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZER_NAMES)}")
+        kinds = [k for k in (self.no_decay_on or "").split(",") if k]
+        if any(k not in NO_DECAY_KINDS for k in kinds):
+            raise UsageError(f"no_decay_on takes {', '.join(NO_DECAY_KINDS)} (comma-separated), got {self.no_decay_on!r}")
+        if kinds and not self.optimizer:
+            raise UsageError("--no-decay-on needs --optimizer: the built-in update takes one weight decay for all parameters")
+        _positive("clip_grad_norm", self.clip_grad_norm)
+        _positive("warmup_steps", self.warmup_steps, integer=True)
+        for name in algorithms:
+            if name == DDP:
+                continue
+            cls = algorithm_class(name)
+            if self.optimizer and cls.inner_role is None:
+                raise UsageError(f"{name} takes no --optimizer: {cls.inner_refusal}")
+            if cls.protocol == ASYNCHRONOUS and (self.clip_grad_norm or self.warmup_steps):
+                raise UsageError(f"{name} is asynchronous: --clip-grad-norm and --warmup-steps act between synchronous steps")
 
     def _check_types(self) -> None:
         """Each setting of the type its field declares (values from a TOML file arrive unchecked)."""

@@ -32,7 +32,7 @@ import os
 import socket
 import time
 import warnings
-from typing import Any, FrozenSet
+from typing import Any, FrozenSet, Optional
 
 import torch
 import torch.distributed as dist
@@ -92,13 +92,17 @@ class DDPBaseline:
         The model (trained in place; rank 0's parameters are broadcast by DDP).
     topology : Topology
         The ranks (gloo's world is MPI's).
+    optimizer : torch.optim.Optimizer, optional
+        Over ``model``'s parameters (``--optimizer``); default ``torch.optim.SGD``
+        with ``hyper``.
     **hyper
         Keywords of ``torch.optim.SGD`` (``lr``, ``momentum``, ...), checked
         before any communication.
     """
 
-    def __init__(self, model: torch.nn.Module, topology: Topology, **hyper: Any) -> None:
-        self.optimizer = torch.optim.SGD(model.parameters(), **hyper)  # bad keywords fail here, on every rank alike
+    def __init__(self, model: torch.nn.Module, topology: Topology, optimizer: Optional[torch.optim.Optimizer] = None, **hyper: Any) -> None:
+        # Bad keywords fail here, on every rank alike.
+        self.optimizer = optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), **hyper)
         if not dist.is_initialized():
             init_gloo(topology)
         with warnings.catch_warnings():

@@ -35,7 +35,14 @@ _HELP = {
     "epochs": f"passes over the training set (default {DEFAULT_EPOCHS} when --steps is not given)",
     "steps": "optimizer steps per rank, instead of --epochs (default: from --epochs)",
     "batch_size": "samples per rank per step",
-    "lr": "learning rate; default per algorithm: {lr_defaults}",
+    "lr": "learning rate; default per algorithm: {lr_defaults} (with --optimizer: the optimizer's; default sgd 0.05, adam and adamw 1e-3)",
+    "optimizer": "the local update: a torch optimizer every algorithm but signum and the asynchronous ones steps with (sgd, adam, "
+    "adamw; its keywords with --hp NAME.KEY=VALUE, e.g. --hp adamw.betas=0.9,0.95 --hp adamw.weight_decay=0.1); the ddp "
+    "baseline uses the same (default: each algorithm's built-in SGD update)",
+    "no_decay_on": "with --optimizer: no weight decay on these parameters (bias, norm, or bias,norm: biases and normalisation layers)",
+    "clip_grad_norm": "clip the gradient's norm to X before each step: the exchanged gradient where the algorithm exchanges one "
+    "(sgd, topk, regtopk, ddp), else this rank's own",
+    "warmup_steps": "a linear warm-up of the learning rate over N steps, then a cosine down to 0 at the last step",
     "seed": "seed of the model's initialisation, the data order and augmentation",
     "group_size": "ranks per group (LSGD's local leaders, signum's pre-vote); default: the real nodes",
     "eval_every": "evaluate on the test split every N steps (default: 10 times per run, and at the end)",
@@ -185,8 +192,11 @@ def config_from_args(args: argparse.Namespace, command: str) -> "tuple[TrainConf
             algorithms = [a.strip() for a in given.split(",") if a.strip()]
         elif isinstance(given, list):
             algorithms = [str(a) for a in given]
-        else:
-            algorithms = available()  # the baseline first
+        else:  # all, the baseline first; with --optimizer those that take one
+            from ..algorithms import algorithm_class
+
+            optimizer = values.get("optimizer")
+            algorithms = [a for a in available() if not optimizer or algorithm_class(a).inner_role]
         if not algorithms:
             raise UsageError("--algorithms names no algorithm")
     config = TrainConfig(**values, hyperparameters=hyper)
@@ -194,7 +204,7 @@ def config_from_args(args: argparse.Namespace, command: str) -> "tuple[TrainConf
         config.epochs = float(DEFAULT_EPOCHS)
     for f in dataclasses.fields(TrainConfig):
         value = getattr(config, f.name)
-        if value is not None and f.name in ("epochs", "dropout", "target_accuracy", "lr") and isinstance(value, int) and not isinstance(value, bool):
+        if value is not None and f.name in ("epochs", "dropout", "target_accuracy", "lr", "clip_grad_norm") and isinstance(value, int) and not isinstance(value, bool):
             setattr(config, f.name, float(value))  # TOML's 1 where 1.0 was meant
     if command == "train":
         algorithms = [config.algorithm]

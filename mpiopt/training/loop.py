@@ -51,6 +51,7 @@ from ..torch.threads import set_threads
 from .checkpointing import COUNTERS, Checkpointer, Interrupted
 from .config import DDP, DEFAULT_EPOCHS, TrainConfig, UsageError, agree_or_fail
 from .ddp import NOTES, DDPBaseline
+from .optimizers import clip, inner_optimizer, schedule
 from .progress import Progress
 
 __all__ = ["train", "load_data"]
@@ -189,7 +190,7 @@ def train(
     torch.manual_seed(config.seed)
     model = build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, width=config.width, dropout=config.dropout)
     hyper = config.algorithm_hyperparameters(algorithm)
-    opt = _optimizer(algorithm, model, topology, hyper)
+    opt = _optimizer(algorithm, model, topology, hyper, inner_optimizer(config, model))
     broadcast_module(model, topology)
     torch.manual_seed(config.seed + 1 + world.rank)  # dropout differs between ranks, reproducibly
     if world.rank == 0:
@@ -201,12 +202,12 @@ def train(
         return run.close_records(end)
 
 
-def _optimizer(algorithm: str, model: torch.nn.Module, topology: Topology, hyper: Dict[str, Any]) -> Any:
-    """The run's optimizer (DDP's baseline or a :class:`DistributedOptimizer`), validated before any communication."""
+def _optimizer(algorithm: str, model: torch.nn.Module, topology: Topology, hyper: Dict[str, Any], inner: Any) -> Any:
+    """The run's optimizer (DDP's baseline or a :class:`DistributedOptimizer`, over ``inner`` if given), validated before any communication."""
     try:  # every rank fails alike
         if algorithm == DDP:
-            return DDPBaseline(model, topology, **hyper)
-        return DistributedOptimizer(model.parameters(), algorithm, topology=topology, **hyper)
+            return DDPBaseline(model, topology, optimizer=inner, **({} if inner is not None else hyper))
+        return DistributedOptimizer(model.parameters(), algorithm, topology=topology, inner=inner, **hyper)
     except (TypeError, ValueError) as err:
         raise UsageError(f"{algorithm}: {err}") from None
 
@@ -284,6 +285,9 @@ class _Run:
         self.source, self.evaluated_name = _EVALUATED[evaluates]
         self.evaluator = _Evaluator(model, dataset, world, self.source)
         self.totals = _Totals(self.checkpoints.counters)
+        # The rate schedule acts on the groups the algorithm reads (the inner optimizer's, or DDP's optimizer's).
+        groups = opt.optimizer if algorithm == DDP else opt
+        self.scheduler = None if self.is_asynchronous else schedule(config, groups, self.steps, self.start)
 
     # -- records ------------------------------------------------------------------------------
     def _run_record(self, hyper: Dict[str, Any]) -> Dict[str, Any]:
@@ -350,7 +354,10 @@ class _Run:
                     loss.backward()
                 computed = time.perf_counter()
                 with self._phase("algorithm"):
+                    clip(self.config, opt, self.model)
                     opt.step(loss=loss)
+                    if self.scheduler is not None:
+                        self.scheduler.step()
                 whole = time.perf_counter() - started
                 self.totals.wall_seconds += whole
                 record = opt.last.as_dict()

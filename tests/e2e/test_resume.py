@@ -47,6 +47,10 @@ STEPS, MIDDLE = 6, 3
 SMALL = ["--batch-size", "8", "--width", "8", "--dropout", "0.2", "--eval-every", str(STEPS), "--keep-checkpoints", "5"]
 
 
+ADAMW = ["--optimizer", "adamw", "--hp", "adamw.betas=0.9,0.95", "--hp", "adamw.weight_decay=0.05", "--no-decay-on", "bias",
+         "--clip-grad-norm", "0.5", "--warmup-steps", "2"]
+
+
 def variants(size: int) -> dict:
     """Case name -> the flags of ``mpiopt train`` that make it (dropout, data order and the sizes are common)."""
     groups, half = ["--group-size", str(size)], ["--group-size", str(size // 2)]
@@ -63,6 +67,12 @@ def variants(size: int) -> dict:
         "signum-prevote": ["--algorithm", "signum", "--hp", "exchange=prevote", *half],
         "topk": ["--algorithm", "topk"],
         "regtopk": ["--algorithm", "regtopk"],
+        # every algorithm that takes one, over AdamW with two groups, clipping and a warm-up schedule
+        **{f"{name}-adamw": [*flags, *ADAMW] for name, flags in (
+            ("sgd", ["--algorithm", "sgd"]), ("easgd", ["--algorithm", "easgd", "--hp", "period=2"]), ("lsgd", [*lsgd, *half]),
+            ("dasgd", ["--algorithm", "dasgd", "--hp", "period=3"]), ("topk", ["--algorithm", "topk"]),
+            ("regtopk", ["--algorithm", "regtopk"]),
+        )},
     }
 
 
@@ -133,7 +143,7 @@ def runs(tmp_path_factory):
         resumed += [
             # another world size: sgd and signum (per-rank momentum) by their rules, easgd with neither alpha nor beta kept
             (f"from-{other}-{name}", train(size, name, f"from-{other}", "--resume", middle(other, name)))
-            for name in ("sgd", "signum-allgather")
+            for name in ("sgd", "signum-allgather", "sgd-adamw")
         ]
         if size == 2:
             resumed += [
@@ -169,6 +179,8 @@ def test_resumed_run_ends_bitwise_equal_to_the_uninterrupted_one(runs, size, nam
         assert all(middle["ranks"][r]["algorithm"]["scalars"]["merge_step"] == MIDDLE + 1 for r in ranks), "no averaging in flight"
     if name.startswith("lsgd"):
         assert all(middle["ranks"][r]["algorithm"]["arrays"]["leader_copy"] is not None for r in ranks)
+    if name.endswith("adamw"):  # the inner optimizer's state is in the checkpoint, so the equality below covers it
+        assert all(int(middle["ranks"][r]["inner"]["p0"]["step"]) == MIDDLE for r in ranks)
     # Only steps 4..6 ran in the second job: equality below needs every piece of state restored.
     assert [r["step"] for r in read_metrics(resumed / "metrics.jsonl").steps] == list(range(MIDDLE + 1, STEPS + 1))
     last = f"ckpt-{STEPS:09d}.h5"
@@ -197,7 +209,7 @@ def test_dropout_and_augmentation_are_on_in_the_cases(runs):
     assert first_difference(a["ranks"]["0"]["rng"], a["ranks"]["1"]["rng"]) is not None
 
 
-@pytest.mark.parametrize("size,name", [(4, "sgd"), (2, "sgd"), (4, "signum-allgather"), (2, "signum-allgather")])
+@pytest.mark.parametrize("size,name", [(4, "sgd"), (2, "sgd"), (4, "signum-allgather"), (2, "signum-allgather"), (4, "sgd-adamw"), (2, "sgd-adamw")])
 def test_resume_on_another_world_size_moves_the_state_by_the_rule(runs, size, name):
     root, results = runs
     old = SIZES[1 - SIZES.index(size)]
@@ -217,6 +229,9 @@ def test_resume_on_another_world_size_moves_the_state_by_the_rule(runs, size, na
         # Training continued from the saved parameters: moved from them, and every rank identical (sgd, signum).
         assert not np.array_equal(state["params"], saved["ranks"][str(r % old)]["params"])
         assert np.array_equal(state["params"], final["ranks"]["0"]["params"])
+        if name.endswith("adamw"):  # AdamW's state came along (its step count continued) and is every rank's alike
+            assert int(state["inner"]["p0"]["step"]) == STEPS and int(saved["ranks"]["0"]["inner"]["p0"]["step"]) == MIDDLE
+            assert first_difference(state["inner"], final["ranks"]["0"]["inner"]) is None
 
 
 def test_resume_with_another_algorithm_is_refused_naming_both(runs):

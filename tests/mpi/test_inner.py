@@ -75,9 +75,11 @@ def assert_close(model, reference, **tolerance):
         np.testing.assert_allclose(mine.detach().numpy(), theirs.detach().numpy(), **(tolerance or ROUNDING))
 
 
-def test_sgd_with_adamw_is_adamw_on_the_mean_gradient(topology):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sgd_with_adamw_is_adamw_on_the_mean_gradient(topology, overlap):
+    """Also with the exchange overlapped with backward (buckets of 64 bytes: several per backward pass)."""
     data = batches(topology.size)
-    assert_close(train_mpiopt(topology, data), train_reference(data, topology.size))
+    assert_close(train_mpiopt(topology, data, overlap=overlap, bucket_cap_mb=64 / 2**20), train_reference(data, topology.size))
 
 
 @pytest.mark.parametrize("algorithm, hyper", [("sgd", {}), ("topk", {"density": 1.0}), ("regtopk", {"density": 1.0})])

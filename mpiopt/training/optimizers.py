@@ -1,0 +1,119 @@
+"""A run's inner optimizer, its parameter groups, clipping and learning-rate schedule (``--optimizer`` and friends).
+
+``mpiopt train --optimizer adamw`` makes every synchronous algorithm step with
+``torch.optim.AdamW`` (:class:`~mpiopt.torch.DistributedOptimizer`'s
+``inner``), and the ``ddp`` baseline with the same optimizer, so the two
+compare on equal terms.  Its keywords come from ``--lr`` and ``--hp
+adamw.KEY=VALUE`` (``betas=0.9,0.95``); ``--no-decay-on bias,norm`` puts
+biases and normalisation layers' parameters in a group without weight decay;
+``--clip-grad-norm X`` clips the exchanged gradient where the algorithm
+exchanges one (after ``synchronize()``), else this rank's own; ``--warmup-steps
+N`` warms the rate up linearly over N steps, then follows a cosine to 0 at the
+last step.  Inner states are saved per rank in checkpoints and follow the
+parameters on a resize.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Mapping, Optional
+
+import numpy as np
+import torch
+
+from .config import TrainConfig, UsageError
+
+__all__ = ["OPTIMIZERS", "NO_DECAY", "inner_optimizer", "schedule", "clip", "inner_state", "load_inner_state"]
+
+#: ``--optimizer`` names and their torch classes, with the rate each starts from where ``--lr`` is not given.
+OPTIMIZERS = {"sgd": (torch.optim.SGD, 0.05), "adam": (torch.optim.Adam, 1e-3), "adamw": (torch.optim.AdamW, 1e-3)}
+#: ``--no-decay-on`` kinds: which parameters they name.
+NO_DECAY = ("bias", "norm")
+_NORMS = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._NormBase)
+
+
+def _keywords(config: TrainConfig) -> Dict[str, Any]:
+    """The optimizer's keywords: its default rate or ``--lr``, then its ``--hp NAME.KEY=VALUE`` table."""
+    cls, lr = OPTIMIZERS[config.optimizer]
+    table = dict(config.hyperparameters.get(config.optimizer, {}))
+    for key, value in table.items():
+        if isinstance(value, str) and "," in value:  # betas=0.9,0.95 from the command line
+            try:
+                table[key] = tuple(float(v) for v in value.split(","))
+            except ValueError:
+                raise UsageError(f"--hp {config.optimizer}.{key}: expected numbers separated by commas, got {value!r}") from None
+        elif isinstance(value, list):  # a TOML array
+            table[key] = tuple(value)
+    return {"lr": config.lr if config.lr is not None else lr, **table}
+
+
+def _groups(model: torch.nn.Module, kinds: List[str], weight_decay: Optional[float]) -> List[Dict[str, Any]]:
+    """The parameters in two groups: those ``kinds`` name without weight decay, the rest with the optimizer's."""
+    exempt = set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if ("bias" in kinds and name == "bias") or ("norm" in kinds and isinstance(module, _NORMS)):
+                exempt.add(id(p))
+    params = list(model.parameters())
+    decayed = [p for p in params if id(p) not in exempt]
+    groups = [{"params": decayed}] if decayed else []
+    return groups + [{"params": [p for p in params if id(p) in exempt], "weight_decay": 0.0}]
+
+
+def inner_optimizer(config: TrainConfig, model: torch.nn.Module) -> Optional[torch.optim.Optimizer]:
+    """The run's ``--optimizer`` over ``model``'s parameters (None without one); bad keywords raise :class:`UsageError`."""
+    if config.optimizer is None:
+        return None
+    cls, _ = OPTIMIZERS[config.optimizer]
+    keywords = _keywords(config)
+    kinds = [k for k in (config.no_decay_on or "").split(",") if k]
+    params: Any = model.parameters() if not kinds else _groups(model, kinds, keywords.get("weight_decay"))
+    try:
+        return cls(params, **keywords)
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"--optimizer {config.optimizer}: {err}") from None
+
+
+def schedule(config: TrainConfig, optimizer: torch.optim.Optimizer, steps: int, start: int) -> Optional[Any]:
+    """``--warmup-steps``' schedule on ``optimizer``'s groups, advanced to ``start`` (a resume), or None."""
+    warmup = config.warmup_steps
+    if warmup is None:
+        return None
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, steps - warmup))))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    for _ in range(start):
+        scheduler.step()
+    return scheduler
+
+
+def clip(config: TrainConfig, opt: Any, model: torch.nn.Module) -> None:
+    """``--clip-grad-norm``: the exchanged gradient where the algorithm exchanges one (``synchronize()``), else this rank's."""
+    if config.clip_grad_norm is None:
+        return
+    if getattr(getattr(opt, "algorithm", None), "inner_role", None) == "gradient":
+        opt.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm)
+
+
+def inner_state(optimizer: Optional[torch.optim.Optimizer]) -> Optional[Dict[str, Any]]:
+    """The optimizer's per-parameter state as arrays (``{"p0": {"exp_avg": ...}}``), for a checkpoint."""
+    if optimizer is None:
+        return None
+    return {
+        f"p{index}": {key: np.array(value.detach().cpu().numpy() if torch.is_tensor(value) else value) for key, value in entry.items()}
+        for index, entry in optimizer.state_dict()["state"].items()
+    }
+
+
+def load_inner_state(optimizer: Optional[torch.optim.Optimizer], saved: Optional[Mapping[str, Any]]) -> None:
+    """Restore :func:`inner_state`'s arrays into ``optimizer`` (its groups stay this run's)."""
+    if optimizer is None:
+        return
+    current = optimizer.state_dict()
+    state = {int(key[1:]): {k: torch.from_numpy(np.array(v)) for k, v in entry.items()} for key, entry in (saved or {}).items()}
+    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
