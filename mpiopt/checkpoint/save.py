@@ -29,6 +29,7 @@ __all__ = ["save_checkpoint"]
 
 
 def _own_attrs(world_size: int) -> Dict[str, Any]:
+    """The root attributes save_checkpoint writes itself: format, world size, a random id, when, and the versions."""
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,

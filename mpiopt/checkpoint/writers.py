@@ -64,6 +64,7 @@ def _write_state(group: h5py.Group, entries: Sequence[Entry], arrays: Iterator[n
 
 
 def _receive_arrays(world: Comm, source: int, entries: Sequence[Entry]) -> Iterator[np.ndarray]:
+    """Rank 0: the arrays of ``entries`` received from ``source`` one at a time, as the writer asks for them."""
     for entry in entries:
         if entry.kind == DATASET:
             dtype, shape, _ = entry.value
