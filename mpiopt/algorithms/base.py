@@ -56,7 +56,7 @@ from ..arrays import array_module, empty_apart, keep_apart, to_numpy
 from ..comm import Topology
 from ..comm.ledger import Call
 from ..kernels.update import all_finite
-from .local import InnerUpdate
+from .local import InnerUpdate, LocalSGD
 from .schema import Hyperparameter, Schema, choice, positive
 
 __all__ = [
@@ -328,6 +328,43 @@ class Algorithm:
     def _use_inner(self, inner: InnerUpdate) -> None:
         """Put ``inner`` where the local step is (``self.local`` unless the class keeps it elsewhere)."""
         self.local = inner
+
+    def use_groups(self, bounds: Sequence[Tuple[int, int]]) -> None:
+        """Parameter groups for the built-in update: contiguous ``[start, stop)`` slices of the flat buffer (before setup).
+
+        Each group then has its own ``lr``, ``momentum``, ``dampening``,
+        ``nesterov`` and ``weight_decay`` (:meth:`set_group_values`; this
+        algorithm's own until then), applied by the fused update one group
+        after the other.  The pulls, averages and exchanges act on the whole
+        buffer as before.
+
+        Raises
+        ------
+        TypeError
+            For an algorithm without the built-in SGD update (``signum``, the
+            asynchronous ones) or one that has an inner optimizer.
+        """
+        local = self._local_update()
+        if local is None:
+            raise TypeError(
+                f"{self.name} takes one set of hyperparameters for all parameters: per-group settings ride in the "
+                "built-in SGD update, which it does not use"
+            )
+        if self.num_params is not None:
+            raise RuntimeError(f"{self.name}: use_groups() must come before setup()")
+        local.set_groups(bounds)
+
+    def set_group_values(self, values: Sequence[Mapping[str, Any]]) -> None:
+        """Each group's ``lr`` and local hyperparameters for the next steps (after :meth:`use_groups`)."""
+        local = self._local_update()
+        if local is None or local.groups is None:
+            raise RuntimeError(f"{self.name}: set_group_values() needs use_groups() first")
+        local.set_group_values([dict(v) for v in values])
+
+    def _local_update(self) -> Optional[LocalSGD]:
+        """The built-in update, where this algorithm has one (``self.local``; None otherwise)."""
+        local = getattr(self, "local", None)
+        return local if isinstance(local, LocalSGD) and self.protocol == SYNCHRONOUS else None
 
     @property
     def inner(self) -> Optional[InnerUpdate]:

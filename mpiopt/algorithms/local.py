@@ -51,7 +51,28 @@ class LocalSGD:
         self.nesterov = nesterov
         self.buffer: Optional[Any] = None  # momentum buffer, allocated at the first step
         self._work: List[Any] = []  # scratch of the array code (no fused loop: other dtypes, no C compiler): filled at the first step
+        # Parameter groups: contiguous [start, stop) slices, each with its own lr and local hyperparameters (set_groups).
+        self.groups: Optional[List[Tuple[int, int]]] = None
+        self.group_values: List[Dict[str, Any]] = []
+        self._group_work: List[List[Any]] = []
 
+    def set_groups(self, bounds: Sequence[Tuple[int, int]]) -> None:
+        """Run the update group by group over these contiguous slices (each with :attr:`group_values`' settings)."""
+        self.groups = [(int(a), int(b)) for a, b in bounds]
+        self.group_values = [dict(self.hyperparameters()) for _ in self.groups]
+        self._group_work = [[] for _ in self.groups]
+
+    def set_group_values(self, values: Sequence[Dict[str, Any]]) -> None:
+        """Each group's ``lr``, ``momentum``, ``dampening``, ``nesterov``, ``weight_decay`` for the next steps (checked)."""
+        if self.groups is None or len(values) != len(self.groups):
+            raise ValueError(f"expected the values of {0 if self.groups is None else len(self.groups)} groups, got {len(values)}")
+        checked = []
+        for index, group in enumerate(values):
+            out = {key: LOCAL_SGD[key].validate(group[key]) if key in LOCAL_SGD else group[key] for key in group}
+            if out.get("nesterov") and (out.get("momentum", 0) == 0 or out.get("dampening", 0) != 0):
+                raise ValueError(f"parameter group {index}: nesterov=True needs momentum > 0 and dampening = 0, got {group}")
+            checked.append(out)
+        self.group_values = checked
     def hyperparameters(self) -> Dict[str, Any]:
         return {"momentum": self.momentum, "dampening": self.dampening, "nesterov": self.nesterov, "weight_decay": self.weight_decay}
 
@@ -89,7 +110,12 @@ class LocalSGD:
         on its own (torch fuses ``a + alpha * b`` into one rounding: see
         :mod:`mpiopt.kernels.update`).
         """
-        first_step = bool(self.momentum) and self.buffer is None
+        if self.groups is not None and len(self.groups) > 1:
+            return self._apply_groups(params, grad, lr, grad_divisor, copy_to, merge, check_finite)
+        values = self.group_values[0] if self.groups is not None else {}
+        lr = values.get("lr", lr)
+        momentum = values.get("momentum", self.momentum)
+        first_step = bool(momentum) and self.buffer is None
         if first_step:
             self.buffer = empty_apart(params, near=(grad,))
         return sgd_update(
@@ -97,10 +123,10 @@ class LocalSGD:
             grad,
             self.buffer,
             lr=lr,
-            momentum=self.momentum,
-            dampening=self.dampening,
-            nesterov=self.nesterov,
-            weight_decay=self.weight_decay,
+            momentum=momentum,
+            dampening=values.get("dampening", self.dampening),
+            nesterov=values.get("nesterov", self.nesterov),
+            weight_decay=values.get("weight_decay", self.weight_decay),
             first_step=first_step,
             grad_divisor=grad_divisor,
             work=self._work,
@@ -109,6 +135,32 @@ class LocalSGD:
             check_finite=check_finite,
             grad_support=grad_support,
         )
+
+
+    def _apply_groups(
+        self, params: Any, grad: Any, lr: float, grad_divisor: int, copy_to: Union[None, Any, Sequence[Any]],
+        merge: Optional[Merge], check_finite: bool,
+    ) -> Optional[bool]:
+        """:meth:`apply` group by group: each slice with its group's settings (``lr`` too); one call per group."""
+        first_step = any(v.get("momentum", self.momentum) for v in self.group_values) and self.buffer is None
+        if first_step:  # zeros: a group whose momentum starts later begins from b = (1 - dampening) g, as from b = g
+            self.buffer = empty_apart(params, near=(grad,), zero=True)
+        copies = () if copy_to is None else ((copy_to,) if hasattr(copy_to, "shape") else tuple(copy_to))
+        finite: Optional[bool] = True if check_finite else None
+        for (a, b), values, work in zip(self.groups, self.group_values, self._group_work):
+            momentum = values.get("momentum", self.momentum)
+            part = None if merge is None else merge._replace(
+                snapshot=None if merge.snapshot is None else merge.snapshot[a:b], total=merge.total[a:b])
+            ok = sgd_update(
+                params[a:b], grad[a:b], None if self.buffer is None else self.buffer[a:b], lr=values.get("lr", lr),
+                momentum=momentum, dampening=values.get("dampening", self.dampening),
+                nesterov=values.get("nesterov", self.nesterov), weight_decay=values.get("weight_decay", self.weight_decay),
+                first_step=first_step and bool(momentum), grad_divisor=grad_divisor, work=work,
+                copy_to=tuple(c[a:b] for c in copies) or None, merge=part, check_finite=check_finite,
+            )
+            if check_finite:
+                finite = finite and bool(ok)
+        return finite
 
 
 class InnerUpdate:

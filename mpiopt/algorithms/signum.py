@@ -191,8 +191,8 @@ class Signum(SynchronousAlgorithm):
     )
     listing_order = 40
     schema = BASE.with_defaults(lr=1e-4) + Schema(
-        Hyperparameter("momentum", 0.9, in_range(0.0, 1.0, high_open=True), "momentum of the signs (0: signSGD)", per_group=True),
-        Hyperparameter("weight_decay", 1e-4, positive(allow_zero=True), "decoupled weight decay", per_group=True),
+        Hyperparameter("momentum", 0.9, in_range(0.0, 1.0, high_open=True), "momentum of the signs (0: signSGD)"),
+        Hyperparameter("weight_decay", 1e-4, positive(allow_zero=True), "decoupled weight decay"),
         Hyperparameter("exchange", "auto", choice(*EXCHANGES), "how the signs are voted: Allgather, two-phase, or per-node pre-vote"),
         Hyperparameter("pipeline_chunks", "auto", count_or_auto(), "pieces the vote is pipelined in (same bits)", execution=True),
     )

@@ -448,6 +448,10 @@ class _SparseSGD(LocalStepState, SynchronousAlgorithm):
         super()._use_inner(inner)
         self._dense = True  # the inner optimizer steps on the dense aggregate G
 
+    def use_groups(self, bounds: Any) -> None:
+        super().use_groups(bounds)
+        self._dense = True  # the groups' momentum and decay may change: the update reads G through the local step
+
     @property
     def k(self) -> Optional[int]:
         """Entries each rank sends per step (known after :meth:`setup`)."""
@@ -514,7 +518,7 @@ class _SparseSGD(LocalStepState, SynchronousAlgorithm):
         # A dense update that cannot read G's non-zero entries alone (at most P k: the union buffers' length)
         # reads all of it, as does RegTop-k's general selection; otherwise the dense G is written only when
         # asked for (the aggregate property), since writing it costs a pass over d where clearing costs P k.
-        self._reads_support = self._dense and self.inner is None and reads_support(params, (self._unions[0], self._sums))
+        self._reads_support = self._dense and self.inner is None and len(self.local.groups or [0]) == 1 and reads_support(params, (self._unions[0], self._sums))
         self._write_out = (self._dense and not self._reads_support) or self.worker.reads_dense_aggregate
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:

@@ -389,7 +389,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self.last: Optional[StepRecord] = None
         self._frozen = False
-        super().__init__(params, {"lr": self.algorithm.lr})
+        # The keys a group may set for the built-in update (its own lr, momentum, ...): the algorithm's defaults.
+        self._local_keys: Tuple[str, ...] = ()
+        if self.inner is None and self.algorithm._local_update() is not None:
+            self._local_keys = tuple(k for k in self.algorithm.schema.per_group() if k != "lr")
+        own = self.algorithm.hyperparameters()
+        super().__init__(params, {"lr": self.algorithm.lr, **{k: own[k] for k in self._local_keys}})
         self._frozen = True
         if self.inner is not None:  # its groups are ours: schedulers and clipping see one set of groups
             self._adopt_groups(self.inner)
@@ -400,6 +405,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._grad_views = [p.grad for p in self._params]
         self._params_array = _as_array(self._flat_params)
         self._grads_array = _as_array(self._flat_grads)
+        if self._local_keys:  # each group a contiguous slice of the flat buffer, in order
+            sizes = [sum(p.numel() for p in group["params"]) for group in self.param_groups]
+            self.algorithm.use_groups([(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(len(sizes))])
         world = self.topology.world
         world.agree(
             {"algorithm": algorithm, "shapes": [list(p.shape) for p in self._params], "dtype": str(self._flat_params.dtype)},
@@ -407,6 +415,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         )
         world.Bcast(self._flat_params, root=0)
         self.algorithm.setup(self._params_array)
+        self._hand_groups()
         self._verdict = np.zeros(3)  # GradScaler: overflow somewhere, largest scale, -smallest scale
         self._exchange: Optional[_BucketExchange] = None
         self._synchronized: Optional[Tuple[Any, Ledger]] = None  # (exchanged gradient or None: skipped, its cost)
@@ -428,6 +437,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         return self._flat_params
 
+    # With an inner optimizer its groups and state are this optimizer's, read through (its load_state_dict replaces
+    # the list, so a reference taken once would go stale).
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
+        inner = self.__dict__.get("inner")
+        return inner.param_groups if inner is not None and self.__dict__.get("_adopted") else self.__dict__["_own_groups"]
+
+    @param_groups.setter
+    def param_groups(self, groups: List[Dict[str, Any]]) -> None:
+        self.__dict__["_own_groups"] = groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        inner = self.__dict__.get("inner")
+        return inner.state if inner is not None and self.__dict__.get("_adopted") else self.__dict__["_own_state"]
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.__dict__["_own_state"] = state
+
     # -- construction -------------------------------------------------------------------------
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Only during construction: the flat buffers cannot grow afterwards."""
@@ -444,9 +473,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"inner optimizer {type(inner).__name__} holds other parameters than DistributedOptimizer's "
                 f"({len(theirs)} against {len(ours)}): create it over the same parameters, e.g. inner=torch.optim.AdamW(model.parameters())"
             )
-        self.param_groups = inner.param_groups
         self.defaults = inner.defaults
-        self.state = inner.state
+        self._adopted = True
 
     def _inner_step(self, params: Any, grad: Any) -> None:
         """The inner optimizer's step with ``grad`` in the parameters' ``.grad`` (copied there unless it is that buffer)."""
@@ -460,15 +488,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.inner is not None:  # the groups are the inner optimizer's, with its hyperparameters
             self._check_tensors()
             return
+        name = self.algorithm.name
         for i, group in enumerate(self.param_groups):
-            extra = sorted(set(group) - _GROUP_KEYS)
+            extra = sorted(set(group) - _GROUP_KEYS - set(self._local_keys))
             if extra:
-                raise ValueError(
-                    f"parameter group {i} sets {extra}: mpiopt algorithms take one set of hyperparameters for all "
-                    "parameters; pass them to DistributedOptimizer instead"
-                )
-        self._group_lr()
+                why = (f"{name}'s built-in update takes {', '.join(('lr',) + self._local_keys)} per group; "
+                       "for another optimizer's keywords give inner=" if self._local_keys else
+                       f"{name} takes one set of hyperparameters for all parameters; pass them to DistributedOptimizer")
+                raise ValueError(f"parameter group {i} sets {extra}: {why}")
+        self._hand_groups()
         self._check_tensors()
+
+    def _hand_groups(self) -> None:
+        """The groups' learning rates (and the built-in update's per-group settings) to the algorithm, for the next step."""
+        if not self._local_keys:
+            self.algorithm.lr = self._group_lr()
+            return
+        values = []
+        for i, group in enumerate(self.param_groups):
+            lr = float(group["lr"])
+            if not (lr >= 0 and math.isfinite(lr)):  # 0 is a scheduler's warm-up start or end
+                raise ValueError(f"parameter group {i}: learning rate must be a finite number >= 0, got {lr!r}")
+            values.append({"lr": lr, **{k: group[k] for k in self._local_keys}})
+        if self.algorithm.num_params is not None:
+            self.algorithm.set_group_values(values)
+        self.algorithm.lr = values[0]["lr"]  # what records report
 
     def _check_tensors(self) -> None:
         kinds = sorted({(str(p.dtype), str(p.device)) for p in self._params})
@@ -596,7 +640,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._check_views(keep_replaced_grads=True)
         if self.inner is None:  # with an inner optimizer the rates are its own
-            self.algorithm.lr = self._group_lr()
+            self._hand_groups()
+        else:
+            self.algorithm.lr = float(self.param_groups[0]["lr"])  # unused by its math: for the records
         if self._synchronized is not None:
             return self._step_synchronized(loss)
         if self._exchange is None:

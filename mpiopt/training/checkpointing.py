@@ -156,13 +156,18 @@ class Checkpointer:
             "algorithm": self.algorithm,
             # The learning rate too: a resume with another --lr is a change of hyperparameters like any other; so are
             # the inner optimizer, its keywords and the settings around it.
-            "hyperparameters": {"lr": self.opt.algorithm.lr, **self.opt.algorithm.hyperparameters(), **self._optimizer_settings()},
+            "hyperparameters": {"lr": self._base_lr(), **self.opt.algorithm.hyperparameters(), **self._optimizer_settings()},
             "num_groups": self.topology.num_groups,
             "group_size": self.topology.group.size,
             "model_signature": model_signature(self.model),
             "config": asdict(self.config),
             "versions": versions(),
         }
+
+    def _base_lr(self) -> float:
+        """The run's learning rate before any schedule (a schedule's rate at the step is state, not a setting)."""
+        group = self.opt.param_groups[0]
+        return float(group.get("initial_lr", group["lr"]))
 
     def _optimizer_settings(self) -> Dict[str, Any]:
         config = self.config

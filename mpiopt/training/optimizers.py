@@ -16,6 +16,7 @@ parameters on a resize.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
@@ -86,8 +87,10 @@ def schedule(config: TrainConfig, optimizer: torch.optim.Optimizer, steps: int, 
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, steps - warmup))))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-    for _ in range(start):
-        scheduler.step()
+    with warnings.catch_warnings():  # replaying a resumed run's steps calls step() before the optimizer's: meant here
+        warnings.filterwarnings("ignore", message=".*lr_scheduler.step\\(\\)", category=UserWarning)
+        for _ in range(start):
+            scheduler.step()
     return scheduler
 
 

@@ -206,3 +206,56 @@ def test_bad_inner_optimizers_are_refused_on_every_rank(topology):
         served = make_model()
         with pytest.raises(TypeError, match="async_msgd takes no inner optimizer"):
             DistributedOptimizer(served.parameters(), "async_msgd", topology=topology, inner=torch.optim.SGD(served.parameters(), lr=0.1))
+
+
+# -- parameter groups with the built-in update ------------------------------------------------------------------------
+def groups_of(model):
+    """Decay and a Nesterov momentum on the weights; no decay, plain momentum and half the rate on the biases."""
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1, "momentum": 0.9, "nesterov": True},
+            {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0, "momentum": 0.5, "lr": 0.025}]
+
+
+def test_builtin_groups_are_torch_sgd_with_those_groups(topology):
+    """To rounding (torch's SGD uses a fused multiply-add); every group's setting changes the result."""
+    data, rank = batches(topology.size), topology.rank
+    model, reference = make_model(), make_model()
+    opt = DistributedOptimizer(groups_of(model), "sgd", topology=topology, lr=0.05)
+    ref = torch.optim.SGD(groups_of(reference), lr=0.05)
+    for xs, ys in data:
+        opt.zero_grad()
+        F.cross_entropy(model(xs[rank]), ys[rank]).backward()
+        opt.step()
+        ref.zero_grad()
+        (sum(F.cross_entropy(reference(xs[r]), ys[r]) for r in range(topology.size)) / topology.size).backward()
+        ref.step()
+    assert_close(model, reference)
+    plain = make_model()
+    single = DistributedOptimizer(plain.parameters(), "sgd", topology=topology, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1)
+    for xs, ys in data:
+        single.zero_grad()
+        F.cross_entropy(plain(xs[rank]), ys[rank]).backward()
+        single.step()
+    assert not np.allclose(plain[0].bias.detach().numpy(), model[0].bias.detach().numpy())
+
+
+@pytest.mark.parametrize("name", [n for n in available(SYNCHRONOUS) if algorithm_class(n).inner_role])
+def test_one_cycle_cycles_the_builtin_momentum_of_every_algorithm(topology, name):
+    """OneCycleLR's default cycle_momentum=True needs momentum in the groups: each step's value reaches the update."""
+    model = make_model()
+    extra = {"density": 0.5} if name in ("topk", "regtopk") else {}
+    opt = DistributedOptimizer(groups_of(model), name, topology=topology, **extra)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=4)
+    rank = topology.rank
+    local = opt.algorithm.local
+    assert local.groups is not None and len(local.groups) == 2
+    for xs, ys in batches(topology.size, 3):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(xs[rank]), ys[rank])
+        loss.backward()
+        asked = [(g["lr"], g["momentum"]) for g in opt.param_groups]
+        opt.step(loss=loss)
+        assert [(v["lr"], v["momentum"]) for v in local.group_values] == asked  # this step's, as the scheduler set them
+        scheduler.step()
+    opt.finish()
+    assert asked[0][1] != 0.9 and asked[1][0] != 0.025  # the scheduler did move them
