@@ -23,7 +23,18 @@ _COMMON = dict(
 setup(
     ext_modules=[
         Extension("mpiopt.kernels._signsc", ["mpiopt/kernels/_signsc.c"], **_COMMON),
-        Extension("mpiopt.kernels._sparsec", ["mpiopt/kernels/_sparsec.c"], **_COMMON),
+        # One module from several files along the loops' jobs; _sparsec.h declares what they share.
+        Extension(
+            "mpiopt.kernels._sparsec",
+            [
+                "mpiopt/kernels/_sparsec.c",
+                "mpiopt/kernels/_sparse_select.c",
+                "mpiopt/kernels/_sparse_wire.c",
+                "mpiopt/kernels/_sparse_aggregate.c",
+                "mpiopt/kernels/_sparse_regtopk.c",
+            ],
+            **{**_COMMON, "depends": _COMMON["depends"] + ["mpiopt/kernels/_sparsec.h"]},
+        ),
         Extension("mpiopt.kernels._updatec", ["mpiopt/kernels/_updatec.c"], **_COMMON),
     ]
 )

@@ -15,6 +15,10 @@
  * context, indexed by chunk, in chunk order.  Loops whose elements cost more
  * than a streamed pass (random accesses at sparse indices) ask for smaller
  * parts.
+ *
+ * The helpers are static inline so that a source file using only some of
+ * them (each of _sparsec's files uses a different few) compiles without
+ * unused-function warnings.
  */
 #ifndef MPIOPT_PARALLEL_H
 #define MPIOPT_PARALLEL_H
@@ -24,7 +28,7 @@
 
 /* The first position of the sorted int32 list a (n entries) holding value or more: where a part of a
  * loop over sorted indices starts. */
-static Py_ssize_t mpiopt_lower_bound(const int32_t *a, Py_ssize_t n, Py_ssize_t value) {
+static inline Py_ssize_t mpiopt_lower_bound(const int32_t *a, Py_ssize_t n, Py_ssize_t value) {
     Py_ssize_t lo = 0, hi = n;
     while (lo < hi) {
         const Py_ssize_t mid = lo + (hi - lo) / 2;
@@ -49,7 +53,7 @@ typedef struct {
     int next; /* the next chunk to take */
 } mpiopt_work;
 
-static void *mpiopt_worker(void *arg) {
+static inline void *mpiopt_worker(void *arg) {
     mpiopt_work *w = (mpiopt_work *)arg;
     for (;;) {
         const int c = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED);
@@ -60,7 +64,7 @@ static void *mpiopt_worker(void *arg) {
 }
 
 /* Threads for n elements: at least min_part elements each, at most `threads` (and MPIOPT_MAX_PARTS). */
-static int mpiopt_parts(int threads, Py_ssize_t n, Py_ssize_t min_part) {
+static inline int mpiopt_parts(int threads, Py_ssize_t n, Py_ssize_t min_part) {
     Py_ssize_t parts = n / min_part;
     if (parts > threads) parts = threads;
     if (parts > MPIOPT_MAX_PARTS) parts = MPIOPT_MAX_PARTS;
@@ -71,8 +75,8 @@ static int mpiopt_parts(int threads, Py_ssize_t n, Py_ssize_t min_part) {
  * mpiopt_parts(threads, n, min_part) threads, the calling one included; returns the number of chunks
  * (1, the whole range, when one thread runs).  A thread that cannot be started leaves its chunks to
  * the others.  Call without the GIL. */
-static int mpiopt_parallel_for_min(int threads, Py_ssize_t n, Py_ssize_t align, Py_ssize_t min_part, mpiopt_part_fn fn,
-                                   void *ctx) {
+static inline int mpiopt_parallel_for_min(int threads, Py_ssize_t n, Py_ssize_t align, Py_ssize_t min_part,
+                                          mpiopt_part_fn fn, void *ctx) {
     const int parts = mpiopt_parts(threads, n, min_part);
     if (parts == 1) {
         fn(ctx, 0, n, 0);
@@ -95,7 +99,7 @@ static int mpiopt_parallel_for_min(int threads, Py_ssize_t n, Py_ssize_t align, 
 }
 
 /* mpiopt_parallel_for_min with threads' shares of at least MPIOPT_MIN_PART elements (streaming loops). */
-static int mpiopt_parallel_for(int threads, Py_ssize_t n, Py_ssize_t align, mpiopt_part_fn fn, void *ctx) {
+static inline int mpiopt_parallel_for(int threads, Py_ssize_t n, Py_ssize_t align, mpiopt_part_fn fn, void *ctx) {
     return mpiopt_parallel_for_min(threads, n, align, MPIOPT_MIN_PART, fn, ctx);
 }
 
