@@ -259,3 +259,36 @@ def test_one_cycle_cycles_the_builtin_momentum_of_every_algorithm(topology, name
         scheduler.step()
     opt.finish()
     assert asked[0][1] != 0.9 and asked[1][0] != 0.025  # the scheduler did move them
+
+
+def test_autocast_bfloat16_and_a_compiled_model_with_an_inner_optimizer(topology):
+    """bfloat16 autocast on CPU (float32 parameters: the flat buffers and the wire stay float32) and a torch.compile'd
+    forward: the same steps as the inner optimizer (SGD with momentum: linear in the gradient, so bfloat16's rounding
+    stays small; Adam's first steps are about lr times the gradient's sign) on the mean gradient under the same autocast."""
+    data, rank, size = batches(topology.size, 3), topology.rank, topology.size
+
+    def build():
+        model = make_model().float()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    model, inner = build()
+    opt = DistributedOptimizer(model.parameters(), "sgd", topology=topology, inner=inner)
+    compiled = torch.compile(model, backend="eager")
+    reference, ref_opt = build()
+    for xs, ys in data:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(compiled(xs[rank].float()), ys[rank])
+        loss.backward()
+        opt.step()
+        ref_opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            total = sum(F.cross_entropy(reference(xs[r].float()), ys[r]) for r in range(size)) / size
+        total.backward()
+        ref_opt.step()
+    assert opt.flat_params.dtype == torch.float32
+    # bfloat16 products summed in another order (a mean of P losses against P separate backward passes): bfloat16's
+    # rounding, a few parts in a thousand of a step, not float32's.
+    assert_close(model, reference, rtol=0, atol=2e-3)
+    with pytest.raises(TypeError, match="parameters must be float32 or float64, got torch.bfloat16"):
+        DistributedOptimizer(make_model().bfloat16().parameters(), "sgd", topology=topology)
