@@ -193,6 +193,8 @@ class Algorithm:
     inner_role: ClassVar[Optional[str]] = None
     #: Why an algorithm without an ``inner_role`` takes no inner optimizer.
     inner_refusal: ClassVar[str] = "its update is its own"
+    #: Whether the exchange is an Allreduce of the gradient that may run in buckets during backward (``step_reduced``).
+    overlaps_backward: ClassVar[bool] = False
     #: Whether :meth:`_step` can check the gradient in its update's own pass (see :meth:`_checks_in_step`).
     fused_gradient_check: ClassVar[bool] = False
     #: Attribute names of arrays (or None) that make up the state.

@@ -46,6 +46,7 @@ class SGD(LocalStepState, SynchronousAlgorithm):
     listing_order = 0
     schema = BASE.with_defaults(lr=0.1) + LOCAL_SGD
     baseline = True
+    overlaps_backward = True
     fused_gradient_check = True
     state_arrays = ("momentum_buffer",)
     resize_rules = {"momentum_buffer": COPY}  # the same on every rank (averaged gradients)

@@ -381,7 +381,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.algorithm: Algorithm = create(algorithm, self.topology, **hyperparameters)
         if self.inner is not None:  # before anything changes: an algorithm without an inner role refuses here
             self.algorithm.use_inner(self._inner_step, type(self.inner).__name__)
-        if overlap and not hasattr(self.algorithm, "step_reduced"):
+        if overlap and not self.algorithm.overlaps_backward:
             raise ValueError(
                 f"overlap=True needs an algorithm that exchanges the gradient by Allreduce (sgd); {algorithm!r} does not "
                 "(see the mpiopt.torch.optimizer docstring for why)"

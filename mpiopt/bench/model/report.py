@@ -6,6 +6,7 @@ from typing import Any, Dict, Mapping, Sequence, Tuple
 
 import numpy as np
 
+from ...algorithms import ASYNCHRONOUS, algorithm_class
 from .._common import markdown_table, save_figure
 
 __all__ = ["calibration_table", "validation_table", "projection_table", "plot_projection", "plot_validation"]
@@ -62,7 +63,7 @@ def plot_projection(rows: Sequence[Mapping[str, Any]], path: str) -> None:
             ax, mine = axes[i][j], [r for r in rows if r["model"] == m and r["rate"] == rate]
             for name in dict.fromkeys(r["algorithm"] for r in mine):
                 pts = sorted((r["P"], r["speedup"]) for r in mine if r["algorithm"] == name)
-                ax.plot([p for p, _ in pts], [s for _, s in pts], marker="o", ms=3, label=name, ls="--" if name.startswith("async") else "-")
+                ax.plot([p for p, _ in pts], [s for _, s in pts], marker="o", ms=3, label=name, ls="--" if algorithm_class(name).protocol == ASYNCHRONOUS else "-")
             ax.set(xscale="log", yscale="log", title=f"{m}, {rate}")
             ax.set_xscale("log", base=2)
             ax.grid(True, which="both", alpha=0.3)
