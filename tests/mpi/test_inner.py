@@ -105,7 +105,9 @@ def test_step_after_synchronize_exchanges_once(topology):
     assert delta.bytes_sent == wire and opt.last.bytes_sent == wire and opt.algorithm.steps == 1
 
 
-def test_sgd_with_adamw_is_ddp_with_adamw(topology):
+@pytest.mark.parametrize("clip", [None, 0.3])
+def test_sgd_with_adamw_is_ddp_with_adamw(topology, clip):
+    """With clipping too: after synchronize() mpiopt clips the exchanged gradient, as DDP's averaged one."""
     import torch.distributed as dist
 
     from mpiopt.training.ddp import init_gloo
@@ -119,8 +121,10 @@ def test_sgd_with_adamw_is_ddp_with_adamw(topology):
     for xs, ys in data:
         opt.zero_grad()
         F.cross_entropy(ddp(xs[topology.rank]), ys[topology.rank]).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
         opt.step()
-    assert_close(train_mpiopt(topology, data), reference)
+    assert_close(train_mpiopt(topology, data, clip=clip), reference)
 
 
 def _torch_sgd_step(params: np.ndarray, hyper):
