@@ -14,10 +14,11 @@ ddp                ``DistributedDataParallel`` over a gloo process group (its
                    bucketed Allreduce overlaps the backward pass), then
                    ``torch.optim.SGD`` with ``sgd``'s learning rate and momentum
 ``<algorithm>``    the plain model, then ``mpiopt.torch.DistributedOptimizer``
-                   with that algorithm (``mpiopt train``'s hyperparameters)
-``sgd+overlap``    with ``--overlap``: ``sgd`` with ``overlap=True`` (buckets
-                   exchanged while the backward pass runs), where this
-                   mpiopt's ``DistributedOptimizer`` has that option
+                   with that algorithm at its defaults (``mpiopt train``'s
+                   hyperparameters; ``sgd`` exchanges in buckets while the
+                   backward pass runs, as DDP does)
+``sgd+blocking``   with ``--blocking``: ``sgd`` with ``overlap=False`` (the
+                   exchange after the backward pass)
 =================  ===========================================================
 
 gloo is set up inside the MPI job: world size and rank from MPI, rank 0
@@ -42,7 +43,6 @@ average the same gradients).
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import sys
 import warnings
@@ -54,7 +54,7 @@ from ._common import check_choices, comma_list, environment, link_rate, markdown
 from ._common import slowest_seconds, write_json
 from .algorithms import synchronous
 
-__all__ = ["add_arguments", "run", "main", "overlap_supported"]
+__all__ = ["add_arguments", "run", "main"]
 
 MODELS = ("mlp", "cnn", "resnet20")
 #: The goal for ``sgd``'s step time over DDP's: over shared memory, and over the (emulated) link.
@@ -70,16 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive_int, default=8, help="timed steps per variant and round")
     parser.add_argument("--rounds", type=positive_int, default=7, help="interleaved rounds (medians reported)")
     parser.add_argument("--threads", type=positive_int, default=1, help="threads per rank, for torch and mpiopt's C kernels alike")
-    parser.add_argument("--overlap", action="store_true", help="add sgd+overlap: DistributedOptimizer(..., overlap=True), where supported")
+    parser.add_argument("--blocking", action="store_true", help="add sgd+blocking: DistributedOptimizer(..., overlap=False), the exchange after backward")
+    parser.add_argument("--optimizer", choices=("adamw",), default=None,
+                        help="both sides step with torch.optim.AdamW(lr=1e-3, fused=True): DDP's optimizer and mpiopt's inner= "
+                        "(algorithms that take one; default: SGD with sgd's rate and momentum)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results to FILE")
-
-
-def overlap_supported() -> bool:
-    """Whether :class:`mpiopt.torch.DistributedOptimizer` takes ``overlap=`` (bucketed sgd)."""
-    from ..torch import DistributedOptimizer
-
-    return "overlap" in inspect.signature(DistributedOptimizer.__init__).parameters
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -87,8 +83,6 @@ def _check(args: argparse.Namespace) -> None:
     check_choices("--algorithms", args.algorithms, synchronous())
     if len(args.input_shape) != 3:
         raise UsageError(f"--input-shape must be C,H,W, got {','.join(map(str, args.input_shape))}")
-    if args.overlap and not overlap_supported():
-        raise UsageError("--overlap: this mpiopt's DistributedOptimizer has no overlap= option")
 
 
 def _batches(args: argparse.Namespace, topology: Topology, count: int = 8) -> List[tuple]:
@@ -120,17 +114,20 @@ class _Variant:
         torch.manual_seed(args.seed)
         self.model = build_model(args.model, input_shape=tuple(args.input_shape), num_classes=10, width=args.width)
         sgd = TrainConfig().algorithm_hyperparameters("sgd")
+        adamw = (lambda: torch.optim.AdamW(self.model.parameters(), lr=1e-3, fused=True)) if args.optimizer == "adamw" else None
         if name == "ddp":
             with warnings.catch_warnings():
                 # torch 2.13 deprecates broadcast_buffers, but its replacement still syncs at set-up.
                 warnings.filterwarnings("ignore", message=".*broadcast_buffers", category=FutureWarning)
                 self.net = torch.nn.parallel.DistributedDataParallel(self.model, broadcast_buffers=False)
-            self.opt = torch.optim.SGD(self.model.parameters(), lr=sgd["lr"], momentum=sgd.get("momentum", 0.0))
+            self.opt = adamw() if adamw else torch.optim.SGD(self.model.parameters(), lr=sgd["lr"], momentum=sgd.get("momentum", 0.0))
             update: Callable[[Any], None] = lambda loss: self.opt.step()
         else:
             algorithm, _, option = name.partition("+")
-            extra = {"overlap": True} if option == "overlap" else {}
-            hyper = TrainConfig().algorithm_hyperparameters(algorithm)
+            extra = {"overlap": False} if option == "blocking" else {}
+            hyper = TrainConfig(optimizer=args.optimizer).algorithm_hyperparameters(algorithm)
+            if adamw:
+                extra["inner"] = adamw()
             self.net = self.model
             self.opt = DistributedOptimizer(self.model.parameters(), algorithm, topology=topology, **extra, **hyper)
             update = lambda loss: self.opt.step(loss=loss)
@@ -169,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     topology = Topology()
     out = say(topology.rank)
     init_gloo(topology)
-    names = ["ddp", *args.algorithms] + (["sgd+overlap"] if args.overlap else [])
+    names = ["ddp", *args.algorithms] + (["sgd+blocking"] if args.blocking else [])
     batches = _batches(args, topology)
     variants = {name: _Variant(name, args, topology, batches) for name in names}
     params = sum(p.numel() for p in variants["ddp"].model.parameters())
@@ -205,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     if difference is not None:
         out(f"\nlargest |ddp - sgd| parameter difference after {variants['sgd'].steps} steps: {difference:.3g}")
     goal = GOALS[setting]
-    for name in ("sgd", "sgd+overlap"):
+    for name in ("sgd", "sgd+blocking"):
         if name in results:
             ratio = results[name]["median_ratio_to_ddp"]
             out(f"goal, {name} step time <= {goal:.2f} x DDP's ({setting}): {ratio:.3f} ({'met' if ratio <= goal else 'missed'})")

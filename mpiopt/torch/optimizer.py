@@ -56,7 +56,7 @@ samples.
 
 Overlapping the exchange with backward
 --------------------------------------
-With ``overlap=True`` (``sgd`` only) the gradient is exchanged in buckets
+With ``overlap=True`` (``sgd`` only, and its default there, as in torch DDP) the gradient is exchanged in buckets
 while ``backward()`` is still running, as torch's DDP does.  The buckets are
 contiguous slices of the flat gradient of about ``bucket_cap_mb`` MiB each,
 taken from the end of the buffer: backward produces gradients roughly in
@@ -86,11 +86,14 @@ also tests the oldest bucket still in flight: the earlier buckets move on
 while later layers compute.  On CUDA the hooks run on autograd's device
 thread (mpi4py initialises MPI with ``MPI_THREAD_MULTIPLE``).
 
-Overlap is off by default because it changes what the gradients may be
-used for between ``backward()`` and ``step()``: they are being sent, so they
-must not be changed (no gradient clipping of the local gradient, no
-``scaler.unscale_(opt)``, which is refused); ``zero_grad()`` first finishes
-an exchange in flight and discards it.  With ``torch.amp.GradScaler`` the
+Overlap changes what the gradients may be used for between ``backward()``
+and ``step()``: they are being sent, so changing ``.grad`` there changes
+nothing that is sent.  To clip, or to ``scaler.unscale_(opt)``, call
+``opt.synchronize()`` first: it completes the exchange and leaves the
+exchanged gradient in ``.grad``, where clipping acts on what every rank
+shares (``scaler.unscale_`` without it is refused).  A loop that must change
+this rank's own gradient before it is sent passes ``overlap=False``.
+``zero_grad()`` first finishes an exchange in flight and discards it.  With ``torch.amp.GradScaler`` the
 scaled gradients are exchanged and their sum is unscaled, which is bitwise
 the same as unscaling first when the scale is a power of two (GradScaler's
 default growth and backoff keep it one) and equal to float rounding
@@ -318,10 +321,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         default (which also installs the abort-on-error hooks).
     backward_passes_per_step : int
         Backward passes accumulated per ``step()`` (see the module docstring).
-    overlap : bool
-        Exchange the gradient in buckets while backward runs (``sgd`` only;
-        off by default: see "Overlapping the exchange with backward" in the
-        module docstring for what it asks of the training loop).
+    overlap : bool, optional
+        Exchange the gradient in buckets while backward runs (``sgd`` only,
+        where it is the default, as in torch DDP; see "Overlapping the
+        exchange with backward" in the module docstring: clip or unscale
+        after ``synchronize()``, or pass ``overlap=False`` to change this
+        rank's own gradient before it is sent).
     bucket_cap_mb : float
         With ``overlap``: bucket size in MiB (as DDP's ``bucket_cap_mb``).
     inner : torch.optim.Optimizer, optional
@@ -366,14 +371,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         *,
         topology: Optional[Topology] = None,
         backward_passes_per_step: int = 1,
-        overlap: bool = False,
+        overlap: Optional[bool] = None,
         bucket_cap_mb: float = 25.0,
         inner: Optional[torch.optim.Optimizer] = None,
         **hyperparameters: Any,
     ) -> None:
         if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
-        if not isinstance(overlap, bool):
+        if overlap is not None and not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {overlap!r}")
         check_positive("bucket_cap_mb", bucket_cap_mb)
         self.topology = Topology() if topology is None else topology
@@ -381,6 +386,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.algorithm: Algorithm = create(algorithm, self.topology, **hyperparameters)
         if self.inner is not None:  # before anything changes: an algorithm without an inner role refuses here
             self.algorithm.use_inner(self._inner_step, type(self.inner).__name__)
+        if overlap is None:  # as torch DDP: on wherever the exchange can run during backward
+            overlap = self.algorithm.overlaps_backward
         if overlap and not self.algorithm.overlaps_backward:
             raise ValueError(
                 f"overlap=True needs an algorithm that exchanges the gradient by Allreduce (sgd); {algorithm!r} does not "
@@ -664,8 +671,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if getattr(self, "found_inf", None) is not None and getattr(self, "grad_scale", None) is None:
             exchange.finish()
             raise RuntimeError(
-                "scaler.unscale_(opt) changed the gradients while overlap=True was sending them: create the optimizer "
-                "with overlap=False to unscale (or clip) before step()"
+                "scaler.unscale_(opt) changed the gradients while overlap=True was sending them: call opt.synchronize() "
+                "before scaler.unscale_(opt) (the exchanged gradient is then in .grad, to unscale and clip), or create the "
+                "optimizer with overlap=False"
             )
         skip, inverse_scale, same_scale = self._grad_scaler_verdict()
         before = exchange.finish()

@@ -39,10 +39,12 @@ _HELP = {
     "optimizer": "the local update: a torch optimizer every algorithm but signum and the asynchronous ones steps with (sgd, adam, "
     "adamw; its keywords with --hp NAME.KEY=VALUE, e.g. --hp adamw.betas=0.9,0.95 --hp adamw.weight_decay=0.1); the ddp "
     "baseline uses the same (default: each algorithm's built-in SGD update)",
-    "no_decay_on": "with --optimizer: no weight decay on these parameters (bias, norm, or bias,norm: biases and normalisation layers)",
+    "no_decay_on": "with --optimizer: no weight decay on these parameters (bias, norm, or bias,norm: biases and normalisation "
+    "layers; default: the optimizer's decay on every parameter)",
     "clip_grad_norm": "clip the gradient's norm to X before each step: the exchanged gradient where the algorithm exchanges one "
-    "(sgd, topk, regtopk, ddp), else this rank's own",
-    "warmup_steps": "a linear warm-up of the learning rate over N steps, then a cosine down to 0 at the last step",
+    "(sgd, topk, regtopk, ddp), else this rank's own (default: no clipping)",
+    "warmup_steps": "a linear warm-up of the learning rate over N steps, then a cosine down to 0 at the last step "
+    "(default: a constant rate)",
     "seed": "seed of the model's initialisation, the data order and augmentation",
     "group_size": "ranks per group (LSGD's local leaders, signum's pre-vote); default: the real nodes",
     "eval_every": "evaluate on the test split every N steps (default: 10 times per run, and at the end)",
