@@ -305,14 +305,15 @@ class Algorithm:
     def _finish(self, params: Any) -> None:
         """Complete any communication still in flight."""
 
-    def use_inner(self, step: Callable[[Any, Any], None], name: str) -> None:
+    def use_inner(self, step: Callable[[Any, Any], None], name: str, grad_buffer: Optional[Any] = None) -> None:
         """Take the local step with the caller's optimizer, ``step(params, grad)``, instead of the built-in SGD update.
 
         Call before :meth:`setup`.  Where it steps depends on
         :attr:`inner_role`; ``name`` (``"AdamW"``) joins the hyperparameters,
-        so every rank and every checkpoint agrees on it.  The built-in
-        update's hyperparameters (momentum, weight decay, ...) and ``lr``
-        are then the caller's optimizer's business.
+        so every rank and every checkpoint agrees on it; ``grad_buffer`` is
+        where ``step`` reads the gradient (see :class:`~mpiopt.algorithms.local.InnerUpdate`).
+        The built-in update's hyperparameters (momentum, weight decay, ...)
+        and ``lr`` are then the caller's optimizer's business.
 
         Raises
         ------
@@ -325,7 +326,7 @@ class Algorithm:
             raise TypeError(f"{self.name} takes no inner optimizer: {self.inner_refusal}")
         if self.num_params is not None:
             raise RuntimeError(f"{self.name}: use_inner() must come before setup()")
-        self._use_inner(InnerUpdate(step, name))
+        self._use_inner(InnerUpdate(step, name, grad_buffer))
 
     def _use_inner(self, inner: InnerUpdate) -> None:
         """Put ``inner`` where the local step is (``self.local`` unless the class keeps it elsewhere)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from ..arrays import empty_apart
+from ..arrays import array_module, empty_apart
 from ..kernels.update import Merge, all_finite, merge_average, sgd_update
 from .schema import Hyperparameter, Schema, boolean, in_range, positive
 
@@ -179,18 +179,24 @@ class InnerUpdate:
     name : str
         What the step is (``"AdamW"``): recorded among the hyperparameters,
         so ranks and checkpoints agree on it.
+    grad_buffer : array, optional
+        Where ``step`` reads its gradient (a torch optimizer: the
+        parameters' ``.grad`` views): an exchanged gradient is written there
+        (the division by the world size in the same pass) and ``step`` gets
+        this buffer.  Without one, a buffer of this object's own.
     """
 
     #: No momentum buffer of mpiopt's: the caller's optimizer keeps its own state.
     buffer = None
     momentum = weight_decay = 0.0
 
-    def __init__(self, step: Callable[[Any, Any], None], name: str) -> None:
+    def __init__(self, step: Callable[[Any, Any], None], name: str, grad_buffer: Optional[Any] = None) -> None:
         if not callable(step):
             raise TypeError(f"the inner step must be callable, got {type(step).__name__}")
         self.step = step
         self.name = str(name)
-        self._mean: Optional[Any] = None  # grad / grad_divisor, allocated once
+        self.grad_buffer = grad_buffer
+        self._mean: Optional[Any] = None  # grad / grad_divisor without a grad_buffer, allocated once
 
     def hyperparameters(self) -> Dict[str, Any]:
         return {"inner": self.name}
@@ -218,12 +224,17 @@ class InnerUpdate:
             finite = bool(all_finite(grad))
             if not finite:
                 return False  # nothing changed: the caller ends the job or raises
-        if grad_divisor != 1:
+        target = self.grad_buffer
+        if target is None and grad_divisor != 1:
             if self._mean is None:
                 self._mean = empty_apart(grad)
-            self._mean[...] = grad
-            self._mean /= grad_divisor
-            grad = self._mean
+            target = self._mean
+        if target is not None:  # one pass: divided into place, or copied
+            if grad_divisor != 1:
+                array_module(grad).divide(grad, grad_divisor, out=target)
+            elif grad is not target:
+                target[...] = grad
+            grad = target
         self.step(params, grad)
         if merge is not None:
             merge_average(params, merge.snapshot, merge.total, merge.world_size, merge.rule, merge.proportion)

@@ -386,8 +386,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.algorithm: Algorithm = create(algorithm, self.topology, **hyperparameters)
         if self.inner is not None:  # before anything changes: an algorithm without an inner role refuses here
             self.algorithm.use_inner(self._inner_step, type(self.inner).__name__)
-        if overlap is None:  # as torch DDP: on wherever the exchange can run during backward
-            overlap = self.algorithm.overlaps_backward
+        if overlap is None:  # as torch DDP: on wherever the exchange can run during backward (and there is one)
+            overlap = self.algorithm.overlaps_backward and self.topology.size > 1
         if overlap and not self.algorithm.overlaps_backward:
             raise ValueError(
                 f"overlap=True needs an algorithm that exchanges the gradient by Allreduce (sgd); {algorithm!r} does not "
@@ -412,6 +412,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._grad_views = [p.grad for p in self._params]
         self._params_array = _as_array(self._flat_params)
         self._grads_array = _as_array(self._flat_grads)
+        if self.inner is not None:
+            self.algorithm.inner.grad_buffer = self._grads_array  # where torch's optimizer reads the gradient
         if self._local_keys:  # each group a contiguous slice of the flat buffer, in order
             sizes = [sum(p.numel() for p in group["params"]) for group in self.param_groups]
             self.algorithm.use_groups([(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(len(sizes))])
@@ -484,9 +486,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._adopted = True
 
     def _inner_step(self, params: Any, grad: Any) -> None:
-        """The inner optimizer's step with ``grad`` in the parameters' ``.grad`` (copied there unless it is that buffer)."""
-        if grad is not self._grads_array:
-            self._grads_array[...] = grad
+        """The inner optimizer's step: ``grad`` is the parameters' ``.grad`` buffer (the algorithm wrote it there)."""
         self.inner.step()
 
     def _check_groups(self) -> None:
