@@ -296,3 +296,31 @@ def test_autocast_bfloat16_and_a_compiled_model_with_an_inner_optimizer(topology
     assert_close(model, reference, rtol=0, atol=2e-3)
     with pytest.raises(TypeError, match="parameters must be float32 or float64, got torch.bfloat16"):
         DistributedOptimizer(make_model().bfloat16().parameters(), "sgd", topology=topology)
+
+
+@pytest.mark.parametrize("clip", [None, 0.3])
+def test_grad_scaler_with_an_inner_optimizer(topology, clip):
+    """torch.amp.GradScaler over AdamW: the same bits as without a scaler (a power-of-two scale undone exactly), also
+    when the exchanged gradient is unscaled and clipped after synchronize(); an overflow skips on every rank."""
+    data, rank = batches(topology.size, 3), topology.rank
+    scaled = make_model()
+    inner = torch.optim.AdamW(decay_groups(scaled), lr=1e-2, betas=(0.9, 0.95))
+    opt = DistributedOptimizer(scaled.parameters(), "sgd", topology=topology, inner=inner)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for xs, ys in data:
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(scaled(xs[rank]), ys[rank])).backward()
+        if clip:
+            opt.synchronize()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(scaled.parameters(), clip)
+        scaler.step(opt)
+        scaler.update()
+    assert_close(scaled, train_mpiopt(topology, data, clip=clip), rtol=0, atol=0)
+    before = opt.flat_params.clone()
+    opt.zero_grad()
+    loss = F.cross_entropy(scaled(data[0][0][rank]), data[0][1][rank])
+    scaler.scale(loss * (float("inf") if rank == topology.size - 1 else 1.0)).backward()
+    scaler.step(opt)  # the last rank overflowed: every rank skips, none hangs
+    scaler.update()
+    assert torch.equal(opt.flat_params, before)
