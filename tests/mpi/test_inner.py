@@ -7,7 +7,6 @@ models, so "to rounding" means a few ulps of float64.
 
 from __future__ import annotations
 
-import copy
 import io
 
 import numpy as np
