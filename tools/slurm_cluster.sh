@@ -126,6 +126,7 @@ fi
 if (($#)); then
     "$@"
 else
+    trap 'exit 0' TERM INT  # the awaited way to stop: the temporary folder goes too
     echo "slurm_cluster: ready SLURM_CONF=$SLURM_CONF"
     while :; do sleep 1; done
 fi
