@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .launch import ROOT
+from .launch import ROOT, library_pmi
 
 JOBS = Path(ROOT) / "jobs"
 SBATCH = sorted(JOBS.glob("*.sbatch"))
@@ -151,13 +151,6 @@ def test_other_exits_are_passed_on_without_requeue(path, job_env, code):
     assert not (log / "scontrol").exists()
 
 
-def _library_pmi() -> str:
-    """The PMI the templates choose for this Python's MPI where the cluster chose none."""
-    from mpi4py import MPI
-
-    return "pmix" if "Open MPI" in MPI.Get_library_version() else "pmi2"
-
-
 @pytest.mark.parametrize("path", SBATCH, ids=lambda p: p.name)
 @pytest.mark.parametrize(
     "settings, flags",
@@ -175,7 +168,7 @@ def test_srun_gets_a_pmi_and_binds_only_where_the_cluster_can(path, job_env, set
     job = start_job(path, env, FAKE_SRUN_EXIT="0", **settings)
     output, _ = job.communicate(timeout=60)
     assert job.returncode == 0, output
-    expected = [f.replace("LIBRARY", _library_pmi()) for f in flags]
+    expected = [f.replace("LIBRARY", library_pmi()) for f in flags]
     srun = (log / "srun").read_text().split()
     assert srun[: len(expected) + 1] == expected + ["python" if "cpu" in path.name else "bash"], srun
     assert f"mpiopt job: srun {' '.join(expected)}\n" in output

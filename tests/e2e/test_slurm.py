@@ -27,7 +27,7 @@ import pytest
 from mpiopt.checkpoint import first_difference
 from mpiopt.metrics import read_metrics
 
-from .launch import ROOT
+from .launch import ROOT, library_pmi
 
 h5py = pytest.importorskip("h5py")
 pytest.importorskip("torch")
@@ -160,7 +160,7 @@ def test_warning_signal_checkpoints_requeues_and_the_resumed_job_ends_bitwise_as
     log = log_of(tmp_path / "signalled", job)
     assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", log
     assert state["Restarts"] == "1", state  # requeued once
-    assert log.count("mpiopt job: srun --mpi=pmi2\n") == 2, log  # MpiDefault=none, task/none: a PMI, no binding
+    assert log.count(f"mpiopt job: srun --mpi={library_pmi()}\n") == 2, log  # MpiDefault=none, task/none: a PMI, no binding
     assert "warning signal" in log and f"the ranks checkpointed and stopped (exit 75); requeueing job {job}" in log, log
     saved = re.search(r"resuming from \S+ckpt-(\d+)\.h5 after step (\d+)", log)
     assert saved, log
