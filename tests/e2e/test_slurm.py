@@ -116,16 +116,20 @@ def job_state(slurm: dict, job: int) -> dict:
     return dict(re.findall(r"(\w+)=(\S*)", result.stdout))
 
 
-def wait_for(job: int, slurm: dict, folder: Path, seconds: float = 300) -> dict:
-    """The job's fields once it has ended (its log in the failure message otherwise).
+def wait_for(job: int, slurm: dict, folder: Path, seconds: float = 300, after: str = "") -> dict:
+    """The job's fields once it has ended with ``after`` in its log (the log in the failure message otherwise).
+
+    A job that requeues itself shows an ended state (FAILED, exit 75) for a moment before it is pending again:
+    ``after`` names what only its next run writes.
 
     Slurm holds a requeued job back for a while (Reason=BeginTime); an administrator's ``scontrol update
     StartTime=now`` lets it start at once, which is all that changes here.
     """
     deadline = time.monotonic() + seconds
     while True:
+        begun = after in log_of(folder, job)  # read before the state: an ended state read after it is that run's
         state = job_state(slurm, job)
-        if state["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+        if begun and state["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
             return state
         if state["JobState"] == "PENDING" and state["Reason"] == "BeginTime":
             subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, check=True, timeout=30)
@@ -169,7 +173,7 @@ def test_warning_signal_checkpoints_requeues_and_the_resumed_job_ends_bitwise_as
     # What Slurm does before the time limit (--signal=B:USR1@300): USR1 to the batch script only.
     subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], env=slurm, check=True, timeout=30)
 
-    state = wait_for(job, slurm, tmp_path / "signalled")
+    state = wait_for(job, slurm, tmp_path / "signalled", after="resuming from")
     log = log_of(tmp_path / "signalled", job)
     assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", log
     assert state["Restarts"] == "1", state  # requeued once
