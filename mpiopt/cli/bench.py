@@ -42,6 +42,8 @@ BENCHMARKS = (
 )
 
 _LAUNCHER_ENV = ("PMI_", "PMIX_", "MPIR_CVAR_", "HYDRA_", "OMPI_")
+# ...but these are the user's settings for Open MPI's mpiexec, not a launcher's: run as root, MCA parameters.
+_USER_ENV = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_MCA_")
 
 
 def _module(name: str) -> ModuleType:
@@ -120,7 +122,7 @@ def launch(args: argparse.Namespace) -> int:
         raise UsageError("--ranks works from the command line (python -m mpiopt bench --ranks N ...) only")
     command = [_mpiexec(), "-n", str(args.ranks), *_this_program(), *_without_ranks(argv)]
     # This process is an MPI singleton: its launcher settings must not leak into the new job.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV)}
+    env = {k: v for k, v in os.environ.items() if k.startswith(_USER_ENV) or not k.startswith(_LAUNCHER_ENV)}
     if args.link:
         command = [_tool("emulated_link.sh"), *command]
         env["RATE"] = args.link

@@ -1,6 +1,6 @@
 """``mpiopt info``: what this job looks like to mpiopt.
 
-Prints the topology (groups, leaders, hosts, each rank's wait policy),
+Prints the launcher's count of processes beside MPI's world, the topology (groups, leaders, hosts, each rank's wait policy),
 whether the MPI library is GPU-aware and why we think so, and the bytes each
 wrapped collective puts on the wire for a buffer of the given size (from the
 ledger, summed over ranks).
@@ -15,6 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm import Topology
+from ..comm.launcher import SIZE_VARIABLES, launcher_view
 from ..comm.waiting import WAIT_POLICIES, WAIT_POLICY_ENV
 
 
@@ -41,6 +42,14 @@ def exercise(topo: Topology, n: int) -> None:
     world.elect_min(float(world.rank))
 
 
+def describe_launcher() -> str:
+    """The launcher's view of the job in words (the Topology has already refused one that disagrees with MPI)."""
+    view = launcher_view()
+    if view is None:
+        return f"none seen (no {', '.join(v for v, _ in SIZE_VARIABLES)}: a plain python run, or a launcher mpiopt does not read)"
+    return f"{view.size} process(es), from {view.launcher} ({view.variable}={view.size})"
+
+
 def run(args: argparse.Namespace) -> int:
     topo = Topology(group_size=args.group_size)
     world = topo.world
@@ -54,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     totals = world.ledger_totals()
     if world.rank == 0:
         print(f"mpiopt info: {world.size} rank(s), MPI: {MPI.Get_library_version().splitlines()[0].strip()}")
+        print(f"launcher: {describe_launcher()}")
         print(f"GPU-aware MPI: {'yes' if topo.gpu_aware else 'no'} ({world.gpu_aware_reason})")
         print(f"groups: {topo.num_groups}" + (f" of at most {topo.group_size_setting} ranks (emulated)" if topo.group_size_setting else " (one per node)"))
         print()

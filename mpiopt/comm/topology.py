@@ -32,6 +32,7 @@ from mpi4py import MPI
 from .abort import ABORT_ENV, abort_job, abort_on_exception
 from .buffers import _parse_flag
 from .communicator import Comm
+from .launcher import check_world_size
 from .ledger import Ledger
 
 __all__ = ["Topology", "GROUP_SIZE_ENV"]
@@ -130,6 +131,9 @@ class Topology:
         gpu_aware: Optional[bool] = None,
         abort_on_error: Optional[bool] = None,
     ) -> None:
+        # Before any communication, each process alone: a launcher that started another number of
+        # processes than MPI's world holds (LauncherMismatchError, mpiopt.comm.launcher).
+        check_world_size(MPI.COMM_WORLD.Get_size())
         self.ledger = Ledger()
         self.world = Comm(comm, name="world", ledger=self.ledger, gpu_aware=gpu_aware)
         self._rank, self._size = self.world.rank, self.world.size  # still known after Free()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Optional, TextIO
@@ -9,6 +10,8 @@ from typing import Optional, TextIO
 __all__ = ["Progress"]
 
 _BAR = 24
+#: Set in every process Open MPI's mpiexec starts (each gets a pseudo-terminal, see :class:`Progress`).
+OPEN_MPI_RANK = "OMPI_COMM_WORLD_SIZE"
 
 
 class Progress:
@@ -27,12 +30,14 @@ class Progress:
     stream : file, optional
         Default ``sys.stdout``; None makes it silent (ranks other than 0).
     mode : {"auto", "bar", "lines"}
-        A bar redrawn in place, plain lines, or a bar when ``stream`` is a terminal.
+        A bar redrawn in place, plain lines, or a bar when ``stream`` is a terminal.  Under Open MPI's
+        mpiexec, "auto" means lines: it hands every rank a pseudo-terminal whatever its own output is (a log
+        file, a pipe), so a rank cannot tell.
     """
 
     def __init__(self, label: str, total: int, every: int, stream: Optional[TextIO] = sys.stdout, mode: str = "auto") -> None:
         self.label, self.total, self.every, self.stream = label, total, max(1, every), stream
-        terminal = bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
+        terminal = bool(stream is not None and hasattr(stream, "isatty") and stream.isatty()) and OPEN_MPI_RANK not in os.environ
         self.tty = terminal if mode == "auto" else mode == "bar"
         self._drawn = 0.0
         self._seconds, self._count = 0.0, 0  # step times since the last line

@@ -25,7 +25,8 @@ TRAIN = ["-m", "mpiopt", "train", "--dataset", "digits", "--steps", "4", "--batc
 
 def run_two(rank0: list, rank1: list, env1: dict = None, timeout: float = 60):
     """Rank 0 runs ``python rank0...``, rank 1 ``python rank1...`` (with ``env1`` set for rank 1 only)."""
-    extra = [a for key, value in (env1 or {}).items() for a in ("-env", key, value)]
+    # Through env(1): each MPI has its own flag for one program's variables (MPICH -env, Open MPI -x).
+    extra = ["env", *(f"{key}={value}" for key, value in (env1 or {}).items())]
     command = [mpiexec(), "-n", "1", sys.executable, *rank0, ":", "-n", "1", *extra, sys.executable, *rank1]
     started = time.monotonic()
     proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, cwd=ROOT,

@@ -12,12 +12,13 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from .launch import ROOT
+from .launch import ROOT, library_pmi
 
 JOBS = Path(ROOT) / "jobs"
 SBATCH = sorted(JOBS.glob("*.sbatch"))
@@ -42,16 +43,26 @@ def test_warning_signal_and_requeue_are_asked_for(path):
     text = path.read_text()
     for line in ("#SBATCH --signal=B:USR1@300", "#SBATCH --requeue", "#SBATCH -o %x-%j.out"):
         assert re.search(rf"^{re.escape(line)}\b", text, re.M), line
-    assert "srun --cpu-bind=cores" in text
+    assert 'srun "${srun_flags[@]}" ' in text
 
 
 def fake_tools(folder: Path) -> Path:
-    """sbatch, srun and scontrol that record their arguments; srun ends with $FAKE_SRUN_EXIT or, on USR1, 75."""
+    """sbatch, srun and scontrol that record their arguments; srun ends with $FAKE_SRUN_EXIT or, on USR1, 75.
+
+    ``scontrol show config`` prints ``MpiDefault`` and ``TaskPlugin`` from ``$FAKE_MPI_DEFAULT`` and
+    ``$FAKE_TASK_PLUGIN`` (default pmi2 and task/affinity, a cluster that chose both); ``python`` is this one.
+    """
     bin_dir = folder / "bin"
     bin_dir.mkdir()
     tools = {
+        "python": f'exec "{sys.executable}" "$@"',
         "sbatch": 'echo "$@" > "$FAKE_LOG/sbatch"',
-        "scontrol": 'echo "$@" > "$FAKE_LOG/scontrol"',
+        "scontrol": (
+            'if [[ "$*" == "show config" ]]; then\n'
+            '    printf "%-23s = %s\\n" MpiDefault "${FAKE_MPI_DEFAULT:-pmi2}" TaskPlugin "${FAKE_TASK_PLUGIN:-task/affinity}"; exit\n'
+            'fi\n'
+            'echo "$@" > "$FAKE_LOG/scontrol"'
+        ),
         "srun": (
             'echo "$@" > "$FAKE_LOG/srun"\n'
             "trap 'exit 75' USR1\n"
@@ -127,7 +138,7 @@ def test_warning_signal_is_forwarded_and_the_job_requeued(path, job_env):
     assert "warning signal" in output and "requeueing job 4242" in output, output
     assert (log / "scontrol").read_text().split() == ["requeue", "4242"]
     srun = (log / "srun").read_text()
-    assert srun.startswith("--cpu-bind=cores ") and "--resume auto" in srun, srun
+    assert srun.startswith("--mpi=pmi2 --cpu-bind=cores ") and "--resume auto" in srun, srun
 
 
 @pytest.mark.parametrize("path", SBATCH, ids=lambda p: p.name)
@@ -138,6 +149,29 @@ def test_other_exits_are_passed_on_without_requeue(path, job_env, code):
     output, _ = job.communicate(timeout=60)
     assert job.returncode == code, output
     assert not (log / "scontrol").exists()
+
+
+@pytest.mark.parametrize("path", SBATCH, ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "settings, flags",
+    [
+        # Slurm's defaults: no PMI, no binding (the case of issue 24, where srun started worlds of one)
+        ({"FAKE_MPI_DEFAULT": "none", "FAKE_TASK_PLUGIN": "task/none"}, ["--mpi=LIBRARY"]),
+        ({"FAKE_MPI_DEFAULT": "pmix", "FAKE_TASK_PLUGIN": "task/affinity,task/cgroup"}, ["--mpi=pmix", "--cpu-bind=cores"]),
+        ({"FAKE_MPI_DEFAULT": "none", "FAKE_TASK_PLUGIN": "task/cgroup", "SLURM_MPI_TYPE": "cray_shasta"}, ["--mpi=cray_shasta", "--cpu-bind=cores"]),
+        ({"FAKE_MPI_DEFAULT": "pmix", "SRUN_MPI": "pmi2", "SRUN_CPU_BIND": "none"}, ["--mpi=pmi2", "--cpu-bind=none"]),
+    ],
+    ids=["slurm-defaults", "site-pmix", "slurm-mpi-type", "given"],
+)
+def test_srun_gets_a_pmi_and_binds_only_where_the_cluster_can(path, job_env, settings, flags):
+    env, log = job_env
+    job = start_job(path, env, FAKE_SRUN_EXIT="0", **settings)
+    output, _ = job.communicate(timeout=60)
+    assert job.returncode == 0, output
+    expected = [f.replace("LIBRARY", library_pmi()) for f in flags]
+    srun = (log / "srun").read_text().split()
+    assert srun[: len(expected) + 1] == expected + ["python" if "cpu" in path.name else "bash"], srun
+    assert f"mpiopt job: srun {' '.join(expected)}\n" in output
 
 
 # -- the mpiopt commands and flags the jobs use --------------------------------------------------
