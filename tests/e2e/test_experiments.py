@@ -83,11 +83,13 @@ def test_dasgd(tmp_path):
         assert len(numbers["overlap"][key]) == 2 and all(0.0 <= v <= 1.0 for v in numbers["overlap"][key])
     assert all(math.isfinite(v) for v in numbers["final_loss"].values())
     # Each run's own trace: DaSGD's (the experiment's --trace) and SGD's in its folder, not one over the other.
+    # sgd overlaps its exchange with backward by default (an Iallreduce of buckets every step); DaSGD starts one
+    # every 4 steps and keeps no other world collective in its steps.
     spans = {
-        name: {e["name"] for e in json.loads((tmp_path / "dasgd" / name / "trace.json").read_text())["traceEvents"] if e.get("ph") == "X"}
+        name: [e["name"] for e in json.loads((tmp_path / "dasgd" / name / "trace.json").read_text())["traceEvents"] if e.get("ph") == "X"]
         for name in ("sgd", "dasgd")
     }
-    assert "world.Iallreduce" in spans["dasgd"] and "world.Iallreduce" not in spans["sgd"]
+    assert 0 < spans["dasgd"].count("world.Iallreduce") < spans["sgd"].count("world.Iallreduce") / 2
 
 
 def test_signum(tmp_path):
