@@ -39,6 +39,6 @@ if [ "${MPIOPT_TEST_TCP:-1}" != 0 ]; then
         tests/mpi/test_asyncrt.py tests/mpi/test_async_msgd.py tests/mpi/test_async_lsgd.py tests/mpi/test_dasgd.py "$@" || status=1
 fi
 
-echo "== all runs under $(python -c 'import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].split(",")[0].strip())')"
+echo "== all runs under $(python -c 'import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; print(" ".join(MPI.Get_library_version().splitlines()[0].split(",")[0].split()))')"
 python tools/junit_summary.py "$results"/junit-*.xml || status=1
 exit $status
