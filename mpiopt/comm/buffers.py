@@ -23,6 +23,7 @@ __all__ = [
     "gpu_aware_mpi",
     "HostStaging",
     "as_mpi_buffer",
+    "tensor_array",
 ]
 
 GPU_AWARE_ENV = "MPIOPT_GPU_AWARE"
@@ -153,6 +154,19 @@ def _cupy_contiguous(buf: Any) -> bool:
         return bool(flags.c_contiguous)
     interface = buf.__cuda_array_interface__  # other producers: no strides means C order
     return interface.get("strides") is None
+
+
+def tensor_array(tensor: Any) -> Any:
+    """A numpy (CPU) or cupy (CUDA) array sharing a torch ``tensor``'s memory."""
+    if tensor.is_cuda:
+        try:
+            import cupy
+        except ImportError:
+            raise RuntimeError(
+                "CUDA parameters need cupy for mpiopt's GPU path: pip install cupy-cuda12x (the 'cuda' extra)"
+            ) from None
+        return cupy.asarray(tensor)
+    return tensor.numpy()
 
 
 def torch_numpy_dtype(tensor: Any) -> np.dtype:

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mpiopt.torch import DistributedOptimizer  # noqa: E402
-from mpiopt.torch.optimizer import _bucket_bounds  # noqa: E402
+from mpiopt.torch.overlap import bucket_bounds  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
@@ -74,9 +74,9 @@ def assert_same_training(topology, hyper, **kwargs):
 
 
 def test_buckets_walk_the_parameters_backwards():
-    assert _bucket_bounds([72, 12, 144, 12, 36, 3], 40) == ([(228, 279), (84, 228), (0, 84)], [2, 2, 1, 0, 0, 0])
-    assert _bucket_bounds([5, 5], 1000) == ([(0, 10)], [0, 0])
-    assert _bucket_bounds([5, 5, 5], 1) == ([(10, 15), (5, 10), (0, 5)], [2, 1, 0])
+    assert bucket_bounds([72, 12, 144, 12, 36, 3], 40) == ([(228, 279), (84, 228), (0, 84)], [2, 2, 1, 0, 0, 0])
+    assert bucket_bounds([5, 5], 1000) == ([(0, 10)], [0, 0])
+    assert bucket_bounds([5, 5, 5], 1) == ([(10, 15), (5, 10), (0, 5)], [2, 1, 0])
 
 
 @pytest.mark.parametrize("name", sorted(HYPER))
