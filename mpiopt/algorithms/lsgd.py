@@ -96,27 +96,30 @@ from ..arrays import empty_apart
 from ..comm import Comm, Topology
 from ..comm.ledger import Call
 from .base import BASE, SynchronousAlgorithm
-from .lsgd_rule import LSGD_RULE, PULL_FORMS, LSGDRule, LSGDState
+from ..comm.communicator import ELECTION_BYTES
+from .lsgd_rule import LSGD_RULE, PULL_FORMS, LSGDRule, LSGDState, default_period
 from .registry import register
 from .resize import FOLLOW, NO_LEADER
 
-#: Bytes of one leader election (:meth:`mpiopt.comm.Comm.elect_min`: a padded (float64, int32) pair).
-ELECTION_BYTES = 16
+def periods(hyper: Mapping[str, Any]) -> Tuple[int, int]:
+    """``(period, global_period)`` of LSGD's hyperparameters, the local one defaulted."""
+    global_period = int(hyper["global_period"])
+    return (default_period(global_period) if hyper["period"] is None else int(hyper["period"])), global_period
 
 
-def pulls_due(step: int, hyper: Mapping[str, Any], groups: int) -> List[Tuple[str, float, bool]]:
+def pulls_due(
+    step: int, pull_local: float, pull_global: float, period: int, global_period: int, groups: int
+) -> List[Tuple[str, float, bool]]:
     """``(scope, coefficient, fetch)`` of the pulls after ``step``, local first, for ``groups`` groups.
 
     ``fetch`` is False for a global pull that follows a local one in a
     single group: the leader and its parameters are already at hand.
     """
-    global_period = int(hyper["global_period"])
-    period = max(1, global_period // 4) if hyper["period"] is None else int(hyper["period"])
     due = []
-    if hyper["pull_local"] and step % period == 0:
-        due.append(("local", hyper["pull_local"], True))
-    if hyper["pull_global"] and step % global_period == 0:
-        due.append(("global", hyper["pull_global"], not due or groups > 1))
+    if pull_local and step % period == 0:
+        due.append(("local", pull_local, True))
+    if pull_global and step % global_period == 0:
+        due.append(("global", pull_global, not due or groups > 1))
     return due
 
 __all__ = ["LSGD", "PULL_FORMS"]
@@ -185,8 +188,9 @@ class LSGD(LSGDState, SynchronousAlgorithm):
     @classmethod
     def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
         local = global_ = 0
+        period, global_period = periods(hyper)
         for step in steps:
-            for scope, _, fetch in pulls_due(step, hyper, len(groups)):
+            for scope, _, fetch in pulls_due(step, hyper["pull_local"], hyper["pull_global"], period, global_period, len(groups)):
                 local += scope == "local"
                 global_ += scope == "global" and fetch
         n = itemsize * d
@@ -203,8 +207,7 @@ class LSGD(LSGDState, SynchronousAlgorithm):
 
     @classmethod
     def plan_cycle(cls, hyper: Mapping[str, Any]) -> int:
-        global_period = int(hyper["global_period"])
-        period = max(1, global_period // 4) if hyper["period"] is None else int(hyper["period"])
+        period, global_period = periods(hyper)
         return period * global_period // math.gcd(period, global_period)
 
     def __init__(
@@ -261,7 +264,8 @@ class LSGD(LSGDState, SynchronousAlgorithm):
 
     def _pulls_due(self, step: int) -> List[Tuple[str, float, bool]]:
         """``(scope, coefficient, fetch)`` of the pulls after ``step`` (:func:`pulls_due`)."""
-        return pulls_due(step, self.rule.hyperparameters(), self.topology.num_groups)
+        rule = self.rule
+        return pulls_due(step, rule.pull_local, rule.pull_global, rule.period, rule.global_period, self.topology.num_groups)
 
     def _fetch_leader(self, params: Any, scope: str, fetch: bool) -> Optional[Any]:
         """Elect the leader of ``scope`` and receive its parameters; None where this rank leads."""

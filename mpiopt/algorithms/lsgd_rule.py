@@ -26,9 +26,15 @@ from ..arrays import array_module, empty_apart
 from .schema import Hyperparameter, Schema, choice, in_range, optional, positive
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 
-__all__ = ["LSGDRule", "LSGDState", "PULL_FORMS", "LSGD_RULE", "elect", "Pull"]
+__all__ = ["LSGDRule", "LSGDState", "PULL_FORMS", "LSGD_RULE", "default_period", "elect", "Pull"]
 
 PULL_FORMS = ("paper", "convex")
+
+
+def default_period(global_period: int) -> int:
+    """The local pulls' period where none is given: a quarter of the global one (at least 1)."""
+    return max(1, global_period // 4)
+
 #: The keywords of LSGD's rule (synchronous and asynchronous), with the paper's local optimizer.
 LSGD_RULE = Schema(
     Hyperparameter("pull_local", 0.1, in_range(0.0, 1.0), "pull towards the group's leader at a local pull (0: none)"),
@@ -94,7 +100,7 @@ class LSGDRule:
         self.pull_global = LSGD_RULE["pull_global"].validate(pull_global)
         self.global_period = LSGD_RULE["global_period"].validate(global_period)
         if period is None:
-            period = max(1, global_period // 4)
+            period = default_period(self.global_period)
         self.period = LSGD_RULE["period"].validate(period)
         if self.period > self.global_period:
             raise ValueError(f"period must be <= global_period ({global_period}), got {period}")

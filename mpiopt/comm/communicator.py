@@ -30,7 +30,7 @@ from .buffers import HostStaging, as_mpi_buffer, gpu_aware_mpi, nbytes
 from .ledger import Ledger
 from .waiting import Backoff, check_wait_policy
 
-__all__ = ["Comm", "Request", "SetupMismatchError", "Failure", "raise_own_or_name_them", "SUM", "MAX", "MIN", "ANY_SOURCE", "ANY_TAG"]
+__all__ = ["Comm", "Request", "SetupMismatchError", "Failure", "ELECTION_BYTES", "raise_own_or_name_them", "SUM", "MAX", "MIN", "ANY_SOURCE", "ANY_TAG"]
 
 SUM = MPI.SUM
 MAX = MPI.MAX
@@ -40,6 +40,8 @@ ANY_TAG = MPI.ANY_TAG
 
 # (value, rank) pairs for leader election: float64 + int32, padded like the C struct.
 _DOUBLE_INT = np.dtype([("value", np.float64), ("rank", np.int32)], align=True)
+#: Bytes one rank contributes to an election (:meth:`Comm.elect_min`).
+ELECTION_BYTES = _DOUBLE_INT.itemsize
 
 
 class SetupMismatchError(ValueError):
