@@ -188,7 +188,6 @@ class InnerUpdate:
 
     #: No momentum buffer of mpiopt's: the caller's optimizer keeps its own state.
     buffer = None
-    momentum = weight_decay = 0.0
 
     def __init__(self, step: Callable[[Any, Any], None], name: str, grad_buffer: Optional[Any] = None) -> None:
         if not callable(step):
