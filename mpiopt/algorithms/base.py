@@ -566,7 +566,8 @@ class Algorithm:
         changes, on every rank together), for algorithms that declare
         :attr:`fused_gradient_check` (their update reads this rank's own
         gradient, so the rank that finds a non-finite value is the one that
-        had it).  Their ``_step`` calls :meth:`_non_finite_gradient` when the
+        had it; or, ``sgd``, a sum every rank holds alike, so every rank
+        finds it and they name the rank at fault together).  Their ``_step`` calls :meth:`_non_finite_gradient` when the
         update reports one, before the step starts any communication (DaSGD
         may first have completed an averaging every rank started earlier).
         That rank has then applied the failing step: its parameters and

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..arrays import array_module, empty_apart
-from ..kernels.update import Merge, all_finite, merge_average, sgd_update
+from ..kernels.update import Merge, all_finite, divide_finite, merge_average, sgd_update
 from .schema import Hyperparameter, Schema, boolean, in_range, positive
 
 __all__ = ["LocalSGD", "InnerUpdate", "LocalStepState", "LOCAL_SGD"]
@@ -219,20 +219,23 @@ class InnerUpdate:
         if grad_support is not None:
             raise ValueError("an inner optimizer reads the dense gradient: grad_support is for the built-in update")
         finite = None
-        if check_finite:
-            finite = bool(all_finite(grad))
-            if not finite:
-                return False  # nothing changed: the caller ends the job or raises
         target = self.grad_buffer
         if target is None and grad_divisor != 1:
             if self._mean is None:
                 self._mean = empty_apart(grad)
             target = self._mean
-        if target is not None:  # one pass: divided into place, or copied
-            if grad_divisor != 1:
+        if target is not None and grad_divisor != 1:  # one pass: the mean written where the step reads it, checked on the way
+            if check_finite:
+                finite = divide_finite(grad, grad_divisor, target)
+            else:
                 array_module(grad).divide(grad, grad_divisor, out=target)
-            elif grad is not target:
-                target[...] = grad
+            grad = target
+        elif check_finite:
+            finite = bool(all_finite(grad))
+        if finite is False:
+            return False  # the caller's optimizer has not stepped: the caller ends the job or raises
+        if target is not None and grad is not target:  # copied where the step reads it
+            target[...] = grad
             grad = target
         self.step(params, grad)
         if merge is not None:

@@ -12,11 +12,12 @@ still running: :class:`mpiopt.torch.DistributedOptimizer` with
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, NoReturn, Optional
 
 from ..arrays import empty_apart
 from ..comm import Topology
 from ..comm.ledger import Call
+from ..kernels.update import all_finite
 from .base import BASE, StepRecord, SynchronousAlgorithm
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .registry import register
@@ -88,9 +89,10 @@ class SGD(LocalStepState, SynchronousAlgorithm):
         world size inside the local step, the same floating-point operations
         as :meth:`step` does after its Allreduce: the parameters are bitwise
         those of :meth:`step` whenever ``total`` holds the same sums.
-        ``grad``, this rank's gradient, is checked for non-finite values as
-        in :meth:`step`.  The record counts no bytes for the exchange the
-        caller made.
+        The sum is checked for non-finite values as in :meth:`step`
+        (``grad``, this rank's gradient, is read only then, to name the rank
+        at fault).  The record counts no bytes for the exchange the caller
+        made.
         """
         self._check_flat("total", total)
         self._reduced = total
@@ -99,10 +101,33 @@ class SGD(LocalStepState, SynchronousAlgorithm):
         finally:
             self._reduced = None
 
-    def _checks_in_step(self) -> bool:
-        # Only where the update reads this rank's own gradient (one rank, no caller's sum): at more ranks it
-        # reads the Allreduce's sum, and a non-finite sum could not name the rank whose gradient was at fault.
-        return super()._checks_in_step() and self.topology.world.size == 1 and self._reduced is None
+    def _non_finite_sum(self, grad: Any) -> NoReturn:
+        """End the job for a non-finite sum of the gradients, naming the ranks whose own gradient was not finite.
+
+        Every rank holds the same sum, so every rank comes here (a rank that
+        does not, after a summation that overflowed in another order, is
+        waited for at most ``VOTE_SECONDS``).  The step was applied: the
+        parameters are not to be used further on any rank.
+        """
+        step = self.steps + 1
+
+        def own_check() -> None:
+            if not all_finite(grad):
+                raise FloatingPointError(
+                    f"{self.name}: non-finite gradient on rank {self.topology.rank} at step {step} "
+                    "(nan_policy='raise'; use nan_policy='skip' to skip such steps on every rank)"
+                )
+
+        try:
+            self.topology.decide(
+                own_check, "gradient check", catch=(FloatingPointError,),
+                error=lambda failures, own: own or FloatingPointError(failures[0].message),
+            )
+        except FloatingPointError as error:
+            self.topology.raise_or_abort(error)
+        self.topology.raise_or_abort(FloatingPointError(
+            f"{self.name}: the sum of the ranks' gradients overflowed at step {step} (every rank's own was finite)"
+        ))
 
     def _exchange(self, params: Any, grad: Any) -> Any:
         world = self.topology.world
@@ -120,6 +145,10 @@ class SGD(LocalStepState, SynchronousAlgorithm):
         elif total is None:
             world.Allreduce(grad, out=self._average)
             total = self._average
-        # The division by the world size rides in the update's one pass over memory (same bits as total /= P first).
+        # The division by the world size rides in the update's one pass over memory (same bits as total /= P first),
+        # and so does the check: of the sum at more ranks, which every rank holds alike, so a non-finite one sends
+        # every rank to _non_finite_sum together, where each checks its own gradient to name the culprit.
         if self.local.apply(params, total, self.lr, grad_divisor=world.size, check_finite=self._checks_in_step()) is False:
-            self._non_finite_gradient()
+            if total is grad:
+                self._non_finite_gradient()
+            self._non_finite_sum(grad)

@@ -273,6 +273,37 @@ static void finite_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
     j->finite[part] = j->itemsize == 4 ? finite_f32((const float *)g, hi - lo) : finite_f64((const double *)g, hi - lo);
 }
 
+/* out = g / divisor and whether every element of g is finite, in one pass: an Allreduce's sum turned into the
+ * mean where the caller's optimizer reads it, checked on the way (a non-finite sum means some rank's was). */
+#define DEFINE_DIVIDE_FINITE(T, NAME, ABS, MAX)                                                  \
+    static int NAME(const T *g, T *out, T divisor, Py_ssize_t n) {                              \
+        int finite = 1;                                                                          \
+        for (Py_ssize_t i = 0; i < n; ++i) {                                                     \
+            finite &= FINITE(ABS, MAX, g[i]);                                                    \
+            out[i] = g[i] / divisor;                                                             \
+        }                                                                                        \
+        return finite;                                                                           \
+    }
+DEFINE_DIVIDE_FINITE(float, divide_finite_f32, fabsf, FLT_MAX)
+DEFINE_DIVIDE_FINITE(double, divide_finite_f64, fabs, DBL_MAX)
+
+typedef struct {
+    int itemsize;
+    const char *g;
+    char *out;
+    double divisor;
+    int finite[MPIOPT_MAX_PARTS];
+} divide_job;
+
+static void divide_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    divide_job *j = (divide_job *)ctx;
+    const char *g = j->g + lo * j->itemsize;
+    char *out = j->out + lo * j->itemsize;
+    j->finite[part] = j->itemsize == 4
+        ? divide_finite_f32((const float *)g, (float *)out, (float)j->divisor, hi - lo)
+        : divide_finite_f64((const double *)g, (double *)out, j->divisor, hi - lo);
+}
+
 static int all_parts(const int *flags, int parts) {
     int all = 1;
     for (int p = 0; p < parts; ++p) all &= flags[p];
@@ -549,6 +580,33 @@ static PyObject *py_all_finite(PyObject *self, PyObject *args) {
     return result;
 }
 
+static PyObject *py_divide_finite(PyObject *self, PyObject *args) {
+    PyObject *go, *oo;
+    double divisor;
+    int threads;
+    Py_buffer g = {0}, o = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOdi", &go, &oo, &divisor, &threads)) return NULL;
+    if (PyObject_GetBuffer(go, &g, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    PyObject *result = NULL;
+    const int itemsize = get_params(oo, &o, "divide_finite");
+    if (!itemsize) goto done;
+    if (float_itemsize(&g) != itemsize || g.len != o.len) {
+        PyErr_SetString(PyExc_TypeError, "divide_finite: grad and out must be float32 or float64 buffers of one dtype and length");
+        goto done;
+    }
+    divide_job job = {itemsize, (const char *)g.buf, (char *)o.buf, divisor, {0}};
+    int parts;
+    Py_BEGIN_ALLOW_THREADS
+    parts = mpiopt_parallel_for(threads, g.len / itemsize, 1, divide_part, &job);
+    Py_END_ALLOW_THREADS
+    result = PyBool_FromLong(all_parts(job.finite, parts));
+done:
+    PyBuffer_Release(&g);
+    if (o.obj) PyBuffer_Release(&o);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"sgd", py_sgd, METH_VARARGS,
      "sgd(params, grad, buffer, copy_to, copy_to_2, merge, divisor, lr, weight_decay, momentum, dampening, nesterov,"
@@ -571,6 +629,9 @@ static PyMethodDef methods[] = {
      "buffers of equal length (total, the sum of divisor workers' params, is left unchanged)."},
     {"all_finite", py_all_finite, METH_VARARGS,
      "all_finite(buffer, threads) -> bool\n\nWhether every element of a contiguous float32 or float64 buffer is finite."},
+    {"divide_finite", py_divide_finite, METH_VARARGS,
+     "divide_finite(grad, out, divisor, threads) -> bool\n\nout = grad / divisor in one pass, and whether every element of\n"
+     "grad is finite; contiguous float32 or float64 buffers of one dtype and length (out may be grad)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -581,6 +642,6 @@ static struct PyModuleDef module = {
 /* VERSION changes with the functions' arguments, so that update.py can refuse a stale build. */
 PyMODINIT_FUNC PyInit__updatec(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "VERSION", 3) < 0) Py_CLEAR(m);
+    if (m && PyModule_AddIntConstant(m, "VERSION", 4) < 0) Py_CLEAR(m);
     return m;
 }

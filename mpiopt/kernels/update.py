@@ -35,9 +35,9 @@ from ._backend import c_loop_takes, check_array, check_count, load_extension
 from .threads import get_num_threads
 
 # The optional fused C loop (setup.py); without it the array code below runs, with the same bits.
-_updatec = load_extension("_updatec", 3)
+_updatec = load_extension("_updatec", 4)
 
-__all__ = ["Merge", "all_finite", "elastic_pull", "fused_update_available", "merge_average", "reads_support", "sgd_update"]
+__all__ = ["Merge", "all_finite", "divide_finite", "elastic_pull", "fused_update_available", "merge_average", "reads_support", "sgd_update"]
 
 #: How many arrays :func:`sgd_update`'s ``copy_to`` may name.
 MAX_COPIES = 2
@@ -98,6 +98,32 @@ def all_finite(arr: Any) -> bool:
     xp = array_module(arr)
     with np.errstate(all="ignore"):  # the sum may overflow: then the exact check decides
         return bool(xp.isfinite(arr.sum())) or bool(xp.isfinite(arr).all())
+
+
+def divide_finite(grad: Any, divisor: int, out: Any) -> bool:
+    """``out = grad / divisor`` and whether every element of ``grad`` is finite, in one pass where the C loop takes them.
+
+    An Allreduce's sum made the mean a caller's optimizer reads, checked on
+    the way: the sum is not finite exactly when some rank's gradient was
+    not, or the summation overflowed.  The bits of ``numpy.divide(grad,
+    divisor, out=out)``; ``out`` may be ``grad``.  Elsewhere (cupy, other
+    dtypes) the division and :func:`all_finite` of ``out`` in two passes.
+
+    Parameters
+    ----------
+    grad, out : array
+        Contiguous floating-point buffers of one dtype and length.
+    divisor : int
+        Positive.
+
+    Returns
+    -------
+    bool
+    """
+    if c_loop_takes(_updatec, grad) and c_loop_takes(_updatec, out) and grad.dtype == out.dtype and grad.shape == out.shape:
+        return _updatec.divide_finite(grad, out, float(divisor), get_num_threads())
+    array_module(grad).divide(grad, divisor, out=out)
+    return all_finite(out)
 
 
 def _real(name: str, value: Any) -> float:

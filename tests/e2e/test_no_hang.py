@@ -39,8 +39,8 @@ def failing(name):
 """
 
 
-def _nan_gradient(name: str, settings: str):
-    """Algorithm ``name`` whose gradient is NaN on rank 1: that rank names itself and ends the job."""
+def _nan_gradient(name: str, settings: str, aborting: str = "on rank 1 of 2; aborting the job"):
+    """Algorithm ``name`` whose gradient is NaN on rank 1: the job ends, naming rank 1 (``aborting``: who ends it)."""
     body = f"""
         topo = mpiopt.Topology()
         alg = mpiopt.create("{name}", topo, lr=0.1{settings})
@@ -54,11 +54,13 @@ def _nan_gradient(name: str, settings: str):
                 grad[2] = 0.0
         alg.finish(params)  # DaSGD's averaging is nonblocking: completing it waits for rank 1, as a training loop would
         """
-    return body, [f"FloatingPointError: {name}: non-finite gradient on rank 1 at step 1", "on rank 1 of 2; aborting the job: its other ranks may be waiting"]
+    return body, [f"FloatingPointError: {name}: non-finite gradient on rank 1 at step 1", f"{aborting}: its other ranks may be waiting"]
 
 
 SCRIPTS = {
-    "nan_gradient": _nan_gradient("sgd", ""),
+    # sgd checks the sum in its update's pass: every rank holds the non-finite sum, learns whose gradient it was
+    # and ends the job naming rank 1, whichever rank's abort comes first.
+    "nan_gradient": _nan_gradient("sgd", "", aborting="aborting the job"),
     # DaSGD checks the gradient inside its update's pass (nan_policy="raise"): the rank that had it still ends the job.
     "nan_gradient_checked_in_the_update": _nan_gradient("dasgd", ", period=2"),
     "lsgd_without_loss": (

@@ -75,6 +75,37 @@ def test_nan_raise_names_the_rank():
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "step_reduced"])
+@pytest.mark.parametrize("inner", [False, True], ids=["built-in", "inner"])
+def test_a_non_finite_sum_names_the_rank_on_every_rank(overlap, inner):
+    # The sum is checked in the update's pass (the built-in one, or the division into an inner optimizer's
+    # gradient), not in a pass over the own gradient first: every rank holds it, so every rank raises, each
+    # naming the rank whose own gradient was not finite; the inner step is not taken.
+    topology = mpiopt.Topology(abort_on_error=False)
+    params = np.zeros(D, np.float32)
+    alg = mpiopt.create("sgd", topology, lr=0.1)
+    inner_steps = []
+    if inner:
+        alg.use_inner(lambda p, g: inner_steps.append(1), "counting", grad_buffer=np.empty(D, np.float32))
+    alg.setup(params)
+    grad = np.ones(D, np.float32)
+    if topology.rank == 1:
+        grad[5] = np.inf
+    with pytest.raises(FloatingPointError, match="sgd: non-finite gradient on rank 1 at step 1"):
+        if overlap:
+            total = np.empty_like(grad)
+            topology.world.Allreduce(grad, out=total)
+            alg.step_reduced(params, grad, total)
+        else:
+            alg.step(params, grad)
+    big = np.full(D, np.finfo(np.float32).max, np.float32)  # every rank's finite, their sum not
+    with pytest.raises(FloatingPointError, match="the sum of the ranks' gradients overflowed at step 1"):
+        alg.step(params, big)
+    assert inner_steps == []
+    topology.Free()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_nan_skip_is_collective(topology):
     params = np.zeros(D, np.float32)
     alg = mpiopt.create("sgd", topology, lr=0.1, nan_policy="skip")

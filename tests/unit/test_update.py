@@ -276,6 +276,31 @@ def test_all_finite_is_exact(dtype, c_loop, kernel_threads, monkeypatch):
                 values[spot] = big
 
 
+@pytest.mark.parametrize("c_loop", [True, False], ids=["c", "array"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: t.__name__)
+def test_divide_finite_is_numpys_division_and_an_exact_check(dtype, c_loop, kernel_threads, monkeypatch):
+    """divide_finite: the bits of np.divide (into another buffer or in place) and np.isfinite(grad).all()."""
+    if not c_loop:
+        monkeypatch.setattr(update, "_updatec", None)
+    rng = np.random.default_rng(5)
+    for count in (1, 3):
+        kernel_threads(count)
+        for size in (1, 7, SPLIT_SIZE):
+            grad = (rng.standard_normal(size) * 1e3).astype(dtype)
+            for divisor in (1, 3, 4):
+                out = np.empty_like(grad)
+                assert update.divide_finite(grad, divisor, out) is True
+                np.testing.assert_array_equal(out, np.divide(grad, divisor))
+                spot = size // 2
+                for bad in (np.nan, np.inf, -np.inf):
+                    dirty = grad.copy()
+                    dirty[spot] = bad
+                    assert update.divide_finite(dirty, divisor, out) is False, (size, bad)
+            inplace = grad.copy()
+            assert update.divide_finite(inplace, 3, inplace) is True
+            np.testing.assert_array_equal(inplace, np.divide(grad, 3))
+
+
 def test_thread_count_is_checked(kernel_threads, monkeypatch):
     for bad in (0, -1, 65, 2.0, True, "2"):
         with pytest.raises(ValueError, match="threads must be an integer in \\[1, 64\\]"):
