@@ -9,6 +9,7 @@ when its C loop was built); a step allocates nothing after the first.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..arrays import array_module, empty_apart
@@ -169,8 +170,13 @@ class InnerUpdate:
     ``step(params, grad)`` updates ``params`` in place from ``grad`` with the
     caller's own rule, learning rate and state (a ``torch.optim`` optimizer
     over views of the same memory, say).  What :class:`LocalSGD` fuses into
-    its one pass (the division by the world size, DaSGD's copies and merge,
-    the finite check) takes passes of its own here, around the caller's step.
+    its one pass takes passes of its own here, around the caller's step
+    (DaSGD's copies and merge), or rides in one that must be made anyway:
+    the finite check of an exchanged sum in its division by the world size
+    (before the step: a non-finite one stops it); else the check reads the
+    gradient on a helper thread while the caller's step runs (a non-finite
+    gradient is then found after the step, as the built-in update's fused
+    check finds it: ``nan_policy="raise"`` ends the job).
 
     Parameters
     ----------
@@ -215,7 +221,12 @@ class InnerUpdate:
         check_finite: bool = False,
         grad_support: Optional[Tuple[Any, Any]] = None,
     ) -> Optional[bool]:
-        """:meth:`LocalSGD.apply`'s contract with the caller's step (``lr`` is the caller's optimizer's own; ``grad`` dense)."""
+        """:meth:`LocalSGD.apply`'s contract with the caller's step (``lr`` is the caller's optimizer's own; ``grad`` dense).
+
+        With ``check_finite``, False for a non-finite ``grad``: the caller's
+        step was not taken where the check rode in the division, was taken
+        where it ran beside the step (see the class docstring).
+        """
         if grad_support is not None:
             raise ValueError("an inner optimizer reads the dense gradient: grad_support is for the built-in update")
         finite = None
@@ -230,19 +241,34 @@ class InnerUpdate:
             else:
                 array_module(grad).divide(grad, grad_divisor, out=target)
             grad = target
-        elif check_finite:
-            finite = bool(all_finite(grad))
-        if finite is False:
+        checking = None
+        if check_finite and finite is None:
+            # Nothing to ride in (one rank): a helper thread reads the gradient while the caller's step runs.
+            checking = _checker().submit(all_finite, grad)
+        elif finite is False:
             return False  # the caller's optimizer has not stepped: the caller ends the job or raises
         if target is not None and grad is not target:  # copied where the step reads it
             target[...] = grad
             grad = target
         self.step(params, grad)
+        if checking is not None:
+            finite = bool(checking.result())
         if merge is not None:
             merge_average(params, merge.snapshot, merge.total, merge.world_size, merge.rule, merge.proportion)
         for target in () if copy_to is None else ((copy_to,) if hasattr(copy_to, "shape") else copy_to):
             target[...] = params
         return finite
+
+
+_CHECKER: Optional[ThreadPoolExecutor] = None
+
+
+def _checker() -> ThreadPoolExecutor:
+    """The one helper thread that checks an inner optimizer's gradient while it steps (started at the first use)."""
+    global _CHECKER
+    if _CHECKER is None:
+        _CHECKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpiopt-check")
+    return _CHECKER
 
 
 class LocalStepState:

@@ -61,11 +61,15 @@ def test_one_allreduce_of_4d_bytes_per_step(topology):
     np.testing.assert_array_equal(params, np.full(D, -0.1, np.float32))
 
 
-def test_nan_raise_names_the_rank():
-    # Without the abort (the default aborts the job: tests/e2e/test_no_hang.py) the error is raised.
+@pytest.mark.parametrize("inner", [False, True], ids=["built-in", "inner"])
+def test_nan_raise_names_the_rank(inner):
+    # Without the abort (the default aborts the job: tests/e2e/test_no_hang.py) the error is raised.  An inner
+    # optimizer at one rank is checked on a helper thread while it steps, at more in the division of the sum.
     topology = mpiopt.Topology(abort_on_error=False)
     params = np.zeros(D, np.float32)
     alg = mpiopt.create("sgd", topology, lr=0.1)
+    if inner:
+        alg.use_inner(lambda p, g: p.__isub__(g), "descent", grad_buffer=np.empty(D, np.float32))
     alg.setup(params)
     grad = np.zeros(D, np.float32)
     grad[3] = np.nan
