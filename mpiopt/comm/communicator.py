@@ -28,7 +28,7 @@ from mpi4py import MPI
 from .abort import OtherRankError
 from .buffers import HostStaging, as_mpi_buffer, gpu_aware_mpi, nbytes
 from .ledger import Ledger
-from .waiting import Backoff, check_wait_policy
+from .waiting import Backoff, auto_wait_policy, check_wait_policy
 
 __all__ = ["Comm", "Request", "SetupMismatchError", "Failure", "ELECTION_BYTES", "raise_own_or_name_them", "SUM", "MAX", "MIN", "ANY_SOURCE", "ANY_TAG"]
 
@@ -156,16 +156,18 @@ class Comm:
     dup : bool
         Duplicate ``comm`` (default).  Communicators made by :meth:`Split` are
         new already and are not duplicated again.
-    wait_policy : {"active", "passive"}, optional
+    wait_policy : {"auto", "active", "passive"}, optional
         How :meth:`Request.Wait` waits (:mod:`mpiopt.comm.waiting`): spinning
-        in ``MPI_Wait`` or polling and sleeping; default: the environment
-        variable ``MPIOPT_WAIT_POLICY``, else ``"active"``.  Checked
-        collectively at construction; sub-communicators inherit it.
+        in ``MPI_Wait`` or polling and sleeping, or ``auto``: polling and
+        sleeping where this node's ranks outnumber its CPUs and the bytes
+        cross a network; default: the environment variable
+        ``MPIOPT_WAIT_POLICY``, else ``"auto"``.  Checked collectively and
+        resolved at construction; sub-communicators inherit the choice.
 
     Attributes
     ----------
     wait_policy : str
-        ``"active"`` or ``"passive"``.
+        ``"active"`` or ``"passive"`` (``auto`` resolved).
     """
 
     def __init__(
@@ -185,6 +187,8 @@ class Comm:
         self.name = name
         try:
             self.wait_policy = self.decide(lambda: check_wait_policy(wait_policy), "wait policy", error=_first_failure(ValueError))
+            if self.wait_policy == "auto":
+                self.wait_policy = self._auto_wait_policy()
             self._passive = self.wait_policy == "passive"
         except ValueError:
             if dup:
@@ -196,6 +200,21 @@ class Comm:
         # Nonblocking calls in flight at once need their own staging buffers:
         # lane n of an operation is busy from posting until completion.
         self._busy_lanes: Dict[str, Set[int]] = {}
+
+    def _auto_wait_policy(self) -> str:
+        """The ``auto`` wait policy's choice for this rank (a collective call: host names and a shared-memory split).
+
+        Ranks with this rank's host name share its CPUs; their bytes cross a
+        network where some rank is on another host, or where the MPI library
+        puts fewer of them in one shared-memory group than share the host
+        (MPICH's ``MPIR_CVAR_NOLOCAL`` does).
+        """
+        hosts = self._comm.allgather(MPI.Get_processor_name())
+        node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self._comm.Get_rank())
+        shared = node.Get_size()
+        node.Free()
+        here = hosts.count(hosts[self._comm.Get_rank()])
+        return auto_wait_policy(here, crosses_network=len(set(hosts)) > 1 or shared < here)
 
     # -- identity --------------------------------------------------------------
     @property

@@ -10,6 +10,7 @@ import torch
 from mpi4py import MPI
 
 from mpiopt.comm import Comm, SetupMismatchError
+from mpiopt.comm import waiting
 from mpiopt.comm.ledger import NONBLOCKING_OPS
 
 pytestmark = pytest.mark.mpi
@@ -256,10 +257,14 @@ def test_sub_communicators_inherit_the_wait_policy():
         c.Free()
 
 
-def test_the_wait_policy_is_active_unless_asked(monkeypatch):
+def test_the_wait_policy_is_auto_unless_asked(monkeypatch):
     monkeypatch.delenv("MPIOPT_WAIT_POLICY", raising=False)
     c = Comm()
-    assert c.wait_policy == "active"
+    hosts = c.allgather_obj(MPI.Get_processor_name())
+    node = c.Split_shared("node")
+    here = hosts.count(hosts[c.rank])
+    assert c.wait_policy == waiting.auto_wait_policy(here, len(set(hosts)) > 1 or node.size < here)
+    node.Free()
     c.Free()
     monkeypatch.setenv("MPIOPT_WAIT_POLICY", " Passive ")
     c = Comm()
@@ -268,8 +273,21 @@ def test_the_wait_policy_is_active_unless_asked(monkeypatch):
     c = Comm(wait_policy="active")  # the argument before the environment
     assert c.wait_policy == "active"
     c.Free()
-    with pytest.raises(ValueError, match=r"wait_policy must be one of active, passive; got 'auto' on rank 0"):
-        Comm(wait_policy="auto")
+    with pytest.raises(ValueError, match=r"wait_policy must be one of auto, active, passive; got 'spin' on rank 0"):
+        Comm(wait_policy="spin")
+
+
+def test_auto_waits_passively_only_on_oversubscribed_nodes_whose_bytes_cross_a_network(monkeypatch):
+    for name in ("MPIR_CVAR_NOLOCAL", "MPIR_CVAR_CH4_NOLOCAL", "OMPI_MCA_btl"):
+        monkeypatch.delenv(name, raising=False)
+    assert waiting.auto_wait_policy(4, crosses_network=True, cpus=2) == "passive"
+    assert waiting.auto_wait_policy(2, crosses_network=True, cpus=2) == "active"  # a core per rank: spinning costs nobody
+    assert waiting.auto_wait_policy(4, crosses_network=False, cpus=2) == "active"  # shared memory needs both sides polling
+    monkeypatch.setenv("MPIR_CVAR_NOLOCAL", "1")  # one node, but MPICH told to use its network transport
+    assert waiting.auto_wait_policy(4, crosses_network=False, cpus=2) == "passive"
+    cases = {"tcp,self": True, "self,sm,tcp": False, "^sm": True, "^tcp": False, "vader,self": False}
+    for btl, network in cases.items():
+        assert waiting.network_only({"OMPI_MCA_btl": btl}) is network, btl
 
 
 @pytest.mark.mpi(min_size=2)
@@ -278,9 +296,9 @@ def test_a_bad_wait_policy_on_one_rank_raises_on_every_rank(monkeypatch):
         monkeypatch.setenv("MPIOPT_WAIT_POLICY", "spin")
     else:
         monkeypatch.setenv("MPIOPT_WAIT_POLICY", "passive")
-    with pytest.raises(ValueError, match=r"MPIOPT_WAIT_POLICY must be one of active, passive; got 'spin' on rank 1"):
+    with pytest.raises(ValueError, match=r"MPIOPT_WAIT_POLICY must be one of auto, active, passive; got 'spin' on rank 1"):
         Comm()
-    with pytest.raises(ValueError, match=r"wait_policy must be one of active, passive; got 'busy' on rank 0"):
+    with pytest.raises(ValueError, match=r"wait_policy must be one of auto, active, passive; got 'busy' on rank 0"):
         Comm(wait_policy="busy" if MPI.COMM_WORLD.rank == 0 else "active")
 
 
