@@ -81,6 +81,24 @@ def test_sgd_with_adamw_is_adamw_on_the_mean_gradient(topology, overlap):
     assert_close(train_mpiopt(topology, data, overlap=overlap, bucket_cap_mb=64 / 2**20), train_reference(data, topology.size))
 
 
+@pytest.mark.parametrize("optimizer", [torch.optim.Adam, torch.optim.Adafactor, torch.optim.SGD], ids=lambda o: o.__name__)
+def test_any_torch_optimizer_is_itself_on_the_mean_gradient(topology, optimizer):
+    """Adam, Adafactor (a factored second moment: state shaped by each parameter, not by the flat buffer) and SGD."""
+    data, rank, size = batches(topology.size), topology.rank, topology.size
+    model, reference = make_model(), make_model()
+    opt = DistributedOptimizer(model.parameters(), "sgd", topology=topology, inner=optimizer(model.parameters(), lr=1e-2))
+    ref = optimizer(reference.parameters(), lr=1e-2)
+    for xs, ys in data:
+        opt.zero_grad()
+        F.cross_entropy(model(xs[rank]), ys[rank]).backward()
+        opt.step()
+        ref.zero_grad()
+        (sum(F.cross_entropy(reference(xs[r]), ys[r]) for r in range(size)) / size).backward()
+        ref.step()
+    assert_close(model, reference)
+    assert len(opt.state_dict()["state"]) == len(ref.state)  # the inner optimizer's state (SGD without momentum: none)
+
+
 @pytest.mark.parametrize("algorithm, hyper", [("sgd", {}), ("topk", {"density": 1.0}), ("regtopk", {"density": 1.0})])
 def test_synchronize_then_clip_clips_the_exchanged_gradient(topology, algorithm, hyper):
     """At density 1 Top-k and RegTop-k send everything: all three exchange the mean, which is what gets clipped."""
@@ -322,4 +340,43 @@ def test_grad_scaler_with_an_inner_optimizer(topology, clip):
     scaler.scale(loss * (float("inf") if rank == topology.size - 1 else 1.0)).backward()
     scaler.step(opt)  # the last rank overflowed: every rank skips, none hangs
     scaler.update()
+    assert torch.equal(opt.flat_params, before)
+
+
+def test_grad_scaler_on_cuda_with_float16_autocast(topology):
+    """The CUDA recipe: float16 autocast, GradScaler("cuda"), inner AdamW on CUDA parameters.  Scaled and unscaled
+    float32 runs agree bitwise (a power-of-two scale undone exactly); under float16 autocast the loss falls; an
+    overflow on one rank skips the step on every rank.  Runs where torch sees a GPU and cupy is installed."""
+    from mpiopt.kernels._backend import array_modules
+
+    if not torch.cuda.is_available() or len(array_modules()) < 2:
+        pytest.skip("no CUDA GPU with cupy on this machine (the CUDA GradScaler runs on a GPU machine only)")
+    data, rank = batches(topology.size, 4), topology.rank
+
+    def run(scale, autocast, data):
+        model = make_model().float().cuda()
+        opt = DistributedOptimizer(model.parameters(), "sgd", topology=topology, inner=torch.optim.AdamW(model.parameters(), lr=1e-2))
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, enabled=scale)
+        losses = []
+        for xs, ys in data:
+            opt.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
+                loss = F.cross_entropy(model(xs[rank].float().cuda()), ys[rank].cuda())
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(float(loss))
+        return model, opt, scaler, losses
+
+    scaled, _, _, _ = run(True, False, data)
+    plain, _, _, _ = run(False, False, data)
+    assert_close(scaled.cpu(), plain.cpu(), rtol=0, atol=0)
+    model, opt, scaler, losses = run(True, True, data[:1] * 8)  # one batch again and again: its loss must fall
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    before = opt.flat_params.clone()
+    opt.zero_grad()
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = F.cross_entropy(model(data[0][0][rank].float().cuda()), data[0][1][rank].cuda())
+    scaler.scale(loss * (float("inf") if rank == topology.size - 1 else 1.0)).backward()
+    scaler.step(opt)  # the last rank overflowed: every rank skips, none hangs
     assert torch.equal(opt.flat_params, before)
