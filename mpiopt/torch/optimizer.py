@@ -1,120 +1,38 @@
 """``DistributedOptimizer``: any mpiopt algorithm behind the ``torch.optim.Optimizer`` interface.
 
-How it works
-------------
-At construction the parameters are moved into one contiguous flat buffer and
-each parameter becomes a view into it; each ``.grad`` becomes a view into a
-second flat buffer, so ``backward()`` accumulates straight into it.  The
-algorithm (:mod:`mpiopt.algorithms`) reads the flat gradient and updates the
-flat parameters in place through zero-copy numpy (CPU) or cupy (CUDA) views
-of the same memory: the torch layer adds no copy and no math to a step.
-Rank 0's initial parameters are broadcast at construction, so ranks started
-from different seeds begin identical.
+The parameters move into one contiguous flat buffer, each parameter a view
+into it, and each ``.grad`` a view into a second one, so ``backward()``
+accumulates straight into it; the algorithm reads and updates them in place
+through zero-copy numpy (CPU) or cupy (CUDA) views: the torch layer adds no
+copy and no math to a step.  Rank 0's parameters are broadcast at
+construction.
 
-What carries over from torch.optim
-----------------------------------
-- ``param_groups`` and learning-rate schedulers: with an inner optimizer
-  (``inner=``, below) its groups are the wrapper's, each with its own
-  hyperparameters.  With the built-in update the learning rate of the groups
-  is read at every ``step()`` and handed to the algorithm; several groups
-  are accepted only if they share one learning rate and set no other
-  hyperparameter (anything else is refused with a ``ValueError`` naming the
-  group and the key).
+- ``inner=torch.optim.AdamW(...)`` (any optimizer over the same parameters)
+  replaces the built-in SGD update: ``sgd``, ``topk``, ``regtopk`` write the
+  exchanged gradient into ``.grad`` and step it; ``easgd``, ``lsgd``,
+  ``dasgd`` step it on this rank's gradient, then pull or average;
+  ``signum`` and the asynchronous algorithms refuse it.  Its groups and
+  state are this optimizer's.
+- Without it, each parameter group may set the built-in update's ``lr``,
+  ``momentum``, ``dampening``, ``nesterov``, ``weight_decay`` (read at every
+  ``step()``, so schedulers that cycle them work); other keys are refused
+  naming the group and the key.
+- ``synchronize()`` completes a gradient exchange early and leaves it in
+  ``.grad`` to clip or unscale; the next ``step()`` does not exchange again.
+  For the parameter-averaging algorithms clipping clips this rank's own
+  gradient.
+- ``overlap`` (``sgd``'s default at more than one rank, as in DDP) exchanges
+  the gradient in buckets during ``backward()``; ``overlap=False`` for a loop
+  that must change this rank's own gradient before it is sent.
+- ``backward_passes_per_step=N`` accumulates N backward passes per step;
+  ``torch.amp.GradScaler`` overflows are decided collectively (every rank
+  skips together); ``state_dict()`` has torch.optim's shape plus the
+  algorithm's state under ``"mpiopt"``.
 
-Your own optimizer
-------------------
-``inner=torch.optim.AdamW(model.parameters(), ...)`` (any ``torch.optim``
-optimizer over the same parameters) replaces the built-in SGD update:
-``sgd``, ``topk`` and ``regtopk`` write the exchanged gradient into ``.grad``
-and step it; ``easgd``, ``lsgd`` and ``dasgd`` step it on this rank's
-gradient, then pull or average the parameters; ``signum`` and the
-asynchronous algorithms refuse it.  ``synchronize()`` (gradient-exchanging
-algorithms) completes the exchange early and leaves the exchanged gradient
-in ``.grad``: clip it there, and ``step()`` applies it without exchanging
-again.  For the parameter-averaging algorithms clipping between
-``backward()`` and ``step()`` clips this rank's own gradient.
-- ``zero_grad(set_to_none=...)`` always zeroes the flat gradient in place
-  and keeps the views: setting gradients to None would detach them from
-  the flat buffer.  A gradient the user replaced or set to None is copied
-  back into (or zeroed in) the flat buffer at the next ``step()``.
-- ``state_dict()``/``load_state_dict()`` in torch.optim's shape (``state``,
-  ``param_groups``) with the algorithm's full state under ``"mpiopt"``.
-- ``torch.amp.GradScaler``: ``scaler.step(opt)`` hands the optimizer the
-  scale and the local overflow flag; the optimizer decides collectively
-  (a vote of three numbers on the control communicator, only when a scaler is used): if any rank
-  overflowed, every rank skips the step, so no rank is left waiting in a
-  collective the others skipped.  Each rank's scaler then updates its own
-  scale.
-
-Gradient accumulation
----------------------
-With ``backward_passes_per_step=N`` call ``backward()`` N times between two
-``step()`` calls (``zero_grad()`` after ``step()``).  The gradients add up in
-the flat buffer and ``step()`` divides them by N before the one exchange, so
-N passes over batches of B samples with a mean loss equal one pass over N B
-samples.
-
-Overlapping the exchange with backward
---------------------------------------
-With ``overlap=True`` (``sgd`` only, and its default there, as in torch DDP) the gradient is exchanged in buckets
-while ``backward()`` is still running, as torch's DDP does.  The buckets are
-contiguous slices of the flat gradient of about ``bucket_cap_mb`` MiB each,
-taken from the end of the buffer: backward produces gradients roughly in
-reverse order of the parameters (the first approximation DDP also starts
-from), so the last layers' bucket is complete first.  The flat layout itself
-stays in parameter order, so checkpoints and every other algorithm see the
-same buffer with overlap on or off.
-
-A hook on each parameter (``register_post_accumulate_grad_hook``) counts the
-gradients that are final (on the ``backward_passes_per_step``-th pass, which
-also divides the bucket by that number first); when a bucket's last one is
-final its Iallreduce starts, into a separate buffer of sums.  Buckets start
-strictly in order (MPI needs every rank to start collectives in the same
-order), so a bucket waits for those before it.  ``step()`` starts the buckets
-backward left incomplete (a parameter that took no part in this backward
-never fires its hook; its gradient stays as ``zero_grad()`` left it), waits
-for all and applies :meth:`SGD.step_reduced
-<mpiopt.algorithms.sgd.SGD.step_reduced>`: the same float operations on the
-same sums as without overlap, so the parameters are bitwise the same as long
-as the MPI library adds each element in the same order whatever the message
-size (MPICH does: checked against whole-vector Allreduces at 3, 4, 5 and 8
-ranks; the MPI standard does not promise it).  The step's ``last`` record
-includes the buckets' bytes and the time spent waiting for them.
-
-Nonblocking collectives advance only inside MPI calls, so every hook call
-also tests the oldest bucket still in flight: the earlier buckets move on
-while later layers compute.  On CUDA the hooks run on autograd's device
-thread (mpi4py initialises MPI with ``MPI_THREAD_MULTIPLE``).
-
-Overlap changes what the gradients may be used for between ``backward()``
-and ``step()``: they are being sent, so changing ``.grad`` there changes
-nothing that is sent.  To clip, or to ``scaler.unscale_(opt)``, call
-``opt.synchronize()`` first: it completes the exchange and leaves the
-exchanged gradient in ``.grad``, where clipping acts on what every rank
-shares (``scaler.unscale_`` without it is refused).  A loop that must change
-this rank's own gradient before it is sent passes ``overlap=False``.
-``zero_grad()`` first finishes an exchange in flight and discards it.  With ``torch.amp.GradScaler`` the
-scaled gradients are exchanged and their sum is unscaled, which is bitwise
-the same as unscaling first when the scale is a power of two (GradScaler's
-default growth and backoff keep it one) and equal to float rounding
-otherwise; the local gradients stay scaled.  After an overflow on some
-ranks only, each rank's scaler backs off on its own and the ranks' scales
-differ from then on; the scaled sums then mean nothing, and ``step()``
-exchanges the unscaled gradient again, blocking (correct, bitwise as
-without overlap, but one more Allreduce per step and no overlap).  Why only ``sgd``: ``topk`` and
-``regtopk`` select over the whole vector (with its error feedback) before
-anything is sent; ``signum``'s vote is elementwise and could go per bucket,
-bitwise the same, but its momentum and sign packing would have to run in
-the hook (not done); ``easgd``, ``lsgd`` and ``dasgd`` exchange parameters
-after the local step, so there is nothing to send during backward; the
-asynchronous algorithms have no ``step()``.
-
-Asynchronous algorithms
------------------------
-``async_msgd`` and ``async_lsgd`` have no synchronous ``step``: drive them
-with :meth:`DistributedOptimizer.run`, ``opt.run(compute_fn, steps)``, a
-collective call in which world rank 0 serves and the other ranks call
-``compute_fn(step) -> loss`` (forward and backward on their own batch).
+docs/torch.md has the details: the bucket order and its bitwise guarantee,
+what overlap means for ``.grad`` between ``backward()`` and ``step()``,
+GradScaler with overlap, and why only ``sgd`` overlaps.  The asynchronous
+algorithms run through :meth:`DistributedOptimizer.run`.
 """
 
 from __future__ import annotations
@@ -200,17 +118,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Communicators; a new ``Topology()`` over ``MPI.COMM_WORLD`` by
         default (which also installs the abort-on-error hooks).
     backward_passes_per_step : int
-        Backward passes accumulated per ``step()`` (see the module docstring).
+        Backward passes accumulated per ``step()``: their gradients add up and
+        ``step()`` divides them by it before the one exchange.
     overlap : bool, optional
         Exchange the gradient in buckets while backward runs (``sgd`` only,
-        where it is the default, as in torch DDP; see "Overlapping the
-        exchange with backward" in the module docstring: clip or unscale
+        where it is the default, as in torch DDP; see docs/torch.md: clip or unscale
         after ``synchronize()``, or pass ``overlap=False`` to change this
         rank's own gradient before it is sent).
     bucket_cap_mb : float
         With ``overlap``: bucket size in MiB (as DDP's ``bucket_cap_mb``).
     inner : torch.optim.Optimizer, optional
-        The local update (see "Your own optimizer" in the module docstring);
+        The local update (see the module docstring);
         the built-in SGD update without one.  Its ``param_groups`` become
         this optimizer's; ``lr``, ``momentum``, ``dampening``, ``nesterov``
         and ``weight_decay`` are then refused here (set them on it).
@@ -271,7 +189,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if overlap and not self.algorithm.overlaps_backward:
             raise ValueError(
                 f"overlap=True needs an algorithm that exchanges the gradient by Allreduce (sgd); {algorithm!r} does not "
-                "(see the mpiopt.torch.optimizer docstring for why)"
+                "(docs/torch.md says why)"
             )
         self.backward_passes_per_step = backward_passes_per_step
         self.last: Optional[StepRecord] = None
