@@ -261,18 +261,6 @@ static void sgd_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
 DEFINE_FINITE(float, finite_f32, fabsf, FLT_MAX)
 DEFINE_FINITE(double, finite_f64, fabs, DBL_MAX)
 
-typedef struct {
-    int itemsize;
-    const char *g;
-    int finite[MPIOPT_MAX_PARTS];
-} finite_job;
-
-static void finite_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
-    finite_job *j = (finite_job *)ctx;
-    const char *g = j->g + lo * j->itemsize;
-    j->finite[part] = j->itemsize == 4 ? finite_f32((const float *)g, hi - lo) : finite_f64((const double *)g, hi - lo);
-}
-
 /* out = g / divisor and whether every element of g is finite, in one pass: an Allreduce's sum turned into the
  * mean where the caller's optimizer reads it, checked on the way (a non-finite sum means some rank's was). */
 #define DEFINE_DIVIDE_FINITE(T, NAME, ABS, MAX)                                                  \
@@ -287,27 +275,40 @@ static void finite_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
 DEFINE_DIVIDE_FINITE(float, divide_finite_f32, fabsf, FLT_MAX)
 DEFINE_DIVIDE_FINITE(double, divide_finite_f64, fabs, DBL_MAX)
 
+/* all_finite's job (out NULL) and divide_finite's (out = g / divisor besides). */
 typedef struct {
     int itemsize;
     const char *g;
     char *out;
     double divisor;
     int finite[MPIOPT_MAX_PARTS];
-} divide_job;
+} finite_job;
 
-static void divide_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
-    divide_job *j = (divide_job *)ctx;
-    const char *g = j->g + lo * j->itemsize;
-    char *out = j->out + lo * j->itemsize;
-    j->finite[part] = j->itemsize == 4
-        ? divide_finite_f32((const float *)g, (float *)out, (float)j->divisor, hi - lo)
-        : divide_finite_f64((const double *)g, (double *)out, j->divisor, hi - lo);
+static void finite_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    finite_job *j = (finite_job *)ctx;
+    const Py_ssize_t n = hi - lo, at = lo * j->itemsize;
+    const char *g = j->g + at;
+    if (j->itemsize == 4)
+        j->finite[part] = j->out ? divide_finite_f32((const float *)g, (float *)(j->out + at), (float)j->divisor, n)
+                                 : finite_f32((const float *)g, n);
+    else
+        j->finite[part] = j->out ? divide_finite_f64((const double *)g, (double *)(j->out + at), j->divisor, n)
+                                 : finite_f64((const double *)g, n);
 }
 
 static int all_parts(const int *flags, int parts) {
     int all = 1;
     for (int p = 0; p < parts; ++p) all &= flags[p];
     return all;
+}
+
+/* A job's part over n elements in up to `threads` threads, without the GIL: whether every part found its range finite. */
+static PyObject *finite_in_parallel(int threads, Py_ssize_t n, mpiopt_part_fn part, void *job, const int *finite) {
+    int parts;
+    Py_BEGIN_ALLOW_THREADS
+    parts = mpiopt_parallel_for(threads, n, 1, part, job);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(all_parts(finite, parts));
 }
 
 /* 4 for float32, 8 for float64 (native byte order), 0 for anything else. */
@@ -424,11 +425,7 @@ static PyObject *py_sgd(PyObject *self, PyObject *args) {
     sgd_job job = {itemsize, wd != 0.0, mom != 0.0, first, dampening != 0.0, nesterov, (char *)x.buf, (char *)b.buf,
                    (char *)c.buf, (char *)c2.buf, (const char *)g.buf, merge, divisor, lr, wd, mom, 1.0 - dampening,
                    (const int32_t *)support.buf, (const char *)values.buf, support.len / 4, {0}};
-    int parts;
-    Py_BEGIN_ALLOW_THREADS
-    parts = mpiopt_parallel_for(threads, x.len / itemsize, 1, sgd_part, &job);
-    Py_END_ALLOW_THREADS
-    result = PyBool_FromLong(all_parts(job.finite, parts));
+    result = finite_in_parallel(threads, x.len / itemsize, sgd_part, &job, job.finite);
 done:
     PyBuffer_Release(&x);
     if (g.obj) PyBuffer_Release(&g);
@@ -557,50 +554,27 @@ done:
     return result;
 }
 
+/* all_finite(buffer, threads, out=None, divisor=1.0): with out, also out = buffer / divisor in the same pass. */
 static PyObject *py_all_finite(PyObject *self, PyObject *args) {
-    PyObject *go;
+    PyObject *go, *oo = Py_None;
+    double divisor = 1.0;
     int threads;
-    Py_buffer g = {0};
+    Py_buffer g = {0}, o = {0};
     (void)self;
-    if (!PyArg_ParseTuple(args, "Oi", &go, &threads)) return NULL;
+    if (!PyArg_ParseTuple(args, "Oi|Od", &go, &threads, &oo, &divisor)) return NULL;
     if (PyObject_GetBuffer(go, &g, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return NULL;
     PyObject *result = NULL;
     const int itemsize = float_itemsize(&g);
     if (!itemsize) {
         PyErr_SetString(PyExc_TypeError, "all_finite: the buffer must be float32 or float64");
-    } else {
-        finite_job job = {itemsize, (const char *)g.buf, {0}};
-        int parts;
-        Py_BEGIN_ALLOW_THREADS
-        parts = mpiopt_parallel_for(threads, g.len / itemsize, 1, finite_part, &job);
-        Py_END_ALLOW_THREADS
-        result = PyBool_FromLong(all_parts(job.finite, parts));
-    }
-    PyBuffer_Release(&g);
-    return result;
-}
-
-static PyObject *py_divide_finite(PyObject *self, PyObject *args) {
-    PyObject *go, *oo;
-    double divisor;
-    int threads;
-    Py_buffer g = {0}, o = {0};
-    (void)self;
-    if (!PyArg_ParseTuple(args, "OOdi", &go, &oo, &divisor, &threads)) return NULL;
-    if (PyObject_GetBuffer(go, &g, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    PyObject *result = NULL;
-    const int itemsize = get_params(oo, &o, "divide_finite");
-    if (!itemsize) goto done;
-    if (float_itemsize(&g) != itemsize || g.len != o.len) {
-        PyErr_SetString(PyExc_TypeError, "divide_finite: grad and out must be float32 or float64 buffers of one dtype and length");
         goto done;
     }
-    divide_job job = {itemsize, (const char *)g.buf, (char *)o.buf, divisor, {0}};
-    int parts;
-    Py_BEGIN_ALLOW_THREADS
-    parts = mpiopt_parallel_for(threads, g.len / itemsize, 1, divide_part, &job);
-    Py_END_ALLOW_THREADS
-    result = PyBool_FromLong(all_parts(job.finite, parts));
+    if (oo != Py_None && (get_params(oo, &o, "all_finite") != itemsize || o.len != g.len)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "all_finite: out must be a buffer of the buffer's dtype and length");
+        goto done;
+    }
+    finite_job job = {itemsize, (const char *)g.buf, (char *)o.buf, divisor, {0}};
+    result = finite_in_parallel(threads, g.len / itemsize, finite_part, &job, job.finite);
 done:
     PyBuffer_Release(&g);
     if (o.obj) PyBuffer_Release(&o);
@@ -628,10 +602,9 @@ static PyMethodDef methods[] = {
      "(total / divisor - center) from the same params; contiguous, non-overlapping float32 or float64\n"
      "buffers of equal length (total, the sum of divisor workers' params, is left unchanged)."},
     {"all_finite", py_all_finite, METH_VARARGS,
-     "all_finite(buffer, threads) -> bool\n\nWhether every element of a contiguous float32 or float64 buffer is finite."},
-    {"divide_finite", py_divide_finite, METH_VARARGS,
-     "divide_finite(grad, out, divisor, threads) -> bool\n\nout = grad / divisor in one pass, and whether every element of\n"
-     "grad is finite; contiguous float32 or float64 buffers of one dtype and length (out may be grad)."},
+     "all_finite(buffer, threads, out=None, divisor=1.0) -> bool\n\nWhether every element of a contiguous float32 or float64\n"
+     "buffer is finite; with out (a buffer of its dtype and length, perhaps the buffer itself), also\n"
+     "out = buffer / divisor in the same pass."},
     {NULL, NULL, 0, NULL},
 };
 

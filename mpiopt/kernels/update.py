@@ -121,7 +121,7 @@ def divide_finite(grad: Any, divisor: int, out: Any) -> bool:
     bool
     """
     if c_loop_takes(_updatec, grad) and c_loop_takes(_updatec, out) and grad.dtype == out.dtype and grad.shape == out.shape:
-        return _updatec.divide_finite(grad, out, float(divisor), get_num_threads())
+        return _updatec.all_finite(grad, get_num_threads(), out, float(divisor))
     array_module(grad).divide(grad, divisor, out=out)
     return all_finite(out)
 
