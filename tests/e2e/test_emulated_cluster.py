@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -25,9 +24,13 @@ def _why_not() -> str:
             return f"the emulated cluster needs '{tool}' (iproute2, util-linux)"
     if subprocess.run(["unshare", "-n", "true"], stderr=subprocess.DEVNULL).returncode != 0:
         return "unshare -n (a network namespace) is not allowed here"
-    if "mpich" not in os.path.realpath(mpiexec()).lower() and "hydra" not in subprocess.run(
-            [mpiexec(), "--version"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True).stdout.lower():
-        return "the emulated cluster drives MPICH's Hydra mpiexec"
+    found = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = found if os.path.exists(found) else shutil.which("mpiexec")
+    if found is None:
+        return "no mpiexec"
+    version = subprocess.run([found, "--version"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True).stdout
+    if "hydra" not in version.lower():
+        return "the emulated cluster drives MPICH's Hydra mpiexec (this one is not: Open MPI?)"
     return ""
 
 
