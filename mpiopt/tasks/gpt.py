@@ -26,7 +26,7 @@ from ..kernels._backend import check_count
 
 __all__ = ["GPT", "GPT_DEFAULTS", "gpt_parameter_count"]
 
-#: ``--model gpt``'s default sizes: a CPU smoke run of a minute (about 0.44M parameters).
+#: ``--model gpt``'s default sizes: a CPU smoke run of a minute (445,952 parameters).
 GPT_DEFAULTS = {"n_layer": 2, "n_embd": 128, "n_head": 4, "block_size": 128}
 
 

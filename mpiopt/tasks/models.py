@@ -108,6 +108,8 @@ def build_model(
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; expected one of {', '.join(map(repr, MODELS))}")
     if name == "gpt":
+        if width is not None:
+            raise ValueError(f"model 'gpt' takes --n-embd, not width (got width={width!r})")
         return _gpt(input_shape, num_classes, dropout, gpt_sizes)
     if gpt_sizes:
         raise ValueError(f"{', '.join(sorted(gpt_sizes))} apply to model 'gpt' only, not {name!r}")
