@@ -38,9 +38,12 @@ from torch.nn import functional as F
 
 from mpiopt.kernels._backend import check_count
 
-__all__ = ["MODELS", "build_model"]
+__all__ = ["MODELS", "LANGUAGE_MODELS", "build_model"]
 
-MODELS = ("mlp", "cnn", "resnet20", "gpt")
+#: The image classifiers.
+MODELS = ("mlp", "cnn", "resnet20")
+#: Models over token sequences (:mod:`mpiopt.tasks.gpt`), for the text task.
+LANGUAGE_MODELS = ("gpt",)
 
 _DEFAULT_WIDTH = {"mlp": 128, "cnn": 32, "resnet20": 16}
 
@@ -59,7 +62,7 @@ def build_model(
     Parameters
     ----------
     name : str
-        One of :data:`MODELS`:
+        One of :data:`MODELS` or :data:`LANGUAGE_MODELS`:
 
         - ``"mlp"``: flatten, two hidden ``Linear`` + ``ReLU`` layers of
           ``width`` units (default 128), a linear output layer.
@@ -105,8 +108,8 @@ def build_model(
     TypeError
         A count or ``dropout`` of the wrong type.
     """
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(map(repr, MODELS))}")
+    if name not in MODELS + LANGUAGE_MODELS:
+        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(map(repr, MODELS + LANGUAGE_MODELS))}")
     if name == "gpt":
         if width is not None:
             raise ValueError(f"model 'gpt' takes --n-embd, not width (got width={width!r})")
