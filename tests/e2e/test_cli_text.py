@@ -27,3 +27,15 @@ def test_text_training_records_bits_per_byte(tmp_path, ranks, algorithm):
     (final,) = run.evals
     assert final["bits_per_byte"] == pytest.approx(final["test_loss"] / math.log(2))
     assert 0 < final["bits_per_byte"] < 8.5 and 0 <= final["test_accuracy"] <= 1
+
+
+def test_a_resumed_text_run_ends_where_an_uninterrupted_one_does(tmp_path):
+    """The windows are a function of (seed, rank, step): resuming at step 3 of 6 gives the same final test loss, bitwise."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    args = [*TEXT, "--steps", "6", "--eval-every", "6", "--checkpoint-every", "3"]
+    code, output, _ = run_mpi(1, [*args, "--out", str(full)], timeout=180)
+    assert code == 0, output
+    checkpoint = full / "checkpoints" / "ckpt-000000003.h5"
+    code, output, _ = run_mpi(1, [*args, "--resume", str(checkpoint), "--out", str(resumed)], timeout=180)
+    assert code == 0, output
+    assert read_metrics(resumed / "metrics.jsonl").evals[-1]["test_loss"] == read_metrics(full / "metrics.jsonl").evals[-1]["test_loss"]
