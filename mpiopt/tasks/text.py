@@ -35,7 +35,7 @@ from .images import DatasetError
 
 __all__ = ["STDLIB_FILES", "TEXT_SUFFIXES", "TextDataset", "WindowSampler", "load_text", "text_files"]
 
-#: Standard-library modules present in every CPython from 3.10 to 3.13 (none of the optional or distro-split parts:
+#: Standard-library modules (sorted) present in every CPython from 3.10 to 3.13 (none of the optional or distro-split parts:
 #: no tkinter, idlelib, lib2to3, distutils; no module that became a package in between, like re or pathlib).
 STDLIB_FILES = (
     "_pydecimal.py", "_pyio.py", "argparse.py", "ast.py", "asyncio/base_events.py", "asyncio/events.py", "asyncio/tasks.py",
