@@ -63,7 +63,7 @@ def test_a_tiny_gpt_learns_a_fixed_batch():
         loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[0] == pytest.approx(5.545, abs=0.1)  # ln 256 at the start: the small initialisation is near uniform
     assert losses[-1] < 0.6 * losses[0]
 
