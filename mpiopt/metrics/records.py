@@ -35,6 +35,7 @@ eval      test_loss             loss on the test set
 eval      test_accuracy         accuracy on the test set, a fraction in [0, 1]
 eval      train_loss            mean training loss of the steps since the last evaluation
 eval      evaluated             which model: ``"average"`` (of all ranks), ``"leader"`` or ``"rank0"``
+eval      bits_per_byte         text task only (optional field): ``test_loss / ln 2``; its test_accuracy is next-byte accuracy
 end       step                  steps done
 end       wall_seconds          wall time since training started
 end       bytes_sent_total      payload bytes rank 0 has sent in total

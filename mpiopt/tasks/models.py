@@ -38,9 +38,12 @@ from torch.nn import functional as F
 
 from mpiopt.kernels._backend import check_count
 
-__all__ = ["MODELS", "build_model"]
+__all__ = ["MODELS", "LANGUAGE_MODELS", "build_model"]
 
+#: The image classifiers.
 MODELS = ("mlp", "cnn", "resnet20")
+#: Models over token sequences (:mod:`mpiopt.tasks.gpt`), for the text task.
+LANGUAGE_MODELS = ("gpt",)
 
 _DEFAULT_WIDTH = {"mlp": 128, "cnn": 32, "resnet20": 16}
 
@@ -52,13 +55,14 @@ def build_model(
     num_classes: int,
     width: int | None = None,
     dropout: float = 0.0,
+    **gpt_sizes: int,
 ) -> nn.Module:
     """Build the classifier ``name`` for inputs of ``input_shape``.
 
     Parameters
     ----------
     name : str
-        One of :data:`MODELS`:
+        One of :data:`MODELS` or :data:`LANGUAGE_MODELS`:
 
         - ``"mlp"``: flatten, two hidden ``Linear`` + ``ReLU`` layers of
           ``width`` units (default 128), a linear output layer.
@@ -74,6 +78,9 @@ def build_model(
           Shortcuts are the paper's option A: identity, and where a stage
           halves the resolution and doubles the channels, subsampling by 2
           with zero-filled extra channels (no parameters).
+        - ``"gpt"``: a decoder-only transformer over tokens (:class:`mpiopt.tasks.gpt.GPT`):
+          ``input_shape`` is ``(block_size,)``, ``num_classes`` the vocabulary,
+          the sizes from ``gpt_sizes`` (defaults :data:`~mpiopt.tasks.gpt.GPT_DEFAULTS`).
     input_shape : sequence of int
         Shape of one sample: ``(C, H, W)``; the MLP accepts any shape and
         flattens it.
@@ -83,7 +90,10 @@ def build_model(
         Hidden units (``mlp``) or channels of the first convolution (``cnn``,
         ``resnet20``); the defaults are given above.
     dropout : float
-        Probability of the dropout before the final linear layer, in [0, 1).
+        Probability of the dropout before the final linear layer, in [0, 1)
+        (``gpt``: on the embeddings, attention and residual branches).
+    **gpt_sizes : int
+        ``gpt`` only: ``n_layer``, ``n_embd``, ``n_head`` (None: the default).
 
     Returns
     -------
@@ -98,8 +108,14 @@ def build_model(
     TypeError
         A count or ``dropout`` of the wrong type.
     """
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(map(repr, MODELS))}")
+    if name not in MODELS + LANGUAGE_MODELS:
+        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(map(repr, MODELS + LANGUAGE_MODELS))}")
+    if name == "gpt":
+        if width is not None:
+            raise ValueError(f"model 'gpt' takes --n-embd, not width (got width={width!r})")
+        return _gpt(input_shape, num_classes, dropout, gpt_sizes)
+    if gpt_sizes:
+        raise ValueError(f"{', '.join(sorted(gpt_sizes))} apply to model 'gpt' only, not {name!r}")
     shape = _check_input_shape(name, input_shape)
     num_classes = check_count("num_classes", num_classes, 2)
     width = _DEFAULT_WIDTH[name] if width is None else check_count("width", width, 1)
@@ -111,6 +127,20 @@ def build_model(
     if name == "cnn":
         return _cnn(shape[0], num_classes, width, head_dropout)
     return ResNet20(shape[0], num_classes, width, head_dropout)
+
+
+def _gpt(input_shape: Sequence[int], vocab_size: int, dropout: float, sizes: dict) -> nn.Module:
+    from .gpt import GPT, GPT_DEFAULTS
+
+    unknown = sorted(set(sizes) - {"n_layer", "n_embd", "n_head"})
+    if unknown:
+        raise ValueError(f"model 'gpt' takes n_layer, n_embd, n_head, not {', '.join(unknown)}")
+    if len(input_shape) != 1:
+        raise ValueError(f"input_shape for 'gpt' must be (block_size,), got {input_shape!r}")
+    if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
+    chosen = {k: GPT_DEFAULTS[k] if sizes.get(k) is None else sizes[k] for k in ("n_layer", "n_embd", "n_head")}
+    return GPT(vocab_size, block_size=input_shape[0], dropout=float(dropout), **chosen)
 
 
 def _check_input_shape(name: str, input_shape: Sequence[int]) -> tuple[int, ...]:

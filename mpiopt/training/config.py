@@ -43,8 +43,10 @@ def training_defaults(name: str) -> Dict[str, Any]:
     except ValueError:
         return {}
 
-DATASETS = ("digits", "cifar10", "synthetic")
-MODELS = ("mlp", "cnn", "resnet20")
+DATASETS = ("digits", "cifar10", "synthetic", "text")
+MODELS = ("mlp", "cnn", "resnet20", "gpt")
+#: The transformer's sizes (:mod:`mpiopt.tasks.gpt`): settings of ``--model gpt`` only.
+GPT_SIZES = ("n_layer", "n_embd", "n_head", "block_size")
 DEFAULT_EPOCHS = 20
 PROGRESS_MODES = ("auto", "bar", "lines")
 #: ``--optimizer`` choices (:mod:`.optimizers` makes them) and ``--no-decay-on`` kinds.
@@ -61,6 +63,10 @@ class TrainConfig:
     data_dir: Optional[str] = None
     model: str = "mlp"
     width: Optional[int] = None
+    n_layer: Optional[int] = None
+    n_embd: Optional[int] = None
+    n_head: Optional[int] = None
+    block_size: Optional[int] = None
     dropout: float = 0.0
     augment: bool = False
     epochs: Optional[float] = None
@@ -86,6 +92,14 @@ class TrainConfig:
     keep_checkpoints: int = 3
     resume: Optional[str] = None
     override_hyperparameters: bool = False
+
+    def gpt_sizes(self) -> Dict[str, int]:
+        """``--model gpt``'s sizes, the defaults (:data:`mpiopt.tasks.gpt.GPT_DEFAULTS`) where not given; {} for another model."""
+        if self.model != "gpt":
+            return {}
+        from ..tasks.gpt import GPT_DEFAULTS
+
+        return {k: GPT_DEFAULTS[k] if getattr(self, k) is None else getattr(self, k) for k in GPT_SIZES}
 
     def algorithm_hyperparameters(self, algorithm: Optional[str] = None) -> Dict[str, Any]:
         """The keyword arguments for ``algorithm`` (default: this run's): defaults, shared table, its own table, --lr."""
@@ -135,6 +149,7 @@ class TrainConfig:
         _positive("epochs", self.epochs)
         _positive("batch_size", self.batch_size, integer=True)
         _positive("width", self.width, integer=True)
+        self._check_task()
         _positive("lr", self.lr)
         _positive("group_size", self.group_size, integer=True)
         _positive("eval_every", self.eval_every, integer=True)
@@ -156,6 +171,24 @@ class TrainConfig:
             raise UsageError(f"data_dir {self.data_dir!r} is not a directory")
         for name in algorithms:
             self._check_hyperparameters(name)
+
+    def _check_task(self) -> None:
+        """The text task and the transformer go together; the transformer's sizes are positive and its heads divide its width."""
+        if (self.dataset == "text") != (self.model == "gpt"):
+            raise UsageError(f"dataset text goes with model gpt (a language model over bytes), got dataset {self.dataset!r} "
+                             f"and model {self.model!r}")
+        for name in GPT_SIZES:
+            _positive(name, getattr(self, name), integer=True)
+        if self.model != "gpt":
+            given = [f"{k}={getattr(self, k)}" for k in GPT_SIZES if getattr(self, k) is not None]
+            if given:
+                raise UsageError(f"{', '.join(given)}: the transformer's sizes apply to model gpt only, not {self.model!r}")
+            return
+        if self.width is not None:
+            raise UsageError(f"width applies to mlp, cnn and resnet20; model gpt takes --n-embd (got width={self.width})")
+        sizes = self.gpt_sizes()
+        if sizes["n_embd"] % sizes["n_head"]:
+            raise UsageError(f"n_embd must be divisible by n_head, got n_embd={sizes['n_embd']} and n_head={sizes['n_head']}")
 
     def _check_optimizer(self, algorithms: Sequence[str]) -> None:
         """``--optimizer`` and its companions: known values, and algorithms that take them."""

@@ -26,10 +26,14 @@ __all__ = ["add_config_arguments", "config_from_args", "command_settings", "dump
 
 _HELP = {
     "algorithm": "algorithm to train with: {choices}, or ddp (the baseline: torch DistributedDataParallel on gloo, sgd's defaults)",
-    "dataset": "dataset: digits (8x8 handwritten digits shipped with scikit-learn, offline), cifar10 (binary batches in --data-dir), synthetic (Gaussian clusters)",
-    "data_dir": "folder of the dataset files (cifar10: data_batch_1.bin..test_batch.bin; digits: digits.csv.gz, default: scikit-learn's copy)",
-    "model": "model: mlp (2 hidden layers of --width, default 128), cnn (2 conv layers, width 32), resnet20 (He et al., width 16)",
+    "dataset": "dataset: digits (8x8 handwritten digits shipped with scikit-learn, offline), cifar10 (binary batches in --data-dir), synthetic (Gaussian clusters), text (bytes of ~4.8 MB of the Python standard library's sources, offline, last 10%% held out; with --model gpt)",
+    "data_dir": "folder of the dataset files (cifar10: data_batch_1.bin..test_batch.bin; digits: digits.csv.gz, default: scikit-learn's copy; text: every .txt .md .rst .py .tex .html .csv .json .c .h file below it, UTF-8, in sorted order)",
+    "model": "model: mlp (2 hidden layers of --width, default 128), cnn (2 conv layers, width 32), resnet20 (He et al., width 16), gpt (a GPT-2 style transformer over bytes, for --dataset text)",
     "width": "hidden units (mlp) or channels (cnn, resnet20's first stage); default per model",
+    "n_layer": "gpt: transformer blocks (default 2)",
+    "n_embd": "gpt: embedding width, divisible by --n-head (default 128)",
+    "n_head": "gpt: attention heads (default 4)",
+    "block_size": "gpt: tokens (bytes) of context per training and evaluation window (default 128)",
     "dropout": "dropout before the classifier head",
     "augment": "random crop (padding 4) and horizontal flip of training images (cifar10)",
     "epochs": f"passes over the training set (default {DEFAULT_EPOCHS} when --steps is not given)",

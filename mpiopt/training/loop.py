@@ -45,6 +45,7 @@ from ..comm import Comm, Topology
 from ..metrics import MetricsWriter, Tracer, versions
 from ..tasks.images import ImageDataset, ShardSampler, augment_cifar, batch_rng, load_dataset
 from ..tasks.models import build_model
+from ..tasks.text import TextDataset, load_text
 from ..torch import DistributedOptimizer, average_buffers, broadcast_module
 from ..torch.optimizer import loss_value
 from ..torch.threads import set_threads
@@ -61,9 +62,16 @@ EVAL_BATCH = 1000
 _EVALUATED = {"identical": ("own", "rank0"), "average": ("average", "average"), "server": ("root", "rank0"), "leader": ("root", "leader")}
 
 
-def load_data(config: TrainConfig, world: Comm) -> ImageDataset:
+def load_data(config: TrainConfig, world: Comm) -> ImageDataset | TextDataset:
     """The dataset of ``config``, loaded on every rank (a collective call: one rank's failure fails all)."""
+    if config.dataset == "text":
+        return agree_or_fail(world, "cannot load the dataset", lambda: load_text(config.data_dir, block_size=config.gpt_sizes()["block_size"]))
     return agree_or_fail(world, "cannot load the dataset", lambda: load_dataset(config.dataset, data_dir=config.data_dir, seed=config.seed))
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy over the classes: one per sample (images: ``(N, K)`` logits), or one per position (text: ``(B, T, V)``)."""
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)
 
 
 def _set_threads(config: TrainConfig, world: Comm) -> None:
@@ -74,8 +82,10 @@ def _set_threads(config: TrainConfig, world: Comm) -> None:
 class _Evaluator:
     """The test-set evaluation of a run (collective): each rank a slice, sums over the ranks."""
 
-    def __init__(self, model: torch.nn.Module, dataset: ImageDataset, world: Comm, source: str) -> None:
+    def __init__(self, model: torch.nn.Module, dataset: ImageDataset | TextDataset, world: Comm, source: str) -> None:
         self.world = world
+        self.bits_per_byte = getattr(dataset, "byte_level", False)  # byte tokens: the loss in bits per byte as well
+        self.eval_batch = getattr(dataset, "eval_batch", EVAL_BATCH)
         self.x = torch.from_numpy(dataset.x_test[world.rank :: world.size])
         self.y = torch.from_numpy(dataset.y_test[world.rank :: world.size])
         # A second model only where another set of parameters than this rank's is evaluated.
@@ -104,21 +114,24 @@ class _Evaluator:
         was_training = evaluated.training
         evaluated.eval()
         sums = np.zeros(5, dtype=np.float64)  # test loss, correct, count, train loss sum, train count
-        for start in range(0, len(self.y), EVAL_BATCH):
-            x, y = self.x[start : start + EVAL_BATCH], self.y[start : start + EVAL_BATCH]
+        for start in range(0, len(self.y), self.eval_batch):
+            x, y = self.x[start : start + self.eval_batch], self.y[start : start + self.eval_batch]
             logits = evaluated(x)
-            sums[0] += float(F.cross_entropy(logits, y, reduction="sum"))
-            sums[1] += float((logits.argmax(1) == y).sum())
-            sums[2] += len(y)
+            sums[0] += float(_loss(logits, y, reduction="sum"))
+            sums[1] += float((logits.argmax(-1) == y).sum())  # text: next-token accuracy over every position
+            sums[2] += y.numel()
         finite = [v for v in train_losses if math.isfinite(v)]
         sums[3], sums[4] = sum(finite), len(finite)
         evaluated.train(was_training)
         self.world.Allreduce(sums)
-        return {
+        result = {
             "test_loss": sums[0] / max(1.0, sums[2]),
             "test_accuracy": sums[1] / max(1.0, sums[2]),
             "train_loss": sums[3] / sums[4] if sums[4] else math.nan,
         }
+        if self.bits_per_byte:
+            result["bits_per_byte"] = result["test_loss"] / math.log(2)
+        return result
 
 
 #: Fields of an asynchronous run's result that count that run only; the others run on from run to run.
@@ -158,7 +171,7 @@ def train(
     config: TrainConfig,
     algorithm: str,
     topology: Topology,
-    dataset: ImageDataset,
+    dataset: ImageDataset | TextDataset,
     out_dir: str,
     *,
     stream: Optional[Any] = sys.stdout,
@@ -188,7 +201,8 @@ def train(
     world = topology.world
     _set_threads(config, world)
     torch.manual_seed(config.seed)
-    model = build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, width=config.width, dropout=config.dropout)
+    sizes = {k: v for k, v in config.gpt_sizes().items() if k != "block_size"}  # the block size is the dataset's windows'
+    model = build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, width=config.width, dropout=config.dropout, **sizes)
     hyper = config.algorithm_hyperparameters(algorithm)
     opt = _optimizer(algorithm, model, topology, hyper, inner_optimizer(config, model))
     broadcast_module(model, topology)
@@ -215,17 +229,25 @@ def _optimizer(algorithm: str, model: torch.nn.Module, topology: Topology, hyper
 class _Batches:
     """This rank's shard of the training set (:class:`ShardSampler`) and the batch of each step, augmented if asked.
 
+    A text dataset draws its own windows (:meth:`TextDataset.sampler`); ``sampler.batches_per_epoch`` serves both.
+
     An asynchronous run's server computes nothing: the shards are the workers' (world ranks 1..P-1).
     """
 
-    def __init__(self, config: TrainConfig, dataset: ImageDataset, world: Comm, asynchronous: bool) -> None:
+    def __init__(self, config: TrainConfig, dataset: ImageDataset | TextDataset, world: Comm, asynchronous: bool) -> None:
         workers = max(1, world.size - 1) if asynchronous else world.size
         self.worker_rank = max(0, world.rank - 1) if asynchronous else world.rank
+        self.windows = None
+        if isinstance(dataset, TextDataset):
+            self.sampler = self.windows = dataset.sampler(rank=self.worker_rank, world_size=workers, batch_size=config.batch_size, seed=config.seed)
+            return
         self.sampler = ShardSampler(len(dataset.y_train), rank=self.worker_rank, world_size=workers, batch_size=config.batch_size, seed=config.seed)
         self.config, self.dataset = config, dataset
         self.x, self.y = torch.from_numpy(dataset.x_train), torch.from_numpy(dataset.y_train)
 
     def __call__(self, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.windows is not None:
+            return self.windows(step)
         index = self.sampler.indices(step)
         if self.config.augment:
             x = torch.from_numpy(augment_cifar(self.dataset.x_train[index], batch_rng(self.config.seed, self.worker_rank, step)))
@@ -256,7 +278,7 @@ class _Run:
     """
 
     def __init__(
-        self, config: TrainConfig, algorithm: str, topology: Topology, dataset: ImageDataset, model: torch.nn.Module, opt: Any,
+        self, config: TrainConfig, algorithm: str, topology: Topology, dataset: ImageDataset | TextDataset, model: torch.nn.Module, opt: Any,
         hyper: Dict[str, Any], out_dir: str, stream: Optional[Any], cleanup: ExitStack,
     ) -> None:
         self.config, self.algorithm, self.topology, self.model, self.opt, self.out_dir = config, algorithm, topology, model, opt, out_dir
@@ -350,7 +372,7 @@ class _Run:
                 x, y = self.batches(step)
                 with self._phase("compute"):
                     opt.zero_grad()
-                    loss = F.cross_entropy(self.network(x), y)
+                    loss = _loss(self.network(x), y)
                     loss.backward()
                 computed = time.perf_counter()
                 with self._phase("algorithm"):
@@ -411,7 +433,7 @@ class _Run:
         started = time.perf_counter()
         with self._phase("compute"):
             x, y = self.batches(step)
-            loss = F.cross_entropy(self.model(x), y)
+            loss = _loss(self.model(x), y)
             loss.backward()
         now = time.perf_counter()
         delta = self.topology.ledger.since(self._ledger)
