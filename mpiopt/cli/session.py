@@ -33,11 +33,15 @@ class Session:
         if self.rank == 0:
             print(text, flush=True)
 
-    def finish(self, paths: Sequence[Optional[str]], config: TrainConfig, groups: Optional[Sequence[Sequence[Optional[str]]]] = None) -> None:
+    def finish(
+        self, paths: Sequence[Optional[str]], config: TrainConfig,
+        groups: Optional[Sequence[Sequence[Optional[str]]]] = None, extra: str = "",
+    ) -> None:
         """On rank 0: the table of results, the figures, and where everything is.
 
         ``groups``: the paths again, one list per algorithm of its repeats
         (``compare --repeats``): the table then shows medians and ranges.
+        ``extra``: Markdown appended to results.md (``compare --sweep``'s choices).
         """
         if self.rank == 0:
             from ..metrics import read_metrics
@@ -51,6 +55,11 @@ class Session:
                 repeated = [g for g in repeated if g]
                 heading += f", {len(groups[0])} repeats per algorithm (seeds {config.seed}-{config.seed + len(groups[0]) - 1}): median (min-max)"
             table, results, figures = write_report(runs, self.out, config.target_accuracy, heading, groups=repeated)
+            if extra:
+                with open(results, "a") as handle:
+                    handle.write(f"\n{extra}")
+                print()
+                print(extra.rstrip())
             print()
             print(table)
             print()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from mpiopt.metrics import read_metrics
@@ -38,3 +40,46 @@ def test_compare_repeats_trains_each_seed_and_tables_medians_with_ranges(tmp_pat
 def test_compare_repeats_below_one_is_refused(tmp_path):
     code, output, _ = run_mpi(1, ["-m", "mpiopt", "compare", "--algorithms", "sgd", *TINY, "--repeats", "0", "--out", str(tmp_path / "x")], timeout=60)
     assert code != 0 and "--repeats must be an integer >= 1, got 0" in output
+
+
+def test_compare_sweep_picks_the_lowest_test_loss_and_the_main_runs_use_it(tmp_path):
+    out = tmp_path / "swept"
+    code, output, _ = run_mpi(
+        2,
+        ["-m", "mpiopt", "compare", "--algorithms", "sgd,lsgd", *TINY, "--repeats", "2", "--sweep", "lr=0.001,0.1",
+         "--sweep", "lsgd.period=2,4", "--sweep-steps", "3", "--out", str(out)],
+        timeout=300,
+    )
+    assert code == 0, output
+    record = json.loads((out / "sweep.json").read_text())
+    assert record["steps"] == 3
+    assert [c["values"] for c in record["candidates"]["sgd"]] == [{"lr": 0.001}, {"lr": 0.1}]
+    assert len(record["candidates"]["lsgd"]) == 4  # the grid: 2 rates x 2 periods
+    for name in ("sgd", "lsgd"):
+        candidates = record["candidates"][name]
+        assert all(isinstance(c["score"], float) for c in candidates)
+        best = min(candidates, key=lambda c: c["score"])
+        assert record["chosen"][name] == best["values"]
+        for k in (1, 2):
+            hyper = read_metrics(out / name / f"run{k}" / "metrics.jsonl").header["config"]["hyperparameters"]
+            for key, value in best["values"].items():
+                assert hyper[key] == value  # the resolved hyperparameters the run used
+    results = (out / "results.md").read_text()
+    assert "## sweep: 3 steps per candidate" in results and "- sgd: chose lr=" in results
+
+
+@pytest.mark.parametrize(
+    "sweep, message",
+    [
+        ("momentum=0.5,1.5", "--sweep momentum=1.5: sgd: momentum must be in [0.0, 1.0), got 1.5"),
+        ("lsgd.pull_locl=0.1", "--sweep pull_locl=0.1: lsgd has no hyperparameter 'pull_locl'"),
+        ("signum.momentum=0.5", "'signum' is not one of --algorithms"),
+        ("lr", "--sweep takes KEY=V1,V2,..."),
+    ],
+)
+def test_compare_bad_sweep_fails_before_any_training(tmp_path, sweep, message):
+    code, output, _ = run_mpi(
+        1, ["-m", "mpiopt", "compare", "--algorithms", "sgd,lsgd", *TINY, "--sweep", sweep, "--out", str(tmp_path / "x")], timeout=60
+    )
+    assert code != 0 and message in output, output
+    assert "step" not in output.split(message)[0].lower().replace("steps", "") and not (tmp_path / "x").exists()
