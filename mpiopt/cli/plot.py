@@ -40,7 +40,7 @@ def write_report(
     results = os.path.join(out, "results.md")
     with open(results, "w") as handle:
         handle.write(f"{heading}\n\n{table}\n" if heading else f"{table}\n")
-    return table, results, plot_runs(runs, out)
+    return table, results, plot_runs(runs, out, group_repeats=bool(groups))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -241,6 +241,30 @@ def test_plot_runs_writes_two_nonblank_pngs(tmp_path):
         plot_runs([], tmp_path)
 
 
+def test_median_curves_by_hand_and_grouped_plots(tmp_path):
+    from mpiopt.metrics.plots import _median_curves
+
+    a, b, c = hand_run(), hand_run(), hand_run()
+    curves = [
+        ("sgd (1)", (np.array([1.0, 2.0]),) * 3, np.array([1.0, 4.0])),
+        ("sgd (2)", (np.array([3.0, 4.0, 5.0]),) * 3, np.array([3.0, 2.0, 9.0])),
+        ("sgd (3)", (np.array([2.0, 6.0]),) * 3, np.array([2.0, 3.0])),
+    ]
+    [(label, xs, y, low, high)] = _median_curves([a, b, c], curves)
+    # cut to the shortest (2 points); medians of x (1, 3, 2) and (2, 4, 6), of y (1, 3, 2) and (4, 2, 3)
+    assert label == "sgd (median of 3, range shaded)"
+    assert xs[1].tolist() == [2.0, 4.0] and y.tolist() == [2.0, 3.0]
+    assert low.tolist() == [1.0, 2.0] and high.tolist() == [3.0, 4.0]
+    paths = plot_runs([a, b, c], tmp_path, group_repeats=True)
+    assert all(matplotlib_pixels_vary(p) for p in paths)
+
+
+def matplotlib_pixels_vary(path) -> bool:
+    import matplotlib.image
+
+    return matplotlib.image.imread(path)[..., :3].std() > 0.01
+
+
 # -- span listener and tracer on one process ---------------------------------------------------
 class FakeMPIRequest:
     """Stands for an mpi4py request: completes after ``delay`` seconds in Wait, or at once in Test."""
