@@ -31,6 +31,7 @@ def test_compare_repeats_trains_each_seed_and_tables_medians_with_ranges(tmp_pat
         row = next(line for line in table.splitlines() if line.startswith(f"| {name} |"))
         assert row.startswith(f"| {name} | 2 | ") and " s (" in row  # wall time's median, then its range
     assert not (out / "sgd" / "metrics.jsonl").exists()
+    assert all((out / f).stat().st_size > 1000 for f in ("accuracy.png", "loss.png"))  # median lines, ranges shaded
     redrawn = tmp_path / "redrawn"
     code, output, _ = run_mpi(1, ["-m", "mpiopt", "plot", str(out), "--out", str(redrawn)], timeout=120)
     assert code == 0, output
@@ -83,3 +84,18 @@ def test_compare_bad_sweep_fails_before_any_training(tmp_path, sweep, message):
     )
     assert code != 0 and message in output, output
     assert "step" not in output.split(message)[0].lower().replace("steps", "") and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("algorithm", ["async_msgd", "async_lsgd"])
+def test_asynchronous_runs_are_evaluated_every_eval_every_steps(tmp_path, algorithm):
+    out = tmp_path / algorithm
+    code, output, _ = run_mpi(
+        3, ["-m", "mpiopt", "train", "--algorithm", algorithm, "--dataset", "synthetic", "--steps", "12", "--eval-every", "4",
+            "--batch-size", "16", "--out", str(out)], timeout=180,
+    )
+    assert code == 0, output
+    run = read_metrics(out / "metrics.jsonl")
+    assert [e["step"] for e in run.evals] == [4, 8, 12]
+    assert all(0 <= e["test_accuracy"] <= 1 for e in run.evals)
+    walls = [e["wall_seconds"] for e in run.evals]
+    assert walls == sorted(walls)
