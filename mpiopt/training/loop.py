@@ -17,9 +17,10 @@ Which model is evaluated is the algorithm class's ``evaluates``: where
 every rank's model is identical (``sgd``, ``signum``, ``topk``, ``regtopk``,
 and the ``ddp`` baseline of :mod:`mpiopt.training.ddp`) that model; where
 ranks differ between averaging points (``easgd``, ``lsgd``, ``dasgd``) the
-average of the ranks' models; for the asynchronous algorithms (evaluated at
-the end only, the ranks being busy in the runtime) the server's model (the
-final parameters, the same on every rank), or the final global leader's.
+average of the ranks' models; for the asynchronous algorithms the server's
+model, or the global leader's, at the quiescent end of each segment (every
+``eval_every`` steps and at the end; the workers pause for the segment's
+drain and the evaluation).
 
 Times: ``wall_seconds`` counts training only (evaluations excluded), so
 time-to-accuracy compares the algorithms, not the evaluation schedule.
