@@ -64,11 +64,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--repeats must be an integer >= 1, got {repeats}")
     config, algorithms = read_settings(args, "compare")
     axes = sweep.parse_sweeps(getattr(args, "sweep", []) or [])
-    sweep_steps = None
+    sweep_steps = getattr(args, "sweep_steps", None)
+    if sweep_steps is not None and not axes:
+        raise UsageError("--sweep-steps only applies with --sweep")
     if axes:
         sweep.validate(config, algorithms, axes)
-        sweep_steps = args.sweep_steps or (max(1, config.steps // 4) if config.steps else None)
-        if not sweep_steps or sweep_steps < 1:
+        if sweep_steps is None and config.steps:
+            sweep_steps = max(1, config.steps // 4)
+        if sweep_steps is None or sweep_steps < 1:
             raise UsageError("--sweep needs --sweep-steps N >= 1 (or --steps, to take a quarter of)")
     session = start_session(config, "compare", algorithms)
     from ..training.loop import train

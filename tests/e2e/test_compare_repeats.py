@@ -76,11 +76,12 @@ def test_compare_sweep_picks_the_lowest_test_loss_and_the_main_runs_use_it(tmp_p
         ("lsgd.pull_locl=0.1", "--sweep pull_locl=0.1: lsgd has no hyperparameter 'pull_locl'"),
         ("signum.momentum=0.5", "'signum' is not one of --algorithms"),
         ("lr", "--sweep takes KEY=V1,V2,..."),
+        ("lr=0.1 --sweep-steps 0", "--sweep needs --sweep-steps N >= 1"),
     ],
 )
 def test_compare_bad_sweep_fails_before_any_training(tmp_path, sweep, message):
     code, output, _ = run_mpi(
-        1, ["-m", "mpiopt", "compare", "--algorithms", "sgd,lsgd", *TINY, "--sweep", sweep, "--out", str(tmp_path / "x")], timeout=60
+        1, ["-m", "mpiopt", "compare", "--algorithms", "sgd,lsgd", *TINY, "--sweep", *sweep.split(" "), "--out", str(tmp_path / "x")], timeout=60
     )
     assert code != 0 and message in output, output
     assert "step" not in output.split(message)[0].lower().replace("steps", "") and not (tmp_path / "x").exists()
