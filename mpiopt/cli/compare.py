@@ -15,29 +15,100 @@ are estimated, its Allreduce time is inside its compute time).
 Per-algorithm settings: ``--hp lsgd.pull_local=0.2`` or a
 ``[hyperparameters.lsgd]`` table in ``--config``; shared ones without the
 prefix.  Evaluated model: see ``mpiopt train --help``.
+
+``--repeats N`` trains each algorithm N times, with seeds seed, seed+1, ...,
+into ``OUT/<algorithm>/run<k>/`` (k = 1..N); the table then shows, per
+algorithm, each column's median over the repeats with its range,
+"12.3 s (11.8-13.1)", and the number of repeats.  N = 1 (the default) writes
+``OUT/<algorithm>/`` as before.
+
+``--sweep KEY=V1,V2`` (see :mod:`mpiopt.cli.sweep`) tunes a hyperparameter
+with short runs first; the main runs use each algorithm's best value.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 from ..training.flags import add_config_arguments
+from ..training.config import UsageError
+from . import sweep
 from .session import read_settings, start_session
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, "compare")
+    parser.add_argument(
+        "--repeats", type=int, default=1, metavar="N",
+        help="train each algorithm N times, with seeds seed, seed+1, ..., seed+N-1, into OUT/<algorithm>/run<k>/ (k = 1..N); "
+        "the results table shows each column's median over the repeats with its range (min-max) (default: 1: OUT/<algorithm>/)",
+    )
+    parser.add_argument(
+        "--sweep", action="append", default=[], metavar="KEY=V1,V2",
+        help="before the main runs, try each value of a hyperparameter (a key of the algorithms' schemas, or lr; "
+        "ALGORITHM.KEY=... for one algorithm) in a short run per value, and keep, per algorithm, the one with the lowest "
+        "test loss at the last evaluation; several --sweep flags form a grid. Runs in OUT/sweep/, scores in OUT/sweep.json and results.md",
+    )
+    parser.add_argument(
+        "--sweep-steps", type=int, default=None, metavar="N",
+        help="steps of each tuning run (default: a quarter of the main run's steps, at least 1; with --epochs, a quarter epoch's worth is not "
+        "known before the data loads, so give it)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    repeats = getattr(args, "repeats", 1)
+    if repeats < 1:
+        raise UsageError(f"--repeats must be an integer >= 1, got {repeats}")
     config, algorithms = read_settings(args, "compare")
+    axes = sweep.parse_sweeps(getattr(args, "sweep", []) or [])
+    sweep_steps = getattr(args, "sweep_steps", None)
+    if sweep_steps is not None and not axes:
+        raise UsageError("--sweep-steps only applies with --sweep")
+    if axes:
+        sweep.validate(config, algorithms, axes)
+        if sweep_steps is None and config.steps:
+            sweep_steps = max(1, config.steps // 4)
+        if sweep_steps is None or sweep_steps < 1:
+            raise UsageError("--sweep needs --sweep-steps N >= 1 (or --steps, to take a quarter of)")
     session = start_session(config, "compare", algorithms)
     from ..training.loop import train
 
-    paths = []
+    section = ""
+    if axes:
+        chosen: dict = {}
+        tried: dict = {}
+        for name in algorithms:
+            tried[name] = []
+            for k, point in enumerate(sweep.grid(axes, name), 1):
+                session.say(f"== sweep {name}: " + ", ".join(f"{key}={value}" for key, value in point.items()))
+                short = dataclasses.replace(sweep.with_point(config, name, point), steps=sweep_steps, epochs=None)
+                path = train(short, name, session.topology, session.dataset, os.path.join(session.out, "sweep", name, str(k)))
+                tried[name].append({"values": point, "score": sweep.score(path) if session.rank == 0 else None, "metrics": path})
+            chosen[name] = sweep.choose(tried[name])["values"]  # rank 0's is the one that counts: it read the scores
+        chosen = session.topology.world.bcast_obj(chosen if session.rank == 0 else None)
+        for name in algorithms:
+            config = sweep.with_point(config, name, chosen[name])
+        if session.rank == 0:
+            section = sweep.report(session.out, chosen, tried, sweep_steps)
+
+    if repeats == 1:
+        paths = []
+        for number, name in enumerate(algorithms, 1):
+            session.say(f"== {number}/{len(algorithms)}: {name}")
+            paths.append(train(config, name, session.topology, session.dataset, os.path.join(session.out, name)))
+        session.finish(paths, config, extra=section)
+        return 0
+    groups = []
     for number, name in enumerate(algorithms, 1):
-        session.say(f"== {number}/{len(algorithms)}: {name}")
-        paths.append(train(config, name, session.topology, session.dataset, os.path.join(session.out, name)))
-    session.finish(paths, config)
+        group = []
+        for k in range(1, repeats + 1):
+            seed = config.seed + k - 1
+            session.say(f"== {number}/{len(algorithms)}: {name}, repeat {k}/{repeats} (seed {seed})")
+            run_config = dataclasses.replace(config, seed=seed)
+            group.append(train(run_config, name, session.topology, session.dataset, os.path.join(session.out, name, f"run{k}")))
+        groups.append(group)
+    session.finish([p for g in groups for p in g], config, groups=groups, extra=section)
     return 0

@@ -3,6 +3,8 @@
 Reads ``metrics.jsonl`` files (from ``train`` or ``compare``; a folder is
 searched for them) and writes ``accuracy.png``, ``loss.png`` and
 ``results.md`` into ``--out``.  Runs in one process; no MPI launcher needed.
+Several files of one algorithm (``compare --repeats``) make one row of the
+table: each column's median over them and its range.
 """
 
 from __future__ import annotations
@@ -21,15 +23,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-accuracy", type=float, default=0.9, metavar="X", help="test accuracy for the to-target columns (default: 0.9)")
 
 
-def write_report(runs: Sequence[Any], out: str, target_accuracy: float, heading: str = "") -> Tuple[str, str, List[str]]:
-    """``OUT/results.md`` (``heading`` first, then the table of ``runs``) and the figures; returns (table, its path, figures)."""
-    from ..metrics import markdown_table, plot_runs, summarize
+def write_report(
+    runs: Sequence[Any], out: str, target_accuracy: float, heading: str = "", groups: "Sequence[Sequence[Any]] | None" = None,
+) -> Tuple[str, str, List[str]]:
+    """``OUT/results.md`` (``heading`` first, then the table of ``runs``) and the figures; returns (table, its path, figures).
 
-    table = markdown_table([summarize(run, target_accuracy=target_accuracy) for run in runs])
+    With ``groups`` (the runs again, one list per algorithm of its repeats) the
+    table has one row per algorithm: medians over the repeats and their ranges.
+    """
+    from ..metrics import markdown_table, plot_runs, repeats_table, summarize
+
+    if groups:
+        table = repeats_table([[summarize(run, target_accuracy=target_accuracy) for run in group] for group in groups])
+    else:
+        table = markdown_table([summarize(run, target_accuracy=target_accuracy) for run in runs])
     results = os.path.join(out, "results.md")
     with open(results, "w") as handle:
         handle.write(f"{heading}\n\n{table}\n" if heading else f"{table}\n")
-    return table, results, plot_runs(runs, out)
+    return table, results, plot_runs(runs, out, group_repeats=bool(groups))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,7 +64,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from None
     os.makedirs(args.out, exist_ok=True)
-    table, _, figures = write_report(runs, args.out, args.target_accuracy)
+    by_algorithm: dict = {}
+    for one in runs:
+        by_algorithm.setdefault(one.algorithm, []).append(one)
+    repeated = list(by_algorithm.values()) if any(len(g) > 1 for g in by_algorithm.values()) else None
+    table, _, figures = write_report(runs, args.out, args.target_accuracy, groups=repeated)
     print(table)
     for path in figures:
         print(f"figure: {path}")

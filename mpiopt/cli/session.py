@@ -33,15 +33,33 @@ class Session:
         if self.rank == 0:
             print(text, flush=True)
 
-    def finish(self, paths: Sequence[Optional[str]], config: TrainConfig) -> None:
-        """On rank 0: the table of results, the figures, and where everything is."""
+    def finish(
+        self, paths: Sequence[Optional[str]], config: TrainConfig,
+        groups: Optional[Sequence[Sequence[Optional[str]]]] = None, extra: str = "",
+    ) -> None:
+        """On rank 0: the table of results, the figures, and where everything is.
+
+        ``groups``: the paths again, one list per algorithm of its repeats
+        (``compare --repeats``): the table then shows medians and ranges.
+        ``extra``: Markdown appended to results.md (``compare --sweep``'s choices).
+        """
         if self.rank == 0:
             from ..metrics import read_metrics
             from .plot import write_report
 
             runs = [read_metrics(p) for p in paths if p]
             heading = f"# mpiopt {self.command}: {config.dataset}/{config.model}, {self.topology.size} ranks"
-            table, results, figures = write_report(runs, self.out, config.target_accuracy, heading)
+            repeated = None
+            if groups is not None:
+                repeated = [[read_metrics(p) for p in g if p] for g in groups]
+                repeated = [g for g in repeated if g]
+                heading += f", {len(groups[0])} repeats per algorithm (seeds {config.seed}-{config.seed + len(groups[0]) - 1}): median (min-max)"
+            table, results, figures = write_report(runs, self.out, config.target_accuracy, heading, groups=repeated)
+            if extra:
+                with open(results, "a") as handle:
+                    handle.write(f"\n{extra}")
+                print()
+                print(extra.rstrip())
             print()
             print(table)
             print()

@@ -9,8 +9,9 @@ a Chrome/Perfetto trace of every rank's phases.
 
 Evaluated model: sgd, signum, topk and regtopk keep every rank's model
 identical and it is evaluated; for easgd, lsgd and dasgd the average of the
-ranks' models; for async_msgd and async_lsgd (evaluated at the end only)
-the server's (final parameters; async_lsgd: the global leader's).
+ranks' models; for async_msgd and async_lsgd the server's (async_lsgd: the
+global leader's), every --eval-every steps once the run is quiescent (the
+workers pause for the drain and the evaluation), and at the end.
 BatchNorm statistics are averaged over the ranks before each evaluation.
 
 Checkpoints: ``--checkpoint-every N`` writes one after every N-th step and at

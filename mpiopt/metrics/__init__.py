@@ -17,7 +17,7 @@ nothing below it imports it.
 
 from .plots import plot_runs
 from .records import EVAL_FIELDS, STEP_FIELDS, MetricsWriter, Run, read_metrics, versions
-from .summary import format_bytes, format_seconds, markdown_table, summarize
+from .summary import format_bytes, format_seconds, format_spread, markdown_table, repeats_table, summarize
 from .trace import Tracer, overlap_fraction
 
 __all__ = [
@@ -31,6 +31,8 @@ __all__ = [
     "overlap_fraction",
     "summarize",
     "markdown_table",
+    "repeats_table",
+    "format_spread",
     "format_bytes",
     "format_seconds",
     "plot_runs",

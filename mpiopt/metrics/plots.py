@@ -10,6 +10,11 @@
   steps there are).  Bytes here are the steps' own traffic summed, so they
   leave out evaluation and set-up traffic that the eval records count.
 
+With ``group_repeats`` the runs of one algorithm (``compare --repeats``)
+make one curve: at each evaluation (or step) index the median of their x and
+y values, with their y range (min-max) shaded; the curve stops where the
+shortest repeat does.
+
 An axis whose values span more than :data:`LOG_SPAN` (bytes of a compressed
 and an uncompressed run, a loss that falls by decades) is drawn in log scale.
 matplotlib is imported only when plotting, through its object API (no pyplot
@@ -67,16 +72,18 @@ def _figure(curves: Sequence[Tuple[str, Sequence[np.ndarray], np.ndarray]], ylab
 
     fig = Figure(figsize=(15, 4.5), layout="constrained")
     axes = fig.subplots(1, 3, sharey=True)
-    for label, xs, y in curves:
+    for label, xs, y, *band in curves:
         for ax, x in zip(axes, xs):
-            ax.plot(x, y, label=label, marker="o" if len(y) < 30 else None, markersize=3)
+            (line,) = ax.plot(x, y, label=label, marker="o" if len(y) < 30 else None, markersize=3)
+            if band:
+                ax.fill_between(x, band[0], band[1], color=line.get_color(), alpha=0.2, linewidth=0)
     for panel, (ax, xlabel) in enumerate(zip(axes, _X_LABELS)):
         ax.set_xlabel(xlabel)
         ax.grid(True, alpha=0.3)
         if panel == 2:
-            _auto_log(ax, "x", [xs[2] for _, xs, _ in curves])
+            _auto_log(ax, "x", [c[1][2] for c in curves])
     axes[0].set_ylabel(ylabel)
-    _auto_log(axes[0], "y", [y for _, _, y in curves])
+    _auto_log(axes[0], "y", [c[2] for c in curves])
     if curves:
         axes[0].legend()
     fig.suptitle(title)
@@ -84,7 +91,10 @@ def _figure(curves: Sequence[Tuple[str, Sequence[np.ndarray], np.ndarray]], ylab
     return path
 
 
-def plot_runs(runs: Sequence[Run], out_dir: "str | os.PathLike[str]", *, prefix: str = "", smoothing: int = SMOOTHING_WINDOW) -> List[str]:
+def plot_runs(
+    runs: Sequence[Run], out_dir: "str | os.PathLike[str]", *, prefix: str = "", smoothing: int = SMOOTHING_WINDOW,
+    group_repeats: bool = False,
+) -> List[str]:
     """Write ``<prefix>accuracy.png`` and ``<prefix>loss.png`` comparing ``runs`` into ``out_dir``.
 
     Parameters
@@ -98,6 +108,8 @@ def plot_runs(runs: Sequence[Run], out_dir: "str | os.PathLike[str]", *, prefix:
         Start of the file names.
     smoothing : int
         Steps in the training loss's trailing running mean (1: no smoothing).
+    group_repeats : bool
+        One curve per algorithm: the median over its runs, their range shaded.
 
     Returns
     -------
@@ -116,10 +128,31 @@ def plot_runs(runs: Sequence[Run], out_dir: "str | os.PathLike[str]", *, prefix:
         accuracy.append((label, evals_x, 100.0 * _column(evals, "test_accuracy")))
         steps_x = (_column(run.steps, "step"), _column(run.steps, "wall_seconds"), np.cumsum(_column(run.steps, "bytes_sent")) / 1e6)
         loss.append((label, steps_x, running_mean(_column(run.steps, "loss"), smoothing)))
+    if group_repeats:
+        accuracy, loss = _median_curves(runs, accuracy), _median_curves(runs, loss)
     return [
         _figure(accuracy, "test accuracy (%)", "Test accuracy", os.path.join(out_dir, f"{prefix}accuracy.png")),
         _figure(loss, "training loss", f"Training loss (running mean of {smoothing} steps)", os.path.join(out_dir, f"{prefix}loss.png")),
     ]
+
+
+def _median_curves(runs: Sequence[Run], curves: Sequence[Tuple[str, Sequence[np.ndarray], np.ndarray]]) -> List[Tuple[Any, ...]]:
+    """One curve per algorithm of ``runs``: point-wise medians of x and y over its runs, and y's min and max."""
+    by_algorithm: dict = {}
+    for run, curve in zip(runs, curves):
+        by_algorithm.setdefault(run.algorithm, []).append(curve)
+    merged: List[Tuple[Any, ...]] = []
+    for name, group in by_algorithm.items():
+        n = min(len(c[2]) for c in group)
+        ys = np.array([c[2][:n] for c in group])
+        xs = tuple(np.nanmedian(np.array([c[1][i][:n] for c in group]), axis=0) if n else np.empty(0) for i in range(3))
+        if not n:
+            merged.append((name, xs, np.empty(0)))
+            continue
+        label = f"{name} (median of {len(group)}, range shaded)" if len(group) > 1 else name
+        with np.errstate(invalid="ignore"):
+            merged.append((label, xs, np.nanmedian(ys, axis=0), np.nanmin(ys, axis=0), np.nanmax(ys, axis=0)))
+    return merged
 
 
 def _column(records: Sequence[dict], field: str) -> np.ndarray:

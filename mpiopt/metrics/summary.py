@@ -14,11 +14,12 @@ time (data loading, bookkeeping).  Fractions are of the steps' total wall time
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence
+import statistics
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .records import Run
 
-__all__ = ["summarize", "markdown_table", "format_bytes", "format_seconds", "SPLITS"]
+__all__ = ["summarize", "markdown_table", "repeats_table", "format_spread", "format_bytes", "format_seconds", "SPLITS"]
 
 #: (summary key prefix, step record field, table column) of the time split.
 SPLITS = (
@@ -146,5 +147,63 @@ def markdown_table(summaries: Sequence[Dict[str, Any]]) -> str:
         for key, _, _ in SPLITS:
             seconds, fraction = s[f"{key}_seconds"], s[f"{key}_fraction"]
             row.append(format_seconds(seconds) + ("" if fraction is None else f" ({100.0 * fraction:.0f} %)"))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def format_spread(values: Sequence[Optional[float]], formatter: Callable[[Optional[float]], str]) -> str:
+    """The median of ``values`` with their range: "12.3 s (11.8-13.1)".
+
+    The range's ends drop the median's unit when they share it.  None values
+    (a repeat with no evaluation, or that never reached the target) are left
+    out and counted: "12.3 s (11.8-13.1) in 2 of 3"; "—" when all are None.
+    """
+    present = sorted(float(v) for v in values if v is not None)
+    if not present:
+        return _MISSING
+    text = formatter(statistics.median(present))
+    low, high = formatter(present[0]), formatter(present[-1])
+    unit = text.partition(" ")[2]
+    if unit and low.endswith(" " + unit) and high.endswith(" " + unit):
+        low, high = low[: -len(unit) - 1], high[: -len(unit) - 1]
+    if len(present) > 1:
+        text += f" ({low}-{high})"
+    if len(present) < len(values):
+        text += f" in {len(present)} of {len(values)}"
+    return text
+
+
+def repeats_table(groups: Sequence[Sequence[Dict[str, Any]]]) -> str:
+    """A Markdown table of repeated runs, one row per algorithm: each column's median over its repeats and their range.
+
+    ``groups`` holds, per algorithm, the :func:`summarize` results of its
+    repeats; columns as in :func:`markdown_table`, each cell as
+    :func:`format_spread` writes it (the time split's share is the median's).
+    """
+    targets = {s["target_accuracy"] for g in groups for s in g if s["target_accuracy"] is not None}
+    target = f" {_percent(targets.pop())}" if len(targets) == 1 else ""
+    header = [
+        "algorithm", "repeats", "final accuracy", "best accuracy", "steps", "wall time",
+        f"time to{target}", f"sent to{target}", "sent per rank",
+    ] + [column for _, _, column in SPLITS]
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    steps = lambda v: _MISSING if v is None else f"{v:g}"  # noqa: E731
+    for group in groups:
+        column = lambda key: [s[key] for s in group]  # noqa: E731
+        row: List[str] = [
+            str(group[0]["algorithm"]),
+            str(len(group)),
+            format_spread(column("final_accuracy"), _percent),
+            format_spread(column("best_accuracy"), _percent),
+            format_spread(column("steps"), steps),
+            format_spread(column("wall_seconds"), format_seconds),
+            format_spread(column("time_to_target"), format_seconds),
+            format_spread(column("bytes_to_target"), format_bytes),
+            format_spread(column("bytes_sent_per_rank"), format_bytes),
+        ]
+        for key, _, _ in SPLITS:
+            fractions = [f for f in column(f"{key}_fraction") if f is not None]
+            share = f", {100.0 * statistics.median(fractions):.0f} %" if fractions else ""
+            row.append(format_spread(column(f"{key}_seconds"), format_seconds) + share)
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)

@@ -17,9 +17,10 @@ Which model is evaluated is the algorithm class's ``evaluates``: where
 every rank's model is identical (``sgd``, ``signum``, ``topk``, ``regtopk``,
 and the ``ddp`` baseline of :mod:`mpiopt.training.ddp`) that model; where
 ranks differ between averaging points (``easgd``, ``lsgd``, ``dasgd``) the
-average of the ranks' models; for the asynchronous algorithms (evaluated at
-the end only, the ranks being busy in the runtime) the server's model (the
-final parameters, the same on every rank), or the final global leader's.
+average of the ranks' models; for the asynchronous algorithms the server's
+model, or the global leader's, at the quiescent end of each segment (every
+``eval_every`` steps and at the end; the workers pause for the segment's
+drain and the evaluation).
 
 Times: ``wall_seconds`` counts training only (evaluations excluded), so
 time-to-accuracy compares the algorithms, not the evaluation schedule.
@@ -396,7 +397,12 @@ class _Run:
 
     # -- the asynchronous protocol ---------------------------------------------------------------
     def asynchronous(self) -> Dict[str, Any]:
-        """Segments of runs that end quiescent, each until the next multiple of ``--checkpoint-every``; one evaluation at the end.
+        """Segments of runs that end quiescent, each until the next multiple of ``--checkpoint-every`` or ``eval_every``.
+
+        An evaluation at every multiple of ``eval_every`` and at the end, from
+        the parameters the algorithm's ``evaluates`` names, while the run is
+        quiescent: the workers pause for the segment's drain and the
+        evaluation (:meth:`_segment_end`).
 
         Between segments every rank saves and the ranks vote on stop signals.
         The step that :meth:`_compute` is given runs on from run to run by
@@ -411,7 +417,7 @@ class _Run:
         done = self.start
         with _written_on_stop(self.tracer, self.trace_path):
             while done < steps:
-                count = min(every - done % every, steps - done)
+                count = self._segment_end(done, every) - done
                 self._last, self._ledger = time.perf_counter(), self.topology.ledger.snapshot()  # the checkpoint's time excluded
                 self._log.clear()
                 results.append(self.opt.run(self._compute, count))
@@ -423,10 +429,17 @@ class _Run:
                     for record in records:
                         self.writer.write(record)
                 tail = (tail + [r["loss"] for r in records])[-max(1, steps // 10):]
+                if done % self.eval_every == 0 and done < steps:
+                    self.totals.losses = tail
+                    self._evaluate(done)
                 self.checkpoints.after_step(done, last=done == steps, counters=self.totals.counters())
         self.totals.losses = tail
         self._evaluate(steps)
         return {"result": _job_result(results)} if results else {}
+
+    def _segment_end(self, done: int, every: int) -> int:
+        """Where the asynchronous segment that starts at ``done`` ends: the next checkpoint or evaluation step, or the last."""
+        return min(done + every - done % every, done + self.eval_every - done % self.eval_every, self.steps)
 
     def _compute(self, step: int) -> torch.Tensor:
         """A worker's forward and backward at ``step`` (the runtime's ``compute_fn``), recorded as a step."""

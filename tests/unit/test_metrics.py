@@ -18,7 +18,10 @@ from mpiopt.metrics import (
     Run,
     Tracer,
     format_bytes,
+    format_seconds,
+    format_spread,
     markdown_table,
+    repeats_table,
     overlap_fraction,
     plot_runs,
     read_metrics,
@@ -187,6 +190,31 @@ def test_format_bytes():
         format_bytes(-1)
 
 
+def test_format_spread_median_and_range_by_hand():
+    # median of 11.8, 13.1, 12.3 is 12.3; the ends share the median's unit, so it is written once.
+    assert format_spread([11.8, 13.1, 12.3], format_seconds) == "12.3 s (11.8-13.1)"
+    # even count: the mean of the middle two, (1.0 + 3.0) / 2 = 2.0
+    assert format_spread([4.0, 1.0, 3.0, 0.5], format_seconds) == "2.00 s (0.5-4.00)"
+    # ends in another unit than the median keep theirs: median 2 MB, range 900 B to 5 MB
+    assert format_spread([900, 2e6, 5e6], format_bytes) == "2.00 MB (900 B-5.00 MB)"
+    # repeats without a value are left out and counted; one value has no range
+    assert format_spread([None, 2.5, None], format_seconds) == "2.50 s in 1 of 3"
+    assert format_spread([None, None], format_seconds) == "—"
+
+
+def test_repeats_table_has_medians_ranges_and_the_repeat_count():
+    fast, slow, other = (summarize(hand_run(), target_accuracy=0.75) for _ in range(3))
+    fast["wall_seconds"], slow["wall_seconds"], other["wall_seconds"] = 3.0, 5.0, 4.2
+    slow["final_accuracy"] = 0.6
+    other["time_to_target"] = None
+    lines = repeats_table([[fast, slow, other]]).splitlines()
+    assert lines[0].startswith("| algorithm | repeats | final accuracy | best accuracy | steps | wall time | time to 75.0 % |")
+    assert lines[2].startswith(
+        "| sgd | 3 | 70.0 % (60.0-70.0) | 80.0 % (80.0-80.0) | 30 (30-30) | 4.20 s (3.00-5.00) | 2.50 s (2.50-2.50) in 2 of 3 | "
+    )
+    assert lines[2].endswith("| 3.00 s (3.00-3.00), 43 % | 1.00 s (1.00-1.00), 14 % | 1.00 s (1.00-1.00), 14 % | 1.00 s (1.00-1.00), 14 % |")
+
+
 # -- plots -------------------------------------------------------------------------------------
 def test_running_mean_is_a_trailing_window_skipping_nan():
     np.testing.assert_allclose(running_mean([1.0, 2.0, 3.0, 4.0], 2), [1.0, 1.5, 2.5, 3.5])
@@ -211,6 +239,30 @@ def test_plot_runs_writes_two_nonblank_pngs(tmp_path):
         assert pixels[..., :3].std() > 0.01, f"{path} is blank"
     with pytest.raises(ValueError, match="at least one"):
         plot_runs([], tmp_path)
+
+
+def test_median_curves_by_hand_and_grouped_plots(tmp_path):
+    from mpiopt.metrics.plots import _median_curves
+
+    a, b, c = hand_run(), hand_run(), hand_run()
+    curves = [
+        ("sgd (1)", (np.array([1.0, 2.0]),) * 3, np.array([1.0, 4.0])),
+        ("sgd (2)", (np.array([3.0, 4.0, 5.0]),) * 3, np.array([3.0, 2.0, 9.0])),
+        ("sgd (3)", (np.array([2.0, 6.0]),) * 3, np.array([2.0, 3.0])),
+    ]
+    [(label, xs, y, low, high)] = _median_curves([a, b, c], curves)
+    # cut to the shortest (2 points); medians of x (1, 3, 2) and (2, 4, 6), of y (1, 3, 2) and (4, 2, 3)
+    assert label == "sgd (median of 3, range shaded)"
+    assert xs[1].tolist() == [2.0, 4.0] and y.tolist() == [2.0, 3.0]
+    assert low.tolist() == [1.0, 2.0] and high.tolist() == [3.0, 4.0]
+    paths = plot_runs([a, b, c], tmp_path, group_repeats=True)
+    assert all(matplotlib_pixels_vary(p) for p in paths)
+
+
+def matplotlib_pixels_vary(path) -> bool:
+    import matplotlib.image
+
+    return matplotlib.image.imread(path)[..., :3].std() > 0.01
 
 
 # -- span listener and tracer on one process ---------------------------------------------------

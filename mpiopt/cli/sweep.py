@@ -1,0 +1,104 @@
+"""``mpiopt compare --sweep``: short tuning runs per candidate value before the main runs.
+
+``--sweep KEY=V1,V2,...`` (repeatable; several form a grid) tries each value
+of a hyperparameter of the algorithms' schemas, or ``lr``; ``--sweep
+ALGORITHM.KEY=...`` tries them for that algorithm only.  Every candidate is
+checked against the schema before any run starts.  Each algorithm then trains
+``--sweep-steps`` steps per grid point (``OUT/sweep/<algorithm>/<k>/``) and
+keeps the point whose last evaluation has the lowest test loss (accuracy
+breaks no ties: the loss is what every task records); the choice and every
+candidate's score go to ``OUT/sweep.json`` and ``OUT/results.md``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import json
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..training.config import TrainConfig, UsageError
+from ..training.flags import _toml_value
+
+#: One axis of the grid: (algorithm or "" for all, key, values).
+Axis = Tuple[str, str, List[Any]]
+
+
+def parse_sweeps(items: Sequence[str]) -> List[Axis]:
+    """``KEY=V1,V2`` or ``ALGORITHM.KEY=V1,V2`` strings as grid axes."""
+    axes = []
+    for item in items:
+        key, sep, text = item.partition("=")
+        values = [_toml_value(v.strip()) for v in text.split(",") if v.strip()]
+        if not sep or not key.strip() or not values:
+            raise UsageError(f"--sweep takes KEY=V1,V2,... (or ALGORITHM.KEY=...), got {item!r}")
+        target, _, leaf = key.strip().rpartition(".")
+        axes.append((target, leaf, values))
+    return axes
+
+
+def grid(axes: Sequence[Axis], algorithm: str) -> List[Dict[str, Any]]:
+    """The grid points that apply to ``algorithm``: dicts of key -> value (one empty dict when none applies)."""
+    mine = [(key, values) for target, key, values in axes if target in ("", algorithm)]
+    return [dict(zip([k for k, _ in mine], point)) for point in itertools.product(*[v for _, v in mine])]
+
+
+def with_point(config: TrainConfig, algorithm: str, point: Dict[str, Any]) -> TrainConfig:
+    """``config`` with ``point`` in ``algorithm``'s own hyperparameter table."""
+    hyper = copy.deepcopy(config.hyperparameters)
+    hyper.setdefault(algorithm, {}).update(point)
+    return dataclasses.replace(config, hyperparameters=hyper)
+
+
+def validate(config: TrainConfig, algorithms: Sequence[str], axes: Sequence[Axis]) -> None:
+    """Raise :class:`UsageError` naming the key and value of the first bad candidate, before any run."""
+    names = set(algorithms)
+    for target, key, values in axes:
+        if target and target not in names:
+            raise UsageError(f"--sweep {target}.{key}: {target!r} is not one of --algorithms ({', '.join(algorithms)})")
+        if key == "lr" and config.lr is not None:
+            raise UsageError("give --lr or --sweep lr, not both")
+    for algorithm in algorithms:
+        for target, key, values in axes:
+            if target not in ("", algorithm):
+                continue
+            for value in values:
+                try:
+                    with_point(config, algorithm, {key: value}).validate([algorithm])
+                except UsageError as err:
+                    raise UsageError(f"--sweep {key}={value!r}: {err}") from None
+
+
+def score(path: Optional[str]) -> Optional[float]:
+    """The last evaluation's test loss of a metrics file (lower is better); None without one."""
+    from ..metrics import read_metrics
+
+    if not path:
+        return None
+    evals = [e for e in read_metrics(path).evals if e.get("test_loss") is not None]
+    return float(evals[-1]["test_loss"]) if evals else None
+
+
+def choose(candidates: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The candidate with the lowest score (None and NaN last; the first of equals)."""
+    def key(c: Dict[str, Any]) -> Tuple[int, float]:
+        s = c["score"]
+        return (1, 0.0) if s is None or s != s else (0, s)
+
+    return min(candidates, key=key)
+
+
+def report(out: str, chosen: Dict[str, Dict[str, Any]], tried: Dict[str, List[Dict[str, Any]]], steps: int) -> str:
+    """Write ``OUT/sweep.json``; return the Markdown section for results.md."""
+    with open(os.path.join(out, "sweep.json"), "w") as handle:
+        json.dump({"metric": "test_loss (last evaluation; lower is better)", "steps": steps, "chosen": chosen, "candidates": tried}, handle, indent=2)
+    lines = [f"## sweep: {steps} steps per candidate, chosen by the last test loss (OUT/sweep.json)", ""]
+    for algorithm, candidates in tried.items():
+        shown = "; ".join(
+            ", ".join(f"{k}={v}" for k, v in c["values"].items()) + f": {'—' if c['score'] is None else format(c['score'], '.4g')}"
+            for c in candidates
+        )
+        lines.append(f"- {algorithm}: chose " + ", ".join(f"{k}={v}" for k, v in chosen[algorithm].items()) + f" ({shown})")
+    return "\n".join(lines) + "\n"
