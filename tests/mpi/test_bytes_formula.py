@@ -19,6 +19,8 @@ CASES = [
     ("lsgd", {"period": 1, "global_period": 3, "pull_local": 0.0}, 2),
     ("dasgd", {"period": 5, "delay_steps": 2}, None),
     ("dasgd", {"period": 2, "delay_steps": 0}, None),
+    ("diloco", {"period": 3}, None),
+    ("diloco", {"period": 4, "outer_lr": 1.0, "outer_momentum": 0.0}, None),
     ("signum", {"exchange": "allgather"}, None),
     ("signum", {"exchange": "twophase"}, None),
     ("signum", {"exchange": "auto"}, None),
