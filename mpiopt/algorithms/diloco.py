@@ -68,13 +68,47 @@ import numpy as np
 from ..arrays import empty_apart
 from ..comm import Topology
 from ..comm.ledger import Call
+from ..kernels.update import sgd_update
 from .base import BASE, SynchronousAlgorithm, due_steps
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .registry import register
 from .resize import COPY, FOLLOW
 from .schema import Hyperparameter, Schema, boolean, in_range, positive
 
-__all__ = ["DiLoCo"]
+__all__ = ["DiLoCo", "outer_step"]
+
+
+def outer_step(
+    theta_start: Any, total: Any, size: int, *, lr: float, momentum: float, nesterov: bool, buffer: Optional[Any],
+    out: Optional[Any] = None, work: Optional[List[Any]] = None,
+) -> None:
+    """The outer step from ``theta_start`` (in place) given ``total = sum_i theta_i`` over ``size`` ranks.
+
+    ``Delta = theta_start - total / size`` (``total`` becomes Delta: no
+    allocation), then ``torch.optim.SGD``'s rule with ``momentum`` (and
+    Nesterov) on ``buffer``, which starts as zeros: ``b = mu 0 + Delta`` is
+    bitwise torch's first ``b = Delta``.  ``out`` (the parameters) receives
+    the new ``theta_start`` in the same pass.  ``lr = 1, momentum = 0`` is
+    the mean itself, computed as such (exact).  Shared by ``diloco`` and
+    ``streaming_diloco`` (there on one fragment's slices).
+    """
+    if lr == 1.0 and momentum == 0.0:
+        if isinstance(total, np.ndarray):
+            np.divide(total, size, out=theta_start)
+        else:
+            theta_start[...] = total / size
+    else:
+        total /= size
+        if isinstance(total, np.ndarray):
+            np.subtract(theta_start, total, out=total)  # Delta, in place
+        else:
+            total[...] = theta_start - total
+        sgd_update(theta_start, total, buffer, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0, work=work)
+        if out is not None:
+            out[...] = theta_start
+        return
+    if out is not None:
+        out[...] = theta_start
 
 
 @register
@@ -101,7 +135,7 @@ class DiLoCo(LocalStepState, SynchronousAlgorithm):
     theta_start : array
         The parameters at the last outer step (same on every rank).
     outer_momentum_buffer : array or None
-        The outer SGD's momentum buffer (same on every rank).
+        The outer SGD's momentum buffer (same on every rank; zeros until the first outer step).
     """
 
     name = "diloco"
@@ -152,18 +186,11 @@ class DiLoCo(LocalStepState, SynchronousAlgorithm):
         self.outer_momentum = float(self.schema["outer_momentum"].validate(outer_momentum))
         self.outer_nesterov = bool(self.schema["outer_nesterov"].validate(outer_nesterov))
         self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
-        self.outer = LocalSGD(self.outer_momentum, 0.0, self.outer_nesterov and self.outer_momentum > 0, 0.0)
         self.theta_start: Optional[Any] = None
+        self.outer_momentum_buffer: Optional[Any] = None  # zeros from setup when outer_momentum > 0
+        self._outer_work: List[Any] = []
         self.outer_steps = 0
         self._sum: Optional[Any] = None  # receives sum_i theta_i, then holds Delta
-
-    @property
-    def outer_momentum_buffer(self) -> Optional[Any]:
-        return self.outer.buffer
-
-    @outer_momentum_buffer.setter
-    def outer_momentum_buffer(self, value: Optional[Any]) -> None:
-        self.outer.buffer = value
 
     def hyperparameters(self) -> Dict[str, Any]:
         return {
@@ -176,7 +203,8 @@ class DiLoCo(LocalStepState, SynchronousAlgorithm):
 
     def _allocate(self, params: Any) -> None:
         self.local.allocate(params)
-        self.outer.allocate(params)
+        self._outer_work = []
+        self.outer_momentum_buffer = empty_apart(params, zero=True) if self.outer_momentum else None
         world = self.topology.world
         self._sum = empty_apart(params)
         self.theta_start = empty_apart(params)
@@ -193,21 +221,9 @@ class DiLoCo(LocalStepState, SynchronousAlgorithm):
     def _outer_step(self, params: Any) -> None:
         """One Allreduce of the parameters, then the outer SGD step from ``theta_start`` into both buffers."""
         world = self.topology.world
-        total = self._sum
-        world.Allreduce(params, out=total)
-        xp = np if isinstance(total, np.ndarray) else None
-        if self.outer_lr == 1.0 and self.outer_momentum == 0.0:
-            # theta_start - (theta_start - mean) is the mean: computed as such, exactly
-            if xp is not None:
-                np.divide(total, world.size, out=params)
-            else:
-                params[...] = total / world.size
-            self.theta_start[...] = params
-        else:
-            total /= world.size
-            if xp is not None:
-                np.subtract(self.theta_start, total, out=total)  # Delta, in place
-            else:
-                total[...] = self.theta_start - total
-            self.outer.apply(self.theta_start, total, self.outer_lr, copy_to=params)
+        world.Allreduce(params, out=self._sum)
+        outer_step(
+            self.theta_start, self._sum, world.size, lr=self.outer_lr, momentum=self.outer_momentum,
+            nesterov=self.outer_nesterov, buffer=self.outer_momentum_buffer, out=params, work=self._outer_work,
+        )
         self.outer_steps += 1
