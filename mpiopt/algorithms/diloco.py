@@ -52,11 +52,20 @@ read as a reference only:
   here it is fixed to (Nesterov) SGD with the paper's values, so that its
   state is a flat buffer in the checkpoint and the resize rules.
 * Inner optimizer state: neither syncs it.
-* Fragments / streaming (torchft's ``fragment_sync_delay``,
-  ``fragment_update_alpha``, staggered fragment schedule): not here;
-  ``streaming_diloco`` is not landed yet.
-* torchft may cast the pseudo-gradients to bf16 for the allreduce; here
-  they travel in the parameters' dtype (no quantisation).
+* Fragments / streaming: torchft's ``fragment_sync_delay`` and
+  ``fragment_update_alpha`` (``p.lerp_(local, alpha)``, i.e. ``alpha *
+  local + (1 - alpha) * global``) are ``streaming_diloco``'s
+  ``overlap_steps`` and ``alpha``, with the same meaning of alpha.  torchft
+  fragments by the model's modules as the caller lists them; here fragments
+  are contiguous slices of the flat buffer (the paper prefers a strided
+  assignment of layers: not implemented), started at the offsets
+  ``f H // F`` of each period.
+* torchft may quantise the pseudo-gradients for the allreduce
+  (``should_quantize``); here they travel in the parameters' dtype.
+* torchft keeps the outer state (saved originals) per fragment in its own
+  ``state_dict``; here ``theta_start`` and the outer momentum are flat
+  buffers in the algorithm's state, with the exchanges in flight completed
+  but not merged at a checkpoint (as ``dasgd``).
 """
 
 from __future__ import annotations
