@@ -69,6 +69,8 @@ def variants(size: int) -> dict:
         "regtopk": ["--algorithm", "regtopk"],
         # outer steps after steps 2, 4, 6: the checkpoint at step 3 falls between two, with theta_start and outer momentum set
         "diloco": ["--algorithm", "diloco", "--hp", "period=2"],
+        # fragment 1 (offset 2) starts after step 2 and merges after step 4: in flight at the checkpoint after step 3
+        "streaming_diloco": ["--algorithm", "streaming_diloco", "--hp", "period=4", "--hp", "fragments=2", "--hp", "overlap_steps=2"],
         # every algorithm that takes one, over AdamW with two groups, clipping and a warm-up schedule
         **{f"{name}-adamw": [*flags, *ADAMW] for name, flags in (
             ("sgd", ["--algorithm", "sgd"]), ("easgd", ["--algorithm", "easgd", "--hp", "period=2"]), ("lsgd", [*lsgd, *half]),
@@ -179,6 +181,8 @@ def test_resumed_run_ends_bitwise_equal_to_the_uninterrupted_one(runs, size, nam
     ranks = [str(r) for r in range(size)]
     if name == "dasgd":
         assert all(middle["ranks"][r]["algorithm"]["scalars"]["merge_step"] == MIDDLE + 1 for r in ranks), "no averaging in flight"
+    if name == "streaming_diloco":
+        assert all(list(middle["ranks"][r]["algorithm"]["arrays"]["merge_steps"]) == [0, MIDDLE + 1] for r in ranks), "none in flight"
     if name.startswith("lsgd"):
         assert all(middle["ranks"][r]["algorithm"]["arrays"]["leader_copy"] is not None for r in ranks)
     if name.endswith("adamw"):  # the inner optimizer's state is in the checkpoint, so the equality below covers it
