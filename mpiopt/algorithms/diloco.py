@@ -25,7 +25,7 @@ bitwise the inner update alone).
 
 Defaults: ``outer_lr=0.7``, ``outer_momentum=0.9``, Nesterov, as the paper.
 ``period`` defaults to 500, the paper's H (its ablation finds 500 the
-best trade-off for 150M-400M models); the CLI's short training runs use 10
+best trade-off for 150M-400M models); the CLI's short training runs use 8
 (``training_defaults``) so that a few hundred steps see many outer steps.
 
 The model to evaluate (``evaluates = "average"``): right after an outer
@@ -162,7 +162,7 @@ class DiLoCo(LocalStepState, SynchronousAlgorithm):
     state_scalars = ("outer_steps",)
     # theta_start and the outer momentum are the same on every rank; an inner momentum belongs to its rank's parameters.
     resize_rules = {"theta_start": COPY, "outer_momentum_buffer": COPY, "momentum_buffer": FOLLOW, "outer_steps": COPY}
-    training_defaults = {"lr": 0.05, "momentum": 0.9, "period": 10}
+    training_defaults = {"lr": 0.05, "momentum": 0.9, "period": 8}
     wire_summary = "4d every `period` steps"
     update_goal = 1.3
 
