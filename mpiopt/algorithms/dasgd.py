@@ -55,14 +55,14 @@ Example
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Dict, List, Mapping, Optional
 
 from ..arrays import empty_apart
-from ..comm import Request, Topology, is_gpu_array
+from ..comm import Topology, is_gpu_array
 from ..comm.ledger import Call
 from ..kernels.update import MERGE_RULES, Merge, merge_average
 from .base import BASE, SynchronousAlgorithm, due_steps
+from .inflight import InFlight
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .schema import Hyperparameter, Schema, choice, in_range, positive
 from .registry import register
@@ -71,36 +71,6 @@ from .resize import COPY, FOLLOW, RESCALE
 __all__ = ["DaSGD"]
 
 PROGRESS_MODES = ("test", "thread", "none")
-
-
-def _poke(request: Request, tests: int) -> bool:
-    """Up to ``tests`` back-to-back ``Test`` calls; True once the request has completed."""
-    for _ in range(tests):
-        if request.Test():
-            return True
-    return False
-
-
-class _ProgressThread:
-    """Pokes a request every ``interval`` seconds in a helper thread until it completes or :meth:`stop`.
-
-    Only this thread touches the request until :meth:`stop` has joined it, so
-    MPI never sees the request in two threads at once.
-    """
-
-    def __init__(self, request: Request, interval: float, tests: int) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(request, interval, tests), name="dasgd-progress", daemon=True)
-        self._thread.start()
-
-    def _run(self, request: Request, interval: float, tests: int) -> None:
-        while not self._stop.wait(interval):
-            if _poke(request, tests):
-                return
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 class _PendingBuffer:
@@ -230,8 +200,7 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
         self.merge_step = 0
         self._snapshot: Optional[Any] = None  # w_k, kept for the delayed rule's merge (the proportion rule needs none)
         self._sum: Optional[Any] = None  # w_k, then (in-place Iallreduce) its sum over the ranks
-        self._request: Optional[Request] = None
-        self._progress_thread: Optional[_ProgressThread] = None
+        self._inflight = InFlight()  # the Iallreduce started and not yet completed, and its progress thread
 
     # -- state ---------------------------------------------------------------------------
     # momentum_buffer comes from LocalStepState; the snapshot and the received
@@ -242,7 +211,7 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
     @property
     def in_flight(self) -> bool:
         """Whether an Iallreduce has been started and not yet completed."""
-        return self._request is not None and not self._request.done
+        return self._inflight.active
 
     def state_dict(self) -> Dict[str, Any]:
         """As :meth:`Algorithm.state_dict`, after completing (not merging) an average in flight."""
@@ -314,19 +283,16 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
         In place, so that MPI makes no copy of a send buffer (a pass over the
         parameters); the snapshot keeps ``w_k`` for the delayed rule's merge.
         """
-        self._request = self.topology.world.Iallreduce(self._sum)
+        threaded = self.progress == "thread" and self.delay_steps
+        self._inflight.start(
+            self.topology.world.Iallreduce(self._sum), thread_interval=self.progress_interval if threaded else None,
+            tests=self.tests_per_poke, name="dasgd-progress",
+        )
         self.merge_step = step + self.delay_steps
-        if self.progress == "thread" and self.delay_steps:
-            self._progress_thread = _ProgressThread(self._request, self.progress_interval, self.tests_per_poke)
 
     def _complete(self) -> None:
         """Wait for the average in flight, if any (the sum stays unmerged)."""
-        if self._progress_thread is not None:
-            self._progress_thread.stop()
-            self._progress_thread = None
-        if self._request is not None:
-            self._request.Wait()
-            self._request = None
+        self._inflight.complete()
 
     def _merge(self, params: Any) -> None:
         """Merge the received average into ``params`` (ALGORITHMS.md "DaSGD", merge rule).
@@ -350,11 +316,7 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
         as it likes, e.g. after each layer's backward pass.  With
         ``progress="thread"`` it only reports: the helper thread pokes.
         """
-        if self._progress_thread is not None:
-            return not self.in_flight
-        if self._request is not None and _poke(self._request, self.tests_per_poke):
-            self._request = None
-        return self._request is None
+        return self._inflight.poke(self.tests_per_poke)
 
     def _finish(self, params: Any) -> None:
         if self.merge_step:

@@ -67,11 +67,15 @@ def variants(size: int) -> dict:
         "signum-prevote": ["--algorithm", "signum", "--hp", "exchange=prevote", *half],
         "topk": ["--algorithm", "topk"],
         "regtopk": ["--algorithm", "regtopk"],
+        # outer steps after steps 2, 4, 6: the checkpoint at step 3 falls between two, with theta_start and outer momentum set
+        "diloco": ["--algorithm", "diloco", "--hp", "period=2"],
+        # fragment 1 (offset 2) starts after step 2 and merges after step 4: in flight at the checkpoint after step 3
+        "streaming_diloco": ["--algorithm", "streaming_diloco", "--hp", "period=4", "--hp", "fragments=2", "--hp", "overlap_steps=2"],
         # every algorithm that takes one, over AdamW with two groups, clipping and a warm-up schedule
         **{f"{name}-adamw": [*flags, *ADAMW] for name, flags in (
             ("sgd", ["--algorithm", "sgd"]), ("easgd", ["--algorithm", "easgd", "--hp", "period=2"]), ("lsgd", [*lsgd, *half]),
             ("dasgd", ["--algorithm", "dasgd", "--hp", "period=3"]), ("topk", ["--algorithm", "topk"]),
-            ("regtopk", ["--algorithm", "regtopk"]),
+            ("regtopk", ["--algorithm", "regtopk"]), ("diloco", ["--algorithm", "diloco", "--hp", "period=2"]),
         )},
     }
 
@@ -143,7 +147,7 @@ def runs(tmp_path_factory):
         resumed += [
             # another world size: sgd and signum (per-rank momentum) by their rules, easgd with neither alpha nor beta kept
             (f"from-{other}-{name}", train(size, name, f"from-{other}", "--resume", middle(other, name)))
-            for name in ("sgd", "signum-allgather", "sgd-adamw")
+            for name in ("sgd", "signum-allgather", "sgd-adamw", "diloco")
         ]
         if size == 2:
             resumed += [
@@ -177,6 +181,8 @@ def test_resumed_run_ends_bitwise_equal_to_the_uninterrupted_one(runs, size, nam
     ranks = [str(r) for r in range(size)]
     if name == "dasgd":
         assert all(middle["ranks"][r]["algorithm"]["scalars"]["merge_step"] == MIDDLE + 1 for r in ranks), "no averaging in flight"
+    if name == "streaming_diloco":
+        assert all(list(middle["ranks"][r]["algorithm"]["arrays"]["merge_steps"]) == [0, MIDDLE + 1] for r in ranks), "none in flight"
     if name.startswith("lsgd"):
         assert all(middle["ranks"][r]["algorithm"]["arrays"]["leader_copy"] is not None for r in ranks)
     if name.endswith("adamw"):  # the inner optimizer's state is in the checkpoint, so the equality below covers it
@@ -209,7 +215,8 @@ def test_dropout_and_augmentation_are_on_in_the_cases(runs):
     assert first_difference(a["ranks"]["0"]["rng"], a["ranks"]["1"]["rng"]) is not None
 
 
-@pytest.mark.parametrize("size,name", [(4, "sgd"), (2, "sgd"), (4, "signum-allgather"), (2, "signum-allgather"), (4, "sgd-adamw"), (2, "sgd-adamw")])
+@pytest.mark.parametrize("size,name", [(4, "sgd"), (2, "sgd"), (4, "signum-allgather"), (2, "signum-allgather"), (4, "sgd-adamw"), (2, "sgd-adamw"),
+                                       (4, "diloco"), (2, "diloco")])
 def test_resume_on_another_world_size_moves_the_state_by_the_rule(runs, size, name):
     root, results = runs
     old = SIZES[1 - SIZES.index(size)]

@@ -182,6 +182,8 @@ def test_hyperparameters_must_match_except_easgd_s_pair_at_another_size():
 SETTINGS = {
     "sgd": {"momentum": 0.9}, "signum": {}, "topk": {"k": 3, "momentum": 0.9}, "regtopk": {"k": 3},
     "easgd": {"period": 2}, "lsgd": {"period": 1, "global_period": 2, "proximal": 0.1}, "dasgd": {"period": 2, "delay_steps": 1},
+    "diloco": {"period": 3, "momentum": 0.9},
+    "streaming_diloco": {"period": 4, "fragments": 2, "overlap_steps": 1, "momentum": 0.9},
 }
 
 

@@ -1,0 +1,268 @@
+"""Streaming DiLoCo: DiLoCo's outer step fragment by fragment, each fragment's exchange overlapped with tau steps.
+
+Douillard et al., "Streaming DiLoCo with overlapping communication: towards a
+distributed free lunch", 2025 (arXiv:2501.18512).
+
+The flat parameter buffer is split into ``fragments`` (F) contiguous slices
+in order (fragment f is ``[f d // F, (f + 1) d // F)``).  Fragment f starts
+its exchange after every step ``t`` with ``t mod H == f H // F`` (``H`` =
+``period``: staggered offsets, so at most one fragment's bytes start per
+step when F <= H): the fragment of the local parameters is copied into the
+sum buffer and summed over the ranks by a nonblocking in-place
+``Iallreduce`` (the in-flight machinery of :mod:`~mpiopt.algorithms.inflight`,
+shared with ``dasgd``).  ``overlap_steps`` (tau) steps later it completes
+and the fragment's outer step is taken, :func:`~mpiopt.algorithms.diloco.outer_step`,
+the same function as ``diloco``'s: ``Delta = theta_start_f - mean_i theta_i,f``
+(the local fragment at the exchange's start) and Nesterov SGD from
+``theta_start_f``.  The new outer fragment is then mixed into the local one
+(the paper's eq. for the overlapped merge; torchft's ``lerp(local, alpha)``)::
+
+    theta_f <- alpha * theta_local_f + (1 - alpha) * theta_outer_f
+
+with ``theta_local_f`` the local fragment *now* (tau steps after the
+exchange started): ``alpha = 0`` discards the local progress made during
+the overlap, ``alpha = 1`` keeps only it.  ``theta_start_f := theta_outer_f``.
+
+With one fragment, ``overlap_steps=0`` and ``alpha=0`` it is ``diloco``.
+
+Checkpoints: :meth:`state_dict` completes the exchanges in flight (``Wait``)
+but does not merge them; their sums (``pending_sum``, the whole sum buffer,
+only while one is pending) and the steps at which each merges
+(``merge_steps``, one per fragment, 0 when none) are state, so a resume
+merges them at the same steps (bitwise).  Resize: ``theta_start`` and the
+outer momentum COPY (the same on every rank), a pending sum RESCALEs to the
+new world size, the inner momentum FOLLOWs its rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+
+from ..arrays import empty_apart
+from ..comm import Topology
+from ..comm.ledger import Call
+from .base import BASE, SynchronousAlgorithm
+from .diloco import outer_step
+from .inflight import InFlight
+from .local import LOCAL_SGD, LocalSGD, LocalStepState
+from .registry import register
+from .resize import COPY, FOLLOW, RESCALE
+from .schema import Hyperparameter, Schema, boolean, in_range, positive
+
+__all__ = ["StreamingDiLoCo", "fragment_bounds", "fragment_offsets"]
+
+
+def fragment_bounds(d: int, fragments: int) -> List[Tuple[int, int]]:
+    """The F contiguous slices ``[f d // F, (f + 1) d // F)`` of a flat buffer of ``d`` values."""
+    return [(f * d // fragments, (f + 1) * d // fragments) for f in range(fragments)]
+
+
+def fragment_offsets(period: int, fragments: int) -> List[int]:
+    """Fragment f's exchange starts after the steps ``t`` with ``t mod period == f period // F``."""
+    return [f * period // fragments for f in range(fragments)]
+
+
+def _starts(period: int, offset: int, steps: range) -> int:
+    """How many of ``steps`` (all >= 1) are ``offset`` modulo ``period``."""
+    if not steps:
+        return 0
+    return (steps[-1] - offset) // period - (steps[0] - 1 - offset) // period
+
+
+@register
+class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
+    """Streaming DiLoCo (Douillard et al. 2025): DiLoCo fragment by fragment, each exchange overlapped with ``overlap_steps`` steps.
+
+    Parameters
+    ----------
+    topology : Topology
+        Communicators.
+    lr : float
+        The inner learning rate.
+    period : int
+        H, steps between two exchanges of the same fragment.
+    fragments : int
+        F, contiguous fragments (at most ``period``).
+    overlap_steps : int
+        tau, steps between a fragment's exchange start and its merge (less than ``period``).
+    alpha : float
+        Weight of the local fragment in the merge, in [0, 1].
+    outer_lr, outer_momentum, outer_nesterov
+        The outer SGD's, as in ``diloco``.
+    momentum, dampening, nesterov, weight_decay
+        The built-in inner update's.
+    nan_policy : {"raise", "skip"}
+        See :class:`~mpiopt.algorithms.base.Algorithm`.
+    """
+
+    name = "streaming_diloco"
+    inner_role = "local"
+    listing_order = 32
+    schema = BASE.with_defaults(lr=0.1) + Schema(
+        Hyperparameter("period", 100, positive(integer=True), "steps between two exchanges of a fragment (H)"),
+        Hyperparameter("fragments", 4, positive(integer=True), "contiguous fragments of the parameters (F <= H)"),
+        Hyperparameter("overlap_steps", 1, positive(allow_zero=True, integer=True), "steps an exchange overlaps (tau < H)"),
+        Hyperparameter("alpha", 0.5, in_range(0.0, 1.0), "weight of the local fragment in the merge, in [0, 1]"),
+        Hyperparameter("outer_lr", 0.7, positive(), "outer SGD learning rate"),
+        Hyperparameter("outer_momentum", 0.9, in_range(0.0, 1.0, high_open=True), "outer SGD momentum, in [0, 1)"),
+        Hyperparameter("outer_nesterov", True, boolean(), "Nesterov outer momentum (ignored at outer_momentum 0)"),
+    ) + LOCAL_SGD
+    evaluates = "average"
+    fused_gradient_check = True
+    state_arrays = ("theta_start", "outer_momentum_buffer", "momentum_buffer", "pending_sum", "merge_steps")
+    resize_rules = {
+        "theta_start": COPY, "outer_momentum_buffer": COPY, "momentum_buffer": FOLLOW, "pending_sum": RESCALE, "merge_steps": COPY,
+    }
+    training_defaults = {"lr": 0.05, "momentum": 0.9, "period": 8, "fragments": 2, "overlap_steps": 1}
+    wire_summary = "4d every `period` steps in `fragments` pieces, overlapped"
+    update_goal = 1.3
+
+    @classmethod
+    def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
+        period, fragments, tau = int(hyper["period"]), int(hyper["fragments"]), int(hyper["overlap_steps"])
+        return [
+            Call("iallreduce", itemsize * (b - a), ranks, _starts(period, offset, steps), overlap_steps=tau)
+            for (a, b), offset in zip(fragment_bounds(d, fragments), fragment_offsets(period, fragments))
+        ]
+
+    @classmethod
+    def plan_cycle(cls, hyper: Mapping[str, Any]) -> int:
+        return int(hyper["period"])
+
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        lr: float = 0.1,
+        period: int = 100,
+        fragments: int = 4,
+        overlap_steps: int = 1,
+        alpha: float = 0.5,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        outer_nesterov: bool = True,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        nan_policy: str = "raise",
+    ) -> None:
+        super().__init__(topology, lr=lr, nan_policy=nan_policy)
+        self.period = self.schema["period"].validate(period)
+        self.fragments = self.schema["fragments"].validate(fragments)
+        self.overlap_steps = self.schema["overlap_steps"].validate(overlap_steps)
+        if self.fragments > self.period:
+            raise ValueError(f"fragments={fragments} must be at most period={period} (one fragment's start per step)")
+        if self.overlap_steps >= self.period:
+            raise ValueError(f"overlap_steps={overlap_steps} must be less than period={period} (one exchange in flight per fragment)")
+        self.alpha = float(self.schema["alpha"].validate(alpha))
+        self.outer_lr = float(self.schema["outer_lr"].validate(outer_lr))
+        self.outer_momentum = float(self.schema["outer_momentum"].validate(outer_momentum))
+        self.outer_nesterov = bool(self.schema["outer_nesterov"].validate(outer_nesterov))
+        self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
+        self.theta_start: Optional[Any] = None
+        self.outer_momentum_buffer: Optional[Any] = None
+        self.merge_steps = np.zeros(self.fragments, np.int64)  # the step after which fragment f merges; 0: none pending
+        self._sum: Optional[Any] = None
+        self._bounds: List[Tuple[int, int]] = []
+        self._offsets = fragment_offsets(self.period, self.fragments)
+        self._inflight = [InFlight() for _ in range(self.fragments)]
+        self._outer_work: List[List[Any]] = [[] for _ in range(self.fragments)]  # each fragment's scratch
+
+    # pending_sum is state only while a fragment's merge is pending
+    @property
+    def pending_sum(self) -> Optional[Any]:
+        return self._sum if self.merge_steps.any() else None
+
+    @pending_sum.setter
+    def pending_sum(self, value: Optional[Any]) -> None:
+        if value is not None and self._sum is not None:
+            self._sum[...] = value
+
+    @property
+    def in_flight(self) -> bool:
+        return any(f.active for f in self._inflight)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """As :meth:`Algorithm.state_dict`, after completing (not merging) the exchanges in flight."""
+        for f in self._inflight:
+            f.complete()
+        return super().state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any], *, override_hyperparameters: bool = False) -> None:
+        if self.in_flight:
+            raise RuntimeError("streaming_diloco: load_state_dict() while an exchange is in flight; call finish(params) first")
+        merge_steps = state.get("arrays", {}).get("merge_steps")
+        if merge_steps is not None and np.any(merge_steps) and state["arrays"].get("pending_sum") is None:
+            raise ValueError("streaming_diloco state has a pending merge (merge_steps > 0) but lacks its sum")
+        super().load_state_dict(state, override_hyperparameters=override_hyperparameters)
+        if merge_steps is not None:
+            self.merge_steps = np.array(merge_steps, np.int64)
+
+    def hyperparameters(self) -> Dict[str, Any]:
+        return {
+            "period": self.period, "fragments": self.fragments, "overlap_steps": self.overlap_steps, "alpha": self.alpha,
+            "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "outer_nesterov": self.outer_nesterov,
+            **self.local.hyperparameters(),
+        }
+
+    def _allocate(self, params: Any) -> None:
+        d = params.shape[0]
+        if d < self.fragments:
+            raise ValueError(f"streaming_diloco: {d} parameters cannot make fragments={self.fragments}")
+        self.local.allocate(params)
+        self._bounds = fragment_bounds(d, self.fragments)
+        world = self.topology.world
+        self._sum = empty_apart(params)
+        self._outer_work = [[] for _ in range(self.fragments)]
+        self.theta_start = empty_apart(params)
+        world.Allreduce(params, out=self.theta_start)  # the common start: the ranks' mean
+        self.theta_start /= world.size
+        params[...] = self.theta_start
+        self.outer_momentum_buffer = empty_apart(params, zero=True) if self.outer_momentum else None
+        self.merge_steps = np.zeros(self.fragments, np.int64)
+
+    def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
+        step = self.steps + 1  # the base class counts the step after _step returns
+        if self.local.apply(params, grad, self.lr, check_finite=self._checks_in_step()) is False:
+            self._non_finite_gradient()  # before any exchange starts
+        for f in range(self.fragments):
+            if self.merge_steps[f] == step:  # started tau > 0 steps ago
+                self._merge(f, params)
+        for f in range(self.fragments):
+            if step % self.period == self._offsets[f]:
+                self._start(f, step, params)
+                if self.overlap_steps == 0:
+                    self._merge(f, params)
+        for f in self._inflight:
+            f.poke(8)
+
+    def _start(self, f: int, step: int, params: Any) -> None:
+        a, b = self._bounds[f]
+        self._sum[a:b] = params[a:b]
+        self._inflight[f].start(self.topology.world.Iallreduce(self._sum[a:b]))
+        self.merge_steps[f] = step + self.overlap_steps
+
+    def _merge(self, f: int, params: Any) -> None:
+        """Fragment f's outer step from its sum, then ``alpha * local + (1 - alpha) * outer`` into the parameters."""
+        self._inflight[f].complete()
+        a, b = self._bounds[f]
+        total, start, local = self._sum[a:b], self.theta_start[a:b], params[a:b]
+        buffer = None if self.outer_momentum_buffer is None else self.outer_momentum_buffer[a:b]
+        outer_step(
+            start, total, self.topology.world.size, lr=self.outer_lr, momentum=self.outer_momentum,
+            nesterov=self.outer_nesterov, buffer=buffer, out=local if self.alpha == 0.0 else None, work=self._outer_work[f],
+        )
+        if self.alpha != 0.0:  # total is scratch now
+            total[...] = start
+            total *= 1.0 - self.alpha
+            local *= self.alpha
+            local += total
+        self.merge_steps[f] = 0
+
+    def _finish(self, params: Any) -> None:
+        for f in range(self.fragments):
+            if self.merge_steps[f]:
+                self._merge(f, params)

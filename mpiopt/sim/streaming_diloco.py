@@ -1,0 +1,63 @@
+"""One-process twin of ``streaming_diloco``: P simulated ranks, given gradients, no MPI (float64 by default).
+
+An independent re-computation for the tests (numpy only, none of the MPI
+path's code): inner momentum SGD per rank, fragment f's exchange starting
+after steps ``t`` with ``t mod H == f H // F`` from the local fragments then,
+merged ``tau`` steps later (after that step's local update) with the outer
+Nesterov step from ``theta_start`` and ``alpha * local + (1 - alpha) * outer``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Sequence
+
+import numpy as np
+
+__all__ = ["simulate"]
+
+
+def simulate(
+    initial: Sequence[np.ndarray], grad: Callable[[int, int, np.ndarray], np.ndarray], steps: int, *, lr: float,
+    momentum: float = 0.0, period: int, fragments: int, overlap_steps: int, alpha: float, outer_lr: float,
+    outer_momentum: float, outer_nesterov: bool = True, dtype=np.float64,
+) -> List[np.ndarray]:
+    """Every rank's parameters after ``steps`` steps and the final merges; ``grad(rank, step, x)`` is rank's gradient at x.
+
+    ``initial`` holds each rank's starting parameters; they start from their mean, as the MPI path does.
+    """
+    P = len(initial)
+    start = np.mean([np.asarray(x, dtype) for x in initial], axis=0)
+    x = [start.copy() for _ in range(P)]
+    d = start.shape[0]
+    bounds = [(f * d // fragments, (f + 1) * d // fragments) for f in range(fragments)]
+    offsets = [f * period // fragments for f in range(fragments)]
+    buf = [None] * P
+    outer_buf = np.zeros(d, dtype)
+    pending = {}  # fragment -> (merge step, mean of the local fragments at the start)
+
+    def merge(f):
+        a, b = bounds[f]
+        _, mean = pending.pop(f)
+        delta = start[a:b] - mean
+        outer_buf[a:b] = outer_momentum * outer_buf[a:b] + delta
+        g = delta + outer_momentum * outer_buf[a:b] if outer_nesterov and outer_momentum else outer_buf[a:b]
+        start[a:b] = start[a:b] - outer_lr * g
+        for r in range(P):
+            x[r][a:b] = alpha * x[r][a:b] + (1 - alpha) * start[a:b]
+
+    for t in range(1, steps + 1):
+        for r in range(P):
+            g = np.asarray(grad(r, t, x[r]), dtype)
+            buf[r] = g if buf[r] is None else momentum * buf[r] + g
+            x[r] = x[r] - lr * (buf[r] if momentum else g)
+        for f in [f for f, (due, _) in pending.items() if due == t]:
+            merge(f)
+        for f in range(fragments):
+            if t % period == offsets[f]:
+                a, b = bounds[f]
+                pending[f] = (t + overlap_steps, np.mean([xr[a:b] for xr in x], axis=0))
+                if overlap_steps == 0:
+                    merge(f)
+    for f in list(pending):
+        merge(f)
+    return x

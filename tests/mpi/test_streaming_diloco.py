@@ -1,0 +1,102 @@
+"""Streaming DiLoCo: one fragment without overlap is diloco, the sim twin with overlap, the schedule, resume, validation."""
+
+import numpy as np
+import pytest
+
+import mpiopt
+from mpiopt.algorithms.streaming_diloco import fragment_bounds, fragment_offsets
+from mpiopt.sim.streaming_diloco import simulate
+
+pytestmark = pytest.mark.mpi
+
+
+def _grad(rank, step, n):
+    return np.random.default_rng([11, rank, step]).standard_normal(n).astype(np.float32)
+
+
+def _initial(rank, n):
+    return np.random.default_rng([5, rank]).standard_normal(n).astype(np.float32)
+
+
+def test_one_fragment_no_overlap_no_mixing_is_diloco_bitwise(topology):
+    rank, n = topology.rank, 33
+    common = dict(lr=0.05, momentum=0.9, period=3, outer_lr=0.7, outer_momentum=0.9)
+    a = mpiopt.create("streaming_diloco", topology, fragments=1, overlap_steps=0, alpha=0.0, **common)
+    b = mpiopt.create("diloco", topology, **common)
+    pa, pb = _initial(rank, n), _initial(rank, n)
+    a.setup(pa)
+    b.setup(pb)
+    for t in range(1, 11):
+        a.step(pa, _grad(rank, t, n))
+        b.step(pb, _grad(rank, t, n))
+        assert np.array_equal(pa, pb), t
+
+
+@pytest.mark.parametrize("fragments, tau, alpha, momentum", [(3, 2, 0.5, 0.9), (2, 1, 0.0, 0.0), (4, 3, 1.0, 0.9), (1, 0, 0.3, 0.9)])
+def test_against_the_sim_twin(topology, fragments, tau, alpha, momentum):
+    rank, size, n, steps, period = topology.rank, topology.size, 29, 17, 4
+    hyper = dict(lr=0.05, momentum=momentum, period=period, fragments=fragments, overlap_steps=tau, alpha=alpha,
+                 outer_lr=0.7, outer_momentum=0.9)
+    alg = mpiopt.create("streaming_diloco", topology, **hyper)
+    params = _initial(rank, n)
+    alg.setup(params)
+    for t in range(1, steps + 1):
+        alg.step(params, _grad(rank, t, n))
+    alg.finish(params)
+    ref = simulate([_initial(r, n) for r in range(size)], lambda r, t, x: _grad(r, t, n), steps, **hyper)
+    # float32 against float64 over 17 steps of O(1) values: a few float32 ulps.
+    err = np.abs(params - ref[rank]).max() / (1 + np.abs(ref[rank]).max())
+    assert err < 1e-5, err
+    assert not alg.in_flight and not alg.merge_steps.any()
+
+
+def test_schedule_and_bytes_per_step_follow_the_fragments(topology):
+    rank, n, period, fragments = topology.rank, 100, 6, 3
+    alg = mpiopt.create("streaming_diloco", topology, period=period, fragments=fragments, overlap_steps=2, lr=0.01)
+    params = _initial(rank, n)
+    alg.setup(params)
+    bounds, offsets = fragment_bounds(n, fragments), fragment_offsets(period, fragments)
+    assert bounds == [(0, 33), (33, 66), (66, 100)] and offsets == [0, 2, 4]
+    for t in range(1, 19):
+        before = alg.ledger["world.Iallreduce"].calls if "world.Iallreduce" in alg.ledger else 0
+        alg.step(params, _grad(rank, t, n))
+        started = alg.ledger["world.Iallreduce"].calls - before if "world.Iallreduce" in alg.ledger else 0
+        expected = [f for f in range(fragments) if t % period == offsets[f]]
+        assert started == len(expected) <= 1, t  # one fragment at most per step: its bytes are the step's peak
+        for f in expected:
+            assert alg.merge_steps[f] == t + 2
+    alg.finish(params)
+
+
+def test_state_dict_resume_with_a_fragment_in_flight_is_bitwise(topology):
+    rank, n = topology.rank, 31
+    hyper = dict(lr=0.05, momentum=0.9, period=4, fragments=2, overlap_steps=2, alpha=0.5, outer_lr=0.7, outer_momentum=0.9)
+    alg = mpiopt.create("streaming_diloco", topology, **hyper)
+    params = _initial(rank, n)
+    alg.setup(params)
+    for t in range(1, 5):  # fragment 0 started after step 4, merges after step 6
+        alg.step(params, _grad(rank, t, n))
+    state, saved = alg.state_dict(), params.copy()
+    assert state["arrays"]["merge_steps"][0] == 6 and state["arrays"]["pending_sum"] is not None
+    for t in range(5, 13):
+        alg.step(params, _grad(rank, t, n))
+    alg.finish(params)
+    fresh = mpiopt.create("streaming_diloco", topology, **hyper)
+    resumed = saved.copy()
+    fresh.setup(resumed)
+    resumed[...] = saved
+    fresh.load_state_dict(state)
+    for t in range(5, 13):
+        fresh.step(resumed, _grad(rank, t, n))
+    fresh.finish(resumed)
+    assert np.array_equal(params, resumed)
+
+
+@pytest.mark.parametrize("hyper, value", [
+    (dict(fragments=0), "0"), (dict(alpha=1.5), "1.5"), (dict(overlap_steps=-1), "-1"),
+    (dict(period=4, fragments=5), "fragments=5"), (dict(period=4, overlap_steps=4), "overlap_steps=4"),
+    (dict(outer_momentum=1.0), "1.0"),
+])
+def test_bad_hyperparameters_name_the_value(topology, hyper, value):
+    with pytest.raises(ValueError, match=value):
+        mpiopt.create("streaming_diloco", topology, **hyper)
