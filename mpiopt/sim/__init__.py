@@ -15,6 +15,10 @@ module                                      twin of                             
 :mod:`~mpiopt.sim.topk`                     :class:`~mpiopt.algorithms.topk.TopK`   N workers' payloads in
                                             (Top-k, RegTop-k)                       rank order: bitwise the
                                                                                     MPI run's parameters
+:mod:`~mpiopt.sim.streaming_diloco`         :class:`~mpiopt.algorithms.             fragments merged tau steps
+                                            streaming_diloco.StreamingDiLoCo`       late, in float64: an
+                                                                                    independent re-computation
+                                                                                    (to float32 rounding)
 ==========================================  ======================================  ===========================
 
 The workloads they run (linear regression, streaming PCA) are in
