@@ -72,9 +72,11 @@ def _figure(curves: Sequence[Tuple[str, Sequence[np.ndarray], np.ndarray]], ylab
 
     fig = Figure(figsize=(15, 4.5), layout="constrained")
     axes = fig.subplots(1, 3, sharey=True)
-    for label, xs, y, *band in curves:
+    for index, (label, xs, y, *band) in enumerate(curves):
+        # matplotlib's colours repeat after 10: the next ten curves are dashed, then dotted.
+        style = ("-", "--", ":")[index // 10 % 3]
         for ax, x in zip(axes, xs):
-            (line,) = ax.plot(x, y, label=label, marker="o" if len(y) < 30 else None, markersize=3)
+            (line,) = ax.plot(x, y, label=label, linestyle=style, marker="o" if len(y) < 30 else None, markersize=3)
             if band:
                 ax.fill_between(x, band[0], band[1], color=line.get_color(), alpha=0.2, linewidth=0)
     for panel, (ax, xlabel) in enumerate(zip(axes, _X_LABELS)):
