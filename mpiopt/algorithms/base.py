@@ -580,10 +580,14 @@ class Algorithm:
 
     def _non_finite_gradient(self) -> NoReturn:
         """End the job (or raise) for this rank's non-finite gradient under ``nan_policy="raise"``."""
-        self.topology.raise_or_abort(FloatingPointError(
+        self.topology.raise_or_abort(self._non_finite_error())
+
+    def _non_finite_error(self) -> FloatingPointError:
+        """The error naming this rank's non-finite gradient at the step being taken."""
+        return FloatingPointError(
             f"{self.name}: non-finite gradient on rank {self.topology.rank} at step {self.steps + 1} "
             "(nan_policy='raise'; use nan_policy='skip' to skip such steps on every rank)"
-        ))
+        )
 
     def _record(self, before: Any, started: float, loss: Optional[float], skipped: bool) -> StepRecord:
         elapsed = time.perf_counter() - started

@@ -113,10 +113,7 @@ class SGD(LocalStepState, SynchronousAlgorithm):
 
         def own_check() -> None:
             if not all_finite(grad):
-                raise FloatingPointError(
-                    f"{self.name}: non-finite gradient on rank {self.topology.rank} at step {step} "
-                    "(nan_policy='raise'; use nan_policy='skip' to skip such steps on every rank)"
-                )
+                raise self._non_finite_error()
 
         try:
             self.topology.decide(
