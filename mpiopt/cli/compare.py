@@ -3,7 +3,8 @@
 Each algorithm trains a fresh model from the same seed (``OUT/<algorithm>/
 metrics.jsonl``); then rank 0 writes ``OUT/results.md``, a Markdown table
 (final and best test accuracy, wall time, time and bytes to reach
-``--target-accuracy``, bytes sent per rank, and where the time went:
+``--target-accuracy``, or with ``--target-loss`` the test loss and the time
+and bytes to reach that loss, bytes sent per rank, and where the time went:
 compute, the algorithm's own work, blocking communication, waiting), and
 ``OUT/accuracy.png`` and ``OUT/loss.png`` (test accuracy and training loss
 against steps, wall time and bytes sent), and prints the table.

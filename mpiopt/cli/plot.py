@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 import glob
+import math
 import os
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from ..training.config import UsageError
 
@@ -21,22 +22,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", metavar="FILE", help="metrics.jsonl files, or folders searched for them")
     parser.add_argument("--out", required=True, metavar="DIR", help="folder for the figures and results.md (created if missing)")
     parser.add_argument("--target-accuracy", type=float, default=0.9, metavar="X", help="test accuracy for the to-target columns (default: 0.9)")
+    parser.add_argument("--target-loss", type=float, default=None, metavar="X",
+                        help="test loss for the to-target columns instead of --target-accuracy (the table then shows the test loss too)")
 
 
 def write_report(
     runs: Sequence[Any], out: str, target_accuracy: float, heading: str = "", groups: "Sequence[Sequence[Any]] | None" = None,
+    target_loss: Optional[float] = None,
 ) -> Tuple[str, str, List[str]]:
     """``OUT/results.md`` (``heading`` first, then the table of ``runs``) and the figures; returns (table, its path, figures).
 
     With ``groups`` (the runs again, one list per algorithm of its repeats) the
     table has one row per algorithm: medians over the repeats and their ranges.
+    A ``target_loss`` replaces ``target_accuracy`` as the target.
     """
     from ..metrics import markdown_table, plot_runs, repeats_table, summarize
 
+    target = dict(target_accuracy=target_accuracy) if target_loss is None else dict(target_loss=target_loss)
     if groups:
-        table = repeats_table([[summarize(run, target_accuracy=target_accuracy) for run in group] for group in groups])
+        table = repeats_table([[summarize(run, **target) for run in group] for group in groups])
     else:
-        table = markdown_table([summarize(run, target_accuracy=target_accuracy) for run in runs])
+        table = markdown_table([summarize(run, **target) for run in runs])
     results = os.path.join(out, "results.md")
     with open(results, "w") as handle:
         handle.write(f"{heading}\n\n{table}\n" if heading else f"{table}\n")
@@ -46,6 +52,10 @@ def write_report(
 def run(args: argparse.Namespace) -> int:
     from ..metrics import read_metrics
 
+    if not (0 < args.target_accuracy <= 1):
+        raise UsageError(f"--target-accuracy must be in (0, 1], got {args.target_accuracy}")
+    if args.target_loss is not None and not (math.isfinite(args.target_loss) and args.target_loss > 0):
+        raise UsageError(f"--target-loss must be a finite loss > 0, got {args.target_loss}")
     paths = []
     for item in args.files:
         if os.path.isdir(item):
@@ -57,8 +67,6 @@ def run(args: argparse.Namespace) -> int:
             paths.append(item)
         else:
             raise UsageError(f"no such file or folder: {item!r}")
-    if not (0 < args.target_accuracy <= 1):
-        raise UsageError(f"--target-accuracy must be in (0, 1], got {args.target_accuracy}")
     try:
         runs = [read_metrics(p) for p in paths]
     except ValueError as err:
@@ -68,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     for one in runs:
         by_algorithm.setdefault(one.algorithm, []).append(one)
     repeated = list(by_algorithm.values()) if any(len(g) > 1 for g in by_algorithm.values()) else None
-    table, _, figures = write_report(runs, args.out, args.target_accuracy, groups=repeated)
+    table, _, figures = write_report(runs, args.out, args.target_accuracy, groups=repeated, target_loss=args.target_loss)
     print(table)
     for path in figures:
         print(f"figure: {path}")

@@ -54,7 +54,8 @@ class Session:
                 repeated = [[read_metrics(p) for p in g if p] for g in groups]
                 repeated = [g for g in repeated if g]
                 heading += f", {len(groups[0])} repeats per algorithm (seeds {config.seed}-{config.seed + len(groups[0]) - 1}): median (min-max)"
-            table, results, figures = write_report(runs, self.out, config.target_accuracy, heading, groups=repeated)
+            table, results, figures = write_report(runs, self.out, config.target_accuracy, heading, groups=repeated,
+                                                   target_loss=config.target_loss)
             if extra:
                 with open(results, "a") as handle:
                     handle.write(f"\n{extra}")

@@ -31,7 +31,7 @@ SPLITS = (
 _MISSING = "—"
 
 
-def summarize(run: Run, *, target_accuracy: Optional[float] = None) -> Dict[str, Any]:
+def summarize(run: Run, *, target_accuracy: Optional[float] = None, target_loss: Optional[float] = None) -> Dict[str, Any]:
     """The figures that compare runs.
 
     Parameters
@@ -40,12 +40,16 @@ def summarize(run: Run, *, target_accuracy: Optional[float] = None) -> Dict[str,
         A metrics file read with :func:`~mpiopt.metrics.read_metrics`.
     target_accuracy : float, optional
         Test accuracy (fraction in [0, 1]) to measure time and bytes to.
+    target_loss : float, optional
+        Test loss to measure time and bytes to instead (the first evaluation
+        at or below it); not with ``target_accuracy``.
 
     Returns
     -------
     dict
         ``algorithm``, ``steps``, ``wall_seconds``, ``final_accuracy`` and
-        ``best_accuracy`` (None without evaluations), ``target_accuracy``,
+        ``best_accuracy``, ``final_loss`` and ``best_loss`` (test loss; None
+        without evaluations), ``target_accuracy``, ``target_loss``,
         ``time_to_target``, ``bytes_to_target`` and ``steps_to_target`` (wall
         seconds, rank 0's bytes sent and steps at the first evaluation that
         reached the target; None if none did or no target was given),
@@ -55,18 +59,28 @@ def summarize(run: Run, *, target_accuracy: Optional[float] = None) -> Dict[str,
     """
     if target_accuracy is not None and not (0.0 <= target_accuracy <= 1.0):
         raise ValueError(f"target_accuracy must be a fraction in [0, 1], got {target_accuracy!r}")
+    if target_loss is not None and not (math.isfinite(target_loss) and target_loss > 0):
+        raise ValueError(f"target_loss must be a finite loss > 0, got {target_loss!r}")
+    if target_accuracy is not None and target_loss is not None:
+        raise ValueError(f"give target_accuracy ({target_accuracy!r}) or target_loss ({target_loss!r}), not both")
     latest = [r for r in (run.end, run.steps[-1] if run.steps else None, run.evals[-1] if run.evals else None) if r]
     accuracies = [e["test_accuracy"] for e in run.evals if e.get("test_accuracy") is not None]
+    losses = [e["test_loss"] for e in run.evals if e.get("test_loss") is not None]
     reached = None
     if target_accuracy is not None:
         reached = next((e for e in run.evals if (e.get("test_accuracy") or 0.0) >= target_accuracy), None)
+    elif target_loss is not None:
+        reached = next((e for e in run.evals if e.get("test_loss") is not None and e["test_loss"] <= target_loss), None)
     summary: Dict[str, Any] = {
         "algorithm": run.algorithm,
         "steps": max((int(r["step"]) for r in latest), default=0),
         "wall_seconds": max((float(r["wall_seconds"]) for r in latest), default=0.0),
         "final_accuracy": accuracies[-1] if accuracies else None,
         "best_accuracy": max(accuracies) if accuracies else None,
+        "final_loss": losses[-1] if losses else None,
+        "best_loss": min(losses) if losses else None,
         "target_accuracy": target_accuracy,
+        "target_loss": target_loss,
         "time_to_target": None if reached is None else reached["wall_seconds"],
         "bytes_to_target": None if reached is None else reached["bytes_sent_total"],
         "steps_to_target": None if reached is None else reached["step"],
@@ -119,25 +133,46 @@ def _percent(fraction: Optional[float]) -> str:
     return _MISSING if fraction is None else f"{100.0 * fraction:.1f} %"
 
 
+def _loss(value: Optional[float]) -> str:
+    return _MISSING if value is None else f"{value:.4f}"
+
+
+def _by_loss(summaries: Sequence[Dict[str, Any]]) -> bool:
+    """Whether the summaries measure to a test loss (their tables then show the test loss too)."""
+    return any(s.get("target_loss") is not None for s in summaries)
+
+
+def _header(summaries: Sequence[Dict[str, Any]], *, repeats: bool) -> List[str]:
+    """The columns of :func:`markdown_table` (``repeats``: of :func:`repeats_table`); the target named where all share one."""
+    if _by_loss(summaries):
+        targets = {s["target_loss"] for s in summaries if s.get("target_loss") is not None}
+        target = f" loss {targets.pop():g}" if len(targets) == 1 else ""
+        quality = ["final accuracy", "best accuracy", "final loss", "best loss"]
+    else:
+        targets = {s["target_accuracy"] for s in summaries if s["target_accuracy"] is not None}
+        target = f" {_percent(targets.pop())}" if len(targets) == 1 else ""
+        quality = ["final accuracy", "best accuracy"]
+    return (["algorithm"] + (["repeats"] if repeats else []) + quality
+            + ["steps", "wall time", f"time to{target}", f"sent to{target}", "sent per rank"]
+            + [column for _, _, column in SPLITS])
+
+
 def markdown_table(summaries: Sequence[Dict[str, Any]]) -> str:
     """A Markdown table of :func:`summarize` results, one row per run.
 
     Accuracies in %, times in s, bytes in decimal units (MB = 10^6 bytes);
     time split as seconds with the share of the steps' wall time; "—" where a
-    run never reached the target (or has no evaluation).
+    run never reached the target (or has no evaluation).  Summaries made with
+    a ``target_loss`` add the final and best test loss.
     """
-    targets = {s["target_accuracy"] for s in summaries if s["target_accuracy"] is not None}
-    target = f" {_percent(targets.pop())}" if len(targets) == 1 else ""
-    header = [
-        "algorithm", "final accuracy", "best accuracy", "steps", "wall time",
-        f"time to{target}", f"sent to{target}", "sent per rank",
-    ] + [column for _, _, column in SPLITS]
+    losses = _by_loss(summaries)
+    header = _header(summaries, repeats=False)
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for s in summaries:
-        row: List[str] = [
-            str(s["algorithm"]),
-            _percent(s["final_accuracy"]),
-            _percent(s["best_accuracy"]),
+        row: List[str] = [str(s["algorithm"]), _percent(s["final_accuracy"]), _percent(s["best_accuracy"])]
+        if losses:
+            row += [_loss(s["final_loss"]), _loss(s["best_loss"])]
+        row += [
             str(s["steps"]),
             format_seconds(s["wall_seconds"]),
             format_seconds(s["time_to_target"]),
@@ -180,12 +215,9 @@ def repeats_table(groups: Sequence[Sequence[Dict[str, Any]]]) -> str:
     repeats; columns as in :func:`markdown_table`, each cell as
     :func:`format_spread` writes it (the time split's share is the median's).
     """
-    targets = {s["target_accuracy"] for g in groups for s in g if s["target_accuracy"] is not None}
-    target = f" {_percent(targets.pop())}" if len(targets) == 1 else ""
-    header = [
-        "algorithm", "repeats", "final accuracy", "best accuracy", "steps", "wall time",
-        f"time to{target}", f"sent to{target}", "sent per rank",
-    ] + [column for _, _, column in SPLITS]
+    every = [s for g in groups for s in g]
+    losses = _by_loss(every)
+    header = _header(every, repeats=True)
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     steps = lambda v: _MISSING if v is None else f"{v:g}"  # noqa: E731
     for group in groups:
@@ -195,6 +227,10 @@ def repeats_table(groups: Sequence[Sequence[Dict[str, Any]]]) -> str:
             str(len(group)),
             format_spread(column("final_accuracy"), _percent),
             format_spread(column("best_accuracy"), _percent),
+        ]
+        if losses:
+            row += [format_spread(column("final_loss"), _loss), format_spread(column("best_loss"), _loss)]
+        row += [
             format_spread(column("steps"), steps),
             format_spread(column("wall_seconds"), format_seconds),
             format_spread(column("time_to_target"), format_seconds),

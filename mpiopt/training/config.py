@@ -82,6 +82,7 @@ class TrainConfig:
     group_size: Optional[int] = None
     eval_every: Optional[int] = None
     target_accuracy: float = 0.9
+    target_loss: Optional[float] = None
     log_every: Optional[int] = None
     progress: str = "auto"
     threads: Optional[int] = None
@@ -163,6 +164,8 @@ class TrainConfig:
             raise UsageError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if not (0.0 < self.target_accuracy <= 1.0):
             raise UsageError(f"target_accuracy must be in (0, 1], got {self.target_accuracy!r}")
+        if self.target_loss is not None and not (math.isfinite(self.target_loss) and self.target_loss > 0):
+            raise UsageError(f"target_loss must be a finite loss > 0, got {self.target_loss!r}")
         if self.augment and self.dataset != "cifar10":
             raise UsageError(f"augment (random crop and flip) is for 32x32 images: dataset cifar10, not {self.dataset!r}")
         if self.dataset == "cifar10" and self.data_dir is None:

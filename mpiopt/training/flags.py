@@ -53,6 +53,9 @@ _HELP = {
     "group_size": "ranks per group (LSGD's local leaders, signum's pre-vote); default: the real nodes",
     "eval_every": "evaluate on the test split every N steps (default: 10 times per run, and at the end)",
     "target_accuracy": "test accuracy for the time-to-target and bytes-to-target columns",
+    "target_loss": "test loss for those columns instead of --target-accuracy: the first evaluation at or below it (for "
+    "--dataset text, where the loss is what matters; the table then shows the test loss too; default: none, the accuracy "
+    "target)",
     "log_every": "plain progress line every N steps when the output is not a terminal (default: --eval-every)",
     "progress": "progress on rank 0: bar (redrawn in place), lines (plain lines, for logs), or auto: a bar when the output is a "
     "terminal (mpiexec passes output through pipes: ask for bar there)",
@@ -210,7 +213,7 @@ def config_from_args(args: argparse.Namespace, command: str) -> "tuple[TrainConf
         config.epochs = float(DEFAULT_EPOCHS)
     for f in dataclasses.fields(TrainConfig):
         value = getattr(config, f.name)
-        if value is not None and f.name in ("epochs", "dropout", "target_accuracy", "lr", "clip_grad_norm") and isinstance(value, int) and not isinstance(value, bool):
+        if value is not None and f.name in ("epochs", "dropout", "target_accuracy", "target_loss", "lr", "clip_grad_norm") and isinstance(value, int) and not isinstance(value, bool):
             setattr(config, f.name, float(value))  # TOML's 1 where 1.0 was meant
     if command == "train":
         algorithms = [config.algorithm]

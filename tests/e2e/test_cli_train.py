@@ -84,6 +84,8 @@ BAD = [
     (["train", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["train", "--progress", "fancy"], "progress must be one of auto, bar, lines, got 'fancy'"),
     (["plot", "/nonexistent/metrics.jsonl", "--out", "x"], "no such file or folder"),
+    (["compare", "--target-loss", "0"], "target_loss must be a finite loss > 0, got 0.0"),
+    (["plot", "{empty}", "--out", "x", "--target-loss", "-2"], "--target-loss must be a finite loss > 0, got -2.0"),
 ]
 
 

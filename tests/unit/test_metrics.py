@@ -157,6 +157,39 @@ def test_summarize_against_hand_computed_values():
         summarize(hand_run(), target_accuracy=75)
 
 
+def loss_run():
+    """hand_run with test losses 2.0, 1.2, 1.5 at its evaluations (steps 10, 20, 30)."""
+    run = hand_run()
+    for record, loss in zip(run.evals, (2.0, 1.2, 1.5)):
+        record["test_loss"] = loss
+    return run
+
+
+def test_summarize_to_a_target_loss_takes_the_first_evaluation_at_or_below_it():
+    s = summarize(loss_run(), target_loss=1.3)
+    assert (s["final_loss"], s["best_loss"], s["target_loss"], s["target_accuracy"]) == (1.5, 1.2, 1.3, None)
+    assert (s["time_to_target"], s["bytes_to_target"], s["steps_to_target"]) == (2.5, 250_000, 20)
+    assert summarize(loss_run(), target_loss=1.2)["steps_to_target"] == 20  # at the target counts
+    assert summarize(loss_run(), target_loss=1.1)["time_to_target"] is None
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="target_loss"):
+            summarize(loss_run(), target_loss=bad)
+    with pytest.raises(ValueError, match="not both"):
+        summarize(loss_run(), target_accuracy=0.75, target_loss=1.3)
+
+
+def test_tables_to_a_target_loss_name_it_and_show_the_test_loss():
+    lines = markdown_table([summarize(loss_run(), target_loss=1.3)]).splitlines()
+    assert lines[0].startswith("| algorithm | final accuracy | best accuracy | final loss | best loss | steps | wall time "
+                               "| time to loss 1.3 | sent to loss 1.3 |")
+    assert lines[2].startswith("| sgd | 70.0 % | 80.0 % | 1.5000 | 1.2000 | 30 | 4.20 s | 2.50 s | 250 kB | 420 kB |")
+    other = summarize(loss_run(), target_loss=1.3)
+    other["final_loss"] = 1.7
+    lines = repeats_table([[summarize(loss_run(), target_loss=1.3), other]]).splitlines()
+    assert "| final loss | best loss |" in lines[0] and "| time to loss 1.3 |" in lines[0]
+    assert lines[2].startswith("| sgd | 2 | 70.0 % (70.0-70.0) | 80.0 % (80.0-80.0) | 1.6000 (1.5000-1.7000) | 1.2000 (1.2000-1.2000) |")
+
+
 def test_summarize_without_end_uses_the_latest_records():
     run = hand_run()
     run.end = None
