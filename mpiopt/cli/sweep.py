@@ -2,7 +2,8 @@
 
 ``--sweep KEY=V1,V2,...`` (repeatable; several form a grid) tries each value
 of a hyperparameter of the algorithms' schemas, or ``lr``; ``--sweep
-ALGORITHM.KEY=...`` tries them for that algorithm only.  Every candidate is
+ALGORITHM.KEY=...`` tries them for that algorithm only (instead of a shared
+axis of the same key).  Every candidate is
 checked against the schema before any run starts.  Each algorithm then trains
 ``--sweep-steps`` steps per grid point (``OUT/sweep/<algorithm>/<k>/``) and
 keeps the point whose last evaluation has the lowest test loss (accuracy
@@ -40,8 +41,13 @@ def parse_sweeps(items: Sequence[str]) -> List[Axis]:
 
 
 def grid(axes: Sequence[Axis], algorithm: str) -> List[Dict[str, Any]]:
-    """The grid points that apply to ``algorithm``: dicts of key -> value (one empty dict when none applies)."""
-    mine = [(key, values) for target, key, values in axes if target in ("", algorithm)]
+    """The grid points that apply to ``algorithm``: dicts of key -> value (one empty dict when none applies).
+
+    An axis for ``algorithm`` alone replaces a shared axis of the same key
+    (``--sweep lr=... --sweep async_msgd.lr=...``: its own grid, not both).
+    """
+    own = {key for target, key, _ in axes if target == algorithm}
+    mine = [(key, values) for target, key, values in axes if target == algorithm or (target == "" and key not in own)]
     return [dict(zip([k for k, _ in mine], point)) for point in itertools.product(*[v for _, v in mine])]
 
 

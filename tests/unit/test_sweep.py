@@ -1,0 +1,29 @@
+"""``compare --sweep``'s grid: which points each algorithm trains (no MPI, no training)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpiopt.cli.sweep import choose, grid, parse_sweeps
+from mpiopt.training.config import UsageError
+
+
+def test_shared_axes_form_a_grid_and_an_algorithms_own_axis_replaces_the_shared_one_of_its_key():
+    axes = parse_sweeps(["lr=0.001,0.003", "async_msgd.lr=0.03,0.1,0.3", "lsgd.period=2,4"])
+    assert grid(axes, "sgd") == [{"lr": 0.001}, {"lr": 0.003}]
+    assert grid(axes, "async_msgd") == [{"lr": 0.03}, {"lr": 0.1}, {"lr": 0.3}]
+    assert grid(axes, "lsgd") == [{"lr": 0.001, "period": 2}, {"lr": 0.001, "period": 4},
+                                  {"lr": 0.003, "period": 2}, {"lr": 0.003, "period": 4}]
+    assert grid(parse_sweeps(["lsgd.period=2"]), "sgd") == [{}]
+
+
+def test_parse_reads_toml_values_and_names_a_bad_item():
+    assert parse_sweeps(["streaming_diloco.alpha=0, 0.5"]) == [("streaming_diloco", "alpha", [0, 0.5])]
+    with pytest.raises(UsageError, match="got 'lr'"):
+        parse_sweeps(["lr"])
+
+
+def test_choose_takes_the_lowest_score_and_puts_missing_and_nan_last():
+    candidates = [{"score": None}, {"score": float("nan")}, {"score": 2.0}, {"score": 1.5}, {"score": 1.5, "second": True}]
+    assert choose(candidates) is candidates[3]
+    assert choose([{"score": None}, {"score": float("nan")}]) == {"score": None}
