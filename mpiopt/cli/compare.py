@@ -18,10 +18,15 @@ Per-algorithm settings: ``--hp lsgd.pull_local=0.2`` or a
 prefix.  Evaluated model: see ``mpiopt train --help``.
 
 ``--repeats N`` trains each algorithm N times, with seeds seed, seed+1, ...,
-into ``OUT/<algorithm>/run<k>/`` (k = 1..N); the table then shows, per
+into ``OUT/<algorithm>/run<k>/`` (k = 1..N), round by round (every algorithm
+once per round, so that drifting machine load hits them alike); the table then shows, per
 algorithm, each column's median over the repeats with its range,
 "12.3 s (11.8-13.1)", and the number of repeats.  N = 1 (the default) writes
 ``OUT/<algorithm>/`` as before.
+
+``--optimizer`` steps every algorithm that takes an inner optimizer and the
+``ddp`` baseline; signum and the asynchronous algorithms keep their own
+update (``train`` refuses ``--optimizer`` for them).
 
 ``--sweep KEY=V1,V2`` (see :mod:`mpiopt.cli.sweep`) tunes a hyperparameter
 with short runs first; the main runs use each algorithm's best value.
@@ -77,6 +82,12 @@ def run(args: argparse.Namespace) -> int:
     session = start_session(config, "compare", algorithms)
     from ..training.loop import train
 
+    own_update = [name for name in algorithms if config.for_algorithm(name) is not config]
+    if own_update:
+        session.say(f"--optimizer {config.optimizer} steps every algorithm but {', '.join(own_update)}: "
+                    "they keep their own update (see each one's help)")
+
+    configs = {name: config for name in algorithms}  # each algorithm's, its sweep's choice in it
     section = ""
     if axes:
         chosen: dict = {}
@@ -90,8 +101,7 @@ def run(args: argparse.Namespace) -> int:
                 tried[name].append({"values": point, "score": sweep.score(path) if session.rank == 0 else None, "metrics": path})
             chosen[name] = sweep.choose(tried[name])["values"]  # rank 0's is the one that counts: it read the scores
         chosen = session.topology.world.bcast_obj(chosen if session.rank == 0 else None)
-        for name in algorithms:
-            config = sweep.with_point(config, name, chosen[name])
+        configs = {name: sweep.with_point(config, name, chosen[name]) for name in algorithms}
         if session.rank == 0:
             section = sweep.report(session.out, chosen, tried, sweep_steps)
 
@@ -99,17 +109,16 @@ def run(args: argparse.Namespace) -> int:
         paths = []
         for number, name in enumerate(algorithms, 1):
             session.say(f"== {number}/{len(algorithms)}: {name}")
-            paths.append(train(config, name, session.topology, session.dataset, os.path.join(session.out, name)))
+            paths.append(train(configs[name], name, session.topology, session.dataset, os.path.join(session.out, name)))
         session.finish(paths, config, extra=section)
         return 0
-    groups = []
-    for number, name in enumerate(algorithms, 1):
-        group = []
-        for k in range(1, repeats + 1):
-            seed = config.seed + k - 1
-            session.say(f"== {number}/{len(algorithms)}: {name}, repeat {k}/{repeats} (seed {seed})")
-            run_config = dataclasses.replace(config, seed=seed)
-            group.append(train(run_config, name, session.topology, session.dataset, os.path.join(session.out, name, f"run{k}")))
-        groups.append(group)
+    # Round by round (every algorithm once per repeat), so that a change in the machine's load hits them all alike.
+    groups: list = [[] for _ in algorithms]
+    for k in range(1, repeats + 1):
+        seed = config.seed + k - 1
+        for number, name in enumerate(algorithms, 1):
+            session.say(f"== repeat {k}/{repeats} (seed {seed}), {number}/{len(algorithms)}: {name}")
+            run_config = dataclasses.replace(configs[name], seed=seed)
+            groups[number - 1].append(train(run_config, name, session.topology, session.dataset, os.path.join(session.out, name, f"run{k}")))
     session.finish([p for g in groups for p in g], config, groups=groups, extra=section)
     return 0

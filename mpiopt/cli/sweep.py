@@ -52,10 +52,17 @@ def grid(axes: Sequence[Axis], algorithm: str) -> List[Dict[str, Any]]:
 
 
 def with_point(config: TrainConfig, algorithm: str, point: Dict[str, Any]) -> TrainConfig:
-    """``config`` with ``point`` in ``algorithm``'s own hyperparameter table."""
-    hyper = copy.deepcopy(config.hyperparameters)
-    hyper.setdefault(algorithm, {}).update(point)
-    return dataclasses.replace(config, hyperparameters=hyper)
+    """``config`` as ``algorithm`` trains at ``point``: its keys in the algorithm's own hyperparameter table.
+
+    Where ``--optimizer`` steps the algorithm, ``lr`` is the optimizer's rate (the ``lr`` setting) instead.
+    """
+    mine = config.for_algorithm(algorithm)
+    point = dict(point)
+    rate = {"lr": point.pop("lr")} if mine.optimizer and "lr" in point else {}
+    hyper = copy.deepcopy(mine.hyperparameters)
+    if point:
+        hyper.setdefault(algorithm, {}).update(point)
+    return dataclasses.replace(mine, hyperparameters=hyper, **rate)
 
 
 def validate(config: TrainConfig, algorithms: Sequence[str], axes: Sequence[Axis]) -> None:

@@ -102,6 +102,19 @@ class TrainConfig:
 
         return {k: GPT_DEFAULTS[k] if getattr(self, k) is None else getattr(self, k) for k in GPT_SIZES}
 
+    def for_algorithm(self, algorithm: str) -> "TrainConfig":
+        """These settings as ``algorithm`` trains with them.
+
+        In ``compare``, ``--optimizer`` steps the algorithms that take an inner
+        optimizer; signum and the asynchronous ones keep their own update, so
+        for them the optimizer and its companions are dropped.
+        """
+        from ..algorithms import algorithm_class
+
+        if not self.optimizer or algorithm == DDP or algorithm_class(algorithm).inner_role is not None:
+            return self
+        return dataclasses.replace(self, optimizer=None, no_decay_on=None)
+
     def algorithm_hyperparameters(self, algorithm: Optional[str] = None) -> Dict[str, Any]:
         """The keyword arguments for ``algorithm`` (default: this run's): defaults, shared table, its own table, --lr."""
         name = algorithm or self.algorithm
@@ -206,12 +219,14 @@ class TrainConfig:
             raise UsageError("--no-decay-on needs --optimizer: the built-in update takes one weight decay for all parameters")
         _positive("clip_grad_norm", self.clip_grad_norm)
         _positive("warmup_steps", self.warmup_steps, integer=True)
+        own_update = [n for n in algorithms if n != DDP and algorithm_class(n).inner_role is None]
+        if self.optimizer and own_update and len(own_update) == len([n for n in algorithms if n != DDP]):
+            cls = algorithm_class(own_update[0])
+            raise UsageError(f"{cls.name} takes no --optimizer: {cls.inner_refusal}")
         for name in algorithms:
             if name == DDP:
                 continue
             cls = algorithm_class(name)
-            if self.optimizer and cls.inner_role is None:
-                raise UsageError(f"{name} takes no --optimizer: {cls.inner_refusal}")
             if cls.protocol == ASYNCHRONOUS and (self.clip_grad_norm or self.warmup_steps):
                 raise UsageError(f"{name} is asynchronous: --clip-grad-norm and --warmup-steps act between synchronous steps")
 
@@ -231,7 +246,7 @@ class TrainConfig:
 
     def _check_hyperparameters(self, name: str) -> None:
         """Check the names and values against the algorithm's schema: construct nothing, communicate nothing."""
-        values = self.algorithm_hyperparameters(name)
+        values = self.for_algorithm(name).algorithm_hyperparameters(name)
         if name == DDP:
             from .ddp import hyperparameter_names
 

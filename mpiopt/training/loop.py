@@ -200,6 +200,7 @@ def train(
         The metrics file's path on rank 0; None on the other ranks.
     """
     world = topology.world
+    config = config.for_algorithm(algorithm)
     _set_threads(config, world)
     torch.manual_seed(config.seed)
     sizes = {k: v for k, v in config.gpt_sizes().items() if k != "block_size"}  # the block size is the dataset's windows'

@@ -91,3 +91,17 @@ def test_execution_knobs_are_not_hyperparameters_and_never_refuse_a_resume():
         changed.setup(np.zeros(8, np.float32))
         changed.load_state_dict(state)
     topology.Free()
+
+
+def test_an_optimizer_steps_the_algorithms_that_take_one_and_the_others_keep_their_own_update():
+    config = TrainConfig(optimizer="adamw", no_decay_on="bias", hyperparameters={"lr": 0.003})
+    config.validate(["ddp", "sgd", "diloco", "signum", "async_msgd"])  # compare's mix
+    assert config.for_algorithm("sgd") is config and config.for_algorithm("ddp") is config
+    signum = config.for_algorithm("signum")
+    assert (signum.optimizer, signum.no_decay_on) == (None, None)
+    # signum's own update keeps its own settings (momentum, weight decay), the shared rate included.
+    assert signum.algorithm_hyperparameters("signum") == {**TrainConfig().algorithm_hyperparameters("signum"), "lr": 0.003}
+    assert "momentum" not in config.algorithm_hyperparameters("sgd")  # AdamW's, not the built-in update's
+    for alone in (["signum"], ["ddp", "async_msgd", "async_lsgd"]):
+        with pytest.raises(UsageError, match=r"(signum|async_msgd) takes no --optimizer: "):
+            config.validate(alone)
