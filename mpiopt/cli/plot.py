@@ -24,21 +24,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-accuracy", type=float, default=0.9, metavar="X", help="test accuracy for the to-target columns (default: 0.9)")
     parser.add_argument("--target-loss", type=float, default=None, metavar="X",
                         help="test loss for the to-target columns instead of --target-accuracy (the table then shows the test loss too)")
+    parser.add_argument("--budget-seconds", type=float, default=None, metavar="T",
+                        help="add a column: the test loss at the last evaluation within T seconds of training (default: none)")
 
 
 def write_report(
     runs: Sequence[Any], out: str, target_accuracy: float, heading: str = "", groups: "Sequence[Sequence[Any]] | None" = None,
-    target_loss: Optional[float] = None,
+    target_loss: Optional[float] = None, budget_seconds: Optional[float] = None,
 ) -> Tuple[str, str, List[str]]:
     """``OUT/results.md`` (``heading`` first, then the table of ``runs``) and the figures; returns (table, its path, figures).
 
     With ``groups`` (the runs again, one list per algorithm of its repeats) the
     table has one row per algorithm: medians over the repeats and their ranges.
-    A ``target_loss`` replaces ``target_accuracy`` as the target.
+    A ``target_loss`` replaces ``target_accuracy`` as the target; ``budget_seconds`` adds the loss within that budget.
     """
     from ..metrics import markdown_table, plot_runs, repeats_table, summarize
 
     target = dict(target_accuracy=target_accuracy) if target_loss is None else dict(target_loss=target_loss)
+    target["budget_seconds"] = budget_seconds
     if groups:
         table = repeats_table([[summarize(run, **target) for run in group] for group in groups])
     else:
@@ -56,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--target-accuracy must be in (0, 1], got {args.target_accuracy}")
     if args.target_loss is not None and not (math.isfinite(args.target_loss) and args.target_loss > 0):
         raise UsageError(f"--target-loss must be a finite loss > 0, got {args.target_loss}")
+    if args.budget_seconds is not None and not (math.isfinite(args.budget_seconds) and args.budget_seconds > 0):
+        raise UsageError(f"--budget-seconds must be a finite number of seconds > 0, got {args.budget_seconds}")
     paths = []
     for item in args.files:
         if os.path.isdir(item):
@@ -76,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     for one in runs:
         by_algorithm.setdefault(one.algorithm, []).append(one)
     repeated = list(by_algorithm.values()) if any(len(g) > 1 for g in by_algorithm.values()) else None
-    table, _, figures = write_report(runs, args.out, args.target_accuracy, groups=repeated, target_loss=args.target_loss)
+    table, _, figures = write_report(runs, args.out, args.target_accuracy, groups=repeated, target_loss=args.target_loss,
+                                     budget_seconds=args.budget_seconds)
     print(table)
     for path in figures:
         print(f"figure: {path}")

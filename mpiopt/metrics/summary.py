@@ -31,7 +31,8 @@ SPLITS = (
 _MISSING = "—"
 
 
-def summarize(run: Run, *, target_accuracy: Optional[float] = None, target_loss: Optional[float] = None) -> Dict[str, Any]:
+def summarize(run: Run, *, target_accuracy: Optional[float] = None, target_loss: Optional[float] = None,
+              budget_seconds: Optional[float] = None) -> Dict[str, Any]:
     """The figures that compare runs.
 
     Parameters
@@ -43,6 +44,9 @@ def summarize(run: Run, *, target_accuracy: Optional[float] = None, target_loss:
     target_loss : float, optional
         Test loss to measure time and bytes to instead (the first evaluation
         at or below it); not with ``target_accuracy``.
+    budget_seconds : float, optional
+        A wall-clock budget: ``loss_at_budget`` is the test loss of the last
+        evaluation within it (training time, as ``wall_seconds``).
 
     Returns
     -------
@@ -53,7 +57,8 @@ def summarize(run: Run, *, target_accuracy: Optional[float] = None, target_loss:
         ``time_to_target``, ``bytes_to_target`` and ``steps_to_target`` (wall
         seconds, rank 0's bytes sent and steps at the first evaluation that
         reached the target; None if none did or no target was given),
-        ``bytes_sent_per_rank`` (rank 0's total), and per part of the split
+        ``bytes_sent_per_rank`` (rank 0's total), ``budget_seconds`` and
+        ``loss_at_budget`` (None without a budget or an evaluation within it), and per part of the split
         (``compute``, ``algorithm``, ``communication``, ``waiting``,
         ``other``) ``<part>_seconds`` and ``<part>_fraction``.
     """
@@ -61,6 +66,8 @@ def summarize(run: Run, *, target_accuracy: Optional[float] = None, target_loss:
         raise ValueError(f"target_accuracy must be a fraction in [0, 1], got {target_accuracy!r}")
     if target_loss is not None and not (math.isfinite(target_loss) and target_loss > 0):
         raise ValueError(f"target_loss must be a finite loss > 0, got {target_loss!r}")
+    if budget_seconds is not None and not (math.isfinite(budget_seconds) and budget_seconds > 0):
+        raise ValueError(f"budget_seconds must be a finite number of seconds > 0, got {budget_seconds!r}")
     if target_accuracy is not None and target_loss is not None:
         raise ValueError(f"give target_accuracy ({target_accuracy!r}) or target_loss ({target_loss!r}), not both")
     latest = [r for r in (run.end, run.steps[-1] if run.steps else None, run.evals[-1] if run.evals else None) if r]
@@ -85,7 +92,12 @@ def summarize(run: Run, *, target_accuracy: Optional[float] = None, target_loss:
         "bytes_to_target": None if reached is None else reached["bytes_sent_total"],
         "steps_to_target": None if reached is None else reached["step"],
         "bytes_sent_per_rank": _bytes_sent(run),
+        "budget_seconds": budget_seconds,
+        "loss_at_budget": None,
     }
+    if budget_seconds is not None:
+        within = [e["test_loss"] for e in run.evals if e.get("test_loss") is not None and e["wall_seconds"] <= budget_seconds]
+        summary["loss_at_budget"] = within[-1] if within else None
     step_total = sum(s["step_seconds"] for s in run.steps)
     parts = {key: sum(s[field] for s in run.steps) for key, field, _ in SPLITS}
     parts["other"] = max(0.0, step_total - sum(parts.values()))
@@ -152,7 +164,9 @@ def _header(summaries: Sequence[Dict[str, Any]], *, repeats: bool) -> List[str]:
         targets = {s["target_accuracy"] for s in summaries if s["target_accuracy"] is not None}
         target = f" {_percent(targets.pop())}" if len(targets) == 1 else ""
         quality = ["final accuracy", "best accuracy"]
-    return (["algorithm"] + (["repeats"] if repeats else []) + quality
+    budgets = {s["budget_seconds"] for s in summaries if s.get("budget_seconds") is not None}
+    budget = [f"loss at {budgets.pop():g} s" if len(budgets) == 1 else "loss at budget"] if budgets else []
+    return (["algorithm"] + (["repeats"] if repeats else []) + quality + budget
             + ["steps", "wall time", f"time to{target}", f"sent to{target}", "sent per rank"]
             + [column for _, _, column in SPLITS])
 
@@ -163,15 +177,19 @@ def markdown_table(summaries: Sequence[Dict[str, Any]]) -> str:
     Accuracies in %, times in s, bytes in decimal units (MB = 10^6 bytes);
     time split as seconds with the share of the steps' wall time; "—" where a
     run never reached the target (or has no evaluation).  Summaries made with
-    a ``target_loss`` add the final and best test loss.
+    a ``target_loss`` add the final and best test loss; with a
+    ``budget_seconds``, the test loss within that budget.
     """
     losses = _by_loss(summaries)
+    budgeted = any(s.get("budget_seconds") is not None for s in summaries)
     header = _header(summaries, repeats=False)
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for s in summaries:
         row: List[str] = [str(s["algorithm"]), _percent(s["final_accuracy"]), _percent(s["best_accuracy"])]
         if losses:
             row += [_loss(s["final_loss"]), _loss(s["best_loss"])]
+        if budgeted:
+            row.append(_loss(s["loss_at_budget"]))
         row += [
             str(s["steps"]),
             format_seconds(s["wall_seconds"]),
@@ -217,6 +235,7 @@ def repeats_table(groups: Sequence[Sequence[Dict[str, Any]]]) -> str:
     """
     every = [s for g in groups for s in g]
     losses = _by_loss(every)
+    budgeted = any(s.get("budget_seconds") is not None for s in every)
     header = _header(every, repeats=True)
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     steps = lambda v: _MISSING if v is None else f"{v:g}"  # noqa: E731
@@ -230,6 +249,8 @@ def repeats_table(groups: Sequence[Sequence[Dict[str, Any]]]) -> str:
         ]
         if losses:
             row += [format_spread(column("final_loss"), _loss), format_spread(column("best_loss"), _loss)]
+        if budgeted:
+            row.append(format_spread(column("loss_at_budget"), _loss))
         row += [
             format_spread(column("steps"), steps),
             format_spread(column("wall_seconds"), format_seconds),

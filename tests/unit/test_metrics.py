@@ -190,6 +190,23 @@ def test_tables_to_a_target_loss_name_it_and_show_the_test_loss():
     assert lines[2].startswith("| sgd | 2 | 70.0 % (70.0-70.0) | 80.0 % (80.0-80.0) | 1.6000 (1.5000-1.7000) | 1.2000 (1.2000-1.2000) |")
 
 
+def test_loss_at_a_budget_is_the_last_evaluation_within_it():
+    # Evaluations at 1.0 s (loss 2.0), 2.5 s (1.2), 4.0 s (1.5).
+    assert summarize(loss_run(), budget_seconds=3.0)["loss_at_budget"] == 1.2
+    assert summarize(loss_run(), budget_seconds=4.0)["loss_at_budget"] == 1.5
+    assert summarize(loss_run(), budget_seconds=0.5)["loss_at_budget"] is None
+    assert summarize(loss_run())["loss_at_budget"] is None
+    with pytest.raises(ValueError, match="budget_seconds"):
+        summarize(loss_run(), budget_seconds=-3)
+    lines = markdown_table([summarize(loss_run(), target_loss=1.3, budget_seconds=3)]).splitlines()
+    assert "| best loss | loss at 3 s | steps |" in lines[0]
+    assert lines[2].startswith("| sgd | 70.0 % | 80.0 % | 1.5000 | 1.2000 | 1.2000 | 30 |")
+    late = summarize(loss_run(), budget_seconds=3)
+    late["loss_at_budget"] = None  # a repeat with no evaluation within the budget
+    lines = repeats_table([[summarize(loss_run(), budget_seconds=3), late]]).splitlines()
+    assert "| best accuracy | loss at 3 s | steps |" in lines[0] and "| 1.2000 in 1 of 2 |" in lines[2]
+
+
 def test_summarize_without_end_uses_the_latest_records():
     run = hand_run()
     run.end = None
