@@ -79,7 +79,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$dir/munge.socket
+# cred_expire: how long a requeued job waits before it may start again (default 120 s).  Starting it sooner
+# (scontrol update StartTime=now) races the revoked credential: "Killing non-startable batch job".
+AuthInfo=socket=$dir/munge.socket,cred_expire=30
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool
 SlurmctldPidFile=$dir/slurmctld.pid
