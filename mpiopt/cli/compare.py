@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             tried[name] = []
             for k, point in enumerate(sweep.grid(axes, name), 1):
                 session.say(f"== sweep {name}: " + ", ".join(f"{key}={value}" for key, value in point.items()))
-                short = dataclasses.replace(sweep.with_point(config, name, point), steps=sweep_steps, epochs=None)
+                short = sweep.tuning_config(config, name, point, sweep_steps)
                 path = train(short, name, session.topology, session.dataset, os.path.join(session.out, "sweep", name, str(k)))
                 tried[name].append({"values": point, "score": sweep.score(path) if session.rank == 0 else None, "metrics": path})
             chosen[name] = sweep.choose(tried[name])["values"]  # rank 0's is the one that counts: it read the scores

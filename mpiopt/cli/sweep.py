@@ -8,7 +8,10 @@ checked against the schema before any run starts.  Each algorithm then trains
 ``--sweep-steps`` steps per grid point (``OUT/sweep/<algorithm>/<k>/``) and
 keeps the point whose last evaluation has the lowest test loss (accuracy
 breaks no ties: the loss is what every task records); the choice and every
-candidate's score go to ``OUT/sweep.json`` and ``OUT/results.md``.
+candidate's score go to ``OUT/sweep.json`` and ``OUT/results.md``.  A
+candidate of a synchronous algorithm that diverges skips its non-finite
+steps (``nan_policy="skip"``) instead of ending the job, and loses on its
+score.
 """
 
 from __future__ import annotations
@@ -63,6 +66,24 @@ def with_point(config: TrainConfig, algorithm: str, point: Dict[str, Any]) -> Tr
     if point:
         hyper.setdefault(algorithm, {}).update(point)
     return dataclasses.replace(mine, hyperparameters=hyper, **rate)
+
+
+def tuning_config(config: TrainConfig, algorithm: str, point: Dict[str, Any], steps: int) -> TrainConfig:
+    """The short run of ``algorithm`` at ``point``: ``steps`` steps, and a non-finite gradient skipped, not fatal.
+
+    A candidate that diverges (a rate too high) then scores its last test loss,
+    or none, and loses; the sweep goes on.  A ``nan_policy`` the user set stays.
+    The asynchronous algorithms cannot skip (it is decided collectively): a
+    diverging candidate of theirs still ends the job, naming the step.
+    """
+    from ..algorithms import ASYNCHRONOUS, algorithm_class
+    from ..training.config import DDP
+
+    short = dataclasses.replace(with_point(config, algorithm, point), steps=steps, epochs=None)
+    if (algorithm == DDP or algorithm_class(algorithm).protocol == ASYNCHRONOUS
+            or "nan_policy" in short.algorithm_hyperparameters(algorithm)):
+        return short
+    return with_point(short, algorithm, {"nan_policy": "skip"})
 
 
 def validate(config: TrainConfig, algorithms: Sequence[str], axes: Sequence[Axis]) -> None:

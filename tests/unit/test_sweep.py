@@ -27,3 +27,22 @@ def test_choose_takes_the_lowest_score_and_puts_missing_and_nan_last():
     candidates = [{"score": None}, {"score": float("nan")}, {"score": 2.0}, {"score": 1.5}, {"score": 1.5, "second": True}]
     assert choose(candidates) is candidates[3]
     assert choose([{"score": None}, {"score": float("nan")}]) == {"score": None}
+
+
+def test_a_tuning_run_is_short_skips_non_finite_steps_and_puts_the_rate_where_the_algorithm_takes_it():
+    from mpiopt.cli.sweep import tuning_config
+    from mpiopt.training.config import TrainConfig
+
+    config = TrainConfig(epochs=3, optimizer="adamw", hyperparameters={"lsgd": {"nan_policy": "raise"}})
+    sgd = tuning_config(config, "sgd", {"lr": 0.003}, 40)
+    assert (sgd.steps, sgd.epochs, sgd.lr) == (40, None, 0.003)  # AdamW's rate
+    assert sgd.algorithm_hyperparameters("sgd") == {"nan_policy": "skip"}
+    signum = tuning_config(config, "signum", {"lr": 0.003}, 40)  # its own update: its own rate
+    assert (signum.optimizer, signum.lr) == (None, None)
+    assert signum.algorithm_hyperparameters("signum")["lr"] == 0.003
+    assert signum.algorithm_hyperparameters("signum")["nan_policy"] == "skip"
+    assert tuning_config(config, "lsgd", {}, 40).algorithm_hyperparameters("lsgd")["nan_policy"] == "raise"  # the user's
+    for name in ("ddp", "async_msgd"):  # torch's own loop; skipping is collective
+        assert "nan_policy" not in tuning_config(config, name, {"lr": 0.01}, 40).algorithm_hyperparameters(name)
+    for name in ("sgd", "signum", "lsgd", "ddp", "async_msgd"):
+        tuning_config(config, name, {"lr": 0.01}, 40).validate([name])
