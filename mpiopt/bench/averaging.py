@@ -29,6 +29,10 @@ diloco             mpiopt ``diloco``: blocking Allreduce of the parameters and
 streaming_diloco   mpiopt ``streaming_diloco``: the same bytes in ``--fragments``
                    pieces, each an ``Iallreduce`` merged ``--overlap-steps``
                    steps after it starts (8 ``Test`` calls per step)
+streaming_diloco   as streaming_diloco, plus ``--tests-per-poke`` ``MPI_Iprobe``
++probe             calls after every layer: progress for its requests from the
+                   training loop (it has no ``progress_hook`` of its own; any
+                   MPI call that enters MPICH's progress engine advances them)
 =================  ==========================================================
 
 The default ``--modes`` are the first seven; ``--modes
@@ -81,8 +85,8 @@ from mpiopt.comm import MAX, Topology
 from mpiopt.training.config import UsageError
 
 DEFAULT_MODES = ("compute", "sgd", "localsgd", "dasgd", "dasgd+hook", "dasgd+thread", "dasgd/no-test")
-MODES = DEFAULT_MODES + ("diloco", "streaming_diloco")
-OUTER_MODES = ("diloco", "streaming_diloco")  # cycle H = --outer-period instead of tau = --period
+MODES = DEFAULT_MODES + ("diloco", "streaming_diloco", "streaming_diloco+probe")
+OUTER_MODES = ("diloco", "streaming_diloco", "streaming_diloco+probe")  # cycle H = --outer-period instead of tau = --period
 # Each overlapping mode's blocking counterpart (same bytes, no overlap) and its goal in x compute-only.
 BLOCKING = {"dasgd": "localsgd", "streaming_diloco": "diloco"}
 GOALS = {"dasgd": 1.10, "streaming_diloco": 1.05}
@@ -122,8 +126,8 @@ class Compute:
 
 
 def _family(mode: str) -> str:
-    """``dasgd`` for every dasgd variant, else the mode itself."""
-    return "dasgd" if mode.startswith("dasgd") else mode
+    """The algorithm of a mode's variants (``dasgd`` for ``dasgd+hook``), else the mode itself."""
+    return mode.split("+")[0].split("/")[0]
 
 
 def window_steps(args: argparse.Namespace, modes: List[str]) -> int:
@@ -181,7 +185,7 @@ class _Mode:
                 alg = create("dasgd", topology, lr=args.lr, period=args.period, delay_steps=0, **LOCAL)
             elif mode == "diloco":
                 alg = create("diloco", topology, lr=args.lr, period=args.outer_period, **LOCAL)
-            elif mode == "streaming_diloco":
+            elif _family(mode) == "streaming_diloco":
                 alg = create(
                     "streaming_diloco", topology, lr=args.lr, period=args.outer_period, fragments=args.fragments,
                     overlap_steps=args.overlap_steps, alpha=args.alpha, **LOCAL,
@@ -197,6 +201,9 @@ class _Mode:
             self.step = alg.step
             if mode == "dasgd+hook":
                 self.hook = alg.progress_hook
+            elif mode == "streaming_diloco+probe":
+                probes = range(args.tests_per_poke)
+                self.hook = lambda: [MPI.COMM_WORLD.Iprobe() for _ in probes]
         self.run(warmup)
 
     def run(self, steps: int) -> None:
@@ -282,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
     check_choices("--modes", modes, MODES)
     if "compute" not in modes:
         modes.insert(0, "compute")
-    if "streaming_diloco" in modes:  # a combination without a free window boundary fails before the calibration
+    if any(_family(m) == "streaming_diloco" for m in modes):  # a combination without a free window boundary fails before the calibration
         streaming_warmup(args.outer_period, args.fragments, args.overlap_steps)
 
     topology = Topology()
