@@ -243,7 +243,9 @@ def _hidden(results: Dict[str, List[Dict[str, float]]], mode: str) -> str:
     if blocking not in results:
         return ""
     blocking_overhead = median(_ratios(results, blocking)) - 1
-    return f"{1 - (median(_ratios(results, mode)) - 1) / blocking_overhead:.0%}" if blocking_overhead else ""
+    if blocking_overhead <= 0:  # the counterpart measured no cost (noise): no fraction of it to hide
+        return "n/a"
+    return f"{1 - (median(_ratios(results, mode)) - 1) / blocking_overhead:.0%}"
 
 
 def _table(results: Dict[str, List[Dict[str, float]]], modes: List[str]) -> str:
