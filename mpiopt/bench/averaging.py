@@ -10,37 +10,40 @@ float32 matrix products), sized so that one blocking Allreduce of the
 parameter buffer takes ``--comm-steps`` compute steps (measured on the link
 at start-up).  The same steps then run under each mode:
 
-=================  ==========================================================
-mode               what a step does after the computation
-=================  ==========================================================
-compute            the local optimizer step only (no communication)
-sgd                Allreduce of the gradient every step (mpiopt ``sgd``)
-localsgd           ``dasgd`` with ``delay_steps=0``: blocking average every tau steps
-dasgd              ``dasgd``, ``progress="test"``: one poke (``--tests-per-poke``
-                   ``Test`` calls) per step
-dasgd+hook         as dasgd, plus ``progress_hook()`` (a poke) after every layer
-dasgd+thread       ``progress="thread"``: a helper thread pokes every
-                   ``--progress-interval`` seconds
-dasgd/no-test      ``progress="none"``: no ``Test``; MPI moves data only when
-                   posting and in the merge's ``Wait`` (or in MPICH's progress
-                   thread under ``MPICH_ASYNC_PROGRESS=1``)
-diloco             mpiopt ``diloco``: blocking Allreduce of the parameters and
-                   the outer step every ``--outer-period`` (H) steps
-streaming_diloco   mpiopt ``streaming_diloco``: the same bytes in ``--fragments``
-                   pieces, each an ``Iallreduce`` merged ``--overlap-steps``
-                   steps after it starts (8 ``Test`` calls per step)
-streaming_diloco   as streaming_diloco, plus ``--tests-per-poke`` ``MPI_Iprobe``
-+probe             calls after every layer: progress for its requests from the
-                   training loop (it has no ``progress_hook`` of its own; any
-                   MPI call that enters MPICH's progress engine advances them)
-=================  ==========================================================
+======================  ==========================================================
+mode                    what a step does after the computation
+======================  ==========================================================
+compute                 the local optimizer step only (no communication)
+sgd                     Allreduce of the gradient every step (mpiopt ``sgd``)
+localsgd                ``dasgd`` with ``delay_steps=0``: blocking average every tau steps
+dasgd                   ``dasgd``, ``progress="test"``: one poke (``--tests-per-poke``
+                        ``Test`` calls) per step
+dasgd+hook              as dasgd, plus ``progress_hook()`` (a poke) after every layer
+dasgd+thread            ``progress="thread"``: a helper thread pokes every
+                        ``--progress-interval`` seconds
+dasgd/no-test           ``progress="none"``: no ``Test``; MPI moves data only when
+                        posting and in the merge's ``Wait`` (or in MPICH's progress
+                        thread under ``MPICH_ASYNC_PROGRESS=1``)
+diloco                  mpiopt ``diloco``: blocking Allreduce of the parameters and
+                        the outer step every ``--outer-period`` (H) steps
+streaming_diloco        mpiopt ``streaming_diloco``: the same bytes in ``--fragments``
+                        pieces, each an ``Iallreduce`` merged ``--overlap-steps``
+                        steps after it starts (8 ``Test`` calls per step)
+streaming_diloco+probe  as streaming_diloco, plus ``--tests-per-poke`` ``MPI_Iprobe``
+                        calls after every layer: progress for its requests from the
+                        training loop (it has no ``progress_hook`` of its own; any
+                        MPI call that enters MPICH's progress engine advances them)
+======================  ==========================================================
 
 The default ``--modes`` are the first seven; ``--modes
 compute,dasgd,diloco,streaming_diloco`` compares the two overlapping
-algorithms with their blocking counterpart.
+algorithms with their blocking counterparts (docs/benchmarks-averaging.md,
+"Streaming DiLoCo", has 4-rank results and why ``--comm-steps`` must be
+raised where ranks outnumber cores).
 
-Repetitions are short (one averaging period per mode by default) and
-interleaved (every repetition runs every mode, in rotated order) so that
+Repetitions are short (one averaging period per mode by default; the least
+common multiple of tau and H steps with the DiLoCo modes) and interleaved
+(every repetition runs every mode, in rotated order) so that
 drifting machine load hits all modes alike; each mode's per-step time is
 divided by the compute mode's of the same repetition and the table reports
 medians over repetitions.  A step's time is the slowest rank's.  Because other
