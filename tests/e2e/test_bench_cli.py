@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -99,6 +100,23 @@ def test_existing_benchmarks_run_as_subcommands(tmp_path):
     assert code == 0 and (tmp_path / "t.png").exists(), output
     code, output = run_cli(["regtopk", "--densities", "0.5", "--mus", "4", "--steps", "20", "--workers", "3", "--dim", "10", "--samples", "20"])
     assert code == 0 and "Top-k" in output, output
+
+
+def test_averaging_times_diloco_and_streaming_diloco():
+    args = [
+        *BENCH, "averaging", "--params", "20000", "--matrix", "32", "--reps", "2",
+        "--modes", "compute,dasgd,diloco,streaming_diloco,streaming_diloco+probe", "--outer-period", "8", "--fragments", "4", "--overlap-steps", "1",
+    ]
+    code, output, _ = run_mpi(2, args, timeout=120, env={"OMP_NUM_THREADS": "1"})
+    assert code == 0, output
+    assert "H = 8, F = 4, overlap_steps = 1" in output and "8 timed steps per mode" in output, output
+    rows = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in output.splitlines() if line.startswith("| ")}
+    for mode in ("compute", "dasgd", "diloco", "streaming_diloco", "streaming_diloco+probe"):
+        assert math.isfinite(float(rows[mode])), output  # the ratio to compute-only
+    assert "goal, per-step time <= 1.05 x compute-only: streaming_diloco" in output, output
+    # Every fragment's exchange overlapping 2 steps needs a gap of 3 steps between starts: H = 8, F = 4 has 2.
+    code, output = run_cli(["averaging", "--modes", "streaming_diloco", "--fragments", "4", "--overlap-steps", "2"])
+    assert code == 2 and "--outer-period of at least 12" in output, output
 
 
 def test_bad_input_is_a_usage_error():
