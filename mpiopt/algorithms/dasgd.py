@@ -58,19 +58,17 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping, Optional
 
 from ..arrays import empty_apart
-from ..comm import Topology, is_gpu_array
+from ..comm import Topology
 from ..comm.ledger import Call
 from ..kernels.update import MERGE_RULES, Merge, merge_average
 from .base import BASE, SynchronousAlgorithm, due_steps
-from .inflight import InFlight
+from .inflight import PROGRESS, InFlight, check_progress, progress_knobs
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .schema import Hyperparameter, Schema, choice, in_range, positive
 from .registry import register
 from .resize import COPY, FOLLOW, RESCALE
 
 __all__ = ["DaSGD"]
-
-PROGRESS_MODES = ("test", "thread", "none")
 
 
 class _PendingBuffer:
@@ -144,10 +142,7 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
         Hyperparameter("delay_steps", 1, positive(allow_zero=True, integer=True), "steps an averaging stays in flight, < period"),
         Hyperparameter("merge", "delayed", choice(*MERGE_RULES), "how the late average is merged into the parameters"),
         Hyperparameter("update_proportion", 0.25, in_range(0.0, 1.0), "merge='proportion': the weight of the local progress"),
-        Hyperparameter("progress", "test", choice(*PROGRESS_MODES), "how the averaging in flight is made to progress", execution=True),
-        Hyperparameter("progress_interval", 0.002, positive(), "progress='thread': seconds between the thread's tests", execution=True),
-        Hyperparameter("tests_per_poke", 8, positive(integer=True), "progress='test': MPI_Test calls per step", execution=True),
-    ) + LOCAL_SGD.with_defaults(momentum=0.9, weight_decay=0.01)
+    ) + PROGRESS + LOCAL_SGD.with_defaults(momentum=0.9, weight_decay=0.01)
     evaluates = "average"
     fused_gradient_check = True
     state_arrays = ("momentum_buffer", "pending_snapshot", "pending_sum")
@@ -192,9 +187,7 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
             raise ValueError(f"delay_steps must be < period ({period}): the next averaging would start first; got {delay_steps}")
         self.merge = self.schema["merge"].validate(merge)
         self.update_proportion = self.schema["update_proportion"].validate(update_proportion)
-        self.progress = self.schema["progress"].validate(progress)
-        self.progress_interval = float(self.schema["progress_interval"].validate(progress_interval))
-        self.tests_per_poke = self.schema["tests_per_poke"].validate(tests_per_poke)
+        self.progress, self.progress_interval, self.tests_per_poke = progress_knobs(progress, progress_interval, tests_per_poke)
         self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
         #: Step after which the average in flight is merged; 0 when none is pending.
         self.merge_step = 0
@@ -238,16 +231,7 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
 
     # -- the algorithm --------------------------------------------------------------------
     def _allocate(self, params: Any) -> None:
-        if self.progress == "thread" and not self.topology.world.thread_multiple:
-            raise ValueError(
-                "progress='thread' calls MPI from a helper thread, which needs MPI_THREAD_MULTIPLE; this MPI was "
-                "initialised with less (mpi4py.rc.thread_level): use progress='test'"
-            )
-        if self.progress == "thread" and is_gpu_array(params) and not self.topology.gpu_aware:
-            raise ValueError(
-                "progress='thread' needs host buffers or a GPU-aware MPI: staged GPU buffers would be copied back "
-                "in the helper thread, outside the training stream; use progress='test'"
-            )
+        check_progress(self.name, self.progress, self.topology, params)
         self.local.allocate(params)
         self._snapshot = empty_apart(params) if self.merge == "delayed" else None
         self._sum = empty_apart(params)

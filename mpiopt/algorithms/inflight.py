@@ -6,16 +6,73 @@ it only so far: :func:`poke` makes several back-to-back ``Test`` calls; a
 :class:`ProgressThread` pokes from a helper thread (needs
 ``MPI_THREAD_MULTIPLE``); :class:`InFlight` holds a request and its thread
 and completes it (``Wait``) when the result is needed.
+
+Both algorithms take the same three execution knobs, declared once here
+(:data:`PROGRESS`) and checked once (:func:`progress_knobs` when
+constructed, :func:`check_progress` at set-up):
+
+- ``progress``: who pokes.  ``"test"`` one poke per step (plus the training
+  loop's ``progress_hook()`` calls), ``"thread"`` a helper thread every
+  ``progress_interval`` seconds while a collective is in flight, ``"none"``
+  nobody until the ``Wait`` (for MPICH's own ``MPICH_ASYNC_PROGRESS=1``
+  thread);
+- ``progress_interval``: seconds between the helper thread's pokes;
+- ``tests_per_poke``: ``Test`` calls per poke.
+
+They change who drives MPI, never what is computed.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Any, Optional, Tuple
 
-from ..comm import Request
+from ..comm import Request, Topology, is_gpu_array
+from .schema import Hyperparameter, Schema, choice, positive
 
-__all__ = ["poke", "ProgressThread", "InFlight"]
+__all__ = ["PROGRESS_MODES", "PROGRESS", "progress_knobs", "check_progress", "poke", "ProgressThread", "InFlight"]
+
+PROGRESS_MODES = ("test", "thread", "none")
+
+#: The progress knobs (execution knobs: they never change a result, nor refuse a resume).
+PROGRESS = Schema(
+    Hyperparameter("progress", "test", choice(*PROGRESS_MODES), "how the averaging in flight is made to progress", execution=True),
+    Hyperparameter("progress_interval", 0.002, positive(), "progress='thread': seconds between the thread's tests", execution=True),
+    Hyperparameter("tests_per_poke", 8, positive(integer=True), "progress='test': MPI_Test calls per step", execution=True),
+)
+
+
+def progress_knobs(progress: str, progress_interval: float, tests_per_poke: int) -> Tuple[str, float, int]:
+    """The three knobs checked by their :data:`PROGRESS` entries (the error names the bad one)."""
+    return (
+        PROGRESS["progress"].validate(progress),
+        float(PROGRESS["progress_interval"].validate(progress_interval)),
+        PROGRESS["tests_per_poke"].validate(tests_per_poke),
+    )
+
+
+def check_progress(algorithm_name: str, progress: str, topology: Topology, params: Any) -> None:
+    """Refuse ``progress="thread"`` where MPI or the buffers cannot be used from a helper thread.
+
+    Raises
+    ------
+    ValueError
+        Without ``MPI_THREAD_MULTIPLE``, or for GPU buffers that a
+        non-GPU-aware MPI stages through host memory (the copy back would
+        run in the helper thread, outside the training stream).
+    """
+    if progress != "thread":
+        return
+    if not topology.world.thread_multiple:
+        raise ValueError(
+            f"{algorithm_name}: progress='thread' calls MPI from a helper thread, which needs MPI_THREAD_MULTIPLE; this MPI "
+            "was initialised with less (mpi4py.rc.thread_level): use progress='test'"
+        )
+    if is_gpu_array(params) and not topology.gpu_aware:
+        raise ValueError(
+            f"{algorithm_name}: progress='thread' needs host buffers or a GPU-aware MPI: staged GPU buffers would be copied "
+            "back in the helper thread, outside the training stream; use progress='test'"
+        )
 
 
 def poke(request: Request, tests: int) -> bool:
