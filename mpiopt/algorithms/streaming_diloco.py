@@ -25,6 +25,23 @@ the overlap, ``alpha = 1`` keeps only it.  ``theta_start_f := theta_outer_f``.
 
 With one fragment, ``overlap_steps=0`` and ``alpha=0`` it is ``diloco``.
 
+Progress: MPI advances a fragment's ``Iallreduce`` only inside MPI calls,
+and at 4 ranks one burst of ``Test`` calls after a step does not get it far
+(docs/benchmarks-averaging.md, "Streaming DiLoCo").  As in ``dasgd``, a
+*poke* is ``tests_per_poke`` ``Test`` calls, and ``progress`` says who pokes
+the exchanges in flight:
+
+- ``"test"`` (default): one poke per step, plus whatever the training loop
+  adds with :meth:`StreamingDiLoCo.progress_hook` (e.g. after each layer's
+  backward pass);
+- ``"thread"``: a helper thread per exchange in flight pokes it every
+  ``progress_interval`` seconds (needs ``MPI_THREAD_MULTIPLE``; not for GPU
+  buffers staged through host memory);
+- ``"none"``: nobody until the merge's ``Wait`` (for MPICH's own
+  ``MPICH_ASYNC_PROGRESS=1`` thread).
+
+The three are execution knobs: every mode gives bitwise the same parameters.
+
 Checkpoints: :meth:`state_dict` completes the exchanges in flight (``Wait``)
 but does not merge them; their sums (``pending_sum``, the whole sum buffer,
 only while one is pending) and the steps at which each merges
@@ -45,7 +62,7 @@ from ..comm import Topology
 from ..comm.ledger import Call
 from .base import BASE, SynchronousAlgorithm
 from .diloco import outer_step
-from .inflight import InFlight
+from .inflight import PROGRESS, InFlight, check_progress, progress_knobs
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .registry import register
 from .resize import COPY, FOLLOW, RESCALE
@@ -91,6 +108,15 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         Weight of the local fragment in the merge, in [0, 1].
     outer_lr, outer_momentum, outer_nesterov
         The outer SGD's, as in ``diloco``.
+    progress : {"test", "thread", "none"}
+        Who pokes the exchanges in flight (module docstring): ``"test"`` one
+        poke per step (and :meth:`progress_hook` calls of the training loop),
+        ``"thread"`` a helper thread, ``"none"`` nobody (MPICH's
+        ``MPICH_ASYNC_PROGRESS=1`` thread, or the merge's ``Wait``).
+    progress_interval : float
+        Seconds between the helper thread's pokes (``progress="thread"``).
+    tests_per_poke : int
+        ``Test`` calls per poke.
     momentum, dampening, nesterov, weight_decay
         The built-in inner update's.
     nan_policy : {"raise", "skip"}
@@ -108,7 +134,7 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         Hyperparameter("outer_lr", 0.7, positive(), "outer SGD learning rate"),
         Hyperparameter("outer_momentum", 0.9, in_range(0.0, 1.0, high_open=True), "outer SGD momentum, in [0, 1)"),
         Hyperparameter("outer_nesterov", True, boolean(), "Nesterov outer momentum (ignored at outer_momentum 0)"),
-    ) + LOCAL_SGD
+    ) + PROGRESS + LOCAL_SGD
     evaluates = "average"
     fused_gradient_check = True
     state_arrays = ("theta_start", "outer_momentum_buffer", "momentum_buffer", "pending_sum", "merge_steps")
@@ -143,6 +169,9 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         outer_nesterov: bool = True,
+        progress: str = "test",
+        progress_interval: float = 0.002,
+        tests_per_poke: int = 8,
         momentum: float = 0.0,
         dampening: float = 0.0,
         nesterov: bool = False,
@@ -161,6 +190,7 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         self.outer_lr = float(self.schema["outer_lr"].validate(outer_lr))
         self.outer_momentum = float(self.schema["outer_momentum"].validate(outer_momentum))
         self.outer_nesterov = bool(self.schema["outer_nesterov"].validate(outer_nesterov))
+        self.progress, self.progress_interval, self.tests_per_poke = progress_knobs(progress, progress_interval, tests_per_poke)
         self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
         self.theta_start: Optional[Any] = None
         self.outer_momentum_buffer: Optional[Any] = None
@@ -168,7 +198,7 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         self._sum: Optional[Any] = None
         self._bounds: List[Tuple[int, int]] = []
         self._offsets = fragment_offsets(self.period, self.fragments)
-        self._inflight = [InFlight() for _ in range(self.fragments)]
+        self._inflight = [InFlight() for _ in range(self.fragments)]  # each fragment's Iallreduce and progress thread
         self._outer_work: List[List[Any]] = [[] for _ in range(self.fragments)]  # each fragment's scratch
 
     # pending_sum is state only while a fragment's merge is pending
@@ -212,6 +242,7 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         d = params.shape[0]
         if d < self.fragments:
             raise ValueError(f"streaming_diloco: {d} parameters cannot make fragments={self.fragments}")
+        check_progress(self.name, self.progress, self.topology, params)
         self.local.allocate(params)
         self._bounds = fragment_bounds(d, self.fragments)
         world = self.topology.world
@@ -236,13 +267,17 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
                 self._start(f, step, params)
                 if self.overlap_steps == 0:
                     self._merge(f, params)
-        for f in self._inflight:
-            f.poke(8)
+        if self.progress == "test":
+            self.progress_hook()
 
     def _start(self, f: int, step: int, params: Any) -> None:
         a, b = self._bounds[f]
         self._sum[a:b] = params[a:b]
-        self._inflight[f].start(self.topology.world.Iallreduce(self._sum[a:b]))
+        threaded = self.progress == "thread" and self.overlap_steps  # with tau = 0 it is completed at once
+        self._inflight[f].start(
+            self.topology.world.Iallreduce(self._sum[a:b]), thread_interval=self.progress_interval if threaded else None,
+            tests=self.tests_per_poke, name=f"streaming-diloco-progress-{f}",
+        )
         self.merge_steps[f] = step + self.overlap_steps
 
     def _merge(self, f: int, params: Any) -> None:
@@ -261,6 +296,16 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
             local *= self.alpha
             local += total
         self.merge_steps[f] = 0
+
+    def progress_hook(self) -> bool:
+        """Poke every exchange in flight (``tests_per_poke`` ``Test`` calls each); True when none is left in flight.
+
+        Cheap when nothing is in flight: a training loop may call it as often
+        as it likes, e.g. after each layer's backward pass.  With
+        ``progress="thread"`` it only reports: the helper threads poke.
+        """
+        done = [f.poke(self.tests_per_poke) for f in self._inflight]  # a list: every fragment is poked
+        return all(done)
 
     def _finish(self, params: Any) -> None:
         for f in range(self.fragments):

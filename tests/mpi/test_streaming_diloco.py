@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import mpiopt
+from mpiopt.comm import Comm
 from mpiopt.algorithms.streaming_diloco import fragment_bounds, fragment_offsets
 from mpiopt.sim.streaming_diloco import simulate
 
@@ -96,7 +97,48 @@ def test_state_dict_resume_with_a_fragment_in_flight_is_bitwise(topology):
     (dict(fragments=0), "0"), (dict(alpha=1.5), "1.5"), (dict(overlap_steps=-1), "-1"),
     (dict(period=4, fragments=5), "fragments=5"), (dict(period=4, overlap_steps=4), "overlap_steps=4"),
     (dict(outer_momentum=1.0), "1.0"),
+    (dict(progress="async"), "async"), (dict(progress_interval=0.0), "0.0"), (dict(tests_per_poke=0), "tests_per_poke"),
 ])
 def test_bad_hyperparameters_name_the_value(topology, hyper, value):
     with pytest.raises(ValueError, match=value):
         mpiopt.create("streaming_diloco", topology, **hyper)
+
+
+def _run_with_progress(topology, progress, steps, hook=False):
+    """Parameters after ``steps`` steps (fragments still in flight) and after ``finish``, under one progress mode."""
+    rank, n = topology.rank, 4001
+    alg = mpiopt.create(
+        "streaming_diloco", topology, lr=0.05, momentum=0.9, period=4, fragments=2, overlap_steps=2, alpha=0.5,
+        progress=progress, progress_interval=0.001,
+    )
+    params = _initial(rank, n)
+    alg.setup(params)
+    for t in range(1, steps + 1):
+        if hook:  # the training loop's extra pokes, e.g. after each layer
+            alg.progress_hook()
+        alg.step(params, _grad(rank, t, n))
+    pending = alg.merge_steps.copy()
+    mid = params.copy()
+    alg.finish(params)
+    assert not alg.in_flight and alg.progress_hook()  # nothing left to poke
+    return pending, mid, params
+
+
+@pytest.mark.parametrize("progress, hook", [("thread", False), ("none", False), ("test", True)])
+def test_progress_modes_change_nothing_bitwise(topology, progress, hook):
+    """Who pokes MPI (a helper thread, nobody, or the loop's progress_hook) changes no bit of the parameters."""
+    pending, mid, final = _run_with_progress(topology, "test", 10)
+    other_pending, other_mid, other_final = _run_with_progress(topology, progress, 10, hook=hook)
+    assert list(pending) == [0, 12]  # fragment 1 started after step 10: in flight at the comparison
+    assert list(other_pending) == list(pending)
+    assert np.array_equal(mid, other_mid) and np.array_equal(final, other_final)
+
+
+@pytest.mark.parametrize("algorithm", ["streaming_diloco", "dasgd"])
+def test_progress_thread_is_refused_without_thread_multiple(topology, monkeypatch, algorithm):
+    """The check both algorithms share: a helper thread may not call an MPI initialised below MPI_THREAD_MULTIPLE."""
+    monkeypatch.setattr(Comm, "thread_multiple", property(lambda self: False))
+    alg = mpiopt.create(algorithm, topology, progress="thread")
+    with pytest.raises(ValueError, match=f"{algorithm}: progress='thread' .* needs MPI_THREAD_MULTIPLE"):
+        alg.setup(np.zeros(16, np.float32))
+    mpiopt.create(algorithm, topology, progress="test").setup(np.zeros(16, np.float32))  # the default is fine
