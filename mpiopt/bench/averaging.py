@@ -10,30 +10,32 @@ float32 matrix products), sized so that one blocking Allreduce of the
 parameter buffer takes ``--comm-steps`` compute steps (measured on the link
 at start-up).  The same steps then run under each mode:
 
-======================  ==========================================================
-mode                    what a step does after the computation
-======================  ==========================================================
-compute                 the local optimizer step only (no communication)
-sgd                     Allreduce of the gradient every step (mpiopt ``sgd``)
-localsgd                ``dasgd`` with ``delay_steps=0``: blocking average every tau steps
-dasgd                   ``dasgd``, ``progress="test"``: one poke (``--tests-per-poke``
-                        ``Test`` calls) per step
-dasgd+hook              as dasgd, plus ``progress_hook()`` (a poke) after every layer
-dasgd+thread            ``progress="thread"``: a helper thread pokes every
-                        ``--progress-interval`` seconds
-dasgd/no-test           ``progress="none"``: no ``Test``; MPI moves data only when
-                        posting and in the merge's ``Wait`` (or in MPICH's progress
-                        thread under ``MPICH_ASYNC_PROGRESS=1``)
-diloco                  mpiopt ``diloco``: blocking Allreduce of the parameters and
-                        the outer step every ``--outer-period`` (H) steps
-streaming_diloco        mpiopt ``streaming_diloco``: the same bytes in ``--fragments``
-                        pieces, each an ``Iallreduce`` merged ``--overlap-steps``
-                        steps after it starts (8 ``Test`` calls per step)
-streaming_diloco+probe  as streaming_diloco, plus ``--tests-per-poke`` ``MPI_Iprobe``
-                        calls after every layer: progress for its requests from the
-                        training loop (it has no ``progress_hook`` of its own; any
-                        MPI call that enters MPICH's progress engine advances them)
-======================  ==========================================================
+========================  ==========================================================
+mode                      what a step does after the computation
+========================  ==========================================================
+compute                   the local optimizer step only (no communication)
+sgd                       Allreduce of the gradient every step (mpiopt ``sgd``)
+localsgd                  ``dasgd`` with ``delay_steps=0``: blocking average every tau steps
+dasgd                     ``dasgd``, ``progress="test"``: one poke (``--tests-per-poke``
+                          ``Test`` calls) per step
+dasgd+hook                as dasgd, plus ``progress_hook()`` (a poke) after every layer
+dasgd+thread              ``progress="thread"``: a helper thread pokes every
+                          ``--progress-interval`` seconds
+dasgd/no-test             ``progress="none"``: no ``Test``; MPI moves data only when
+                          posting and in the merge's ``Wait`` (or in MPICH's progress
+                          thread under ``MPICH_ASYNC_PROGRESS=1``)
+diloco                    mpiopt ``diloco``: blocking Allreduce of the parameters and
+                          the outer step every ``--outer-period`` (H) steps
+streaming_diloco          mpiopt ``streaming_diloco``: the same bytes in ``--fragments``
+                          pieces, each an ``Iallreduce`` merged ``--overlap-steps``
+                          steps after it starts (``progress="test"``: one poke per step)
+streaming_diloco+thread   as streaming_diloco, ``progress="thread"``: a helper thread
+                          pokes each exchange every ``--progress-interval`` seconds
+streaming_diloco+probe    as streaming_diloco, plus ``--tests-per-poke`` ``MPI_Iprobe``
+                          calls after every layer: progress for its requests from the
+                          training loop, not from the algorithm (any MPI call that
+                          enters MPICH's progress engine advances them)
+========================  ==========================================================
 
 The default ``--modes`` are the first seven; ``--modes
 compute,dasgd,diloco,streaming_diloco`` compares the two overlapping
@@ -88,8 +90,8 @@ from mpiopt.comm import MAX, Topology
 from mpiopt.training.config import UsageError
 
 DEFAULT_MODES = ("compute", "sgd", "localsgd", "dasgd", "dasgd+hook", "dasgd+thread", "dasgd/no-test")
-MODES = DEFAULT_MODES + ("diloco", "streaming_diloco", "streaming_diloco+probe")
-OUTER_MODES = ("diloco", "streaming_diloco", "streaming_diloco+probe")  # cycle H = --outer-period instead of tau = --period
+MODES = DEFAULT_MODES + ("diloco", "streaming_diloco", "streaming_diloco+thread", "streaming_diloco+probe")
+OUTER_MODES = ("diloco", "streaming_diloco", "streaming_diloco+thread", "streaming_diloco+probe")  # cycle H = --outer-period, not tau
 # Each overlapping mode's blocking counterpart (same bytes, no overlap) and its goal in x compute-only.
 BLOCKING = {"dasgd": "localsgd", "streaming_diloco": "diloco"}
 GOALS = {"dasgd": 1.10, "streaming_diloco": 1.05}
@@ -131,6 +133,12 @@ class Compute:
 def _family(mode: str) -> str:
     """The algorithm of a mode's variants (``dasgd`` for ``dasgd+hook``), else the mode itself."""
     return mode.split("+")[0].split("/")[0]
+
+
+def _progress(mode: str, args: argparse.Namespace) -> Dict[str, object]:
+    """The algorithm's progress knobs for a mode: ``+thread`` a helper thread, ``/no-test`` nobody, else one poke per step."""
+    progress = "thread" if mode.endswith("+thread") else "none" if mode.endswith("/no-test") else "test"
+    return dict(progress=progress, progress_interval=args.progress_interval, tests_per_poke=args.tests_per_poke)
 
 
 def window_steps(args: argparse.Namespace, modes: List[str]) -> int:
@@ -191,15 +199,11 @@ class _Mode:
             elif _family(mode) == "streaming_diloco":
                 alg = create(
                     "streaming_diloco", topology, lr=args.lr, period=args.outer_period, fragments=args.fragments,
-                    overlap_steps=args.overlap_steps, alpha=args.alpha, **LOCAL,
+                    overlap_steps=args.overlap_steps, alpha=args.alpha, **_progress(mode, args), **LOCAL,
                 )
                 warmup = streaming_warmup(args.outer_period, args.fragments, args.overlap_steps)
             else:
-                alg = create(
-                    "dasgd", topology, lr=args.lr, period=args.period, delay_steps=args.delay,
-                    progress={"dasgd/no-test": "none", "dasgd+thread": "thread"}.get(mode, "test"),
-                    progress_interval=args.progress_interval, tests_per_poke=args.tests_per_poke, **LOCAL,
-                )
+                alg = create("dasgd", topology, lr=args.lr, period=args.period, delay_steps=args.delay, **_progress(mode, args), **LOCAL)
             alg.setup(params)
             self.step = alg.step
             if mode == "dasgd+hook":
@@ -275,8 +279,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=positive_int, default=25, help="interleaved repetitions")
     parser.add_argument("--layers", type=positive_int, default=8, help="pieces of a compute step (dasgd+hook pokes MPI after each)")
     parser.add_argument("--matrix", type=positive_int, default=128, help="size of the matmuls of the compute workload")
-    parser.add_argument("--progress-interval", type=float, default=0.002, help="seconds between the pokes of dasgd+thread")
-    parser.add_argument("--tests-per-poke", type=positive_int, default=8, help="Test calls per poke of the dasgd modes")
+    parser.add_argument("--progress-interval", type=float, default=0.002, help="seconds between the pokes of the +thread modes")
+    parser.add_argument("--tests-per-poke", type=positive_int, default=8, help="Test calls per poke of the dasgd and streaming_diloco modes")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate of every mode")
     parser.add_argument("--outer-period", type=positive_int, default=8, help="H of diloco and streaming_diloco")
     parser.add_argument("--fragments", type=positive_int, default=4, help="F, streaming_diloco's fragments")
