@@ -108,15 +108,10 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         Weight of the local fragment in the merge, in [0, 1].
     outer_lr, outer_momentum, outer_nesterov
         The outer SGD's, as in ``diloco``.
-    progress : {"test", "thread", "none"}
-        Who pokes the exchanges in flight (module docstring): ``"test"`` one
-        poke per step (and :meth:`progress_hook` calls of the training loop),
-        ``"thread"`` a helper thread, ``"none"`` nobody (MPICH's
-        ``MPICH_ASYNC_PROGRESS=1`` thread, or the merge's ``Wait``).
-    progress_interval : float
-        Seconds between the helper thread's pokes (``progress="thread"``).
-    tests_per_poke : int
-        ``Test`` calls per poke.
+    progress, progress_interval, tests_per_poke
+        Who pokes MPI while exchanges are in flight, as in ``dasgd``: the
+        mode (``"test"``, ``"thread"`` or ``"none"``), the helper thread's
+        seconds between pokes, the ``Test`` calls per poke (module docstring).
     momentum, dampening, nesterov, weight_decay
         The built-in inner update's.
     nan_policy : {"raise", "skip"}
