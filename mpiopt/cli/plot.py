@@ -26,26 +26,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="test loss for the to-target columns instead of --target-accuracy (the table then shows the test loss too)")
     parser.add_argument("--budget-seconds", type=float, default=None, metavar="T",
                         help="add a column: the test loss at the last evaluation within T seconds of training (default: none)")
+    parser.add_argument("--baseline", default=None, metavar="ALGORITHM",
+                        help="add a column: each run's speed-up to the target over this algorithm's run of the same seed, "
+                        "e.g. ddp (default: none)")
 
 
 def write_report(
     runs: Sequence[Any], out: str, target_accuracy: float, heading: str = "", groups: "Sequence[Sequence[Any]] | None" = None,
-    target_loss: Optional[float] = None, budget_seconds: Optional[float] = None,
+    target_loss: Optional[float] = None, budget_seconds: Optional[float] = None, baseline: Optional[str] = None,
 ) -> Tuple[str, str, List[str]]:
     """``OUT/results.md`` (``heading`` first, then the table of ``runs``) and the figures; returns (table, its path, figures).
 
     With ``groups`` (the runs again, one list per algorithm of its repeats) the
     table has one row per algorithm: medians over the repeats and their ranges.
-    A ``target_loss`` replaces ``target_accuracy`` as the target; ``budget_seconds`` adds the loss within that budget.
+    A ``target_loss`` replaces ``target_accuracy`` as the target; ``budget_seconds`` adds the loss within that budget;
+    ``baseline`` (an algorithm among the runs) adds each run's speed-up to the target over it, from the same seed.
     """
-    from ..metrics import markdown_table, plot_runs, repeats_table, summarize
+    from ..metrics import add_speedups, markdown_table, plot_runs, repeats_table, summarize
 
     target = dict(target_accuracy=target_accuracy) if target_loss is None else dict(target_loss=target_loss)
     target["budget_seconds"] = budget_seconds
-    if groups:
-        table = repeats_table([[summarize(run, **target) for run in group] for group in groups])
-    else:
-        table = markdown_table([summarize(run, **target) for run in runs])
+    summaries = [[summarize(run, **target) for run in group] for group in (groups or [runs])]
+    if baseline is not None:
+        add_speedups([s for group in summaries for s in group], baseline)
+    table = repeats_table(summaries) if groups else markdown_table(summaries[0])
     results = os.path.join(out, "results.md")
     with open(results, "w") as handle:
         handle.write(f"{heading}\n\n{table}\n" if heading else f"{table}\n")
@@ -81,8 +85,10 @@ def run(args: argparse.Namespace) -> int:
     for one in runs:
         by_algorithm.setdefault(one.algorithm, []).append(one)
     repeated = list(by_algorithm.values()) if any(len(g) > 1 for g in by_algorithm.values()) else None
+    if args.baseline is not None and args.baseline not in by_algorithm:
+        raise UsageError(f"--baseline {args.baseline!r}: no run of it among {', '.join(sorted(by_algorithm))}")
     table, _, figures = write_report(runs, args.out, args.target_accuracy, groups=repeated, target_loss=args.target_loss,
-                                     budget_seconds=args.budget_seconds)
+                                     budget_seconds=args.budget_seconds, baseline=args.baseline)
     print(table)
     for path in figures:
         print(f"figure: {path}")

@@ -55,7 +55,7 @@ class Session:
                 repeated = [g for g in repeated if g]
                 heading += f", {len(groups[0])} repeats per algorithm (seeds {config.seed}-{config.seed + len(groups[0]) - 1}): median (min-max)"
             table, results, figures = write_report(runs, self.out, config.target_accuracy, heading, groups=repeated,
-                                                   target_loss=config.target_loss)
+                                                   target_loss=config.target_loss, baseline="ddp" if any(r.algorithm == "ddp" for r in runs) else None)
             if extra:
                 with open(results, "a") as handle:
                     handle.write(f"\n{extra}")

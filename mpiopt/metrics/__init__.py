@@ -17,7 +17,7 @@ nothing below it imports it.
 
 from .plots import plot_runs
 from .records import EVAL_FIELDS, STEP_FIELDS, MetricsWriter, Run, read_metrics, versions
-from .summary import format_bytes, format_seconds, format_spread, markdown_table, repeats_table, summarize
+from .summary import add_speedups, format_bytes, format_seconds, format_spread, markdown_table, repeats_table, summarize
 from .trace import Tracer, overlap_fraction
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "Tracer",
     "overlap_fraction",
     "summarize",
+    "add_speedups",
     "markdown_table",
     "repeats_table",
     "format_spread",

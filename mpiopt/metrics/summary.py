@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .records import Run
 
-__all__ = ["summarize", "markdown_table", "repeats_table", "format_spread", "format_bytes", "format_seconds", "SPLITS"]
+__all__ = ["summarize", "add_speedups", "markdown_table", "repeats_table", "format_spread", "format_bytes", "format_seconds", "SPLITS"]
 
 #: (summary key prefix, step record field, table column) of the time split.
 SPLITS = (
@@ -80,6 +80,7 @@ def summarize(run: Run, *, target_accuracy: Optional[float] = None, target_loss:
         reached = next((e for e in run.evals if e.get("test_loss") is not None and e["test_loss"] <= target_loss), None)
     summary: Dict[str, Any] = {
         "algorithm": run.algorithm,
+        "seed": (run.header.get("config") or {}).get("seed"),
         "steps": max((int(r["step"]) for r in latest), default=0),
         "wall_seconds": max((float(r["wall_seconds"]) for r in latest), default=0.0),
         "final_accuracy": accuracies[-1] if accuracies else None,
@@ -105,6 +106,23 @@ def summarize(run: Run, *, target_accuracy: Optional[float] = None, target_loss:
         summary[f"{key}_seconds"] = seconds
         summary[f"{key}_fraction"] = seconds / step_total if step_total > 0 else None
     return summary
+
+
+def add_speedups(summaries: Sequence[Dict[str, Any]], baseline: str) -> None:
+    """Set each summary's ``speedup``: ``baseline``'s time to target over its own, from the same seed (None if either missed).
+
+    Runs pair by seed, so that each repeat of ``compare --repeats`` is set
+    against the baseline's run of the same data order; ``speedup_over`` names
+    the baseline (the tables then show the column).  Raises ValueError if no
+    summary is ``baseline``'s.
+    """
+    reference = {s["seed"]: s["time_to_target"] for s in summaries if s["algorithm"] == baseline}
+    if not reference:
+        raise ValueError(f"no run of the baseline {baseline!r} among {sorted({s['algorithm'] for s in summaries})}")
+    for s in summaries:
+        mine, theirs = s["time_to_target"], reference.get(s["seed"])
+        s["speedup_over"] = baseline
+        s["speedup"] = theirs / mine if mine and theirs else None
 
 
 def _bytes_sent(run: Run) -> int:
@@ -145,6 +163,10 @@ def _percent(fraction: Optional[float]) -> str:
     return _MISSING if fraction is None else f"{100.0 * fraction:.1f} %"
 
 
+def _speedup(value: Optional[float]) -> str:
+    return _MISSING if value is None else f"{value:.2f}x"
+
+
 def _loss(value: Optional[float]) -> str:
     return _MISSING if value is None else f"{value:.4f}"
 
@@ -167,7 +189,9 @@ def _header(summaries: Sequence[Dict[str, Any]], *, repeats: bool) -> List[str]:
     budgets = {s["budget_seconds"] for s in summaries if s.get("budget_seconds") is not None}
     budget = [f"loss at {budgets.pop():g} s" if len(budgets) == 1 else "loss at budget"] if budgets else []
     return (["algorithm"] + (["repeats"] if repeats else []) + quality + budget
-            + ["steps", "wall time", f"time to{target}", f"sent to{target}", "sent per rank"]
+            + ["steps", "wall time", f"time to{target}"]
+            + [f"speed-up over {b}" for b in {s["speedup_over"] for s in summaries if s.get("speedup_over")}]
+            + [f"sent to{target}", "sent per rank"]
             + [column for _, _, column in SPLITS])
 
 
@@ -182,6 +206,7 @@ def markdown_table(summaries: Sequence[Dict[str, Any]]) -> str:
     """
     losses = _by_loss(summaries)
     budgeted = any(s.get("budget_seconds") is not None for s in summaries)
+    faster = any(s.get("speedup_over") for s in summaries)
     header = _header(summaries, repeats=False)
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for s in summaries:
@@ -194,6 +219,7 @@ def markdown_table(summaries: Sequence[Dict[str, Any]]) -> str:
             str(s["steps"]),
             format_seconds(s["wall_seconds"]),
             format_seconds(s["time_to_target"]),
+        ] + ([_speedup(s.get("speedup"))] if faster else []) + [
             format_bytes(s["bytes_to_target"]),
             format_bytes(s["bytes_sent_per_rank"]),
         ]
@@ -236,6 +262,7 @@ def repeats_table(groups: Sequence[Sequence[Dict[str, Any]]]) -> str:
     every = [s for g in groups for s in g]
     losses = _by_loss(every)
     budgeted = any(s.get("budget_seconds") is not None for s in every)
+    faster = any(s.get("speedup_over") for s in every)
     header = _header(every, repeats=True)
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     steps = lambda v: _MISSING if v is None else f"{v:g}"  # noqa: E731
@@ -255,6 +282,7 @@ def repeats_table(groups: Sequence[Sequence[Dict[str, Any]]]) -> str:
             format_spread(column("steps"), steps),
             format_spread(column("wall_seconds"), format_seconds),
             format_spread(column("time_to_target"), format_seconds),
+        ] + ([format_spread([s.get("speedup") for s in group], _speedup)] if faster else []) + [
             format_spread(column("bytes_to_target"), format_bytes),
             format_spread(column("bytes_sent_per_rank"), format_bytes),
         ]

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from mpiopt.comm import Comm, Ledger, Request
 from mpiopt.metrics import (
+    add_speedups,
     EVAL_FIELDS,
     STEP_FIELDS,
     MetricsWriter,
@@ -205,6 +206,29 @@ def test_loss_at_a_budget_is_the_last_evaluation_within_it():
     late["loss_at_budget"] = None  # a repeat with no evaluation within the budget
     lines = repeats_table([[summarize(loss_run(), budget_seconds=3), late]]).splitlines()
     assert "| best accuracy | loss at 3 s | steps |" in lines[0] and "| 1.2000 in 1 of 2 |" in lines[2]
+
+
+def test_speedups_pair_runs_by_seed_against_the_baseline():
+    def run(algorithm, seed, reached_at):
+        one = hand_run()
+        one.header = {**HEADER, "algorithm": algorithm, "config": {"seed": seed}}
+        one.evals[1]["wall_seconds"] = reached_at  # the evaluation that reaches 75 %
+        return summarize(one, target_accuracy=0.75)
+
+    ddp = [run("ddp", 0, 4.0), run("ddp", 1, 6.0)]
+    fast = [run("lsgd", 1, 2.0), run("lsgd", 0, 1.0)]  # seeds out of order: paired by seed, not position
+    missed = run("regtopk", 0, 1.0)
+    missed["time_to_target"] = None
+    add_speedups(ddp + fast + [missed], "ddp")
+    assert [s["speedup"] for s in ddp] == [1.0, 1.0]
+    assert [s["speedup"] for s in fast] == [3.0, 4.0]
+    assert missed["speedup"] is None
+    lines = repeats_table([ddp, fast, [missed]]).splitlines()
+    assert "| time to 75.0 % | speed-up over ddp | sent to 75.0 % |" in lines[0]
+    assert "| 3.50x (3.00x-4.00x) |" in lines[3] and "| — |" in lines[4]
+    assert "| 3.00x |" in markdown_table([fast[0]]).splitlines()[2]
+    with pytest.raises(ValueError, match="no run of the baseline 'ddp'"):
+        add_speedups(fast, "ddp")
 
 
 def test_summarize_without_end_uses_the_latest_records():
