@@ -263,6 +263,22 @@ class Topology:
             f"(with Topology(abort_on_error=False) or {ABORT_ENV}=0 it is raised instead).  It happened here:\n{where}"
         )
 
+    def first(self, ranks: int) -> Optional["Topology"]:
+        """A Topology of world ranks ``0 .. ranks - 1`` (a collective call on the world); None on the other ranks.
+
+        For training at fewer ranks inside one job: its communicators and
+        ledger are new, with this topology's group size and abort settings.
+        """
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= self.size:
+            raise ValueError(f"ranks must be an integer in [1, {self.size}], got {ranks!r}")
+        raw = self.world._comm.Split(0 if self.rank < ranks else MPI.UNDEFINED, self.rank)
+        if raw == MPI.COMM_NULL:
+            return None
+        try:
+            return Topology(raw, group_size=self.group_size_setting, gpu_aware=self.gpu_aware, abort_on_error=self.abort_on_error)
+        finally:
+            raw.Free()  # Topology duplicates it
+
     def Free(self) -> None:
         """Release the communicators."""
         for comm in (self._control, self.leaders, self.group, self.world):

@@ -36,6 +36,7 @@ EXPERIMENTS: Dict[str, Experiment] = {
     "signum": Experiment("signum", 4, "Signum majority vote vs SGD on digits, and logistic regression with 0-3 of 4 workers adversarial"),
     "topk": Experiment("topk", 2, "Top-k vs RegTop-k on the paper's distributed linear regression and on digits at density 0.01"),
     "async": Experiment("asynchronous", 4, "Async-MSGD delay x momentum grid on streaming PCA; sgd / async_msgd / async_lsgd on digits with one slowed rank"),
+    "diloco": Experiment("diloco", 4, "DiLoCo's H sweep at 2 and 4 ranks (loss against bytes) vs sgd, dasgd, lsgd, easgd; Streaming DiLoCo's peak bytes"),
 }
 
 

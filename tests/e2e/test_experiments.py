@@ -124,3 +124,20 @@ def test_async(tmp_path):
         counts = straggler[name]["gradients_per_rank"]
         assert counts[0] == 0 and min(counts[1:]) > 0  # rank 0 serves, every worker contributed
         assert 0.0 <= straggler[name]["test_accuracy"] <= 1.0
+
+
+def test_diloco(tmp_path):
+    numbers = run_quick("diloco", tmp_path)["numbers"]
+    runs = {row["label"]: row for row in numbers["runs"]}
+    assert {row["ranks"] for row in runs.values()} == {2, 4} and len(runs) == 14
+    # One Allreduce of the parameters every H steps against sgd's gradient every step: exactly H times fewer bytes
+    # (20 steps, every H of the quick sweep divides them), at 4 ranks and at 2.
+    for suffix, sgd in (("", runs["sgd"]), (", 2 ranks", runs["sgd, 2 ranks"])):
+        for period in (1, 2, 5, 10):
+            assert runs[f"diloco H={period}{suffix}"]["bytes_per_rank"] * period == sgd["bytes_per_rank"]
+    # Streaming at H = 5 with 4 fragments: the same total as diloco at H = 5, the busiest step a quarter of its.
+    streaming, diloco = runs["streaming_diloco H=5 F=4"], runs["diloco H=5"]
+    assert streaming["bytes_per_rank"] == diloco["bytes_per_rank"]
+    assert streaming["peak_bytes_per_step"] * 3 < diloco["peak_bytes_per_step"] <= streaming["peak_bytes_per_step"] * 4 + 16
+    assert numbers["streaming_peak_ratio"] == pytest.approx(diloco["peak_bytes_per_step"] / streaming["peak_bytes_per_step"])
+    assert all(math.isfinite(row["test_loss"]) and 0.0 <= row["test_accuracy"] <= 1.0 for row in runs.values())

@@ -86,3 +86,21 @@ def test_group_size_must_agree():
     rank = MPI.COMM_WORLD.Get_rank()
     with pytest.raises(SetupMismatchError, match="group_size"):
         Topology(group_size=1 + (rank == 1))
+
+
+def test_first_ranks_make_a_topology_of_their_own(world_size):
+    """first(n): world ranks 0..n-1 in a new topology with its own ledger, None elsewhere; bad n is a ValueError."""
+    topo = Topology(group_size=2)
+    n = max(1, world_size // 2)
+    sub = topo.first(n)
+    assert (sub is None) == (topo.rank >= n)
+    if sub is not None:
+        assert (sub.rank, sub.size) == (topo.rank, n)
+        assert sub.world.allgather_obj(topo.rank) == list(range(n))
+        sub.world.Allreduce(np.ones(4, dtype=np.float32))
+        assert "world.Allreduce" not in topo.ledger  # a ledger of its own
+        sub.Free()
+    for bad in (0, world_size + 1, 1.0):
+        with pytest.raises(ValueError, match="ranks must be an integer"):
+            topo.first(bad)
+    topo.Free()
