@@ -21,6 +21,10 @@ The flat parameter buffer is split into ``fragments`` (F) fragments by
   parameter in all) and scattered back at the merge; its bytes per
   exchange are its size, as with contiguous fragments.
 
+The layout is mathematics: ranks must agree on it and checkpoints record
+it (``layout`` and ``stride_blocks``, only when strided: the contiguous
+record is the one from before the option, so those checkpoints resume).
+
 Fragment f starts its exchange after every step ``t`` with
 ``t mod H == f H // F`` (``H`` = ``period``: staggered offsets, so at most
 one fragment's bytes start per step when F <= H): the fragment of the local
@@ -297,9 +301,12 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
             self.merge_steps = np.array(merge_steps, np.int64)
 
     def hyperparameters(self) -> Dict[str, Any]:
+        # The strided layout alone records its layout: the contiguous record is what it was before the option
+        # existed (stride_blocks does nothing there), so checkpoints saved then still resume, and any other
+        # record differs in "layout" from a strided one.
+        strided = {"layout": self.layout, "stride_blocks": self.stride_blocks} if self.layout == "strided" else {}
         return {
-            "period": self.period, "fragments": self.fragments, "layout": self.layout, "stride_blocks": self.stride_blocks,
-            "overlap_steps": self.overlap_steps, "alpha": self.alpha,
+            "period": self.period, "fragments": self.fragments, **strided, "overlap_steps": self.overlap_steps, "alpha": self.alpha,
             "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "outer_nesterov": self.outer_nesterov,
             **self.local.hyperparameters(),
         }

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mpiopt
-from mpiopt.comm import Comm
+from mpiopt.comm import Comm, SetupMismatchError
 from mpiopt.algorithms.streaming_diloco import fragment_blocks, fragment_bounds, fragment_offsets, fragment_sizes
 from mpiopt.comm.ledger import plan_bytes
 from mpiopt.sim.streaming_diloco import simulate
@@ -146,16 +146,32 @@ def test_strided_needs_a_block_per_fragment_and_stride(topology):
         alg.setup(np.zeros(31, np.float32))
 
 
-def test_strided_layout_must_agree_and_is_checkpointed(topology):
-    """The layout is mathematics: a resume with the other layout is refused, naming it."""
+def test_strided_layout_is_checkpointed_and_refused_by_the_other_layout(topology):
+    """The layout is mathematics: recorded in the state, and a resume in the other layout is refused, naming it."""
     strided = mpiopt.create("streaming_diloco", topology, period=4, fragments=2, **STRIDED)
     contiguous = mpiopt.create("streaming_diloco", topology, period=4, fragments=2)
     for alg in (strided, contiguous):
         alg.setup(_initial(topology.rank, 40))
-    state = strided.state_dict()
+    state, plain = strided.state_dict(), contiguous.state_dict()
     assert state["hyperparameters"]["layout"] == "strided" and state["hyperparameters"]["stride_blocks"] == 3
-    with pytest.raises(ValueError, match="layout: saved 'strided', here 'contiguous'"):
+    # The contiguous record has no layout entry: checkpoints saved before the option existed read the same.
+    assert "layout" not in plain["hyperparameters"] and "stride_blocks" not in plain["hyperparameters"]
+    with pytest.raises(ValueError, match="layout: saved 'strided', here '<missing>'"):
         contiguous.load_state_dict(state)
+    with pytest.raises(ValueError, match="layout: saved '<missing>', here 'strided'"):
+        strided.load_state_dict(plain)
+    other = mpiopt.create("streaming_diloco", topology, period=4, fragments=2, layout="strided", stride_blocks=4)
+    other.setup(_initial(topology.rank, 40))
+    with pytest.raises(ValueError, match="stride_blocks: saved 3, here 4"):
+        other.load_state_dict(state)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_must_agree_on_the_layout(topology):
+    layout = STRIDED if topology.rank == 0 else {}
+    alg = mpiopt.create("streaming_diloco", topology, period=4, fragments=2, **layout)
+    with pytest.raises(SetupMismatchError, match="layout"):
+        alg.setup(_initial(topology.rank, 40))
 
 
 def _run_with_progress(topology, progress, steps, hook=False):
