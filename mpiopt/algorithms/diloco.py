@@ -57,9 +57,9 @@ read as a reference only:
   local + (1 - alpha) * global``) are ``streaming_diloco``'s
   ``overlap_steps`` and ``alpha``, with the same meaning of alpha.  torchft
   fragments by the model's modules as the caller lists them; here fragments
-  are contiguous slices of the flat buffer (the paper prefers a strided
-  assignment of layers: not implemented), started at the offsets
-  ``f H // F`` of each period.
+  are contiguous slices of the flat buffer, or with ``layout="strided"``
+  interleaved blocks standing in for the paper's strided assignment of
+  layers, started at the offsets ``f H // F`` of each period.
 * torchft may quantise the pseudo-gradients for the allreduce
   (``should_quantize``); here they travel in the parameters' dtype.
 * torchft keeps the outer state (saved originals) per fragment in its own

@@ -3,14 +3,34 @@
 Douillard et al., "Streaming DiLoCo with overlapping communication: towards a
 distributed free lunch", 2025 (arXiv:2501.18512).
 
-The flat parameter buffer is split into ``fragments`` (F) contiguous slices
-in order (fragment f is ``[f d // F, (f + 1) d // F)``).  Fragment f starts
-its exchange after every step ``t`` with ``t mod H == f H // F`` (``H`` =
-``period``: staggered offsets, so at most one fragment's bytes start per
-step when F <= H): the fragment of the local parameters is copied into the
-sum buffer and summed over the ranks by a nonblocking in-place
-``Iallreduce`` (the in-flight machinery of :mod:`~mpiopt.algorithms.inflight`,
-shared with ``dasgd``).  ``overlap_steps`` (tau) steps later it completes
+The flat parameter buffer is split into ``fragments`` (F) fragments by
+``layout``:
+
+- ``"contiguous"`` (default): F contiguous slices in order, fragment f is
+  ``[f d // F, (f + 1) d // F)``;
+- ``"strided"``: the paper's strided assignment, where fragment p holds the
+  layers p, p + F, p + 2F, ... so that every fragment spans the model's
+  whole depth (the paper found it better than contiguous layers).  The
+  algorithm sees one flat buffer: :meth:`setup` takes nothing else, and the
+  groups of :meth:`use_groups` are the optimizer's (decay or not), not
+  layers.  So ``F k`` near-equal blocks ``[i d // (F k), (i + 1) d // (F k))``
+  (``k`` = ``stride_blocks``) stand in for the layers and block i goes to
+  fragment ``i mod F`` (:func:`fragment_blocks`).  A fragment's values are
+  gathered into its own contiguous region of the sum buffer for the
+  exchange (one index array per fragment, built at setup: one integer per
+  parameter in all) and scattered back at the merge; its bytes per
+  exchange are its size, as with contiguous fragments.
+
+The layout is mathematics: ranks must agree on it and checkpoints record
+it (``layout`` and ``stride_blocks``, only when strided: the contiguous
+record is the one from before the option, so those checkpoints resume).
+
+Fragment f starts its exchange after every step ``t`` with
+``t mod H == f H // F`` (``H`` = ``period``: staggered offsets, so at most
+one fragment's bytes start per step when F <= H): the fragment of the local
+parameters is copied (gathered, when strided) into the sum buffer and summed
+over the ranks by a nonblocking in-place ``Iallreduce`` (the in-flight
+machinery of :mod:`~mpiopt.algorithms.inflight`, shared with ``dasgd``).  ``overlap_steps`` (tau) steps later it completes
 and the fragment's outer step is taken, :func:`~mpiopt.algorithms.diloco.outer_step`,
 the same function as ``diloco``'s: ``Delta = theta_start_f - mean_i theta_i,f``
 (the local fragment at the exchange's start) and Nesterov SGD from
@@ -23,7 +43,8 @@ with ``theta_local_f`` the local fragment *now* (tau steps after the
 exchange started): ``alpha = 0`` discards the local progress made during
 the overlap, ``alpha = 1`` keeps only it.  ``theta_start_f := theta_outer_f``.
 
-With one fragment, ``overlap_steps=0`` and ``alpha=0`` it is ``diloco``.
+With one fragment, ``overlap_steps=0`` and ``alpha=0`` it is ``diloco``
+(in either layout: one fragment holds every block in order).
 
 Progress: MPI advances a fragment's ``Iallreduce`` only inside MPI calls,
 and at 4 ranks one burst of ``Test`` calls after a step does not get it far
@@ -46,7 +67,10 @@ Checkpoints: :meth:`state_dict` completes the exchanges in flight (``Wait``)
 but does not merge them; their sums (``pending_sum``, the whole sum buffer,
 only while one is pending) and the steps at which each merges
 (``merge_steps``, one per fragment, 0 when none) are state, so a resume
-merges them at the same steps (bitwise).  Resize: ``theta_start`` and the
+merges them at the same steps (bitwise).  The sum buffer holds each
+fragment in its exchange order (for ``"strided"``, fragment by fragment);
+``theta_start`` and the outer momentum are in the parameters' order in
+both layouts.  Resize: ``theta_start`` and the
 outer momentum COPY (the same on every rank), a pending sum RESCALEs to the
 new world size, the inner momentum FOLLOWs its rank.
 """
@@ -57,7 +81,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ..arrays import empty_apart
+from ..arrays import array_module, empty_apart
 from ..comm import Topology
 from ..comm.ledger import Call
 from .base import BASE, SynchronousAlgorithm
@@ -66,9 +90,12 @@ from .inflight import PROGRESS, InFlight, check_progress, progress_knobs
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .registry import register
 from .resize import COPY, FOLLOW, RESCALE
-from .schema import Hyperparameter, Schema, boolean, in_range, positive
+from .schema import Hyperparameter, Schema, boolean, choice, in_range, positive
 
-__all__ = ["StreamingDiLoCo", "fragment_bounds", "fragment_offsets"]
+__all__ = ["StreamingDiLoCo", "LAYOUTS", "fragment_blocks", "fragment_bounds", "fragment_offsets", "fragment_sizes"]
+
+#: How the flat buffer is assigned to fragments (module docstring).
+LAYOUTS = ("contiguous", "strided")
 
 
 def fragment_bounds(d: int, fragments: int) -> List[Tuple[int, int]]:
@@ -76,9 +103,39 @@ def fragment_bounds(d: int, fragments: int) -> List[Tuple[int, int]]:
     return [(f * d // fragments, (f + 1) * d // fragments) for f in range(fragments)]
 
 
+def fragment_blocks(d: int, fragments: int, stride_blocks: int) -> List[List[Tuple[int, int]]]:
+    """The strided layout: ``F k`` near-equal blocks ``[i d // (F k), (i + 1) d // (F k))``, block i to fragment ``i mod F``.
+
+    Each fragment's blocks in the buffer's order (``k`` = ``stride_blocks``
+    of them).  With ``d >= F k`` no block is empty.
+    """
+    blocks = fragments * stride_blocks
+    bounds = [(i * d // blocks, (i + 1) * d // blocks) for i in range(blocks)]
+    return [bounds[f::fragments] for f in range(fragments)]
+
+
+def fragment_sizes(d: int, fragments: int, layout: str = "contiguous", stride_blocks: int = 1) -> List[int]:
+    """Each fragment's values (its elements per exchange) in ``layout``."""
+    if layout == "strided":
+        return [sum(b - a for a, b in blocks) for blocks in fragment_blocks(d, fragments, stride_blocks)]
+    return [b - a for a, b in fragment_bounds(d, fragments)]
+
+
 def fragment_offsets(period: int, fragments: int) -> List[int]:
     """Fragment f's exchange starts after the steps ``t`` with ``t mod period == f period // F``."""
     return [f * period // fragments for f in range(fragments)]
+
+
+def _fragment_index(blocks: List[Tuple[int, int]]) -> np.ndarray:
+    """One fragment's positions in the flat buffer, its blocks one after the other (set-up only)."""
+    return np.concatenate([np.arange(a, b, dtype=np.intp) for a, b in blocks])
+
+
+def _gather(source: Any, index: Any, out: Any) -> Any:
+    """``out[...] = source[index]`` without a temporary (numpy's ``take`` buffers ``out`` in its default mode)."""
+    if isinstance(source, np.ndarray):
+        return np.take(source, index, out=out, mode="clip")  # the indices are in range: clip never acts
+    return array_module(source).take(source, index, out=out)
 
 
 def _starts(period: int, offset: int, steps: range) -> int:
@@ -101,7 +158,15 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
     period : int
         H, steps between two exchanges of the same fragment.
     fragments : int
-        F, contiguous fragments (at most ``period``).
+        F, fragments (at most ``period``).
+    layout : {"contiguous", "strided"}
+        How the flat buffer is cut into fragments: F contiguous slices, or
+        ``F * stride_blocks`` near-equal blocks dealt out round-robin (block
+        i to fragment ``i mod F``), standing in for the paper's strided
+        assignment of layers (module docstring).
+    stride_blocks : int
+        k, blocks per fragment in the strided layout (the buffer must have
+        at least ``F * k`` values); no effect on the contiguous layout.
     overlap_steps : int
         tau, steps between a fragment's exchange start and its merge (less than ``period``).
     alpha : float
@@ -123,7 +188,9 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
     listing_order = 32
     schema = BASE.with_defaults(lr=0.1) + Schema(
         Hyperparameter("period", 100, positive(integer=True), "steps between two exchanges of a fragment (H)"),
-        Hyperparameter("fragments", 4, positive(integer=True), "contiguous fragments of the parameters (F <= H)"),
+        Hyperparameter("fragments", 4, positive(integer=True), "fragments of the parameters (F <= H)"),
+        Hyperparameter("layout", "contiguous", choice(*LAYOUTS), "fragments as contiguous slices or strided blocks (block i to fragment i mod F)"),
+        Hyperparameter("stride_blocks", 8, positive(integer=True), "blocks per fragment in the strided layout (k; F k blocks in all)"),
         Hyperparameter("overlap_steps", 1, positive(allow_zero=True, integer=True), "steps an exchange overlaps (tau < H)"),
         Hyperparameter("alpha", 0.5, in_range(0.0, 1.0), "weight of the local fragment in the merge, in [0, 1]"),
         Hyperparameter("outer_lr", 0.7, positive(), "outer SGD learning rate"),
@@ -143,9 +210,10 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
     @classmethod
     def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
         period, fragments, tau = int(hyper["period"]), int(hyper["fragments"]), int(hyper["overlap_steps"])
+        sizes = fragment_sizes(d, fragments, hyper["layout"], int(hyper["stride_blocks"]))
         return [
-            Call("iallreduce", itemsize * (b - a), ranks, _starts(period, offset, steps), overlap_steps=tau)
-            for (a, b), offset in zip(fragment_bounds(d, fragments), fragment_offsets(period, fragments))
+            Call("iallreduce", itemsize * size, ranks, _starts(period, offset, steps), overlap_steps=tau)
+            for size, offset in zip(sizes, fragment_offsets(period, fragments))
         ]
 
     @classmethod
@@ -159,6 +227,8 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         lr: float = 0.1,
         period: int = 100,
         fragments: int = 4,
+        layout: str = "contiguous",
+        stride_blocks: int = 8,
         overlap_steps: int = 1,
         alpha: float = 0.5,
         outer_lr: float = 0.7,
@@ -176,6 +246,8 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         super().__init__(topology, lr=lr, nan_policy=nan_policy)
         self.period = self.schema["period"].validate(period)
         self.fragments = self.schema["fragments"].validate(fragments)
+        self.layout = self.schema["layout"].validate(layout)
+        self.stride_blocks = self.schema["stride_blocks"].validate(stride_blocks)
         self.overlap_steps = self.schema["overlap_steps"].validate(overlap_steps)
         if self.fragments > self.period:
             raise ValueError(f"fragments={fragments} must be at most period={period} (one fragment's start per step)")
@@ -191,7 +263,9 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         self.outer_momentum_buffer: Optional[Any] = None
         self.merge_steps = np.zeros(self.fragments, np.int64)  # the step after which fragment f merges; 0: none pending
         self._sum: Optional[Any] = None
-        self._bounds: List[Tuple[int, int]] = []
+        self._bounds: List[Tuple[int, int]] = []  # each fragment's region of the sum buffer (its slice of params if contiguous)
+        self._index: List[Optional[Any]] = [None] * self.fragments  # strided: each fragment's positions in params
+        self._gathered: List[Any] = []  # strided: scratch for one fragment's theta_start, outer momentum, parameters
         self._offsets = fragment_offsets(self.period, self.fragments)
         self._inflight = [InFlight() for _ in range(self.fragments)]  # each fragment's Iallreduce and progress thread
         self._outer_work: List[List[Any]] = [[] for _ in range(self.fragments)]  # each fragment's scratch
@@ -227,8 +301,12 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
             self.merge_steps = np.array(merge_steps, np.int64)
 
     def hyperparameters(self) -> Dict[str, Any]:
+        # The strided layout alone records its layout: the contiguous record is what it was before the option
+        # existed (stride_blocks does nothing there), so checkpoints saved then still resume, and any other
+        # record differs in "layout" from a strided one.
+        strided = {"layout": self.layout, "stride_blocks": self.stride_blocks} if self.layout == "strided" else {}
         return {
-            "period": self.period, "fragments": self.fragments, "overlap_steps": self.overlap_steps, "alpha": self.alpha,
+            "period": self.period, "fragments": self.fragments, **strided, "overlap_steps": self.overlap_steps, "alpha": self.alpha,
             "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "outer_nesterov": self.outer_nesterov,
             **self.local.hyperparameters(),
         }
@@ -237,9 +315,22 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         d = params.shape[0]
         if d < self.fragments:
             raise ValueError(f"streaming_diloco: {d} parameters cannot make fragments={self.fragments}")
+        if self.layout == "strided" and d < self.fragments * self.stride_blocks:
+            raise ValueError(
+                f"streaming_diloco: {d} parameters cannot make fragments * stride_blocks = "
+                f"{self.fragments} * {self.stride_blocks} strided blocks"
+            )
         check_progress(self.name, self.progress, self.topology, params)
         self.local.allocate(params)
-        self._bounds = fragment_bounds(d, self.fragments)
+        sizes = fragment_sizes(d, self.fragments, self.layout, self.stride_blocks)
+        ends = np.cumsum(sizes).tolist()
+        self._bounds = [(end - size, end) for size, end in zip(sizes, ends)]  # contiguous: fragment_bounds itself
+        if self.layout == "strided":
+            blocks = fragment_blocks(d, self.fragments, self.stride_blocks)
+            self._index = [self._xp.asarray(_fragment_index(b)) for b in blocks]
+            self._gathered = [self._xp.empty(max(sizes), params.dtype) for _ in range(3)]
+        else:
+            self._index, self._gathered = [None] * self.fragments, []
         world = self.topology.world
         self._sum = empty_apart(params)
         self._outer_work = [[] for _ in range(self.fragments)]
@@ -267,7 +358,10 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
 
     def _start(self, f: int, step: int, params: Any) -> None:
         a, b = self._bounds[f]
-        self._sum[a:b] = params[a:b]
+        if self._index[f] is None:
+            self._sum[a:b] = params[a:b]
+        else:
+            _gather(params, self._index[f], self._sum[a:b])
         threaded = self.progress == "thread" and self.overlap_steps  # with tau = 0 it is completed at once
         self._inflight[f].start(
             self.topology.world.Iallreduce(self._sum[a:b]), thread_interval=self.progress_interval if threaded else None,
@@ -279,8 +373,15 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         """Fragment f's outer step from its sum, then ``alpha * local + (1 - alpha) * outer`` into the parameters."""
         self._inflight[f].complete()
         a, b = self._bounds[f]
-        total, start, local = self._sum[a:b], self.theta_start[a:b], params[a:b]
-        buffer = None if self.outer_momentum_buffer is None else self.outer_momentum_buffer[a:b]
+        index, total = self._index[f], self._sum[a:b]
+        if index is None:  # views of the fragment's slice
+            start, local = self.theta_start[a:b], params[a:b]
+            buffer = None if self.outer_momentum_buffer is None else self.outer_momentum_buffer[a:b]
+        else:  # the strided fragment gathered into scratch, scattered back below
+            start, moment, local = (g[: b - a] for g in self._gathered)
+            _gather(self.theta_start, index, start)
+            _gather(params, index, local)
+            buffer = None if self.outer_momentum_buffer is None else _gather(self.outer_momentum_buffer, index, moment)
         outer_step(
             start, total, self.topology.world.size, lr=self.outer_lr, momentum=self.outer_momentum,
             nesterov=self.outer_nesterov, buffer=buffer, out=local if self.alpha == 0.0 else None, work=self._outer_work[f],
@@ -290,6 +391,11 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
             total *= 1.0 - self.alpha
             local *= self.alpha
             local += total
+        if index is not None:
+            self.theta_start[index] = start
+            params[index] = local
+            if buffer is not None:
+                self.outer_momentum_buffer[index] = buffer
         self.merge_steps[f] = 0
 
     def progress_hook(self) -> bool:

@@ -5,6 +5,9 @@ path's code): inner momentum SGD per rank, fragment f's exchange starting
 after steps ``t`` with ``t mod H == f H // F`` from the local fragments then,
 merged ``tau`` steps later (after that step's local update) with the outer
 Nesterov step from ``theta_start`` and ``alpha * local + (1 - alpha) * outer``.
+A fragment is a set of positions: a contiguous slice, or for
+``layout="strided"`` the blocks i = f, f + F, ... of ``F k`` near-equal
+blocks, addressed by fancy indexing (no gathering into a send buffer).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ __all__ = ["simulate"]
 def simulate(
     initial: Sequence[np.ndarray], grad: Callable[[int, int, np.ndarray], np.ndarray], steps: int, *, lr: float,
     momentum: float = 0.0, period: int, fragments: int, overlap_steps: int, alpha: float, outer_lr: float,
-    outer_momentum: float, outer_nesterov: bool = True, dtype=np.float64,
+    outer_momentum: float, outer_nesterov: bool = True, layout: str = "contiguous", stride_blocks: int = 8, dtype=np.float64,
 ) -> List[np.ndarray]:
     """Every rank's parameters after ``steps`` steps and the final merges; ``grad(rank, step, x)`` is rank's gradient at x.
 
@@ -29,21 +32,28 @@ def simulate(
     start = np.mean([np.asarray(x, dtype) for x in initial], axis=0)
     x = [start.copy() for _ in range(P)]
     d = start.shape[0]
-    bounds = [(f * d // fragments, (f + 1) * d // fragments) for f in range(fragments)]
+    if layout == "strided":
+        blocks = fragments * stride_blocks
+        owner = np.empty(d, np.int64)  # each position's fragment
+        for i in range(blocks):
+            owner[i * d // blocks : (i + 1) * d // blocks] = i % fragments
+        parts = [np.flatnonzero(owner == f) for f in range(fragments)]
+    else:
+        parts = [np.arange(f * d // fragments, (f + 1) * d // fragments) for f in range(fragments)]
     offsets = [f * period // fragments for f in range(fragments)]
     buf = [None] * P
     outer_buf = np.zeros(d, dtype)
     pending = {}  # fragment -> (merge step, mean of the local fragments at the start)
 
     def merge(f):
-        a, b = bounds[f]
+        part = parts[f]
         _, mean = pending.pop(f)
-        delta = start[a:b] - mean
-        outer_buf[a:b] = outer_momentum * outer_buf[a:b] + delta
-        g = delta + outer_momentum * outer_buf[a:b] if outer_nesterov and outer_momentum else outer_buf[a:b]
-        start[a:b] = start[a:b] - outer_lr * g
+        delta = start[part] - mean
+        outer_buf[part] = outer_momentum * outer_buf[part] + delta
+        g = delta + outer_momentum * outer_buf[part] if outer_nesterov and outer_momentum else outer_buf[part]
+        start[part] = start[part] - outer_lr * g
         for r in range(P):
-            x[r][a:b] = alpha * x[r][a:b] + (1 - alpha) * start[a:b]
+            x[r][part] = alpha * x[r][part] + (1 - alpha) * start[part]
 
     for t in range(1, steps + 1):
         for r in range(P):
@@ -54,8 +64,7 @@ def simulate(
             merge(f)
         for f in range(fragments):
             if t % period == offsets[f]:
-                a, b = bounds[f]
-                pending[f] = (t + overlap_steps, np.mean([xr[a:b] for xr in x], axis=0))
+                pending[f] = (t + overlap_steps, np.mean([xr[parts[f]] for xr in x], axis=0))
                 if overlap_steps == 0:
                     merge(f)
     for f in list(pending):

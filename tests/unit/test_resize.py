@@ -194,11 +194,16 @@ def topology():
     topo.world.Free()
 
 
-@pytest.mark.parametrize("name", SYNCHRONOUS)
-def test_real_states_moved_by_the_rule_load_into_the_algorithm(topology, name):
+# The strided layout gathers its fragments into the sum buffer: its pending sum is in fragment order.
+STRIDED = {"streaming_diloco": {**SETTINGS["streaming_diloco"], "layout": "strided", "stride_blocks": 3}}
+
+
+@pytest.mark.parametrize("name, settings", [(n, SETTINGS[n]) for n in SYNCHRONOUS] + list(STRIDED.items()),
+                         ids=[*SYNCHRONOUS, "streaming_diloco-strided"])
+def test_real_states_moved_by_the_rule_load_into_the_algorithm(topology, name, settings):
     """Two one-rank runs on different gradients stand for two old ranks; their states, resized to one rank, load."""
     def run(seed: int, steps: int = 4):
-        alg = mpiopt.create(name, topology, lr=0.01, **SETTINGS[name])
+        alg = mpiopt.create(name, topology, lr=0.01, **settings)
         params = np.random.default_rng(0).standard_normal(D).astype(np.float32)
         alg.setup(params)
         for step in range(steps):

@@ -31,3 +31,15 @@ def test_alpha_one_keeps_the_local_models():
         for t in range(1, 10):
             x = x - 0.1 * _grad(r, t, x)
         np.testing.assert_array_equal(got[r], x)
+
+
+def test_strided_with_one_block_per_fragment_is_contiguous():
+    """stride_blocks 1: F blocks, block f to fragment f, the contiguous slices themselves."""
+    initial = [np.random.default_rng(r).standard_normal(13) for r in range(3)]
+    common = dict(lr=0.1, momentum=0.9, period=4, fragments=3, overlap_steps=1, alpha=0.5, outer_lr=0.7, outer_momentum=0.9)
+    contiguous = simulate(initial, _grad, 11, **common)
+    strided = simulate(initial, _grad, 11, layout="strided", stride_blocks=1, **common)
+    other = simulate(initial, _grad, 11, layout="strided", stride_blocks=3, **common)
+    for r in range(3):
+        np.testing.assert_array_equal(strided[r], contiguous[r])
+        assert not np.array_equal(other[r], contiguous[r])  # the layout matters once the blocks interleave
