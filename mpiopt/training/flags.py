@@ -34,7 +34,7 @@ _HELP = {
     "n_embd": "gpt: embedding width, divisible by --n-head (default 128)",
     "n_head": "gpt: attention heads (default 4)",
     "block_size": "gpt: tokens (bytes) of context per training and evaluation window (default 128)",
-    "dropout": "dropout before the classifier head",
+    "dropout": "dropout before the classifier head (gpt: on the embeddings, attention and residual branches)",
     "augment": "random crop (padding 4) and horizontal flip of training images (cifar10)",
     "epochs": f"passes over the training set (default {DEFAULT_EPOCHS} when --steps is not given)",
     "steps": "optimizer steps per rank, instead of --epochs (default: from --epochs)",
