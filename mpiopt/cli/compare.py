@@ -105,20 +105,13 @@ def run(args: argparse.Namespace) -> int:
         if session.rank == 0:
             section = sweep.report(session.out, chosen, tried, sweep_steps)
 
-    if repeats == 1:
-        paths = []
-        for number, name in enumerate(algorithms, 1):
-            session.say(f"== {number}/{len(algorithms)}: {name}")
-            paths.append(train(configs[name], name, session.topology, session.dataset, os.path.join(session.out, name)))
-        session.finish(paths, config, extra=section)
-        return 0
     # Round by round (every algorithm once per repeat), so that a change in the machine's load hits them all alike.
     groups: list = [[] for _ in algorithms]
     for k in range(1, repeats + 1):
         seed = config.seed + k - 1
         for number, name in enumerate(algorithms, 1):
-            session.say(f"== repeat {k}/{repeats} (seed {seed}), {number}/{len(algorithms)}: {name}")
-            run_config = dataclasses.replace(configs[name], seed=seed)
-            groups[number - 1].append(train(run_config, name, session.topology, session.dataset, os.path.join(session.out, name, f"run{k}")))
-    session.finish([p for g in groups for p in g], config, groups=groups, extra=section)
+            session.say(f"== {f'repeat {k}/{repeats} (seed {seed}), ' if repeats > 1 else ''}{number}/{len(algorithms)}: {name}")
+            folder = os.path.join(session.out, name, f"run{k}") if repeats > 1 else os.path.join(session.out, name)
+            groups[number - 1].append(train(dataclasses.replace(configs[name], seed=seed), name, session.topology, session.dataset, folder))
+    session.finish([p for g in groups for p in g], config, groups=groups if repeats > 1 else None, extra=section)
     return 0

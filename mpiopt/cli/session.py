@@ -47,11 +47,12 @@ class Session:
             from ..metrics import read_metrics
             from .plot import write_report
 
-            runs = [read_metrics(p) for p in paths if p]
+            read = {p: read_metrics(p) for p in paths if p}
+            runs = list(read.values())
             heading = f"# mpiopt {self.command}: {config.dataset}/{config.model}, {self.topology.size} ranks"
             repeated = None
             if groups is not None:
-                repeated = [[read_metrics(p) for p in g if p] for g in groups]
+                repeated = [[read[p] for p in g if p] for g in groups]
                 repeated = [g for g in repeated if g]
                 heading += f", {len(groups[0])} repeats per algorithm (seeds {config.seed}-{config.seed + len(groups[0]) - 1}): median (min-max)"
             table, results, figures = write_report(runs, self.out, config.target_accuracy, heading, groups=repeated,
