@@ -92,11 +92,11 @@ def hyperparameter_lines(saved: Mapping[str, Any], here: Mapping[str, Any], *, s
     return [f"{k}: saved {saved.get(k, _MISSING)!r}, here {here.get(k, _MISSING)!r}" for k in keys if saved.get(k, _MISSING) != here.get(k, _MISSING)]
 
 
-def due_steps(period: int, steps: range) -> int:
-    """How many of ``steps`` are multiples of ``period`` (the steps at which a periodic exchange happens)."""
+def due_steps(period: int, steps: range, offset: int = 0) -> int:
+    """How many of ``steps`` are ``offset`` modulo ``period`` (the steps at which a periodic exchange happens)."""
     if not steps:
         return 0
-    return (steps[-1]) // int(period) - (steps[0] - 1) // int(period)
+    return (steps[-1] - offset) // int(period) - (steps[0] - 1 - offset) // int(period)
 
 
 

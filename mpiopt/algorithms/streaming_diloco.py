@@ -84,7 +84,8 @@ import numpy as np
 from ..arrays import array_module, empty_apart
 from ..comm import Topology
 from ..comm.ledger import Call
-from .base import BASE, SynchronousAlgorithm
+from ..kernels._backend import take_rows
+from .base import BASE, SynchronousAlgorithm, due_steps
 from .diloco import outer_step
 from .inflight import PROGRESS, InFlight, check_progress, progress_knobs
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
@@ -130,19 +131,6 @@ def _fragment_index(blocks: List[Tuple[int, int]]) -> np.ndarray:
     """One fragment's positions in the flat buffer, its blocks one after the other (set-up only)."""
     return np.concatenate([np.arange(a, b, dtype=np.intp) for a, b in blocks])
 
-
-def _gather(source: Any, index: Any, out: Any) -> Any:
-    """``out[...] = source[index]`` without a temporary (numpy's ``take`` buffers ``out`` in its default mode)."""
-    if isinstance(source, np.ndarray):
-        return np.take(source, index, out=out, mode="clip")  # the indices are in range: clip never acts
-    return array_module(source).take(source, index, out=out)
-
-
-def _starts(period: int, offset: int, steps: range) -> int:
-    """How many of ``steps`` (all >= 1) are ``offset`` modulo ``period``."""
-    if not steps:
-        return 0
-    return (steps[-1] - offset) // period - (steps[0] - 1 - offset) // period
 
 
 @register
@@ -212,7 +200,7 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         period, fragments, tau = int(hyper["period"]), int(hyper["fragments"]), int(hyper["overlap_steps"])
         sizes = fragment_sizes(d, fragments, hyper["layout"], int(hyper["stride_blocks"]))
         return [
-            Call("iallreduce", itemsize * size, ranks, _starts(period, offset, steps), overlap_steps=tau)
+            Call("iallreduce", itemsize * size, ranks, due_steps(period, steps, offset), overlap_steps=tau)
             for size, offset in zip(sizes, fragment_offsets(period, fragments))
         ]
 
@@ -297,8 +285,6 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         if merge_steps is not None and np.any(merge_steps) and state["arrays"].get("pending_sum") is None:
             raise ValueError("streaming_diloco state has a pending merge (merge_steps > 0) but lacks its sum")
         super().load_state_dict(state, override_hyperparameters=override_hyperparameters)
-        if merge_steps is not None:
-            self.merge_steps = np.array(merge_steps, np.int64)
 
     def hyperparameters(self) -> Dict[str, Any]:
         # The strided layout alone records its layout: the contiguous record is what it was before the option
@@ -361,7 +347,7 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         if self._index[f] is None:
             self._sum[a:b] = params[a:b]
         else:
-            _gather(params, self._index[f], self._sum[a:b])
+            take_rows(params, self._index[f], self._sum[a:b])
         threaded = self.progress == "thread" and self.overlap_steps  # with tau = 0 it is completed at once
         self._inflight[f].start(
             self.topology.world.Iallreduce(self._sum[a:b]), thread_interval=self.progress_interval if threaded else None,
@@ -379,16 +365,18 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
             buffer = None if self.outer_momentum_buffer is None else self.outer_momentum_buffer[a:b]
         else:  # the strided fragment gathered into scratch, scattered back below
             start, moment, local = (g[: b - a] for g in self._gathered)
-            _gather(self.theta_start, index, start)
-            _gather(params, index, local)
-            buffer = None if self.outer_momentum_buffer is None else _gather(self.outer_momentum_buffer, index, moment)
+            take_rows(self.theta_start, index, start)
+            take_rows(params, index, local)
+            buffer = None
+            if self.outer_momentum_buffer is not None:
+                take_rows(self.outer_momentum_buffer, index, moment)
+                buffer = moment
         outer_step(
             start, total, self.topology.world.size, lr=self.outer_lr, momentum=self.outer_momentum,
             nesterov=self.outer_nesterov, buffer=buffer, out=local if self.alpha == 0.0 else None, work=self._outer_work[f],
         )
         if self.alpha != 0.0:  # total is scratch now
-            total[...] = start
-            total *= 1.0 - self.alpha
+            array_module(total).multiply(start, 1.0 - self.alpha, out=total)
             local *= self.alpha
             local += total
         if index is not None:

@@ -90,8 +90,8 @@ from mpiopt.comm import MAX, Topology
 from mpiopt.training.config import UsageError
 
 DEFAULT_MODES = ("compute", "sgd", "localsgd", "dasgd", "dasgd+hook", "dasgd+thread", "dasgd/no-test")
-MODES = DEFAULT_MODES + ("diloco", "streaming_diloco", "streaming_diloco+thread", "streaming_diloco+probe")
 OUTER_MODES = ("diloco", "streaming_diloco", "streaming_diloco+thread", "streaming_diloco+probe")  # cycle H = --outer-period, not tau
+MODES = DEFAULT_MODES + OUTER_MODES
 # Each overlapping mode's blocking counterpart (same bytes, no overlap) and its goal in x compute-only.
 BLOCKING = {"dasgd": "localsgd", "streaming_diloco": "diloco"}
 GOALS = {"dasgd": 1.10, "streaming_diloco": 1.05}

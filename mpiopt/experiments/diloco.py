@@ -37,13 +37,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import time
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
 from ..bench._common import markdown_table
 from ..comm import Comm, Topology
+from ..comm.waiting import Backoff
 from ..metrics import Run, plot_runs, read_metrics
 from ..metrics.summary import format_bytes
 from . import EXPERIMENTS
@@ -85,9 +85,9 @@ def plan(periods: Sequence[int], streaming_period: int) -> List[Spec]:
 
 def wait_without_spinning(world: Comm) -> None:
     """Wait for every rank of ``world``, sleeping: MPICH's blocking Barrier polls, taking a core from the ranks that train."""
-    request = world.Iallreduce(np.zeros(1))
+    request, backoff = world.Iallreduce(np.zeros(1)), Backoff(longest=0.05, spin=0.0)
     while not request.Test():
-        time.sleep(0.05)
+        backoff.pause()
 
 
 def train_specs(topology: Topology, specs: Sequence[Spec], out: str, steps: int) -> List[str]:
