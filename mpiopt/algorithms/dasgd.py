@@ -62,34 +62,13 @@ from ..comm import Topology
 from ..comm.ledger import Call
 from ..kernels.update import MERGE_RULES, Merge, merge_average
 from .base import BASE, SynchronousAlgorithm, due_steps
-from .inflight import PROGRESS, InFlight, check_progress, progress_knobs
+from .inflight import PROGRESS, InFlight, PendingBuffer, check_progress, progress_knobs
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .schema import Hyperparameter, Schema, choice, in_range, positive
 from .registry import register
 from .resize import COPY, FOLLOW, RESCALE
 
 __all__ = ["DaSGD"]
-
-
-class _PendingBuffer:
-    """A state attribute for a scratch buffer: the buffer while a merge is pending (``merge_step > 0``), else None.
-
-    So checkpoints carry the snapshot and the received sum only when they
-    matter; loading one copies it into the preallocated buffer.
-    """
-
-    def __init__(self, buffer: str) -> None:
-        self.buffer = buffer
-
-    def __get__(self, alg: Any, owner: Any = None) -> Any:
-        if alg is None:
-            return self
-        return getattr(alg, self.buffer) if alg.merge_step else None
-
-    def __set__(self, alg: Any, value: Optional[Any]) -> None:
-        buffer = getattr(alg, self.buffer)
-        if value is not None and buffer is not None:  # no buffer: the merge rule never reads it
-            buffer[...] = value
 
 
 @register
@@ -198,8 +177,8 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
     # -- state ---------------------------------------------------------------------------
     # momentum_buffer comes from LocalStepState; the snapshot and the received
     # sum are state only while an average is pending, scratch otherwise.
-    pending_snapshot = _PendingBuffer("_snapshot")
-    pending_sum = _PendingBuffer("_sum")
+    pending_snapshot = PendingBuffer("_snapshot", lambda alg: alg.merge_step > 0)
+    pending_sum = PendingBuffer("_sum", lambda alg: alg.merge_step > 0)
 
     @property
     def in_flight(self) -> bool:

@@ -25,12 +25,12 @@ They change who drives MPI, never what is computed.
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from ..comm import Request, Topology, is_gpu_array
 from .schema import Hyperparameter, Schema, choice, positive
 
-__all__ = ["PROGRESS_MODES", "PROGRESS", "progress_knobs", "check_progress", "poke", "ProgressThread", "InFlight"]
+__all__ = ["PROGRESS_MODES", "PROGRESS", "progress_knobs", "check_progress", "poke", "ProgressThread", "InFlight", "PendingBuffer"]
 
 PROGRESS_MODES = ("test", "thread", "none")
 
@@ -139,3 +139,25 @@ class InFlight:
         if self.request is not None and poke(self.request, tests):
             self.request = None
         return self.request is None
+
+
+class PendingBuffer:
+    """A state attribute for a scratch buffer: the buffer while ``pending(alg)`` (a merge is due), else None.
+
+    So checkpoints carry a snapshot or a received sum only when they matter;
+    loading one copies it into the preallocated buffer.
+    """
+
+    def __init__(self, buffer: str, pending: Callable[[Any], Any]) -> None:
+        self.buffer = buffer
+        self.pending = pending
+
+    def __get__(self, alg: Any, owner: Any = None) -> Any:
+        if alg is None:
+            return self
+        return getattr(alg, self.buffer) if self.pending(alg) else None
+
+    def __set__(self, alg: Any, value: Optional[Any]) -> None:
+        buffer = getattr(alg, self.buffer)
+        if value is not None and buffer is not None:  # no buffer: the merge rule never reads it
+            buffer[...] = value

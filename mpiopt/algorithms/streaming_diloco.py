@@ -87,7 +87,7 @@ from ..comm.ledger import Call
 from ..kernels._backend import take_rows
 from .base import BASE, SynchronousAlgorithm, due_steps
 from .diloco import outer_step
-from .inflight import PROGRESS, InFlight, check_progress, progress_knobs
+from .inflight import PROGRESS, InFlight, PendingBuffer, check_progress, progress_knobs
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .registry import register
 from .resize import COPY, FOLLOW, RESCALE
@@ -258,15 +258,7 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         self._inflight = [InFlight() for _ in range(self.fragments)]  # each fragment's Iallreduce and progress thread
         self._outer_work: List[List[Any]] = [[] for _ in range(self.fragments)]  # each fragment's scratch
 
-    # pending_sum is state only while a fragment's merge is pending
-    @property
-    def pending_sum(self) -> Optional[Any]:
-        return self._sum if self.merge_steps.any() else None
-
-    @pending_sum.setter
-    def pending_sum(self, value: Optional[Any]) -> None:
-        if value is not None and self._sum is not None:
-            self._sum[...] = value
+    pending_sum = PendingBuffer("_sum", lambda alg: alg.merge_steps.any())  # state only while a merge is pending
 
     @property
     def in_flight(self) -> bool:
