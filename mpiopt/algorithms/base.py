@@ -193,6 +193,8 @@ class Algorithm:
     inner_role: ClassVar[Optional[str]] = None
     #: Why an algorithm without an ``inner_role`` takes no inner optimizer.
     inner_refusal: ClassVar[str] = "its update is its own"
+    #: With an inner optimizer, the step as an equation beside the paper's (``inner(x, g)``: its step from ``x`` on ``g``).
+    inner_rule: ClassVar[str] = ""
     #: Whether the exchange is an Allreduce of the gradient that may run in buckets during backward (``step_reduced``).
     overlaps_backward: ClassVar[bool] = False
     #: Whether :meth:`_step` can check the gradient in its update's own pass (see :meth:`_checks_in_step`).

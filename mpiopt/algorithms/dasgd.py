@@ -115,6 +115,8 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
 
     name = "dasgd"
     inner_role = "local"
+    inner_rule = ("w_i <- inner(w_i, g_i); after step k+d w_i <- avg(w_k) + (w_i - w_i,k)  "
+                  "(the paper: local momentum SGD steps, inner = SGD)")
     listing_order = 30
     schema = BASE.with_defaults(lr=0.1) + Schema(
         Hyperparameter("period", 4, positive(integer=True), "steps between averagings (tau)"),

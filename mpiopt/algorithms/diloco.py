@@ -149,6 +149,8 @@ class DiLoCo(LocalStepState, SynchronousAlgorithm):
 
     name = "diloco"
     inner_role = "local"
+    inner_rule = ("H steps theta_i <- inner(theta_i, g_i), then theta <- OuterNesterov(theta_start, mean_i (theta_start - theta_i))  "
+                  "(the paper, Algorithm 1: inner = AdamW)")
     listing_order = 31
     schema = BASE.with_defaults(lr=0.1) + Schema(
         Hyperparameter("period", 500, positive(integer=True), "inner steps between outer steps (H)"),

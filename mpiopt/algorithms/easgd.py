@@ -128,6 +128,8 @@ class EASGD(LocalStepState, SynchronousAlgorithm):
 
     name = "easgd"
     inner_role = "local"
+    inner_rule = ("x_i <- inner(x_i, g_i); every period steps x_i <- x_i - alpha (x_i - c), c <- c + beta (mean_i x_i - c)  "
+                  "(the paper, eqs. 5-6: the local step x_i - eta g_i is inner = SGD)")
     listing_order = 10
     schema = BASE.with_defaults(lr=0.1) + Schema(
         Hyperparameter("alpha", None, optional(positive(allow_zero=True)), "moving rate of a worker towards the centre (give alpha or beta)"),

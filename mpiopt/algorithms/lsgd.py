@@ -171,6 +171,8 @@ class LSGD(LSGDState, SynchronousAlgorithm):
 
     name = "lsgd"
     inner_role = "local"
+    inner_rule = ("x <- inner(x, g) - lambda (x - xl) - lambda_G (x - xg) when due  "
+                  "(the paper: x - eta g - lambda (x - xl) - lambda_G (x - xg), inner = SGD)")
     listing_order = 20
     schema = BASE.with_defaults(lr=0.1) + LSGD_RULE
     evaluates = "average"

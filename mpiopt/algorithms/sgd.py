@@ -44,6 +44,7 @@ class SGD(LocalStepState, SynchronousAlgorithm):
 
     name = "sgd"
     inner_role = "gradient"
+    inner_rule = "g = (1/N) sum_i g_i into .grad; x <- inner(x, g)  (the paper: x <- x - eta g, inner = SGD)"
     listing_order = 0
     schema = BASE.with_defaults(lr=0.1) + LOCAL_SGD
     baseline = True

@@ -173,6 +173,9 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
 
     name = "streaming_diloco"
     inner_role = "local"
+    inner_rule = ("theta_i <- inner(theta_i, g_i); fragment f tau steps after its exchange: "
+                  "theta_f <- alpha theta_f + (1 - alpha) OuterNesterov(theta_start_f, mean_i (theta_start_f - theta_i,f))  "
+                  "(the paper: inner = AdamW)")
     listing_order = 32
     schema = BASE.with_defaults(lr=0.1) + Schema(
         Hyperparameter("period", 100, positive(integer=True), "steps between two exchanges of a fragment (H)"),

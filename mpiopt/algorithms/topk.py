@@ -406,6 +406,8 @@ class _SparseSGD(LocalStepState, SynchronousAlgorithm):
 
     fused_gradient_check = True  # error feedback's pass over g checks it
     inner_role = "gradient"
+    inner_rule = ("a_i = g_i + e_i, e_i <- a_i - a_i 1_S_i; G = (1/N) sum_i a_i 1_S_i into .grad; x <- inner(x, G)  "
+                  "(the paper: x <- x - eta G, inner = SGD)")
     training_defaults = {"lr": 0.05, "density": 0.01, "momentum": 0.9}
     wire_summary = "8k bytes (or bitmap + values) + 8-byte header sent, (P-1) times that received"
 

@@ -10,9 +10,11 @@ construction.
 - ``inner=torch.optim.AdamW(...)`` (any optimizer over the same parameters)
   replaces the built-in SGD update: ``sgd``, ``topk``, ``regtopk`` write the
   exchanged gradient into ``.grad`` and step it; ``easgd``, ``lsgd``,
-  ``dasgd`` step it on this rank's gradient, then pull or average;
-  ``signum`` and the asynchronous algorithms refuse it.  Its groups and
-  state are this optimizer's.
+  ``dasgd``, ``diloco``, ``streaming_diloco`` step it on this rank's
+  gradient, then pull, average or take the outer step; ``signum`` and the
+  asynchronous algorithms refuse it.  Its groups and state are this
+  optimizer's.  Each algorithm's rule with it: its ``inner_rule`` (also
+  in ``mpiopt train --help``).
 - Without it, each parameter group may set the built-in update's ``lr``,
   ``momentum``, ``dampening``, ``nesterov``, ``weight_decay`` (read at every
   ``step()``, so schedulers that cycle them work); other keys are refused

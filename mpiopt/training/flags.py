@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import textwrap
 from typing import Any, Dict, List
 
 if sys.version_info >= (3, 11):
@@ -40,13 +41,14 @@ _HELP = {
     "steps": "optimizer steps per rank, instead of --epochs (default: from --epochs)",
     "batch_size": "samples per rank per step",
     "lr": "learning rate; default per algorithm: {lr_defaults} (with --optimizer: the optimizer's; default sgd 0.05, adam and adamw 1e-3)",
-    "optimizer": "the local update: a torch optimizer every algorithm but signum and the asynchronous ones steps with (sgd, adam, "
-    "adamw; its keywords with --hp NAME.KEY=VALUE, e.g. --hp adamw.betas=0.9,0.95 --hp adamw.weight_decay=0.1); the ddp "
-    "baseline uses the same (default: each algorithm's built-in SGD update)",
+    "optimizer": "the local update: a torch optimizer (sgd, adam, adamw; its keywords with --hp NAME.KEY=VALUE, e.g. --hp "
+    "adamw.betas=0.9,0.95 --hp adamw.weight_decay=0.1) that steps on the exchanged gradient ({gradient_exchanging}) or takes "
+    "each rank's local step before the algorithm's exchange ({model_averaging}), as each one's rule below says; the ddp "
+    "baseline uses the same; {no_inner} keep their own update (default: each algorithm's built-in SGD update)",
     "no_decay_on": "with --optimizer: no weight decay on these parameters (bias, norm, or bias,norm: biases and normalisation "
     "layers; default: the optimizer's decay on every parameter)",
     "clip_grad_norm": "clip the gradient's norm to X before each step: the exchanged gradient where the algorithm exchanges one "
-    "(sgd, topk, regtopk, ddp), else this rank's own (default: no clipping)",
+    "({gradient_exchanging}, ddp), else this rank's own (default: no clipping)",
     "warmup_steps": "a linear warm-up of the learning rate over N steps, then a cosine down to 0 at the last step "
     "(default: a constant rate)",
     "seed": "seed of the model's initialisation, the data order and augmentation",
@@ -106,12 +108,14 @@ def add_config_arguments(parser: argparse.ArgumentParser, command: str) -> None:
 
     defaults = TrainConfig()
     starts = {cls.name: training_defaults(cls.name) for cls in algorithms()}
+    roles = {key: ", ".join(cls.name for cls in algorithms() if cls.inner_role == role)
+             for key, role in (("gradient_exchanging", "gradient"), ("model_averaging", "local"), ("no_inner", None))}
     parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (keys as below, with underscores); flags override it")
     for name in _FLAGS_BY_COMMAND[command]:
         f = next(x for x in dataclasses.fields(TrainConfig) if x.name == name)
         default = getattr(defaults, name)
         lr_defaults = ", ".join(f"{a} {h['lr']:g}" for a, h in starts.items() if "lr" in h)
-        text = _HELP[name].format(choices=", ".join(available()), lr_defaults=lr_defaults)
+        text = _HELP[name].format(choices=", ".join(available()), lr_defaults=lr_defaults, **roles)
         text += "" if default is None else f" (default: {default})"
         flag = "--" + name.replace("_", "-")
         kind = f.type if isinstance(f.type, str) else str(f.type)
@@ -152,6 +156,8 @@ def hyperparameter_help() -> str:
         starts = ", ".join(f"{k}={v!r}" for k, v in training_defaults(cls.name).items())
         lines.append(f"  {cls.name}" + (f" (mpiopt train starts from {starts})" if starts else "") + ":")
         lines += [f"    {line}" for line in cls.schema.help(skip=("nan_policy",))]
+        rule = f"with --optimizer: {cls.inner_rule}" if cls.inner_role else f"--optimizer: refused ({cls.inner_refusal})"
+        lines += textwrap.wrap(rule, width=118, initial_indent="    ", subsequent_indent="      ")
     return "\n".join(lines)
 
 

@@ -71,6 +71,19 @@ def test_help_lists_every_algorithm_and_hyperparameter():
     assert "progress='test'" in text and "[execution]" in text and "[per group]" in text
 
 
+def test_help_gives_each_algorithms_rule_with_an_inner_optimizer_or_why_it_takes_none():
+    """Every algorithm that takes an inner optimizer states its step with it, beside the paper's; the others say why not."""
+    text = " ".join(hyperparameter_help().split())  # the help wraps long lines
+    for cls in algorithms():
+        block = text[text.index(f" {cls.name} ("):]
+        if cls.inner_role:
+            assert "inner(" in cls.inner_rule and "the paper" in cls.inner_rule, cls.name
+            assert block.split(" with --optimizer: ", 1)[1].startswith(" ".join(cls.inner_rule.split())), cls.name
+        else:
+            refusal = " ".join(cls.inner_refusal.split())
+            assert cls.inner_rule == "" and block.split(" --optimizer: refused (", 1)[1].startswith(refusal), cls.name
+
+
 def test_execution_knobs_are_not_hyperparameters_and_never_refuse_a_resume():
     topology = mpiopt.Topology()
     params = np.zeros(8, np.float32)
