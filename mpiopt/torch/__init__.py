@@ -15,7 +15,8 @@ into another, so the algorithms of :mod:`mpiopt.algorithms` read and write
 the model without a copy.  Nothing below this package imports it.
 """
 
+from .amp import GradScaler
 from .modules import average_buffers, broadcast_module
 from .optimizer import DistributedOptimizer
 
-__all__ = ["DistributedOptimizer", "broadcast_module", "average_buffers"]
+__all__ = ["DistributedOptimizer", "GradScaler", "broadcast_module", "average_buffers"]

@@ -28,7 +28,8 @@ construction.
   that must change this rank's own gradient before it is sent.
 - ``backward_passes_per_step=N`` accumulates N backward passes per step;
   ``torch.amp.GradScaler`` overflows are decided collectively (every rank
-  skips together); ``state_dict()`` has torch.optim's shape plus the
+  skips together; :class:`mpiopt.torch.GradScaler` also keeps the ranks'
+  scales equal, as under DDP); ``state_dict()`` has torch.optim's shape plus the
   algorithm's state under ``"mpiopt"``.
 
 docs/torch.md has the details: the bucket order and its bitwise guarantee,
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
@@ -226,6 +228,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.algorithm.setup(self._params_array)
         self._hand_groups()
         self._verdict = np.zeros(3)  # GradScaler: overflow somewhere, largest scale, -smallest scale
+        self._warned_scales = False
         self._exchange: Optional[BucketExchange] = None
         self._synchronized: Optional[Tuple[Any, Ledger]] = None  # (exchanged gradient or None: skipped, its cost)
         if overlap:
@@ -604,6 +607,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.last = StepRecord(self.algorithm.steps, loss_value(loss), 0, 0, 0.0, 0.0, 0.0, skipped=True)
         return loss
 
+    def agree_on_overflow(self, found_inf_per_device: Dict[Any, torch.Tensor]) -> None:
+        """Make a GradScaler check's overflow flags every rank's maximum, in place (a collective call).
+
+        :class:`mpiopt.torch.GradScaler` calls it, so that its scale backs
+        off and grows on every rank together, as under torch DDP.
+        """
+        flags = list(found_inf_per_device.values())
+        self._verdict[:] = (max((float(flag) for flag in flags), default=0.0), 0.0, 0.0)
+        self.topology.control.vote(self._verdict)
+        for flag in flags:
+            flag.fill_(self._verdict[0])
+
     def _grad_scaler_verdict(self) -> Tuple[bool, Optional[torch.Tensor], bool]:
         """With ``GradScaler.step(opt)``, decided together: (skip, inverse scale, every rank has the same scale).
 
@@ -620,4 +635,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._verdict[:] = (1.0 if float(found_inf) > 0 else 0.0, value, -value)
         self.topology.control.vote(self._verdict)
         inverse = None if scale is None else scale.double().reciprocal().float().to(self._flat_grads.dtype)
-        return bool(self._verdict[0]), inverse, bool(self._verdict[1] == -self._verdict[2])
+        same_scale = bool(self._verdict[1] == -self._verdict[2])
+        if not same_scale and not self._warned_scales:
+            self._warned_scales = True
+            warnings.warn(
+                "the ranks' GradScalers have different scales (an earlier overflow on some ranks only backed off those "
+                "ranks' scales): use mpiopt.torch.GradScaler, whose overflow checks agree across the ranks as under torch "
+                "DDP, or call opt.synchronize() before scaler.unscale_(opt)" + (
+                    "; until the scales agree each step sends the gradient twice" if self._exchange is not None else ""),
+                stacklevel=4,
+            )
+        return bool(self._verdict[0]), inverse, same_scale

@@ -343,8 +343,75 @@ def test_grad_scaler_with_an_inner_optimizer(topology, clip):
     assert torch.equal(opt.flat_params, before)
 
 
+def test_float16_autocast_and_grad_scaler_on_cpu_are_ddp_with_the_same_recipe(topology):
+    """The CUDA recipe (float16 autocast, GradScaler, inner AdamW, float32 parameters) on CPU, against torch DDP +
+    AdamW with torch's GradScaler: a scale of 2**20 overflows float16's backward on some steps; with
+    mpiopt.torch.GradScaler both skip the same steps and keep the same scales; the parameters agree to float32
+    rounding (the ranks' float32 gradients summed in MPI's order and in gloo's)."""
+    import torch.distributed as dist
+
+    from mpiopt.training.ddp import init_gloo
+
+    if not dist.is_initialized():
+        init_gloo(topology)
+    data, rank = batches(topology.size, 8), topology.rank
+
+    def run(model, opt, forward, scaler):
+        scales = []
+        for xs, ys in data:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(forward(xs[rank].float()), ys[rank])
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        return scales
+
+    model = make_model().float()
+    opt = DistributedOptimizer(model.parameters(), "sgd", topology=topology, inner=torch.optim.AdamW(decay_groups(model), lr=1e-2))
+    scales = run(model, opt, model, mpiopt.torch.GradScaler("cpu", init_scale=2.0**20))
+    reference = make_model().float()
+    ddp = torch.nn.parallel.DistributedDataParallel(reference)
+    ref_opt = torch.optim.AdamW(decay_groups(reference), lr=1e-2)
+    assert run(reference, ref_opt, ddp, torch.amp.GradScaler("cpu", init_scale=2.0**20)) == scales
+    assert min(scales) < 2.0**20 and len(set(scales)) > 1  # some steps overflowed, and others were taken
+    assert_close(model, reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("agreeing", [True, False], ids=["mpiopt-scaler", "torch-scaler"])
+def test_an_overflow_on_one_rank_backs_off_every_ranks_scale_with_mpiopts_scaler(topology, agreeing):
+    """torch's scaler backs off only the overflowing rank's scale (every rank still skips); the next step then warns,
+    naming mpiopt.torch.GradScaler, whose scales stay equal on every rank, as DDP's."""
+    import warnings
+
+    if topology.size == 1:
+        pytest.skip("an overflow on some ranks only needs two ranks")
+    data, rank = batches(topology.size, 2), topology.rank
+    model = make_model()
+    opt = DistributedOptimizer(model.parameters(), "sgd", topology=topology, inner=torch.optim.AdamW(model.parameters()))
+    scaler = (mpiopt.torch.GradScaler if agreeing else torch.amp.GradScaler)("cpu", init_scale=2.0**10)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, (xs, ys) in enumerate(data):
+            opt.zero_grad()
+            before = opt.flat_params.clone()
+            overflow = step == 0 and rank == topology.size - 1
+            scaler.scale(F.cross_entropy(model(xs[rank]), ys[rank]) * (float("inf") if overflow else 1.0)).backward()
+            scaler.step(opt)
+            scaler.update()
+            assert torch.equal(opt.flat_params, before) == (step == 0)  # every rank skipped the step, and only it
+    scales = topology.world.allgather_obj(scaler.get_scale())
+    messages = [str(w.message) for w in caught if "different scales" in str(w.message)]
+    if agreeing:
+        assert scales == [2.0**9] * topology.size and messages == []
+    else:
+        assert sorted(scales) == [2.0**9] + [2.0**10] * (topology.size - 1)
+        assert len(messages) == 1 and "use mpiopt.torch.GradScaler" in messages[0] and "sends the gradient twice" in messages[0]
+
+
 def test_grad_scaler_on_cuda_with_float16_autocast(topology):
-    """The CUDA recipe: float16 autocast, GradScaler("cuda"), inner AdamW on CUDA parameters.  Scaled and unscaled
+    """The CUDA recipe: float16 autocast, mpiopt.torch.GradScaler("cuda"), inner AdamW on CUDA parameters.  Scaled and unscaled
     float32 runs agree bitwise (a power-of-two scale undone exactly); under float16 autocast the loss falls; an
     overflow on one rank skips the step on every rank.  Runs where torch sees a GPU and cupy is installed."""
     from mpiopt.kernels._backend import array_modules
@@ -356,7 +423,7 @@ def test_grad_scaler_on_cuda_with_float16_autocast(topology):
     def run(scale, autocast, data):
         model = make_model().float().cuda()
         opt = DistributedOptimizer(model.parameters(), "sgd", topology=topology, inner=torch.optim.AdamW(model.parameters(), lr=1e-2))
-        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, enabled=scale)
+        scaler = mpiopt.torch.GradScaler("cuda", init_scale=2.0**10, enabled=scale)
         losses = []
         for xs, ys in data:
             opt.zero_grad()
