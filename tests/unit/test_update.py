@@ -203,6 +203,39 @@ def test_local_sgd_follows_torch_sgd(dtype, rule):
         np.testing.assert_allclose(x, param.detach().numpy(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: t.__name__)
+def test_local_sgd_groups_are_each_groups_own_update_on_its_slice(dtype):
+    """Parameter groups over contiguous slices: bitwise the one-group update run on each slice with that group's
+    settings (one fused call per group), and torch.optim.SGD with the same groups to rounding (torch's FMA)."""
+    torch = pytest.importorskip("torch")
+    groups = [(0, 400), (400, 401), (401, 1001)]
+    settings = [dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=0.01),
+                dict(lr=0.05, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0),
+                dict(lr=0.2, momentum=0.5, dampening=0.25, nesterov=False, weight_decay=0.0)]
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal(1001).astype(dtype)
+    start = x.copy()
+    slices = [x[a:b].copy() for a, b in groups]
+    params = [torch.tensor(part.copy(), requires_grad=True) for part in slices]
+    opt = torch.optim.SGD([{"params": [p], **values} for p, values in zip(params, settings)], lr=1.0, foreach=False)
+    local = LocalSGD()
+    local.set_groups(groups)
+    local.set_group_values(settings)
+    alone = [LocalSGD(**{k: v for k, v in values.items() if k != "lr"}) for values in settings]
+    for step in range(5):
+        g = rng.standard_normal(x.size).astype(dtype)
+        local.apply(x, g, lr=1.0)
+        for (a, b), part, one, values, param in zip(groups, slices, alone, settings, params):
+            one.apply(part, g[a:b].copy(), values["lr"])
+            param.grad = torch.from_numpy(g[a:b].copy())
+        opt.step()
+        for (a, b), part, param in zip(groups, slices, params):
+            assert_same_bits(x[a:b], part)
+            tol = 1e-5 if dtype == np.float32 else 1e-13
+            np.testing.assert_allclose(x[a:b], param.detach().numpy(), rtol=tol, atol=tol)
+    assert all((x[a:b] != start[a:b]).all() for a, b in groups)  # every group's parameters moved
+
+
 def test_local_sgd_buffer_appears_at_the_first_step(monkeypatch):
     """The buffer is None until the first step, then the decayed gradient; scratch only for the array code, once."""
     for c_loop in (True, False):
