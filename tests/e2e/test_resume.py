@@ -147,9 +147,10 @@ def runs(tmp_path_factory):
         other = SIZES[1 - SIZES.index(size)]
         resumed = [(name, train(size, name, "resumed", "--resume", middle(size, name))) for s, name in CASES if s == size]
         resumed += [
-            # another world size: sgd and signum (per-rank momentum) by their rules, easgd with neither alpha nor beta kept
+            # another world size: sgd and signum (per-rank momentum) by their rules, easgd with neither alpha nor beta kept;
+            # diloco over AdamW, whose ranks' inner states differ, moves each one with its rank's parameters
             (f"from-{other}-{name}", train(size, name, f"from-{other}", "--resume", middle(other, name)))
-            for name in ("sgd", "signum-allgather", "sgd-adamw", "diloco")
+            for name in ("sgd", "signum-allgather", "sgd-adamw", "diloco", "diloco-adamw")
         ]
         if size == 2:
             resumed += [
@@ -217,8 +218,19 @@ def test_dropout_and_augmentation_are_on_in_the_cases(runs):
     assert first_difference(a["ranks"]["0"]["rng"], a["ranks"]["1"]["rng"]) is not None
 
 
+def _adamw_continues_from(inner: dict, start: dict, steps: int, beta2: float = 0.95) -> bool:
+    """Whether AdamW's state ``inner`` can be ``start`` after ``steps`` more steps (``beta2``: ADAMW's second beta).
+
+    Each step multiplies exp_avg_sq by ``beta2`` and adds a square, so it ends at least ``beta2 ** steps`` times the
+    start's, elementwise (float32 rounding allowed for).  A state that started from another rank's fails this wherever
+    that rank's exp_avg_sq was the larger by more than the squares added since.
+    """
+    floor = beta2 ** steps * (1 - 1e-5)
+    return set(inner) == set(start) and all(np.all(inner[p]["exp_avg_sq"] >= floor * start[p]["exp_avg_sq"]) for p in start)
+
+
 @pytest.mark.parametrize("size,name", [(4, "sgd"), (2, "sgd"), (4, "signum-allgather"), (2, "signum-allgather"), (4, "sgd-adamw"), (2, "sgd-adamw"),
-                                       (4, "diloco"), (2, "diloco")])
+                                       (4, "diloco"), (2, "diloco"), (4, "diloco-adamw"), (2, "diloco-adamw")])
 def test_resume_on_another_world_size_moves_the_state_by_the_rule(runs, size, name):
     root, results = runs
     old = SIZES[1 - SIZES.index(size)]
@@ -235,12 +247,21 @@ def test_resume_on_another_world_size_moves_the_state_by_the_rule(runs, size, na
     for r in range(size):
         state = final["ranks"][str(r)]
         assert state["step"] == STEPS and state["algorithm"]["world_size"] == size and state["algorithm"]["steps"] == STEPS
-        # Training continued from the saved parameters: moved from them, and every rank identical (sgd, signum).
+        # Training continued from the saved parameters: moved from them, and every rank identical (sgd, signum; diloco's
+        # last step is an outer step).
         assert not np.array_equal(state["params"], saved["ranks"][str(r % old)]["params"])
         assert np.array_equal(state["params"], final["ranks"]["0"]["params"])
-        if name.endswith("adamw"):  # AdamW's state came along (its step count continued) and is every rank's alike
+        if name.endswith("adamw"):  # AdamW's state came along: its step count continued
             assert int(state["inner"]["p0"]["step"]) == STEPS and int(saved["ranks"]["0"]["inner"]["p0"]["step"]) == MIDDLE
+        if name == "sgd-adamw":  # it steps on the exchanged gradient: every rank's alike
             assert first_difference(state["inner"], final["ranks"]["0"]["inner"]) is None
+        elif name.endswith("adamw"):  # each rank's own, from old rank r % old's
+            assert _adamw_continues_from(state["inner"], saved["ranks"][str(r % old)]["inner"], STEPS - MIDDLE)
+            # ...and from no other old rank's: the check tells the saved states apart
+            assert not any(_adamw_continues_from(state["inner"], saved["ranks"][str(s)]["inner"], STEPS - MIDDLE)
+                           for s in range(old) if s != r % old)
+    if name == "diloco-adamw":  # the ranks' inner states differ, so the rule above is not met by copies of one state
+        assert first_difference(final["ranks"]["1"]["inner"], final["ranks"]["0"]["inner"]) is not None
 
 
 def test_resume_with_another_algorithm_is_refused_naming_both(runs):
