@@ -162,6 +162,9 @@ def runs(tmp_path_factory):
                                       "--resume", middle(size, "sgd"))),
                 ("refuse-groups", train(size, "lsgd-single-leader", "refused-groups", "--group-size", "1",
                                         "--resume", middle(size, "lsgd-single-leader"))),
+                # the inner optimizer's settings are checked like the algorithm's hyperparameters
+                ("refuse-clip", train(size, "sgd-adamw", "refused-clip", "--clip-grad-norm", "1.0", "--resume", middle(size, "sgd-adamw"))),
+                ("refuse-optimizer", train(size, "sgd", "refused-optimizer", "--optimizer", "adamw", "--resume", middle(size, "sgd"))),
             ]
         results.update({(size, n, "resumed"): r for n, r in _drive(size, resumed, root / "logs" / str(size) / "resumed").items()})
     return root, results
@@ -274,16 +277,28 @@ def test_resume_with_another_algorithm_is_refused_naming_both(runs):
     assert not (_out(root, 2, "signum-allgather", "refused") / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("case,message", [
-    ("refuse-model", "the checkpoint's model signature is"),
-    ("refuse-lr", "hyperparameters differ from this run's (--override-hyperparameters keeps this run's): lr: saved 0.05, here 0.01"),
-    ("refuse-groups", "the checkpoint's number of groups (--group-size) is 1, this run's 2"),
+@pytest.mark.parametrize("case,out,message", [
+    ("refuse-model", "sgd/refused-model", "the checkpoint's model signature is"),
+    ("refuse-lr", "sgd/refused-lr",
+     "hyperparameters differ from this run's (--override-hyperparameters keeps this run's): lr: saved 0.05, here 0.01"),
+    ("refuse-groups", "lsgd-single-leader/refused-groups", "the checkpoint's number of groups (--group-size) is 1, this run's 2"),
+    # one setting of the inner optimizer's is named alone, not the saved and this run's whole tables
+    ("refuse-clip", "sgd-adamw/refused-clip",
+     "hyperparameters differ from this run's (--override-hyperparameters keeps this run's): optimizer.clip_grad_norm: saved 0.5, here 1.0"),
+    # a checkpoint without an inner optimizer: its settings are missing, this run's are named
+    ("refuse-optimizer", "sgd/refused-optimizer", "inner: saved '<missing>', here 'AdamW'; lr: saved 0.05, here 0.001; "),
 ])
-def test_a_resume_that_does_not_fit_is_refused_once_naming_both_values(runs, case, message):
-    code, output = runs[1][(2, case, "resumed")]
+def test_a_resume_that_does_not_fit_is_refused_once_naming_both_values(runs, case, out, message):
+    root, results = runs
+    code, output = results[(2, case, "resumed")]
     assert code == 2, output
     assert [line for line in output.splitlines() if "error:" in line] == [line for line in output.splitlines() if message in line], output
     assert output.count(message) == 1, output
+    if case == "refuse-clip":  # the one difference: nothing else in the line
+        assert next(line for line in output.splitlines() if "error:" in line).endswith(message), output
+    if case == "refuse-optimizer":
+        assert "optimizer: saved '<missing>', here {'name': 'adamw'," in output, output
+    assert (root / "2" / out / "config.toml").exists() and not (root / "2" / out / "checkpoints").exists()
 
 
 def test_override_hyperparameters_resumes_with_this_runs_values(runs):
