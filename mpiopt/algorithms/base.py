@@ -86,10 +86,23 @@ def _plain(value: Any) -> Any:
 
 
 def hyperparameter_lines(saved: Mapping[str, Any], here: Mapping[str, Any], *, skip: Any = ()) -> List[str]:
-    """``"key: saved X, here Y"`` for each key (but ``skip``) whose values differ, compared as plain data."""
-    saved, here = _plain(dict(saved)), _plain(dict(here))
-    keys = sorted((set(saved) | set(here)) - set(skip))
-    return [f"{k}: saved {saved.get(k, _MISSING)!r}, here {here.get(k, _MISSING)!r}" for k in keys if saved.get(k, _MISSING) != here.get(k, _MISSING)]
+    """``"key: saved X, here Y"`` for each key (but ``skip``) whose values differ, compared as plain data.
+
+    Where both values are tables (the inner optimizer's settings), one line per entry that differs,
+    ``"key.entry: saved X, here Y"``, not the two whole tables.
+    """
+    return _differing_lines(_plain(dict(saved)), _plain(dict(here)), set(skip), "")
+
+
+def _differing_lines(saved: Dict[str, Any], here: Dict[str, Any], skip: set, prefix: str) -> List[str]:
+    lines = []
+    for k in sorted((set(saved) | set(here)) - skip):
+        a, b = saved.get(k, _MISSING), here.get(k, _MISSING)
+        if isinstance(a, dict) and isinstance(b, dict):
+            lines += _differing_lines(a, b, set(), f"{prefix}{k}.")
+        elif a != b:
+            lines.append(f"{prefix}{k}: saved {a!r}, here {b!r}")
+    return lines
 
 
 def due_steps(period: int, steps: range, offset: int = 0) -> int:

@@ -55,6 +55,7 @@ def variants(size: int) -> dict:
     """Case name -> the flags of ``mpiopt train`` that make it (dropout, data order and the sizes are common)."""
     groups, half = ["--group-size", str(size)], ["--group-size", str(size // 2)]
     lsgd = ["--algorithm", "lsgd", "--hp", "period=1", "--hp", "global_period=2", "--hp", "proximal=0.1"]
+    streaming = ["--algorithm", "streaming_diloco", "--hp", "period=4", "--hp", "fragments=2", "--hp", "overlap_steps=2"]
     return {
         "sgd": ["--algorithm", "sgd"],
         "easgd": ["--algorithm", "easgd", "--hp", "period=2"],
@@ -70,12 +71,13 @@ def variants(size: int) -> dict:
         # outer steps after steps 2, 4, 6: the checkpoint at step 3 falls between two, with theta_start and outer momentum set
         "diloco": ["--algorithm", "diloco", "--hp", "period=2"],
         # fragment 1 (offset 2) starts after step 2 and merges after step 4: in flight at the checkpoint after step 3
-        "streaming_diloco": ["--algorithm", "streaming_diloco", "--hp", "period=4", "--hp", "fragments=2", "--hp", "overlap_steps=2"],
+        "streaming_diloco": streaming,
         # every algorithm that takes one, over AdamW with two groups, clipping and a warm-up schedule
         **{f"{name}-adamw": [*flags, *ADAMW] for name, flags in (
             ("sgd", ["--algorithm", "sgd"]), ("easgd", ["--algorithm", "easgd", "--hp", "period=2"]), ("lsgd", [*lsgd, *half]),
             ("dasgd", ["--algorithm", "dasgd", "--hp", "period=3"]), ("topk", ["--algorithm", "topk"]),
             ("regtopk", ["--algorithm", "regtopk"]), ("diloco", ["--algorithm", "diloco", "--hp", "period=2"]),
+            ("streaming_diloco", streaming),
         )},
     }
 
@@ -145,9 +147,10 @@ def runs(tmp_path_factory):
         other = SIZES[1 - SIZES.index(size)]
         resumed = [(name, train(size, name, "resumed", "--resume", middle(size, name))) for s, name in CASES if s == size]
         resumed += [
-            # another world size: sgd and signum (per-rank momentum) by their rules, easgd with neither alpha nor beta kept
+            # another world size: sgd and signum (per-rank momentum) by their rules, easgd with neither alpha nor beta kept;
+            # diloco over AdamW, whose ranks' inner states differ, moves each one with its rank's parameters
             (f"from-{other}-{name}", train(size, name, f"from-{other}", "--resume", middle(other, name)))
-            for name in ("sgd", "signum-allgather", "sgd-adamw", "diloco")
+            for name in ("sgd", "signum-allgather", "sgd-adamw", "diloco", "diloco-adamw")
         ]
         if size == 2:
             resumed += [
@@ -159,6 +162,9 @@ def runs(tmp_path_factory):
                                       "--resume", middle(size, "sgd"))),
                 ("refuse-groups", train(size, "lsgd-single-leader", "refused-groups", "--group-size", "1",
                                         "--resume", middle(size, "lsgd-single-leader"))),
+                # the inner optimizer's settings are checked like the algorithm's hyperparameters
+                ("refuse-clip", train(size, "sgd-adamw", "refused-clip", "--clip-grad-norm", "1.0", "--resume", middle(size, "sgd-adamw"))),
+                ("refuse-optimizer", train(size, "sgd", "refused-optimizer", "--optimizer", "adamw", "--resume", middle(size, "sgd"))),
             ]
         results.update({(size, n, "resumed"): r for n, r in _drive(size, resumed, root / "logs" / str(size) / "resumed").items()})
     return root, results
@@ -181,7 +187,7 @@ def test_resumed_run_ends_bitwise_equal_to_the_uninterrupted_one(runs, size, nam
     ranks = [str(r) for r in range(size)]
     if name == "dasgd":
         assert all(middle["ranks"][r]["algorithm"]["scalars"]["merge_step"] == MIDDLE + 1 for r in ranks), "no averaging in flight"
-    if name == "streaming_diloco":
+    if name.startswith("streaming_diloco"):
         assert all(list(middle["ranks"][r]["algorithm"]["arrays"]["merge_steps"]) == [0, MIDDLE + 1] for r in ranks), "none in flight"
     if name.startswith("lsgd"):
         assert all(middle["ranks"][r]["algorithm"]["arrays"]["leader_copy"] is not None for r in ranks)
@@ -215,8 +221,19 @@ def test_dropout_and_augmentation_are_on_in_the_cases(runs):
     assert first_difference(a["ranks"]["0"]["rng"], a["ranks"]["1"]["rng"]) is not None
 
 
+def _adamw_continues_from(inner: dict, start: dict, steps: int, beta2: float = 0.95) -> bool:
+    """Whether AdamW's state ``inner`` can be ``start`` after ``steps`` more steps (``beta2``: ADAMW's second beta).
+
+    Each step multiplies exp_avg_sq by ``beta2`` and adds a square, so it ends at least ``beta2 ** steps`` times the
+    start's, elementwise (float32 rounding allowed for).  A state that started from another rank's fails this wherever
+    that rank's exp_avg_sq was the larger by more than the squares added since.
+    """
+    floor = beta2 ** steps * (1 - 1e-5)
+    return set(inner) == set(start) and all(np.all(inner[p]["exp_avg_sq"] >= floor * start[p]["exp_avg_sq"]) for p in start)
+
+
 @pytest.mark.parametrize("size,name", [(4, "sgd"), (2, "sgd"), (4, "signum-allgather"), (2, "signum-allgather"), (4, "sgd-adamw"), (2, "sgd-adamw"),
-                                       (4, "diloco"), (2, "diloco")])
+                                       (4, "diloco"), (2, "diloco"), (4, "diloco-adamw"), (2, "diloco-adamw")])
 def test_resume_on_another_world_size_moves_the_state_by_the_rule(runs, size, name):
     root, results = runs
     old = SIZES[1 - SIZES.index(size)]
@@ -233,12 +250,21 @@ def test_resume_on_another_world_size_moves_the_state_by_the_rule(runs, size, na
     for r in range(size):
         state = final["ranks"][str(r)]
         assert state["step"] == STEPS and state["algorithm"]["world_size"] == size and state["algorithm"]["steps"] == STEPS
-        # Training continued from the saved parameters: moved from them, and every rank identical (sgd, signum).
+        # Training continued from the saved parameters: moved from them, and every rank identical (sgd, signum; diloco's
+        # last step is an outer step).
         assert not np.array_equal(state["params"], saved["ranks"][str(r % old)]["params"])
         assert np.array_equal(state["params"], final["ranks"]["0"]["params"])
-        if name.endswith("adamw"):  # AdamW's state came along (its step count continued) and is every rank's alike
+        if name.endswith("adamw"):  # AdamW's state came along: its step count continued
             assert int(state["inner"]["p0"]["step"]) == STEPS and int(saved["ranks"]["0"]["inner"]["p0"]["step"]) == MIDDLE
+        if name == "sgd-adamw":  # it steps on the exchanged gradient: every rank's alike
             assert first_difference(state["inner"], final["ranks"]["0"]["inner"]) is None
+        elif name.endswith("adamw"):  # each rank's own, from old rank r % old's
+            assert _adamw_continues_from(state["inner"], saved["ranks"][str(r % old)]["inner"], STEPS - MIDDLE)
+            # ...and from no other old rank's: the check tells the saved states apart
+            assert not any(_adamw_continues_from(state["inner"], saved["ranks"][str(s)]["inner"], STEPS - MIDDLE)
+                           for s in range(old) if s != r % old)
+    if name == "diloco-adamw":  # the ranks' inner states differ, so the rule above is not met by copies of one state
+        assert first_difference(final["ranks"]["1"]["inner"], final["ranks"]["0"]["inner"]) is not None
 
 
 def test_resume_with_another_algorithm_is_refused_naming_both(runs):
@@ -251,16 +277,28 @@ def test_resume_with_another_algorithm_is_refused_naming_both(runs):
     assert not (_out(root, 2, "signum-allgather", "refused") / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("case,message", [
-    ("refuse-model", "the checkpoint's model signature is"),
-    ("refuse-lr", "hyperparameters differ from this run's (--override-hyperparameters keeps this run's): lr: saved 0.05, here 0.01"),
-    ("refuse-groups", "the checkpoint's number of groups (--group-size) is 1, this run's 2"),
+@pytest.mark.parametrize("case,out,message", [
+    ("refuse-model", "sgd/refused-model", "the checkpoint's model signature is"),
+    ("refuse-lr", "sgd/refused-lr",
+     "hyperparameters differ from this run's (--override-hyperparameters keeps this run's): lr: saved 0.05, here 0.01"),
+    ("refuse-groups", "lsgd-single-leader/refused-groups", "the checkpoint's number of groups (--group-size) is 1, this run's 2"),
+    # one setting of the inner optimizer's is named alone, not the saved and this run's whole tables
+    ("refuse-clip", "sgd-adamw/refused-clip",
+     "hyperparameters differ from this run's (--override-hyperparameters keeps this run's): optimizer.clip_grad_norm: saved 0.5, here 1.0"),
+    # a checkpoint without an inner optimizer: its settings are missing, this run's are named
+    ("refuse-optimizer", "sgd/refused-optimizer", "inner: saved '<missing>', here 'AdamW'; lr: saved 0.05, here 0.001; "),
 ])
-def test_a_resume_that_does_not_fit_is_refused_once_naming_both_values(runs, case, message):
-    code, output = runs[1][(2, case, "resumed")]
+def test_a_resume_that_does_not_fit_is_refused_once_naming_both_values(runs, case, out, message):
+    root, results = runs
+    code, output = results[(2, case, "resumed")]
     assert code == 2, output
     assert [line for line in output.splitlines() if "error:" in line] == [line for line in output.splitlines() if message in line], output
     assert output.count(message) == 1, output
+    if case == "refuse-clip":  # the one difference: nothing else in the line
+        assert next(line for line in output.splitlines() if "error:" in line).endswith(message), output
+    if case == "refuse-optimizer":
+        assert "optimizer: saved '<missing>', here {'name': 'adamw'," in output, output
+    assert (root / "2" / out / "config.toml").exists() and not (root / "2" / out / "checkpoints").exists()
 
 
 def test_override_hyperparameters_resumes_with_this_runs_values(runs):

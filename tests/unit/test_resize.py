@@ -176,6 +176,12 @@ def test_hyperparameters_must_match_except_easgd_s_pair_at_another_size():
     ]
     assert hyperparameter_differences("easgd", saved, {"alpha": 0.225, "beta": 0.9, "period": 4}, 2, 2) == ["alpha: saved 0.45, here 0.225"]
     assert hyperparameter_differences("easgd", saved, {"alpha": 0.225, "beta": 0.9, "period": 8}, 2, 4) == ["period: saved 4, here 8"]
+    # A table (the inner optimizer's settings) is named by the entries that differ, not printed whole.
+    optimizer = {"name": "adamw", "keywords": {"betas": "0.9,0.95"}, "clip_grad_norm": 0.5}
+    changed = {"optimizer": {**optimizer, "keywords": {"betas": "0.9,0.99"}, "clip_grad_norm": 1.0}}
+    assert hyperparameter_differences("sgd", {"optimizer": optimizer}, changed, 2, 2) == [
+        "optimizer.clip_grad_norm: saved 0.5, here 1.0", "optimizer.keywords.betas: saved '0.9,0.95', here '0.9,0.99'",
+    ]
 
 
 # -- real states: moved by the rules, loaded by the algorithm -------------------------------------
