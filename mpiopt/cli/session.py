@@ -23,10 +23,19 @@ class Session:
     out: str
     command: str
     started: float
+    #: The settings to save as ``OUT/config.toml`` once a resumed run has started (rank 0; None: saved already).
+    pending_settings: Optional[str] = None
 
     @property
     def rank(self) -> int:
         return self.topology.rank
+
+    def save_settings(self) -> None:
+        """Write the settings held back for a resume, now that it was accepted (rank 0)."""
+        if self.pending_settings is not None:
+            with open(os.path.join(self.out, "config.toml"), "w") as handle:
+                handle.write(self.pending_settings)
+            self.pending_settings = None
 
     def say(self, text: str = "") -> None:
         """Print on rank 0 only."""
@@ -79,9 +88,28 @@ def _settings_summary(settings: Dict[str, Any]) -> str:
     shown = {key: ",".join(value) if isinstance(value, list) else value for key, value in settings.items()}
     plain = ", ".join(f"{key}={value}" for key, value in shown.items() if value is not None and not isinstance(value, dict))
     lines = textwrap.wrap(plain, width=100, initial_indent="  ", subsequent_indent="  ")
+    optimizer = settings.get("optimizer")
+    shared = ", ".join(f"{key}={value}" for key, value in settings["hyperparameters"].items() if not isinstance(value, dict))
+    if shared:
+        lines.append(f"  every algorithm: {shared}")
     for name, hyper in settings["hyperparameters"].items():
-        lines.append(f"  {name}: " + ", ".join(f"{key}={value}" for key, value in hyper.items()))
+        if isinstance(hyper, dict):
+            values = ", ".join(f"{key}={value}" for key, value in hyper.items())
+            default = "its defaults" + (", with --lr" if name == optimizer else "")
+            lines.append(f"  {'--optimizer ' if name == optimizer else ''}{name}: {values or default}")
     return "\n".join(lines)
+
+
+def _hyperparameter_tables(config: TrainConfig, algorithms: List[str]) -> Dict[str, Any]:
+    """``config.toml``'s ``[hyperparameters]``: each algorithm's values, and the ``--optimizer``'s keywords as its table."""
+    tables: Dict[str, Any] = {name: config.algorithm_hyperparameters(name) for name in algorithms}
+    if config.optimizer:
+        from ..training.optimizers import optimizer_keywords
+
+        if config.optimizer in tables:  # --optimizer sgd beside the sgd algorithm: its values are the shared ones alone
+            tables.update(tables.pop(config.optimizer))
+        tables[config.optimizer] = optimizer_keywords(config)
+    return tables
 
 
 def read_settings(args: Any, command: str) -> "tuple[TrainConfig, List[str]]":
@@ -106,19 +134,23 @@ def start_session(config: TrainConfig, command: str, algorithms: List[str]) -> S
     world = topology.world
     out = config.out or world.bcast_obj(os.path.join("runs", time.strftime(f"{command}-%Y%m%d-%H%M%S")) if world.rank == 0 else None)
     config.out = out
+    session = Session(topology, None, out, command, started)
     if world.rank == 0:
         os.makedirs(out, exist_ok=True)
         settings = {k: v for k, v in dataclasses.asdict(config).items() if k in command_settings(command)}
         if command == "compare":
             settings["algorithms"] = algorithms
-        settings["hyperparameters"] = {name: config.algorithm_hyperparameters(name) for name in algorithms}
-        text = dump_toml(settings)
-        with open(os.path.join(out, "config.toml"), "w") as handle:
-            handle.write(text)
+        settings["hyperparameters"] = _hyperparameter_tables(config, algorithms)
+        session.pending_settings = dump_toml(settings)
+        when = ""
+        if config.resume is None:
+            session.save_settings()
+        else:  # a refused resume must leave the run's own settings file as it was
+            when = " once the checkpoint is accepted"
         groups = f"{topology.num_groups} group{'s' if topology.num_groups > 1 else ''}"
-        print(f"mpiopt {command}: {world.size} rank{'s' if world.size > 1 else ''} in {groups}; settings (saved as {out}/config.toml):")
+        print(f"mpiopt {command}: {world.size} rank{'s' if world.size > 1 else ''} in {groups}; settings (saved as {out}/config.toml{when}):")
         print(_settings_summary(settings), flush=True)
-    dataset = load_data(config, world)
+    session.dataset = load_data(config, world)
     if world.rank == 0:
-        print(f"data: {dataset.description}\n", flush=True)
-    return Session(topology, dataset, out, command, started)
+        print(f"data: {session.dataset.description}\n", flush=True)
+    return session

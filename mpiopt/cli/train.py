@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from ..training.loop import train
 
     try:
-        path = train(config, config.algorithm, session.topology, session.dataset, session.out)
+        path = train(config, config.algorithm, session.topology, session.dataset, session.out, on_start=session.save_settings)
     except Interrupted as stop:
         session.say(f"\n{stop}; continue with --resume {stop.path} (or --resume auto)")
         return EXIT_INTERRUPTED

@@ -58,7 +58,7 @@ from ..comm import OtherRankError, Topology
 from ..metrics import versions
 from ..torch import DistributedOptimizer
 from .config import TrainConfig, UsageError
-from .optimizers import inner_state, load_inner_state
+from .optimizers import inner_state, load_inner_state, optimizer_keywords
 
 __all__ = ["Checkpointer", "Interrupted", "EXIT_INTERRUPTED", "STOP_SIGNALS", "COUNTERS"]
 
@@ -174,7 +174,7 @@ class Checkpointer:
         if not (config.optimizer or config.clip_grad_norm or config.warmup_steps):
             return {}  # checkpoints of runs without them compare as before
         return {"optimizer": {
-            "name": config.optimizer, "keywords": dict(config.hyperparameters.get(config.optimizer or "", {})),
+            "name": config.optimizer, "keywords": optimizer_keywords(config),
             "lr": config.lr if config.optimizer else None, "no_decay_on": config.no_decay_on,
             "clip_grad_norm": config.clip_grad_norm, "warmup_steps": config.warmup_steps,
         }}

@@ -119,7 +119,8 @@ class TrainConfig:
         """The keyword arguments for ``algorithm`` (default: this run's): defaults, shared table, its own table, --lr."""
         name = algorithm or self.algorithm
         shared = {k: v for k, v in self.hyperparameters.items() if not isinstance(v, dict)}
-        own = self.hyperparameters.get(name, {})
+        # --optimizer sgd claims the table sgd: its keys are the optimizer's, not the sgd algorithm's
+        own = {} if self.optimizer == name else self.hyperparameters.get(name, {})
         starts = training_defaults(name)
         if self.optimizer and name != DDP:  # the rate and the local update's settings are the inner optimizer's
             from ..algorithms.local import LOCAL_SGD

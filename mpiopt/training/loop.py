@@ -35,7 +35,7 @@ import sys
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict
-from typing import Any, ContextManager, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -176,6 +176,7 @@ def train(
     out_dir: str,
     *,
     stream: Optional[Any] = sys.stdout,
+    on_start: Optional[Callable[[], None]] = None,
 ) -> Optional[str]:
     """Train ``algorithm`` on ``dataset`` as ``config`` says (a collective call).
 
@@ -193,6 +194,10 @@ def train(
         Folder of this run's files (``metrics.jsonl``; the trace if asked for).
     stream : file, optional
         Where rank 0 reports progress.
+    on_start : callable, optional
+        Called once the run is set to start, after a resume was accepted
+        (``train`` saves the settings then, so a refused resume leaves the
+        folder's ``config.toml`` as it was).
 
     Returns
     -------
@@ -213,7 +218,7 @@ def train(
         os.makedirs(out_dir, exist_ok=True)
     world.Barrier()
     with ExitStack() as cleanup:
-        run = _Run(config, algorithm, topology, dataset, model, opt, hyper, out_dir, stream, cleanup)
+        run = _Run(config, algorithm, topology, dataset, model, opt, hyper, out_dir, stream, cleanup, on_start)
         end = run.asynchronous() if run.is_asynchronous else run.synchronous()
         return run.close_records(end)
 
@@ -281,7 +286,7 @@ class _Run:
 
     def __init__(
         self, config: TrainConfig, algorithm: str, topology: Topology, dataset: ImageDataset | TextDataset, model: torch.nn.Module, opt: Any,
-        hyper: Dict[str, Any], out_dir: str, stream: Optional[Any], cleanup: ExitStack,
+        hyper: Dict[str, Any], out_dir: str, stream: Optional[Any], cleanup: ExitStack, on_start: Optional[Callable[[], None]],
     ) -> None:
         self.config, self.algorithm, self.topology, self.model, self.opt, self.out_dir = config, algorithm, topology, model, opt, out_dir
         world = topology.world
@@ -294,6 +299,8 @@ class _Run:
         self.checkpoints = Checkpointer(config, algorithm, topology, model, opt, out_dir, self.batches_per_epoch)
         cleanup.callback(self.checkpoints.close)  # signal handlers restored however the run ends
         self.start = self.checkpoints.resume()
+        if on_start is not None:
+            on_start()
         reporter = world.rank == (1 if self.is_asynchronous and world.size > 1 else 0)
         self.progress = Progress(algorithm, self.steps, config.log_every or self.eval_every, stream if reporter else None, config.progress)
         self.writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), truncate=not self.start) if world.rank == 0 else None

@@ -24,7 +24,7 @@ import torch
 
 from .config import TrainConfig, UsageError
 
-__all__ = ["OPTIMIZERS", "NO_DECAY", "inner_optimizer", "schedule", "clip", "inner_state", "load_inner_state"]
+__all__ = ["OPTIMIZERS", "NO_DECAY", "optimizer_keywords", "inner_optimizer", "schedule", "clip", "inner_state", "load_inner_state"]
 
 #: ``--optimizer`` names and their torch classes, with the rate each starts from where ``--lr`` is not given.
 OPTIMIZERS = {"sgd": (torch.optim.SGD, 0.05), "adam": (torch.optim.Adam, 1e-3), "adamw": (torch.optim.AdamW, 1e-3)}
@@ -33,18 +33,28 @@ NO_DECAY = ("bias", "norm")
 _NORMS = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._NormBase)
 
 
-def _keywords(config: TrainConfig) -> Dict[str, Any]:
-    """The optimizer's keywords: its default rate or ``--lr``, then its ``--hp NAME.KEY=VALUE`` table."""
-    cls, lr = OPTIMIZERS[config.optimizer]
-    table = dict(config.hyperparameters.get(config.optimizer, {}))
+def optimizer_keywords(config: TrainConfig) -> Dict[str, Any]:
+    """``--hp NAME.KEY=VALUE``'s table of the run's ``--optimizer``, its values parsed: ``betas=0.9,0.95`` is a list.
+
+    The form checkpoints record and ``config.toml`` saves, so that ``0.90,0.95`` and a TOML array ``[0.9, 0.95]``
+    are the same setting as ``0.9,0.95``.
+    """
+    table = dict(config.hyperparameters.get(config.optimizer or "", {}))
     for key, value in table.items():
         if isinstance(value, str) and "," in value:  # betas=0.9,0.95 from the command line
             try:
-                table[key] = tuple(float(v) for v in value.split(","))
+                table[key] = [float(v) for v in value.split(",")]
             except ValueError:
                 raise UsageError(f"--hp {config.optimizer}.{key}: expected numbers separated by commas, got {value!r}") from None
-        elif isinstance(value, list):  # a TOML array
-            table[key] = tuple(value)
+        elif isinstance(value, tuple):
+            table[key] = list(value)
+    return table
+
+
+def _keywords(config: TrainConfig) -> Dict[str, Any]:
+    """The optimizer's keywords: its default rate or ``--lr``, then its ``--hp NAME.KEY=VALUE`` table."""
+    _, lr = OPTIMIZERS[config.optimizer]
+    table = {key: tuple(value) if isinstance(value, list) else value for key, value in optimizer_keywords(config).items()}
     return {"lr": config.lr if config.lr is not None else lr, **table}
 
 

@@ -165,6 +165,8 @@ def runs(tmp_path_factory):
                 # the inner optimizer's settings are checked like the algorithm's hyperparameters
                 ("refuse-clip", train(size, "sgd-adamw", "refused-clip", "--clip-grad-norm", "1.0", "--resume", middle(size, "sgd-adamw"))),
                 ("refuse-optimizer", train(size, "sgd", "refused-optimizer", "--optimizer", "adamw", "--resume", middle(size, "sgd"))),
+                # a requeued job resuming in its own folder with changed settings: refused, the folder as it was
+                ("refuse-in-place", train(size, "sgd-adamw", "whole", "--clip-grad-norm", "1.0", "--resume", "auto")),
             ]
         results.update({(size, n, "resumed"): r for n, r in _drive(size, resumed, root / "logs" / str(size) / "resumed").items()})
     return root, results
@@ -298,7 +300,19 @@ def test_a_resume_that_does_not_fit_is_refused_once_naming_both_values(runs, cas
         assert next(line for line in output.splitlines() if "error:" in line).endswith(message), output
     if case == "refuse-optimizer":
         assert "optimizer: saved '<missing>', here {'name': 'adamw'," in output, output
-    assert (root / "2" / out / "config.toml").exists() and not (root / "2" / out / "checkpoints").exists()
+    # the settings are saved once a resume is accepted: a refused one writes nothing
+    assert not (root / "2" / out / "config.toml").exists() and not (root / "2" / out / "checkpoints").exists()
+
+
+def test_a_refused_resume_in_the_runs_own_folder_leaves_its_settings_and_files_as_they_were(runs):
+    root, results = runs
+    code, output = results[(2, "refuse-in-place", "resumed")]
+    assert code == 2, output
+    assert "optimizer.clip_grad_norm: saved 0.5, here 1.0" in output, output
+    whole = _out(root, 2, "sgd-adamw", "whole")
+    saved = (whole / "config.toml").read_text()
+    assert "clip_grad_norm = 0.5" in saved and "clip_grad_norm = 1.0" not in saved
+    assert [r["step"] for r in read_metrics(whole / "metrics.jsonl").steps] == list(range(1, STEPS + 1))
 
 
 def test_override_hyperparameters_resumes_with_this_runs_values(runs):

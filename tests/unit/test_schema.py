@@ -118,3 +118,32 @@ def test_an_optimizer_steps_the_algorithms_that_take_one_and_the_others_keep_the
     for alone in (["signum"], ["ddp", "async_msgd", "async_lsgd"]):
         with pytest.raises(UsageError, match=r"(signum|async_msgd) takes no --optimizer: "):
             config.validate(alone)
+
+
+@pytest.mark.parametrize("algorithm", ["lsgd", "sgd"])
+def test_saved_settings_with_an_optimizer_reproduce_its_keywords(algorithm, tmp_path):
+    """config.toml carries --optimizer's keywords as its table (parsed: 0.90,0.95 is [0.9, 0.95]), and read back
+    with --config gives the same optimizer and algorithm settings.  --optimizer sgd claims the table sgd from the
+    sgd algorithm, whose own values are then the shared ones alone."""
+    torch = pytest.importorskip("torch")
+    from mpiopt.cli.main import build_parser
+    from mpiopt.cli.session import _hyperparameter_tables
+    from mpiopt.training.flags import config_from_args, dump_toml
+    from mpiopt.training.optimizers import inner_optimizer, optimizer_keywords
+
+    def read(*argv):
+        return config_from_args(build_parser().parse_args(["train", "--algorithm", algorithm, "--out", str(tmp_path), *argv]), "train")[0]
+
+    optimizer = "sgd" if algorithm == "sgd" else "adamw"
+    keys = ["--hp", "sgd.momentum=0.9", "--hp", "sgd.nesterov=true"] if optimizer == "sgd" else ["--hp", "adamw.betas=0.90,0.95"]
+    config = read("--optimizer", optimizer, "--hp", "nan_policy=skip", *keys)
+    assert config.algorithm_hyperparameters(algorithm) == {"nan_policy": "skip"}
+    want = {"momentum": 0.9, "nesterov": True} if optimizer == "sgd" else {"betas": [0.9, 0.95]}
+    assert optimizer_keywords(config) == want
+    tables = _hyperparameter_tables(config, [algorithm])
+    assert tables == ({"nan_policy": "skip", "sgd": want} if algorithm == "sgd" else {"lsgd": {"nan_policy": "skip"}, "adamw": want})
+    (tmp_path / "config.toml").write_text(dump_toml({"algorithm": algorithm, "optimizer": optimizer, "steps": 3, "hyperparameters": tables}))
+    again = read("--config", str(tmp_path / "config.toml"))
+    assert optimizer_keywords(again) == want and again.algorithm_hyperparameters(algorithm) == {"nan_policy": "skip"}
+    inner = inner_optimizer(again, torch.nn.Linear(2, 2))
+    assert all(inner.param_groups[0][k] == (tuple(v) if isinstance(v, list) else v) for k, v in want.items())
