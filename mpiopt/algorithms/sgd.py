@@ -102,15 +102,23 @@ class SGD(LocalStepState, SynchronousAlgorithm):
         finally:
             self._reduced = None
 
-    def _non_finite_sum(self, grad: Any) -> NoReturn:
+    def _non_finite_sum(self, grad: Any, named: bool = True) -> NoReturn:
         """End the job for a non-finite sum of the gradients, naming the ranks whose own gradient was not finite.
 
         Every rank holds the same sum, so every rank comes here (a rank that
         does not, after a summation that overflowed in another order, is
         waited for at most ``VOTE_SECONDS``).  The step was applied: the
-        parameters are not to be used further on any rank.
+        parameters are not to be used further on any rank.  Not ``named``:
+        ``grad`` no longer holds this rank's own gradient (an inner
+        optimizer's ``.grad`` received the mean in the checking pass), so
+        every rank says the same without naming one.
         """
         step = self.steps + 1
+        if not named:
+            self.topology.raise_or_abort(FloatingPointError(
+                f"{self.name}: the mean of the ranks' gradients is not finite at step {step} (it replaced each rank's own "
+                "gradient in .grad, so the rank at fault is not named; nan_policy='skip' skips such steps on every rank)"
+            ))
 
         def own_check() -> None:
             if not all_finite(grad):
@@ -149,4 +157,4 @@ class SGD(LocalStepState, SynchronousAlgorithm):
         if self.local.apply(params, total, self.lr, grad_divisor=world.size, check_finite=self._checks_in_step()) is False:
             if total is grad:
                 self._non_finite_gradient()
-            self._non_finite_sum(grad)
+            self._non_finite_sum(grad, named=getattr(self.local, "grad_buffer", None) is not grad)
