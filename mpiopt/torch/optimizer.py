@@ -127,8 +127,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     overlap : bool, optional
         Exchange the gradient in buckets while backward runs (``sgd`` only,
         where it is the default, as in torch DDP; see docs/torch.md: clip or unscale
-        after ``synchronize()``, or pass ``overlap=False`` to change this
-        rank's own gradient before it is sent).
+        after ``synchronize()`` (``step()`` refuses a gradient changed after
+        backward, which would not be sent), or pass ``overlap=False`` to
+        change this rank's own gradient before it is sent).
     bucket_cap_mb : float
         With ``overlap``: bucket size in MiB (as DDP's ``bucket_cap_mb``).
     inner : torch.optim.Optimizer, optional
@@ -395,7 +396,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"{self.algorithm.name} exchanges parameters after the local step, not gradients: there is nothing to "
                 "synchronize before step() (clipping .grad clips this rank's own gradient)"
             )
-        self._check_views(keep_replaced_grads=True)
+        changed = self._exchange is not None and self._exchange.changed_since_backward()
+        replaced = self._check_views(keep_replaced_grads=True)
+        self._refuse_changes_after_sending(changed or replaced)
         ledger = self.topology.ledger
         before = ledger.snapshot()
         if self._exchange is not None:  # the buckets backward started: their sums, then the mean into .grad
@@ -448,7 +451,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_views(keep_replaced_grads=True)
+        changed = self._synchronized is None and self._exchange is not None and self._exchange.changed_since_backward()
+        replaced = self._check_views(keep_replaced_grads=True)
+        if self._synchronized is None:
+            self._refuse_changes_after_sending(changed or replaced)
         if self.inner is None:  # with an inner optimizer the rates are its own
             self._hand_groups()
         else:
@@ -583,12 +589,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"learning rate must be a finite number >= 0, got {lr!r}")
         return lr
 
-    def _check_views(self, keep_replaced_grads: bool) -> None:
+    def _check_views(self, keep_replaced_grads: bool) -> bool:
         """One pass over the parameters: each still lives in the flat buffer, and each gradient is its view again.
 
         A gradient the user replaced is copied into the view (``keep_replaced_grads``)
-        or dropped; one set to None becomes the zeroed view.
+        or dropped; one set to None becomes the zeroed view.  Returns whether
+        a replaced gradient was copied in.
         """
+        replaced = False
         for p, param_view, grad_view in zip(self._params, self._param_views, self._grad_views):
             if p.data_ptr() != param_view.data_ptr():
                 raise RuntimeError(
@@ -600,7 +608,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     grad_view.zero_()
                 else:
                     grad_view.copy_(p.grad)
+                    replaced = True
                 p.grad = grad_view
+        return replaced
+
+    def _refuse_changes_after_sending(self, changed: bool) -> None:
+        """Raise (after completing the exchange) if ``.grad`` was ``changed`` (in place or replaced) after backward sent it."""
+        if not changed or self._exchange is None or not self._exchange.pending:
+            return
+        self._exchange.start_rest()  # every rank starts and completes the same collectives, whatever it raises
+        self._exchange.finish()
+        raise RuntimeError(
+            "the gradient was changed after backward() while overlap=True was sending it (clip_grad_norm_, another "
+            "in-place change or a replaced .grad between backward() and step()): the change would not be sent. Call opt.synchronize() "
+            "before changing it (the exchanged gradient is then in .grad, to clip), or create the optimizer with "
+            "overlap=False to change this rank's own gradient before it is sent"
+        )
 
     def _skipped(self, loss: Any) -> Any:
         """Record a step every rank skipped (a GradScaler overflow somewhere) and return its loss."""

@@ -58,6 +58,7 @@ class BucketExchange:
         self.comm, self.passes = comm, passes
         self._grads, self._grads_array, self._total_array = grads, tensor_array(grads), total_array
         self.pending = False  # some gradient was finished since the last step
+        self._version = grads._version  # the flat gradient's version counter after the latest hook: later ones are the caller's
         self._fired = [0] * len(params)
         self._ready = [0] * len(self.bounds)
         self._requests: List[Any] = []
@@ -100,6 +101,11 @@ class BucketExchange:
                 started += 1
         while self._oldest < len(self._requests) and self._requests[self._oldest].Test():
             self._oldest += 1
+        self._version = self._grads._version
+
+    def changed_since_backward(self) -> bool:
+        """Whether the gradient was changed in place after backward's last hook (say, clipped): what has left would not have it."""
+        return self.pending and self._grads._version != self._version
 
     def _start_next(self) -> None:
         if not self._requests:

@@ -176,6 +176,41 @@ def test_unscaling_before_step_is_refused(topology):
     assert torch.equal(flat(model), before)
 
 
+@pytest.mark.parametrize("change", ["clip", "replace"])
+def test_changing_the_sent_gradient_before_step_is_refused_and_synchronize_is_its_place(topology, change):
+    """Under overlap the gradient has left by the end of backward: clipping it (or replacing .grad) before step()
+    would silently not be sent, so step() refuses, naming synchronize(); nothing is applied and the next step
+    trains.  Clipping after synchronize() (the exchanged gradient) and with overlap=False (the own one) works."""
+    def alter(model):
+        if change == "clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        else:
+            model.last.bias.grad = model.last.bias.grad * 0.5
+
+    model = Net()
+    opt = DistributedOptimizer(model.parameters(), "sgd", topology=topology, overlap=True, bucket_cap_mb=SMALL_CAP_MB, lr=0.1)
+    loss_on(model, topology.rank, 0).backward()
+    alter(model)
+    before = flat(model)
+    with pytest.raises(RuntimeError, match="changed after backward.*Call opt.synchronize\\(\\) before changing it"):
+        opt.step()
+    assert torch.equal(flat(model), before) and opt.algorithm.steps == 0
+    for step, synchronized in enumerate([True, False]):  # then the loop as it should be, and one without a change
+        opt.zero_grad()
+        loss_on(model, topology.rank, step).backward()
+        if synchronized:
+            opt.synchronize()
+            alter(model)
+        opt.step()
+    assert opt.algorithm.steps == 2 and not torch.equal(flat(model), before)
+    plain = Net()
+    blocking = DistributedOptimizer(plain.parameters(), "sgd", topology=topology, overlap=False, lr=0.1)
+    loss_on(plain, topology.rank, 0).backward()
+    alter(plain)
+    blocking.step()
+    assert blocking.algorithm.steps == 1
+
+
 def test_a_second_optimizer_takes_over_the_model(topology):
     """Hooks of an optimizer whose parameters moved to another optimizer's buffer remove themselves."""
     want, _, _ = train(topology, True, HYPER["plain"], steps=3)
