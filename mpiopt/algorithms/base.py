@@ -566,13 +566,34 @@ class Algorithm:
                 f"{what} has {arr.size} elements of {arr.dtype}; set-up was {self.num_params} of {self.dtype}"
             )
 
-    def _gradient_ok(self, grad: Any) -> bool:
+    def _gradient_ok(self, grad: Any, skip: bool = False) -> bool:
+        """Whether to take this step: False on every rank when some rank's ``grad`` is not finite under ``nan_policy``
+        ``"skip"`` (or ``skip``); under ``"raise"`` this rank's non-finite gradient ends the job."""
         ok = all_finite(grad)
-        if self.nan_policy == "raise":
+        if self.nan_policy == "raise" and not skip:
             if not ok:
                 self._non_finite_gradient()
             return True
         return not self.topology.any(not ok)
+
+    def name_non_finite_ranks(self, grad: Any) -> None:
+        """End the job naming the ranks whose own ``grad`` is not finite, if any (a collective call); else return.
+
+        For a non-finite value every rank learnt of together: each checks its
+        own gradient, and every rank raises the same error, naming the first
+        rank at fault.
+        """
+        def own_check() -> None:
+            if not all_finite(grad):
+                raise self._non_finite_error()
+
+        try:
+            self.topology.decide(
+                own_check, "gradient check", catch=(FloatingPointError,),
+                error=lambda failures, own: own or FloatingPointError(failures[0].message),
+            )
+        except FloatingPointError as error:
+            self.topology.raise_or_abort(error)
 
     def _checks_in_step(self) -> bool:
         """Whether this step's update checks the gradient in its own pass, instead of :meth:`step` in a pass before.
@@ -643,7 +664,7 @@ class SynchronousAlgorithm(Algorithm):
         """
         return self._apply_step(params, grad, loss)
 
-    def exchange(self, params: Any, grad: Any) -> Optional[Any]:
+    def exchange(self, params: Any, grad: Any, *, skip_non_finite: bool = False) -> Optional[Any]:
         """The exchange alone: the gradient every rank will apply, combined from every rank's ``grad`` (a collective call).
 
         For the gradient-exchanging algorithms (:attr:`inner_role` ``"gradient"``):
@@ -651,7 +672,10 @@ class SynchronousAlgorithm(Algorithm):
         advances).  The returned buffer is the algorithm's and is read by the
         next :meth:`step_exchanged`, which applies it (a caller may clip it
         in between).  None when every rank skips this step
-        (``nan_policy="skip"``).
+        (``nan_policy="skip"``, or ``skip_non_finite``: a caller that decides
+        about a non-finite gradient later, as the torch front end does
+        where a GradScaler may yet call it an overflow, has every rank skip
+        the exchange whatever the policy).
 
         Raises
         ------
@@ -667,7 +691,7 @@ class SynchronousAlgorithm(Algorithm):
             raise RuntimeError(f"{type(self).__name__}.setup(params) must be called before exchange()")
         self._check_flat("params", params)
         self._check_flat("grad", grad)
-        if not self._gradient_ok(grad):
+        if not self._gradient_ok(grad, skip=skip_non_finite):
             return None
         return self._exchange(params, grad)
 

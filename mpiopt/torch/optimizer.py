@@ -411,7 +411,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             if self.backward_passes_per_step > 1:
                 self._flat_grads.div_(self.backward_passes_per_step)
-            exchanged = self.algorithm.exchange(self._params_array, self._grads_array)
+            # A non-finite gradient has every rank skip the exchange, to be judged in step(): a GradScaler's
+            # unscale_ and step between here and there may call it an overflow (skip), else nan_policy decides.
+            exchanged = self.algorithm.exchange(self._params_array, self._grads_array, skip_non_finite=True)
             if exchanged is not None and exchanged is not self._grads_array:
                 self._grads_array[...] = exchanged
         self._synchronized = (None if exchanged is None else self._grads_array, ledger.since(before))
@@ -423,6 +425,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         skip, inverse_scale, _ = self._grad_scaler_verdict()
         if skip:
             return self._skipped(loss)
+        if exchanged is None and self.algorithm.nan_policy == "raise":  # not an overflow: end the job, naming the ranks
+            self.algorithm.name_non_finite_ranks(self._grads_array)
         if inverse_scale is not None:
             self._flat_grads.mul_(inverse_scale)
         record = self.algorithm.step_exchanged(self._params_array, exchanged, loss=loss_value(loss))
@@ -664,7 +668,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             warnings.warn(
                 "the ranks' GradScalers have different scales (an earlier overflow on some ranks only backed off those "
                 "ranks' scales): use mpiopt.torch.GradScaler, whose overflow checks agree across the ranks as under torch "
-                "DDP, or call opt.synchronize() before scaler.unscale_(opt)" + (
+                "DDP" + (
                     "; until the scales agree each step sends the gradient twice" if self._exchange is not None else ""),
                 stacklevel=4,
             )

@@ -410,6 +410,47 @@ def test_an_overflow_on_one_rank_backs_off_every_ranks_scale_with_mpiopts_scaler
         assert len(messages) == 1 and "use mpiopt.torch.GradScaler" in messages[0] and "sends the gradient twice" in messages[0]
 
 
+@pytest.mark.parametrize("algorithm, hyper", [("sgd", {"overlap": False}), ("topk", {"density": 1.0}), ("regtopk", {"density": 1.0})])
+def test_an_overflow_before_synchronize_is_the_scalers_to_skip(topology, algorithm, hyper):
+    """synchronize(), scaler.unscale_(opt), clipping, scaler.step(opt): an overflow on one rank (inf in its scaled
+    gradient) makes every rank skip the exchange without touching its state (Top-k's error feedback), and the
+    scaler skips the step on every rank; the run then equals the one that never saw that batch (a power-of-two
+    scale is undone exactly).  Before, synchronize() ended the job with a non-finite gradient under
+    nan_policy='raise'.  At density 1 Top-k and RegTop-k send everything."""
+    data, rank = batches(topology.size, 4), topology.rank
+    model = make_model()
+    opt = DistributedOptimizer(model.parameters(), algorithm, topology=topology, inner=torch.optim.AdamW(decay_groups(model), lr=1e-2, betas=(0.9, 0.95)), **hyper)
+    scaler = mpiopt.torch.GradScaler("cpu", init_scale=2.0**10)
+    for step, (xs, ys) in enumerate(data):
+        opt.zero_grad()
+        overflow = step == 1 and rank == topology.size - 1
+        scaler.scale(F.cross_entropy(model(xs[rank]), ys[rank]) * (float("inf") if overflow else 1.0)).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)
+        scaler.step(opt)
+        scaler.update()
+    assert opt.algorithm.steps == 3 and topology.world.allgather_obj(scaler.get_scale()) == [2.0**9] * topology.size
+    assert_close(model, train_mpiopt(topology, data[:1] + data[2:], algorithm, clip=0.3, **hyper), rtol=0, atol=0)
+
+
+def test_a_non_finite_gradient_after_synchronize_without_a_scaler_names_the_rank():
+    """No scaler to call it an overflow: step() ends the job under nan_policy='raise', every rank naming the rank at fault."""
+    topology = mpiopt.Topology(abort_on_error=False)
+    if topology.size == 1:
+        topology.Free()
+        pytest.skip("a rank at fault among others needs two ranks")
+    model = make_model()
+    opt = DistributedOptimizer(model.parameters(), "topk", topology=topology, inner=torch.optim.AdamW(model.parameters()), density=0.5)
+    xs, ys = batches(topology.size, 1)[0]
+    culprit = topology.size - 1
+    (F.cross_entropy(model(xs[topology.rank]), ys[topology.rank]) * (float("nan") if topology.rank == culprit else 1.0)).backward()
+    opt.synchronize()
+    with pytest.raises(FloatingPointError, match=f"topk: non-finite gradient on rank {culprit} at step 1"):
+        opt.step()
+    topology.Free()
+
+
 def test_grad_scaler_on_cuda_with_float16_autocast(topology):
     """The CUDA recipe: float16 autocast, mpiopt.torch.GradScaler("cuda"), inner AdamW on CUDA parameters.  Scaled and unscaled
     float32 runs agree bitwise (a power-of-two scale undone exactly); under float16 autocast the loss falls; an
