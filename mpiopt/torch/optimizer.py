@@ -504,7 +504,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     def finish(self) -> None:
-        """Complete any communication still in flight (DaSGD's averaging); call before evaluating or saving."""
+        """Complete any communication still in flight (``dasgd``'s averaging, ``streaming_diloco``'s fragments).
+
+        Call it once training is over, before evaluating or saving the final
+        model.  Mid-run it merges an exchange before its step, which changes
+        the steps after it: to evaluate mid-run, evaluate a copy or the
+        ranks' models as they are; :meth:`state_dict` holds an exchange in
+        flight, so checkpoints need no ``finish()``.
+        """
         self.algorithm.finish(self._params_array)
 
     def run(self, compute_fn: Callable[[int], Any], steps: Optional[int] = None, **options: Any) -> Any:
