@@ -159,6 +159,8 @@ def test_unsupported_groups_are_refused(topology):
         DistributedOptimizer(model.parameters(), "sgd", topology=topology)
     with pytest.raises(ValueError, match="unknown algorithm 'adamw'"):
         DistributedOptimizer(first.parameters(), "adamw", topology=topology)
+    with pytest.raises(TypeError, match=r"^diloco has no hyperparameter 'perido' \(did you mean 'period'\?\); it takes lr, "):
+        DistributedOptimizer(first.parameters(), "diloco", topology=topology, perido=2)
     with pytest.raises(ValueError, match="backward_passes_per_step"):
         DistributedOptimizer(first.parameters(), "sgd", topology=topology, backward_passes_per_step=0)
 
