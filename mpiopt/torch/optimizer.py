@@ -281,9 +281,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ours = [p for group in self.param_groups for p in group["params"]]
         theirs = [p for group in inner.param_groups for p in group["params"]]
         if {id(p) for p in ours} != {id(p) for p in theirs} or len(ours) != len(theirs):
+            # Equal counts are the usual mistake (an optimizer over a copy of the model): "4 against 4" would read as no difference.
+            differs = (f"the same number of parameters ({len(ours)}) but other tensors (was it created over a copy of the model?)"
+                       if len(theirs) == len(ours) else f"{len(theirs)} parameters against {len(ours)}")
             raise ValueError(
-                f"inner optimizer {type(inner).__name__} holds other parameters than DistributedOptimizer's "
-                f"({len(theirs)} against {len(ours)}): create it over the same parameters, e.g. inner=torch.optim.AdamW(model.parameters())"
+                f"inner optimizer {type(inner).__name__} holds other parameters than DistributedOptimizer's: {differs}; "
+                "create it over the same parameters, e.g. inner=torch.optim.AdamW(model.parameters())"
             )
         self.defaults = inner.defaults
         self._adopted = True
