@@ -212,6 +212,9 @@ class Algorithm:
     overlaps_backward: ClassVar[bool] = False
     #: Whether :meth:`_step` can check the gradient in its update's own pass (see :meth:`_checks_in_step`).
     fused_gradient_check: ClassVar[bool] = False
+    #: The call that passes this rank's loss, for the message of an algorithm that needs one (lsgd): a front end
+    #: driving the algorithm sets its instance's to its own call (DistributedOptimizer: ``opt.step(loss=loss)``).
+    loss_call: str = "step(params, grad, loss=...)"
     #: Attribute names of arrays (or None) that make up the state.
     state_arrays: ClassVar[Tuple[str, ...]] = ()
     #: Attribute names of scalars (int, float, bool, str) that make up the state.

@@ -186,6 +186,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.topology = Topology() if topology is None else topology
         self.inner = _check_inner(inner, algorithm, hyperparameters)
         self.algorithm: Algorithm = create(algorithm, self.topology, **hyperparameters)
+        self.algorithm.loss_call = "opt.step(loss=loss)"  # what a message asking for the loss tells this API's user
         if self.inner is not None:  # before anything changes: an algorithm without an inner role refuses here
             self.algorithm.use_inner(self._inner_step, type(self.inner).__name__)
         if overlap is None:  # as torch DDP: on wherever the exchange can run during backward (and there is one)

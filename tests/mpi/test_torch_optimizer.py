@@ -174,6 +174,17 @@ def test_step_and_run_are_refused_where_they_do_not_apply(topology):
         opt.run(lambda step: None, 1)
 
 
+def test_lsgd_without_a_loss_names_the_torch_call():
+    # Without the abort (by default a rank missing its loss ends the job) every rank raises the error.
+    quiet = mpiopt.Topology(abort_on_error=False)
+    model = make_model(0)
+    opt = DistributedOptimizer(model.parameters(), "lsgd", topology=quiet)
+    loss_of(model, *batch(quiet.rank, 0)).backward()
+    with pytest.raises(ValueError, match=r"^lsgd: step\(\) needs this rank's training loss \(opt.step\(loss=loss\)\): the lowest"):
+        opt.step()
+    quiet.Free()
+
+
 def test_state_dict_round_trip_resumes_bitwise(topology):
     hyper = dict(lr=0.05, density=0.3)
 
