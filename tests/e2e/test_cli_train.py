@@ -153,6 +153,12 @@ def test_progress_bar_on_request_and_plain_lines_in_logs(tmp_path):
     assert "sgd [" not in output and "sgd step  6/12  loss" in output and "sgd step 12/12" in output  # mpiexec: pipes
 
 
+def test_help_under_mpiexec_is_printed_once():
+    code, output, _ = run_mpi(2, ["-m", "mpiopt", "train", "--help"])
+    assert code == 0, output
+    assert output.count("usage: python -m mpiopt train") == 1 and output.count("Checkpoints:") == 1, output
+
+
 @pytest.mark.parametrize("command", ["train", "compare"])
 def test_help_documents_every_flag_and_its_default(command):
     import argparse
