@@ -66,8 +66,13 @@ __all__ = [
 
 #: The two protocols: ``step`` (every rank steps together) or ``run`` (a server and workers).
 SYNCHRONOUS, ASYNCHRONOUS = "synchronous", "asynchronous"
-#: What a training run evaluates: every rank's model (identical on all), the ranks' mean, the server's, the global leader's.
-EVALUATED_MODELS = ("identical", "average", "server", "leader")
+#: What a training run may evaluate (``Algorithm.evaluates``), each with its words for the help.
+EVALUATED_MODELS = {
+    "identical": "every rank's model (identical on all ranks)",
+    "average": "the average of the ranks' models",
+    "server": "the server's model",
+    "leader": "the global leader's model",
+}
 NAN_POLICIES = ("raise", "skip")
 #: The entries every algorithm takes; each class adds its own and re-defaults ``lr`` (``BASE.with_defaults(lr=...)``).
 BASE = Schema(
@@ -212,6 +217,9 @@ class Algorithm:
     overlaps_backward: ClassVar[bool] = False
     #: Whether :meth:`_step` can check the gradient in its update's own pass (see :meth:`_checks_in_step`).
     fused_gradient_check: ClassVar[bool] = False
+    #: The call that passes this rank's loss, for the message of an algorithm that needs one (lsgd): a front end
+    #: driving the algorithm sets its instance's to its own call (DistributedOptimizer: ``opt.step(loss=loss)``).
+    loss_call: str = "step(params, grad, loss=...)"
     #: Attribute names of arrays (or None) that make up the state.
     state_arrays: ClassVar[Tuple[str, ...]] = ()
     #: Attribute names of scalars (int, float, bool, str) that make up the state.

@@ -257,7 +257,7 @@ class LSGD(LSGDState, SynchronousAlgorithm):
         if loss is None:
             # Found on this rank alone, while the others may be electing a leader.
             self.topology.raise_or_abort(ValueError(
-                f"{self.name}: step() needs this rank's training loss (step(params, grad, loss=...)): "
+                f"{self.name}: step() needs this rank's training loss ({self.loss_call}): "
                 "the lowest running-mean loss elects the leaders"
             ))
         self.rule.record_loss(loss)

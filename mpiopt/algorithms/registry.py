@@ -107,6 +107,12 @@ def create(name: str, topology: Topology, **hyperparameters: Any) -> Algorithm:
         For an unknown name (the message lists the known ones), or a bad
         hyperparameter value.
     TypeError
-        For an unknown hyperparameter or one of the wrong type.
+        For an unknown hyperparameter (the message names the algorithm, the
+        close match if there is one, and the names it takes) or a value of
+        the wrong type.
     """
-    return algorithm_class(name)(topology, **hyperparameters)
+    cls = algorithm_class(name)
+    # Before the constructor, whose own error would name only its __init__ (not the algorithm or what it takes);
+    # here every entry point (create, DistributedOptimizer, the training loop) gets the schema's message.
+    cls.schema.check_names(hyperparameters, what=name)
+    return cls(topology, **hyperparameters)

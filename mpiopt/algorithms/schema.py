@@ -22,9 +22,10 @@ of the parameters (``lr``, ``momentum``, ``dampening``, ``nesterov``,
 
 from __future__ import annotations
 
+import difflib
 import numbers
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -189,10 +190,28 @@ class Schema:
         ValueError
             For a value out of range.
         """
-        unknown = sorted(set(values) - set(self._entries))
-        if unknown:
-            raise TypeError(f"{what} has no hyperparameter {', '.join(map(repr, unknown))}; it takes {', '.join(self.names())}")
+        self.check_names(values, what=what)
         return {name: self._entries[name].validate(value) for name, value in values.items()}
+
+    def check_names(self, names: Iterable[str], *, what: str = "algorithm") -> None:
+        """Refuse the ``names`` the schema lacks, each with the declared name closest to it, if one is close.
+
+        Raises
+        ------
+        TypeError
+            Naming ``what``, each unknown name (``'perido' (did you mean
+            'period'?)``) and the names the schema has.
+        """
+        unknown = sorted(set(names) - set(self._entries))
+        if not unknown:
+            return
+        named = []
+        for name in unknown:
+            # Above difflib's 0.6: a typo ('perido', 'momentm') scores 0.8 or more, while a stem shared by several
+            # names ('pull' of pull_local, pull_global, pull_form) scores 0.57 to 0.62 and would guess one of them.
+            close = difflib.get_close_matches(name, self.names(), n=1, cutoff=0.7)
+            named.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+        raise TypeError(f"{what} has no hyperparameter {', '.join(named)}; it takes {', '.join(self.names())}")
 
     def help(self, skip: Sequence[str] = ()) -> List[str]:
         """One line per entry: ``name=default  help`` with ``[per group]`` or ``[execution]`` where they apply."""

@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import List, NoReturn, Optional
+from typing import IO, List, NoReturn, Optional
 
 from ..comm import abort_on_exception
+from ..comm.launcher import launcher_rank
 from ..training.config import UsageError
 
 # name -> (module of mpiopt.cli, one-line help).  Building the parser imports every command module, so
@@ -39,7 +40,14 @@ def _rank() -> int:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that reports a usage error once (rank 0), not once per rank."""
+    """argparse that prints its help and reports a usage error once (rank 0), not once per rank."""
+
+    def print_help(self, file: Optional[IO[str]] = None) -> None:
+        # The launcher's rank where it set one: were the launcher and MPI not to agree, every process would be
+        # rank 0 of its own world of one, and print it.
+        rank = launcher_rank()
+        if (_rank() if rank is None else rank) == 0:
+            super().print_help(file)
 
     def error(self, message: str) -> NoReturn:
         if _rank() == 0:

@@ -7,13 +7,6 @@ which ``--config`` reads back.  OUT receives ``metrics.jsonl`` (a record per
 step and per evaluation; ``mpiopt plot`` draws them) and, with ``--trace``,
 a Chrome/Perfetto trace of every rank's phases.
 
-Evaluated model: sgd, signum, topk and regtopk keep every rank's model
-identical and it is evaluated; for easgd, lsgd and dasgd the average of the
-ranks' models; for async_msgd and async_lsgd the server's (async_lsgd: the
-global leader's), every --eval-every steps once the run is quiescent (the
-workers pause for the drain and the evaluation), and at the end.
-BatchNorm statistics are averaged over the ranks before each evaluation.
-
 Checkpoints: ``--checkpoint-every N`` writes one after every N-th step and at
 the end to ``--checkpoint-dir`` (default ``OUT/checkpoints``); ``--resume
 PATH|auto`` continues from one, bitwise as if the run had never stopped
@@ -22,18 +15,25 @@ starting from exactly the saved parameters; bitwise at one rank only).
 SIGTERM or SIGUSR1 at any rank of a run with checkpoints: every rank writes a
 checkpoint at the next step (asynchronous: segment) boundary and the job exits
 with code 75 (``EX_TEMPFAIL``: requeue it with ``--resume auto``).
+
+Evaluated model: every --eval-every steps (asynchronous algorithms: once
+the run is quiescent, the workers pausing for the drain and the evaluation)
+and at the end, BatchNorm statistics averaged over the ranks first.  Which
+model: each algorithm's ``evaluates`` (``--help`` lists them, from the classes):
 """
 
 from __future__ import annotations
 
 import argparse
 
-from ..training.flags import add_config_arguments
+from ..training.flags import add_config_arguments, evaluated_help
 from .session import read_settings, start_session
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, "train")
+    # The list that ends the description's last paragraph: made from the classes, it names every algorithm, a plugin's too.
+    parser.description = f"{parser.description or ''}{evaluated_help()}\n"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,6 +23,10 @@ The MPI launchers' variables come first: an ``mpiexec`` inside a Slurm step
 (hydra starts its proxies with ``srun``, one per node) gives its processes
 the proxies' step variables too, which count nodes, not ranks.  PMIx sets
 no size variable (``srun --mpi=pmix`` is covered by Slurm's).
+
+:func:`launcher_rank` reads this process's rank from the variable that the
+same launcher sets beside its size (:data:`RANK_VARIABLES`), for what one
+process should do alone before MPI's world is trusted (print ``--help``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ from __future__ import annotations
 import os
 from typing import Mapping, NamedTuple, Optional
 
-__all__ = ["LauncherView", "LauncherMismatchError", "launcher_view", "check_world_size", "SIZE_VARIABLES"]
+__all__ = [
+    "LauncherView", "LauncherMismatchError", "launcher_view", "launcher_rank", "check_world_size", "SIZE_VARIABLES",
+    "RANK_VARIABLES",
+]
 
 #: ``(variable, launcher)`` in the order they are read.
 SIZE_VARIABLES = (
@@ -38,6 +45,10 @@ SIZE_VARIABLES = (
     ("PMI_SIZE", "a PMI launcher (MPICH's mpiexec, srun --mpi=pmi2)"),
     ("SLURM_STEP_NUM_TASKS", "Slurm's srun"),
 )
+
+#: Each size variable's launcher's rank variable.  Read beside the size variable that won, never on its own: inside
+#: an mpiexec run in a Slurm step SLURM_PROCID numbers hydra's proxies, one per node, not the ranks.
+RANK_VARIABLES = {"OMPI_COMM_WORLD_SIZE": "OMPI_COMM_WORLD_RANK", "PMI_SIZE": "PMI_RANK", "SLURM_STEP_NUM_TASKS": "SLURM_PROCID"}
 
 
 class LauncherView(NamedTuple):
@@ -74,6 +85,40 @@ def launcher_view(environ: Optional[Mapping[str, str]] = None) -> Optional[Launc
             raise ValueError(f"{variable} must be a positive integer (the launcher's count of processes), got {value!r}")
         return LauncherView(size, variable, launcher)
     return None
+
+
+def launcher_rank(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """This process's rank as its launcher numbered it, read from ``environ`` (default ``os.environ``).
+
+    Returns
+    -------
+    int or None
+        The rank, from the rank variable of the launcher :func:`launcher_view`
+        reads; None when no launcher set a size.
+
+    Raises
+    ------
+    ValueError
+        When the size variable is malformed (see :func:`launcher_view`), or
+        the rank variable beside it is unset or not an integer in
+        ``[0, size)`` (naming the variable and its value).
+    """
+    environ = os.environ if environ is None else environ
+    view = launcher_view(environ)
+    if view is None:
+        return None
+    variable = RANK_VARIABLES[view.variable]
+    value = environ.get(variable, "").strip()
+    try:
+        rank = int(value)
+    except ValueError:
+        rank = -1
+    if not 0 <= rank < view.size:
+        raise ValueError(
+            f"{variable} must be an integer in [0, {view.size}) (the launcher's rank of this process, beside "
+            f"{view.variable}={view.size}), got {value!r}"
+        )
+    return rank
 
 
 def check_world_size(mpi_size: int, environ: Optional[Mapping[str, str]] = None) -> Optional[LauncherView]:

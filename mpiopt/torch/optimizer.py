@@ -187,6 +187,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.topology = Topology() if topology is None else topology
         self.inner = _check_inner(inner, algorithm, hyperparameters)
         self.algorithm: Algorithm = create(algorithm, self.topology, **hyperparameters)
+        self.algorithm.loss_call = "opt.step(loss=loss)"  # what a message asking for the loss tells this API's user
         if self.inner is not None:  # before anything changes: an algorithm without an inner role refuses here
             self.algorithm.use_inner(self._inner_step, type(self.inner).__name__)
         if overlap is None:  # as torch DDP: on wherever the exchange can run during backward (and there is one)
@@ -282,9 +283,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ours = [p for group in self.param_groups for p in group["params"]]
         theirs = [p for group in inner.param_groups for p in group["params"]]
         if {id(p) for p in ours} != {id(p) for p in theirs} or len(ours) != len(theirs):
+            # Equal counts are the usual mistake (an optimizer over a copy of the model): "4 against 4" would read as no difference.
+            differs = (f"the same number of parameters ({len(ours)}) but other tensors (was it created over a copy of the model?)"
+                       if len(theirs) == len(ours) else f"{len(theirs)} parameters against {len(ours)}")
             raise ValueError(
-                f"inner optimizer {type(inner).__name__} holds other parameters than DistributedOptimizer's "
-                f"({len(theirs)} against {len(ours)}): create it over the same parameters, e.g. inner=torch.optim.AdamW(model.parameters())"
+                f"inner optimizer {type(inner).__name__} holds other parameters than DistributedOptimizer's: {differs}; "
+                "create it over the same parameters, e.g. inner=torch.optim.AdamW(model.parameters())"
             )
         self.defaults = inner.defaults
         self._adopted = True

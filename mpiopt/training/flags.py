@@ -23,7 +23,7 @@ else:  # pragma: no cover - Python 3.10
 
 from .config import DDP, DEFAULT_EPOCHS, TrainConfig, UsageError, training_defaults
 
-__all__ = ["add_config_arguments", "config_from_args", "command_settings", "dump_toml", "hyperparameter_help"]
+__all__ = ["add_config_arguments", "config_from_args", "command_settings", "dump_toml", "hyperparameter_help", "evaluated_help"]
 
 _HELP = {
     "algorithm": "algorithm to train with: {choices}, or ddp (the baseline: torch DistributedDataParallel on gloo, sgd's defaults)",
@@ -158,6 +158,19 @@ def hyperparameter_help() -> str:
         lines += [f"    {line}" for line in cls.schema.help(skip=("nan_policy",))]
         rule = f"with --optimizer: {cls.inner_rule}" if cls.inner_role else f"--optimizer: refused ({cls.inner_refusal})"
         lines += textwrap.wrap(rule, width=118, initial_indent="    ", subsequent_indent="      ")
+    return "\n".join(lines)
+
+
+def evaluated_help() -> str:
+    """One line per model a run may evaluate, naming the algorithms whose class's ``evaluates`` it is (none: no line)."""
+    from ..algorithms import algorithms
+    from ..algorithms.base import EVALUATED_MODELS
+
+    lines = []
+    for kind, words in EVALUATED_MODELS.items():
+        names = [cls.name for cls in algorithms() if cls.evaluates == kind]
+        if names:
+            lines.append(f"  {words}: {', '.join(names)}")
     return "\n".join(lines)
 
 

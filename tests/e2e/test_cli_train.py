@@ -153,6 +153,31 @@ def test_progress_bar_on_request_and_plain_lines_in_logs(tmp_path):
     assert "sgd [" not in output and "sgd step  6/12  loss" in output and "sgd step 12/12" in output  # mpiexec: pipes
 
 
+def test_help_under_mpiexec_is_printed_once():
+    code, output, _ = run_mpi(2, ["-m", "mpiopt", "train", "--help"])
+    assert code == 0, output
+    assert output.count("usage: python -m mpiopt train") == 1 and output.count("Checkpoints:") == 1, output
+
+
+def test_help_names_the_evaluated_model_of_every_algorithm():
+    import argparse
+
+    from mpiopt.algorithms import algorithms
+    from mpiopt.algorithms.base import EVALUATED_MODELS
+    from mpiopt.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    paragraph = sub.format_help().split("Evaluated model:", 1)[1].split("\n\n", 1)[0]
+    listed = {}
+    for line in paragraph.splitlines():
+        if line.startswith("  ") and ": " in line:
+            words, names = line.strip().rsplit(": ", 1)
+            listed.update({name: words for name in names.split(", ")})
+    assert listed == {cls.name: EVALUATED_MODELS[cls.evaluates] for cls in algorithms()}
+    assert listed["diloco"] == listed["streaming_diloco"] == "the average of the ranks' models"
+    assert listed["async_lsgd"] == "the global leader's model" and listed["sgd"].startswith("every rank's model")
+
+
 @pytest.mark.parametrize("command", ["train", "compare"])
 def test_help_documents_every_flag_and_its_default(command):
     import argparse

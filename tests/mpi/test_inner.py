@@ -229,6 +229,18 @@ def test_bad_inner_optimizers_are_refused_on_every_rank(topology):
             DistributedOptimizer(served.parameters(), "async_msgd", topology=topology, inner=torch.optim.SGD(served.parameters(), lr=0.1))
 
 
+def test_an_inner_optimizer_over_other_tensors_is_refused_saying_what_differs(topology):
+    import copy
+
+    model = make_model()
+    # Over a copy of the model: the same count, so the message must not read "4 against 4".
+    with pytest.raises(ValueError, match=r"DistributedOptimizer's: the same number of parameters \(4\) but other tensors "
+                                         r"\(was it created over a copy of the model\?\); create it over the same parameters"):
+        DistributedOptimizer(model.parameters(), "sgd", topology=topology, inner=torch.optim.AdamW(copy.deepcopy(model).parameters()))
+    with pytest.raises(ValueError, match=r"DistributedOptimizer's: 2 parameters against 4; create it over the same parameters"):
+        DistributedOptimizer(model.parameters(), "sgd", topology=topology, inner=torch.optim.AdamW(model[0].parameters()))
+
+
 # -- parameter groups with the built-in update ------------------------------------------------------------------------
 def groups_of(model):
     """Decay and a Nesterov momentum on the weights; no decay, plain momentum and half the rate on the biases."""

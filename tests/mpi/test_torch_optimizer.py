@@ -159,6 +159,8 @@ def test_unsupported_groups_are_refused(topology):
         DistributedOptimizer(model.parameters(), "sgd", topology=topology)
     with pytest.raises(ValueError, match="unknown algorithm 'adamw'"):
         DistributedOptimizer(first.parameters(), "adamw", topology=topology)
+    with pytest.raises(TypeError, match=r"^diloco has no hyperparameter 'perido' \(did you mean 'period'\?\); it takes lr, "):
+        DistributedOptimizer(first.parameters(), "diloco", topology=topology, perido=2)
     with pytest.raises(ValueError, match="backward_passes_per_step"):
         DistributedOptimizer(first.parameters(), "sgd", topology=topology, backward_passes_per_step=0)
 
@@ -170,6 +172,17 @@ def test_step_and_run_are_refused_where_they_do_not_apply(topology):
     opt = DistributedOptimizer(make_model(0).parameters(), "sgd", topology=topology)
     with pytest.raises(TypeError, match="synchronous"):
         opt.run(lambda step: None, 1)
+
+
+def test_lsgd_without_a_loss_names_the_torch_call():
+    # Without the abort (by default a rank missing its loss ends the job) every rank raises the error.
+    quiet = mpiopt.Topology(abort_on_error=False)
+    model = make_model(0)
+    opt = DistributedOptimizer(model.parameters(), "lsgd", topology=quiet)
+    loss_of(model, *batch(quiet.rank, 0)).backward()
+    with pytest.raises(ValueError, match=r"^lsgd: step\(\) needs this rank's training loss \(opt.step\(loss=loss\)\): the lowest"):
+        opt.step()
+    quiet.Free()
 
 
 def test_state_dict_round_trip_resumes_bitwise(topology):

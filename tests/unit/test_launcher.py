@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpiopt.comm.launcher import LauncherMismatchError, LauncherView, check_world_size, launcher_view
+from mpiopt.comm.launcher import LauncherMismatchError, LauncherView, check_world_size, launcher_rank, launcher_view
 
 # What each launcher puts in a process's environment (as seen under Slurm 22.05, MPICH's hydra, Open MPI 5).
 SRUN_TASK = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4"}
@@ -40,6 +40,29 @@ def test_launcher_view(environ, expected):
 def test_a_bad_count_is_an_error_naming_it(value):
     with pytest.raises(ValueError, match=rf"PMI_SIZE must be a positive integer .*got '{value}'"):
         launcher_view({"PMI_SIZE": value})
+
+
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        ({}, None),
+        (SRUN_TASK, 2),
+        (HYDRA, 1),
+        (OPEN_MPI, 1),
+        (BATCH_SCRIPT, None),  # SLURM_PROCID outside a step is no rank of a job
+        # mpiexec inside an allocation: SLURM_PROCID=2 numbers the proxies; the MPI launcher's rank counts.
+        (dict(SRUN_TASK, SLURM_STEP_NUM_TASKS="1", PMI_SIZE="8", PMI_RANK="5"), 5),
+    ],
+    ids=["none", "srun", "hydra", "open-mpi", "batch-script", "mpiexec-in-slurm"],
+)
+def test_launcher_rank_is_read_beside_the_size(environ, expected):
+    assert launcher_rank(environ) == expected
+
+
+@pytest.mark.parametrize("value", ["", "4", "-1", "one"])
+def test_a_bad_or_missing_rank_is_an_error_naming_it(value):
+    with pytest.raises(ValueError, match=rf"PMI_RANK must be an integer in \[0, 4\) .*beside PMI_SIZE=4\), got '{value}'"):
+        launcher_rank({"PMI_SIZE": "4", "PMI_RANK": value})
 
 
 def test_agreement_passes_and_returns_the_view():

@@ -52,6 +52,24 @@ def test_validate_names_the_bad_key_and_value():
     assert schema.with_defaults(pull_local=0.3)["pull_local"].default == 0.3 and schema["pull_local"].default == 0.1
 
 
+def test_create_names_a_misspelt_keyword_with_the_algorithm_the_close_match_and_what_it_takes():
+    topology = mpiopt.Topology()
+    with pytest.raises(TypeError) as caught:
+        mpiopt.create("diloco", topology, perido=2)
+    assert str(caught.value) == (
+        "diloco has no hyperparameter 'perido' (did you mean 'period'?); it takes "
+        + ", ".join(algorithm_class("diloco").schema.names())
+    )
+    with pytest.raises(TypeError, match=r"^sgd has no hyperparameter 'perido'; it takes lr, nan_policy, momentum"):
+        mpiopt.create("sgd", topology, perido=2)  # nothing close: no guess
+    with pytest.raises(TypeError, match=r"'momentm' \(did you mean 'momentum'\?\), 'perido' \(did you mean 'period'\?\); it"):
+        mpiopt.create("streaming_diloco", topology, perido=2, momentm=0.9)
+    for cls in algorithms():  # refused before the constructor runs, so even those that need more ranks than here
+        with pytest.raises(TypeError, match=f"^{cls.name} has no hyperparameter 'no_such_key'; it takes lr, nan_policy"):
+            mpiopt.create(cls.name, topology, no_such_key=1)
+    topology.Free()
+
+
 def test_the_command_line_and_toml_check_against_the_schema_before_any_rank_starts():
     config = TrainConfig(algorithm="dasgd", hyperparameters={"dasgd": {"delay_steps": -1}})
     with pytest.raises(UsageError, match="dasgd: delay_steps must be >= 0, got -1"):
