@@ -9,7 +9,7 @@ import pkgutil
 from typing import Any, Dict, List, Optional, Type, TypeVar
 
 from ..comm import Topology
-from .base import Algorithm
+from .base import EVALUATED_MODELS, Algorithm
 
 __all__ = ["register", "create", "available", "algorithm_class", "algorithms", "PLUGINS_ENV"]
 
@@ -34,6 +34,8 @@ def register(cls: A) -> A:
     if not cls.protocol:
         raise TypeError(f"{cls.__name__} must derive from SynchronousAlgorithm or AsynchronousAlgorithm")
     _check_schema(cls)
+    if cls.evaluates not in EVALUATED_MODELS:
+        raise ValueError(f"{cls.__name__}.evaluates must be one of {', '.join(EVALUATED_MODELS)}, got {cls.evaluates!r}")
     _REGISTRY[cls.name] = cls
     return cls
 

@@ -260,9 +260,10 @@ class TrainConfig:
         from ..algorithms import algorithm_class
 
         schema = algorithm_class(name).schema
-        unknown = sorted(set(values) - set(schema.names()))
-        if unknown:
-            raise UsageError(f"{name} has no hyperparameter {', '.join(map(repr, unknown))}; it takes {', '.join(sorted(schema.names()))}")
+        try:
+            schema.check_names(values, what=name)
+        except TypeError as err:
+            raise UsageError(str(err)) from None
         try:
             schema.validate(values, what=name)
         except (TypeError, ValueError) as err:

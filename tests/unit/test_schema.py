@@ -35,6 +35,10 @@ def test_register_refuses_a_schema_that_is_not_the_constructor():
     Undeclared.schema = BASE + Schema(Hyperparameter("period", 3, positive(integer=True), "steps"))
     with pytest.raises(TypeError, match=r"other defaults \['period'\]"):
         register(Undeclared)
+    Undeclared.schema = BASE + Schema(Hyperparameter("period", 2, positive(integer=True), "steps"))
+    Undeclared.evaluates = "best"  # what a training run evaluates must be a kind the loop and the help know
+    with pytest.raises(ValueError, match="Undeclared.evaluates must be one of identical, .*, got 'best'"):
+        register(Undeclared)
     assert "undeclared_toy" not in mpiopt.available()
 
 
