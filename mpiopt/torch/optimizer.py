@@ -30,7 +30,7 @@ construction.
   ``torch.amp.GradScaler`` overflows are decided collectively (every rank
   skips together; :class:`mpiopt.torch.GradScaler` also keeps the ranks'
   scales equal, as under DDP); ``state_dict()`` has torch.optim's shape plus the
-  algorithm's state under ``"mpiopt"``.
+  algorithm's state under ``"mpiopt"`` in tensors (``torch.load``'s default reads it).
 
 docs/torch.md has the details: the bucket order and its bitwise guarantee,
 what overlap means for ``.grad`` between ``backward()`` and ``step()``,
@@ -55,6 +55,7 @@ from ..arrays import host_apart
 from ..comm import Ledger, Topology
 from ..comm.buffers import tensor_array, torch_numpy_dtype
 from .overlap import BucketExchange
+from .state import as_arrays, as_tensors
 
 __all__ = ["DistributedOptimizer"]
 
@@ -558,7 +559,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.algorithm.run(flat, worker_fn, steps, **options)
 
     def state_dict(self) -> Dict[str, Any]:
-        """torch.optim's shape (``state``, ``param_groups``) plus the algorithm's state under ``"mpiopt"``."""
+        """torch.optim's shape (``state``, ``param_groups``) plus the algorithm's state under ``"mpiopt"``, its arrays
+        as CPU tensors (copies), which ``torch.load`` reads with its default ``weights_only=True``."""
         groups, index = [], 0
         for group in self.param_groups:
             saved = {k: v for k, v in group.items() if k != "params"}
@@ -568,12 +570,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return {
             "state": {} if self.inner is None else self.inner.state_dict()["state"],
             "param_groups": groups,
-            "mpiopt": {"algorithm": self.algorithm.state_dict(), "backward_passes_per_step": self.backward_passes_per_step},
+            "mpiopt": {"algorithm": as_tensors(self.algorithm.state_dict()), "backward_passes_per_step": self.backward_passes_per_step},
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any], *, override_hyperparameters: bool = False) -> None:
-        """Restore what :meth:`state_dict` returned (same model and algorithm; other hyperparameters only with
-        ``override_hyperparameters``, see :meth:`Algorithm.load_state_dict <mpiopt.algorithms.base.Algorithm.load_state_dict>`)."""
+        """Restore what :meth:`state_dict` returned, its tensors on any device, or its earlier form with numpy arrays (same
+        model and algorithm; other hyperparameters only with ``override_hyperparameters``, see :meth:`Algorithm.load_state_dict <mpiopt.algorithms.base.Algorithm.load_state_dict>`)."""
         if "mpiopt" not in state_dict:
             raise ValueError("not a DistributedOptimizer state (no 'mpiopt' entry): was it saved by another optimizer?")
         groups = state_dict["param_groups"]
@@ -587,7 +589,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"backward_passes_per_step is {self.backward_passes_per_step}, the state has {saved['backward_passes_per_step']}"
             )
-        self.algorithm.load_state_dict(saved["algorithm"], override_hyperparameters=override_hyperparameters)
+        self.algorithm.load_state_dict(as_arrays(saved["algorithm"]), override_hyperparameters=override_hyperparameters)
         if self.inner is not None:  # its state and groups, in torch.optim's own format
             self.inner.load_state_dict({"state": state_dict["state"], "param_groups": groups})
             return

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import mpiopt  # noqa: E402
+from mpiopt.algorithms import SYNCHRONOUS, available  # noqa: E402
 from mpiopt.torch import DistributedOptimizer, average_buffers, broadcast_module  # noqa: E402
 
 pytestmark = pytest.mark.mpi
@@ -21,6 +24,18 @@ SYNC = {
     "topk": dict(lr=0.05, density=0.2),
     "regtopk": dict(lr=0.05, density=0.2),
 }
+# Every synchronous algorithm with each of its state arrays in use after SAVE_AFTER steps: momentum wherever it is
+# optional, lsgd's proximal pull (its leader copy), and in flight dasgd's averaging (started after step 6, merged
+# after step 7) and streaming_diloco's fragment 0 (started after step 6, merged after step 8).
+RESUMED = {
+    **SYNC,
+    "lsgd": dict(lr=0.05, period=2, global_period=4, momentum=0.5, proximal=0.1),
+    "topk": dict(lr=0.05, density=0.2, momentum=0.5),
+    "regtopk": dict(lr=0.05, density=0.2, momentum=0.5),
+    "diloco": dict(lr=0.05, period=4, momentum=0.5),
+    "streaming_diloco": dict(lr=0.05, period=6, fragments=2, overlap_steps=2, momentum=0.5),
+}
+SAVE_AFTER, STEPS = 6, 12
 
 
 def make_model(seed: int) -> "torch.nn.Module":
@@ -185,30 +200,49 @@ def test_lsgd_without_a_loss_names_the_torch_call():
     quiet.Free()
 
 
-def test_state_dict_round_trip_resumes_bitwise(topology):
-    hyper = dict(lr=0.05, density=0.3)
+def _train(topology, model, opt, steps):
+    for step in steps:
+        opt.zero_grad()
+        loss = loss_of(model, *batch(topology.rank, step))
+        loss.backward()
+        opt.step(loss=loss)
 
-    def train(model, opt, steps):
-        for step in steps:
-            opt.zero_grad()
-            loss = loss_of(model, *batch(topology.rank, step))
-            loss.backward()
-            opt.step(loss=loss)
 
+def _resumed(topology, name, model_state, opt_state):
+    """A fresh model and optimizer restored from the states saved after SAVE_AFTER steps, trained to STEPS."""
+    model = make_model(2)
+    opt = DistributedOptimizer(model.parameters(), name, topology=topology, **RESUMED[name])
+    model.load_state_dict(model_state)  # after the optimizer, which starts every rank from rank 0's parameters
+    opt.load_state_dict(opt_state)
+    _train(topology, model, opt, range(SAVE_AFTER, STEPS))
+    opt.finish()
+    return model
+
+
+@pytest.mark.parametrize("name", available(SYNCHRONOUS))
+def test_state_dict_through_torch_save_and_load_resumes_bitwise(topology, name):
+    """``torch.save(opt.state_dict())`` and ``torch.load`` with its default ``weights_only=True`` (torch >= 2.6) resume
+    every synchronous algorithm bitwise; so does the earlier form of the state, its arrays numpy arrays."""
     model = make_model(1)
-    opt = DistributedOptimizer(model.parameters(), "regtopk", topology=topology, **hyper)
-    train(model, opt, range(3))
-    state = opt.state_dict()
-    saved = {k: v.clone() for k, v in model.state_dict().items()}
-    assert state["param_groups"][0]["params"] == list(range(4)) and state["param_groups"][0]["lr"] == 0.05
-    train(model, opt, range(3, 7))
-    fresh_model = make_model(2)
-    fresh = DistributedOptimizer(fresh_model.parameters(), "regtopk", topology=topology, **hyper)
-    fresh_model.load_state_dict(saved)
-    fresh.load_state_dict(state)
-    train(fresh_model, fresh, range(3, 7))
-    for a, b in zip(model.parameters(), fresh_model.parameters()):
-        assert torch.equal(a, b)
+    opt = DistributedOptimizer(model.parameters(), name, topology=topology, **RESUMED[name])
+    _train(topology, model, opt, range(SAVE_AFTER))
+    state, earlier = opt.state_dict(), {"algorithm": opt.algorithm.state_dict()}
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    assert state["param_groups"][0]["params"] == list(range(4)) and state["param_groups"][0]["lr"] == RESUMED[name]["lr"]
+    arrays = state["mpiopt"]["algorithm"]["arrays"]
+    assert all(isinstance(a, torch.Tensor) for a in arrays.values()), {k: type(a).__name__ for k, a in arrays.items()}
+    _train(topology, model, opt, range(SAVE_AFTER, STEPS))
+    opt.finish()
+    # Written only now: the state taken after step SAVE_AFTER must not have followed the training since.
+    buffer = io.BytesIO()
+    torch.save({"model": saved_model, "opt": state}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    resumed = _resumed(topology, name, loaded["model"], loaded["opt"])
+    old_form = {**state, "mpiopt": {**state["mpiopt"], **earlier}}
+    resumed_from_old_form = _resumed(topology, name, saved_model, old_form)
+    for a, b, c in zip(model.parameters(), resumed.parameters(), resumed_from_old_form.parameters()):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_batchnorm_buffers_are_averaged(topology):
