@@ -67,7 +67,10 @@ Checkpoints: :meth:`state_dict` completes the exchanges in flight (``Wait``)
 but does not merge them; their sums (``pending_sum``, the whole sum buffer,
 only while one is pending) and the steps at which each merges
 (``merge_steps``, one per fragment, 0 when none) are state, so a resume
-merges them at the same steps (bitwise).  The sum buffer holds each
+merges them at the same steps (bitwise).  The regions of the fragments with
+no merge pending are zeros in ``pending_sum``: the buffer holds scratch there
+(an earlier merge's, or nothing yet), which no step reads and a resumed run
+lacks, so equal states save equal bytes.  The sum buffer holds each
 fragment in its exchange order (for ``"strided"``, fragment by fragment);
 ``theta_start`` and the outer momentum are in the parameters' order in
 both layouts.  Resize: ``theta_start`` and the
@@ -268,10 +271,17 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         return any(f.active for f in self._inflight)
 
     def state_dict(self) -> Dict[str, Any]:
-        """As :meth:`Algorithm.state_dict`, after completing (not merging) the exchanges in flight."""
+        """As :meth:`Algorithm.state_dict`, after completing (not merging) the exchanges in flight; zeros in the
+        idle fragments' regions of ``pending_sum`` (module docstring)."""
         for f in self._inflight:
             f.complete()
-        return super().state_dict()
+        state = super().state_dict()
+        pending = state["arrays"]["pending_sum"]  # the base class's copy: the live buffer keeps its scratch
+        if pending is not None:
+            for f, (a, b) in enumerate(self._bounds):
+                if not self.merge_steps[f]:
+                    pending[a:b] = 0
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any], *, override_hyperparameters: bool = False) -> None:
         if self.in_flight:

@@ -9,6 +9,7 @@ import pytest
 import mpiopt
 from mpiopt.comm import Comm, SetupMismatchError
 from mpiopt.algorithms.streaming_diloco import fragment_blocks, fragment_bounds, fragment_offsets, fragment_sizes
+from mpiopt.checkpoint.layout import first_difference
 from mpiopt.comm.ledger import plan_bytes
 from mpiopt.sim.streaming_diloco import simulate
 
@@ -105,27 +106,39 @@ def test_schedule_and_bytes_per_step_follow_the_fragments(topology, layout):
 
 @pytest.mark.parametrize("layout", [{}, STRIDED], ids=["contiguous", "strided"])
 def test_state_dict_resume_with_a_fragment_in_flight_is_bitwise(topology, layout):
+    """Resumed with a fragment in flight, or with none (no sum in the state), a run continues bitwise, and its state
+    later is the straight run's byte for byte, also while one fragment's region of the sum buffer is idle."""
     rank, n = topology.rank, 31
-    hyper = dict(lr=0.05, momentum=0.9, period=4, fragments=2, overlap_steps=2, alpha=0.5, outer_lr=0.7, outer_momentum=0.9, **layout)
+    hyper = dict(lr=0.05, momentum=0.9, period=6, fragments=2, overlap_steps=2, alpha=0.5, outer_lr=0.7, outer_momentum=0.9, **layout)
     alg = mpiopt.create("streaming_diloco", topology, **hyper)
     params = _initial(rank, n)
     alg.setup(params)
-    for t in range(1, 5):  # fragment 0 started after step 4, merges after step 6
+    # Fragment 1 starts after steps 3 and 9 and merges after 5 and 11, fragment 0 starts after step 6 and merges after 8.
+    saved, later = {}, None
+    for t in range(1, 13):
         alg.step(params, _grad(rank, t, n))
-    state, saved = alg.state_dict(), params.copy()
-    assert state["arrays"]["merge_steps"][0] == 6 and state["arrays"]["pending_sum"] is not None
-    for t in range(5, 13):
-        alg.step(params, _grad(rank, t, n))
+        if t in (6, 8):
+            saved[t] = (alg.state_dict(), params.copy())
+        if t == 10:
+            later = alg.state_dict()
     alg.finish(params)
-    fresh = mpiopt.create("streaming_diloco", topology, **hyper)
-    resumed = saved.copy()
-    fresh.setup(resumed)
-    resumed[...] = saved
-    fresh.load_state_dict(state)
-    for t in range(5, 13):
-        fresh.step(resumed, _grad(rank, t, n))
-    fresh.finish(resumed)
-    assert np.array_equal(params, resumed)
+    assert list(saved[6][0]["arrays"]["merge_steps"]) == [8, 0] and saved[6][0]["arrays"]["pending_sum"] is not None
+    assert not saved[8][0]["arrays"]["merge_steps"].any() and saved[8][0]["arrays"]["pending_sum"] is None
+    # Fragment 0 idle since its merge after step 8, before the second resume's state: a region of the saved sum
+    # buffer that run never wrote.
+    assert list(later["arrays"]["merge_steps"]) == [0, 11] and later["arrays"]["pending_sum"] is not None
+    for start, (state, at_start) in saved.items():
+        fresh = mpiopt.create("streaming_diloco", topology, **hyper)
+        resumed = at_start.copy()
+        fresh.setup(resumed)
+        resumed[...] = at_start
+        fresh.load_state_dict(state)
+        for t in range(start + 1, 13):
+            fresh.step(resumed, _grad(rank, t, n))
+            if t == 10:
+                assert first_difference(fresh.state_dict(), later) is None, f"resumed after step {start}"
+        fresh.finish(resumed)
+        assert np.array_equal(params, resumed), f"resumed after step {start}"
 
 
 @pytest.mark.parametrize("hyper, value", [
