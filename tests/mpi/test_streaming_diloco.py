@@ -127,7 +127,11 @@ def test_state_dict_resume_with_a_fragment_in_flight_is_bitwise(topology, layout
     # Fragment 0 idle since its merge after step 8, before the second resume's state: a region of the saved sum
     # buffer that run never wrote.
     assert list(later["arrays"]["merge_steps"]) == [0, 11] and later["arrays"]["pending_sum"] is not None
-    for start, (state, at_start) in saved.items():
+    # As saved before the idle regions were zeros: fragment 1's (idle after step 6) with other values, never read.
+    stale = {**saved[6][0], "arrays": {**saved[6][0]["arrays"], "pending_sum": saved[6][0]["arrays"]["pending_sum"].copy()}}
+    stale["arrays"]["pending_sum"][fragment_sizes(n, 2, alg.layout, alg.stride_blocks)[0]:] = 7.0
+    cases = {"after step 6": (6, *saved[6]), "after step 8": (8, *saved[8]), "after step 6, stale": (6, stale, saved[6][1])}
+    for case, (start, state, at_start) in cases.items():
         fresh = mpiopt.create("streaming_diloco", topology, **hyper)
         resumed = at_start.copy()
         fresh.setup(resumed)
@@ -136,9 +140,9 @@ def test_state_dict_resume_with_a_fragment_in_flight_is_bitwise(topology, layout
         for t in range(start + 1, 13):
             fresh.step(resumed, _grad(rank, t, n))
             if t == 10:
-                assert first_difference(fresh.state_dict(), later) is None, f"resumed after step {start}"
+                assert first_difference(fresh.state_dict(), later) is None, case
         fresh.finish(resumed)
-        assert np.array_equal(params, resumed), f"resumed after step {start}"
+        assert np.array_equal(params, resumed), case
 
 
 @pytest.mark.parametrize("hyper, value", [
