@@ -317,6 +317,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _hand_groups(self) -> None:
         """The groups' learning rates (and the built-in update's per-group settings) to the algorithm, for the next step."""
+        if self.inner is not None:  # the rates are the inner optimizer's, per group as it likes: the first is recorded
+            self.algorithm.lr = float(self.param_groups[0]["lr"])
+            return
         if not self._local_keys:
             self.algorithm.lr = self._group_lr()
             return
@@ -464,10 +467,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         replaced = self._check_views(keep_replaced_grads=True)
         if self._synchronized is None:
             self._refuse_changes_after_sending(changed or replaced)
-        if self.inner is None:  # with an inner optimizer the rates are its own
-            self._hand_groups()
-        else:
-            self.algorithm.lr = float(self.param_groups[0]["lr"])  # unused by its math: for the records
+        self._hand_groups()
         if self._synchronized is not None:
             return self._step_synchronized(loss)
         if self._exchange is None:

@@ -272,6 +272,34 @@ def test_builtin_groups_are_torch_sgd_with_those_groups(topology):
     assert not np.allclose(plain[0].bias.detach().numpy(), model[0].bias.detach().numpy())
 
 
+def test_inner_torch_sgd_with_groups_is_ddp_with_torch_sgd_bitwise_at_two_ranks(topology):
+    """torch.optim.SGD's own bits with parameter groups: sgd over inner=torch.optim.SGD(groups) equals DDP + the
+    same SGD bitwise where the two sums are the same (one and two ranks: a + b either way; DDP divides each
+    gradient by 2 first, mpiopt the sum, the same bits for a power of two).  The built-in update equals it to
+    rounding (torch's fused multiply-add; test_builtin_groups_are_torch_sgd_with_those_groups)."""
+    import torch.distributed as dist
+
+    from mpiopt.training.ddp import init_gloo
+
+    if topology.size > 2:
+        pytest.skip("gloo's and MPI's sums of more than two gradients differ in their order")
+    if not dist.is_initialized():
+        init_gloo(topology)
+    data, rank = batches(topology.size), topology.rank
+    model = make_model().float()
+    opt = DistributedOptimizer(model.parameters(), "sgd", topology=topology, inner=torch.optim.SGD(groups_of(model), lr=0.05))
+    reference = make_model().float()
+    ddp = torch.nn.parallel.DistributedDataParallel(reference)
+    ref_opt = torch.optim.SGD(groups_of(reference), lr=0.05)
+    for xs, ys in data:
+        for net, optimizer in ((model, opt), (ddp, ref_opt)):
+            optimizer.zero_grad()
+            F.cross_entropy(net(xs[rank].float()), ys[rank]).backward()
+            optimizer.step()
+    assert_close(model, reference, rtol=0, atol=0)
+    assert not torch.equal(model[0].weight, make_model().float()[0].weight)  # it trained
+
+
 @pytest.mark.parametrize("name", [n for n in available(SYNCHRONOUS) if algorithm_class(n).inner_role])
 def test_one_cycle_cycles_the_builtin_momentum_of_every_algorithm(topology, name):
     """OneCycleLR's default cycle_momentum=True needs momentum in the groups: each step's value reaches the update."""
