@@ -215,6 +215,8 @@ class Algorithm:
     inner_rule: ClassVar[str] = ""
     #: Whether the exchange is an Allreduce of the gradient that may run in buckets during backward (``step_reduced``).
     overlaps_backward: ClassVar[bool] = False
+    #: Whether :meth:`exchange` keeps state in the gradient's units (error feedback): a loss scale must be undone first.
+    exchange_keeps_gradient: ClassVar[bool] = False
     #: Whether :meth:`_step` can check the gradient in its update's own pass (see :meth:`_checks_in_step`).
     fused_gradient_check: ClassVar[bool] = False
     #: The call that passes this rank's loss, for the message of an algorithm that needs one (lsgd): a front end
@@ -584,15 +586,15 @@ class Algorithm:
             return True
         return not self.topology.any(not ok)
 
-    def name_non_finite_ranks(self, grad: Any) -> None:
-        """End the job naming the ranks whose own ``grad`` is not finite, if any (a collective call); else return.
+    def name_non_finite_ranks(self, own_finite: bool) -> None:
+        """End the job naming the ranks whose own gradient was not finite (``own_finite`` False), if any (a collective call).
 
-        For a non-finite value every rank learnt of together: each checks its
-        own gradient, and every rank raises the same error, naming the first
-        rank at fault.
+        For a non-finite value every rank learnt of together: every rank
+        raises the same error, naming the first rank at fault; returns when
+        no rank was at fault.
         """
         def own_check() -> None:
-            if not all_finite(grad):
+            if not own_finite:
                 raise self._non_finite_error()
 
         try:

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Mapping, NoReturn, Optional
 from ..arrays import empty_apart
 from ..comm import Topology
 from ..comm.ledger import Call
+from ..kernels.update import all_finite
 from .base import BASE, StepRecord, SynchronousAlgorithm
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .registry import register
@@ -119,7 +120,7 @@ class SGD(LocalStepState, SynchronousAlgorithm):
                 "gradient in .grad, so the rank at fault is not named; nan_policy='skip' skips such steps on every rank)"
             ))
 
-        self.name_non_finite_ranks(grad)
+        self.name_non_finite_ranks(all_finite(grad))
         self.topology.raise_or_abort(FloatingPointError(
             f"{self.name}: the sum of the ranks' gradients overflowed at step {step} (every rank's own was finite)"
         ))

@@ -406,6 +406,7 @@ class _SparseSGD(LocalStepState, SynchronousAlgorithm):
 
     fused_gradient_check = True  # error feedback's pass over g checks it
     inner_role = "gradient"
+    exchange_keeps_gradient = True  # the error feedback: what was not sent, in the units it was sent in
     inner_rule = ("a_i = g_i + e_i, e_i <- a_i - a_i 1_S_i; G = (1/N) sum_i a_i 1_S_i into .grad; x <- inner(x, G)  "
                   "(the paper: x <- x - eta G, inner = SGD)")
     training_defaults = {"lr": 0.05, "density": 0.01, "momentum": 0.9}

@@ -54,6 +54,7 @@ from ..algorithms.schema import check_positive
 from ..arrays import host_apart
 from ..comm import Ledger, Topology
 from ..comm.buffers import tensor_array, torch_numpy_dtype
+from ..kernels.update import all_finite
 from .overlap import BucketExchange
 from .state import as_arrays, as_tensors
 
@@ -232,6 +233,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._hand_groups()
         self._verdict = np.zeros(3)  # GradScaler: overflow somewhere, largest scale, -smallest scale
         self._warned_scales = False
+        self._own_finite = True  # whether this rank's gradient was finite when synchronize() skipped the exchange
         self._exchange: Optional[BucketExchange] = None
         self._synchronized: Optional[Tuple[Any, Ledger]] = None  # (exchanged gradient or None: skipped, its cost)
         if overlap:
@@ -386,9 +388,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``torch.nn.utils.clip_grad_norm_`` after it clips what every rank
         shares, as under torch DDP, and the next :meth:`step` applies
         ``.grad`` without exchanging again (Horovod's ``synchronize``).
-        ``easgd``, ``lsgd`` and ``dasgd`` exchange parameters after the local
-        step: there, clipping between ``backward()`` and ``step()`` clips this
-        rank's own gradient, and ``synchronize()`` raises ``TypeError``.
+        ``easgd``, ``lsgd``, ``dasgd``, ``diloco`` and ``streaming_diloco``
+        exchange parameters after the local step: there, clipping between
+        ``backward()`` and ``step()`` clips this rank's own gradient, and
+        ``synchronize()`` raises ``TypeError``.  A non-finite gradient on any
+        rank leaves a non-finite ``.grad`` on every rank (a GradScaler then
+        skips the step everywhere); ``topk`` and ``regtopk`` need
+        ``scaler.unscale_(opt)`` before it (see docs/torch.md).
 
         Raises
         ------
@@ -422,7 +428,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # A non-finite gradient has every rank skip the exchange, to be judged in step(): a GradScaler's
             # unscale_ and step between here and there may call it an overflow (skip), else nan_policy decides.
             exchanged = self.algorithm.exchange(self._params_array, self._grads_array, skip_non_finite=True)
-            if exchanged is not None and exchanged is not self._grads_array:
+            if exchanged is None:  # as a sum of them would be, the exchanged gradient is not finite on any rank
+                self._own_finite = all_finite(self._grads_array)  # (a pass on this path only) whose it was, for step()
+                self._flat_grads.fill_(math.nan)  # so every rank's GradScaler finds the overflow, as under DDP
+            elif exchanged is not self._grads_array:
                 self._grads_array[...] = exchanged
         self._synchronized = (None if exchanged is None else self._grads_array, ledger.since(before))
 
@@ -431,10 +440,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         exchanged, cost = self._synchronized
         self._synchronized = None
         skip, inverse_scale, _ = self._grad_scaler_verdict()
+        if inverse_scale is not None:  # the scaler unscales only now: the exchange ran on the scaled gradient
+            self._refuse_a_scaled_exchange()
         if skip:
             return self._skipped(loss)
         if exchanged is None and self.algorithm.nan_policy == "raise":  # not an overflow: end the job, naming the ranks
-            self.algorithm.name_non_finite_ranks(self._grads_array)
+            self.algorithm.name_non_finite_ranks(self._own_finite)
         if inverse_scale is not None:
             self._flat_grads.mul_(inverse_scale)
         record = self.algorithm.step_exchanged(self._params_array, exchanged, loss=loss_value(loss))
@@ -611,10 +622,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         A gradient the user replaced is copied into the view (``keep_replaced_grads``)
         or dropped; one set to None becomes the zeroed view.  Returns whether
-        a replaced gradient was copied in.
+        a replaced gradient was copied in, or one that backward had sent (overlap) set to None.
         """
         replaced = False
-        for p, param_view, grad_view in zip(self._params, self._param_views, self._grad_views):
+        for index, (p, param_view, grad_view) in enumerate(zip(self._params, self._param_views, self._grad_views)):
             if p.data_ptr() != param_view.data_ptr():
                 raise RuntimeError(
                     "a parameter no longer lives in the optimizer's flat buffer (moved with .to()/.cuda() or replaced "
@@ -623,11 +634,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if p.grad is not grad_view:
                 if p.grad is None or not keep_replaced_grads:
                     grad_view.zero_()
+                    # set to None after backward took it (not a parameter left out of this backward)
+                    replaced |= p.grad is None and self._exchange is not None and self._exchange.finished(index)
                 else:
                     grad_view.copy_(p.grad)
                     replaced = True
                 p.grad = grad_view
         return replaced
+
+    def _refuse_a_scaled_exchange(self) -> None:
+        """Raise if the exchange that kept state in the gradient's units (Top-k's error feedback) ran on a scaled gradient."""
+        if self.algorithm.exchange_keeps_gradient:
+            self._synchronized = None
+            raise RuntimeError(
+                f"{self.algorithm.name} exchanged a loss-scaled gradient: its error feedback keeps what it did not send in "
+                "the units it was sent in, which a change of scale would mix up. With a GradScaler call "
+                "scaler.unscale_(opt) before opt.synchronize()"
+            )
 
     def _refuse_changes_after_sending(self, changed: bool) -> None:
         """Raise (after completing the exchange) if ``.grad`` was ``changed`` (in place or replaced) after backward sent it."""
@@ -653,6 +676,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         :class:`mpiopt.torch.GradScaler` calls it, so that its scale backs
         off and grows on every rank together, as under torch DDP.
         """
+        if self._synchronized is not None:  # unscale_ after synchronize(): the exchange ran on the scaled gradient
+            self._refuse_a_scaled_exchange()
         flags = list(found_inf_per_device.values())
         self._verdict[:] = (max((float(flag) for flag in flags), default=0.0), 0.0, 0.0)
         self.topology.control.vote(self._verdict)

@@ -103,6 +103,10 @@ class BucketExchange:
             self._oldest += 1
         self._version = self._grads._version
 
+    def finished(self, index: int) -> bool:
+        """Whether parameter ``index``'s gradient was finished (and so taken into its bucket) since the last step."""
+        return self._fired[index] > 0
+
     def changed_since_backward(self) -> bool:
         """Whether the gradient was changed in place after backward's last hook (say, clipped): what has left would not have it."""
         return self.pending and self._grads._version != self._version

@@ -450,28 +450,54 @@ def test_an_overflow_on_one_rank_backs_off_every_ranks_scale_with_mpiopts_scaler
         assert len(messages) == 1 and "use mpiopt.torch.GradScaler" in messages[0] and "sends the gradient twice" in messages[0]
 
 
-@pytest.mark.parametrize("algorithm, hyper", [("sgd", {"overlap": False}), ("topk", {"density": 1.0}), ("regtopk", {"density": 1.0})])
-def test_an_overflow_before_synchronize_is_the_scalers_to_skip(topology, algorithm, hyper):
-    """synchronize(), scaler.unscale_(opt), clipping, scaler.step(opt): an overflow on one rank (inf in its scaled
-    gradient) makes every rank skip the exchange without touching its state (Top-k's error feedback), and the
-    scaler skips the step on every rank; the run then equals the one that never saw that batch (a power-of-two
-    scale is undone exactly).  Before, synchronize() ended the job with a non-finite gradient under
-    nan_policy='raise'.  At density 1 Top-k and RegTop-k send everything."""
+@pytest.mark.parametrize("scaler_class", ["mpiopt", "torch"])
+@pytest.mark.parametrize("algorithm, hyper", [("sgd", {"overlap": False}), ("topk", {"density": 0.3}), ("regtopk", {"density": 0.3})])
+def test_an_overflow_around_synchronize_is_the_scalers_to_skip(topology, algorithm, hyper, scaler_class):
+    """scaler.unscale_(opt) (before synchronize() for Top-k and RegTop-k, whose error feedback keeps what was not sent
+    in the units it was sent in; either side for sgd), clipping, scaler.step(opt): an overflow on one rank (inf in
+    its scaled gradient) makes every rank skip the exchange without touching its state, leaves a non-finite
+    exchanged gradient on every rank (as a sum would), and every rank skips the step and backs off, with torch's
+    scaler too; the run then equals the one that never saw that batch (a power-of-two scale is undone exactly).
+    Before, synchronize() ended the job with a non-finite gradient under nan_policy='raise'."""
     data, rank = batches(topology.size, 4), topology.rank
     model = make_model()
     opt = DistributedOptimizer(model.parameters(), algorithm, topology=topology, inner=torch.optim.AdamW(decay_groups(model), lr=1e-2, betas=(0.9, 0.95)), **hyper)
-    scaler = mpiopt.torch.GradScaler("cpu", init_scale=2.0**10)
+    scaler = (mpiopt.torch.GradScaler if scaler_class == "mpiopt" else torch.amp.GradScaler)("cpu", init_scale=2.0**10)
     for step, (xs, ys) in enumerate(data):
         opt.zero_grad()
         overflow = step == 1 and rank == topology.size - 1
         scaler.scale(F.cross_entropy(model(xs[rank]), ys[rank]) * (float("inf") if overflow else 1.0)).backward()
-        opt.synchronize()
-        scaler.unscale_(opt)
+        if algorithm == "sgd":
+            opt.synchronize()
+            scaler.unscale_(opt)
+        else:
+            scaler.unscale_(opt)
+            opt.synchronize()
+        assert bool(torch.isfinite(torch.cat([p.grad.flatten() for p in model.parameters()])).all()) == (step != 1)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)
         scaler.step(opt)
         scaler.update()
-    assert opt.algorithm.steps == 3 and topology.world.allgather_obj(scaler.get_scale()) == [2.0**9] * topology.size
+    assert opt.algorithm.steps == 3
+    if algorithm == "sgd" or scaler_class == "mpiopt":  # torch's scaler unscaling the own gradient backs off the culprit only
+        assert topology.world.allgather_obj(scaler.get_scale()) == [2.0**9] * topology.size
     assert_close(model, train_mpiopt(topology, data[:1] + data[2:], algorithm, clip=0.3, **hyper), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("unscale", [True, False], ids=["unscale_-after", "no-unscale_"])
+def test_a_loss_scaled_exchange_with_error_feedback_is_refused(topology, unscale):
+    """Top-k's exchange after scaling but before unscaling would keep its error feedback in scaled units: refused."""
+    model = make_model()
+    opt = DistributedOptimizer(model.parameters(), "topk", topology=topology, inner=torch.optim.AdamW(model.parameters()), density=0.5)
+    scaler = mpiopt.torch.GradScaler("cpu", init_scale=2.0**10)
+    xs, ys = batches(topology.size, 1)[0]
+    scaler.scale(F.cross_entropy(model(xs[topology.rank]), ys[topology.rank])).backward()
+    opt.synchronize()
+    before = opt.flat_params.clone()
+    with pytest.raises(RuntimeError, match="topk exchanged a loss-scaled gradient.*call scaler.unscale_\\(opt\\) before opt.synchronize\\(\\)"):
+        if unscale:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+    assert torch.equal(opt.flat_params, before)
 
 
 def test_a_non_finite_gradient_after_synchronize_without_a_scaler_names_the_rank():

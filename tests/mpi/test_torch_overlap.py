@@ -176,7 +176,7 @@ def test_unscaling_before_step_is_refused(topology):
     assert torch.equal(flat(model), before)
 
 
-@pytest.mark.parametrize("change", ["clip", "replace"])
+@pytest.mark.parametrize("change", ["clip", "replace", "unset"])
 def test_changing_the_sent_gradient_before_step_is_refused_and_synchronize_is_its_place(topology, change):
     """Under overlap the gradient has left by the end of backward: clipping it (or replacing .grad) before step()
     would silently not be sent, so step() refuses, naming synchronize(); nothing is applied and the next step
@@ -184,8 +184,10 @@ def test_changing_the_sent_gradient_before_step_is_refused_and_synchronize_is_it
     def alter(model):
         if change == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-        else:
+        elif change == "replace":
             model.last.bias.grad = model.last.bias.grad * 0.5
+        else:
+            model.last.bias.grad = None
 
     model = Net()
     opt = DistributedOptimizer(model.parameters(), "sgd", topology=topology, overlap=True, bucket_cap_mb=SMALL_CAP_MB, lr=0.1)
