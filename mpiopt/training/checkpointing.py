@@ -269,7 +269,8 @@ class Checkpointer:
             if saved.get(key) != here[key]:
                 raise UsageError(f"--resume {path}: the checkpoint's {what} is {saved.get(key)!r}, this run's {here[key]!r}")
         if not self.config.override_hyperparameters:
-            differences = hyperparameter_differences(self.algorithm, saved["hyperparameters"], here["hyperparameters"], ckpt.world_size, world.size)
+            differences = hyperparameter_differences(
+                self.algorithm, _parsed_keywords(saved["hyperparameters"]), here["hyperparameters"], ckpt.world_size, world.size)
             if differences:
                 raise UsageError(
                     f"--resume {path}: the checkpoint's hyperparameters differ from this run's "
@@ -321,3 +322,16 @@ class Checkpointer:
         # The inner optimizer's state follows the parameters it moved (identical on every rank where the exchanged
         # gradient is what it steps on).
         return {"algorithm": algorithm, "params": mine["params"], "buffers": mine["buffers"], "rng": rng, "inner": mine.get("inner")}
+
+
+def _parsed_keywords(hyperparameters: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A checkpoint's hyperparameters with its optimizer's keywords as :func:`optimizer_keywords` gives them now.
+
+    Checkpoints from before that function kept ``betas=0.9,0.95`` as the text
+    ``"0.9,0.95"``: parsed, they compare equal to this run's ``[0.9, 0.95]``.
+    """
+    optimizer = hyperparameters.get("optimizer")
+    if not isinstance(optimizer, dict) or not isinstance(optimizer.get("keywords"), dict):
+        return hyperparameters
+    keywords = optimizer_keywords(TrainConfig(optimizer=optimizer.get("name"), hyperparameters={optimizer.get("name") or "": optimizer["keywords"]}))
+    return {**hyperparameters, "optimizer": {**optimizer, "keywords": keywords}}

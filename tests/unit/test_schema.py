@@ -169,3 +169,19 @@ def test_saved_settings_with_an_optimizer_reproduce_its_keywords(algorithm, tmp_
     assert optimizer_keywords(again) == want and again.algorithm_hyperparameters(algorithm) == {"nan_policy": "skip"}
     inner = inner_optimizer(again, torch.nn.Linear(2, 2))
     assert all(inner.param_groups[0][k] == (tuple(v) if isinstance(v, list) else v) for k, v in want.items())
+
+
+def test_a_checkpoint_with_the_optimizers_keywords_as_text_compares_equal_to_them_parsed():
+    """Checkpoints written before the keywords were parsed kept betas=0.9,0.95 as text: the resume check parses them."""
+    pytest.importorskip("torch")
+    pytest.importorskip("h5py")
+    from mpiopt.algorithms.resize import hyperparameter_differences
+    from mpiopt.training.checkpointing import _parsed_keywords
+
+    here = {"lr": 0.001, "optimizer": {"name": "adamw", "keywords": {"betas": [0.9, 0.95]}, "clip_grad_norm": 0.5}}
+    old = {"lr": 0.001, "optimizer": {"name": "adamw", "keywords": {"betas": "0.9,0.95"}, "clip_grad_norm": 0.5}}
+    cls = "sgd"
+    assert hyperparameter_differences(cls, old, here, 2, 2) != []  # as text they differ...
+    assert hyperparameter_differences(cls, _parsed_keywords(old), here, 2, 2) == []  # ...parsed they do not
+    other = {**old, "optimizer": {**old["optimizer"], "keywords": {"betas": "0.9,0.99"}}}
+    assert hyperparameter_differences(cls, _parsed_keywords(other), here, 2, 2) != []
