@@ -34,6 +34,18 @@ USAGE_EXIT = 2
 
 
 def _rank() -> int:
+    """The rank that prints help and usage errors: the launcher's where it set one, else MPI's.
+
+    Were the launcher and MPI not to agree, every process would be rank 0 of
+    its own world of one, and print.  A malformed launcher variable is no
+    reason to fail printing help: MPI's rank is used then.
+    """
+    try:
+        rank = launcher_rank()
+    except ValueError:
+        rank = None
+    if rank is not None:
+        return rank
     from mpi4py import MPI
 
     return MPI.COMM_WORLD.Get_rank()
@@ -43,10 +55,7 @@ class Parser(argparse.ArgumentParser):
     """argparse that prints its help and reports a usage error once (rank 0), not once per rank."""
 
     def print_help(self, file: Optional[IO[str]] = None) -> None:
-        # The launcher's rank where it set one: were the launcher and MPI not to agree, every process would be
-        # rank 0 of its own world of one, and print it.
-        rank = launcher_rank()
-        if (_rank() if rank is None else rank) == 0:
+        if _rank() == 0:
             super().print_help(file)
 
     def error(self, message: str) -> NoReturn:
