@@ -82,7 +82,16 @@ BASE = Schema(
 
 #: The entries every state_dict has.
 _STATE_KEYS = frozenset({"algorithm", "world_size", "steps", "lr", "hyperparameters", "arrays", "scalars"})
-_MISSING = "<missing>"
+
+
+class _Missing:
+    """A setting one side does not have, shown as ``nothing`` (unquoted, unlike a value)."""
+
+    def __repr__(self) -> str:
+        return "nothing"
+
+
+_MISSING = _Missing()
 
 
 def _plain(value: Any) -> Any:

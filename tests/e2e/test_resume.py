@@ -288,7 +288,7 @@ def test_resume_with_another_algorithm_is_refused_naming_both(runs):
     ("refuse-clip", "sgd-adamw/refused-clip",
      "hyperparameters differ from this run's (--override-hyperparameters keeps this run's): optimizer.clip_grad_norm: saved 0.5, here 1.0"),
     # a checkpoint without an inner optimizer: its settings are missing, this run's are named
-    ("refuse-optimizer", "sgd/refused-optimizer", "inner: saved '<missing>', here 'AdamW'; lr: saved 0.05, here 0.001; "),
+    ("refuse-optimizer", "sgd/refused-optimizer", "inner: saved nothing, here 'AdamW'; lr: saved 0.05, here 0.001; "),
 ])
 def test_a_resume_that_does_not_fit_is_refused_once_naming_both_values(runs, case, out, message):
     root, results = runs
@@ -299,7 +299,7 @@ def test_a_resume_that_does_not_fit_is_refused_once_naming_both_values(runs, cas
     if case == "refuse-clip":  # the one difference: nothing else in the line
         assert next(line for line in output.splitlines() if "error:" in line).endswith(message), output
     if case == "refuse-optimizer":
-        assert "optimizer: saved '<missing>', here {'name': 'adamw'," in output, output
+        assert "optimizer: saved nothing, here {'name': 'adamw'," in output, output
     # the settings are saved once a resume is accepted: a refused one writes nothing
     assert not (root / "2" / out / "config.toml").exists() and not (root / "2" / out / "checkpoints").exists()
 
