@@ -418,8 +418,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._exchange is not None:  # the buckets backward started: their sums, then the mean into .grad
             self._exchange.start_rest()
             before = self._exchange.finish()  # the ledger when the first bucket left
-            if self.backward_passes_per_step > 1:
-                self._flat_total.div_(self.backward_passes_per_step)
             torch.div(self._flat_total, self.topology.size, out=self._flat_grads)
             exchanged = self._grads_array
         else:
