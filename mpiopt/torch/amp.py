@@ -1,19 +1,6 @@
-"""``GradScaler``: torch's loss scaler, with the ranks of a ``DistributedOptimizer`` deciding overflows together.
+"""``GradScaler``: torch's loss scaler whose overflow check agrees across a ``DistributedOptimizer``'s ranks.
 
-torch's ``GradScaler`` checks this rank's gradients for an overflow and
-updates this rank's scale from that.  Under torch DDP the gradient it checks
-is the averaged one, which carries any rank's overflow to every rank: the
-ranks back off and grow their scales together.  With
-:class:`~mpiopt.torch.DistributedOptimizer` the check reads this rank's own
-gradient (the exchange has not completed, or overlaps backward), so after an
-overflow on some ranks only every rank skips the step (the optimizer decides
-that together) but only those ranks back off.  The scales then differ: still
-correct (each rank unscales its own gradient before the exchange), but with
-``overlap=True`` every step until they agree again costs a second Allreduce,
-and the run no longer takes the steps DDP would.
-
-:class:`GradScaler` makes the check's verdict the maximum over the ranks,
-so the scales stay equal, as under DDP.
+Every rank then backs off and grows its scale together, as under DDP (docs/torch.md, "Mixed precision").
 """
 
 from __future__ import annotations
@@ -30,21 +17,7 @@ __all__ = ["GradScaler"]
 class GradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` whose overflow check agrees across the ranks of a :class:`DistributedOptimizer`.
 
-    Takes ``torch.amp.GradScaler``'s arguments and is used the same way
-    (``scale``, ``step``, ``update``, ``unscale_``, ``state_dict``); for
-    other optimizers it is torch's scaler unchanged.  Each check of a
-    ``DistributedOptimizer``'s gradients (in ``step`` and ``unscale_``) is
-    one small collective on the optimizer's control communicator, so every
-    rank must call them alike, as with the optimizer itself.
-
-    Examples
-    --------
-    >>> scaler = mpiopt.torch.GradScaler("cuda")
-    >>> with torch.autocast("cuda", dtype=torch.float16):
-    ...     loss = loss_fn(model(x), y)
-    >>> scaler.scale(loss).backward()
-    >>> scaler.step(opt)
-    >>> scaler.update()                         # the same scale on every rank
+    Used as torch's; each check of a ``DistributedOptimizer``'s gradients is one small collective, so every rank calls alike.
     """
 
     # torch's one place where a check's per-device overflow flags are made: the scaler's own check

@@ -1,20 +1,6 @@
-"""Keep a module's state the same on every rank: broadcast and averaging of parameters and buffers.
+"""Keep a module's buffers (BatchNorm statistics) the same on every rank: broadcast at start, averaged before evaluating.
 
-A model's *buffers* (BatchNorm running mean and variance, the batch counter)
-are not parameters, so no algorithm touches them; each rank's BatchNorm
-layers keep statistics of that rank's own batches.  mpiopt's policy:
-
-- at start, :func:`broadcast_module` copies rank 0's parameters and buffers
-  to every rank (ranks seeded differently then start identical);
-- during training, each rank normalises with its own batch statistics (as
-  torch DDP without SyncBatchNorm does) and its running statistics drift
-  apart slightly;
-- before every evaluation, :func:`average_buffers` replaces each
-  floating-point buffer by its mean over the ranks (the ``mpiopt train`` and
-  ``compare`` commands do this), so the evaluated model uses statistics of
-  all the ranks' data; checkpoints keep every rank's own buffers, so a
-  resume continues exactly.  Integer buffers (the batch
-  counter) are equal on every rank already and are left alone.
+Each rank normalises with its own batch statistics in between, as DDP without SyncBatchNorm (docs/torch.md).
 """
 
 from __future__ import annotations

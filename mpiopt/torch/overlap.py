@@ -8,7 +8,7 @@ training loop and why only ``sgd`` overlaps).
 from __future__ import annotations
 
 import weakref
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -50,12 +50,12 @@ class BucketExchange:
 
     def __init__(
         self, params: List[torch.nn.Parameter], grad_views: List[torch.Tensor], grads: torch.Tensor, total_array: Any,
-        comm: Comm, passes: int, cap_bytes: float,
+        comm: Comm, passes: int, cap_bytes: float, local_mean: Callable[[int, int], None],
     ) -> None:
         cap = max(1, int(cap_bytes) // grads.element_size())
         self.bounds, self.bucket_of = bucket_bounds([p.numel() for p in params], cap)
         self.members = [self.bucket_of.count(b) for b in range(len(self.bounds))]
-        self.comm, self.passes = comm, passes
+        self.comm, self.passes, self._local_mean = comm, passes, local_mean
         self._grads, self._grads_array, self._total_array = grads, tensor_array(grads), total_array
         self.pending = False  # some gradient was finished since the last step
         self._version = grads._version  # the flat gradient's version counter after the latest hook: later ones are the caller's
@@ -115,8 +115,7 @@ class BucketExchange:
         if not self._requests:
             self._before = self.comm.ledger.snapshot()
         start, end = self.bounds[len(self._requests)]
-        if self.passes > 1:
-            self._grads[start:end].div_(self.passes)  # as the unbucketed path divides the whole buffer
+        self._local_mean(start, end)  # the optimizer's division by the passes, on this bucket
         self._requests.append(self.comm.Iallreduce(self._grads_array[start:end], out=self._total_array[start:end]))
 
     def start_rest(self) -> None:
