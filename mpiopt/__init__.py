@@ -1,10 +1,7 @@
 """mpiopt: communication-efficient distributed training on MPI clusters.
 
->>> import mpiopt
->>> topology = mpiopt.Topology()                 # world, node groups, leaders
->>> alg = mpiopt.create("sgd", topology, lr=0.1)
->>> alg.setup(params)                            # params: flat float array
->>> alg.step(params, grad, loss=loss)
+>>> alg = mpiopt.create("sgd", mpiopt.Topology(), lr=0.1)
+>>> alg.setup(params); alg.step(params, grad, loss=loss)      # params, grad: flat float arrays
 """
 
 from ._version import __version__

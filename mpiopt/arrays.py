@@ -45,11 +45,7 @@ _lock = threading.Lock()  # over _known
 
 
 def keep_apart(*arrays: Any) -> None:
-    """Make arrays placed later by :func:`empty_apart` keep apart from ``arrays`` too (weakly held; host arrays only).
-
-    Algorithms call it with the parameters they are set up with, whose
-    streams their state arrays accompany in every update.
-    """
+    """Make arrays placed later by :func:`empty_apart` keep apart from ``arrays`` too (weakly held; host arrays only)."""
     with _lock:
         known = {arr.ctypes.data for arr in (ref() for ref in _known) if arr is not None}
         for arr in arrays:
@@ -72,16 +68,7 @@ def _padding(others: int) -> int:
 
 
 def _start(address: int, others: Sequence[int]) -> int:
-    """The offset from ``address`` (within :func:`_padding`) at which a placed array starts.
-
-    The candidates are the cache-line offsets of ``others + 1`` slots
-    ``2 * SPAN_GAP`` apart.  An other array rules out the offsets closer
-    than ``SPAN_GAP`` to a multiple of ``ALIAS_SPAN`` away from it: at most
-    one per cache-line offset within the page (the slots are that far
-    apart, and all of them span far less than ``ALIAS_SPAN``), so some
-    candidates stay clear of every other array.  Among them, the first of
-    those farthest from the others' offsets within a page.
-    """
+    """The offset from ``address`` (within :func:`_padding`) at which a placed array starts, clear of the others' aliasing."""
     if not others:
         return 0
     slots = np.arange(len(others) + 1)[:, None] * 2 * SPAN_GAP
@@ -97,20 +84,7 @@ def _circular(distance: np.ndarray, period: int) -> np.ndarray:
 
 
 def empty_apart(like: Any, near: Sequence[Any] = (), *, zero: bool = False) -> Any:
-    """An array of ``like``'s shape and dtype, placed in memory apart from the arrays it will be streamed with.
-
-    A host array is :func:`host_apart`'s; a device (cupy) array is allocated
-    as usual.
-
-    Parameters
-    ----------
-    like : array
-        Shape and dtype (and array module) of the result.
-    near : sequence of arrays
-        Arrays the result will be streamed with, beyond those already known.
-    zero : bool
-        Zero the result (otherwise it is uninitialized, as ``empty_like``).
-    """
+    """An array of ``like``'s shape and dtype placed apart from the arrays it will be streamed with (host arrays only)."""
     xp = array_module(like)
     if xp is not np:
         return xp.zeros_like(like) if zero else xp.empty_like(like)
@@ -118,36 +92,10 @@ def empty_apart(like: Any, near: Sequence[Any] = (), *, zero: bool = False) -> A
 
 
 def host_apart(shape: Any, dtype: Any, near: Sequence[Any] = (), *, zero: bool = False) -> np.ndarray:
-    """A numpy array placed in memory apart from the arrays it will be streamed with.
+    """A numpy array placed in memory apart from the arrays it will be streamed with (``near`` and those known).
 
-    The update loops stream the parameters, the gradient and several state
-    arrays side by side.  Where two of those streams start at the same offset
-    in a 4 KiB page, loads wait behind unrelated stores (4K aliasing), and
-    where they lie a multiple of 256 MiB apart, cache and memory-bank set
-    conflicts slow the loop several times (docs/benchmarks-kernels.md).  Where such pairs fall depends on the order of allocations
-    in the process, so an unlucky training script would keep the slow
-    layout for its whole run.  Arrays of :data:`PLACE_MIN_BYTES` or more are
-    therefore cut from a larger buffer (4 KiB, and 128 KiB for each array to
-    avoid and one more) at the offset that keeps them at least
-    :data:`SPAN_GAP` from every multiple of :data:`ALIAS_SPAN` away from
-    ``near``, from earlier placed arrays and from those given to
-    :func:`keep_apart` (the latest :data:`MAX_KNOWN` of those still alive),
-    and otherwise farthest from their offsets within a page.  Smaller arrays
-    are allocated as usual.
-
-    Parameters
-    ----------
-    shape, dtype
-        As for ``numpy.empty``.
-    near : sequence of arrays
-        Arrays the result will be streamed with, beyond those already known.
-    zero : bool
-        Zero the result (otherwise it is uninitialized, as ``numpy.empty``).
-
-    Returns
-    -------
-    numpy.ndarray
-        A C-contiguous, writeable array (a view of its buffer when placed).
+    Streams at the same page offset, or a multiple of 256 MiB apart, slow the update loops several times, and where
+    they fall depends on the allocation order.  How the offset is chosen: docs/internals-kernels.md.
     """
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize

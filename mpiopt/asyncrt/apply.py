@@ -1,10 +1,4 @@
-"""``run_async``: the runtime with the simplest policy, apply every payload where the parameters live.
-
-An algorithm that is an update rule alone (Async-MSGD) needs nothing more:
-its ``apply(params, payload, arrival)`` runs on the server for each
-gradient, in arrival order, and each worker computes on the latest
-parameters it was sent.
-"""
+"""``run_async``: the runtime with the simplest policy, apply every payload where the parameters live (Async-MSGD)."""
 
 from __future__ import annotations
 
@@ -35,21 +29,7 @@ __all__ = ["run_async", "ApplyPolicy"]
 class ApplyPolicy(Policy):
     """Apply each payload at once and answer its sender with the new parameters and their version.
 
-    Parameters
-    ----------
-    params : numpy.ndarray
-        The server's parameters, updated in place.
-    apply : callable
-        ``apply(params, payload, arrival)``.
-    until : callable, optional
-        ``until(params, version) -> bool`` after each update; True ends every worker's run.
-    size : int
-        World size (the record counts updates per rank).
-    version : int
-        The version of ``params``: the server's counter runs on from it.
-    applied_before : sequence of int, optional
-        Per world rank, its payloads applied by the runs this one continues:
-        an arrival's ``step`` counts on from it.
+    ``version`` and ``applied_before`` (per world rank, payloads applied by earlier runs) continue earlier runs.
     """
 
     def __init__(
@@ -87,12 +67,7 @@ class ApplyPolicy(Policy):
 
 
 def _compute(params: np.ndarray, worker_fn: WorkerFn, steps: int, first_step: int, version: int, link: Link) -> int:
-    """A worker: compute a payload on the latest parameters it has, send it, take the reply; repeat.
-
-    ``params`` start at the server's ``version``; the payloads are numbered
-    from ``first_step``.  Ends on STOP with the final parameters in
-    ``params``; returns the number of payloads sent.
-    """
+    """A worker: compute a payload on its latest parameters, send it, take the reply; at STOP, the final parameters."""
     current, sent = params, 0
     while True:
         if sent < steps:
@@ -129,62 +104,27 @@ def run_async(
     version: int = 0,
     applied_before: Optional[Sequence[int]] = None,
 ) -> AsyncResult:
-    """Train asynchronously: rank 0 serves, the other ranks compute payloads.
-
-    A collective call (every rank of ``world`` calls it).
+    """Train asynchronously (collective): rank 0 serves ``apply(params, payload, arrival)``, the others compute payloads.
 
     Parameters
     ----------
-    world : Comm
-        The communicator (``topology.world``); its rank 0 is the server.
     params : numpy.ndarray
-        Flat float parameters.  The server's are ``x_0`` (sent to every
-        worker at the start); on return every rank holds the final
-        parameters, bitwise identical.
-    apply : callable
-        ``apply(params, payload, arrival)``: the update, run on the server
-        for every payload in arrival order.
+        Flat float parameters; the server's are ``x_0``.  On return every rank holds the final ones, bitwise equal.
     worker_fn : callable
-        ``worker_fn(params, step, out) -> loss``: a worker's payload for its
-        (possibly stale, read-only) copy of the parameters, into ``out``;
-        ``step`` counts this rank's payloads (from its ``applied_before``).
+        ``worker_fn(params, step, out) -> loss``: a payload for a (possibly stale, read-only) copy, into ``out``.
     steps : int
-        Payloads this rank computes (each rank may pass its own number; the
-        server's is ignored when there are workers, but checked).
+        Payloads this rank computes (each rank may pass its own).
     until : callable, optional
-        ``until(params, version) -> bool``, checked by the server after each
-        update; once True, every worker is stopped after its message in flight.
-    max_sleep : float
-        See :class:`~mpiopt.asyncrt.Poller`.
-    version : int
-        The version of the server's ``params``: 0 for a first run; to
-        continue a run, its result's ``version`` (the counter runs on, and
-        staleness is measured against it).  Every rank passes the same.
-    applied_before : sequence of int, optional
-        To continue runs: per world rank, the updates applied from it by
-        those runs (their results' ``applied``, summed); each rank's
-        payloads, and the arrivals' ``step``, are numbered on from its
-        entry.  None: zeros.  Every rank passes the same.
-
-    Returns
-    -------
-    AsyncResult
-        The staleness histogram and per-worker counts (the same on every rank).
+        ``until(params, version) -> bool`` after each update; True stops every worker after its message in flight.
+    version, applied_before
+        To continue earlier runs (docs/internals-asyncrt.md); every rank passes the same.
 
     Raises
     ------
     TypeError, ValueError
-        On every rank, when any rank's ``params`` or ``steps`` is bad (the
-        message names the ranks and values).
+        On every rank, when any rank's ``params`` or ``steps`` is bad.
     SetupMismatchError
-        On every rank, when ranks pass parameters of different sizes or
-        types, or different ``version`` or ``applied_before``.
-
-    Notes
-    -----
-    At one rank there is nobody to wait for: the rank computes and applies in
-    turn (staleness 0 throughout), which is
-    :func:`mpiopt.asyncrt.simulated.simulate` with delay 0.
+        On every rank, when ranks disagree on the parameters' size or type, ``version`` or ``applied_before``.
     """
     agree_on_arguments(
         world,

@@ -1,36 +1,7 @@
-"""The wire format of every asynchronous algorithm: a 32-byte header, then copies of the parameters.
+"""The wire format of every asynchronous algorithm: a 32-byte header, then 0, 1 or 2 copies of the parameters.
 
-A message carries 0, 1 or 2 copies of the parameters (a gradient, the
-server's parameters, a worker's upload, leaders' copies), and its tag says
-how many (``TAG_UP + copies`` from a worker, ``TAG_DOWN + copies`` from the
-server).  A receiver that knows the size in advance posts its receive early;
-one that does not probes, reads the count from the tag and receives exactly
-that size.  Either way a receive gets exactly the bytes the ledger books for
-it, and header and payload cost one latency, not two.
-
-Headers (both 32 bytes):
-
-==============  =========  ====================================================
-field           type       meaning
-==============  =========  ====================================================
-worker -> server (:data:`UP`)
--------------------------------------------------------------------------------
-``kind``        int64      bit flags below
-``version``     int64      the sender's version: Async-MSGD, the server version
-                           its gradient was computed at; async LSGD, the steps
-                           it has done (in all its runs)
-``sequence``    int64      1, 2, ... per worker and run (checked by the server:
-                           nothing lost, nothing handled twice)
-``loss``        float64    the worker's loss (NaN for none)
-server -> worker (:data:`DOWN`)
--------------------------------------------------------------------------------
-``kind``        int64      bit flags below
-``version``     int64      Async-MSGD: the version of the parameters sent;
-                           async LSGD: the total step count ``T``
-``ranks``       2 x int64  world ranks the policy names; async LSGD: per kind
-                           of pull (local, global), the rank whose copy it goes
-                           towards, or that settled it as leader (-1: none)
-==============  =========  ====================================================
+The tag carries the number of copies, so a receive gets exactly the bytes the ledger books.
+Header fields: docs/internals-asyncrt.md.
 """
 
 from __future__ import annotations
@@ -87,20 +58,7 @@ DOWN = np.dtype([("kind", "<i8"), ("version", "<i8"), ("ranks", "<i8", (2,))])
 
 
 class Reply(NamedTuple):
-    """What the server answers to one message (a policy's description; the runtime writes the message).
-
-    Attributes
-    ----------
-    kind : int
-        Flags (``PARAMS``, ``STOP``, ``UPLOAD``, ``PULL_LOCAL``, ``PULL_GLOBAL``).
-    version : int
-        The header's ``version``.
-    copies : sequence of numpy.ndarray
-        Parameter-sized arrays to send (at most the policy's ``reply_copies``);
-        copied into the message when it is sent.
-    ranks : tuple of int
-        The header's ``ranks``.
-    """
+    """What the server answers to one message (``copies``: at most the policy's ``reply_copies``, copied at send)."""
 
     kind: int
     version: int
@@ -109,27 +67,9 @@ class Reply(NamedTuple):
 
 
 class Message:
-    """A reusable message buffer: :attr:`buffer` goes to MPI, :attr:`copies` are views into it.
+    """A reusable message buffer: :attr:`buffer` goes to MPI; :attr:`header` and :attr:`copies` are views into it.
 
-    Parameters
-    ----------
-    num_params : int
-        Elements of one copy of the parameters.
-    dtype : numpy.dtype
-        Their type.
-    header : numpy.dtype
-        :data:`UP` or :data:`DOWN`.
-    capacity : int
-        Copies the buffer can hold (0 to :data:`MAX_COPIES`).
-
-    Attributes
-    ----------
-    header : numpy.ndarray
-        The one-record view of the header.
-    copies : list of numpy.ndarray
-        One view per copy the buffer can hold.
-    carried : int
-        Copies in the message now in the buffer (set by whoever fills it).
+    ``capacity`` copies fit (0 to :data:`MAX_COPIES`); :attr:`carried` counts those in the message now in it.
     """
 
     def __init__(self, num_params: int, dtype: np.dtype, header: np.dtype = UP, capacity: int = 1) -> None:

@@ -25,21 +25,7 @@ __all__ = [
 
 
 class Arrival(NamedTuple):
-    """One message as the server applies it.
-
-    Attributes
-    ----------
-    worker : int
-        World rank of the sender (0 in the deterministic mode and at one rank).
-    step : int
-        The sender's index of this payload (its ``worker_fn`` step argument).
-    version : int
-        Server version the payload was computed at (the ``s`` of ``x_s``).
-    staleness : int
-        ``tau = server version at application - version``.
-    loss : float or None
-        What the worker function returned for this payload.
-    """
+    """One message as the server applies it: sender, its step, the version it was computed at, staleness, loss."""
 
     worker: int
     step: int
@@ -78,29 +64,8 @@ def add_counts(total: np.ndarray, more: np.ndarray) -> np.ndarray:
 class AsyncResult:
     """The outcome of an asynchronous run, identical on every rank except ``sent`` and ``idle_seconds``.
 
-    The server's version counter runs on from one run to the next (a second
-    run, or one resumed from a checkpoint, starts at the previous run's
-    ``version``); the counts are this run's: it applied ``version -
-    start_version`` updates, the ones ``staleness`` and ``applied`` count.
-
-    Attributes
-    ----------
-    version : int
-        The server's version at the end: updates applied in this run and
-        every run it continues.
-    staleness : numpy.ndarray
-        ``staleness[t]`` = number of updates of this run whose staleness was ``t``.
-    applied : numpy.ndarray
-        ``applied[r]`` = updates of this run from world rank ``r``.
-    sent : int
-        Payloads this rank sent in this run (``applied[rank]`` when none was lost).
-    stopped_early : bool
-        ``until`` ended the run before every worker had done its steps.
-    idle_seconds : float
-        This rank's time spent waiting: the server for arrivals, a worker
-        for the server's replies (polling; not in the ledger's wait time).
-    start_version : int
-        The server's version when the run began (0 for a first run).
+    ``version`` runs on across continued runs; the counts (``staleness[t]``, ``applied[rank]``) are this run's,
+    which applied ``version - start_version`` updates.  ``idle_seconds`` is polling time, not in the ledger.
     """
 
     version: int
@@ -161,30 +126,10 @@ def check_run_arguments(params: Any, steps: Any) -> None:
 
 
 def agree_on_arguments(world: Any, what: str, check: Callable[[], None]) -> None:
-    """Run this rank's argument checks; if any rank's failed, raise the same error on every rank.
+    """Run this rank's ``check``; if any rank's failed, raise the same error on every rank before the first message.
 
-    The ranks of an asynchronous run may pass their own arguments (``steps``,
-    ``seconds``), so a bad value can sit on one rank only; raising there
-    alone would leave the others waiting for it.  So every rank runs
-    ``check`` (which raises ``TypeError``, ``ValueError`` or ``RuntimeError``)
-    and the ranks decide together (:meth:`~mpiopt.comm.Comm.decide`: one
-    byte each when all is well) before the first message.
-
-    Parameters
-    ----------
-    world : Comm
-        The run's communicator.  Anything else: nobody to agree with, so
-        this rank's error is raised as it is, or a ``TypeError`` for ``world``.
-    what : str
-        The call, for the message (``"async_lsgd.run"``).
-    check : callable
-        This rank's checks.
-
-    Raises
-    ------
-    TypeError, ValueError or RuntimeError
-        The type of the lowest failing rank's error, with every failing
-        rank's message: ``"run_async: rank 2: steps must be >= 0, got -1"``.
+    A bad value on one rank alone would otherwise leave the others waiting for it.  The error has the type of the
+    lowest failing rank's and every failing rank's message; a ``world`` that is not a ``Comm`` agrees with nobody.
     """
     if not isinstance(world, Comm):
         check()  # nobody to agree with: this rank's error stands

@@ -1,9 +1,6 @@
-"""The server runtime: world rank 0 serves, with a policy that says what each message does; the other ranks work.
+"""The server runtime's code: :class:`Policy` (the extension point), :class:`Link` (a worker's end), the server loop.
 
-See the package docstring (:mod:`mpiopt.asyncrt`) for the design and the
-shutdown protocol; this module is the code: :class:`Policy` (the extension
-point), :class:`Link` (a worker's end: :class:`MPILink`, :class:`LocalLink`),
-the server loop and :func:`run_policy`, which runs them on every rank.
+Design: docs/async.md; the policy's contract: docs/internals-asyncrt.md.
 """
 
 from __future__ import annotations
@@ -28,23 +25,8 @@ _MAX_UP_COPIES = 1
 class Poller:
     """Wait for one of several requests by polling ``Request.Test`` (``Comm`` has no Waitany).
 
-    Polling drives MPI progress; when nothing completes for 0.1 ms the
-    poller sleeps between sweeps, doubling the pause up to ``max_sleep``
-    (:class:`~mpiopt.comm.waiting.Backoff`, as a passive ``Request.Wait``),
-    so that an idle rank leaves the core to a busy one (ranks are often
-    oversubscribed on one machine, and MPICH's blocking waits spin).
-    Completed requests are served in turn, starting after the last one
-    served, so a fast sender cannot starve the others.
-
-    Parameters
-    ----------
-    max_sleep : float
-        Longest pause in seconds (0: never sleep).
-
-    Attributes
-    ----------
-    idle_seconds : float
-        Total time spent in :meth:`wait_any` and :meth:`wait_all`.
+    Polling drives MPI progress; after 0.1 ms without news it sleeps with a doubling pause up to ``max_sleep`` (0: never), so
+    an oversubscribed idle rank leaves the core to a busy one; ``idle_seconds`` sums it.  Round robin.
     """
 
     def __init__(self, max_sleep: float = DEFAULT_MAX_SLEEP) -> None:
@@ -55,10 +37,7 @@ class Poller:
         self._next = 0
 
     def wait_any(self, requests: Sequence[Optional[Any]]) -> int:
-        """Index of a completed request (None entries are skipped); blocks until one completes.
-
-        A request is anything with ``Test() -> bool``.
-        """
+        """Index of a completed request (anything with ``Test()``; None entries skipped); blocks until one completes."""
         if all(r is None for r in requests):
             raise ValueError("wait_any needs at least one request")
         started = time.perf_counter()
@@ -84,23 +63,8 @@ class Poller:
 class Policy:
     """What the server does with each worker message: the one extension point of the runtime.
 
-    The runtime delivers messages (each worker's in the order sent, checked
-    by sequence number), answers them and ends the run; a policy decides.
-    Subclass it and override :meth:`receive`, :meth:`stop` and :meth:`record`.
-
-    Attributes
-    ----------
-    reply_copies : int
-        Most parameter copies one reply (or the STOP) carries: the size of the
-        workers' receive buffers (1 or 2).
-    keeps_payloads : bool
-        Receive each worker's payload messages into two alternating buffers,
-        so that a payload handed to :meth:`receive` stays intact until that
-        worker's next payload message has been handled: the policy may keep
-        a reference and send it in later replies (async LSGD's leader copies).
-    stopping : bool
-        Once True, every worker's next message ends its run, as LAST does
-        (Async-MSGD's ``until``).
+    Override :meth:`receive`, :meth:`stop` and :meth:`record`; the attributes are explained in
+    docs/internals-asyncrt.md, "The policy's contract".
     """
 
     reply_copies: int = 1
@@ -108,13 +72,7 @@ class Policy:
     stopping: bool = False
 
     def receive(self, worker: int, message: Message) -> Optional[Reply]:
-        """Handle ``message`` from world rank ``worker``; return the reply to send at once, or None for none.
-
-        A message flagged LAST, and every message once :attr:`stopping` is
-        True, ends the worker's run: whatever is returned for it is dropped,
-        and the worker gets :meth:`stop`'s reply once every worker's run has
-        ended.
-        """
+        """Handle ``message`` from world rank ``worker``; return the reply to send at once, or None."""
         raise NotImplementedError
 
     def stop(self) -> Reply:
@@ -169,16 +127,7 @@ class _Probe:
 
 
 class Link:
-    """A worker's end of the runtime: numbered messages to the server, at most one of them awaiting its reply.
-
-    :class:`MPILink` over MPI, :class:`LocalLink` at world size 1; a
-    worker's code sees only this interface.
-
-    Attributes
-    ----------
-    reply : Message
-        Where replies land; valid until the next one.
-    """
+    """A worker's end of the runtime: numbered messages to the server, at most one of them awaiting its reply."""
 
     reply: Message
 
@@ -204,22 +153,10 @@ class Link:
         answered: bool = True,
         reply_copies: Optional[int] = None,
     ) -> None:
-        """Send a message; this never waits for the server.
+        """Send a message without waiting for the server.
 
-        Parameters
-        ----------
-        kind, version, loss
-            The header (:data:`~mpiopt.asyncrt.messages.UP`).
-        copies : int
-            0, or 1 for a message carrying :meth:`payload`.
-        answered : bool
-            The server answers it (and no other answered message may be sent
-            before its reply is taken); False for a message it only books (an
-            upload).
-        reply_copies : int, optional
-            The reply's size when known: its receive is posted now, before
-            the send, so it lands in place.  None: the reply is probed for
-            and received with the size its tag announces.
+        ``answered=False``: the server only books it (an upload).  ``reply_copies`` known: the reply's receive is
+        posted before the send; None: it is probed for.
         """
         if answered and self.awaiting:
             raise RuntimeError("asynchronous runtime: a message awaits its reply; take it (poll or wait) before sending another")
@@ -244,19 +181,7 @@ class Link:
 
 
 class MPILink(Link):
-    """A worker's end over MPI: ``Isend`` to the server; the reply posted for, or probed for and received.
-
-    Parameters
-    ----------
-    world : Comm
-        The communicator; its rank :data:`~mpiopt.asyncrt.SERVER` serves.
-    like : numpy.ndarray
-        The parameters (size and dtype of a copy).
-    reply_copies : int
-        Most copies a reply carries (the policy's).
-    poller : Poller
-        How :meth:`wait` waits.
-    """
+    """A worker's end over MPI: ``Isend`` to the server; the reply posted for, or probed for and received."""
 
     def __init__(self, world: Comm, like: np.ndarray, reply_copies: int, poller: Poller) -> None:
         super().__init__()
@@ -319,11 +244,7 @@ class MPILink(Link):
 
 
 class LocalLink(Link):
-    """The one rank's end at world size 1: it is its own server, the policy runs in process, no MPI.
-
-    Each message goes to the policy at once; its reply (or the STOP) waits
-    for :meth:`poll`.
-    """
+    """The one rank's end at world size 1: it is its own server, the policy runs in process, no MPI."""
 
     def __init__(self, policy: Policy, like: np.ndarray) -> None:
         super().__init__()
@@ -374,11 +295,8 @@ class LocalLink(Link):
 def _serve(world: Comm, policy: Policy, like: np.ndarray, poller: Poller) -> bool:
     """The server loop: deliver each message to the policy, send its reply; at the end, STOP to every worker.
 
-    Each worker has one slot, polled round robin by ``poller``: a probe for
-    its next message or, while that message arrives, its ``Irecv`` of
-    exactly the size the tag announces (a large payload may need the
-    sender's progress; the other workers are served meanwhile).  Returns
-    whether some worker's run was ended by ``policy.stopping``.
+    Each worker's slot is polled round robin: a probe, then an ``Irecv`` of the size the tag announces (a large
+    payload may need the sender's progress).  Returns whether ``policy.stopping`` ended some worker's run.
     """
     n, dtype = like.size, like.dtype
     workers = list(range(1, world.size))
@@ -421,19 +339,7 @@ def _serve(world: Comm, policy: Policy, like: np.ndarray, poller: Poller) -> boo
 
 
 class Outcome(NamedTuple):
-    """What :func:`run_policy` returns on every rank.
-
-    Attributes
-    ----------
-    record : Any
-        The policy's :meth:`Policy.record` (the server's, on every rank).
-    stopped_early : bool
-        Some worker's run was ended by :attr:`Policy.stopping`.
-    idle_seconds : float
-        This rank's time spent waiting (polling).
-    local : Any
-        What ``work(link)`` returned on this rank (None on the server).
-    """
+    """What :func:`run_policy` returns on every rank: the server's record, ``stopped_early``, idle time, ``work``'s result."""
 
     record: Any
     stopped_early: bool
@@ -449,27 +355,10 @@ def run_policy(
     *,
     max_sleep: float = DEFAULT_MAX_SLEEP,
 ) -> Outcome:
-    """Run an asynchronous algorithm: rank 0 serves with ``policy``, every other rank runs ``work(link)``.
+    """Run an asynchronous algorithm (collective): rank 0 serves with ``policy``, every other rank runs ``work(link)``.
 
-    A collective call; no argument checks (callers agree on theirs first, see
-    :func:`~mpiopt.asyncrt.result.agree_on_arguments`).
-
-    Parameters
-    ----------
-    world : Comm
-        The communicator; its rank 0 is the server.
-    policy : Policy
-        The server's decisions.  Every rank passes one; a worker reads only
-        its :attr:`~Policy.reply_copies`.
-    work : callable
-        ``work(link)``: a worker's whole run, talking to the server through
-        ``link`` (:class:`MPILink`); it ends after taking the reply to its
-        LAST message (the STOP).  At world size 1 the one rank runs it with a
-        :class:`LocalLink` to ``policy``: it is its own server.
-    like : numpy.ndarray
-        The parameters (the size and dtype of a copy in a message).
-    max_sleep : float
-        See :class:`Poller`.
+    No argument checks (callers agree first).  At world size 1 the rank runs ``work`` with a :class:`LocalLink`.
+    Contract: docs/internals-asyncrt.md.
     """
     poller = Poller(max_sleep)
     if world.size == 1:

@@ -1,25 +1,6 @@
-"""The twin of :func:`mpiopt.asyncrt.run_async`: one process plays the server and its workers with a chosen delay.
+"""The one-process twin of :func:`mpiopt.asyncrt.run_async`: the same ``apply``, with a chosen delay ``tau_k``.
 
-At step ``k`` the payload is computed at the stale iterate ``x_{k - tau_k}``
-and applied to ``x_k`` by the same ``apply`` the real server uses, so an
-experiment here and a run on MPI differ only in where ``tau_k`` comes from:
-
-- :class:`FixedDelay` ``(tau)``: ``tau_k = min(tau, k)``.  This is exactly
-  the schedule of ``tau + 1`` equally fast workers served in turn by the
-  real runtime (each fetches the parameters, and ``tau`` other updates land
-  before its own), warm-up included.
-- :class:`RandomDelay` ``(max_delay, seed)``: ``tau_k`` uniform on
-  ``{0, ..., max_delay}``, clipped to ``k``; the same seed gives the same
-  delays.
-
-The last ``max_delay + 1`` iterates are kept in a ring buffer (one copy of
-the parameters per step when the delay is not 0).
-
-A run continues an earlier one exactly when it starts at that run's
-``version`` with the iterates a delayed payload may still read
-(:class:`RecentIterates`, updated in place): ``k`` steps, then ``k`` more, is
-bitwise ``2k`` steps in one call.  The step index ``k`` and the delays are
-the server's version throughout (``FixedDelay`` warms up once, at version 0).
+Delay models and exact continuation across calls: docs/internals-asyncrt.md.
 """
 
 from __future__ import annotations
@@ -70,15 +51,9 @@ class RandomDelay:
 
 
 class RecentIterates:
-    """The iterates that a later call's delayed payloads may still read: what :func:`simulate` keeps between calls.
+    """The iterates a later call's delayed payloads may still read, kept by :func:`simulate` between calls.
 
-    Attributes
-    ----------
-    array : numpy.ndarray or None
-        ``(m, n)``: ``x_{v-m} .. x_{v-1}``, oldest first, where ``x_v`` are
-        the parameters at the server's version ``v``; ``m`` is at most the
-        largest delay of the last call.  None: none kept (no delay, or no
-        call yet).
+    ``array``: ``(m, n)``, ``x_{v-m} .. x_{v-1}`` oldest first at server version ``v``; None when none is kept.
     """
 
     def __init__(self, array: Optional[np.ndarray] = None) -> None:
@@ -110,40 +85,9 @@ def simulate(
 ) -> AsyncResult:
     """Run ``steps`` updates with a deterministic delay, in this process, without MPI.
 
-    Parameters
-    ----------
-    params : numpy.ndarray
-        Flat float parameters ``x_version``, updated in place to the last iterate.
-    apply : callable
-        ``apply(params, payload, arrival)``: the server's update rule.
-    worker_fn : callable
-        ``worker_fn(stale_params, k, out) -> loss``: the payload for step ``k``
-        computed at ``x_{k - tau_k}`` (read-only) into ``out``.
-    steps : int
-        Number of updates (at most, with ``until``).
-    delay : int, FixedDelay or RandomDelay
-        The staleness model; an int means :class:`FixedDelay`.
-    until : callable, optional
-        ``until(params, version) -> bool`` after each update; True stops.
-    version : int
-        The server's version of ``params`` (the first ``k``): 0 for a first
-        run, an earlier run's ``result.version`` to continue it.
-    recent : RecentIterates, optional
-        The iterates before ``x_version`` that this call's delays read (an
-        earlier call's, when continuing it); replaced by those the next call
-        may read.  None: none are kept, and a delay may not reach before
-        ``x_version``.
-
-    Returns
-    -------
-    AsyncResult
-        With one stream: ``applied = [updates of this call]``.
-
-    Raises
-    ------
-    ValueError
-        When a delay reaches an iterate before ``x_version`` that ``recent``
-        does not hold (a larger delay than the call that kept them).
+    ``worker_fn(stale_params, k, out)`` computes at ``x_{k - tau_k}``; ``delay`` is an int (:class:`FixedDelay`)
+    or a delay model.  ``version`` and ``recent`` continue an earlier call; a delay that reaches before
+    ``x_version`` further than ``recent`` holds raises ``ValueError``.  ``applied`` has one stream.
     """
     check_run_arguments(params, steps)
     check_count("version", version)

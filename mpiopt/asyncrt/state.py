@@ -1,13 +1,6 @@
 """Checkpointing an asynchronous algorithm: the server's state beside the base class's, at a quiescent point.
 
-A run of the runtime ends quiescent: every message has been handled and
-answered, and no receive is posted (the STOP handshake).  Between two runs
-the algorithm's whole state is therefore in memory, on the ranks, as plain
-values: the base class's per-rank state (``steps``, ``lr``, the declared
-arrays and scalars) and the server's, which an asynchronous algorithm adds
-under the key ``"server"`` (:class:`ServerStateMixin`).  A second run on the
-same instance continues from that state, and so does a fresh instance that
-loaded it: the two are the same thing.
+Why a run's end is a checkpoint point: docs/internals-asyncrt.md, "State between runs".
 """
 
 from __future__ import annotations
@@ -49,13 +42,10 @@ def state_count(state: Mapping[str, Any], key: str) -> int:
 
 
 class ServerStateMixin:
-    """Adds the server's state to an :class:`~mpiopt.algorithms.base.Algorithm`'s ``state_dict`` under ``"server"``.
+    """Adds the server's state to an ``Algorithm``'s ``state_dict`` under ``"server"``.
 
-    The class provides :meth:`_server_state` (this rank's share as storable
-    values: mappings, numpy arrays, int, float, bool, str, None) and
-    :meth:`_server_loader` (checks a saved share and returns what restores
-    it).  :meth:`load_state_dict` checks the share before the base class
-    changes anything, so a state that does not fit changes nothing.
+    The class provides :meth:`_server_state` (storable values) and :meth:`_server_loader` (checks a saved share,
+    returns what restores it); a share that does not fit is refused before anything changes.
     """
 
     num_params: Optional[int]

@@ -1,11 +1,4 @@
-"""Small helpers shared by the benchmark modules.
-
-Every benchmark module has the same three entry points:
-``add_arguments(parser)`` (its flags), ``run(args) -> int`` (the benchmark)
-and ``main(argv) -> int`` (``python -m mpiopt.bench.<name>``, built by
-:func:`module_main`); ``mpiopt bench <name>`` (:mod:`mpiopt.cli.bench`)
-calls the first two.
-"""
+"""Small helpers shared by the benchmark modules (each has ``add_arguments``, ``run`` and ``main``)."""
 
 from __future__ import annotations
 
@@ -104,13 +97,7 @@ _RATE_UNITS = {
 
 
 def parse_rate(text: str) -> float:
-    """A link rate in tc's units (``1gbit``, ``100mbit``, ``125mbps`` = 125 MB/s) as bits per second.
-
-    Raises
-    ------
-    ValueError
-        Naming the text when it is not a positive number with one of tc's units.
-    """
+    """A link rate in tc's units (``1gbit``, ``100mbit``, ``125mbps`` = 125 MB/s) as bits per second; ``ValueError`` otherwise."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
     unit = match.group(2).lower() if match else ""
     if not match or unit not in _RATE_UNITS or float(match.group(1)) <= 0:
@@ -176,12 +163,9 @@ def write_json(path: str, data: Dict[str, Any]) -> None:
 
 
 def link_rate(given: Optional[str]) -> Optional[str]:
-    """The link rate to report: ``given`` (``--link``), else the emulated link's (``$EMULATED_LINK_RATE``), else None.
+    """The link rate to report: ``given`` (``--link``), else ``$EMULATED_LINK_RATE``, else None.
 
-    Raises
-    ------
-    UsageError
-        ``given`` differs from the rate of the emulated link this job runs in.
+    ``UsageError`` when ``given`` differs from the rate of the emulated link this job runs in.
     """
     emulated = os.environ.get("EMULATED_LINK_RATE")
     if given and emulated and parse_rate(given) != parse_rate(emulated):

@@ -1,29 +1,11 @@
 """Benchmark: each synchronous algorithm's bytes per parameter and the split of its step time.
 
 ``mpiopt bench algorithms [--d 1M] [--steps 16] [--compute-ms 0] [--algorithms sgd,signum] [--json FILE]``
-(under ``mpiexec -n P``; ``--group-size K`` emulates nodes of K ranks for
-``lsgd``'s local leaders and ``signum``'s ``prevote``).
+(under ``mpiexec -n P``; ``--group-size K`` emulates nodes of K ranks).
 
-Every algorithm runs on a flat float32 vector of ``d`` parameters with random
-gradients (a new one each step, different on every rank, from a fixed seed)
-and the hyperparameters ``mpiopt train`` starts from
-(:func:`mpiopt.training.training_defaults`).  A step is a synthetic compute
-phase (a busy wait of ``--compute-ms``, the forward and backward pass's
-stand-in) followed by ``alg.step``.  ``--steps`` steps run once untimed
-(warm-up), then ``--steps`` more are measured.
-
-Bytes: the ledger's (:mod:`mpiopt.comm.ledger`) over the measured steps,
-summed over the ranks, divided by the ranks, the steps and ``d``: bytes
-per parameter per step of the mean rank, beside :func:`expected_bytes`, the
-closed form from the algorithm's communication plan for the same steps,
-ranks, groups and hyperparameters.  ``--steps`` should be a multiple of every
-period (the default 16 is, for the defaults) for the mean per step to mean
-what it says.
-
-Time: per step, the mean over ranks and steps of the compute phase and of
-the :class:`~mpiopt.algorithms.StepRecord` fields: ``algo_seconds`` (the
-algorithm's own computation), ``comm_seconds`` (blocked in blocking MPI
-calls) and ``wait_seconds`` (blocked waiting on nonblocking ones).
+Random gradients, ``mpiopt train``'s hyperparameters, a busy wait of ``--compute-ms`` as the compute phase.
+Measured ledger bytes per parameter per step beside the plan's closed form, and the step's time split.
+``--steps`` should be a multiple of every period.  Method: docs/internals-bench.md.
 """
 
 from __future__ import annotations
@@ -60,38 +42,10 @@ def expected_bytes(
     start: int = 1,
     itemsize: int = 4,
 ) -> Dict[str, float]:
-    """Bytes the mean rank sends and receives per step, in the ledger's convention, from the algorithm's plan.
+    """``{"sent", "recv"}``: bytes the mean rank moves per step over steps ``start .. start + steps - 1``, from the plan.
 
-    Parameters
-    ----------
-    name : str
-        A synchronous algorithm (:func:`synchronous`).
-    d : int
-        Parameters.
-    ranks : int
-        World size P.
-    hyper : mapping, optional
-        The algorithm's hyperparameters (its defaults where missing).
-    groups : sequence of int, optional
-        The sizes of the topology's groups (default: one group of all
-        ranks); used by ``lsgd`` and by ``signum``'s ``prevote``.
-    steps, start : int
-        The mean is over steps ``start .. start + steps - 1`` (periodic
-        exchanges happen after every ``period``-th step).
-    itemsize : int
-        Bytes per parameter (4: float32).
-
-    Returns
-    -------
-    dict
-        ``{"sent": bytes, "recv": bytes}``: summed over ranks, divided by
-        ``ranks`` and ``steps``.
-
-    Raises
-    ------
-    ValueError
-        An asynchronous or unknown algorithm, or groups that do not add up
-        to ``ranks``.
+    ``groups``: the topology's group sizes (``lsgd``, ``signum``'s ``prevote``).  ``ValueError`` for an
+    asynchronous or unknown algorithm, or groups that do not add up to ``ranks``.
     """
     cls = algorithm_class(name)
     if cls.protocol != SYNCHRONOUS:

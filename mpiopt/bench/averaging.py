@@ -1,72 +1,13 @@
 """Benchmark: how much of the model averaging DaSGD (and Streaming DiLoCo) hides behind computation.
 
-Run it on a bandwidth-limited link (docs/benchmarks-averaging.md has the
-results and the exact command)::
-
     OMP_NUM_THREADS=1 tools/emulated_link.sh mpiexec -n 2 python -m mpiopt.bench.averaging
 
-A training step is emulated by a fixed busy workload (``layers`` pieces of
-float32 matrix products), sized so that one blocking Allreduce of the
-parameter buffer takes ``--comm-steps`` compute steps (measured on the link
-at start-up).  The same steps then run under each mode:
+A fixed busy workload is sized so one blocking Allreduce takes ``--comm-steps`` compute steps; the same steps
+then run under each mode: compute, sgd, localsgd, dasgd, dasgd+hook, dasgd+thread, dasgd/no-test (the
+default ``--modes``), diloco, streaming_diloco, streaming_diloco+thread, streaming_diloco+probe.  Reports each
+mode's time over compute's and the fraction of the communication hidden (against localsgd, or diloco).
 
-========================  ==========================================================
-mode                      what a step does after the computation
-========================  ==========================================================
-compute                   the local optimizer step only (no communication)
-sgd                       Allreduce of the gradient every step (mpiopt ``sgd``)
-localsgd                  ``dasgd`` with ``delay_steps=0``: blocking average every tau steps
-dasgd                     ``dasgd``, ``progress="test"``: one poke (``--tests-per-poke``
-                          ``Test`` calls) per step
-dasgd+hook                as dasgd, plus ``progress_hook()`` (a poke) after every layer
-dasgd+thread              ``progress="thread"``: a helper thread pokes every
-                          ``--progress-interval`` seconds
-dasgd/no-test             ``progress="none"``: no ``Test``; MPI moves data only when
-                          posting and in the merge's ``Wait`` (or in MPICH's progress
-                          thread under ``MPICH_ASYNC_PROGRESS=1``)
-diloco                    mpiopt ``diloco``: blocking Allreduce of the parameters and
-                          the outer step every ``--outer-period`` (H) steps
-streaming_diloco          mpiopt ``streaming_diloco``: the same bytes in ``--fragments``
-                          pieces, each an ``Iallreduce`` merged ``--overlap-steps``
-                          steps after it starts (``progress="test"``: one poke per step)
-streaming_diloco+thread   as streaming_diloco, ``progress="thread"``: a helper thread
-                          pokes each exchange every ``--progress-interval`` seconds
-streaming_diloco+probe    as streaming_diloco, plus ``--tests-per-poke`` ``MPI_Iprobe``
-                          calls after every layer: progress for its requests from the
-                          training loop, not from the algorithm (any MPI call that
-                          enters MPICH's progress engine advances them)
-========================  ==========================================================
-
-The default ``--modes`` are the first seven; ``--modes
-compute,dasgd,diloco,streaming_diloco`` compares the two overlapping
-algorithms with their blocking counterparts (docs/benchmarks-averaging.md,
-"Streaming DiLoCo", has 4-rank results and why ``--comm-steps`` must be
-raised where ranks outnumber cores).
-
-Repetitions are short (one averaging period per mode by default; the least
-common multiple of tau and H steps with the DiLoCo modes) and interleaved
-(every repetition runs every mode, in rotated order) so that
-drifting machine load hits all modes alike; each mode's per-step time is
-divided by the compute mode's of the same repetition and the table reports
-medians over repetitions.  A step's time is the slowest rank's.  Because other
-load only ever adds time, the table also gives each mode's fastest
-repetition ("best"), an estimate for a quiet machine.
-
-Definitions
------------
-overhead(mode)
-    ``t(mode) / t(compute) - 1``.
-hidden fraction
-    ``1 - overhead(dasgd variant) / overhead(localsgd)``, from the median
-    ratios: localsgd sends the same bytes as DaSGD but blocks on every
-    averaging, so its overhead is the full cost of the communication; 1 means
-    DaSGD hid all of it, 0 none.  Likewise ``1 - overhead(streaming_diloco)
-    / overhead(diloco)``.
-
-Goals: dasgd's per-step time at most 1.10 x compute-only (ALGORITHMS.md,
-DaSGD claims); streaming_diloco's (tau >= 1) at most 1.05 x (issue 22).  Asynchronous progress cannot be switched on inside a run
-(MPICH reads ``MPICH_ASYNC_PROGRESS`` at ``MPI_Init``): run the benchmark a
-second time with ``MPICH_ASYNC_PROGRESS=1`` to compare.
+What each mode does and how repetitions interleave: docs/internals-bench.md; results: docs/benchmarks-averaging.md.
 """
 
 from __future__ import annotations
@@ -150,12 +91,9 @@ def window_steps(args: argparse.Namespace, modes: List[str]) -> int:
 
 
 def streaming_warmup(period: int, fragments: int, overlap_steps: int) -> int:
-    """Warm-up steps after which every window of ``period`` steps starts and merges each fragment's exchange inside it.
+    """Warm-up steps after which every ``period``-step window starts and merges each fragment's exchange inside it.
 
-    The window boundary goes after the merge of the fragment followed by
-    the widest gap between starts; it needs that gap to exceed
-    ``overlap_steps`` (else some exchange is always in flight, and the
-    modes' windows could not be interleaved without it crossing them).
+    Needs the widest gap between starts to exceed ``overlap_steps``, else some exchange always crosses a window.
     """
     if fragments > period:
         raise UsageError(f"--fragments {fragments} must be at most --outer-period {period} (streaming_diloco starts one fragment per step)")
@@ -172,14 +110,7 @@ def streaming_warmup(period: int, fragments: int, overlap_steps: int) -> int:
 
 
 class _Mode:
-    """One mode's step function, created once and warmed up.
-
-    After the warm-up every window of :func:`window_steps` steps holds whole
-    cycles of the mode (dasgd's averagings, diloco's outer steps,
-    streaming_diloco's fragment exchanges), each started and merged inside
-    it, so nothing is in flight between windows and the windows of all modes
-    can be interleaved.
-    """
+    """One mode's step function, created once and warmed up so that its windows hold whole cycles and can interleave."""
 
     def __init__(self, mode: str, topology: Topology, compute: Compute, args: argparse.Namespace, params: np.ndarray, grad: np.ndarray) -> None:
         self.topology, self.compute, self.params, self.grad = topology, compute, params, grad

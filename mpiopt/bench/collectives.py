@@ -1,44 +1,11 @@
 """Benchmark: the collectives mpiopt's algorithms use, over a range of sizes.
 
 ``mpiopt bench collectives [--sizes 1k,16k,256k,4M] [--repeats 20] [--json FILE]``
-(under ``mpiexec -n P``; inside the emulated link with
-``mpiopt bench --link 1gbit --ranks P collectives``; the link rate compared
-with is ``mpiopt bench --link``'s or the emulated link's).
+(under ``mpiexec -n P``; inside the emulated link with ``mpiopt bench --link 1gbit --ranks P collectives``).
 
-Each size is ``d``, a number of float32 parameters, and each operation moves
-what an algorithm moves for ``d`` parameters:
-
-====================  =========================================================
-operation             call(s), per rank
-====================  =========================================================
-allreduce             ``Allreduce`` of d float32 (``sgd``'s exchange)
-allgather-bits        ``Allgather`` of the ceil(d/8) packed sign bytes (``signum``, allgather)
-vote-twophase         ``Alltoall`` of packed chunks then ``Allgather`` of the voted
-                      chunk (``signum``, twophase), timed as one operation
-allgatherv-sparse     ``Allgatherv`` of ``--density`` x d (int32 index, float32 value)
-                      pairs, 8 bytes each (a sparse exchange)
-bcast                 ``Bcast`` of d float32 from rank 0 (``lsgd``'s pull)
-iallreduce            ``Iallreduce`` of d float32 and its ``Wait`` (``dasgd``)
-====================  =========================================================
-
-Every repetition runs every operation at every size once, in rotated order,
-so drifting load hits all alike; a call's time is the slowest rank's (a
-Barrier before, a max-Allreduce after, neither timed) and the table gives
-the median over ``--repeats`` repetitions after one warm-up call.
-
-Bytes are the ledger's (:mod:`mpiopt.comm.ledger`): payload exchanged with
-other ranks, the mean over the ranks of one call.  "recv B/s per rank" is
-that mean received payload per second; "all ranks B/s" is the sum over the
-ranks.  On the emulated link (``tools/emulated_link.sh``) every byte between
-any two ranks crosses the one shaped device, so "all ranks B/s" is what the
-link rate limits ("% of link").  The ledger counts an Allreduce's payload
-once (n bytes) while a ring or reduce-scatter/allgather Allreduce puts
-``2 (P-1)/P n`` on the wire, so its payload rate stays below the link's.
-
-The JSON (``--json``) has, per operation and size, the median, minimum and
-every repetition's seconds and the ledger bytes sent and received per rank,
-with the world size and the link rate: the input of an alpha-beta cost model
-(``t = alpha + bytes / beta`` per operation).
+Operations: allreduce, allgather-bits, vote-twophase, allgatherv-sparse, bcast, iallreduce, each moving what
+an algorithm moves for ``d`` float32 parameters.  Medians of the slowest rank's time, ledger bytes, and the
+rates against the link; ``--json`` feeds ``mpiopt bench model calibrate``.  Method: docs/internals-bench.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,10 @@
 """Benchmark: compressed exchanges against a float32 Allreduce, per training step.
 
-Run it on a bandwidth-limited link (docs/benchmarks-compressed.md has the
-results and the exact command)::
-
     OMP_NUM_THREADS=1 tools/emulated_link.sh mpiexec -n 4 python -m mpiopt.bench.compressed
 
-Every mode runs whole optimizer steps of an mpiopt algorithm on the same
-random gradient (``d`` float32 values per rank), so a step's time includes the
-algorithm's own work (momentum, packing, voting, selection, decoding), not
-only the wire:
-
-==================  ===============================================
-mode                algorithm
-==================  ===============================================
-allreduce           ``sgd``: float32 Allreduce of the gradient
-vote/allgather      ``signum``, ``exchange="allgather"``, not pipelined
-vote/twophase       ``signum``, ``exchange="twophase"``, not pipelined
-vote/auto           ``signum``, ``exchange="auto"`` (pipelined, ``pipeline_chunks="auto"``)
-topk/<density>      ``topk`` at each ``--densities`` value
-==================  ===============================================
-
-A step's time is the slowest rank's (a Barrier before, a max-Allreduce of the
-times after, neither timed in the step).  Repetitions are interleaved, every
-repetition running every mode, so drifting load hits all modes alike; the
-table gives medians and ``speed-up = t(allreduce) / t(mode)`` from the same
-repetitions, plus the bytes each rank received per step (from the ledger) and
-the wire's limit, ``wire(allreduce) / wire(mode)``.  The ledger counts an
-Allreduce's payload once (n bytes); on the wire a ring or
-reduce-scatter/allgather Allreduce moves ``2 (P-1)/P n`` per rank, so
-:func:`wire_bytes` counts it so; Allgather and Alltoall payloads are what the
-wire carries.
+Modes allreduce (``sgd``), vote/allgather, vote/twophase, vote/auto (``signum``) and topk/<density> run whole
+optimizer steps, so the algorithms' own work counts.  Reports speed-up over allreduce, bytes received and the
+wire's limit.  Method: docs/internals-bench.md; results: docs/benchmarks-compressed.md.
 """
 
 from __future__ import annotations
@@ -69,7 +44,7 @@ def modes(densities: List[float]) -> Dict[str, tuple]:
 
 
 def wire_bytes(delta, ranks: int) -> float:
-    """Bytes one rank receives on the wire for the calls in a ledger ``delta`` (see the module docstring)."""
+    """Bytes one rank receives on the wire for the calls in a ledger ``delta`` (an Allreduce as a ring moves it)."""
     total = 0.0
     for op in delta:
         factor = 2 * (ranks - 1) / ranks if op.endswith("allreduce") or op.endswith("Allreduce") else 1.0

@@ -1,43 +1,11 @@
 """Benchmark: mpiopt against torch ``DistributedDataParallel`` on gloo, same model, data and ranks, in one run.
 
 ``mpiexec -n 4 python -m mpiopt bench ddp [--model mlp --width 1024] [--algorithms sgd,signum] [--json FILE]``
-(inside the emulated link: ``mpiopt bench --link 1gbit --ranks 4 ddp ...``;
-docs/benchmarks-ddp.md has results and the exact commands).
+(inside the emulated link: ``mpiopt bench --link 1gbit --ranks 4 ddp ...``).
 
-Variants, each a full training step (forward, backward, exchange, update) of
-the same model from the same initial weights on the same batches:
-
-=================  ===========================================================
-variant            what a step is
-=================  ===========================================================
-ddp                ``DistributedDataParallel`` over a gloo process group (its
-                   bucketed Allreduce overlaps the backward pass), then
-                   ``torch.optim.SGD`` with ``sgd``'s learning rate and momentum
-``<algorithm>``    the plain model, then ``mpiopt.torch.DistributedOptimizer``
-                   with that algorithm at its defaults (``mpiopt train``'s
-                   hyperparameters; ``sgd`` exchanges in buckets while the
-                   backward pass runs, as DDP does)
-``sgd+blocking``   with ``--blocking``: ``sgd`` with ``overlap=False`` (the
-                   exchange after the backward pass)
-=================  ===========================================================
-
-gloo is set up inside the MPI job: world size and rank from MPI, rank 0
-picks a free TCP port and broadcasts it, ``init_method="tcp://HOST:PORT"``
-(127.0.0.1 when all ranks share rank 0's host, with
-``GLOO_SOCKET_IFNAME=lo``, so that inside ``tools/emulated_link.sh`` gloo's
-traffic crosses the same shaped device as MPI's).  Over shared memory the
-comparison is not symmetric: MPICH moves bytes through shared memory, gloo
-through loopback TCP.  DDP's ``broadcast_buffers`` is off (mpiopt does not
-broadcast BatchNorm statistics every step either).
-
-A round runs ``--steps`` steps of every variant, in rotated order, so that
-drifting load hits all alike; a block's time is the slowest rank's.  The
-table gives each variant's median ms per step, samples per second
-(``batch x ranks`` per step) and the median over rounds of its per-round
-ratio to ddp's time: below 1 is faster than DDP.  As a check that the two
-sides train the same model, the largest difference between ddp's and
-``sgd``'s parameters after the run is printed (float32 rounding only: both
-average the same gradients).
+Variants ``ddp``, each ``<algorithm>`` through ``DistributedOptimizer``, and with ``--blocking``
+``sgd+blocking``; reports ms per step, samples per second and the ratio to ddp (below 1 is faster).
+Method: docs/internals-bench.md; results and gloo's set-up: docs/benchmarks-ddp.md.
 """
 
 from __future__ import annotations

@@ -2,15 +2,8 @@
 
 ``python -m mpiopt.bench.kernels [--d 25000000] [--P 8] [--repeat 5] [--density 0.001]``
 
-Every kernel and both baselines are timed once per round, interleaved, for
-``--repeat`` rounds after one warm-up round; the tables report medians, so
-machine noise hits kernel and baseline alike.  Bytes are counted per kernel as
-stated in the table (the bytes that must cross memory at least once); the
-baseline for throughput is ``np.copyto`` of the float32 vector into an
-existing array (8d bytes: 4d read, 4d written), and the baseline for top-k is
-one ``np.abs`` pass into an existing array.  Goals (from the issue): pack,
-vote and unpack at least 0.3x the copy's bytes per second; top-k at 0.1%
-density within 5x the time of the ``np.abs`` pass.
+Interleaved rounds, medians; baselines ``np.copyto`` (throughput) and ``np.abs`` (top-k).
+Goals and method: docs/internals-bench.md; results: docs/benchmarks-kernels.md.
 """
 
 from __future__ import annotations

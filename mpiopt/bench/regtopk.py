@@ -1,27 +1,11 @@
 """Top-k vs RegTop-k on the paper's distributed linear regression: distance to the optimum after T iterations.
 
-Claim (Bereyhi et al., RegTop-k; ALGORITHMS.md "Top-k with error feedback,
-and RegTop-k"): with 20 workers, d = 100, 500 samples each, heterogeneous
-means, full-batch gradients and lr 0.01, Top-k with error feedback stays at
-a fixed distance from the optimum while RegTop-k converges to it at the same
-density, for suitable mu and k.
+Claim (Bereyhi et al.; docs/algorithms.md "Top-k with error feedback, and RegTop-k"): at the same density
+Top-k with error feedback stalls at a distance from the optimum while RegTop-k converges, for suitable mu and k.
 
-Every run goes through :func:`mpiopt.sim.topk.simulate` (the MPI
-algorithm's own per-worker and aggregation code, N workers in one process)
-on :func:`mpiopt.tasks.linreg.make_problem`.  For each density, Top-k and
-RegTop-k at each mu run T iterations from ``x_0 = 0``.
+    python -m mpiopt.bench.regtopk --plot docs/img/regtopk.png    # tables and the curves
 
-Usage::
-
-    python -m mpiopt.bench.regtopk                                # tables
-    python -m mpiopt.bench.regtopk --plot docs/img/regtopk.png    # and the curves
-    python -m mpiopt.bench.regtopk --densities 0.6,0.7 --mus 2,4 --steps 3000
-
-Prints two Markdown tables of ``||x - x*||^2`` (rows: density and k;
-columns: Top-k, then RegTop-k per mu): its value after T iterations, and its
-median over the last T/4 iterations.  RegTop-k's distance has brief one-step
-excursions after it has converged (docs/regtopk.md), which the value at
-exactly T may catch; the median shows where each run settled.
+Method: docs/internals-bench.md; results: docs/regtopk.md.
 """
 
 from __future__ import annotations
@@ -49,19 +33,7 @@ LR = 0.01
 
 @dataclass
 class Comparison:
-    """Squared distances to the optimum, ``(T + 1,)`` each.
-
-    Attributes
-    ----------
-    topk : dict
-        density -> Top-k's trajectory.
-    regtopk : dict
-        (density, mu) -> RegTop-k's trajectory.
-    dense : numpy.ndarray
-        Dense distributed SGD (density 1), for reference.
-    ks : dict
-        density -> k.
-    """
+    """Squared distances to the optimum, ``(T + 1,)`` each: ``topk[density]``, ``regtopk[density, mu]``, ``dense``, ``ks``."""
 
     densities: List[float]
     mus: List[float]

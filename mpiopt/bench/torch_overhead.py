@@ -1,35 +1,10 @@
 """Benchmark: what the torch front end adds to an ``sgd`` step over the flat API.
 
-docs/benchmarks-torch.md has the results and the exact command::
-
     OMP_NUM_THREADS=1 mpiexec -n 2 python -m mpiopt.bench.torch_overhead
 
-Two variants run ``sgd`` (momentum 0.9) on the same ``d`` float32 values per
-rank and the same random gradient:
-
-=======  ==============================================================
-variant  what one timed step is
-=======  ==============================================================
-flat     ``alg.step(params, grad)`` on numpy vectors (:func:`mpiopt.create`)
-torch    ``opt.step()`` of :class:`mpiopt.torch.DistributedOptimizer`
-         over a module whose parameters have ResNet-18's shapes, cut to
-         ``d`` values in all
-=======  ==============================================================
-
-With ``--inner adamw`` the two are instead ``torch.optim.AdamW(fused=True)``'s
-own step on such a module (the "flat" column: the optimizer without mpiopt)
-and ``DistributedOptimizer(..., "sgd", inner=AdamW(fused=True))``'s step (at
-one rank: the inner optimizer's step plus what mpiopt adds; the goal is
-1.1).
-
-The torch variant's gradients are written once per round through the
-parameters' ``.grad`` views (no backward pass is timed), and ``zero_grad()``
-is timed on its own.  A round times ``--steps`` steps of each variant, the
-first variant alternating between rounds, so drifting load hits both alike;
-a block's time is the slowest rank's (a Barrier before, a max-Allreduce of
-the times after, neither timed).  The table gives the medians over rounds and
-the median of the per-round ratios torch / flat, the figure the 5 % goal is
-about.
+Variants ``flat`` (``alg.step`` on numpy) and ``torch`` (``DistributedOptimizer.step()`` over ResNet-18's
+shapes); ``--inner adamw`` compares fused AdamW alone with it as the inner optimizer.  The figure is the median
+per-round ratio torch / flat.  Method: docs/internals-bench.md; results: docs/benchmarks-torch.md.
 """
 
 from __future__ import annotations

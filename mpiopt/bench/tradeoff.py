@@ -1,28 +1,11 @@
 """The asynchrony-momentum trade-off of Async-MSGD on streaming PCA (deterministic mode).
 
-Claim (Liu et al., NeurIPS 2018; ALGORITHMS.md "Async-MSGD"): with staleness
-``tau`` the momentum must come down to converge and accelerate; the best
-``mu`` falls as ``tau`` grows, large ``mu`` with large ``tau`` diverges, and
-plain SGD (``mu = 0``) hardly notices ``tau``.
+Claim (Liu et al., NeurIPS 2018; docs/algorithms.md "Async-MSGD"): with staleness ``tau`` the best momentum
+``mu`` falls, large ``mu`` with large ``tau`` diverges, and plain SGD hardly notices ``tau``.
 
-For every delay ``tau`` and momentum ``mu`` of a grid, Async-MSGD
-(:class:`~mpiopt.algorithms.async_msgd.AsyncMSGDRule`) runs in
-:func:`mpiopt.asyncrt.simulated.simulate` with :class:`~mpiopt.asyncrt.simulated.FixedDelay`
-``(tau)`` (``tau + 1`` equally fast workers) on the streaming-PCA problem of
-:func:`mpiopt.tasks.pca.make_problem` and counts the updates until
-``sin^2(v, u) <= accuracy``.  A cell is the mean over seeds (seed ``s``: its
-own sample stream and start, the same for every cell: common random
-numbers); ``diverged`` if any seed's iterate left the sphere
-(:func:`~mpiopt.tasks.pca.diverged`), ``>max`` if any seed did not get there
-in ``max_steps``.
-
-Usage::
-
-    python -m mpiopt.bench.tradeoff                     # table + docs/img/tradeoff.png
     python -m mpiopt.bench.tradeoff --out /tmp/t.png --delays 0,4,16 --momenta 0,0.5,0.9
 
-Prints a Markdown table (rows: delay, columns: momentum; the best momentum of
-each row in bold) followed by each row's best momentum.
+Prints iterations to accuracy per (delay, momentum), each row's best in bold.  Method: docs/internals-bench.md.
 """
 
 from __future__ import annotations
@@ -83,18 +66,7 @@ def iterations_to_accuracy(
 
 @dataclass
 class TradeoffGrid:
-    """Iterations to accuracy over delays x momenta.
-
-    Attributes
-    ----------
-    delays, momenta : list
-        The grid's rows and columns.
-    iterations : numpy.ndarray
-        ``(delays, momenta)`` mean over seeds; NaN where a seed diverged or
-        did not reach the accuracy (see :attr:`status`).
-    status : numpy.ndarray
-        ``"ok"``, ``"diverged"`` or ``">max"`` per cell.
-    """
+    """Iterations to accuracy over ``delays`` x ``momenta`` (mean over seeds; NaN where ``status`` is not ``"ok"``)."""
 
     delays: List[int]
     momenta: List[float]

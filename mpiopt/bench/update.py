@@ -3,45 +3,10 @@
 ``python -m mpiopt.bench.update [--d 11M] [--rounds 5] [--steps 16] [--algorithms sgd,topk] [--threads N] [--device cuda] [--json FILE]``
 (one process; plain ``python`` is one MPI rank).
 
-Every synchronous algorithm runs on its own flat float32 vector of ``d``
-parameters, with the hyperparameters ``mpiopt train`` starts from
-(:data:`mpiopt.training.ALGORITHM_DEFAULTS`) and momentum 0.9 wherever the
-algorithm has momentum; its time per step is
-:class:`~mpiopt.algorithms.StepRecord`'s ``algo_seconds`` (the step less
-the time blocked in MPI).  Beside them, on a vector of the same length:
-``torch.optim.SGD(momentum=0.9)`` with ``fused=True`` (the unit) and with
-``foreach=True``; the local update alone
-(:meth:`~mpiopt.algorithms.local.LocalSGD.apply`, momentum 0.9) through the
-fused C loop and through the array code; and ``np.copyto`` of the vector (a
-floor for any pass that reads and writes it).
-
-Each variant steps twice untimed (allocations, the momentum buffer's first
-step), then ``--rounds`` interleaved rounds run ``--steps`` consecutive steps
-of every variant, in rotated order, so that machine noise hits all alike;
-each variant's first step in a round is untimed, since it would pay for the
-previous variant's dirty cache lines and for torch's OpenMP workers, which
-spin for milliseconds after each parallel region (``OMP_WAIT_POLICY=PASSIVE``
-puts them to sleep at once; the header says which policy ran).  A
-variant's time per step is the median over the rounds of its mean step in
-the round: the default 16 steps are a whole number of periods of every
-algorithm's defaults (DaSGD's and EASGD's 4, LSGD's global pull 16), whose
-steps differ by design, so that a median over single steps would report the
-common kind and miss the rest.
-The table gives it and the ratio to the fused torch step.
-torch and mpiopt's C kernels (:mod:`mpiopt.kernels.threads`) use the same
-number of threads, ``--threads`` (default: torch's own choice), since both
-are memory-bound and one core does not reach the memory bandwidth.
-
-Goals (issue 11): ``sgd`` <= 1.2, ``easgd``/``lsgd``/``dasgd`` <= 1.5,
-``signum`` <= 2, ``topk`` <= 2.5, ``regtopk`` <= 3.
-
-``--device cuda`` times the same variants on cupy arrays and CUDA tensors of
-the current GPU ("C loop" is then the CUDA kernel of
-:mod:`mpiopt.kernels._cuda`).  Device work runs asynchronously, so there
-every variant's step is timed from its call to the end of a device
-synchronization, the algorithms' steps included (their ``algo_seconds``
-would stop at the launch).  The goals are the CPU's; on a GPU the table
-is a measurement only.
+Beside the algorithms: fused and foreach torch SGD, the local update through the C loop and the array code,
+and ``np.copyto``.  Goals (issue 11): ``sgd`` <= 1.2, ``easgd``/``lsgd``/``dasgd`` <= 1.5, ``signum`` <= 2,
+``topk`` <= 2.5, ``regtopk`` <= 3 (the CPU's; on ``--device cuda`` a measurement only).
+Method: docs/internals-bench.md; results: docs/benchmarks-update.md.
 """
 
 from __future__ import annotations
@@ -168,35 +133,8 @@ def measure(
 ) -> Dict[str, Any]:
     """Time every variant; the results as a dict (what :func:`run` prints and writes as JSON).
 
-    Parameters
-    ----------
-    d : int
-        Parameters.
-    rounds, steps : int
-        Interleaved rounds, and timed steps of every variant per round.
-    algorithms : sequence of str, optional
-        Synchronous algorithms to time (default: all).
-    seed : int
-        Seed of the random gradients.
-    topology : Topology, optional
-        One rank's communicators (default: a new :class:`~mpiopt.comm.Topology`,
-        freed at the end).
-    device : {"cpu", "cuda"}
-        numpy arrays and CPU tensors, or cupy arrays and CUDA tensors.
-
-    Returns
-    -------
-    dict
-        ``seconds`` (per variant, the median over rounds of the round's mean
-        step), ``ratio`` (to :data:`UNIT`), ``goals`` (per algorithm with an
-        ``update_goal``: ``{"goal", "ratio", "met"}``), ``samples`` (timed steps per variant), ``d``, ``rounds``, ``steps``, ``unit``,
-        ``threads`` (torch's), ``kernel_threads`` (mpiopt's C kernels'), ``c_update_loop`` (whether the fused C loop was built; the CPU's),
-        ``device``.
-
-    Raises
-    ------
-    UsageError
-        An algorithm that is not synchronous, or a topology of more than one rank.
+    ``device``: ``"cpu"`` (numpy, CPU tensors) or ``"cuda"`` (cupy, CUDA tensors).  ``UsageError`` for an
+    algorithm that is not synchronous or a topology of more than one rank.
     """
     import torch
 

@@ -1,9 +1,4 @@
-"""Collective verdicts: every rank reports, and all raise the same :class:`CheckpointError` or none does.
-
-A failure on one rank (a value that cannot be stored, a full disk, a file it
-cannot read) must not leave the others waiting in the next collective call,
-nor let ranks go on with different checkpoints.
-"""
+"""Collective verdicts: all ranks raise the same :class:`CheckpointError` or none does, so no rank waits or diverges."""
 
 from __future__ import annotations
 
@@ -24,10 +19,7 @@ class _Failed(Exception):
 
 
 def agree(world: Comm, path: str, error: Optional[str], what: str, extra: Any = None) -> List[Any]:
-    """Decide together (:meth:`~mpiopt.comm.Comm.decide`): the same :class:`CheckpointError` everywhere if any rank failed or paths differ.
-
-    Returns every rank's ``extra``.
-    """
+    """Decide together: the same :class:`CheckpointError` everywhere if any rank failed or paths differ; every rank's ``extra``."""
 
     def check() -> None:
         if error is not None:

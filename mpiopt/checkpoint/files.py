@@ -1,11 +1,4 @@
-"""A checkpoint file on disk: its name, the format check, atomic publication and pruning.
-
-Readers trust only a whole file: one whose format, version and completeness
-marker check out.  Writers make one whole or nothing: the file is written
-under a hidden temporary name in the target directory, fsynced and renamed
-into place (the rename is atomic), so a checkpoint already at that path stays
-whole until the new one is.
-"""
+"""A checkpoint file on disk: its name, the format check, atomic publication (write, fsync, rename) and pruning."""
 
 from __future__ import annotations
 
@@ -99,12 +92,7 @@ def validate_checkpoint(path: str) -> Optional[str]:
 
 
 def find_latest(directory: str, *, warn: bool = True) -> Optional[str]:
-    """The valid checkpoint with the highest step in ``directory``, or None.
-
-    Not collective.  Invalid files (truncated, corrupted, incomplete,
-    foreign) are skipped, each with a ``UserWarning`` naming it and what is
-    wrong when ``warn`` is true.
-    """
+    """The valid checkpoint with the highest step in ``directory``, or None (not collective; invalid files skipped, warned)."""
     for _, path in reversed(list_checkpoints(os.fspath(directory))):
         problem = validate_checkpoint(path)
         if problem is None:

@@ -1,10 +1,7 @@
-"""How a nested state maps onto HDF5 groups, datasets and attributes.
+"""How a nested state maps onto HDF5 groups, datasets and attributes (rules: docs/internals-checkpoint.md).
 
-The rules are in :mod:`mpiopt.checkpoint` (section "Layout").  A state is
-first flattened into :class:`Entry` records plus the list of its arrays, so
-that the same writer serves a rank's own state and a state received from
-another rank one array at a time; :func:`read_group` turns a group back into
-the nested mapping.
+A state is flattened into :class:`Entry` records plus its arrays, so one writer serves a rank's own state and
+one received array by array; :func:`read_group` turns a group back into the nested mapping.
 """
 
 from __future__ import annotations
@@ -43,14 +40,7 @@ _INT64 = np.iinfo(np.int64)
 
 
 class Entry(NamedTuple):
-    """One item of a flattened state.
-
-    ``path`` is relative to the state's root group (``"algorithm/arrays"``):
-    the group itself for ``GROUP``, the group holding the attribute for
-    ``ATTR`` (``""`` for the root), the dataset for ``DATASET``.  ``value``
-    is the attribute's value for ``ATTR`` and ``(dtype string, shape,
-    type marker or None)`` for ``DATASET``.
-    """
+    """One item of a flattened state: ``path`` relative to the state's root group; ``value`` the attribute's, or a dataset's ``(dtype, shape, marker)``."""
 
     kind: str
     path: str
@@ -94,14 +84,7 @@ def _check_scalar(value: Any, where: str) -> Any:
 
 
 def flatten(state: Mapping[str, Any], label: str) -> Tuple[List[Entry], List[np.ndarray]]:
-    """Entries of ``state`` (parents before children) and its arrays, in the order of the ``DATASET`` entries.
-
-    Raises
-    ------
-    TypeError, ValueError
-        For a value or key that cannot be stored; the message names it as
-        ``label['key']['subkey']``.
-    """
+    """Entries of ``state`` (parents first) and its arrays; ``TypeError``/``ValueError`` name a bad value as ``label['key']``."""
     entries: List[Entry] = []
     arrays: List[np.ndarray] = []
 
@@ -199,11 +182,7 @@ def read_group(group: h5py.Group) -> Dict[str, Any]:
 
 
 def first_difference(a: Any, b: Any, where: str = "state") -> Optional[str]:
-    """None when two states are exactly equal (same keys, types, dtypes, shapes and bits), else where they first differ.
-
-    NaN equals NaN when the bits agree: this compares what a checkpoint holds,
-    not numbers.
-    """
+    """None when two states are bitwise equal (keys, types, dtypes, shapes), else where they first differ; NaN equals NaN."""
     if type(a) is not type(b):
         return f"{where}: {type(a).__name__} vs {type(b).__name__}"
     if isinstance(a, Mapping):
@@ -231,10 +210,7 @@ def _json_default(value: Any) -> Any:
 
 
 def encode_root_attrs(attrs: Mapping[str, Any]) -> Dict[str, Any]:
-    """HDF5 attributes for the caller's ``attrs``: bool, int64, float and str as themselves, anything else as JSON text.
-
-    The names stored as JSON are listed in the attribute :data:`JSON_ATTRS`.
-    """
+    """HDF5 attributes for ``attrs``: bool, int64, float and str as themselves, anything else as JSON (named in :data:`JSON_ATTRS`)."""
     if not isinstance(attrs, Mapping):
         raise TypeError(f"attrs must be a mapping, got {type(attrs).__name__}")
     out: Dict[str, Any] = {}

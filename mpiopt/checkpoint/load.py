@@ -1,9 +1,4 @@
-"""``load_checkpoint``: every rank reads the attributes, the model and its own state, as one collective call.
-
-Every rank opens the file itself (the directory must be shared); the ranks
-then agree that all read the same whole file, or all raise the same
-:class:`~mpiopt.checkpoint.CheckpointError`.
-"""
+"""``load_checkpoint``: every rank reads the attributes, the model and its own state, as one collective call."""
 
 from __future__ import annotations
 
@@ -23,25 +18,10 @@ __all__ = ["Checkpoint", "load_checkpoint"]
 
 @dataclass
 class Checkpoint:
-    """What :func:`load_checkpoint` read.
+    """What :func:`load_checkpoint` read: ``path``, ``attrs``, ``model`` (rank 0's, or None), ``rank_state``.
 
-    Attributes
-    ----------
-    path : str
-        The file.
-    attrs : dict
-        The root attributes, decoded (the caller's and the ones
-        :func:`~mpiopt.checkpoint.save_checkpoint` adds: ``world_size``, versions, ...).
-    model : dict of numpy.ndarray or None
-        Rank 0's model state as saved (on every rank); None when saved without one.
-    rank_state : dict or None
-        This rank's state, exactly as saved; None for a rank beyond the saved
-        world size (``allow_world_size_change=True``).
-    rank_states : list of dict or None
-        Loaded at another world size (``allow_world_size_change=True``):
-        every saved rank's state in rank order, on every rank, for the
-        caller's redistribution (:mod:`mpiopt.algorithms.resize`); None at
-        the saved world size.
+    At another world size (``allow_world_size_change=True``), ``rank_state`` is None beyond the saved ranks and
+    ``rank_states`` holds every saved rank's state for the caller's redistribution.
     """
 
     path: str
@@ -76,28 +56,13 @@ def _read(path: str, rank: int, size: int, allow_world_size_change: bool) -> Che
 def load_checkpoint(path: str, world: Comm, *, allow_world_size_change: bool = False) -> Checkpoint:
     """Read a checkpoint written by :func:`~mpiopt.checkpoint.save_checkpoint`; a collective call on ``world``.
 
-    Every rank opens the file read-only (a shared file system), reads the
-    root attributes, the model and its own ``/ranks/<rank>``.
-
-    Parameters
-    ----------
-    path : str or os.PathLike
-        The file (same on every rank).
-    world : Comm
-        The job's ranks.
-    allow_world_size_change : bool
-        Load a checkpoint written by another number of ranks: ranks beyond
-        the saved ones get ``rank_state=None``, every rank gets every saved
-        rank's state in ``rank_states`` (memory: the whole file's rank
-        states on each rank), and the caller decides what to do.
+    ``allow_world_size_change`` loads one of another world size (see :class:`Checkpoint`).
 
     Raises
     ------
     CheckpointError
-        On every rank, with the same message naming the file and what is
-        wrong: missing, truncated, corrupted, foreign or incomplete; written
-        by another world size (both sizes named); ranks that disagree on the
-        path or see different files under it.
+        On every rank, naming the file and what is wrong (missing, truncated, foreign, incomplete, another world
+        size, ranks that disagree on the path or the file).
     """
     path = os.fspath(path)
     result, error = None, None

@@ -1,10 +1,4 @@
-"""``save_checkpoint``: every rank's state into one file, atomically, as one collective call.
-
-The ranks first agree (same path, same writer, every state storable), then
-the chosen writer (:mod:`.writers`) fills a temporary file and rank 0 renames
-it into place (:mod:`.files`); a failure anywhere raises the same
-:class:`~mpiopt.checkpoint.CheckpointError` on every rank.
-"""
+"""``save_checkpoint``: every rank's state into one file, atomically, as one collective call."""
 
 from __future__ import annotations
 
@@ -79,44 +73,20 @@ def save_checkpoint(
 
     Parameters
     ----------
-    path : str or os.PathLike
-        Where the file goes (same on every rank); :func:`~mpiopt.checkpoint.checkpoint_path`
-        gives the names that ``keep`` and :func:`~mpiopt.checkpoint.find_latest` recognise.
-    world : Comm
-        Every rank that holds state (usually ``topology.world``).
     model : mapping of str to numpy.ndarray or None
-        Rank 0's model state (``state_dict`` names to arrays); ignored on the
-        other ranks.
+        Rank 0's model state; ignored on the other ranks.
     rank_state : mapping
-        This rank's state: values are mappings (nested), numpy arrays, numpy
-        scalars, bytes, None, bool, int, float or str.
+        This rank's state: nested mappings, numpy arrays and scalars, bytes, None, bool, int, float or str.
     attrs : mapping
-        Root attributes (step, algorithm, hyperparameters, configuration,
-        torch version, ...); JSON-serialisable.  Rank 0's are written.
+        Root attributes (JSON-serialisable); rank 0's are written.
     keep : int, optional
-        After a successful write, delete all but the newest ``keep``
-        checkpoints (by step) named like :func:`~mpiopt.checkpoint.checkpoint_path` in the same
-        directory; the file just written is never deleted.
-
-    Returns
-    -------
-    str
-        ``path``.
+        After a successful write, delete all but the newest ``keep`` checkpoints named by ``checkpoint_path``.
 
     Raises
     ------
     CheckpointError
-        On every rank, when some rank's state cannot be stored (the message
-        names the rank and the key), ranks pass different paths or
-        different writers, or the write fails (disk full, permissions).
-        Nothing is left at ``path`` then: a file already there is unchanged.
-
-    Notes
-    -----
-    With h5py built with parallel HDF5, every rank writes its own state
-    through the ``mpio`` driver; otherwise ranks hand their state to rank 0
-    one at a time.  ``MPIOPT_CHECKPOINT_DRIVER=mpio|serial`` (same on every
-    rank) forces either.  The file is the same either way.
+        On every rank, when a state cannot be stored, ranks disagree on path or writer, or the write fails;
+        nothing is left at ``path`` then.  Writers (``MPIOPT_CHECKPOINT_DRIVER``): docs/internals-checkpoint.md.
     """
     path = os.fspath(path)
     error = None

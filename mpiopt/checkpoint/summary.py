@@ -55,24 +55,10 @@ def _json_number(x: Optional[float]) -> Any:
 
 
 def describe(path: str) -> Dict[str, Any]:
-    """Describe any HDF5 file, an mpiopt checkpoint or not.
+    """Describe any HDF5 file, an mpiopt checkpoint or not, as JSON-serialisable data (``mpiopt inspect``).
 
-    Returns
-    -------
-    dict
-        ``path``; ``problem`` (None for a whole mpiopt checkpoint, else what
-        is wrong, see :func:`~mpiopt.checkpoint.validate_checkpoint`);
-        ``attrs`` (root attributes, decoded); ``layout``: one entry per
-        group and dataset in depth-first order, each with ``path``, ``kind``
-        (``"group"`` or ``"dataset"``) and ``attrs``, datasets also with
-        ``shape``, ``dtype``, ``norm`` (L2, float64 accumulation; ``"nan"`` or
-        ``"inf"`` when not finite) and ``type`` (``"bytes"``,
-        ``"numpy-scalar"`` or None for an array).  JSON-serialisable.
-
-    Raises
-    ------
-    CheckpointError
-        If the file does not exist or is not HDF5.
+    ``problem`` is None for a whole checkpoint; ``layout`` lists groups and datasets depth first, datasets with
+    shape, dtype, L2 ``norm`` and type marker.  Raises ``CheckpointError`` if the file is missing or not HDF5.
     """
     problem = validate_checkpoint(path)
     try:

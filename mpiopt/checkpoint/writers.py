@@ -1,11 +1,6 @@
-"""The two writers that put every rank's state into the temporary checkpoint file.
+"""The two writers (``serial`` through rank 0, ``mpio`` in parallel) that fill the temporary checkpoint file alike.
 
-``serial``: the other ranks hand their state to rank 0 one at a time (a go
-byte, a pickled header of names, dtypes and shapes, then each array's raw
-bytes), and rank 0 writes each array as it arrives, so its memory is bounded
-by one array.  ``mpio``: every rank opens the file with h5py's parallel
-driver, all create every rank's groups and datasets alike (parallel HDF5
-wants that collective), and each writes its own arrays.  The file is the same.
+How each works: docs/internals-checkpoint.md, "Writing".
 """
 
 from __future__ import annotations
@@ -47,12 +42,7 @@ def _byte_view(array: np.ndarray) -> np.ndarray:
 
 
 def _write_state(group: h5py.Group, entries: Sequence[Entry], arrays: Iterator[np.ndarray], failure: Optional[BaseException]):
-    """Write ``entries`` under ``group`` (None: nothing, the file has failed); consume every array regardless.
-
-    ``arrays`` may be receiving from another rank: it must be drained even
-    after a failure so that the hand-over protocol stays in step.  Returns
-    the first failure.
-    """
+    """Write ``entries`` under ``group`` (None: the file has failed); drain every array regardless, to keep the hand-over in step."""
     for entry in entries:
         array = next(arrays) if entry.kind == DATASET else None
         if failure is None:
@@ -149,14 +139,10 @@ def _fill(group: h5py.Group, entries: Sequence[Entry], arrays: Sequence[np.ndarr
 
 
 def write_parallel(world: Comm, path: str, header, layouts: Sequence[Sequence[Entry]], model_arrays, arrays) -> Optional[str]:
-    """Every rank: write the checkpoint with h5py's ``mpio`` driver; rank 0 renames it into place.
+    """Every rank: write with h5py's ``mpio`` driver; rank 0 renames.  None or why the write failed.
 
-    ``header`` is rank 0's ``(temporary name, root attributes, model
-    entries or None)`` and ``layouts`` every rank's entries, so that every
-    rank creates the same groups, datasets and attributes (collective in
-    parallel HDF5); then each rank writes its own arrays, and rank 0 the
-    model's, independently.  Returns None or why the write failed (on rank
-    0 the final word, the rename included).
+    Every rank creates every rank's groups and datasets alike (collective in parallel HDF5) from ``header`` and
+    ``layouts``, then writes its own arrays.
     """
     tmp, root_attrs, model = header
     f: Optional[h5py.File] = None

@@ -1,11 +1,8 @@
 """Communication layer: every byte mpiopt sends goes through here.
 
-- :class:`Comm` wraps a duplicated mpi4py communicator and records bytes and
-  time of every call in a :class:`Ledger`.
-- :class:`Topology` holds the world, group (node) and leaders communicators.
-- :mod:`~mpiopt.comm.buffers` passes numpy, torch and cupy buffers to MPI,
-  directly or staged through host memory.
-- :func:`abort_on_exception` makes an exception on one rank end the job.
+:class:`Comm` records every call in a :class:`Ledger`; :class:`Topology` holds the world, group (node) and
+leaders communicators; :func:`abort_on_exception` makes an exception on one rank end the job.
+Conventions and environment variables: docs/internals-comm.md.
 """
 
 from .abort import ABORT_ENV, OtherRankError, abort_job, abort_on_exception

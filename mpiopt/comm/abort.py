@@ -1,24 +1,4 @@
-"""Never hang: an error on one rank ends the job or is raised on every rank.
-
-Without care, one rank dies (or raises) while the others wait forever in
-their next collective.  mpiopt has two answers:
-
-- :func:`abort_on_exception` installs hooks (``sys.excepthook`` and
-  ``threading.excepthook``) that print an uncaught exception's traceback,
-  with the rank, and call ``MPI.COMM_WORLD.Abort(1)``: the launcher
-  (mpiexec, srun) then ends every rank with a non-zero exit code.  Every
-  :class:`~mpiopt.comm.Topology` installs them when it is created, unless
-  ``Topology(abort_on_error=False)`` or the environment variable
-  ``MPIOPT_ABORT_ON_ERROR=0`` opts out (:data:`ABORT_ENV`).  The topology
-  leaves a hook that someone else installed in place (pytest's collector of
-  exceptions in threads, an application's own hook); calling
-  :func:`abort_on_exception` yourself replaces those too, as the CLI does.
-- Checks that can fail on one rank alone either decide together
-  (:meth:`Topology.decide`: every rank raises, the others an
-  :class:`OtherRankError` naming the rank and its error) or, where the other
-  ranks may already be inside a collective that only this rank knows it will
-  not join, abort the job (:meth:`Topology.raise_or_abort`).
-"""
+"""Never hang: an error on one rank ends the job or is raised on every rank (docs/internals-comm.md, "Never hang")."""
 
 from __future__ import annotations
 
@@ -75,15 +55,10 @@ def _thread_hook(args: threading.ExceptHookArgs) -> None:
 
 
 def abort_on_exception(*, override: bool = True) -> None:
-    """Install the abort hooks for the main thread and all other threads (idempotent).
+    """Install hooks that print an uncaught exception with its rank and abort the job, in every thread (idempotent).
 
-    Parameters
-    ----------
-    override : bool
-        Replace hooks that someone else installed (default).  With False, a
-        hook other than Python's default is left in place: what
-        :class:`~mpiopt.comm.Topology` does, so that creating a topology
-        under pytest keeps pytest's report of an exception in a thread.
+    ``override=False`` leaves a hook other than Python's default in place (what :class:`Topology` does, so pytest
+    keeps its report of an exception in a thread).
     """
     if override or sys.excepthook is sys.__excepthook__:
         sys.excepthook = _hook

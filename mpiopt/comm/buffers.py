@@ -1,12 +1,6 @@
-"""Array buffers for MPI: numpy, torch (CPU and CUDA) and cupy.
+"""Array buffers for MPI: numpy, torch (CPU and CUDA) and cupy, staged through host memory where MPI is not GPU-aware.
 
-CPU arrays go to mpi4py without a copy (a torch CPU tensor through its
-zero-copy numpy view).  GPU arrays (cupy, torch CUDA, anything with
-``__cuda_array_interface__``) go to mpi4py directly when the MPI library is
-GPU-aware; otherwise they are staged through reusable host buffers that grow
-on demand (pinned when cupy or torch can pin them).  Either way the stream that
-produced the GPU data is synchronised first: MPI knows nothing of CUDA streams
-and would read memory that a kernel is still writing.
+The producing CUDA stream is synchronised first: MPI would read memory a kernel is still writing.
 """
 
 from __future__ import annotations
@@ -62,21 +56,7 @@ def _parse_flag(value: str, name: str) -> bool:
 
 
 def gpu_aware_mpi(override: Optional[bool] = None) -> Tuple[bool, str]:
-    """Decide whether the MPI library can read and write GPU memory directly.
-
-    Parameters
-    ----------
-    override : bool, optional
-        Explicit answer; wins over everything else.
-
-    Returns
-    -------
-    (aware, reason) : tuple of bool and str
-        ``reason`` says where the answer came from: the argument, the
-        ``MPIOPT_GPU_AWARE`` environment variable, the MPI 4.1
-        ``mpi_memory_alloc_kinds`` info key, or the MPICH/Open MPI extension
-        ``MPIX_Query_cuda_support``.
-    """
+    """``(aware, reason)``: whether MPI can use GPU memory directly, and where the answer came from (docs/internals-comm.md)."""
     if override is not None:
         return bool(override), "argument"
     env = os.environ.get(GPU_AWARE_ENV)
@@ -113,11 +93,7 @@ def _synchronize(buf: Any) -> None:
 
 
 class HostStaging:
-    """Reusable host buffers, one per named slot, grown on demand.
-
-    Pinned (page-locked) memory makes device-host copies faster and is
-    allocated through cupy or torch when one of them is present.
-    """
+    """Reusable host buffers, one per named slot, grown on demand; pinned through cupy or torch when present."""
 
     def __init__(self) -> None:
         self._slots: Dict[str, np.ndarray] = {}
@@ -188,28 +164,11 @@ def as_mpi_buffer(
     read: bool,
     write: bool,
 ) -> Tuple[Any, Optional[Callable[[], None]]]:
-    """Turn ``buf`` into an object mpi4py accepts, without copying where possible.
+    """Turn ``buf`` into ``(mpi_buf, writeback)`` for mpi4py, without copying where possible.
 
-    Parameters
-    ----------
-    buf : numpy.ndarray, torch.Tensor or GPU array
-        Contiguous array.
-    gpu_aware : bool
-        Pass GPU memory to MPI directly.
-    staging : HostStaging
-        Host buffers used when GPU memory must be staged.
-    slot : str
-        Name of the staging slot (distinct for buffers used in one call).
-    read, write : bool
-        Whether MPI reads ``buf`` (its data must be copied in when staged) and
-        whether it writes it (the data must be copied back afterwards).
-
-    Returns
-    -------
-    (mpi_buf, writeback)
-        ``writeback`` is None or a function to call once MPI has written the
-        staged host copy (after the call, or after ``Wait`` for nonblocking
-        calls).
+    ``read``/``write`` say whether MPI reads ``buf`` (copied in when staged) or writes it: then ``writeback``
+    copies the staged host data back once MPI has written it (after the call, or after ``Wait``); else None.
+    ``slot`` names the staging buffer (distinct for buffers used in one call).
     """
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:

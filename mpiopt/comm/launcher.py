@@ -1,32 +1,7 @@
-"""What the launcher says the job's size is, and a world that disagrees.
+"""What the launcher says the job's size is, and a world that disagrees (launcher and MPI speaking different PMIs).
 
-A launcher (``srun``, ``mpiexec``) that starts N processes tells MPI about
-them through a process-management interface (PMI).  When the two do not
-speak the same one, say ``srun`` on a Slurm whose ``MpiDefault`` is ``none``,
-or the ``mpiexec`` of one MPI with mpi4py built against another, every
-process starts as an MPI world of one and trains alone, all of them writing
-the same files.  The launcher's own environment variables still say N, and
-:func:`check_world_size` (called by :class:`~mpiopt.comm.Topology` before it
-communicates) stops each process with a message naming both numbers.
-
-Which variables (the first one set wins):
-
-- ``OMPI_COMM_WORLD_SIZE``: Open MPI's ``mpirun``/``mpiexec`` (and prterun);
-- ``PMI_SIZE``: a PMI-1/PMI-2 launcher: MPICH's hydra ``mpiexec``, Intel
-  MPI's, ``srun --mpi=pmi2``;
-- ``SLURM_STEP_NUM_TASKS``: a task of a Slurm job step (``srun``).  Only the
-  step's variable counts: ``SLURM_NTASKS`` is also set in the batch script
-  of an ``sbatch``/``salloc`` allocation, where a one-process ``python`` is
-  no step task and is right to see a world of one.
-
-The MPI launchers' variables come first: an ``mpiexec`` inside a Slurm step
-(hydra starts its proxies with ``srun``, one per node) gives its processes
-the proxies' step variables too, which count nodes, not ranks.  PMIx sets
-no size variable (``srun --mpi=pmix`` is covered by Slurm's).
-
-:func:`launcher_rank` reads this process's rank from the variable that the
-same launcher sets beside its size (:data:`RANK_VARIABLES`), for what one
-process should do alone before MPI's world is trusted (print ``--help``).
+Each process of such a job would train alone; :func:`check_world_size` stops it with both numbers.
+Variables read and their order: docs/internals-comm.md.
 """
 
 from __future__ import annotations
@@ -64,14 +39,7 @@ class LauncherMismatchError(RuntimeError):
 
 
 def launcher_view(environ: Optional[Mapping[str, str]] = None) -> Optional[LauncherView]:
-    """The launcher's job size read from ``environ`` (default ``os.environ``); None when no launcher set one.
-
-    Raises
-    ------
-    ValueError
-        When the variable read is set to something other than a positive
-        integer (naming the variable and its value).
-    """
+    """The launcher's job size read from ``environ``; None when no launcher set one, ``ValueError`` when malformed."""
     environ = os.environ if environ is None else environ
     for variable, launcher in SIZE_VARIABLES:
         value = environ.get(variable, "").strip()
@@ -88,20 +56,9 @@ def launcher_view(environ: Optional[Mapping[str, str]] = None) -> Optional[Launc
 
 
 def launcher_rank(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
-    """This process's rank as its launcher numbered it, read from ``environ`` (default ``os.environ``).
+    """This process's rank as its launcher numbered it; None when no launcher set a size.
 
-    Returns
-    -------
-    int or None
-        The rank, from the rank variable of the launcher :func:`launcher_view`
-        reads; None when no launcher set a size.
-
-    Raises
-    ------
-    ValueError
-        When the size variable is malformed (see :func:`launcher_view`), or
-        the rank variable beside it is unset or not an integer in
-        ``[0, size)`` (naming the variable and its value).
+    ``ValueError`` (naming the variable and value) when the rank variable is unset or not in ``[0, size)``.
     """
     environ = os.environ if environ is None else environ
     view = launcher_view(environ)
@@ -124,18 +81,7 @@ def launcher_rank(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
 def check_world_size(mpi_size: int, environ: Optional[Mapping[str, str]] = None) -> Optional[LauncherView]:
     """Raise :class:`LauncherMismatchError` when the launcher started another number of processes than ``mpi_size``.
 
-    Parameters
-    ----------
-    mpi_size : int
-        The size of ``MPI.COMM_WORLD`` (not of a communicator the caller
-        split from it).
-    environ : mapping, optional
-        The environment to read (default ``os.environ``).
-
-    Returns
-    -------
-    LauncherView or None
-        The launcher's view when it agrees, None when no launcher said.
+    ``mpi_size`` is the size of ``MPI.COMM_WORLD``.  Returns the launcher's view when it agrees, None when none said.
     """
     view = launcher_view(environ)
     if view is None or view.size == mpi_size:

@@ -1,53 +1,7 @@
-"""Byte and time accounting for every communication call.
+"""Byte and time accounting for every communication call, and the bytes an algorithm's plan will cost.
 
-The ledger keeps running totals per operation name (``"world.Allreduce"``,
-``"group.Bcast"``, ...), never a list of calls, so a week-long run uses
-constant memory.  Per-step figures come from the difference of two snapshots
-(:meth:`Ledger.snapshot` and :meth:`Ledger.since`).
-
-Byte convention
----------------
-Bytes are *payload bytes exchanged with other ranks*, as the MPI standard's
-semantics define them, independent of the algorithm the MPI library picks
-(ring, tree, ...).  A rank's own contribution never counts:
-
-============================  ===============================  =================================
-operation                     sent by this rank                received by this rank
-============================  ===============================  =================================
-Allreduce/Iallreduce(n)       n                                n
-Bcast(n)                      n at the root, 0 elsewhere       0 at the root, n elsewhere
-Allgather/Iallgather(s)       s                                (P-1) s
-Allgatherv                    own count                        sum of the others' counts
-Alltoall/Ialltoall(b/block)   (P-1) b                          (P-1) b
-Reduce_scatter                n - own block                    (P-1) own block
-Send/Isend(n)                 n                                0
-Recv/Irecv(n)                 0                                n
-============================  ===============================  =================================
-
-At one rank every collective moves 0 bytes (nothing crosses a wire); a
-point-to-point message counts its bytes whoever the peer is (a rank may send
-to itself).  Object
-variants count the pickled size.  Times are wall seconds: for a nonblocking
-call from posting until the request completes (``seconds``), with the part
-spent blocked inside ``Wait`` also kept apart (``wait_seconds``).
-
-Spans
------
-A tracer (:class:`mpiopt.metrics.Tracer`) may set :attr:`Ledger.listener`
-to a function ``listener(op, start, end, kind)`` that the communicator calls
-with ``time.perf_counter`` times: ``kind`` is ``"blocking"`` for a blocking
-call, ``"inflight"`` for a nonblocking call from posting to completion, and
-``"wait"`` for the part of it spent blocked in ``Wait`` (when not zero).
-With no listener the cost is one attribute check per call.  The listener is
-not part of the totals: snapshots, differences and comparisons ignore it.
-
-Communication plans
--------------------
-An algorithm declares the collectives its steps make as a list of
-:class:`Call` (``Algorithm.plan``).  :func:`plan_bytes` turns a plan into the
-bytes the ledger will record, by the convention above; the benchmarks'
-expected bytes and the alpha-beta cost model (:mod:`mpiopt.bench.model`)
-read the same plan, so the bytes of a step are written down once.
+Running totals per operation, never a list of calls, so a long run uses constant memory.
+Byte convention, spans and plans: docs/internals-comm.md, "The ledger".
 """
 
 from __future__ import annotations
@@ -87,12 +41,9 @@ class OpStats:
 
 @dataclass
 class Ledger:
-    """Per-operation totals of calls, bytes and seconds for one rank.
+    """Per-operation totals of calls, bytes and seconds for one rank, shared by the communicators of a topology.
 
-    Several :class:`~mpiopt.comm.Comm` objects (world, group, leaders) may
-    share one ledger; their operation names carry the communicator's name.
-    ``listener``, when set, is told the time span of every call (see the
-    module's "Spans").
+    ``listener``, when set, is told the time span of every call (for a tracer).
     """
 
     ops: Dict[str, OpStats] = field(default_factory=dict)
@@ -192,24 +143,7 @@ PLANNED_OPS = ("allreduce", "iallreduce", "allgather", "allgatherv", "bcast", "t
 class Call:
     """One collective of an algorithm's plan: ``op`` with an ``nbytes`` message over ``ranks`` ranks, ``count`` times.
 
-    Attributes
-    ----------
-    op : str
-        One of :data:`PLANNED_OPS`.
-    nbytes : float
-        The message: the vector's bytes (allreduce, bcast), one rank's
-        contribution (allgather) or the chunk width (twophase).
-    ranks : int
-        Size of the communicator the call runs on.
-    count : float
-        How often the call is made over the planned steps (or per step, in
-        a plan averaged over its cycle).
-    phase : int
-        Calls of one phase run at the same time on disjoint ranks (LSGD's
-        groups); phases run one after the other.
-    overlap_steps : int
-        Steps of computation the call is in flight across (DaSGD's delayed
-        averaging): only what outlasts them is waited for.
+    ``phase`` and ``overlap_steps`` (calls beside each other or beside computation): docs/internals-comm.md.
     """
 
     op: str
@@ -241,12 +175,7 @@ def call_bytes(op: str, ranks: int, nbytes: float) -> Tuple[float, float]:
 
 
 def plan_bytes(calls: Iterable[Call], ranks: int, steps: float = 1) -> Dict[str, float]:
-    """Bytes the mean rank of a ``ranks``-rank world sends and receives per step under ``calls`` made over ``steps`` steps.
-
-    Returns ``{"sent": bytes, "recv": bytes}`` in the ledger's convention:
-    every call's bytes summed over its communicator's ranks, divided by the
-    world's ranks and by ``steps``.
-    """
+    """``{"sent", "recv"}``: bytes per step of the mean rank of a ``ranks``-rank world under ``calls`` over ``steps``."""
     sent = recv = 0.0
     for call in calls:
         s, r = call_bytes(call.op, call.ranks, call.nbytes)

@@ -1,23 +1,7 @@
-"""``Topology``: the world, its groups (nodes) and the group leaders.
+"""``Topology``: the world, its groups (nodes, or emulated ones of ``MPIOPT_GROUP_SIZE`` ranks) and their leaders.
 
-Groups are the nodes of the allocation by default, asked of MPI with
-``Split_type(COMM_TYPE_SHARED)`` (never guessed from rank arithmetic).  To
-emulate nodes of ``k`` ranks on one machine, pass ``group_size=k`` or set
-``MPIOPT_GROUP_SIZE=k``: ranks ``0..k-1`` form group 0, ``k..2k-1`` group 1,
-and the last group holds what is left (``-n 3`` with ``k = 2`` gives {0, 1}
-and {2}).  Rank 0 of each group is its leader; the leaders' communicator
-joins them (it is None on the other ranks).
-
-Never hang
-----------
-Creating a topology installs the abort hooks of :mod:`mpiopt.comm.abort`
-(an uncaught exception on any rank, in any thread, aborts the whole job with
-its traceback), so a library user's job ends like a CLI job.  Opt out with
-``Topology(abort_on_error=False)`` or ``MPIOPT_ABORT_ON_ERROR=0``: then no
-hook is installed (hooks installed earlier stay) and
-:meth:`Topology.raise_or_abort` raises instead of aborting.  The settings themselves (group size, abort) are
-agreed before any is acted on: a bad value on one rank raises the same
-error on every rank.
+Creating one installs the abort hooks, so a library user's job ends like a CLI job.
+Groups and opting out: docs/internals-comm.md.
 """
 
 from __future__ import annotations
@@ -83,44 +67,17 @@ class Topology:
 
     Parameters
     ----------
-    comm : mpi4py.MPI.Intracomm, optional
-        The job's communicator (default ``MPI.COMM_WORLD``); duplicated.
     group_size : int, optional
-        Ranks per emulated node.  Default: the environment variable
-        ``MPIOPT_GROUP_SIZE``, else the real nodes.
+        Ranks per emulated node.  Default: ``MPIOPT_GROUP_SIZE``, else the real nodes.
     gpu_aware : bool, optional
-        Override the detection of GPU-aware MPI (see
-        :func:`mpiopt.comm.buffers.gpu_aware_mpi`).
+        Override the detection of GPU-aware MPI.
     abort_on_error : bool, optional
-        Install the abort hooks (:func:`~mpiopt.comm.abort_on_exception`,
-        leaving a hook someone else installed in place) and let
-        :meth:`raise_or_abort` abort the job.  Default: the environment
-        variable ``MPIOPT_ABORT_ON_ERROR`` (``0``/false/no/off turns it off;
-        unset, ``1``/true/yes/on keeps it on; anything else is a
-        ``ValueError`` naming the variable).  Every rank must agree.
+        Install the abort hooks and let :meth:`raise_or_abort` abort.  Default: ``MPIOPT_ABORT_ON_ERROR``, on.
 
     Raises
     ------
     ValueError, TypeError
-        On every rank, when the group size or ``abort_on_error`` (argument
-        or environment) is invalid; a ``SetupMismatchError`` naming each
-        rank's value when ranks differ.
-
-    Attributes
-    ----------
-    world, group : Comm
-        All ranks; the ranks of this rank's group.
-    leaders : Comm or None
-        Rank 0 of every group; None on the other ranks.
-    group_index, num_groups : int
-        This rank's group (numbered by the world rank of its leader) and the
-        number of groups.
-    group_ranks : list of int
-        World ranks of this rank's group, in group-rank order.
-    abort_on_error : bool
-        Whether the abort hooks were asked for (see above).
-    ledger : Ledger
-        Shared by the three communicators.
+        On every rank, when a setting is invalid on any rank; ``SetupMismatchError`` when ranks differ.
     """
 
     def __init__(
@@ -171,11 +128,9 @@ class Topology:
 
     @property
     def control(self) -> Comm:
-        """The world's ranks on a communicator of their own, with a ledger of their own.
+        """The world's ranks on a communicator and ledger of their own, for votes between steps (same calls on every rank).
 
-        For votes between steps (errors, stop signals): they never match a
-        collective an algorithm left half done, and their bytes are not the
-        algorithms'.  Every rank must make the same calls on it, in order.
+        They never match a collective an algorithm left half done, and their bytes are not the algorithms'.
         """
         return self._control
 
@@ -212,24 +167,10 @@ class Topology:
 
     # -- errors found on one rank ------------------------------------------------------
     def decide(self, check: Callable[[], Any], what: str, **options: Any) -> Any:
-        """Run ``check`` on every rank and decide together (:meth:`Comm.decide` on the control communicator).
+        """Run ``check`` on every rank and decide together on the control communicator; ``check``'s value where all passed.
 
-        A failed rank raises its own error, the others
-        :class:`~mpiopt.comm.abort.OtherRankError` naming the failed ranks and
-        their errors (unless ``error=`` says otherwise).  A rank that failed
-        waits at most :data:`VOTE_SECONDS` for the others: those that do not
-        come are stuck in a collective this rank left (a set-up that
-        communicates after the point where it failed), so it ends the job
-        through :meth:`raise_or_abort`.
-
-        Parameters
-        ----------
-        check : callable
-            This rank's check; its value is returned where every rank passed.
-        what : str
-            The decision, for the message (``"lsgd set-up"``).
-        **options
-            ``catch``, ``agree_on``, ``error``: see :meth:`Comm.decide`.
+        A failed rank raises its own error, the others an ``OtherRankError`` naming it.  A failed rank waits at most
+        :data:`VOTE_SECONDS`: ranks that do not come are stuck in a collective it left, so it aborts.
         """
         def stuck(error: BaseException) -> NoReturn:
             self.raise_or_abort(error, why=f"the other ranks did not come to the {what} check within {VOTE_SECONDS:g} s")
@@ -237,11 +178,7 @@ class Topology:
         return self._control.decide(check, what, stuck_after=VOTE_SECONDS, on_stuck=stuck, **options)
 
     def any(self, flag: bool) -> bool:
-        """Whether any rank passes a true ``flag``: one byte on the control communicator (a collective call).
-
-        For verdicts every rank must act on alike: a non-finite gradient to
-        skip, a GradScaler overflow, a stop signal.
-        """
+        """Whether any rank passes a true ``flag`` (one byte, collective): for verdicts every rank must act on alike."""
         vote = np.array([flag], dtype=np.uint8)
         self._control.vote(vote)
         return bool(vote[0])
@@ -249,10 +186,8 @@ class Topology:
     def raise_or_abort(self, error: BaseException, why: str = "its other ranks may be waiting in a collective") -> NoReturn:
         """Give up on an ``error`` found on this rank alone, where the others may be waiting in a collective.
 
-        With :attr:`abort_on_error` and more than one rank, print the error,
-        ``why`` and where it happened, and abort the job (even a caller that
-        catches the error could not release the other ranks).  Otherwise
-        raise it.
+        With :attr:`abort_on_error` at more than one rank: print it with ``why`` and abort (catching it could not
+        release the others); otherwise raise it.
         """
         if not (self.abort_on_error and self.size > 1):
             raise error
@@ -264,11 +199,7 @@ class Topology:
         )
 
     def first(self, ranks: int) -> Optional["Topology"]:
-        """A Topology of world ranks ``0 .. ranks - 1`` (a collective call on the world); None on the other ranks.
-
-        For training at fewer ranks inside one job: its communicators and
-        ledger are new, with this topology's group size and abort settings.
-        """
+        """A Topology of world ranks ``0 .. ranks - 1`` (collective on the world), for training at fewer ranks; None elsewhere."""
         if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= self.size:
             raise ValueError(f"ranks must be an integer in [1, {self.size}], got {ranks!r}")
         raw = self.world._comm.Split(0 if self.rank < ranks else MPI.UNDEFINED, self.rank)

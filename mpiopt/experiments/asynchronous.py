@@ -1,6 +1,6 @@
 """Async-MSGD's delay x momentum trade-off (Liu et al., NeurIPS 2018), and asynchrony against a slow worker.
 
-Claims (ALGORITHMS.md "Async-MSGD" and "LSGD", asynchronous version): with
+Claims (docs/algorithms.md "Async-MSGD" and "LSGD", asynchronous version): with
 staleness ``tau`` the momentum must come down to converge and accelerate
 (the best ``mu`` falls as ``tau`` grows; large ``mu`` with large ``tau``
 diverges; plain SGD hardly notices ``tau``); and an asynchronous worker

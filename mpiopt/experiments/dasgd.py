@@ -1,6 +1,6 @@
 """DaSGD against synchronous SGD (Zhou et al. 2020): loss curves, and how much of the averaging compute hides.
 
-Claims (ALGORITHMS.md "DaSGD"): the loss curve matches synchronous SGD's
+Claims (docs/algorithms.md "DaSGD"): the loss curve matches synchronous SGD's
 within a few percent, and the averaging (a nonblocking Iallreduce of the
 weights every ``tau`` steps, merged ``d`` steps later) is hidden behind the
 ``d`` steps of compute when it fits there.

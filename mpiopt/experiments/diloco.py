@@ -1,6 +1,6 @@
 """DiLoCo's communication against quality (Douillard et al. 2023), and Streaming DiLoCo's peak bytes (2025).
 
-Claims (ALGORITHMS.md "DiLoCo"): ``H`` inner AdamW steps, then an outer
+Claims (docs/algorithms.md "DiLoCo"): ``H`` inner AdamW steps, then an outer
 Nesterov step on the ranks' mean pseudo-gradient, reach data-parallel
 training's loss with about ``H`` times fewer bytes; quality degrades slowly
 as ``H`` grows; more workers help.  Streaming DiLoCo: exchanging ``F``

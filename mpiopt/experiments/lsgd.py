@@ -1,6 +1,6 @@
 """LSGD against EASGD and data-parallel SGD (Teng et al., NeurIPS 2019), and the curse of symmetry.
 
-Claims (ALGORITHMS.md "LSGD"): LSGD reaches a lower test error than EASGD
+Claims (docs/algorithms.md "LSGD"): LSGD reaches a lower test error than EASGD
 and data-parallel SGD in the same wall-clock time, sending only the
 leader's parameters; and it avoids the "curse of symmetry": with workers in
 mirror-image minima, EASGD's centre settles at their average (a stationary

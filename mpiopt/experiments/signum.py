@@ -1,6 +1,6 @@
 """Signum majority vote against SGD (Bernstein et al., ICML 2018; ICLR 2019), with adversarial workers.
 
-Claims (ALGORITHMS.md "signSGD, Signum and majority vote"): the vote sends
+Claims (docs/algorithms.md "signSGD, Signum and majority vote"): the vote sends
 32x fewer bits than a float32 Allreduce and still trains; it tolerates
 fewer than half of the workers being adversarial.
 

@@ -1,6 +1,6 @@
 """Top-k with error feedback against RegTop-k (Bereyhi et al. 2024/2025): linear regression and the image task.
 
-Claims (ALGORITHMS.md "Top-k with error feedback, and RegTop-k"): in the
+Claims (docs/algorithms.md "Top-k with error feedback, and RegTop-k"): in the
 paper's distributed linear regression Top-k stalls at a fixed distance from
 the optimum while RegTop-k converges at the same density; on an image task
 at a very low density (ResNet-18 on CIFAR-10 at 0.1 %) RegTop-k is clearly

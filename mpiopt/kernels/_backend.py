@@ -1,7 +1,4 @@
-"""What the kernels need beyond :mod:`mpiopt.arrays`: input checks, cached constant
-tables, cache-sized blocking on the CPU, and the one call whose arguments differ
-between numpy and cupy.  cupy is never imported unless a cupy array is passed
-(or :func:`array_modules` is asked which backends this machine has)."""
+"""What the kernels need beyond :mod:`mpiopt.arrays`: input checks, cached constants, cache-sized blocks, numpy/cupy differences."""
 
 from __future__ import annotations
 
@@ -25,11 +22,7 @@ _CONSTANTS: Dict[Tuple[Hashable, ...], Any] = {}
 
 
 def load_extension(name: str, version: int) -> Optional[ModuleType]:
-    """The optional C extension ``mpiopt.kernels.<name>`` (setup.py), or None where the numpy code must run.
-
-    None when it was not built (no C compiler) or is a stale build whose
-    ``VERSION`` is not ``version`` (other arguments: rebuild with ``pip install -e .``).
-    """
+    """The optional C extension ``mpiopt.kernels.<name>``, or None where it was not built or is stale (``VERSION`` differs)."""
     try:
         module = importlib.import_module(f"{__package__}.{name}")
     except ImportError:  # pragma: no cover - built without a C compiler
@@ -38,21 +31,12 @@ def load_extension(name: str, version: int) -> Optional[ModuleType]:
 
 
 def c_loop_takes(extension: Optional[ModuleType], x: Any) -> bool:
-    """Whether ``extension`` (a C-loop module, None where it was not built) computes on arrays like ``x``.
-
-    True for C-contiguous numpy float32/float64 arrays.
-    """
+    """Whether ``extension`` (None where not built) computes on arrays like ``x``: C-contiguous numpy float32/float64."""
     return extension is not None and isinstance(x, np.ndarray) and x.dtype in C_FLOATS and x.flags.c_contiguous
 
 
 def array_modules() -> List[ModuleType]:
-    """The array modules usable here: numpy, and cupy when it imports and sees a GPU.
-
-    Returns
-    -------
-    list of module
-        ``[numpy]`` or ``[numpy, cupy]``; tests run every case once per entry.
-    """
+    """``[numpy]`` or ``[numpy, cupy]`` when cupy imports and sees a GPU; tests run every case once per entry."""
     modules = [np]
     try:
         import cupy
@@ -65,46 +49,12 @@ def array_modules() -> List[ModuleType]:
 
 
 def block_length(xp: ModuleType, cpu_block: int, total: int) -> int:
-    """Length of the blocks a kernel loops over.
-
-    On numpy, a multi-pass kernel is far faster when each block's temporaries
-    stay in the L2 cache; on cupy a single kernel launch over the whole array is
-    best, so the loop runs once.
-
-    Parameters
-    ----------
-    xp : module
-        numpy or cupy.
-    cpu_block : int
-        Block length tuned for a CPU cache.
-    total : int
-        Length of the whole array.
-
-    Returns
-    -------
-    int
-        At least 1.
-    """
+    """Length of a kernel's blocks: ``cpu_block`` on numpy (temporaries stay in L2), ``total`` on cupy (one launch); >= 1."""
     return max(1, cpu_block if xp is np else total)
 
 
 def cached(xp: ModuleType, key: Hashable, build: Callable[[], np.ndarray]) -> Any:
-    """A constant array built once per backend (and per GPU device) and reused.
-
-    Parameters
-    ----------
-    xp : module
-        numpy or cupy.
-    key : hashable
-        Names the constant (e.g. ``("sign_table", "float32")``).
-    build : callable
-        Returns the constant as a numpy array; copied to the device for cupy.
-
-    Returns
-    -------
-    array
-        The cached constant on ``xp``'s device.  Treat it as read-only.
-    """
+    """The constant ``build()`` (a numpy array) on ``xp``'s device, built once per backend and device; read-only."""
     device = None if xp is np else xp.cuda.Device().id
     full_key = (xp.__name__, device, key)
     if full_key not in _CONSTANTS:
@@ -113,13 +63,7 @@ def cached(xp: ModuleType, key: Hashable, build: Callable[[], np.ndarray]) -> An
 
 
 def take_rows(table: Any, indices: Any, out: Any) -> None:
-    """``out[i] = table[indices[i]]`` for every i, without bounds checks.
-
-    ``indices`` must be valid rows of ``table`` (the callers pass uint8 into a
-    256-row table, which cannot be out of range).  numpy's default
-    ``mode="raise"`` buffers the output and is about 4x slower than
-    ``mode="clip"``; cupy's ``take`` has no ``mode`` and never checks.
-    """
+    """``out[i] = table[indices[i]]`` without bounds checks (numpy's ``mode="raise"`` is about 4x slower); indices must be valid."""
     if array_module(table) is np:
         np.take(table, indices, axis=0, out=out, mode="clip")
     else:
@@ -127,32 +71,9 @@ def take_rows(table: Any, indices: Any, out: Any) -> None:
 
 
 def check_array(name: str, value: Any, *, ndim: int, kinds: str, dtype: Any = None) -> ModuleType:
-    """Validate an array argument and return its array module.
+    """Validate array argument ``name`` (``ndim``, dtype ``kinds`` or exact ``dtype``) and return its module.
 
-    Parameters
-    ----------
-    name : str
-        The argument's name, used in the error message.
-    value : object
-        The argument.
-    ndim : int
-        Required number of dimensions.
-    kinds : str
-        Allowed dtype kinds (``"f"`` floating, ``"i"`` signed, ``"u"`` unsigned).
-    dtype : dtype-like, optional
-        Required exact dtype (checked instead of ``kinds`` when given).
-
-    Returns
-    -------
-    module
-        numpy or cupy.
-
-    Raises
-    ------
-    TypeError
-        Not a numpy/cupy array, or the wrong dtype.
-    ValueError
-        The wrong number of dimensions.
+    ``TypeError`` for a non-array or a wrong dtype, ``ValueError`` for wrong dimensions, naming ``name``.
     """
     if not (hasattr(value, "ndim") and hasattr(value, "dtype") and hasattr(value, "shape")):
         raise TypeError(f"{name} must be a numpy or cupy array, got {type(value).__name__}")
@@ -168,15 +89,7 @@ def check_array(name: str, value: Any, *, ndim: int, kinds: str, dtype: Any = No
 
 
 def check_count(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
-    """Validate an integer argument (``bool`` is rejected) and return it as ``int``.
-
-    Raises
-    ------
-    TypeError
-        Not an integer.
-    ValueError
-        Outside ``[minimum, maximum]``.
-    """
+    """An integer argument (``bool`` rejected) in ``[minimum, maximum]`` as ``int``; ``TypeError``/``ValueError`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     value = int(value)

@@ -1,23 +1,7 @@
-"""The C loops' fused passes for cupy arrays: one CUDA kernel each, with the CPU's bits.
+"""The C loops' fused passes for cupy arrays: one CUDA kernel each, with the CPU's bits, subnormals included.
 
-:mod:`~mpiopt.kernels.update` and :mod:`~mpiopt.kernels.signs` call these on
-C-contiguous cupy float32/float64 arrays (:func:`takes`), where the array code
-would make five to nine passes over device memory.  Each kernel computes what
-its C loop (``_updatec.c``, ``_signsc.c``) computes, element by element, in the
-same order.
-
-Bits: CuPy compiles every kernel with ``-ftz=true`` (float32 subnormals read
-and written as zero) and lets NVRTC contract ``a * b + c`` into a fused
-multiply-add.  Either would make a GPU rank's numbers differ from a CPU
-rank's.  The float32 helpers below are therefore PTX instructions with an
-explicit round-to-nearest and no ``.ftz`` (never contracted, subnormals kept),
-the float64 ones ``__d*_rn`` (float64 is never flushed), and the sign and
-finiteness tests read the bits.  So the results equal the C loops' and
-numpy's bit for bit, subnormals included (NaN payloads aside); tests/unit/
-test_cuda_kernels.py checks that on a GPU.
-
-Compiled on first use per device (cupy caches the binary on disk); cupy is
-imported only then.
+The float helpers are explicit round-to-nearest PTX without ``.ftz``, because CuPy flushes subnormals and
+contracts FMAs (docs/internals-kernels.md, "Bits").  Compiled on first use per device.
 """
 
 from __future__ import annotations
@@ -263,12 +247,7 @@ def _device() -> Optional[_Compiled]:
 
 
 def _launch(name: str, dtype: np.dtype, items: int, args: Tuple[Any, ...], flag: Optional[bool] = None) -> Optional[bool]:
-    """Run kernel ``name<dtype>`` (a thread an item, grid-strided) on ``args``.
-
-    ``flag``: None for kernels without one; False passes a flag nobody
-    reads; True passes the flag reset to 0 and returns whether the kernel
-    raised it (reading it syncs).
-    """
+    """Run kernel ``name<dtype>`` on ``args``; ``flag=True`` passes a reset flag and returns whether it was raised (syncs)."""
     compiled = _device()
     if flag is not None:
         if flag:

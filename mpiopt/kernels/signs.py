@@ -1,26 +1,7 @@
-"""Packed sign vectors and the bit-sliced majority vote.
+"""Packed sign vectors and the bit-sliced majority vote, for signSGD and Signum (Bernstein et al. 2018, 2019).
 
-For signSGD, Signum and their majority vote (Bernstein et al., ICML 2018 and
-ICLR 2019): each worker packs ``sign(m_i)`` into bits, the packed vectors are
-exchanged, and ``V = sign(sum_i sign(m_i))`` is computed on the packed words.
-
-Conventions, the same in every function here and on every backend:
-
-* **sign**: +1 for ``x >= 0`` (``+0.0`` and ``-0.0`` included, as in the ICLR
-  experiments), -1 for ``x < 0``.
-* **bit order**: element ``i`` is bit ``i % 8`` (least significant first) of
-  byte ``i // 8``, i.e. numpy's ``bitorder="little"``; a set bit means +1.  A
-  vector of ``d`` signs takes ``ceil(d / 8)`` bytes (:func:`packed_nbytes`).
-* **pad bits**: the ``8 * ceil(d / 8) - d`` bits after the last sign are 0 in
-  every output and ignored in every input, so they never affect a vote.
-* **NaN**: the sign of NaN is undefined.  ``nan_policy="raise"`` (default)
-  raises ``ValueError``, at the price of a ``max()`` over each block of ``x``
-  while it is in cache; ``nan_policy="unchecked"`` skips that for callers that
-  have already checked finiteness (the algorithms do, collectively), and a NaN
-  then packs as -1 (bit 0), because ``NaN >= 0`` is false.
-* **vote**: the majority of ``P`` packed vectors is +1 where at least half of
-  the votes are +1 (``count >= ceil(P / 2)``): a tie, possible for even ``P``,
-  votes +1, consistent with sign(0) = +1.  ``P = 1`` returns the input.
+sign is +1 for ``x >= 0``; bit ``i % 8`` of byte ``i // 8``; pad bits 0; a tie votes +1.  Conventions, NaN
+policy and how the vote counts: docs/internals-kernels.md, "Sign vectors".
 """
 
 from __future__ import annotations
@@ -66,20 +47,7 @@ _VOTE_BLOCK_WORDS = 16384
 
 
 def packed_nbytes(d: int, align: int = 1) -> int:
-    """Bytes that ``d`` packed signs take: ``ceil(d / 8)``, rounded up to a multiple of ``align``.
-
-    Parameters
-    ----------
-    d : int
-        Number of signs (>= 0).
-    align : int, optional
-        Round up to a multiple of this many bytes.  ``align=8`` (whole uint64
-        words) sizes rows that :func:`majority_vote` reads without a copy.
-
-    Returns
-    -------
-    int
-    """
+    """Bytes that ``d`` packed signs take: ``ceil(d / 8)``, rounded up to a multiple of ``align`` (8: whole uint64 words)."""
     d = check_count("d", d, 0)
     align = check_count("align", align, 1)
     nbytes = -(-d // 8)
@@ -87,38 +55,13 @@ def packed_nbytes(d: int, align: int = 1) -> int:
 
 
 def pack_bits(xp: ModuleType, mask: Any) -> Any:
-    """Pack a boolean vector into bytes in this package's bit order.
-
-    Parameters
-    ----------
-    xp : module
-        numpy or cupy (the module of ``mask``).
-    mask : array of bool, shape (n,)
-
-    Returns
-    -------
-    array of uint8, shape (ceil(n / 8),)
-        Bit ``i % 8`` of byte ``i // 8`` is ``mask[i]``; pad bits are 0.
-    """
+    """Pack a boolean vector into ``ceil(n / 8)`` bytes in this package's bit order (pad bits 0)."""
     # view(): cupy returns an empty input as is (bool), not as uint8.
     return xp.packbits(mask, bitorder="little").view(xp.uint8)
 
 
 def unpack_bits(xp: ModuleType, packed: Any, count: int) -> Any:
-    """Inverse of :func:`pack_bits`.
-
-    Parameters
-    ----------
-    xp : module
-        numpy or cupy (the module of ``packed``).
-    packed : array of uint8, shape (ceil(count / 8),)
-    count : int
-        Number of bits to return.
-
-    Returns
-    -------
-    array of bool, shape (count,)
-    """
+    """Inverse of :func:`pack_bits`: ``count`` booleans."""
     return xp.unpackbits(packed, bitorder="little")[:count].view(bool)
 
 
@@ -133,42 +76,14 @@ def _output(xp: ModuleType, out: Any, shape: Tuple[int, ...], dtype: Any) -> Any
 
 
 def fused_signs_available(x: Any) -> bool:
-    """Whether fused passes pack, update and apply the signs of arrays like ``x`` (no scratch needed).
-
-    True for C-contiguous float32/float64 arrays: numpy ones when
-    ``mpiopt.kernels._signsc`` was built (C loops), cupy ones wherever the
-    CUDA kernels compiled (:mod:`~mpiopt.kernels._cuda`).
-    """
+    """Whether fused passes (C loop or CUDA kernel) pack, update and apply the signs of arrays like ``x``."""
     return c_loop_takes(_signsc, x) or _cuda.takes(x)
 
 
 def pack_signs(x: Any, out: Any = None, nan_policy: str = "raise") -> Any:
-    """Pack the signs of ``x`` into bits (+1 for ``x >= 0``, little bit order).
+    """Pack the signs of ``x`` into ``ceil(d / 8)`` bytes (bit set where ``x[i] >= 0``; pad bits 0), optionally into ``out``.
 
-    On the CPU one C loop (``mpiopt.kernels._signsc``, when it was built),
-    on a GPU one CUDA kernel (float32/float64), packs and checks for NaN
-    straight into ``out``; otherwise the array code works through ``x`` in
-    cache-sized blocks, so the NaN check reads each block from cache, not
-    from memory a second time.  All give the same bits.
-
-    Parameters
-    ----------
-    x : array, 1-D floating, length d
-        numpy or cupy.
-    out : array of uint8, shape (ceil(d / 8),), optional
-        Where to write the result (e.g. this rank's row of a send buffer).
-    nan_policy : {"raise", "unchecked"}
-        See the module docstring.
-
-    Returns
-    -------
-    array of uint8, shape (ceil(d / 8),)
-        Bit ``i % 8`` of byte ``i // 8`` is 1 where ``x[i] >= 0``; pad bits are 0.
-
-    Raises
-    ------
-    ValueError
-        ``x`` contains NaN and ``nan_policy="raise"`` (``out`` is then partly written).
+    ``nan_policy="raise"`` raises ``ValueError`` on NaN (``out`` then partly written); ``"unchecked"`` packs NaN as -1.
     """
     xp = check_array("x", x, ndim=1, kinds="f")
     if nan_policy not in _NAN_POLICIES:
@@ -197,37 +112,10 @@ def pack_signs(x: Any, out: Any = None, nan_policy: str = "raise") -> Any:
 
 
 def momentum_signs(momentum: Any, grad: Any, beta: float, out: Any, scratch: Any = None) -> Any:
-    """Signum's momentum step and the packing of its signs: ``m <- beta m + (1 - beta) g``, ``out <- signs of m``.
+    """Signum's ``m <- beta m + (1 - beta) g`` in place and ``out <- signs of m``, in one pass where fused; returns ``out``.
 
-    The numpy passes ``m *= beta``, ``scratch = g * (1 - beta)``, ``m += scratch``,
-    ``pack_signs(m, out)`` (``beta`` and ``1 - beta``, computed in float64, in
-    ``m``'s dtype; NaN unchecked: it packs as -1), with the same roundings; on
-    the CPU one C loop (``mpiopt.kernels._signsc``), on a GPU one CUDA kernel,
-    does them in one pass.
-
-    Parameters
-    ----------
-    momentum : array, 1-D floating, C-contiguous
-        ``m``, updated in place.
-    grad : array like ``momentum``
-        ``g``; left unchanged.
-    beta : float
-        The momentum factor.
-    out : array of uint8, shape (ceil(d / 8),)
-        Where the packed signs go (pad bits 0).
-    scratch : array like ``momentum``, optional
-        Where the numpy passes put ``(1 - beta) g`` (a new array otherwise).
-
-    Returns
-    -------
-    array
-        ``out``.
-
-    Raises
-    ------
-    TypeError, ValueError
-        Arrays of other dtypes or shapes, ``out`` not C-contiguous, arrays
-        that overlap, or ``beta`` outside ``[0, 1)``.
+    The bits of the numpy passes (docs/internals-kernels.md); NaN unchecked.  ``scratch`` serves the array code.
+    ``TypeError``/``ValueError`` for mismatched or overlapping arrays or ``beta`` outside ``[0, 1)``.
     """
     xp = check_array("momentum", momentum, ndim=1, kinds="f")
     check_array("grad", grad, ndim=1, kinds="f", dtype=momentum.dtype)
@@ -261,27 +149,7 @@ def _sign_table(dtype: np.dtype) -> np.ndarray:
 
 
 def unpack_signs(packed: Any, d: int, dtype: Any = np.float32, out: Any = None) -> Any:
-    """Expand ``ceil(d / 8)`` packed bytes into ``d`` signs +1/-1.
-
-    One gather of 8-element rows from a 256-row table (``table[packed]``), so
-    each output element is written once.
-
-    Parameters
-    ----------
-    packed : array of uint8, shape (ceil(d / 8),)
-        Pad bits are ignored.
-    d : int
-        Number of signs.
-    dtype : dtype-like, optional
-        Floating or signed integer type of the result (default float32).
-    out : array, shape (d,), C-contiguous, of ``dtype``, optional
-        Where to write the result.
-
-    Returns
-    -------
-    array of ``dtype``, shape (d,)
-        +1 where the bit is set, -1 where it is not.
-    """
+    """Expand ``ceil(d / 8)`` packed bytes into ``d`` signs +1/-1 of ``dtype`` (default float32), optionally into ``out``."""
     d = check_count("d", d, 0)
     xp = check_array("packed", packed, ndim=1, kinds="u", dtype=np.uint8)
     if packed.shape[0] != packed_nbytes(d):
@@ -302,28 +170,7 @@ def unpack_signs(packed: Any, d: int, dtype: Any = np.float32, out: Any = None) 
 
 
 def apply_signs(packed: Any, x: Any, lr: float, decay: float = 1.0, scratch: Any = None) -> Any:
-    """``x <- x * decay - lr * s`` in place, ``s`` the ``d = len(x)`` signs that ``packed`` holds.
-
-    The numpy passes ``s = unpack_signs(packed)``, ``x *= decay`` (skipped when
-    ``decay == 1``), ``s *= lr``, ``x -= s``, with the same roundings (``lr``
-    and ``decay`` in ``x``'s dtype); on the CPU one C loop
-    (``mpiopt.kernels._signsc``), on a GPU one CUDA kernel, does them in one
-    pass over ``x``.
-
-    Parameters
-    ----------
-    packed : array of uint8, shape (ceil(d / 8),)
-    x : array, 1-D floating, C-contiguous
-        Updated in place.
-    lr, decay : float
-    scratch : array like ``x``, optional
-        Where the numpy passes put ``s`` (a new array otherwise).
-
-    Returns
-    -------
-    array
-        ``x``.
-    """
+    """``x <- x * decay - lr * s`` in place, ``s`` the signs ``packed`` holds; one pass where fused, same bits; returns ``x``."""
     xp = check_array("x", x, ndim=1, kinds="f")
     if check_array("packed", packed, ndim=1, kinds="u", dtype=np.uint8) is not xp:
         raise TypeError(f"packed must be a {xp.__name__} array like x, got {type(packed).__name__}")
@@ -345,34 +192,13 @@ def apply_signs(packed: Any, x: Any, lr: float, decay: float = 1.0, scratch: Any
 
 
 def sign_float(x: Any, out: Any = None, nan_policy: str = "raise") -> Any:
-    """``sign(x)`` as +1/-1 in ``x``'s dtype, with this module's convention (+1 for ``x >= 0``).
-
-    Defined as ``unpack_signs(pack_signs(x))``, so the dense and the packed
-    paths of an algorithm cannot disagree on any input.
-
-    Parameters
-    ----------
-    x : array, 1-D floating
-    out : array like ``x``, C-contiguous, optional
-    nan_policy : {"raise", "unchecked"}
-        See the module docstring.
-
-    Returns
-    -------
-    array like ``x``
-    """
+    """``sign(x)`` as +1/-1 in ``x``'s dtype: ``unpack_signs(pack_signs(x))``, so dense and packed paths always agree."""
     packed = pack_signs(x, nan_policy=nan_policy)
     return unpack_signs(packed, x.shape[0], dtype=x.dtype, out=out)
 
 
 class _Scratch:
-    """Reusable bit planes of one length for the adder tree.
-
-    A block's temporaries are taken from here and given back when consumed,
-    so every block after the first allocates nothing: no allocator calls, no
-    page faults, and the planes stay in cache.  Planes not taken from here
-    (the input rows) are never given back, so they are never written.
-    """
+    """Reusable bit planes for the adder tree: after the first block nothing is allocated; input rows are never written."""
 
     def __init__(self, xp: ModuleType, length: int) -> None:
         self.xp, self.length = xp, length
@@ -393,14 +219,7 @@ class _Scratch:
 
 
 def _carries(planes: List[Any], one: int, scratch: _Scratch) -> List[Any]:
-    """Add the bit planes of one weight (plus a constant all-ones plane if ``one``); return the carries.
-
-    The carries are planes of the next weight; there are
-    ``(len(planes) + one) // 2`` of them.  The sum bit left at this weight is
-    not computed: :func:`_at_least` needs only the carries.  A full adder turns
-    three planes into one of this weight and one carry in five bitwise
-    operations; the last three (or fewer) planes need only their carry.
-    """
+    """Add the bit planes of one weight (plus an all-ones plane if ``one``); return the carries (the sum bit is not needed)."""
     xp = scratch.xp
     level = list(planes)
     carries = []
@@ -435,15 +254,7 @@ def _carries(planes: List[Any], one: int, scratch: _Scratch) -> List[Any]:
 
 
 def _at_least(rows: List[Any], threshold: int, scratch: _Scratch) -> Any:
-    """Bitwise ``count >= threshold``, count being the number of rows with the bit set.
-
-    With ``b = len(rows).bit_length()`` and ``offset = 2**b - threshold``:
-    ``count >= threshold`` exactly where ``count + offset`` reaches ``2**b``.
-    So the offset's bits enter the carry-save adder tree as constant planes and
-    only the carries up to weight ``2**b`` are computed (bit-sliced counting
-    and comparison in one pass: 23 operations per word for 8 rows).  The
-    result is a scratch plane (or, for one row, that row).
-    """
+    """Bitwise ``count >= threshold`` over ``rows``, the threshold's offset folded into the adder tree as constant planes."""
     width = len(rows).bit_length()
     offset = (1 << width) - threshold
     level = rows
@@ -465,30 +276,10 @@ def _as_words(xp: ModuleType, stack: Any, nbytes: int) -> Any:
 
 
 def majority_vote(packed_stack: Any, d: int, out: Any = None) -> Any:
-    """Majority of ``P`` packed sign vectors, computed on the packed words.
+    """Majority of ``P`` packed sign vectors (rows of ``packed_stack``), computed bit-sliced on uint64 words; a tie votes +1.
 
-    The rows are read as uint64 words and counted bit-sliced (a carry-save
-    adder tree over bit planes), then compared with ``ceil(P / 2)`` bit-sliced;
-    no row is ever unpacked.  A tie (even ``P``) votes +1.  On the CPU this
-    runs in one fused C loop (``mpiopt.kernels._signsc``) when it was built,
-    else in numpy operations block by block; both give the same bits.
-
-    Parameters
-    ----------
-    packed_stack : array of uint8, shape (P, m), m >= ceil(d / 8)
-        Row ``p`` holds voter ``p``'s packed signs (from :func:`pack_signs`);
-        bytes beyond ``ceil(d / 8)`` and pad bits are ignored.  When ``m`` is
-        ``packed_nbytes(d, align=8)`` and the array is C-contiguous the words
-        are read in place; otherwise a padded copy is made.
-    d : int
-        Number of signs per vector.
-    out : array of uint8, shape (ceil(d / 8),), optional
-        Where to write the result.
-
-    Returns
-    -------
-    array of uint8, shape (ceil(d / 8),)
-        The packed majority; pad bits are 0.
+    Rows of ``packed_nbytes(d, align=8)`` bytes, C-contiguous, are read in place; others are copied padded.
+    Returns ``ceil(d / 8)`` bytes, pad bits 0.
     """
     d = check_count("d", d, 0)
     xp = check_array("packed_stack", packed_stack, ndim=2, kinds="u", dtype=np.uint8)
@@ -528,27 +319,9 @@ def _vote_words(xp: ModuleType, words: Any, threshold: int, voted_words: Any) ->
 
 
 def chunk_bounds(nbytes: int, parts: int) -> np.ndarray:
-    """Split ``nbytes`` packed bytes into ``parts`` contiguous chunks aligned to 8-byte words.
+    """``(parts, 2)`` ``[start, stop)`` offsets splitting ``nbytes`` packed bytes into word-aligned chunks (two-phase vote).
 
-    For the two-phase vote: rank ``q`` receives chunk ``q`` of every rank's
-    packed vector (Alltoall), votes on it with :func:`vote_chunk`, and the
-    voted chunks are gathered (Allgather).  The concatenated chunk votes equal
-    :func:`majority_vote` over the whole vectors.
-
-    Parameters
-    ----------
-    nbytes : int
-        Length of the packed vectors, ``packed_nbytes(d)``.
-    parts : int
-        Number of chunks (ranks), >= 1.
-
-    Returns
-    -------
-    numpy.ndarray of int64, shape (parts, 2)
-        ``[start, stop)`` byte offsets, in order and covering ``[0, nbytes)``.
-        Word counts differ by at most one between chunks, every start is a
-        multiple of 8, and some chunks are empty when there are fewer words
-        than parts.
+    Word counts differ by at most one; some chunks are empty when there are fewer words than parts.
     """
     nbytes = check_count("nbytes", nbytes, 0)
     parts = check_count("parts", parts, 1)
@@ -558,25 +331,9 @@ def chunk_bounds(nbytes: int, parts: int) -> np.ndarray:
 
 
 def vote_chunk(chunk_stack: Any, d: int, start: int, stop: int, out: Any = None) -> Any:
-    """Majority vote on bytes ``[start, stop)`` of ``P`` packed vectors of ``d`` signs.
+    """Majority vote on bytes ``[start, stop)`` of ``P`` packed vectors of ``d`` signs (the last chunk's pad bits as the whole's).
 
-    :func:`majority_vote` with the number of signs that the chunk holds, so the
-    pad bits of the last chunk are handled as in the whole vector.
-
-    Parameters
-    ----------
-    chunk_stack : array of uint8, shape (P, m), m >= stop - start
-        Row ``p``: bytes ``[start, stop)`` of voter ``p``'s packed vector.
-        Extra bytes (e.g. padding to a common Alltoall block) are ignored.
-    d : int
-        Number of signs in the whole vector.
-    start, stop : int
-        The chunk's byte offsets, a row of :func:`chunk_bounds`.
-    out : array of uint8, shape (stop - start,), optional
-
-    Returns
-    -------
-    array of uint8, shape (stop - start,)
+    Extra bytes of a row (padding to a common Alltoall block) are ignored.
     """
     d = check_count("d", d, 0)
     start = check_count("start", start, 0)

@@ -1,17 +1,6 @@
-"""How many threads the C kernels may use: one setting for all of them.
+"""How many threads the C kernels may use: one setting for all, 1 by default (one rank per core); same bits at any count.
 
-The fused loops of :mod:`mpiopt.kernels` (the SGD update, the non-finite
-check, Signum's momentum and packing, Top-k's scan, ...) are memory-bound,
-and one thread does not reach a socket's memory bandwidth.  They split long
-vectors across this many threads (at least 2**18 elements per thread for
-streamed passes, 2**15 indices for the random-access loops at sparse
-indices); the result is the same bits whatever the count.
-
-The default is 1, right for one MPI rank per core.  ``MPIOPT_NUM_THREADS``
-in the environment sets another at import; :func:`set_num_threads` at run
-time.  ``mpiopt train`` gives the kernels ``--threads`` when given, else
-``MPIOPT_NUM_THREADS`` when set, else torch's count (the cores of a node
-divided by its ranks).
+``MPIOPT_NUM_THREADS`` sets it at import; why and how ``mpiopt train`` chooses: docs/internals-kernels.md.
 """
 
 from __future__ import annotations
@@ -47,26 +36,12 @@ _threads = _from_environment()
 
 
 def get_num_threads() -> int:
-    """Threads the C kernels use (see the module docstring)."""
+    """Threads the C kernels use."""
     return _threads
 
 
 def set_num_threads(threads: int, *, clamp: bool = False) -> None:
-    """Let the C kernels use ``threads`` threads.
-
-    Parameters
-    ----------
-    threads : int
-        1 to :data:`MAX_THREADS`.
-    clamp : bool
-        Take :data:`MAX_THREADS` for a larger count instead of refusing it
-        (for a count that comes from the machine, such as torch's).
-
-    Raises
-    ------
-    ValueError
-        ``threads`` is not an integer in that range.
-    """
+    """Let the C kernels use ``threads`` (1 to :data:`MAX_THREADS`; ``clamp`` takes the maximum for a machine's larger count)."""
     global _threads
     if clamp and isinstance(threads, int) and not isinstance(threads, bool):
         threads = min(threads, MAX_THREADS)

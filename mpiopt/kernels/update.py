@@ -1,25 +1,7 @@
-"""torch.optim.SGD's local update (and DaSGD's merge) as one function each: a fused C loop, or array code.
+"""torch.optim.SGD's local update, DaSGD's merge and EASGD's pull as one function each: a fused pass, or array code.
 
-``g = grad / grad_divisor`` (an average's division folded in; skipped for 1),
-``d = g + weight_decay * x``; with momentum ``b = momentum * b + (1 -
-dampening) * d`` (``b = d`` at the first step), then ``s = d + momentum * b``
-(Nesterov) or ``s = b``; without momentum ``s = d``; finally ``x = x - lr * s``,
-and on request the new ``x`` is also written into one or two more arrays
-(``copy_to``: DaSGD's snapshot and send buffer), or merged with an average
-of models (``merge``: DaSGD's merge, :func:`merge_average`), in the same pass.
-
-On numpy float32/float64 arrays the whole update is one pass over memory in
-``mpiopt.kernels._updatec`` when it was built (long vectors split across
-:mod:`~mpiopt.kernels.threads`' threads), on cupy ones one CUDA kernel
-(:mod:`~mpiopt.kernels._cuda`); elsewhere (other dtypes, no C compiler)
-the same operations run as array calls with ``out=``.  All three round every
-product and sum to the parameters' dtype on its own, in the same order, so
-they give the same bits (NaN payloads aside).  That is not quite
-``torch.optim.SGD``: torch's CPU kernels compute ``a + alpha * b`` with a
-fused multiply-add, which rounds once where this rounds twice.
-
-:func:`merge_average` is DaSGD's merge of an averaged model, fused and
-rounded the same way.
+Every backend rounds each product and sum to the parameters' dtype on its own, in the same order, so all give
+the same bits (not quite torch's: its CPU kernels use FMA).  Formulas and rounding: docs/internals-kernels.md.
 """
 
 from __future__ import annotations
@@ -45,22 +27,12 @@ MAX_COPIES = 2
 MERGE_RULES = ("delayed", "proportion")
 
 def fused_update_available(params: Any) -> bool:
-    """Whether :func:`sgd_update` on arrays like ``params`` runs one fused pass (needing no scratch).
-
-    True for C-contiguous float32/float64 arrays: numpy ones when
-    ``mpiopt.kernels._updatec`` was built (the C loop), cupy ones wherever the
-    CUDA kernels compiled (:mod:`~mpiopt.kernels._cuda`).
-    """
+    """Whether :func:`sgd_update` on arrays like ``params`` runs one fused pass (C-contiguous float32/float64)."""
     return c_loop_takes(_updatec, params) or _cuda.takes(params)
 
 
 def reads_support(params: Any, grad_support: Optional[Tuple[Any, Any]]) -> bool:
-    """Whether :func:`sgd_update` on ``params`` reads ``grad_support``'s values instead of its ``grad``.
-
-    True for the fused C loop (numpy) and a support of contiguous arrays
-    holding fewer than an eighth of the entries (more saves little); the
-    caller may then leave ``grad`` unwritten.
-    """
+    """Whether :func:`sgd_update` reads ``grad_support`` instead of ``grad`` (C loop, support under an eighth of the entries)."""
     return (
         grad_support is not None and c_loop_takes(_updatec, params) and 8 * grad_support[0].shape[0] < params.shape[0]
         and all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in grad_support)
@@ -73,24 +45,7 @@ def _fused(params: Any, arrays: List[Tuple[str, Any]]) -> bool:
 
 
 def all_finite(arr: Any) -> bool:
-    """Whether every element of the floating-point array ``arr`` is finite (no NaN, no +-inf).
-
-    One C pass (split across :func:`~mpiopt.kernels.threads.get_num_threads`
-    threads) on contiguous numpy float32/float64 arrays when
-    ``mpiopt.kernels._updatec`` was built, one CUDA kernel on contiguous
-    cupy ones; otherwise one reduction (a finite
-    sum means every element is finite), and only when it overflows or is
-    not finite, the exact elementwise check.
-
-    Parameters
-    ----------
-    arr : array
-        numpy or cupy, floating point.
-
-    Returns
-    -------
-    bool
-    """
+    """Whether every element of the floating-point array ``arr`` is finite: one fused pass, else a sum checked exactly on doubt."""
     if c_loop_takes(_updatec, arr):
         return _updatec.all_finite(arr, get_num_threads())
     if _cuda.takes(arr):
@@ -103,22 +58,7 @@ def all_finite(arr: Any) -> bool:
 def divide_finite(grad: Any, divisor: int, out: Any) -> bool:
     """``out = grad / divisor`` and whether every element of ``grad`` is finite, in one pass where the C loop takes them.
 
-    An Allreduce's sum made the mean a caller's optimizer reads, checked on
-    the way: the sum is not finite exactly when some rank's gradient was
-    not, or the summation overflowed.  The bits of ``numpy.divide(grad,
-    divisor, out=out)``; ``out`` may be ``grad``.  Elsewhere (cupy, other
-    dtypes) the division and :func:`all_finite` of ``out`` in two passes.
-
-    Parameters
-    ----------
-    grad, out : array
-        Contiguous floating-point buffers of one dtype and length.
-    divisor : int
-        Positive.
-
-    Returns
-    -------
-    bool
+    An Allreduce's sum becomes the mean, checked on the way; ``out`` may be ``grad``.
     """
     if c_loop_takes(_updatec, grad) and c_loop_takes(_updatec, out) and grad.dtype == out.dtype and grad.shape == out.shape:
         return _updatec.all_finite(grad, get_num_threads(), out, float(divisor))
@@ -158,22 +98,7 @@ def _copies(copy_to: Union[None, Any, Sequence[Any]]) -> List[Tuple[str, Any]]:
 
 
 class Merge(NamedTuple):
-    """:func:`merge_average`'s arguments after ``params``: a merge for :func:`sgd_update` to fuse.
-
-    Attributes
-    ----------
-    snapshot : array or None
-        ``w_k``, the parameters when the averaging started (unread, and may
-        be None, under the proportion rule).
-    total : array
-        The sum of ``w_k`` over the ranks (scratch afterwards).
-    world_size : int
-        The number of ranks summed.
-    rule : {"delayed", "proportion"}
-        DaSGD's merge rule (see :func:`merge_average`).
-    proportion : float
-        ``p`` of the proportion rule.
-    """
+    """:func:`merge_average`'s arguments after ``params``, for :func:`sgd_update` to fuse (``snapshot`` unread by ``"proportion"``)."""
 
     snapshot: Any
     total: Any
@@ -231,63 +156,25 @@ def sgd_update(
     merge: Optional[Merge] = None,
     grad_support: Optional[Tuple[Any, Any]] = None,
 ) -> Optional[bool]:
-    """``params -= lr * step(grad)`` in place, with torch.optim.SGD's momentum and weight decay.
+    """``params -= lr * step(grad)`` in place, with torch.optim.SGD's momentum, dampening, Nesterov and weight decay.
 
     Parameters
     ----------
-    params : array
-        Parameters (1-D numpy or cupy, floating point), updated in place.
-    grad : array
-        Gradient, same length and dtype; left unchanged.
     buffer : array, optional
-        Momentum buffer, same length and dtype, updated in place; needed when
-        ``momentum != 0`` (ignored otherwise).  At the first step its contents
-        are ignored and it becomes the (decayed) gradient.
-    lr, momentum, dampening, weight_decay : float
-        As in ``torch.optim.SGD``; each is rounded to the parameters' dtype
-        (``1 - dampening`` is computed first, in float64).
-    nesterov : bool
-        Nesterov momentum.
-    first_step : bool
-        The buffer's first step: ``b = d`` instead of ``b = momentum * b + ...``.
+        Momentum buffer, needed when ``momentum != 0``; its contents are ignored at ``first_step``.
     grad_divisor : int
-        Use ``grad / grad_divisor`` (rounded to the dtype, as numpy's ``grad /=
-        grad_divisor``) as the gradient: an Allreduce's sum becomes the average
-        in the same pass.
+        Use ``grad / grad_divisor`` (an Allreduce's sum becomes the mean in the same pass).
     check_finite : bool
-        Also report whether every element of ``grad`` is finite (free in the
-        fused loop; one more pass in the array code).
+        Also return whether ``grad`` is finite (free in the fused loop).
     work : list of array, optional
-        Scratch for the array code: the arrays it lacks are allocated and
-        appended, so a caller that passes the same list every time allocates
-        once.  The fused loop uses none.
-    copy_to : array or sequence of up to 2 arrays, optional
-        Also receive the updated parameters (same length, dtype and backend,
-        overlapping none of the others): the copies a caller would make after
-        the update, written in the same pass by the fused loop.
-    merge : Merge, optional
-        Then ``merge_average(params, *merge)``, in the same pass on the fused
-        loop (with its bits); not together with ``copy_to``.
-    grad_support : (indices, values), optional
-        The caller's promise that ``grad`` is ``values`` at ``indices`` (int32,
-        unique, ascending; ``values`` of ``grad``'s dtype) and +0.0
-        elsewhere: the fused C loop then reads these instead of ``grad``, one
-        stream of memory fewer for a sparse gradient (Top-k's aggregate,
-        ``P k`` of ``d`` entries), with the same bits.  The CUDA kernel, the
-        array code, and supports of more than an eighth of the entries
-        (where the saving is small) read ``grad``.
-
-    Returns
-    -------
-    bool or None
-        With ``check_finite``, whether every element of ``grad`` (before the
-        division) is finite; else None.
+        Scratch for the array code, appended to as needed, so a caller passing the same list allocates once.
+    copy_to, merge, grad_support
+        Fused extras (DaSGD's copies and merge, a sparse gradient's support): docs/internals-kernels.md.
 
     Raises
     ------
     TypeError, ValueError
-        Arrays not 1-D or of a different length, dtype or backend, overlapping arrays, a
-        missing buffer, or a non-finite hyperparameter.
+        Mismatched or overlapping arrays, a missing buffer, or a non-finite hyperparameter.
     """
     xp = check_array("params", params, ndim=1, kinds="f")
     lr, momentum, dampening, weight_decay = (
@@ -355,13 +242,7 @@ def _array_update(
     first_step: bool,
     work: List[Any],
 ) -> None:
-    """The update as array calls: the fused loop's operations, one pass each.
-
-    Each intermediate goes straight into ``work[0]``; ``work[1]`` holds a
-    second operand (``weight_decay * x`` or ``momentum * b``) where ``work[0]``
-    already holds ``d``.  The scalars are cast to the parameters' dtype so
-    that numpy computes in that dtype, as the C loop does.
-    """
+    """The update as array calls, one pass per operation of the fused loop, scalars in the parameters' dtype."""
     scalar = params.dtype.type
     out = work[0]
     d = grad
@@ -396,40 +277,10 @@ def _array_update(
 
 
 def merge_average(params: Any, snapshot: Any, total: Any, world_size: int, rule: str = "delayed", proportion: float = 0.25) -> None:
-    """Merge the average of ``world_size`` models, ``total / world_size``, into ``params`` in place (DaSGD's merge).
+    """DaSGD's merge of the average ``total / world_size`` into ``params``, in place, by ``rule`` ``"delayed"`` or ``"proportion"``.
 
-    ``rule="delayed"``: ``params = (params - snapshot) + total / world_size``;
-    ``rule="proportion"``: ``params = proportion * params + (1 - proportion) *
-    (total / world_size)`` (``snapshot`` unread).  Each operation is rounded
-    to the parameters' dtype on its own, as numpy's in-place ``total /=
-    world_size; params -= snapshot; params += total`` (or ``params *= p;
-    total *= 1 - p; params += total``) round it, with the scalars cast to the
-    dtype (``1 - p`` formed in float64 first): the C loop, one pass on numpy
-    float32/float64 arrays, gives those bits.
-
-    Parameters
-    ----------
-    params : array
-        Parameters (1-D numpy or cupy, floating point), updated in place.
-    snapshot : array
-        The parameters when the averaging started (same length, dtype and
-        backend); left unchanged.
-    total : array
-        The sum of ``world_size`` models (same length, dtype and backend).
-        Scratch: the array code leaves its scaled average there, the C loop
-        leaves it unchanged.
-    world_size : int
-        Models summed in ``total`` (>= 1).
-    rule : {"delayed", "proportion"}
-        Merge rule.
-    proportion : float
-        ``p`` of ``rule="proportion"``, a finite real number.
-
-    Raises
-    ------
-    TypeError, ValueError
-        Arrays not 1-D, of a different length, dtype or backend, or
-        overlapping; a bad ``world_size``, ``rule`` or ``proportion``.
+    The bits of numpy's in-place passes (docs/internals-kernels.md); ``total`` is scratch.  ``TypeError`` or
+    ``ValueError`` for mismatched or overlapping arrays or a bad ``world_size``, ``rule`` or ``proportion``.
     """
     xp = check_array("params", params, ndim=1, kinds="f")
     merge = _checked_merge(Merge(snapshot, total, world_size, rule, proportion))
@@ -448,36 +299,8 @@ def merge_average(params: Any, snapshot: Any, total: Any, world_size: int, rule:
 def elastic_pull(params: Any, center: Any, total: Any, world_size: int, alpha: float, beta: float, work: Optional[Any] = None) -> None:
     """EASGD's pull of a worker and the centre towards each other, in place (Zhang et al. eqs. (5)-(6) without the gradient).
 
-    ``params -= alpha * (params - center)`` and, from the same (pre-pull)
-    ``params``, ``center += beta * (total / world_size - center)``.  Each
-    operation is rounded to the parameters' dtype on its own, as numpy's
-    in-place ``total /= world_size; work = params - center; work *= alpha;
-    params -= work; total -= center; total *= beta; center += total`` round
-    it (the scalars cast to the dtype): the C loop, one pass on numpy
-    float32/float64 arrays, gives those bits.
-
-    Parameters
-    ----------
-    params, center : array
-        This worker's parameters and the centre variable (1-D numpy or cupy,
-        floating point, same length, dtype and backend), updated in place.
-    total : array
-        The sum of the ``world_size`` workers' parameters.  Scratch: the
-        array code leaves its scaled difference there, the C loop leaves it
-        unchanged.
-    world_size : int
-        Workers summed in ``total`` (>= 1).
-    alpha, beta : float
-        The worker's and the centre's pull, finite.
-    work : array, optional
-        Scratch like ``params`` for the array code (allocated when needed
-        and not given); the C loop needs none.
-
-    Raises
-    ------
-    TypeError, ValueError
-        Arrays not 1-D, of a different length, dtype or backend, or
-        overlapping; a bad ``world_size``, ``alpha`` or ``beta``.
+    ``params -= alpha (params - center)``; ``center += beta (total / world_size - center)`` from the pre-pull
+    ``params``.  ``total`` and ``work`` are scratch; the bits of numpy's passes.
     """
     xp = check_array("params", params, ndim=1, kinds="f")
     world_size = check_count("world_size", world_size, 1)

@@ -1,18 +1,7 @@
-"""Metrics of training runs: records, traces, summaries, plots.
+"""Metrics of training runs: JSON-lines records, Perfetto traces, per-run summaries, comparison plots.
 
-- :mod:`~mpiopt.metrics.records`: JSON-lines metrics written on rank 0
-  (:class:`MetricsWriter`, :func:`read_metrics`; the fields of each record
-  kind are tabled in that module).
-- :mod:`~mpiopt.metrics.trace`: a Chrome/Perfetto timeline of every rank's
-  compute phases and MPI calls (:class:`Tracer`), and how much nonblocking
-  communication ran behind computation (:func:`overlap_fraction`).
-- :mod:`~mpiopt.metrics.summary`: one row per run (accuracy, time and bytes to
-  a target, where the time went) and a Markdown table of them.
-- :mod:`~mpiopt.metrics.plots`: accuracy and loss against steps, wall time and
-  bytes (needs matplotlib, imported only there).
-
-This package reads what the algorithms and the communication layer record;
-nothing below it imports it.
+This package reads what the algorithms and the communication layer record; nothing below it imports it.
+Record fields and trace lanes: docs/internals-metrics.md.
 """
 
 from .plots import plot_runs

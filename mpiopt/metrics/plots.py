@@ -1,24 +1,6 @@
-"""Comparison plots of several runs: accuracy and loss against steps, wall time and bytes.
+"""Comparison plots of several runs: accuracy and loss against steps, wall time and bytes (docs/internals-metrics.md).
 
-:func:`plot_runs` writes two PNG files, one line per run in each panel:
-
-- ``accuracy.png``: test accuracy (%) against steps, wall time (s) and the
-  bytes rank 0 had sent (MB), from the ``"eval"`` records;
-- ``loss.png``: training loss against the same three, from the ``"step"``
-  records, smoothed by a trailing running mean of ``smoothing`` steps
-  (:data:`SMOOTHING_WINDOW` = 25 by default; the first points average the
-  steps there are).  Bytes here are the steps' own traffic summed, so they
-  leave out evaluation and set-up traffic that the eval records count.
-
-With ``group_repeats`` the runs of one algorithm (``compare --repeats``)
-make one curve: at each evaluation (or step) index the median of their x and
-y values, with their y range (min-max) shaded; the curve stops where the
-shortest repeat does.
-
-An axis whose values span more than :data:`LOG_SPAN` (bytes of a compressed
-and an uncompressed run, a loss that falls by decades) is drawn in log scale.
-matplotlib is imported only when plotting, through its object API (no pyplot
-state, no backend switch), so the rest of :mod:`mpiopt.metrics` works without it.
+matplotlib is imported only when plotting, so the rest of :mod:`mpiopt.metrics` works without it.
 """
 
 from __future__ import annotations
@@ -97,26 +79,10 @@ def plot_runs(
     runs: Sequence[Run], out_dir: "str | os.PathLike[str]", *, prefix: str = "", smoothing: int = SMOOTHING_WINDOW,
     group_repeats: bool = False,
 ) -> List[str]:
-    """Write ``<prefix>accuracy.png`` and ``<prefix>loss.png`` comparing ``runs`` into ``out_dir``.
+    """Write ``<prefix>accuracy.png`` and ``<prefix>loss.png`` comparing ``runs`` into ``out_dir``; the paths written.
 
-    Parameters
-    ----------
-    runs : sequence of Run
-        Metrics files read with :func:`~mpiopt.metrics.read_metrics`; each is
-        one line, labelled by its algorithm.
-    out_dir : str or os.PathLike
-        Folder of the images (created).
-    prefix : str
-        Start of the file names.
-    smoothing : int
-        Steps in the training loss's trailing running mean (1: no smoothing).
-    group_repeats : bool
-        One curve per algorithm: the median over its runs, their range shaded.
-
-    Returns
-    -------
-    list of str
-        The paths written.
+    ``smoothing``: steps in the loss's trailing running mean (1: none); ``group_repeats``: one median curve per
+    algorithm with its range shaded.
     """
     if not runs:
         raise ValueError("runs must hold at least one Run, got none")

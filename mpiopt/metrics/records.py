@@ -1,53 +1,6 @@
-"""Training metrics as JSON lines: one record per line, written by rank 0.
+"""Training metrics as JSON lines, one record per line, written by rank 0 and read back across resumes.
 
-Every record is a JSON object with a ``"kind"``; the training front end writes
-one ``"run"`` header, a ``"step"`` record per step, an ``"eval"`` record per
-evaluation and an ``"end"`` record when training finishes.  Other fields may
-be added freely (readers ignore what they do not know); the ones below are
-required by :meth:`MetricsWriter.write`.
-
-========  ====================  ==============================================================
-kind      field                 meaning
-========  ====================  ==============================================================
-run       algorithm             algorithm name (``"sgd"``, ``"dasgd"``, ...)
-run       task                  workload name
-run       config                the full configuration (dict: hyperparameters, data, seed, ...)
-run       world_size            number of ranks
-run       versions              :func:`versions`: Python, numpy, mpi4py, MPI library, torch, mpiopt
-step      step                  step counter after the step (1 for the first)
-step      epoch                 epoch of the step (float: fraction of the data seen)
-step      loss                  this rank's training loss of the step
-step      lr                    learning rate used in the step
-step      bytes_sent            payload bytes rank 0 sent in the step (ledger convention)
-step      bytes_recv            payload bytes rank 0 received in the step
-step      compute_seconds       forward and backward pass
-step      algo_seconds          the algorithm's own computation (:class:`~mpiopt.algorithms.StepRecord`)
-step      comm_seconds          blocked in blocking MPI calls (StepRecord)
-step      wait_seconds          blocked waiting for nonblocking MPI calls (StepRecord)
-step      step_seconds          wall time of the whole step (data loading included)
-step      wall_seconds          wall time since training started
-step      algorithm             algorithm name
-eval      step                  steps done when evaluated
-eval      epoch                 epoch at the evaluation
-eval      wall_seconds          wall time since training started
-eval      bytes_sent_total      payload bytes rank 0 has sent since training started
-eval      test_loss             loss on the test set
-eval      test_accuracy         accuracy on the test set, a fraction in [0, 1]
-eval      train_loss            mean training loss of the steps since the last evaluation
-eval      evaluated             which model: ``"average"`` (of all ranks), ``"leader"`` or ``"rank0"``
-eval      bits_per_byte         text task only (optional field): ``test_loss / ln 2``; its test_accuracy is next-byte accuracy
-end       step                  steps done
-end       wall_seconds          wall time since training started
-end       bytes_sent_total      payload bytes rank 0 has sent in total
-========  ====================  ==============================================================
-
-Durability: the file is line-buffered (a killed job loses at most the line
-being written) and synced to disk at every ``"eval"`` and ``"end"`` record.
-A record counts once its newline is written.  Resuming appends to the same
-file: the writer first cuts a partial last line left by a killed job, and :func:`read_metrics` keeps, when step numbers go
-back (a resume from a checkpoint older than the last records), only the newer
-records from that step on.  NaN and infinite losses are written as the
-``NaN``/``Infinity`` literals that Python's ``json`` reads back.
+Required fields per kind, and why a killed or resumed run's file still reads: docs/internals-metrics.md.
 """
 
 from __future__ import annotations
@@ -148,21 +101,7 @@ def _cut_partial_line(path: str) -> None:
 
 
 class MetricsWriter:
-    """Append metrics records to a JSON-lines file.
-
-    Parameters
-    ----------
-    path : str or os.PathLike
-        The file; its folder is created.
-    truncate : bool
-        Start an empty file instead of appending (default: append, so a
-        resumed run continues its file).
-
-    Example
-    -------
-    >>> with MetricsWriter("run/metrics.jsonl") as out:
-    ...     out.write({"kind": "run", "algorithm": "sgd", ...})
-    """
+    """Append metrics records to a JSON-lines file (``truncate=True`` starts it empty; appending continues a resumed run)."""
 
     def __init__(self, path: "str | os.PathLike[str]", *, truncate: bool = False) -> None:
         self.path = os.fspath(path)
@@ -174,13 +113,7 @@ class MetricsWriter:
         self._file = open(self.path, "w" if truncate else "a", buffering=1, encoding="utf-8")
 
     def write(self, record: Mapping[str, Any]) -> None:
-        """Write one record (a dict with a ``"kind"`` and that kind's fields) as one line.
-
-        Raises
-        ------
-        ValueError
-            When the kind is unknown or a required field is missing.
-        """
+        """Write one record (a dict with a ``"kind"`` and that kind's required fields) as one line; ``ValueError`` otherwise."""
         kind = record.get("kind")
         if kind not in KINDS:
             raise ValueError(f"record kind must be one of {', '.join(map(repr, KINDS))}; got {kind!r}")
@@ -209,23 +142,7 @@ class MetricsWriter:
 
 @dataclass
 class Run:
-    """The records of one metrics file.
-
-    Attributes
-    ----------
-    header : dict
-        The first ``"run"`` record.
-    steps, evals : list of dict
-        ``"step"`` and ``"eval"`` records in step order (records superseded by
-        a resume from an earlier checkpoint are left out).
-    end : dict or None
-        The ``"end"`` record; None when the run did not finish (or was
-        resumed after it).
-    resumes : list of dict
-        The later ``"run"`` records, one per resume.
-    path : str
-        The file read.
-    """
+    """The records of one metrics file: ``header``, ``steps``, ``evals`` (superseded ones left out), ``end``, ``resumes``."""
 
     header: Dict[str, Any]
     steps: List[Dict[str, Any]] = field(default_factory=list)
@@ -249,15 +166,9 @@ def _append_in_step_order(records: List[Dict[str, Any]], record: Dict[str, Any])
 
 
 def read_metrics(path: "str | os.PathLike[str]") -> Run:
-    """Read a metrics file written by :class:`MetricsWriter`.
+    """Read a metrics file written by :class:`MetricsWriter`; a cut last line is ignored with a warning.
 
-    A last line cut short (a job killed mid-write) is ignored with a warning.
-
-    Raises
-    ------
-    ValueError
-        Naming the file and line when a line is not a JSON record of a known
-        kind, or the file has no ``"run"`` header first.
+    ``ValueError`` names the file and line of a record that is not JSON of a known kind, or a missing ``"run"`` header.
     """
     path = os.fspath(path)
     with open(path, encoding="utf-8") as f:

@@ -1,14 +1,6 @@
-"""One line per run: accuracy reached, time and bytes it took, where the time went.
+"""One line per run: accuracy reached, time and bytes it took, where the time went (the five fractions add up to 1).
 
-:func:`summarize` reduces a :class:`~mpiopt.metrics.records.Run` to a flat
-dict; :func:`markdown_table` lays several side by side for ``mpiopt compare``.
-
-Time split: the step records' ``compute_seconds`` (forward and backward),
-``algo_seconds`` (the algorithm's own computation), ``comm_seconds`` (blocked
-in blocking MPI calls) and ``wait_seconds`` (blocked waiting for nonblocking
-ones), summed over the steps; ``other_seconds`` is the rest of the steps' wall
-time (data loading, bookkeeping).  Fractions are of the steps' total wall time
-(``step_seconds`` summed), so the five add up to 1.
+Fields and the time split: docs/internals-metrics.md, "Summaries".
 """
 
 from __future__ import annotations
@@ -33,34 +25,10 @@ _MISSING = "—"
 
 def summarize(run: Run, *, target_accuracy: Optional[float] = None, target_loss: Optional[float] = None,
               budget_seconds: Optional[float] = None) -> Dict[str, Any]:
-    """The figures that compare runs.
+    """The figures that compare runs, as a flat dict (fields: docs/internals-metrics.md).
 
-    Parameters
-    ----------
-    run : Run
-        A metrics file read with :func:`~mpiopt.metrics.read_metrics`.
-    target_accuracy : float, optional
-        Test accuracy (fraction in [0, 1]) to measure time and bytes to.
-    target_loss : float, optional
-        Test loss to measure time and bytes to instead (the first evaluation
-        at or below it); not with ``target_accuracy``.
-    budget_seconds : float, optional
-        A wall-clock budget: ``loss_at_budget`` is the test loss of the last
-        evaluation within it (training time, as ``wall_seconds``).
-
-    Returns
-    -------
-    dict
-        ``algorithm``, ``steps``, ``wall_seconds``, ``final_accuracy`` and
-        ``best_accuracy``, ``final_loss`` and ``best_loss`` (test loss; None
-        without evaluations), ``target_accuracy``, ``target_loss``,
-        ``time_to_target``, ``bytes_to_target`` and ``steps_to_target`` (wall
-        seconds, rank 0's bytes sent and steps at the first evaluation that
-        reached the target; None if none did or no target was given),
-        ``bytes_sent_per_rank`` (rank 0's total), ``budget_seconds`` and
-        ``loss_at_budget`` (None without a budget or an evaluation within it), and per part of the split
-        (``compute``, ``algorithm``, ``communication``, ``waiting``,
-        ``other``) ``<part>_seconds`` and ``<part>_fraction``.
+    ``target_accuracy`` or ``target_loss`` (not both) sets where time and bytes to target are measured;
+    ``budget_seconds`` adds the test loss reached within that wall-clock budget.
     """
     if target_accuracy is not None and not (0.0 <= target_accuracy <= 1.0):
         raise ValueError(f"target_accuracy must be a fraction in [0, 1], got {target_accuracy!r}")
@@ -109,12 +77,9 @@ def summarize(run: Run, *, target_accuracy: Optional[float] = None, target_loss:
 
 
 def add_speedups(summaries: Sequence[Dict[str, Any]], baseline: str) -> None:
-    """Set each summary's ``speedup``: ``baseline``'s time to target over its own, from the same seed (None if either missed).
+    """Set each summary's ``speedup``: ``baseline``'s time to target over its own, paired by seed (None if either missed).
 
-    Runs pair by seed, so that each repeat of ``compare --repeats`` is set
-    against the baseline's run of the same data order; ``speedup_over`` names
-    the baseline (the tables then show the column).  Raises ValueError if no
-    summary is ``baseline``'s.
+    Raises ValueError if no summary is ``baseline``'s.
     """
     reference = {s["seed"]: s["time_to_target"] for s in summaries if s["algorithm"] == baseline}
     if not reference:
@@ -196,14 +161,7 @@ def _header(summaries: Sequence[Dict[str, Any]], *, repeats: bool) -> List[str]:
 
 
 def markdown_table(summaries: Sequence[Dict[str, Any]]) -> str:
-    """A Markdown table of :func:`summarize` results, one row per run.
-
-    Accuracies in %, times in s, bytes in decimal units (MB = 10^6 bytes);
-    time split as seconds with the share of the steps' wall time; "—" where a
-    run never reached the target (or has no evaluation).  Summaries made with
-    a ``target_loss`` add the final and best test loss; with a
-    ``budget_seconds``, the test loss within that budget.
-    """
+    """A Markdown table of :func:`summarize` results, one row per run; "—" where a run never reached the target."""
     losses = _by_loss(summaries)
     budgeted = any(s.get("budget_seconds") is not None for s in summaries)
     faster = any(s.get("speedup_over") for s in summaries)
@@ -231,12 +189,7 @@ def markdown_table(summaries: Sequence[Dict[str, Any]]) -> str:
 
 
 def format_spread(values: Sequence[Optional[float]], formatter: Callable[[Optional[float]], str]) -> str:
-    """The median of ``values`` with their range: "12.3 s (11.8-13.1)".
-
-    The range's ends drop the median's unit when they share it.  None values
-    (a repeat with no evaluation, or that never reached the target) are left
-    out and counted: "12.3 s (11.8-13.1) in 2 of 3"; "—" when all are None.
-    """
+    """The median of ``values`` with their range, "12.3 s (11.8-13.1)"; None values counted, "in 2 of 3"; "—" if all None."""
     present = sorted(float(v) for v in values if v is not None)
     if not present:
         return _MISSING
@@ -253,12 +206,7 @@ def format_spread(values: Sequence[Optional[float]], formatter: Callable[[Option
 
 
 def repeats_table(groups: Sequence[Sequence[Dict[str, Any]]]) -> str:
-    """A Markdown table of repeated runs, one row per algorithm: each column's median over its repeats and their range.
-
-    ``groups`` holds, per algorithm, the :func:`summarize` results of its
-    repeats; columns as in :func:`markdown_table`, each cell as
-    :func:`format_spread` writes it (the time split's share is the median's).
-    """
+    """A Markdown table of repeated runs, one row per algorithm: each column's median over its repeats and their range."""
     every = [s for g in groups for s in g]
     losses = _by_loss(every)
     budgeted = any(s.get("budget_seconds") is not None for s in every)

@@ -1,41 +1,6 @@
 """A timeline of every rank's compute phases and MPI calls, for chrome://tracing and ui.perfetto.dev.
 
-:class:`Tracer` listens to the ledger's spans (every blocking call, every
-nonblocking call from posting to completion, every blocked ``Wait``) and to
-the phases the training loop marks with :meth:`Tracer.phase`.
-:meth:`Tracer.write` gathers every rank's events to rank 0 and writes one
-Trace Event Format file: process ``r`` is rank ``r``, and each rank has the
-threads (lanes)
-
-======  ==================  ===================================================
-tid     name                spans
-======  ==================  ===================================================
-0       compute             :meth:`Tracer.phase` ("forward/backward", "algorithm", "eval")
-1       MPI blocked         blocking calls, and the time blocked in ``Wait``
-2, 3..  MPI in flight       nonblocking calls from posting to completion (one
-                            lane per call in flight at the same time)
-======  ==================  ===================================================
-
-so that a communication running behind the computation shows as a bar under
-it.  :func:`overlap_fraction` measures how much of it did.
-
-Clocks
-------
-Each rank's times are ``time.perf_counter`` readings, whose zero differs per
-process.  The tracer starts with a ``Barrier`` and takes its reference time
-when the barrier returns, so time 0 is (nearly) the same instant everywhere;
-:meth:`Tracer.write` does the same again and rescales each rank's times so its
-elapsed time between the two barriers equals rank 0's, which removes linear
-drift between the nodes' clocks.  What is left is the spread of the barrier's
-exit over the ranks: microseconds on one node, about the network latency
-across nodes.  Both barriers (and the gather) go through the ledger like any
-other call; they are not traced.
-
-Memory
-------
-An event is a small tuple; after ``max_events`` events the tracer stops
-recording, warns once and counts what it dropped (the count is written in the
-trace's ``otherData``), so a week-long run cannot exhaust memory.
+Lanes, clock alignment across ranks and the event cap: docs/internals-metrics.md, "Traces".
 """
 
 from __future__ import annotations
@@ -72,29 +37,10 @@ _TAG = 0x7ACE
 
 
 class Tracer:
-    """Record a timeline of this rank's compute phases and MPI calls.
+    """Record a timeline of this rank's compute phases and MPI calls from the ledger's spans.
 
-    Collective: every rank of the communicator creates one at the same point
-    (it starts with a ``Barrier``) and calls :meth:`write` together.
-
-    Parameters
-    ----------
-    topology_or_comm : Topology or Comm
-        Where to listen: a topology's shared ledger (world, group and leaders
-        calls) or one Comm's ledger; the world (or that Comm) also aligns the
-        clocks and gathers the events.
-    max_events : int
-        Events kept per rank; later ones are counted, not kept.
-
-    Example
-    -------
-    >>> with Tracer(topology) as tracer:
-    ...     for batch in data:
-    ...         with tracer.phase("forward/backward"):
-    ...             loss, grad = compute(params, batch)
-    ...         with tracer.phase("algorithm"):
-    ...             alg.step(params, grad, loss=loss)
-    ...     tracer.write("trace.json")     # open it in ui.perfetto.dev
+    Collective: every rank creates one at the same point (it starts with a ``Barrier``) and calls :meth:`write`
+    together.  ``max_events``: events kept per rank; later ones are counted, not kept.
     """
 
     def __init__(self, topology_or_comm: Union[Topology, Comm], *, max_events: int = 200_000) -> None:
@@ -179,17 +125,7 @@ class Tracer:
         return table[np.argsort(table["ts"], kind="stable")]
 
     def write(self, path: "str | os.PathLike[str]") -> Optional[Dict[str, Any]]:
-        """Gather every rank's events to rank 0 and write the trace there (collective).
-
-        Recording pauses while the events travel (that traffic is not traced)
-        and resumes afterwards unless the tracer is closed, so a long run may
-        write its trace more than once.
-
-        Returns
-        -------
-        dict or None
-            The trace (``{"traceEvents": [...], ...}``) on rank 0, None elsewhere.
-        """
+        """Gather every rank's events to rank 0 and write the trace there (collective); the trace on rank 0, None elsewhere."""
         resume = self.recording
         self.close()
         try:
@@ -282,24 +218,7 @@ def _overlap(a: List[Tuple[float, float]], b: List[Tuple[float, float]]) -> floa
 
 
 def overlap_fraction(events: Iterable[Mapping[str, Any]], rank: int, phases: Optional[Iterable[str]] = None) -> float:
-    """Fraction of a rank's in-flight nonblocking communication time that ran during compute phases.
-
-    Parameters
-    ----------
-    events : iterable of dict
-        Trace events (``trace["traceEvents"]`` from :meth:`Tracer.write`, or
-        the file read back with ``json.load``).
-    rank : int
-        The rank (trace ``pid``) to measure.
-    phases : iterable of str, optional
-        Phase names that count as compute (default: every phase).
-
-    Returns
-    -------
-    float
-        ``|in flight ∩ phases| / |in flight|``, each the union of its spans;
-        NaN when nothing was in flight on that rank.
-    """
+    """Fraction of ``rank``'s in-flight nonblocking communication time that ran during ``phases`` (default: all); NaN if none."""
     wanted = None if phases is None else set(phases)
     inflight, compute = [], []
     for event in events:

@@ -1,13 +1,6 @@
 """One-process twin of ``streaming_diloco``: P simulated ranks, given gradients, no MPI (float64 by default).
 
-An independent re-computation for the tests (numpy only, none of the MPI
-path's code): inner momentum SGD per rank, fragment f's exchange starting
-after steps ``t`` with ``t mod H == f H // F`` from the local fragments then,
-merged ``tau`` steps later (after that step's local update) with the outer
-Nesterov step from ``theta_start`` and ``alpha * local + (1 - alpha) * outer``.
-A fragment is a set of positions: a contiguous slice, or for
-``layout="strided"`` the blocks i = f, f + F, ... of ``F k`` near-equal
-blocks, addressed by fancy indexing (no gathering into a send buffer).
+An independent re-computation for the tests, none of the MPI path's code.  Schedule: docs/internals-sim.md.
 """
 
 from __future__ import annotations
@@ -24,10 +17,7 @@ def simulate(
     momentum: float = 0.0, period: int, fragments: int, overlap_steps: int, alpha: float, outer_lr: float,
     outer_momentum: float, outer_nesterov: bool = True, layout: str = "contiguous", stride_blocks: int = 8, dtype=np.float64,
 ) -> List[np.ndarray]:
-    """Every rank's parameters after ``steps`` steps and the final merges; ``grad(rank, step, x)`` is rank's gradient at x.
-
-    ``initial`` holds each rank's starting parameters; they start from their mean, as the MPI path does.
-    """
+    """Every rank's parameters after ``steps`` steps and the final merges; ``grad(rank, step, x)`` gives the gradients."""
     P = len(initial)
     start = np.mean([np.asarray(x, dtype) for x in initial], axis=0)
     x = [start.copy() for _ in range(P)]

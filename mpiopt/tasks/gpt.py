@@ -1,17 +1,6 @@
-"""A small decoder-only transformer (GPT-2 style) for byte-level language modelling.
+"""A small decoder-only transformer (GPT-2 style, tied head) for byte-level language modelling.
 
-Token and position embeddings, ``n_layer`` pre-norm blocks (LayerNorm,
-causal self-attention through
-:func:`torch.nn.functional.scaled_dot_product_attention` with
-``is_causal=True``, LayerNorm, an MLP of width ``4 n_embd`` with GELU), a
-final LayerNorm and an output layer tied to the token embedding (one
-tensor).  Initialisation as GPT-2 (Radford et al. 2019): every weight
-normal(0, 0.02), the residual projections normal(0, 0.02 / sqrt(2 n_layer)),
-biases zero; drawn from torch's global generator, so ``torch.manual_seed``
-makes it deterministic.
-
-Parameters (vocabulary ``V``, ``C = n_embd``, ``L = n_layer``, block ``T``):
-``V C + T C + L (12 C^2 + 13 C) + 2 C`` (the tied head counted once).
+Seeded by ``torch.manual_seed``.  Architecture, initialisation and parameter count: docs/internals-tasks.md.
 """
 
 from __future__ import annotations
@@ -61,17 +50,7 @@ class _Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Maps int64 tokens ``(B, T)``, ``T <= block_size``, to logits ``(B, T, vocab_size)`` of the next token.
-
-    Parameters
-    ----------
-    vocab_size : int
-        Tokens (256 for bytes).
-    n_layer, n_embd, n_head, block_size : int
-        Blocks, embedding width, attention heads (dividing ``n_embd``), longest context.
-    dropout : float
-        Dropout on the embeddings, attention and residual branches, in [0, 1).
-    """
+    """Maps int64 tokens ``(B, T)``, ``T <= block_size``, to logits ``(B, T, vocab_size)`` of the next token."""
 
     def __init__(self, vocab_size: int, n_layer: int, n_embd: int, n_head: int, block_size: int, dropout: float = 0.0) -> None:
         super().__init__()

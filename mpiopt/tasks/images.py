@@ -1,34 +1,9 @@
-"""Image-classification data without torch: datasets, per-rank shards, augmentation.
+"""Image-classification data without torch: datasets, per-rank shards, augmentation, reproducible on resume.
 
-Everything here is numpy, so loading and sharding data needs neither torch
-nor scikit-learn to be imported.
-
-- :func:`load_dataset` returns an :class:`ImageDataset` (float32 images
-  ``(N, C, H, W)``, int64 labels, a fixed train/test split) by name:
-
-  ``"digits"``
-      The 1,797 8x8 handwritten digits (10 classes, pixel values 0..16) from
-      the file ``digits.csv.gz`` that ships inside scikit-learn (found
-      without importing scikit-learn), or from ``data_dir``.
-  ``"cifar10"``
-      CIFAR-10 from its binary batches in ``data_dir`` (no download).
-  ``"synthetic"``
-      Gaussian class clusters drawn from ``seed``, any size (fast tests).
-
-- :class:`ShardSampler` says which training samples each rank uses at each
-  global step: stateless (a function of the step), so a resumed run sees
-  exactly the batches an uninterrupted one would.
-- :func:`augment_cifar` (random crop with zero padding, random horizontal
-  flip) with :func:`batch_rng`, a generator derived from (seed, rank, step),
-  so augmentation is reproducible on resume too.
-
-Example
--------
 >>> data = load_dataset("digits")
 >>> sampler = ShardSampler(len(data.y_train), rank=rank, world_size=size, batch_size=32, seed=0)
->>> for step in range(start_step, steps):
-...     index = sampler.indices(step)
-...     x, y = data.x_train[index], data.y_train[index]
+
+Datasets, sharding and augmentation rules: docs/internals-tasks.md, "Image data".
 """
 
 from __future__ import annotations
@@ -85,21 +60,7 @@ class DatasetError(ValueError):
 
 @dataclass(frozen=True)
 class ImageDataset:
-    """An image-classification dataset with its train/test split.
-
-    Attributes
-    ----------
-    name : str
-        One of :data:`DATASETS`.
-    x_train, x_test : numpy.ndarray
-        Images, float32 ``(N, C, H, W)``, normalised (see :func:`load_dataset`).
-    y_train, y_test : numpy.ndarray
-        Labels, int64 ``(N,)`` in ``[0, num_classes)``.
-    classes : tuple of str
-        Class names; label ``i`` is ``classes[i]``.
-    description : str
-        Where the data came from and how it was normalised.
-    """
+    """An image-classification dataset: float32 ``(N, C, H, W)`` images, int64 labels, a fixed train/test split."""
 
     name: str
     x_train: np.ndarray
@@ -126,41 +87,11 @@ def load_dataset(
     seed: int = 0,
     **synthetic_options: Any,
 ) -> ImageDataset:
-    """Load the dataset ``name`` (one of :data:`DATASETS`).
+    """Load the dataset ``name`` (one of :data:`DATASETS`), normalised as docs/internals-tasks.md says.
 
-    Parameters
-    ----------
-    name : str
-        ``"digits"``: 1,438 training and 359 test images (1x8x8, 10 classes);
-        the test set is 20 % of each class (rounded), fixed whatever ``seed``.  Pixels
-        are scaled to [0, 1], then standardised by the mean and standard
-        deviation of all training pixels.
-
-        ``"cifar10"``: 50,000 training and 10,000 test images (3x32x32, 10
-        classes) from the binary batches; pixels scaled to [0, 1], then
-        normalised per channel by :data:`CIFAR10_MEAN` and :data:`CIFAR10_STD`.
-
-        ``"synthetic"``: :func:`make_synthetic` with ``seed`` and
-        ``synthetic_options``.
-    data_dir : str or Path, optional
-        ``"digits"``: a directory holding ``digits.csv.gz`` (default: the
-        copy inside the installed scikit-learn).  ``"cifar10"`` (required):
-        the directory holding ``data_batch_1.bin`` ... ``data_batch_5.bin``
-        and ``test_batch.bin``, or its parent holding ``cifar-10-batches-bin/``.
-    seed : int
-        Seed of the synthetic data; the other datasets do not use it.
-    **synthetic_options
-        Keyword arguments of :func:`make_synthetic` (``"synthetic"`` only).
-
-    Returns
-    -------
-    ImageDataset
-
-    Raises
-    ------
-    DatasetError
-        Unknown name, missing or malformed files, options the dataset does
-        not take.
+    ``data_dir``: where ``digits.csv.gz`` lies (default: inside scikit-learn) or, required for ``"cifar10"``, its
+    binary batches.  ``seed`` and ``synthetic_options`` serve ``"synthetic"`` only.
+    ``DatasetError`` for an unknown name, missing or malformed files, or options the dataset does not take.
     """
     if name not in DATASETS:
         raise DatasetError(f"unknown dataset {name!r}; expected one of {', '.join(map(repr, DATASETS))}")
@@ -182,21 +113,9 @@ def make_synthetic(
     num_classes: int = 10,
     separation: float = 4.0,
 ) -> ImageDataset:
-    """Gaussian class clusters: learnable, but with classes that overlap.
+    """Gaussian class clusters: learnable, but overlapping (the nearest class mean is right on about 85 % by default).
 
-    Every class ``k`` has a mean image ``m_k`` with independent normal pixels
-    of standard deviation ``separation / sqrt(2 C H W)``, so two class means
-    lie about ``separation`` apart; a sample is its class mean plus standard
-    normal noise.  With the default 4.0 and 10 classes the best possible
-    classifier (the nearest class mean) is right on about 85 % of the
-    samples, so accuracy keeps rising for a while as a model trains.  Labels are balanced (counts differ by at most
-    one) and shuffled.  Means, training and test samples come from separate
-    streams of ``seed``: changing ``n_train`` leaves the test set alone.
-
-    Raises
-    ------
-    DatasetError
-        A size or shape out of range.
+    Means, training and test samples come from separate streams of ``seed``.  ``DatasetError`` for bad sizes.
     """
     try:
         n_train = check_count("n_train", n_train, 1)
@@ -367,40 +286,10 @@ def _load_cifar10(data_dir: Optional[str | Path]) -> ImageDataset:
 
 
 class ShardSampler:
-    """Which training samples rank ``rank`` uses at each global step.
+    """Which training samples rank ``rank`` uses at each global step: one step of W ranks is one step of batch W B.
 
-    Epoch ``e`` shuffles the ``num_samples`` indices by a permutation drawn
-    from ``(seed, e)``.  Global batch ``b`` of the epoch is the slice
-    ``[b W B, (b + 1) W B)`` of that permutation (``W`` ranks, ``B`` the
-    per-rank batch size), and rank ``r`` takes its ``r``-th block of ``B``:
-    one step of ``W`` ranks sees the same samples as one step of a single
-    process with batch ``W B``.
-
-    Without ``drop_last`` the permutation is padded by wrapping around to
-    its start (as torch's ``DistributedSampler`` does) up to a multiple of
-    ``W B``: every sample is used at least once per epoch, some twice, and
-    every rank has ``ceil(N / (W B))`` full batches per epoch.  With
-    ``drop_last`` an epoch has ``floor(N / (W B))`` batches and the
-    remaining samples of the permutation are skipped that epoch.
-
-    The sampler holds no position: :meth:`indices` maps a global step
-    (counted from 0 over all epochs, owned by the caller and checkpointed
-    with the model) to indices, so a resumed run continues exactly.
-
-    Parameters
-    ----------
-    num_samples : int
-        Size of the training set (>= 1).
-    rank : int
-        This rank, in ``[0, world_size)``.
-    world_size : int
-        Number of ranks sharing the data (>= 1).
-    batch_size : int
-        Samples per rank per step (>= 1).
-    seed : int
-        Seed of the shuffles (>= 0).
-    drop_last : bool
-        Skip the incomplete last global batch of each epoch instead of padding it.
+    Stateless (a function of the step, owned and checkpointed by the caller), so a resumed run continues exactly.
+    Epochs, padding and ``drop_last``: docs/internals-tasks.md.
     """
 
     def __init__(
@@ -467,17 +356,7 @@ class ShardSampler:
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Check that ``state`` (from :meth:`state_dict`) has this sampler's settings.
-
-        Resuming with other settings would feed other samples than the run
-        being continued, so it is refused rather than silently accepted.
-
-        Raises
-        ------
-        ValueError
-            A setting differs or is missing; the message names each one with
-            the saved and the current value.
-        """
+        """Check that ``state`` has this sampler's settings: others would feed other samples, so ``ValueError`` names each."""
         mine = self.state_dict()
         differ = [
             f"{key}: saved {state.get(key, 'nothing')!r}, now {value!r}"
@@ -492,12 +371,7 @@ class ShardSampler:
 
 
 def batch_rng(seed: int, rank: int, step: int) -> np.random.Generator:
-    """The generator for augmenting rank ``rank``'s batch at global step ``step``.
-
-    A function of its arguments only (no state carried from step to step),
-    so a resumed run augments exactly as an uninterrupted one; independent
-    of the streams that shuffle or generate data from the same ``seed``.
-    """
+    """The generator for augmenting rank ``rank``'s batch at ``step``: a function of its arguments only, for exact resumes."""
     key = (check_count("seed", seed, 0), check_count("rank", rank, 0), check_count("step", step, 0))
     return _stream(key[0], _STREAM_AUGMENT, *key[1:])
 
@@ -509,37 +383,9 @@ def augment_cifar(
     padding: int = 4,
     out: Optional[np.ndarray] = None,
 ) -> np.ndarray:
-    """Random crop with zero padding and random horizontal flip of every image in a batch.
+    """Random crop with zero padding and random horizontal flip of every image in ``x`` (He et al. 2016), into ``out``.
 
-    The standard CIFAR augmentation (He et al. 2016, section 4.2): each
-    image is padded by ``padding`` zeros on every side and a window of the
-    original size is cut at a uniformly random offset, then mirrored left to
-    right with probability 1/2.  The images are normalised already, so the
-    zeros are the dataset's mean colour.
-
-    Draws from ``rng``, in this order: the ``N`` row offsets, the ``N``
-    column offsets (each ``rng.integers(0, 2 padding + 1, size=N)``), then
-    ``rng.random(N) < 0.5`` for the flips.
-
-    Vectorised over the batch: the source index of every output pixel is
-    computed at once and one ``np.take`` gathers them (no Python loop).
-
-    Parameters
-    ----------
-    x : numpy.ndarray
-        Float images ``(N, C, H, W)``; not modified (unless it is ``out``).
-    rng : numpy.random.Generator
-        Source of the offsets and flips, e.g. :func:`batch_rng`.
-    padding : int
-        Zeros added on each side (>= 0); offsets lie in ``[0, 2 padding]``.
-    out : numpy.ndarray, optional
-        Where to write the result: C-contiguous, same shape and dtype as
-        ``x``; may be ``x`` itself.
-
-    Returns
-    -------
-    numpy.ndarray
-        The augmented batch (``out`` when given).
+    Draws from ``rng`` the row offsets, the column offsets, then the flips; ``out`` may be ``x``.
     """
     check_array("x", x, ndim=4, kinds="f")
     if not isinstance(rng, np.random.Generator):

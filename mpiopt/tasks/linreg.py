@@ -1,37 +1,10 @@
-"""Distributed linear regression with heterogeneous workers (the workload of Top-k / RegTop-k).
+"""Distributed linear regression with heterogeneous workers: the workload of Top-k / RegTop-k (Bereyhi et al.).
 
-The experiment of Bereyhi et al. (RegTop-k, arXiv:2501.05633, "Numerical
-validation"; ALGORITHMS.md "Top-k with error feedback, and RegTop-k"), with
-the data model of the authors' code (``SynthDataSet.py``): worker ``n`` has
-``m`` samples ``y = A_n x_n + noise`` of its own true model::
+Full-batch gradients are a deterministic function of ``(worker, x)``, so an MPI run and its one-process twin
+see the same.  The instance: docs/regtopk.md, "The claim"; docs/algorithms.md "Top-k with error feedback, and RegTop-k".
 
-    mean_n ~ N(0, mean_power)                 one number per worker: heterogeneous means
-    x_n    = mean_n 1 + N(0, I_d)
-    A_n    ~ N(0, 1) entries, shape (m, d);   noise ~ N(0, noise_variance)
-
-and the objective (torch's ``mse_loss``, as in the authors' code, which the
-learning rate 0.01 goes with) is the mean of the workers' losses::
-
-    f_n(x) = (1/m) ||A_n x - y_n||^2,     grad f_n(x) = H_n x - b_n,
-    H_n = (2/m) A_n^T A_n,   b_n = (2/m) A_n^T y_n.
-
-The optimum ``x*`` is the least-squares solution over all data,
-``(sum_n A_n^T A_n)^{-1} sum_n A_n^T y_n`` (float64).  Gradients are full
-batch, computed in float64 from ``H_n`` and ``b_n`` and rounded to float32
-(the algorithms' buffers): a deterministic function of ``(worker, x)``, so
-an MPI run and its one-process twin (:func:`mpiopt.sim.topk.simulate`) see
-identical gradients.  Because the
-workers' means differ, ``grad f_n(x*)`` is far from 0 for every ``n`` even
-though their sum is 0: this is where error feedback hurts Top-k.
-
-Worker ``n``'s data depends only on ``(seed, n)``: the first 4 workers of a
-20-worker problem are a 4-worker problem.
-
-Example
--------
 >>> problem = make_problem(num_workers=20)
 >>> grad = problem.gradient(3, x)            # worker 3's full-batch gradient at x (float32)
->>> problem.squared_distance(x)              # ||x - x*||^2
 """
 
 from __future__ import annotations
@@ -46,17 +19,7 @@ __all__ = ["LinRegProblem", "make_problem"]
 
 @dataclass(frozen=True)
 class LinRegProblem:
-    """The workers' quadratic losses in closed form.
-
-    Attributes
-    ----------
-    hessians : numpy.ndarray
-        ``(N, d, d)`` float64, ``H_n = (2/m) A_n^T A_n``.
-    offsets : numpy.ndarray
-        ``(N, d)`` float64, ``b_n = (2/m) A_n^T y_n``.
-    optimum : numpy.ndarray
-        ``(d,)`` float64, the least-squares solution over all workers' data.
-    """
+    """The workers' quadratic losses in closed form: ``hessians`` ``H_n``, ``offsets`` ``b_n``, the least-squares ``optimum``."""
 
     hessians: np.ndarray
     offsets: np.ndarray

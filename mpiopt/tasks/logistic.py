@@ -1,28 +1,6 @@
-"""Logistic regression with different data on every rank: a small convex test problem.
+"""Logistic regression with different data on every rank, rebuilt from ``(seed, rank)`` without communication.
 
-Every rank draws its own samples, deterministically from ``(seed, rank)``, so
-a test or a benchmark can rebuild any rank's data (or all of them, to
-evaluate a model on the global objective) without communication.  Ranks
-differ in the mean of their features (``shift``), so local models drift
-apart between averaging rounds, as with non-i.i.d. data in practice; the
-labels come from one shared true weight vector, perturbed per rank when
-``concept_shift`` is not 0.
-
-The objective of one rank with data ``(X, y)``, ``y`` in {0, 1}, is
-
-    f(w) = mean_i [ log(1 + exp(x_i . w)) - y_i x_i . w ] + (l2 / 2) ||w||^2
-
-with gradient ``X^T (sigmoid(X w) - y) / n + l2 w``.  Features end with a
-constant 1 (the intercept).  Losses and gradients are float32, like the
-flat parameter buffers of the algorithms; :func:`optimum` solves the
-problem in float64 by Newton's method for reference values.
-
-Example
--------
->>> data = make_data(rank, seed=0)
->>> w = np.zeros(data.num_features, dtype=np.float32)
->>> batch = data.sample(rng, 32)
->>> grad = gradient(w, batch)
+Feature shifts make local models drift apart, as non-i.i.d. data do.  Objective: docs/internals-tasks.md.
 """
 
 from __future__ import annotations
@@ -37,15 +15,7 @@ __all__ = ["LogisticData", "make_data", "make_global_data", "loss", "gradient", 
 
 @dataclass(frozen=True)
 class LogisticData:
-    """Samples of one rank (or several ranks' samples stacked).
-
-    Attributes
-    ----------
-    features : numpy.ndarray
-        ``(n, num_features)`` float32; the last column is 1 (intercept).
-    labels : numpy.ndarray
-        ``(n,)`` float32 of 0 and 1.
-    """
+    """Samples of one rank (or several stacked): float32 ``features`` whose last column is 1, ``labels`` of 0 and 1."""
 
     features: np.ndarray
     labels: np.ndarray
@@ -80,27 +50,8 @@ def make_data(
 ) -> LogisticData:
     """Rank ``rank``'s samples, the same on every call with the same arguments.
 
-    Parameters
-    ----------
-    rank : int
-        Which rank's data (>= 0).
-    seed : int
-        Seed of the whole problem (shared by all ranks).
-    num_samples : int
-        Samples on this rank.
-    num_features : int
-        Features including the intercept column (>= 2).
-    shift : float
-        Scale of this rank's feature mean (drawn per rank): 0 gives i.i.d.
-        features across ranks, larger values more heterogeneous ones.
-    concept_shift : float
-        Scale of a per-rank perturbation of the true weights that label this
-        rank's samples: 0 labels every rank alike; larger values give ranks
-        different local optima, so that models trained apart drift apart.
-
-    Returns
-    -------
-    LogisticData
+    ``shift`` scales this rank's feature mean (0: i.i.d.); ``concept_shift`` perturbs the true weights per rank,
+    so ranks have different local optima.
     """
     if rank < 0 or num_samples < 1 or num_features < 2:
         raise ValueError(f"need rank >= 0, num_samples >= 1, num_features >= 2; got {rank}, {num_samples}, {num_features}")
@@ -154,11 +105,7 @@ def gradient(w: np.ndarray, data: LogisticData, l2: float = 0.0, out: Optional[n
 
 
 def optimum(data: LogisticData, l2: float = 0.0, tol: float = 1e-12, max_iter: int = 100) -> np.ndarray:
-    """The minimiser of :func:`loss` on ``data`` in float64, by Newton's method.
-
-    Needs ``l2 > 0`` or data that are not linearly separable (otherwise no
-    minimiser exists).
-    """
+    """The minimiser of :func:`loss` on ``data`` in float64, by Newton's method (needs ``l2 > 0`` or non-separable data)."""
     x = data.features.astype(np.float64)
     y = data.labels.astype(np.float64)
     n, d = x.shape

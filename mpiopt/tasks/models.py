@@ -1,30 +1,9 @@
-"""Image classifiers for the torch front end: an MLP, a small CNN and the CIFAR ResNet-20.
+"""Image classifiers for the torch front end: an MLP, a small CNN and the CIFAR ResNet-20 (and the GPT by name).
 
-:func:`build_model` builds one by name for any ``(C, H, W)`` input and class
-count.  The convolutional models end in adaptive average pooling, so the
-same model works on the 1x8x8 digits and on 3x32x32 CIFAR-10 images.  Every
-model has one :class:`torch.nn.Dropout` just before its final linear layer
-(``p = dropout``, default 0: off, and then it draws no random numbers).
-
-Parameter counts (``c`` input channels, ``n = C*H*W`` input values, ``k``
-classes, ``w`` the width):
-
-- ``mlp``: ``(n w + w) + (w^2 + w) + (w k + k)``; 1,126,410 for ``w = 1024``
-  on 8x8 digits.
-- ``cnn``: ``9 c w + 2 w + 18 w^2 + 4 w + 8 w k + k`` (convolutions without
-  bias, each followed by BatchNorm's scale and shift).
-- ``resnet20``: 269,722 for ``w = 16`` on 3x32x32 with 10 classes (the
-  paper's 0.27M); ``tests/unit/test_models.py`` derives it layer by layer.
-
-Initialisation draws from torch's global generator, so ``torch.manual_seed``
-before :func:`build_model` gives the same weights every time.
-
-Example
--------
 >>> torch.manual_seed(0)
 >>> model = build_model("resnet20", input_shape=(3, 32, 32), num_classes=10)
->>> model(torch.zeros(8, 3, 32, 32)).shape
-torch.Size([8, 10])
+
+Architectures and parameter counts: docs/internals-tasks.md, "Models".
 """
 
 from __future__ import annotations
@@ -57,56 +36,16 @@ def build_model(
     dropout: float = 0.0,
     **gpt_sizes: int,
 ) -> nn.Module:
-    """Build the classifier ``name`` for inputs of ``input_shape``.
+    """Build the model ``name`` (:data:`MODELS` or :data:`LANGUAGE_MODELS`) for inputs of ``input_shape``.
 
-    Parameters
-    ----------
-    name : str
-        One of :data:`MODELS` or :data:`LANGUAGE_MODELS`:
-
-        - ``"mlp"``: flatten, two hidden ``Linear`` + ``ReLU`` layers of
-          ``width`` units (default 128), a linear output layer.
-        - ``"cnn"``: two 3x3 convolutions (``width`` and ``2 width`` channels,
-          default ``width`` 32), each with BatchNorm and ReLU; 2x2 max pooling
-          after the first, adaptive average pooling to 2x2 after the second;
-          a linear head.
-        - ``"resnet20"``: ResNet-20 for CIFAR (He et al. 2016, "Deep residual
-          learning for image recognition", section 4.2): a 3x3 convolution,
-          three stages of three basic blocks with ``width``, ``2 width`` and
-          ``4 width`` channels (default 16/32/64; the second and third stages
-          start with stride 2), global average pooling, a linear head.
-          Shortcuts are the paper's option A: identity, and where a stage
-          halves the resolution and doubles the channels, subsampling by 2
-          with zero-filled extra channels (no parameters).
-        - ``"gpt"``: a decoder-only transformer over tokens (:class:`mpiopt.tasks.gpt.GPT`):
-          ``input_shape`` is ``(block_size,)``, ``num_classes`` the vocabulary,
-          the sizes from ``gpt_sizes`` (defaults :data:`~mpiopt.tasks.gpt.GPT_DEFAULTS`).
-    input_shape : sequence of int
-        Shape of one sample: ``(C, H, W)``; the MLP accepts any shape and
-        flattens it.
-    num_classes : int
-        Number of output logits (>= 2).
-    width : int, optional
-        Hidden units (``mlp``) or channels of the first convolution (``cnn``,
-        ``resnet20``); the defaults are given above.
-    dropout : float
-        Probability of the dropout before the final linear layer, in [0, 1)
-        (``gpt``: on the embeddings, attention and residual branches).
-    **gpt_sizes : int
-        ``gpt`` only: ``n_layer``, ``n_embd``, ``n_head`` (None: the default).
-
-    Returns
-    -------
-    torch.nn.Module
-        Maps a float32 batch ``(N, *input_shape)`` to logits ``(N, num_classes)``.
+    ``width``: hidden units (``mlp``) or first channels (``cnn``, ``resnet20``); ``dropout``: before the final
+    layer (``gpt``: embeddings, attention and residuals); ``gpt_sizes``: ``n_layer``, ``n_embd``, ``n_head``.
+    Returns a module mapping ``(N, *input_shape)`` to logits ``(N, num_classes)``.
 
     Raises
     ------
-    ValueError
-        Unknown ``name``, an ``input_shape`` the model cannot take, or an out
-        of range ``num_classes``, ``width`` or ``dropout``.
-    TypeError
-        A count or ``dropout`` of the wrong type.
+    ValueError, TypeError
+        Unknown ``name``, a shape the model cannot take, or a count or ``dropout`` out of range or of the wrong type.
     """
     if name not in MODELS + LANGUAGE_MODELS:
         raise ValueError(f"unknown model {name!r}; expected one of {', '.join(map(repr, MODELS + LANGUAGE_MODELS))}")

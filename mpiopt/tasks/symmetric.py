@@ -1,26 +1,7 @@
-"""A small non-convex objective with symmetric minima: the "curse of symmetry".
+"""A non-convex objective with mirror-image minima, ``f(x) = sum_j (x_j^2 - 1)^2``: the "curse of symmetry" of LSGD.
 
-Teng et al. (LSGD, NeurIPS 2019) argue that averaging workers that sit in
-mirror-image minima lands between them, where the objective need not be
-minimal; a leader, being one of the workers, is always a real point of the
-landscape.  This module is the smallest instance of that picture:
-
-    f(x) = sum_j (x_j^2 - 1)^2,    x in R^d
-
-- gradient ``4 x_j (x_j^2 - 1)``; the Hessian is diagonal, ``12 x_j^2 - 4``;
-- minima: every ``x`` with all ``x_j = +-1`` (``2^d`` of them, ``f = 0``,
-  Hessian ``8 I``), mirror images of each other under ``x -> -x``;
-- ``x = 0`` is a stationary point with Hessian ``-4 I``: a local maximum,
-  ``f = d``.  (Points mixing 0 and +-1 coordinates are saddles.)
-
-:func:`mirrored_starts` places worker ``2k`` in the positive well and worker
-``2k + 1`` at its mirror image, so the workers' average is 0, the maximum;
-with an odd number of workers the last one starts at 0 itself.  From there
-EASGD's centre stays at the average (a stationary point that is not a
-minimum) while LSGD's workers follow a leader into one well.
-
-Arrays are float64 by default (the tests ask for gradient norms below 1e-6);
-the functions accept any floating dtype and keep it.
+Workers started in mirror-image wells average to the maximum at 0, where EASGD's centre stays and LSGD's
+leader does not.  Details: docs/internals-tasks.md.
 """
 
 from __future__ import annotations
@@ -57,22 +38,9 @@ def is_local_minimum(x: np.ndarray, tol: float = 1e-6) -> bool:
 
 
 def mirrored_starts(workers: int, dim: int, seed: int = 0, low: float = 0.3, high: float = 1.6) -> np.ndarray:
-    """Starting points, one row per worker, in mirror-image wells.
+    """Starting points, one row per worker: row ``2k`` uniform in ``[low, high]^dim``, row ``2k + 1`` its negative.
 
-    Row ``2k`` is drawn uniformly from ``[low, high]^dim`` (inside the basin
-    of the minimum ``(1, ..., 1)`` when ``0 < low``), row ``2k + 1`` is its
-    negative; an unpaired last row is 0.  The rows sum to exactly 0.
-
-    Parameters
-    ----------
-    workers : int
-        Number of rows (>= 1).
-    dim : int
-        Number of coordinates (>= 1).
-    seed : int
-        Seed of the draws; every rank can rebuild all rows.
-    low, high : float
-        Range of the positive coordinates, ``0 < low <= high``.
+    An unpaired last row is 0, so the rows sum to exactly 0.  ``0 < low <= high``.
     """
     if workers < 1 or dim < 1:
         raise ValueError(f"workers and dim must be >= 1, got workers={workers}, dim={dim}")

@@ -1,21 +1,7 @@
-"""Byte-level language modelling data: a token stream of UTF-8 text, random training windows, fixed held-out windows.
+"""Byte-level language modelling data: the standard library's sources (or ``--data-dir``) as one token stream.
 
-``--dataset text`` reads a fixed list of the Python standard library's own
-source files (:data:`STDLIB_FILES`, under ``sysconfig.get_paths()["stdlib"]``,
-about 4 MB), so the task needs no download.  The files differ between Python
-versions, so the token stream (and its sha256) is fixed per Python version,
-not across versions.  ``--data-dir DIR`` reads every file under ``DIR``
-whose suffix is in :data:`TEXT_SUFFIXES` instead (recursively, in sorted
-order of their relative paths); each must be UTF-8.
-
-Tokens are the bytes of the files, concatenated in order (vocabulary 256).
-The last :data:`HELD_OUT_FRACTION` of the stream is held out for evaluation.
-A training batch is ``B`` windows of ``block_size + 1`` bytes (input the
-first ``block_size``, target the last ``block_size``) at offsets drawn from
-the rank's contiguous shard of the training stream by a generator of
-(seed, rank, step) only, so a resumed run draws exactly what an
-uninterrupted one would.  Evaluation reads fixed, non-overlapping windows
-evenly spaced over the held-out stream (at most :data:`EVAL_WINDOWS`).
+Training windows are drawn from (seed, rank, step) only, so resumes are exact; evaluation reads fixed windows.
+Corpus and sampling: docs/internals-tasks.md, "Text data".
 """
 
 from __future__ import annotations
@@ -94,12 +80,7 @@ def _read_utf8(path: Path) -> bytes:
 
 
 class WindowSampler:
-    """One rank's training batches: ``batch_size`` random windows of its contiguous shard of the training stream.
-
-    The offsets of step ``s`` come from a generator of (seed, rank, step)
-    only.  An epoch is the training stream's length over the tokens all
-    ranks read per step (``block_size * batch_size * world_size``).
-    """
+    """One rank's training batches: ``batch_size`` random windows of its contiguous shard, drawn from (seed, rank, step)."""
 
     def __init__(self, stream: np.ndarray, block_size: int, *, rank: int, world_size: int, batch_size: int, seed: int) -> None:
         self.block_size, self.batch_size, self.seed, self.rank = block_size, batch_size, seed, rank
@@ -126,21 +107,7 @@ class WindowSampler:
 
 @dataclass(frozen=True)
 class TextDataset:
-    """A byte-level token stream split into training and held-out parts.
-
-    Attributes
-    ----------
-    name : str
-        ``"text"``.
-    train, held_out : numpy.ndarray
-        uint8 token streams.
-    block_size : int
-        Tokens of context per window.
-    files : tuple of Path
-        What was read, in order.
-    description : str
-        Where the text came from.
-    """
+    """A byte-level token stream split into ``train`` and ``held_out`` (uint8), with its ``files`` and ``block_size``."""
 
     name: str
     train: np.ndarray
@@ -186,14 +153,7 @@ class TextDataset:
 
 
 def load_text(data_dir: Optional[str | Path] = None, *, block_size: int = 128) -> TextDataset:
-    """Read the corpus (:func:`text_files`) as bytes; the last :data:`HELD_OUT_FRACTION` of the stream is held out.
-
-    Raises
-    ------
-    DatasetError
-        A missing standard-library file, a folder without text files, a file
-        that is not UTF-8 (named), or too little text for ``block_size``.
-    """
+    """Read the corpus as bytes, the last :data:`HELD_OUT_FRACTION` held out; ``DatasetError`` names what is missing or bad."""
     block_size = check_count("block_size", block_size, 1)
     files = text_files(data_dir)
     stream = np.frombuffer(bytearray(b"".join(_read_utf8(p) for p in files)), dtype=np.uint8)

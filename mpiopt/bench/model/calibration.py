@@ -13,14 +13,7 @@ __all__ = ["fit", "calibrate"]
 
 
 def fit(points: Sequence[Tuple[int, float, float]], op: str, medium: str) -> Tuple[float, float]:
-    """Weighted least-squares ``(alpha, beta) >= 0`` for ``op`` from ``(P, n, seconds)`` points.
-
-    Each residual is divided by the square root of its time: between
-    absolute error (where the largest messages alone set both parameters)
-    and relative error (where the small messages' scheduling noise on a
-    loaded machine drags ``beta`` below the link's), as if a call's noise
-    grew with the square root of its time.
-    """
+    """Weighted least-squares ``(alpha, beta) >= 0`` for ``op`` from ``(P, n, seconds)`` points, residuals over sqrt(time)."""
     if len(points) < 2:
         raise ValueError(f"fitting {op} needs at least 2 points, got {len(points)}")
     A = np.array([[latency_terms(op, P), wire_bytes(op, P, n, medium)] for P, n, _ in points], dtype=np.float64)
@@ -65,21 +58,8 @@ def _message(record: Mapping[str, Any], P: int, density: float) -> Optional[Tupl
 def calibrate(runs: Sequence[Mapping[str, Any]], medium: Optional[str] = None) -> Dict[str, Any]:
     """Fit every collective's ``alpha`` and ``beta`` to ``bench collectives`` JSON documents of one link.
 
-    Parameters
-    ----------
-    runs : sequence of dict
-        The documents (``world_size``, ``link_bits_per_second``,
-        ``emulated_link``, ``density``, ``results``), typically one per
-        world size.
-    medium : {"switched", "shared"}, optional
-        Default: ``shared`` if the runs were inside the emulated link, else
-        ``switched``.
-
-    Returns
-    -------
-    dict
-        ``{"medium", "link_bits_per_second", "collectives": {op: {"alpha",
-        "beta", "points": [{"P", "n", "measured", "predicted", "error"}]}}}``.
+    ``medium`` defaults to ``shared`` for runs inside the emulated link, else ``switched``.  Returns
+    ``{"medium", "link_bits_per_second", "collectives": {op: {"alpha", "beta", "points"}}}``.
     """
     if not runs:
         raise ValueError("calibrate needs at least one bench collectives document")

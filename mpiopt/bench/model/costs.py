@@ -1,7 +1,6 @@
 """The alpha-beta cost of one collective: its latency terms and wire bytes over ``P`` ranks on a medium.
 
-The forms (MPICH's algorithms for large messages) are tabled in the
-docstring of :mod:`mpiopt.bench.model`.
+The forms (MPICH's algorithms for large messages) are tabled in docs/scaling.md, "Method".
 """
 
 from __future__ import annotations

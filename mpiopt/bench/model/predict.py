@@ -35,15 +35,9 @@ def _hyper(name: str, hyper: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
 
 
 def plan(name: str, d: int, P: int, hyper: Optional[Mapping[str, Any]] = None, groups: Optional[Sequence[int]] = None) -> List[Call]:
-    """The collective calls of one step of synchronous algorithm ``name`` (d float32 parameters, P ranks), averaged over a cycle.
+    """The calls of one step of synchronous ``name`` (d float32 parameters, P ranks), averaged over its cycle.
 
-    The algorithm's own plan (``Algorithm.communication``) over the steps
-    after which it repeats, each call's ``count`` divided by their number.
-
-    Raises
-    ------
-    ValueError
-        An unknown or asynchronous algorithm, or groups that do not add up to ``P``.
+    ``ValueError`` for an unknown or asynchronous algorithm, or groups that do not add up to ``P``.
     """
     cls = algorithm_class(name)
     if cls.protocol != SYNCHRONOUS:
@@ -83,13 +77,7 @@ def step_seconds(
     name: str, d: int, P: int, compute: float, model: Mapping[str, Any],
     hyper: Optional[Mapping[str, Any]] = None, groups: Optional[Sequence[int]] = None,
 ) -> Dict[str, float]:
-    """Predicted seconds per step of synchronous ``name``: ``{"compute", "comm", "total"}``.
-
-    ``compute`` is the step's local computation (forward, backward and the
-    algorithm's own work).  ``comm`` is what the step waits for: everything
-    but ``dasgd``'s averaging, of which only ``max(0, t - delay_steps
-    compute)`` per averaging is exposed.
-    """
+    """Predicted ``{"compute", "comm", "total"}`` seconds per step; ``dasgd``'s averaging exposes only what outlasts its delay."""
     comm = comm_seconds(plan(name, d, P, hyper, groups), model, compute)
     return {"compute": compute, "comm": comm, "total": compute + comm}
 
@@ -97,20 +85,9 @@ def step_seconds(
 def async_seconds(
     d: int, P: int, compute: float, model: Mapping[str, Any], messages: Optional[Sequence[float]] = None
 ) -> Dict[str, Any]:
-    """A parameter server's seconds per ``P`` gradients: P-1 workers, one server whose link carries ``messages`` per update.
+    """A parameter server's seconds per ``P`` gradients, and whether the server (``server_bound``) sets that rate.
 
-    ``messages`` are the bytes the server receives and sends per update
-    (the algorithm's ``server_messages``; default a 4d-byte gradient in and
-    4d bytes of parameters out, one after the other).
-
-    Returns ``{"compute", "comm", "total", "server_bound"}``: ``total`` is
-    ``P`` over the gradients per second, ``server_bound`` whether the
-    server, not the workers, sets that rate.
-
-    Point-to-point messages cost ``alpha + bytes beta`` with the
-    allreduce's calibration; on a shared medium a worker's send and the
-    server's reply also share the one link, which the same serialisation
-    already counts.
+    ``messages``: bytes the server receives and sends per update, one after the other (default 4d in, 4d out).
     """
     if P < 2:
         raise ValueError(f"a parameter server needs a server and a worker: P >= 2, got {P}")
@@ -131,12 +108,7 @@ def at_rate(model: Mapping[str, Any], bits_per_second: float, medium: str = "swi
 
 
 def validate(model: Mapping[str, Any], measured: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
-    """Predicted against measured step time for every algorithm of every ``bench algorithms`` document.
-
-    The prediction's computation is the measured ``compute`` + ``algorithm``
-    seconds (the model's input); the communication is the model's.  The
-    measured step is the sum of all four phases.
-    """
+    """Predicted (model communication on measured computation) against measured step time, per algorithm and document."""
     rows = []
     for doc in measured:
         if doc.get("benchmark") != "algorithms":
@@ -163,12 +135,7 @@ def project(
     algorithms: Optional[Sequence[str]] = None,
     alpha: Optional[float] = None,
 ) -> List[Dict[str, Any]]:
-    """Projected seconds per step and speed-up over ``sgd`` for every (model, rate, ranks, algorithm) on a switched network.
-
-    ``models`` are ``(label, parameters, compute seconds per step)``; every
-    algorithm runs with ``mpiopt train``'s hyperparameters and one group of
-    all ranks (``lsgd`` without node-local pulls).
-    """
+    """Projected seconds per step and speed-up over ``sgd`` per (model, rate, ranks, algorithm) on a switched network."""
     baseline = next(cls.name for cls in registered() if cls.baseline)
     rows = []
     for rate in rates:

@@ -1,9 +1,6 @@
 """Aggregation of the workers' payloads: ``G = (1/N) sum_n sent_n`` where some worker sent.
 
-The plain way scatter-adds each worker's payload into a zeroed dense
-aggregate, then divides at the union of the indices sent.  With the C loops,
-:func:`merge_sorted_rows` merges the sorted rows and :func:`settle_aggregate`
-writes ``G`` (and the update ``x -= lr G``) in one walk: the same floats.
+Scatter-adds into a zeroed dense aggregate, or with the C loops one merge and one walk: the same floats.
 """
 
 from __future__ import annotations
@@ -23,27 +20,7 @@ __all__ = [
 
 
 def scatter_add(out: Any, indices: Any, values: Any) -> Any:
-    """``out[indices] += values`` for one worker's sparse contribution.
-
-    Correct because one worker's indices are unique: the fancy-indexed ``+=``
-    gathers each ``out[i]`` once, adds, and writes it back once (with repeated
-    indices only one of the additions would land, which is why workers'
-    payloads are added one call each and never concatenated).  It costs O(k),
-    unlike ``np.add.at`` (slow) or ``np.bincount`` (O(d) per call).
-
-    Parameters
-    ----------
-    out : array, 1-D floating, length d
-        The dense aggregate, updated in place.
-    indices : array of int, shape (k,)
-        Unique, sorted ascending, in ``[0, d)``.
-    values : array, shape (k,)
-
-    Returns
-    -------
-    array
-        ``out``.
-    """
+    """``out[indices] += values`` for one worker's payload: O(k), correct because its indices are unique; returns ``out``."""
     check_array("out", out, ndim=1, kinds="f")
     _check_indices("indices", indices, out.shape[0])
     check_array("values", values, ndim=1, kinds="f")
@@ -62,10 +39,7 @@ def zero_at(out: Any, indices: Any) -> Any:
 
 
 def divide_at(out: Any, indices: Any, divisor: int) -> Any:
-    """``out[indices] /= divisor`` in place, ``divisor`` in ``out``'s dtype (one C loop for int32 numpy indices).
-
-    Nothing to do for a divisor of 1 (x / 1 is x).
-    """
+    """``out[indices] /= divisor`` in place (one C loop for int32 numpy indices; nothing for 1)."""
     if divisor == 1:
         return out
     if not _indexed(_DIVIDE, out, indices, scalar=float(divisor)):
@@ -74,12 +48,7 @@ def divide_at(out: Any, indices: Any, divisor: int) -> Any:
 
 
 def subtract_scaled_at(x: Any, indices: Any, y: Any, scale: float) -> Any:
-    """``x[indices] -= scale * y[indices]`` (``scale`` in ``x``'s dtype, each product rounded), in place.
-
-    The paper's top-k update on the entries where the aggregate is non-zero;
-    with int32 numpy indices one C loop, without the k-element temporaries
-    of fancy indexing.  Returns ``x``.
-    """
+    """``x[indices] -= scale * y[indices]`` in place (products rounded); one C loop for int32 numpy indices.  Returns ``x``."""
     if not _indexed(_SUB_SCALED, x, indices, y, scale):
         x[indices] -= scale * y[indices]
     return x
@@ -90,35 +59,10 @@ MERGE_MAX_ROWS = _sparsec.MERGE_MAX_ROWS if _sparsec is not None else 8
 
 
 def merge_sorted_rows(index_rows: list, value_rows: list, d: int, union_out: Any, sums_out: Any) -> Optional[Tuple[Any, Any]]:
-    """The sorted union of sorted index rows, and per union entry the sum of the rows' values there.
+    """``(union, sums)``: the sorted union of sorted index rows and the row-order sums there (the scatter-adds' floats).
 
-    The sums are formed from 0 by adding the rows' values in row order: the
-    floats of zeroing a dense vector and :func:`scatter_add`-ing the rows one
-    after the other, without a random access per row.
-
-    Parameters
-    ----------
-    index_rows : list of int32 arrays
-        At most :data:`MERGE_MAX_ROWS` rows, each unique and ascending in ``[0, d)``.
-    value_rows : list of arrays
-        The values, row by row (float32 or float64, like ``sums_out``).
-    d : int
-        The length of the dense vector.
-    union_out : array of int32
-    sums_out : array like the values
-        Room for the union.
-
-    Returns
-    -------
-    (union, sums) or None
-        Views of the outputs; None where the C loops cannot run (not built,
-        not numpy, more rows, other dtypes), and the caller aggregates by
-        scatter-adding instead.
-
-    Raises
-    ------
-    ValueError
-        A row that is not unique, ascending and in range, or outputs too small.
+    Views of ``union_out`` and ``sums_out``; None where the C loops cannot run (the caller scatter-adds instead).
+    ``ValueError`` for rows that are not unique, ascending and in range, or outputs too small.
     """
     arrays = [*index_rows, *value_rows, union_out, sums_out]
     if _sparsec is None or len(index_rows) > MERGE_MAX_ROWS or not all(isinstance(a, np.ndarray) for a in arrays):
@@ -136,38 +80,10 @@ def merge_sorted_rows(index_rows: list, value_rows: list, d: int, union_out: Any
 def settle_aggregate(
     out: Optional[Any], union: Any, sums: Any, divisor: int, stale: Any = None, params: Any = None, lr: float = 0.0,
 ) -> None:
-    """``out[union] = sums / divisor``, the other ``stale`` entries zeroed; with ``params``, ``params[union] -= lr * out[union]``.
+    """``out[union] = sums / divisor``, ``stale`` entries zeroed, and ``params[union] -= lr * out[union]``, in one C walk.
 
-    One walk over the sorted ``union`` and ``stale`` (C loops): the floats of
-    :func:`zero_at`, :func:`divide_at` (skipped for 1) and
-    :func:`subtract_scaled_at`, one random access per entry instead of one per
-    pass.  ``sums`` is overwritten with ``out[union]``: the aggregate's
-    non-zero values in order, which an update can read instead of all of
-    ``out`` (:func:`~mpiopt.kernels.update.sgd_update`'s ``grad_support``).
-
-    Parameters
-    ----------
-    out : numpy array, 1-D float32 or float64, C-contiguous, or None
-        The dense aggregate, updated in place; None: left unwritten (``G``
-        is then only in ``sums``, and ``stale`` is not read).
-    union, sums : arrays
-        What :func:`merge_sorted_rows` returned (int32 indices, ascending, and
-        values of ``out``'s dtype); ``sums`` becomes ``out[union]``.
-    divisor : int
-        The number of workers.
-    stale : int32 array, optional
-        The previous union, ascending (not sharing memory with ``union``);
-        None: ``out`` is zero outside ``union`` already.
-    params : array like ``out``, optional
-        Updated by ``-lr * G`` at the union.
-    lr : float
-
-    Raises
-    ------
-    ValueError
-        The C loops not built (only :func:`merge_sorted_rows`' results are
-        settled here), arrays of other dtypes, non-contiguous arrays, or
-        indices that are not unique, ascending and in range.
+    ``sums`` becomes ``out[union]`` (for ``sgd_update``'s ``grad_support``); ``out=None`` leaves ``G`` only there.
+    ``ValueError`` when the C loops were not built or the arrays do not fit.
     """
     arrays = [a for a in (out, union, sums, stale, params) if a is not None]
     if _sparsec is None or not all(isinstance(a, np.ndarray) and a.flags.c_contiguous and a.flags.aligned for a in arrays):
@@ -181,16 +97,7 @@ def settle_aggregate(
 
 
 def union_of_sorted(arrays: list, d: int, bits: Any = None, out: Any = None) -> Any:
-    """Sorted union of sorted index arrays in ``[0, d)``.
-
-    With ``bits`` (uint8, ``ceil(d / 8)``) and ``out`` (int32, room for the
-    union) on numpy with the C loops: the indices are marked in the bitmap and
-    read back in order, allocating nothing, and a view of ``out`` is returned
-    (one array is copied there as it is).
-    Otherwise a stable sort of the concatenation merges the already sorted
-    runs (numpy's timsort, far faster than ``np.unique``), then neighbours
-    that repeat are dropped.
-    """
+    """Sorted union of sorted index arrays in ``[0, d)``: through the bitmap ``bits`` into ``out`` with the C loops, else a merge sort."""
     xp = array_module(arrays[0]) if arrays else np
     if len(arrays) == 1 and out is not None and out.shape[0] >= arrays[0].shape[0]:
         union = out[: arrays[0].shape[0]]  # one sorted array is its own union

@@ -1,9 +1,4 @@
-"""Error feedback: ``a = e + g``, send ``a`` at the selected entries, keep the rest in ``e``.
-
-:func:`error_feedback` takes any selection; :func:`feedback_select` fuses
-``a = e + g`` with the top-k (or RegTop-k) selection in one C pass over
-memory, with the same floats and indices.
-"""
+"""Error feedback: ``a = e + g``, send ``a`` at the selected entries, keep the rest in ``e``; optionally fused with top-k."""
 
 from __future__ import annotations
 
@@ -19,30 +14,9 @@ __all__ = ["error_feedback", "take_and_zero", "fused_feedback_available", "feedb
 
 
 def error_feedback(grad: Any, error: Any, select: Callable[[Any], Any], values_out: Any = None) -> Tuple[Any, Any]:
-    """One error-feedback step, in place: ``a = e + g``; send ``a`` on ``S = select(a)``; ``e <- a - a 1_S``.
+    """One error-feedback step in place; returns ``(indices, values)`` to send, ``indices = select(a)``.
 
-    ``error`` holds ``a`` while ``select`` ranks it, so no dense temporary is
-    made.  The sent values are copied from the same float sums that stay in
-    ``error`` elsewhere, so mass is conserved exactly: scattering ``values`` at
-    ``indices`` into the new ``error`` gives ``old error + grad`` bit for bit.
-
-    Parameters
-    ----------
-    grad : array, 1-D floating
-    error : array like ``grad``
-        Updated in place.
-    select : callable
-        ``select(a) -> indices``: unique int indices sorted ascending, e.g.
-        ``lambda a: topk_indices(a, k)``.  It must not modify ``a``.
-    values_out : array like ``grad``, shape (>= len(indices),), optional
-        Where the sent values go (their first entries), instead of a new array.
-
-    Returns
-    -------
-    indices : array of int
-        What ``select`` returned.
-    values : array like ``grad``, shape indices.shape
-        ``a`` at ``indices``, to send.
+    ``error`` holds ``a`` while ``select`` (which must not modify it) ranks it; mass is conserved bit for bit.
     """
     check_array("grad", grad, ndim=1, kinds="f")
     check_array("error", error, ndim=1, kinds="f", dtype=grad.dtype)
@@ -57,21 +31,7 @@ def error_feedback(grad: Any, error: Any, select: Callable[[Any], Any], values_o
 
 
 def take_and_zero(error: Any, indices: Any, values_out: Any = None) -> Any:
-    """``values = error[indices]; error[indices] = 0``: what error feedback sends, and what it keeps.
-
-    Parameters
-    ----------
-    error : array, 1-D floating
-        Updated in place.
-    indices : array of int
-        Checked positions (unique, in range).
-    values_out : array like ``error``, shape (>= len(indices),), optional
-        Where the values go (their first entries), instead of a new array.
-
-    Returns
-    -------
-    array like ``error``, shape indices.shape
-    """
+    """``values = error[indices]; error[indices] = 0``: what error feedback sends, and what it keeps."""
     if values_out is not None and _indexed(_TAKE_ZERO, error, indices, values_out[: indices.shape[0]]):
         return values_out[: indices.shape[0]]
     values = error[indices]
@@ -80,19 +40,7 @@ def take_and_zero(error: Any, indices: Any, values_out: Any = None) -> Any:
 
 
 def fused_feedback_available(grad: Any, error: Any, workspace: Optional[TopkWorkspace]) -> bool:
-    """Whether :func:`feedback_select` can run on these arrays.
-
-    Parameters
-    ----------
-    grad, error : arrays
-    workspace : TopkWorkspace or None
-
-    Returns
-    -------
-    bool
-        True for numpy arrays of the workspace's length and dtype, C-contiguous
-        and not overlapping, when the C loops were built.
-    """
+    """Whether :func:`feedback_select` can run: numpy arrays fitting ``workspace``, contiguous, disjoint, C loops built."""
     return (
         workspace is not None and workspace.fits(error, workspace.k) and isinstance(grad, np.ndarray)
         and grad.dtype == error.dtype and grad.shape == error.shape and grad.flags.c_contiguous
@@ -103,45 +51,11 @@ def fused_feedback_available(grad: Any, error: Any, workspace: Optional[TopkWork
 def feedback_select(
     grad: Any, error: Any, k: int, workspace: TopkWorkspace, *, sent_indices: Any = None, sent_factors: Any = None,
 ) -> FeedbackSelection:
-    """Error feedback's ``a = e + g`` (into ``error``) and the top-k selection of ``a``, in one pass over memory.
+    """``error += grad`` and the top-k (or RegTop-k) selection of it, in one pass over memory; a :class:`FeedbackSelection`.
 
-    The same as ``error += grad`` followed by ``topk_indices(error, k)`` (Top-k),
-    or by ``topk_indices(regtopk_scores(error, ...), k, absolute=False)``
-    (RegTop-k, with the paper's ``q``, whose unsent entries score ``|a_j|``):
-    a threshold is estimated from a strided sample of ``e + g`` (the same float
-    sums), and one C loop (:mod:`mpiopt.kernels.threads`' threads) adds,
-    stores and collects the candidates that reach it.
-
-    Parameters
-    ----------
-    grad, error : arrays
-        As :func:`error_feedback`'s; :func:`fused_feedback_available` must hold.
-    k : int
-        ``workspace.k``, with ``0 < k <= d``.
-    workspace : TopkWorkspace
-        Made for ``error``'s length, ``k`` and dtype; its buffers are
-        overwritten.
-    sent_indices, sent_factors : arrays, optional
-        RegTop-k: the entries sent last step (int32, ascending) and their
-        regularizers (:func:`~mpiopt.kernels.sparse.regtopk_sent_factors`), which multiply ``|a_j|``
-        there in the same pass (no gathers of ``e`` and ``g`` at them).
-
-    Returns
-    -------
-    FeedbackSelection
-        ``indices``: the k indices (``workspace.selected``), or None when the
-        candidates did not fit the workspace (rare; the caller selects with
-        the general code) or the gradient is not finite; ``error`` holds
-        ``a`` all the same.  ``finite``: whether every element of ``grad``
-        is finite, checked in the same pass (the algorithms' gradient check
-        under ``nan_policy="raise"``, with no pass of its own).
-
-    Raises
-    ------
-    ValueError
-        Arrays :func:`fused_feedback_available` refuses, ``k`` that is not the
-        workspace's or not in ``[1, d]``, or only one of ``sent_indices`` and
-        ``sent_factors`` (or lengths that differ).
+    The same result as ``error += grad`` then ``topk_indices``; ``sent_indices`` and ``sent_factors`` (both or
+    neither) give RegTop-k's factors at last step's entries.  ``indices`` is None when the candidates overflow the
+    workspace (the caller selects with the general code) or ``grad`` is not finite.
     """
     if not fused_feedback_available(grad, error, workspace):
         raise ValueError("feedback_select needs numpy arrays of the workspace's length and dtype and the C loops (fused_feedback_available)")

@@ -1,11 +1,4 @@
-"""Sorted int32 index sets: the check of the convention, and the C loops that work at such indices.
-
-Every sparse kernel takes and returns indices that are int32, unique and
-sorted ascending, so a vector has fewer than ``2**31`` entries.  ``_sparsec``
-(None where it was not built) is loaded here for the whole package;
-``_indexed`` runs one of its element operations at an index set in one C loop,
-without the k-element intp copy that numpy's fancy indexing makes.
-"""
+"""Sorted int32 index sets: the check of the convention, and the C loops (``_sparsec``) that work at such indices."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """The sparse wire format: k (index, value) pairs of a length-d vector as one uint8 payload.
 
-Layout: an 8-byte header of two native-endian uint32 (format code, k), then
-the k values in index order in the parameters' dtype (float32 or float64),
-then either the k int32 indices (``"pairs"``) or a ``ceil(d / 8)``-byte bitmap
-in the bit order of :mod:`mpiopt.kernels.signs` (``"bitmap"``, for k > d / 32).
-The format depends only on (k, d), so with a fixed k every rank's payload has
-the same :func:`encoded_nbytes` (one Allgather instead of an Allgatherv).
+The format (pairs or bitmap) depends only on (k, d), so with a fixed k every payload has the same size (one
+Allgather, not Allgatherv).  Layout: docs/internals-kernels.md, "Sparse vectors".
 """
 
 from __future__ import annotations
@@ -26,21 +22,7 @@ _HEADER_BYTES = 8
 
 
 def payload_format(k: int, d: int) -> str:
-    """The smaller encoding of k of d entries: ``"pairs"`` (8k bytes) or ``"bitmap"`` (ceil(d/8) + 4k bytes).
-
-    Ties go to ``"pairs"``.
-
-    Parameters
-    ----------
-    k : int
-        Number of entries sent, ``0 <= k <= d``.
-    d : int
-        Vector length.
-
-    Returns
-    -------
-    str
-    """
+    """The smaller encoding of k of d entries: ``"pairs"`` (8k bytes) or ``"bitmap"`` (ceil(d/8) + 4k bytes); ties to pairs."""
     d = check_count("d", d, 0, _MAX_LENGTH)
     k = check_count("k", k, 0, d)
     return "pairs" if 4 * k <= packed_nbytes(d) else "bitmap"
@@ -54,48 +36,15 @@ def _value_type(dtype: Any) -> np.dtype:
 
 
 def encoded_nbytes(k: int, d: int, dtype: Any = np.float32) -> int:
-    """Size in bytes of :func:`encode`'s payload for k of d entries (to size buffers).
-
-    Parameters
-    ----------
-    k : int
-    d : int
-    dtype : float32 or float64, optional
-        The values' type (the parameters').
-
-    Returns
-    -------
-    int
-        ``8 + s k + min(4k, ceil(d / 8))`` with ``s`` the value size (4 or 8 bytes).
-    """
+    """Bytes of :func:`encode`'s payload for k of d entries: ``8 + s k + min(4k, ceil(d / 8))``, ``s`` the value size."""
     index_bytes = 4 * k if payload_format(k, d) == "pairs" else packed_nbytes(d)
     return _HEADER_BYTES + _value_type(dtype).itemsize * k + index_bytes
 
 
 def encode(indices: Any, values: Any, d: int, out: Any = None, dtype: Any = np.float32, check_indices: bool = True) -> Any:
-    """Encode k (index, value) pairs of a length-d vector in the smaller format.
+    """Encode k (index, value) pairs of a length-d vector in the smaller format, optionally into ``out``.
 
-    Parameters
-    ----------
-    indices : array of int, shape (k,)
-        Unique, sorted ascending, in ``[0, d)``.
-    values : array of ``dtype``, shape (k,)
-    d : int
-        Vector length (< 2**31).
-    out : array of uint8, shape (encoded_nbytes(k, d, dtype),), optional
-        Where to write the payload (e.g. a send buffer).
-    dtype : float32 or float64, optional
-        The payload's value type (the parameters'); :func:`decode` is told
-        the same.
-    check_indices : bool, optional
-        False skips the check that ``indices`` are unique and sorted (for
-        indices a checked call has just returned, e.g. :func:`~mpiopt.kernels.sparse.error_feedback`);
-        they must still be in ``[0, d)``.
-
-    Returns
-    -------
-    array of uint8, shape (encoded_nbytes(k, d, dtype),)
-        See the module docstring for the layout.
+    ``check_indices=False`` skips the uniqueness and order check for indices a checked call just returned.
     """
     d = check_count("d", d, 0, _MAX_LENGTH)
     xp = check_array("values", values, ndim=1, kinds="f", dtype=_value_type(dtype))
@@ -131,32 +80,9 @@ def encode(indices: Any, values: Any, d: int, out: Any = None, dtype: Any = np.f
 
 
 def decode(payload: Any, d: int, dtype: Any = np.float32, indices_out: Any = None) -> Tuple[Any, Any]:
-    """Decode a payload of :func:`encode`.
+    """``(indices, values)`` of a payload of :func:`encode`, as views into it (the bitmap's indices into ``indices_out``).
 
-    Parameters
-    ----------
-    payload : array of uint8
-        Exactly one payload (``encoded_nbytes(k, d, dtype)`` bytes).
-    d : int
-        Vector length the payload was encoded for.
-    dtype : float32 or float64, optional
-        The values' type it was encoded with.
-    indices_out : array of int32, shape (>= k,), optional
-        Where the bitmap format's indices go (its first k entries); ignored
-        by the pairs format, whose indices are read in place.
-
-    Returns
-    -------
-    indices : array of int32, shape (k,)
-        Sorted ascending.  A view into ``payload`` for the pairs format (into
-        ``indices_out`` for the bitmap format, when given).
-    values : array of ``dtype``, shape (k,)
-        A view into ``payload``.
-
-    Raises
-    ------
-    ValueError
-        The payload is not one that :func:`encode` makes for this ``d``.
+    ``ValueError`` when the payload is not one ``encode`` makes for this ``d`` and ``dtype``.
     """
     d = check_count("d", d, 0, _MAX_LENGTH)
     xp = check_array("payload", payload, ndim=1, kinds="u", dtype=np.uint8)

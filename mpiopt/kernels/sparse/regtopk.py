@@ -1,11 +1,7 @@
 """RegTop-k's scores (Bereyhi et al. 2024/2025): Top-k's ``|a_j|`` times a regularizer from last step.
 
-Where the other workers cancelled what this worker sent last step, the
-regularizer ``tanh(|1 + delta_j| / mu)`` drops toward 0 and the entry stays in
-the error buffer.  RegTop-k selects with
-``topk_indices(regtopk_scores(...), k, absolute=False)``, or with
-:func:`~mpiopt.kernels.sparse.feedback.feedback_select` given
-:func:`regtopk_sent_factors`.
+Where other workers cancelled what this worker sent, ``tanh(|1 + delta_j| / mu)`` drops toward 0 and the entry
+stays in the error buffer.  Formula: docs/internals-kernels.md, "Sparse vectors".
 """
 
 from __future__ import annotations
@@ -25,18 +21,7 @@ __all__ = ["unsent_factor", "regtopk_sent_factors", "regtopk_scores"]
 
 
 def unsent_factor(mu: float, q: float) -> float:
-    """RegTop-k's ``tanh(|1 + q| / mu)``: the factor of ``|a_j|`` for entries not sent last step.
-
-    Parameters
-    ----------
-    mu, q : float
-        RegTop-k's ``mu`` (> 0) and ``Q``, as :func:`regtopk_scores` takes them.
-
-    Returns
-    -------
-    float
-        Exactly 1.0 for the paper's ``q = 1e8`` and any ``mu`` it uses.
-    """
+    """RegTop-k's ``tanh(|1 + q| / mu)`` for entries not sent last step: exactly 1.0 for the paper's ``q = 1e8``."""
     return math.tanh(abs(1.0 + q) / mu)
 
 
@@ -54,35 +39,10 @@ def regtopk_sent_factors(
     sent_indices: Any, sent_values: Any, prev_aggregate: Optional[Any], n_workers: int, mu: float, q: float, workspace: Optional[TopkWorkspace],
     prev_support: Optional[Tuple[Any, Any]] = None,
 ) -> Optional[Any]:
-    """RegTop-k's regularizer ``tanh(|1 + delta_j| / mu)`` at the sent entries, in ``workspace.rows[2]``.
+    """The regularizer at last step's sent entries, in ``workspace.rows[2]``, for :func:`feedback_select` to apply.
 
-    :func:`regtopk_scores` is this factor times ``|a_j|`` at the sent entries
-    (and ``|a_j|`` times the unsent entries' factor elsewhere); the factor
-    needs only last step's selection and aggregate, so it is ready before
-    ``a = e + g`` is formed, and :func:`~mpiopt.kernels.sparse.feedback_select` multiplies it by
-    ``|a_j|`` in its pass (``sent_factors``).  The floats of
-    :func:`regtopk_scores`' general code: its expression up to the tanh in
-    one C loop, then numpy's tanh, in the workspace's k-sized rows
-    (``rows[0]`` and ``rows[1]`` are free again afterwards), so nothing is
-    allocated.
-
-    Parameters
-    ----------
-    sent_indices, sent_values, prev_aggregate, n_workers, mu, q
-        As :func:`regtopk_scores` takes them (the scalars are checked);
-        ``sent_indices`` must be checked already (what a previous selection
-        returned), at most ``workspace.k``.
-    workspace : TopkWorkspace or None
-    prev_support : (indices, values), optional
-        ``G_prev``'s non-zero entries (int32, ascending) and its values there:
-        read instead of ``prev_aggregate`` (which may then be None), in one
-        walk beside ``sent_indices`` with no random access.
-
-    Returns
-    -------
-    array or None
-        The factors (the workspace's ``rows[2]``, overwritten by the next
-        call), or None where the workspace or the C loops cannot compute them.
+    It needs only last step's selection and aggregate (or ``prev_support``), so it is ready before ``a`` is formed.
+    None where the workspace or the C loops cannot compute it; the floats of :func:`regtopk_scores`.
     """
     n_workers = _check_regularizer_scalars(n_workers, mu, q)
     return _sent_factors(sent_indices, sent_values, prev_aggregate, n_workers, mu, q, workspace, prev_support)
@@ -124,48 +84,10 @@ def regtopk_scores(
     check_indices: bool = True,
     workspace: Optional[TopkWorkspace] = None,
 ) -> Any:
-    """RegTop-k scores ``tanh(|1 + delta_j| / mu) * |a_j|`` (Bereyhi et al.).
+    """RegTop-k scores ``tanh(|1 + delta_j| / mu) * |a_j|`` of ``acc = g + e``, for ``topk_indices(..., absolute=False)``.
 
-    ``delta_j = (G_prev_j - w s_j) / (w s_j)`` for the entries this worker sent
-    last round (``w = 1 / n_workers``, ``s_j`` the value it sent, which is also
-    the paper's ``a_ref_j``), and ``delta_j = q`` for the others (and for sent
-    values that were exactly 0, where the ratio is undefined), so those rank as
-    in Top-k.  ``|1 + delta_j| = |G_prev_j| / |w s_j|`` compares last round's
-    aggregate with this worker's share of it: where the other workers cancelled
-    the entry the score drops toward 0 and the entry stays in the error buffer.
-
-    Parameters
-    ----------
-    acc : array, 1-D floating, length d
-        ``a = g + e``, the error-compensated gradient.
-    sent_indices : array of int, shape (k_prev,)
-        What this worker sent last round: unique, sorted ascending (empty in
-        the first round).
-    sent_values : array, shape (k_prev,)
-        The values it sent at those indices.
-    prev_aggregate : array like ``acc``
-        Last round's aggregate ``G_prev = (1/N) sum_n sent_n`` (dense).
-    n_workers : int
-        N.
-    mu : float
-        > 0; the paper uses 4 (linear regression) and 5 (CIFAR).
-    q : float, optional
-        ``delta`` of entries not sent last round (the paper's Q, large).
-    out : array like ``acc``, optional
-        Where to write the scores (may be a scratch buffer reused each step).
-    check_indices : bool, optional
-        False skips the check that ``sent_indices`` are unique, sorted and in
-        range (for indices a checked call has returned, such as
-        :func:`~mpiopt.kernels.sparse.error_feedback`'s last step).
-    workspace : TopkWorkspace, optional
-        Made for ``acc``'s length and dtype and at least ``k_prev`` entries:
-        the per-entry terms of the sent entries are computed in its buffers
-        (numpy with the C loops), with the same floats, and nothing is allocated.
-
-    Returns
-    -------
-    array like ``acc``
-        Non-negative scores for ``topk_indices(scores, k, absolute=False)``.
+    ``delta_j`` compares last round's aggregate with this worker's share at ``sent_indices``, and is ``q`` elsewhere.
+    ``workspace`` computes the sent entries' terms without allocating; ``check_indices=False`` trusts checked indices.
     """
     xp = check_array("acc", acc, ndim=1, kinds="f")
     d = acc.shape[0]

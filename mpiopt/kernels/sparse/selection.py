@@ -1,10 +1,4 @@
-"""Top-k selection: the indices of the k largest scores, exact, in about one pass.
-
-A threshold is estimated from a strided sample, one cache-blocked scan
-collects the candidates that reach it, and the exact top k is chosen among
-them.  With a :class:`TopkWorkspace` and the C loops the scan and the choice
-allocate nothing; the result is the same either way.
-"""
+"""Top-k selection: the indices of the k largest scores, exact, in about one pass (a sampled threshold, then one scan)."""
 
 from __future__ import annotations
 
@@ -35,28 +29,7 @@ _SCAN_BLOCK = 1 << 18
 
 
 def density_to_k(d: int, density_or_count: float | int) -> int:
-    """Number of entries to send: a count as is, or a density as ``round(density * d)``.
-
-    Parameters
-    ----------
-    d : int
-        Vector length (>= 1).
-    density_or_count : int or float
-        An ``int`` is a count in ``[1, d]``; a ``float`` is a density in
-        ``(0, 1]`` (so ``1`` means one entry and ``1.0`` means all of them).
-
-    Returns
-    -------
-    int
-        k in ``[1, d]`` (a tiny density still sends one entry).
-
-    Raises
-    ------
-    TypeError
-        Neither an int nor a float (``bool`` is rejected).
-    ValueError
-        Out of range.
-    """
+    """Entries to send, in ``[1, d]``: an ``int`` count as is, a ``float`` density in ``(0, 1]`` as ``round(density * d)``."""
     d = check_count("d", d, 1)
     value = density_or_count
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
@@ -99,20 +72,9 @@ def _sample_threshold(xp: ModuleType, sample: Any, rank: int, absolute: bool, sc
 
 
 class TopkWorkspace:
-    """Buffers that let :func:`topk_indices` select ``k`` of ``d`` numpy values without allocating.
+    """Buffers that let :func:`topk_indices` select ``k`` of ``d`` numpy values without allocating (needs the C loops).
 
-    Sized for the candidates the threshold estimate lets through (twice the
-    expected number); a call with more candidates (ties at the threshold, a
-    rare estimate) falls back to the allocating code, with the same result.
-    Needs the C loops (``mpiopt.kernels._sparsec``); without them
-    :func:`topk_indices` ignores it.
-
-    Parameters
-    ----------
-    d, k : int
-        Vector length and entries selected.
-    dtype : float32 or float64
-        The values' type.
+    Sized for twice the expected candidates; more fall back to the allocating code with the same result.
     """
 
     def __init__(self, d: int, k: int, dtype: Any) -> None:
@@ -156,11 +118,7 @@ def _candidates(xp: ModuleType, values: Any, threshold: Any, absolute: bool) -> 
 
 
 def _select(xp: ModuleType, candidates: Any, scores: Any, k: int, workspace: Optional[TopkWorkspace] = None) -> Any:
-    """The k candidates of highest score (no NaN among them), lowest index first among ties.
-
-    With a ``workspace``, every temporary is one of its buffers and the result
-    is ``workspace.selected``.
-    """
+    """The k candidates of highest score (no NaN), lowest index first among ties; into the ``workspace`` when given."""
     n = candidates.shape[0]
     if workspace is None:
         kth = xp.partition(scores, n - k)[n - k]
@@ -181,17 +139,7 @@ def _select(xp: ModuleType, candidates: Any, scores: Any, k: int, workspace: Opt
 
 
 class FeedbackSelection(NamedTuple):
-    """What :func:`~mpiopt.kernels.sparse.feedback_select` returns.
-
-    Attributes
-    ----------
-    indices : array of int32 or None
-        The k selected indices (``workspace.selected``), or None when the
-        candidates did not fit the workspace (rare) or ``finite`` is False.
-    finite : bool
-        Whether every element of the gradient was finite (checked in the same
-        pass).
-    """
+    """What ``feedback_select`` returns: ``indices`` (None when the candidates overflowed or ``finite`` is False), ``finite``."""
 
     indices: Optional[Any]
     finite: bool
@@ -202,10 +150,8 @@ def _scan_select(
 ) -> FeedbackSelection:
     """One C scan (``values += grad`` first, when given) into the workspace, and the k best of its candidates.
 
-    The entries at ``over`` score ``over_factors`` times their usual score.
-    ``indices`` is None when fewer than k or more candidates than the
-    workspace holds reach ``threshold``, or when ``grad`` is not finite
-    (``values`` has been updated all the same); ``finite`` is True without ``grad``.
+    Entries at ``over`` score ``over_factors`` times their usual score; ``indices`` is None when fewer than k or
+    too many candidates reach ``threshold`` or ``grad`` is not finite.
     """
     n, finite = _sparsec.scan(
         values, grad, values.shape[0], values.dtype.itemsize, float(threshold), absolute, over, over_factors,
@@ -217,34 +163,10 @@ def _scan_select(
 
 
 def topk_indices(values: Any, k: int, *, absolute: bool = True, workspace: Optional[TopkWorkspace] = None) -> Any:
-    """Indices of the ``k`` largest ``|values|`` (or ``values``), sorted ascending.
+    """Indices of the ``k`` largest ``|values|`` (or ``values`` with ``absolute=False``), int32 sorted ascending.
 
-    Exact, and about one pass over ``values``: a threshold is estimated from a
-    strided sample (up to 65,536 entries), one cache-blocked scan collects the
-    candidates that reach it (about ``k`` plus a few standard deviations), and
-    the exact top k is chosen among them.  If the estimate was too high (fewer
-    than k candidates; rare) every entry becomes a candidate, which costs about
-    two more passes.
-
-    Parameters
-    ----------
-    values : array, 1-D floating, length d < 2**31
-    k : int
-        ``0 <= k <= d``; ``k = d`` returns every index, ``k = 0`` none.
-    absolute : bool, optional
-        Rank by ``|values|`` (default, Top-k).  ``False`` ranks by ``values``
-        themselves, for precomputed scores such as :func:`~mpiopt.kernels.sparse.regtopk_scores`
-        (saves the ``|.|`` pass).
-    workspace : TopkWorkspace, optional
-        Buffers made for this ``d``, ``k`` and dtype: the call then allocates
-        nothing (numpy with the C loops; ignored otherwise), and returns
-        ``workspace.selected``, which the next call overwrites.
-
-    Returns
-    -------
-    array of int32, shape (k,)
-        Sorted ascending.  Of equal scores at the k-th place the lowest indices
-        are taken; NaN ranks below every number (``-inf`` included).
+    Exact, in about one pass.  Ties at the k-th place take the lowest indices; NaN ranks below every number.
+    With a ``workspace`` nothing is allocated and the result is ``workspace.selected`` (overwritten next call).
     """
     xp = check_array("values", values, ndim=1, kinds="f")
     d = values.shape[0]
