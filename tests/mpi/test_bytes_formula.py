@@ -1,4 +1,4 @@
-"""The README's per-step byte formulas (mpiopt.bench.algorithms.expected_bytes) against the ledger, every synchronous algorithm."""
+"""Each algorithm's per-step byte formulas (mpiopt.bench.algorithms.expected_bytes) against the ledger, every synchronous algorithm."""
 
 from __future__ import annotations
 

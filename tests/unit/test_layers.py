@@ -12,7 +12,7 @@ from typing import Dict, List, Set
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "mpiopt")
 
-#: Bottom up: a module may import its own layer and those below (the README's architecture section).
+#: Bottom up: a module may import its own layer and those below (CONTRIBUTING.md, "Architecture").
 LAYERS = [
     {"_version", "arrays"},
     {"comm", "kernels"},
