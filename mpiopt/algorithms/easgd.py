@@ -51,7 +51,8 @@ from ..arrays import empty_apart
 from ..comm import Topology
 from ..comm.ledger import Call
 from ..kernels.update import elastic_pull, fused_update_available
-from .base import BASE, SynchronousAlgorithm, _plain, due_steps
+from ..comm.communicator import plain
+from .base import BASE, SynchronousAlgorithm, due_steps
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .schema import Hyperparameter, Schema, check_positive, optional, positive
 from .registry import register
@@ -156,7 +157,7 @@ class EASGD(LocalStepState, SynchronousAlgorithm):
     @classmethod
     def resize_skip(cls, saved: Mapping[str, Any], here: Mapping[str, Any], old_size: int, new_size: int) -> Tuple[str, ...]:
         # alpha and beta = N alpha cannot both stay at another N: accept the run when either does (the one its settings fixed).
-        plain_saved, plain_here = _plain(dict(saved)), _plain(dict(here))
+        plain_saved, plain_here = plain(dict(saved)), plain(dict(here))
         return ("alpha", "beta") if any(plain_saved.get(k) == plain_here.get(k) for k in ("alpha", "beta")) else ()
 
     def __init__(

@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .base import hyperparameter_lines
+from .state import hyperparameter_lines
 from .registry import algorithm_class
 
 __all__ = [
