@@ -175,14 +175,13 @@ class AsyncLSGD(ServerStateMixin, LSGDState, AsynchronousAlgorithm):
     state_arrays = ("momentum_buffer", "leader_copy", "recent_losses")
     state_scalars = ("losses_seen", "last_local_leader", "last_global_leader", "pulls_local", "pulls_global")
 
-    def __init__(self, topology: Topology, *, lr: float = 0.1, report_every: int = 1, nan_policy: str = "raise", **lsgd: Any) -> None:
-        if nan_policy != "raise":
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        super().__init__(topology, **hyperparameters)
+        if self.nan_policy != "raise":
             raise ValueError(
-                f"nan_policy must be 'raise' for async_lsgd (skipping is decided collectively, not asynchronously), got {nan_policy!r}"
+                f"nan_policy must be 'raise' for async_lsgd (skipping is decided collectively, not asynchronously), got {self.nan_policy!r}"
             )
-        super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.rule = LSGDRule(**lsgd)
-        self.report_every = self.schema["report_every"].validate(report_every)
+        self.rule = LSGDRule(**LSGD_RULE.pick(self._values))
         self.pulls_local = 0
         self.pulls_global = 0
         self.last_local_leader = -1

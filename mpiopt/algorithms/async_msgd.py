@@ -157,14 +157,13 @@ class AsyncMSGD(ServerStateMixin, LocalStepState, AsynchronousAlgorithm):
     def server_messages(cls, d: int, itemsize: int = 4) -> Optional[Tuple[float, ...]]:
         return (itemsize * d, itemsize * d)  # a gradient in, the parameters out
 
-    def __init__(self, topology: Topology, *, lr: float = 0.01, momentum: float = 0.9, nan_policy: str = "raise") -> None:
-        if nan_policy != "raise":
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        super().__init__(topology, **hyperparameters)  # lr is the rule's (the property below): set here
+        if self.nan_policy != "raise":
             raise ValueError(
-                f"nan_policy must be 'raise' for async_msgd (skipping is decided collectively, not asynchronously), got {nan_policy!r}"
+                f"nan_policy must be 'raise' for async_msgd (skipping is decided collectively, not asynchronously), got {self.nan_policy!r}"
             )
-        # The rule owns lr (see the property below), so it must exist before the base class sets lr.
-        self.rule = AsyncMSGDRule(lr, momentum)
-        super().__init__(topology, lr=lr, nan_policy=nan_policy)
+        self.rule = AsyncMSGDRule(self._values["lr"], self.momentum)
         self.version = 0
         self.staleness = np.zeros(0, dtype=np.int64)
         self.applied = np.zeros(topology.size, dtype=np.int64)
@@ -183,9 +182,6 @@ class AsyncMSGD(ServerStateMixin, LocalStepState, AsynchronousAlgorithm):
     def local(self) -> LocalSGD:
         """The rule's local optimizer, whose momentum buffer is state."""
         return self.rule.local
-
-    def hyperparameters(self) -> Dict[str, Any]:
-        return {"momentum": self.rule.momentum}
 
     def _allocate(self, params: Any) -> None:
         self.rule.allocate(params)

@@ -17,6 +17,7 @@ import numpy as np
 from ..arrays import array_module, keep_apart
 from ..comm import Topology
 from .inner import LocalStepChoice
+from .local import LOCAL_SGD
 from .nonfinite import NonFinitePolicy
 from .plan import Planned, due_steps
 from .record import StepRecord, record_step
@@ -47,7 +48,8 @@ class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice):
     protocol: ClassVar[str] = ""
     #: Which model a training run evaluates: one of :data:`EVALUATED_MODELS`.
     evaluates: ClassVar[str] = "identical"
-    #: ``mpiopt train``'s starting hyperparameters, where the papers' were chosen for other models.
+    #: ``mpiopt train``'s starting hyperparameters, where the papers' were chosen for other models; where a class
+    #: and its bases below Algorithm set none, the schema's ``training`` values (``lr``: 0.05).
     training_defaults: ClassVar[Mapping[str, Any]] = {"lr": 0.05}
     #: How each state entry moves to another world size (rules of :mod:`~mpiopt.algorithms.resize`); None: it cannot.
     resize_rules: ClassVar[Optional[Mapping[str, Any]]] = None
@@ -85,17 +87,32 @@ class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice):
     #: Attribute names of scalars (int, float, bool, str) that make up the state.
     state_scalars: ClassVar[Tuple[str, ...]] = ()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        setter = next(c for c in cls.__mro__ if "training_defaults" in c.__dict__ and "_derived_training" not in c.__dict__)
+        if setter is Algorithm:
+            cls.training_defaults = {e.name: e.training for e in cls.schema if e.training is not None}
+            cls._derived_training = True
+
     @classmethod
     def resize_skip(cls, saved: Mapping[str, Any], here: Mapping[str, Any], old_size: int, new_size: int) -> Tuple[str, ...]:
         """Hyperparameters that may differ when resuming ``saved`` as ``here`` on another world size."""
         return ()
 
-    def __init__(self, topology: Topology, *, lr: float, nan_policy: str = "raise") -> None:
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        """Check every keyword against :attr:`schema`, fill in its defaults and set each as an attribute.
+
+        A name the class computes (a property: Top-k's ``k``, LSGD's rule
+        values) is left to it; every value is in :attr:`_values` for the class
+        to hand on.  Cross-field checks belong after ``super().__init__``.
+        """
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be an mpiopt.Topology, got {type(topology).__name__}")
         self.topology = topology
-        self.lr = float(self.schema["lr"].validate(lr))
-        self.nan_policy = self.schema["nan_policy"].validate(nan_policy)
+        self._values = self.schema.complete(hyperparameters, what=self.name or type(self).__name__)
+        for name, value in self._values.items():
+            if not isinstance(getattr(type(self), name, None), property):
+                setattr(self, name, value)
         self.steps = 0
         self.last: Optional[StepRecord] = None
         self.num_params: Optional[int] = None
@@ -104,8 +121,11 @@ class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice):
 
     # -- what subclasses provide -----------------------------------------------------
     def hyperparameters(self) -> Dict[str, Any]:
-        """The hyperparameters as plain data (checked for agreement, saved in checkpoints), execution knobs aside."""
-        raise NotImplementedError
+        """The schema's entries as plain data (checked for agreement, saved in checkpoints): ``lr``, ``nan_policy`` and
+        execution knobs aside; an inner optimizer's name stands for the built-in update's entries."""
+        inner = self.inner
+        names = [e.name for e in self.schema if e.name not in BASE and not e.execution and not (inner and e.name in LOCAL_SGD)]
+        return {**{name: getattr(self, name) for name in names}, **(inner.hyperparameters() if inner else {})}
 
     def execution(self) -> Dict[str, Any]:
         """The execution knobs' values (the schema's ``execution`` entries, kept as attributes of the same name)."""

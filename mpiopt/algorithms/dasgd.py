@@ -55,14 +55,15 @@ Example
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Optional
 
 from ..arrays import empty_apart
 from ..comm import Topology
 from ..comm.ledger import Call
 from ..kernels.update import MERGE_RULES, Merge, merge_average
-from .base import BASE, SynchronousAlgorithm, due_steps
-from .inflight import PROGRESS, InFlight, PendingBuffer, check_progress, progress_knobs
+from .base import BASE, SynchronousAlgorithm
+from .inflight import PROGRESS, InFlight, PendingBuffer, check_progress
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .schema import Hyperparameter, Schema, choice, in_range, positive
 from .registry import register
@@ -134,42 +135,19 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
     wire_summary = "4d every `period` steps, hidden"
     update_goal = 1.5
 
+    periodic_allreduce = "period"
+
     @classmethod
     def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
-        count = due_steps(hyper["period"], steps)
-        return [Call("iallreduce", itemsize * d, ranks, count, overlap_steps=int(hyper["delay_steps"]))]
+        # The periodic Allreduce, nonblocking: in flight across delay_steps steps.
+        calls = super()._plan(d, ranks, hyper, groups, steps, itemsize)
+        return [replace(call, op="iallreduce", overlap_steps=int(hyper["delay_steps"])) for call in calls]
 
-    @classmethod
-    def plan_cycle(cls, hyper: Mapping[str, Any]) -> int:
-        return int(hyper["period"])
-
-    def __init__(
-        self,
-        topology: Topology,
-        *,
-        lr: float = 0.1,
-        period: int = 4,
-        delay_steps: int = 1,
-        merge: str = "delayed",
-        update_proportion: float = 0.25,
-        progress: str = "test",
-        progress_interval: float = 0.002,
-        tests_per_poke: int = 8,
-        momentum: float = 0.9,
-        dampening: float = 0.0,
-        nesterov: bool = False,
-        weight_decay: float = 0.01,
-        nan_policy: str = "raise",
-    ) -> None:
-        super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.period = self.schema["period"].validate(period)
-        self.delay_steps = self.schema["delay_steps"].validate(delay_steps)
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        super().__init__(topology, **hyperparameters)
         if self.delay_steps >= self.period:
-            raise ValueError(f"delay_steps must be < period ({period}): the next averaging would start first; got {delay_steps}")
-        self.merge = self.schema["merge"].validate(merge)
-        self.update_proportion = self.schema["update_proportion"].validate(update_proportion)
-        self.progress, self.progress_interval, self.tests_per_poke = progress_knobs(progress, progress_interval, tests_per_poke)
-        self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
+            raise ValueError(f"delay_steps must be < period ({self.period}): the next averaging would start first; got {self.delay_steps}")
+        self.local = LocalSGD.from_values(self._values)
         #: Step after which the average in flight is merged; 0 when none is pending.
         self.merge_step = 0
         self._snapshot: Optional[Any] = None  # w_k, kept for the delayed rule's merge (the proportion rule needs none)
@@ -200,15 +178,6 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
         if state.get("scalars", {}).get("merge_step") and any(state["arrays"].get(k) is None for k in needed):
             raise ValueError("dasgd state has a pending merge (merge_step > 0) but lacks its snapshot or sum")
         super().load_state_dict(state, override_hyperparameters=override_hyperparameters)
-
-    def hyperparameters(self) -> Dict[str, Any]:
-        return {
-            "period": self.period,
-            "delay_steps": self.delay_steps,
-            "merge": self.merge,
-            "update_proportion": self.update_proportion,
-            **self.local.hyperparameters(),
-        }
 
     # -- the algorithm --------------------------------------------------------------------
     def _allocate(self, params: Any) -> None:

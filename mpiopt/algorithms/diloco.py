@@ -70,15 +70,14 @@ read as a reference only:
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, List, Optional
 
 import numpy as np
 
 from ..arrays import empty_apart
 from ..comm import Topology
-from ..comm.ledger import Call
 from ..kernels.update import sgd_update
-from .base import BASE, SynchronousAlgorithm, due_steps
+from .base import BASE, SynchronousAlgorithm
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .registry import register
 from .resize import COPY, FOLLOW
@@ -168,49 +167,16 @@ class DiLoCo(LocalStepState, SynchronousAlgorithm):
     wire_summary = "4d every `period` steps"
     update_goal = 1.3
 
-    @classmethod
-    def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
-        return [Call("allreduce", itemsize * d, ranks, due_steps(hyper["period"], steps))]
+    periodic_allreduce = "period"
 
-    @classmethod
-    def plan_cycle(cls, hyper: Mapping[str, Any]) -> int:
-        return int(hyper["period"])
-
-    def __init__(
-        self,
-        topology: Topology,
-        *,
-        lr: float = 0.1,
-        period: int = 500,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        outer_nesterov: bool = True,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        nesterov: bool = False,
-        weight_decay: float = 0.0,
-        nan_policy: str = "raise",
-    ) -> None:
-        super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.period = self.schema["period"].validate(period)
-        self.outer_lr = float(self.schema["outer_lr"].validate(outer_lr))
-        self.outer_momentum = float(self.schema["outer_momentum"].validate(outer_momentum))
-        self.outer_nesterov = bool(self.schema["outer_nesterov"].validate(outer_nesterov))
-        self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        super().__init__(topology, **hyperparameters)
+        self.local = LocalSGD.from_values(self._values)
         self.theta_start: Optional[Any] = None
         self.outer_momentum_buffer: Optional[Any] = None  # zeros from setup when outer_momentum > 0
         self._outer_work: List[Any] = []
         self.outer_steps = 0
         self._sum: Optional[Any] = None  # receives sum_i theta_i, then holds Delta
-
-    def hyperparameters(self) -> Dict[str, Any]:
-        return {
-            "period": self.period,
-            "outer_lr": self.outer_lr,
-            "outer_momentum": self.outer_momentum,
-            "outer_nesterov": self.outer_nesterov,
-            **self.local.hyperparameters(),
-        }
 
     def _allocate(self, params: Any) -> None:
         self.local.allocate(params)

@@ -45,14 +45,13 @@ Example
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 from ..arrays import empty_apart
 from ..comm import Topology
-from ..comm.ledger import Call
 from ..kernels.update import elastic_pull, fused_update_available
 from ..comm.communicator import plain
-from .base import BASE, SynchronousAlgorithm, due_steps
+from .base import BASE, SynchronousAlgorithm
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .schema import Hyperparameter, Schema, check_positive, optional, positive
 from .registry import register
@@ -146,13 +145,7 @@ class EASGD(LocalStepState, SynchronousAlgorithm):
     wire_summary = "4d every `period` steps"
     update_goal = 1.5
 
-    @classmethod
-    def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
-        return [Call("allreduce", itemsize * d, ranks, due_steps(hyper["period"], steps))]
-
-    @classmethod
-    def plan_cycle(cls, hyper: Mapping[str, Any]) -> int:
-        return int(hyper["period"])
+    periodic_allreduce = "period"
 
     @classmethod
     def resize_skip(cls, saved: Mapping[str, Any], here: Mapping[str, Any], old_size: int, new_size: int) -> Tuple[str, ...]:
@@ -160,30 +153,13 @@ class EASGD(LocalStepState, SynchronousAlgorithm):
         plain_saved, plain_here = plain(dict(saved)), plain(dict(here))
         return ("alpha", "beta") if any(plain_saved.get(k) == plain_here.get(k) for k in ("alpha", "beta")) else ()
 
-    def __init__(
-        self,
-        topology: Topology,
-        *,
-        lr: float = 0.1,
-        alpha: Optional[float] = None,
-        beta: Optional[float] = None,
-        period: int = 4,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        nesterov: bool = False,
-        weight_decay: float = 0.0,
-        nan_policy: str = "raise",
-    ) -> None:
-        super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.alpha, self.beta = moving_rates(alpha, beta, topology.size)
-        self.period = self.schema["period"].validate(period)
-        self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        super().__init__(topology, **hyperparameters)
+        self.alpha, self.beta = moving_rates(self.alpha, self.beta, topology.size)
+        self.local = LocalSGD.from_values(self._values)
         self.center: Optional[Any] = None
         self._mean: Optional[Any] = None  # receives sum_i x_i
         self._work: Optional[Any] = None
-
-    def hyperparameters(self) -> Dict[str, Any]:
-        return {"alpha": self.alpha, "beta": self.beta, "period": self.period, **self.local.hyperparameters()}
 
     def _allocate(self, params: Any) -> None:
         self.local.allocate(params)

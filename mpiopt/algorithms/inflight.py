@@ -8,8 +8,7 @@ it only so far: :func:`poke` makes several back-to-back ``Test`` calls; a
 and completes it (``Wait``) when the result is needed.
 
 Both algorithms take the same three execution knobs, declared once here
-(:data:`PROGRESS`) and checked once (:func:`progress_knobs` when
-constructed, :func:`check_progress` at set-up):
+(:data:`PROGRESS`, checked by the base class's constructor) and checked at set-up by :func:`check_progress`:
 
 - ``progress``: who pokes.  ``"test"`` one poke per step (plus the training
   loop's ``progress_hook()`` calls), ``"thread"`` a helper thread every
@@ -25,12 +24,12 @@ They change who drives MPI, never what is computed.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional
 
 from ..comm import Request, Topology, is_gpu_array
 from .schema import Hyperparameter, Schema, choice, positive
 
-__all__ = ["PROGRESS_MODES", "PROGRESS", "progress_knobs", "check_progress", "poke", "ProgressThread", "InFlight", "PendingBuffer"]
+__all__ = ["PROGRESS_MODES", "PROGRESS", "check_progress", "poke", "ProgressThread", "InFlight", "PendingBuffer"]
 
 PROGRESS_MODES = ("test", "thread", "none")
 
@@ -40,15 +39,6 @@ PROGRESS = Schema(
     Hyperparameter("progress_interval", 0.002, positive(), "progress='thread': seconds between the thread's tests", execution=True),
     Hyperparameter("tests_per_poke", 8, positive(integer=True), "progress='test': MPI_Test calls per step", execution=True),
 )
-
-
-def progress_knobs(progress: str, progress_interval: float, tests_per_poke: int) -> Tuple[str, float, int]:
-    """The three knobs checked by their :data:`PROGRESS` entries (the error names the bad one)."""
-    return (
-        PROGRESS["progress"].validate(progress),
-        float(PROGRESS["progress_interval"].validate(progress_interval)),
-        PROGRESS["tests_per_poke"].validate(tests_per_poke),
-    )
 
 
 def check_progress(algorithm_name: str, progress: str, topology: Topology, params: Any) -> None:

@@ -212,30 +212,9 @@ class LSGD(LSGDState, SynchronousAlgorithm):
         period, global_period = periods(hyper)
         return period * global_period // math.gcd(period, global_period)
 
-    def __init__(
-        self,
-        topology: Topology,
-        *,
-        lr: float = 0.1,
-        pull_local: float = 0.1,
-        pull_global: float = 0.1,
-        period: Optional[int] = None,
-        global_period: int = 16,
-        pull_form: str = "paper",
-        proximal: float = 0.0,
-        loss_window: int = 4,
-        momentum: float = 0.9,
-        dampening: float = 0.0,
-        nesterov: bool = True,
-        weight_decay: float = 1e-4,
-        nan_policy: str = "raise",
-    ) -> None:
-        super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.rule = LSGDRule(
-            pull_local=pull_local, pull_global=pull_global, period=period, global_period=global_period,
-            pull_form=pull_form, proximal=proximal, loss_window=loss_window, momentum=momentum,
-            dampening=dampening, nesterov=nesterov, weight_decay=weight_decay,
-        )
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        super().__init__(topology, **hyperparameters)
+        self.rule = LSGDRule(**LSGD_RULE.pick(self._values))
         self.last_local_leader = -1
         self.last_global_leader = -1
         self._leader: Optional[Any] = None  # the latest leader's parameters (Bcast buffer)

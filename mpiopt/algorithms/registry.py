@@ -41,7 +41,7 @@ def register(cls: A) -> A:
 
 
 def _check_schema(cls: Type[Algorithm]) -> None:
-    """The class's schema declares exactly its constructor's keywords, with the same defaults."""
+    """A class that still writes its keywords in a signature (the base class takes them from the schema) matches its schema."""
     parameters = inspect.signature(cls.__init__).parameters
     keywords = {k: p.default for k, p in parameters.items() if p.kind is p.KEYWORD_ONLY}
     passes_on = any(p.kind is p.VAR_KEYWORD for p in parameters.values())

@@ -73,8 +73,9 @@ def check_bool(name: str, value: Any) -> bool:
 
 # -- validators for schema entries: each a function (name, value) -> checked value ----------------------------------
 def positive(*, allow_zero: bool = False, integer: bool = False) -> Check:
-    """A number > 0 (>= 0 with ``allow_zero``), an integer with ``integer``."""
-    return lambda name, value: check_positive(name, value, allow_zero=allow_zero, integer=integer)
+    """A number > 0 (>= 0 with ``allow_zero``): an int with ``integer``, else a float."""
+    convert = int if integer else float
+    return lambda name, value: convert(check_positive(name, value, allow_zero=allow_zero, integer=integer))
 
 
 def in_range(low: float, high: float, *, high_open: bool = False) -> Check:
@@ -121,6 +122,8 @@ class Hyperparameter:
         A parameter group may set it for its own slice of the parameters.
     execution : bool
         An execution knob, not mathematics (see the module docstring).
+    training : Any
+        Where ``mpiopt train`` starts instead of ``default`` (the papers' value for other models); None: it does not.
     """
 
     name: str
@@ -129,6 +132,7 @@ class Hyperparameter:
     help: str
     per_group: bool = False
     execution: bool = False
+    training: Any = None
 
     def validate(self, value: Any) -> Any:
         """The checked value (its error names this entry and the value)."""
@@ -192,6 +196,15 @@ class Schema:
         """
         self.check_names(values, what=what)
         return {name: self._entries[name].validate(value) for name, value in values.items()}
+
+    def complete(self, values: Mapping[str, Any], *, what: str = "algorithm") -> Dict[str, Any]:
+        """Every entry's checked value: ``values``' where given, else the default (unknown names refused as below)."""
+        self.check_names(values, what=what)
+        return {e.name: e.validate(values.get(e.name, e.default)) for e in self}
+
+    def pick(self, values: Mapping[str, Any]) -> Dict[str, Any]:
+        """The entries of ``values`` this schema declares."""
+        return {name: values[name] for name in self._entries if name in values}
 
     def check_names(self, names: Iterable[str], *, what: str = "algorithm") -> None:
         """Refuse the ``names`` the schema lacks, each with the declared name closest to it, if one is close.

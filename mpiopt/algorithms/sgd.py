@@ -12,7 +12,7 @@ still running: :class:`mpiopt.torch.DistributedOptimizer` with
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, NoReturn, Optional
+from typing import Any, List, Mapping, NoReturn, Optional
 
 from ..arrays import empty_apart
 from ..comm import Topology
@@ -60,24 +60,11 @@ class SGD(LocalStepState, SynchronousAlgorithm):
     def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
         return [Call("allreduce", itemsize * d, ranks, len(steps))]
 
-    def __init__(
-        self,
-        topology: Topology,
-        *,
-        lr: float = 0.1,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        nesterov: bool = False,
-        weight_decay: float = 0.0,
-        nan_policy: str = "raise",
-    ) -> None:
-        super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        super().__init__(topology, **hyperparameters)
+        self.local = LocalSGD.from_values(self._values)
         self._average: Optional[Any] = None
         self._reduced: Optional[Any] = None  # the caller's summed gradient, during step_reduced only
-
-    def hyperparameters(self) -> Dict[str, Any]:
-        return self.local.hyperparameters()
 
     def _allocate(self, params: Any) -> None:
         self.local.allocate(params)

@@ -220,22 +220,8 @@ class Signum(SynchronousAlgorithm):
             calls.append(Call("allgather", nbytes, len(groups), count, 2))
         return calls
 
-    def __init__(
-        self,
-        topology: Topology,
-        *,
-        lr: float = 1e-4,
-        momentum: float = 0.9,
-        weight_decay: float = 1e-4,
-        exchange: str = "auto",
-        pipeline_chunks: Union[int, str] = "auto",
-        nan_policy: str = "raise",
-    ) -> None:
-        super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.momentum = self.schema["momentum"].validate(momentum)
-        self.weight_decay = float(self.schema["weight_decay"].validate(weight_decay))
-        self.exchange = self.schema["exchange"].validate(exchange)
-        self.pipeline_chunks = self.schema["pipeline_chunks"].validate(pipeline_chunks)
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        super().__init__(topology, **hyperparameters)
         self.mode: Optional[str] = None
         self.chunks = 1
         self.momentum_buffer: Optional[Any] = None
@@ -244,11 +230,6 @@ class Signum(SynchronousAlgorithm):
     def vote(self) -> Any:
         """The packed majority vote of the last step (ceil(d/8) bytes, :mod:`mpiopt.kernels` bit order)."""
         return self._voted
-
-    def hyperparameters(self) -> Dict[str, Any]:
-        return {
-            "momentum": self.momentum, "weight_decay": self.weight_decay, "exchange": self.exchange,
-        }
 
     def _allocate(self, params: Any) -> None:
         xp = self._xp

@@ -90,7 +90,7 @@ from ..comm.ledger import Call
 from ..kernels._backend import take_rows
 from .base import BASE, SynchronousAlgorithm, due_steps
 from .diloco import outer_step
-from .inflight import PROGRESS, InFlight, PendingBuffer, check_progress, progress_knobs
+from .inflight import PROGRESS, InFlight, PendingBuffer, check_progress
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .registry import register
 from .resize import COPY, FOLLOW, RESCALE
@@ -210,49 +210,17 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
             for size, offset in zip(sizes, fragment_offsets(period, fragments))
         ]
 
-    @classmethod
-    def plan_cycle(cls, hyper: Mapping[str, Any]) -> int:
-        return int(hyper["period"])
+    periodic_allreduce = "period"  # the cycle; each fragment's share of the Allreduce is in _plan
 
-    def __init__(
-        self,
-        topology: Topology,
-        *,
-        lr: float = 0.1,
-        period: int = 100,
-        fragments: int = 4,
-        layout: str = "contiguous",
-        stride_blocks: int = 8,
-        overlap_steps: int = 1,
-        alpha: float = 0.5,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        outer_nesterov: bool = True,
-        progress: str = "test",
-        progress_interval: float = 0.002,
-        tests_per_poke: int = 8,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        nesterov: bool = False,
-        weight_decay: float = 0.0,
-        nan_policy: str = "raise",
-    ) -> None:
-        super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.period = self.schema["period"].validate(period)
-        self.fragments = self.schema["fragments"].validate(fragments)
-        self.layout = self.schema["layout"].validate(layout)
-        self.stride_blocks = self.schema["stride_blocks"].validate(stride_blocks)
-        self.overlap_steps = self.schema["overlap_steps"].validate(overlap_steps)
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        super().__init__(topology, **hyperparameters)
         if self.fragments > self.period:
-            raise ValueError(f"fragments={fragments} must be at most period={period} (one fragment's start per step)")
+            raise ValueError(f"fragments={self.fragments} must be at most period={self.period} (one fragment's start per step)")
         if self.overlap_steps >= self.period:
-            raise ValueError(f"overlap_steps={overlap_steps} must be less than period={period} (one exchange in flight per fragment)")
-        self.alpha = float(self.schema["alpha"].validate(alpha))
-        self.outer_lr = float(self.schema["outer_lr"].validate(outer_lr))
-        self.outer_momentum = float(self.schema["outer_momentum"].validate(outer_momentum))
-        self.outer_nesterov = bool(self.schema["outer_nesterov"].validate(outer_nesterov))
-        self.progress, self.progress_interval, self.tests_per_poke = progress_knobs(progress, progress_interval, tests_per_poke)
-        self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
+            raise ValueError(
+                f"overlap_steps={self.overlap_steps} must be less than period={self.period} (one exchange in flight per fragment)"
+            )
+        self.local = LocalSGD.from_values(self._values)
         self.theta_start: Optional[Any] = None
         self.outer_momentum_buffer: Optional[Any] = None
         self.merge_steps = np.zeros(self.fragments, np.int64)  # the step after which fragment f merges; 0: none pending
@@ -295,12 +263,8 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         # The strided layout alone records its layout: the contiguous record is what it was before the option
         # existed (stride_blocks does nothing there), so checkpoints saved then still resume, and any other
         # record differs in "layout" from a strided one.
-        strided = {"layout": self.layout, "stride_blocks": self.stride_blocks} if self.layout == "strided" else {}
-        return {
-            "period": self.period, "fragments": self.fragments, **strided, "overlap_steps": self.overlap_steps, "alpha": self.alpha,
-            "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "outer_nesterov": self.outer_nesterov,
-            **self.local.hyperparameters(),
-        }
+        unrecorded = () if self.layout == "strided" else ("layout", "stride_blocks")
+        return {k: v for k, v in super().hyperparameters().items() if k not in unrecorded}
 
     def _allocate(self, params: Any) -> None:
         d = params.shape[0]

@@ -61,7 +61,7 @@ Example
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
@@ -184,21 +184,10 @@ class _SparseSGD(LocalStepState, SynchronousAlgorithm):
         k = Sparsifier(k=hyper.get("k"), density=hyper.get("density")).count(d)
         return [Call("allgather", encoded_nbytes(k, d), ranks, len(steps))]  # every rank's encoded payload
 
-    def __init__(
-        self,
-        topology: Topology,
-        sparsifier: Sparsifier,
-        *,
-        lr: float,
-        momentum: float,
-        dampening: float,
-        nesterov: bool,
-        weight_decay: float,
-        nan_policy: str,
-    ) -> None:
-        super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.sparsifier = sparsifier
-        self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        super().__init__(topology, **hyperparameters)
+        self.sparsifier = Sparsifier(**{f.name: self._values[f.name] for f in fields(Sparsifier) if f.name in self._values})
+        self.local = LocalSGD.from_values(self._values)
         # With momentum or weight decay the step on G is LocalSGD's dense update; otherwise the papers' sparse one.
         self._dense = bool(self.local.momentum or self.local.weight_decay)
         self.worker: Optional[SparseWorker] = None
@@ -366,24 +355,6 @@ class TopK(_SparseSGD):
     resize_rules = {"error": MEAN, "momentum_buffer": COPY}
     update_goal = 2.5
 
-    def __init__(
-        self,
-        topology: Topology,
-        *,
-        lr: float = 0.01,
-        k: Optional[int] = None,
-        density: Optional[float] = None,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        nesterov: bool = False,
-        weight_decay: float = 0.0,
-        nan_policy: str = "raise",
-    ) -> None:
-        super().__init__(
-            topology, Sparsifier(k=k, density=density), lr=lr, momentum=momentum, dampening=dampening,
-            nesterov=nesterov, weight_decay=weight_decay, nan_policy=nan_policy,
-        )
-
 
 @register
 class RegTopK(_SparseSGD):
@@ -423,23 +394,3 @@ class RegTopK(_SparseSGD):
         "sent_indices": ZERO, "sent_values": ZERO, "has_history": NO_HISTORY,
     }
     update_goal = 3.0
-
-    def __init__(
-        self,
-        topology: Topology,
-        *,
-        lr: float = 0.01,
-        k: Optional[int] = None,
-        density: Optional[float] = None,
-        mu: float = 5.0,
-        q: float = 1e8,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        nesterov: bool = False,
-        weight_decay: float = 0.0,
-        nan_policy: str = "raise",
-    ) -> None:
-        super().__init__(
-            topology, Sparsifier(k=k, density=density, mu=mu, q=q), lr=lr, momentum=momentum, dampening=dampening,
-            nesterov=nesterov, weight_decay=weight_decay, nan_policy=nan_policy,
-        )

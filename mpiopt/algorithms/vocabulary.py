@@ -18,6 +18,6 @@ EVALUATED_MODELS = {
 NAN_POLICIES = ("raise", "skip")
 #: The entries every algorithm takes; each class adds its own and re-defaults ``lr`` (``BASE.with_defaults(lr=...)``).
 BASE = Schema(
-    Hyperparameter("lr", 0.1, positive(), "learning rate (schedulers may change it between steps)", per_group=True),
+    Hyperparameter("lr", 0.1, positive(), "learning rate (schedulers may change it between steps)", per_group=True, training=0.05),
     Hyperparameter("nan_policy", "raise", choice(*NAN_POLICIES), "a non-finite gradient ends the job (raise) or skips the step on every rank (skip)"),
 )
