@@ -1,71 +1,8 @@
 """DiLoCo: many local steps, then one outer Nesterov step on the ranks' mean pseudo-gradient.
 
-Douillard et al., "DiLoCo: Distributed Low-Communication Training of
-Language Models", 2023 (arXiv:2311.08105), Algorithm 1.
-
-Every rank runs ``period`` (H) inner steps with its local update (the
-built-in :class:`~mpiopt.algorithms.local.LocalSGD`, or the caller's own
-optimizer through ``use_inner``/``inner=torch.optim.AdamW(...)``: each
-rank keeps its own inner state, never synchronised).  After every H-th
-step::
-
-    Delta      = mean_i (theta_start - theta_i)            one Allreduce of d values
-    theta_new  = OuterSGD(theta_start, Delta)                Nesterov, outer_lr, outer_momentum
-    theta_i    = theta_start = theta_new                     on every rank
-
-``OuterSGD`` is ``torch.optim.SGD``'s rule (the same
-:class:`~mpiopt.algorithms.local.LocalSGD` code as every local step):
-``b = mu b + Delta`` (``b = Delta`` the first time), ``g = Delta + mu b``
-(Nesterov) and ``theta_start - outer_lr g``, in one pass that also writes
-the new parameters.  Sign: the pseudo-gradient is ``theta_start -
-theta_local``, so a positive ``outer_lr`` moves towards the local models;
-``outer_lr=1, outer_momentum=0`` is plain periodic averaging, which is
-computed as the mean itself (``sum / N``) so that it is exact (one rank:
-bitwise the inner update alone).
-
-Defaults: ``outer_lr=0.7``, ``outer_momentum=0.9``, Nesterov, as the paper.
-``period`` defaults to 500, the paper's H (its ablation finds 500 the
-best trade-off for 150M-400M models); the CLI's short training runs use 8
-(``training_defaults``) so that a few hundred steps see many outer steps.
-
-The model to evaluate (``evaluates = "average"``): right after an outer
-step every rank holds the same parameters; in between, ranks differ and
-their average is the model DiLoCo would produce with outer_lr 1.
-
-Comparison with torchft's ``torchft/local_sgd.py`` (``DiLoCo`` class),
-read as a reference only:
-
-* Pseudo-gradient sign: the same.  torchft sets ``p.grad = original -
-  local`` and the outer optimizer steps on it (``theta_start - theta_local``
-  here).
-* Where the outer step starts: the same.  torchft restores the parameters
-  to the saved originals before ``outer_optimizer.step()``; here the outer
-  step is applied to ``theta_start`` and copied to the parameters in the
-  same pass.
-* What is averaged: torchft allreduces the pseudo-gradients (its
-  ``Manager.allreduce`` averages over the participating replicas, whose
-  count may change between steps as replicas join/leave); here the
-  parameters are summed by one Allreduce and ``Delta = theta_start -
-  sum / N`` with the fixed world size N (identical to rounding; fault
-  tolerance and quorum are not mpiopt's business).
-* Outer optimizer: torchft takes any user ``torch.optim`` outer optimizer;
-  here it is fixed to (Nesterov) SGD with the paper's values, so that its
-  state is a flat buffer in the checkpoint and the resize rules.
-* Inner optimizer state: neither syncs it.
-* Fragments / streaming: torchft's ``fragment_sync_delay`` and
-  ``fragment_update_alpha`` (``p.lerp_(local, alpha)``, i.e. ``alpha *
-  local + (1 - alpha) * global``) are ``streaming_diloco``'s
-  ``overlap_steps`` and ``alpha``, with the same meaning of alpha.  torchft
-  fragments by the model's modules as the caller lists them; here fragments
-  are contiguous slices of the flat buffer, or with ``layout="strided"``
-  interleaved blocks standing in for the paper's strided assignment of
-  layers, started at the offsets ``f H // F`` of each period.
-* torchft may quantise the pseudo-gradients for the allreduce
-  (``should_quantize``); here they travel in the parameters' dtype.
-* torchft keeps the outer state (saved originals) per fragment in its own
-  ``state_dict``; here ``theta_start`` and the outer momentum are flat
-  buffers in the algorithm's state, with the exchanges in flight completed
-  but not merged at a checkpoint (as ``dasgd``).
+Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models", 2023 (arXiv:2311.08105),
+Algorithm 1: ``period`` inner steps, one Allreduce, ``theta = OuterSGD(theta_start, mean_i (theta_start - theta_i))``.
+Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
@@ -122,21 +59,6 @@ def outer_step(
 @register
 class DiLoCo(LocalStepState, SynchronousAlgorithm):
     """DiLoCo (Douillard et al. 2023): ``period`` local steps, then an outer Nesterov step on the mean pseudo-gradient.
-
-    Parameters
-    ----------
-    topology : Topology
-        Communicators; the pseudo-gradient is averaged over ``topology.world``.
-    lr : float
-        The inner (local) learning rate.
-    period : int
-        H, inner steps between outer steps.
-    outer_lr, outer_momentum, outer_nesterov
-        The outer SGD's learning rate, momentum and Nesterov flag.
-    momentum, dampening, nesterov, weight_decay
-        The built-in inner update's, as in ``torch.optim.SGD``.
-    nan_policy : {"raise", "skip"}
-        See :class:`~mpiopt.algorithms.base.Algorithm`.
 
     Attributes
     ----------

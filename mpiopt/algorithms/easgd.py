@@ -1,46 +1,8 @@
 """EASGD and EAMSGD: elastic averaging SGD, synchronous, without a parameter server.
 
-Zhang, Choromanska and LeCun, "Deep learning with Elastic Averaging SGD",
-NeurIPS 2015 (arXiv:1412.6651); ALGORITHMS.md "EASGD and EAMSGD".
-
-Every worker runs local SGD (:class:`~mpiopt.algorithms.local.LocalSGD`);
-after every ``period``-th step (``tau``) the workers and the centre variable
-``c`` pull towards each other, the synchronous update of Zhang et al.,
-eqs. (5)-(6), with both right-hand sides evaluated at the same ``x_i``::
-
-    x_i <- x_i - alpha (x_i - c)
-    c   <- c + alpha sum_i (x_i - c)  =  c + beta (mean_i x_i - c),   beta = N alpha
-
-with ``alpha = eta rho`` (``rho`` the elastic coefficient of the paper's
-objective ``f(x_i) + rho/2 ||x_i - c||^2``) and ``N`` workers.  The centre's
-update needs only ``sum_i x_i``: one Allreduce of the parameters per pull
-(4 bytes per float32 parameter each way), and every rank keeps its own,
-identical copy of ``c`` (an extra model in memory, no server rank).
-
-Order within a step: the local SGD step first, then (when the step count is
-a multiple of ``period``) the elastic pull, from the parameters after that
-local step.  This is the schedule of the paper's Algorithm 1 (pull every
-``tau`` steps, then keep stepping from the pulled point), and of the
-reference LSGD code's EASGD; eqs. (5)-(6) with ``tau = 1`` instead take the
-gradient and the elastic difference at the same ``x_t``.
-
-EAMSGD (the paper's Algorithm 2) is the same with Nesterov momentum
-``delta`` in the local steps: ``momentum=delta, nesterov=True`` (the paper
-uses ``delta = 0.99``).
-
-The centre starts as the world average of the parameters given to
-:meth:`~mpiopt.algorithms.base.Algorithm.setup` (one Allreduce): the
-common initial model when all ranks start from the same one, as in the
-paper.
-
-Example
--------
->>> alg = mpiopt.create("easgd", topology, lr=0.05, beta=0.9, period=4)
->>> alg.setup(params)
->>> for batch in data:
-...     loss, grad = compute(params, batch)
-...     alg.step(params, grad, loss=loss)
->>> alg.center        # the centre variable, the model to evaluate
+Zhang, Choromanska and LeCun, "Deep learning with Elastic Averaging SGD", NeurIPS 2015 (arXiv:1412.6651):
+local SGD, and every ``period`` steps the workers and the centre (a copy on every rank) pull together, eqs. (5)-(6).
+Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
@@ -98,27 +60,6 @@ def moving_rates(alpha: Optional[float], beta: Optional[float], workers: int) ->
 @register
 class EASGD(LocalStepState, SynchronousAlgorithm):
     """Synchronous elastic averaging SGD (EASGD; EAMSGD with Nesterov momentum).
-
-    Parameters
-    ----------
-    topology : Topology
-        Communicators; the workers are the ranks of ``topology.world``.
-    lr : float
-        Learning rate ``eta`` of the local steps.
-    alpha : float, optional
-        Moving rate ``alpha = eta rho``: how far a worker moves towards the
-        centre at a pull.  Give ``alpha`` or ``beta``, not both.
-    beta : float, optional
-        ``beta = N alpha``: how far the centre moves towards the workers'
-        mean.  Default 0.9 (the paper) when neither is given; the reference
-        LSGD code uses 0.43.
-    period : int
-        ``tau``: a pull after every ``period``-th step (>= 1).
-    momentum, dampening, nesterov, weight_decay
-        The local optimizer, as in ``torch.optim.SGD``; EAMSGD is
-        ``momentum=0.99, nesterov=True``.
-    nan_policy : {"raise", "skip"}
-        See :class:`~mpiopt.algorithms.base.Algorithm`.
 
     Attributes
     ----------

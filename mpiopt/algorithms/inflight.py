@@ -1,24 +1,8 @@
 """One nonblocking collective in flight, and who pokes it: shared by ``dasgd`` and ``streaming_diloco``.
 
-MPI progresses a nonblocking collective only inside MPI calls (without an
-asynchronous progress thread of the library's own), and one call advances
-it only so far: :func:`poke` makes several back-to-back ``Test`` calls; a
-:class:`ProgressThread` pokes from a helper thread (needs
-``MPI_THREAD_MULTIPLE``); :class:`InFlight` holds a request and its thread
-and completes it (``Wait``) when the result is needed.
-
-Both algorithms take the same three execution knobs, declared once here
-(:data:`PROGRESS`, checked by the base class's constructor) and checked at set-up by :func:`check_progress`:
-
-- ``progress``: who pokes.  ``"test"`` one poke per step (plus the training
-  loop's ``progress_hook()`` calls), ``"thread"`` a helper thread every
-  ``progress_interval`` seconds while a collective is in flight, ``"none"``
-  nobody until the ``Wait`` (for MPICH's own ``MPICH_ASYNC_PROGRESS=1``
-  thread);
-- ``progress_interval``: seconds between the helper thread's pokes;
-- ``tests_per_poke``: ``Test`` calls per poke.
-
-They change who drives MPI, never what is computed.
+Their three execution knobs (:data:`PROGRESS`: who pokes, how often, how many ``Test`` calls) change who drives MPI,
+never what is computed; :func:`check_progress` refuses a helper thread where MPI or the buffers cannot have one.
+Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
 """LSGD's arithmetic on its own, without MPI: what synchronous and asynchronous LSGD share.
 
-Teng et al., NeurIPS 2019; ALGORITHMS.md "LSGD".  The two algorithms differ
-in who decides when to pull and where a leader's parameters come from (an
-election collective and a Bcast in :mod:`~mpiopt.algorithms.lsgd`; a
-server's reply in :mod:`~mpiopt.algorithms.async_lsgd`).  The rest is here,
-written once:
-
-- the hyperparameters, their defaults and their checks;
-- the value that elects a leader, the running mean of a worker's recent
-  losses, and the election rule (:func:`elect`);
-- the local step combined with the pulls, in either pull form, and the
-  proximal pull (:meth:`LSGDRule.step`; the equations are in the module
-  docstring of :mod:`~mpiopt.algorithms.lsgd`);
-- a worker's state over that rule (:class:`LSGDState`, a mixin).
+The hyperparameters, the running-mean loss that elects leaders (:func:`elect`), the local step with its pulls
+(:meth:`LSGDRule.step`) and a worker's state over that rule (:class:`LSGDState`).  Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
@@ -66,11 +55,6 @@ def elect(candidates: Iterable[Tuple[int, float]]) -> int:
 
 class LSGDRule:
     """A worker's LSGD arithmetic: hyperparameters, running-mean loss, the local step with its pulls.
-
-    Parameters
-    ----------
-    **values
-        The keywords of :data:`LSGD_RULE` (documented in :class:`~mpiopt.algorithms.lsgd.LSGD`), checked and defaulted.
 
     Attributes
     ----------

@@ -1,23 +1,8 @@
 """Hyperparameter schemas: what an algorithm takes, its defaults, ranges, and which values are per parameter group.
 
-Every algorithm class declares a :class:`Schema` (``Algorithm.schema``), one
-:class:`Hyperparameter` per keyword of its constructor.  The same entries
-validate the constructor's arguments, ``mpiopt train``'s ``--hp`` and TOML
-tables (before any rank communicates) and the hyperparameters a checkpoint
-carries, and they write the command line's help.
-
-Two kinds of entry:
-
-- *hyperparameters* define the mathematics: every rank must agree on them,
-  checkpoints record them and a resume that changes them is refused (unless
-  overridden);
-- *execution knobs* (``execution=True``) change how the work is done, never
-  its result (a progress mode, a poll count, pipeline chunks): they are
-  neither agreed across ranks nor a reason to refuse a resume.
-
-``per_group`` marks the entries a parameter group may set for its own slice
-of the parameters (``lr``, ``momentum``, ``dampening``, ``nesterov``,
-``weight_decay``).
+One :class:`Schema` per algorithm validates its constructor, ``--hp``, TOML tables and checkpoints, and writes the
+help.  Execution knobs (``execution=True``) change how, never what: neither agreed nor a reason to refuse a resume.
+Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """Data-parallel SGD: the baseline every other algorithm is measured against.
 
-``g = (1/N) sum_i g_i`` by one Allreduce over the flat gradient buffer per
-step (4d bytes sent and received per rank, ALGORITHMS.md "Baseline"), then
-the local step of ``torch.optim.SGD`` (momentum, dampening, Nesterov, weight
-decay).  With one rank it is ``torch.optim.SGD`` itself.
-
-A caller that exchanges the gradient itself (in buckets, while backward is
-still running: :class:`mpiopt.torch.DistributedOptimizer` with
-``overlap=True``) hands the summed gradient to :meth:`SGD.step_reduced`.
+One Allreduce of the gradient per step, then ``torch.optim.SGD``'s local step (one rank: ``torch.optim.SGD`` itself);
+:meth:`SGD.step_reduced` takes a sum the caller exchanged in buckets during backward.  Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
@@ -28,19 +22,7 @@ __all__ = ["SGD"]
 
 @register
 class SGD(LocalStepState, SynchronousAlgorithm):
-    """Synchronous data-parallel SGD with Allreduce.
-
-    Parameters
-    ----------
-    topology : Topology
-        Communicators; the gradient is averaged over ``topology.world``.
-    lr : float
-        Learning rate.
-    momentum, dampening, nesterov, weight_decay
-        As in ``torch.optim.SGD`` (see :class:`~mpiopt.algorithms.local.LocalSGD`).
-    nan_policy : {"raise", "skip"}
-        See :class:`~mpiopt.algorithms.base.Algorithm`.
-    """
+    """Synchronous data-parallel SGD with Allreduce."""
 
     name = "sgd"
     inner_role = "gradient"

@@ -1,81 +1,8 @@
 """Streaming DiLoCo: DiLoCo's outer step fragment by fragment, each fragment's exchange overlapped with tau steps.
 
-Douillard et al., "Streaming DiLoCo with overlapping communication: towards a
-distributed free lunch", 2025 (arXiv:2501.18512).
-
-The flat parameter buffer is split into ``fragments`` (F) fragments by
-``layout``:
-
-- ``"contiguous"`` (default): F contiguous slices in order, fragment f is
-  ``[f d // F, (f + 1) d // F)``;
-- ``"strided"``: the paper's strided assignment, where fragment p holds the
-  layers p, p + F, p + 2F, ... so that every fragment spans the model's
-  whole depth (the paper found it better than contiguous layers).  The
-  algorithm sees one flat buffer: :meth:`setup` takes nothing else, and the
-  groups of :meth:`use_groups` are the optimizer's (decay or not), not
-  layers.  So ``F k`` near-equal blocks ``[i d // (F k), (i + 1) d // (F k))``
-  (``k`` = ``stride_blocks``) stand in for the layers and block i goes to
-  fragment ``i mod F`` (:func:`fragment_blocks`).  A fragment's values are
-  gathered into its own contiguous region of the sum buffer for the
-  exchange (one index array per fragment, built at setup: one integer per
-  parameter in all) and scattered back at the merge; its bytes per
-  exchange are its size, as with contiguous fragments.
-
-The layout is mathematics: ranks must agree on it and checkpoints record
-it (``layout`` and ``stride_blocks``, only when strided: the contiguous
-record is the one from before the option, so those checkpoints resume).
-
-Fragment f starts its exchange after every step ``t`` with
-``t mod H == f H // F`` (``H`` = ``period``: staggered offsets, so at most
-one fragment's bytes start per step when F <= H): the fragment of the local
-parameters is copied (gathered, when strided) into the sum buffer and summed
-over the ranks by a nonblocking in-place ``Iallreduce`` (the in-flight
-machinery of :mod:`~mpiopt.algorithms.inflight`, shared with ``dasgd``).  ``overlap_steps`` (tau) steps later it completes
-and the fragment's outer step is taken, :func:`~mpiopt.algorithms.diloco.outer_step`,
-the same function as ``diloco``'s: ``Delta = theta_start_f - mean_i theta_i,f``
-(the local fragment at the exchange's start) and Nesterov SGD from
-``theta_start_f``.  The new outer fragment is then mixed into the local one
-(the paper's eq. for the overlapped merge; torchft's ``lerp(local, alpha)``)::
-
-    theta_f <- alpha * theta_local_f + (1 - alpha) * theta_outer_f
-
-with ``theta_local_f`` the local fragment *now* (tau steps after the
-exchange started): ``alpha = 0`` discards the local progress made during
-the overlap, ``alpha = 1`` keeps only it.  ``theta_start_f := theta_outer_f``.
-
-With one fragment, ``overlap_steps=0`` and ``alpha=0`` it is ``diloco``
-(in either layout: one fragment holds every block in order).
-
-Progress: MPI advances a fragment's ``Iallreduce`` only inside MPI calls,
-and at 4 ranks one burst of ``Test`` calls after a step does not get it far
-(docs/benchmarks-averaging.md, "Streaming DiLoCo").  As in ``dasgd``, a
-*poke* is ``tests_per_poke`` ``Test`` calls, and ``progress`` says who pokes
-the exchanges in flight:
-
-- ``"test"`` (default): one poke per step, plus whatever the training loop
-  adds with :meth:`StreamingDiLoCo.progress_hook` (e.g. after each layer's
-  backward pass);
-- ``"thread"``: a helper thread per exchange in flight pokes it every
-  ``progress_interval`` seconds (needs ``MPI_THREAD_MULTIPLE``; not for GPU
-  buffers staged through host memory);
-- ``"none"``: nobody until the merge's ``Wait`` (for MPICH's own
-  ``MPICH_ASYNC_PROGRESS=1`` thread).
-
-The three are execution knobs: every mode gives bitwise the same parameters.
-
-Checkpoints: :meth:`state_dict` completes the exchanges in flight (``Wait``)
-but does not merge them; their sums (``pending_sum``, the whole sum buffer,
-only while one is pending) and the steps at which each merges
-(``merge_steps``, one per fragment, 0 when none) are state, so a resume
-merges them at the same steps (bitwise).  The regions of the fragments with
-no merge pending are zeros in ``pending_sum``: the buffer holds scratch there
-(an earlier merge's, or nothing yet), which no step reads and a resumed run
-lacks, so equal states save equal bytes.  The sum buffer holds each
-fragment in its exchange order (for ``"strided"``, fragment by fragment);
-``theta_start`` and the outer momentum are in the parameters' order in
-both layouts.  Resize: ``theta_start`` and the
-outer momentum COPY (the same on every rank), a pending sum RESCALEs to the
-new world size, the inner momentum FOLLOWs its rank.
+Douillard et al., "Streaming DiLoCo with overlapping communication: towards a distributed free lunch", 2025
+(arXiv:2501.18512): fragment f's exchange starts at offset ``f H // F`` of each period and merges ``overlap_steps`` later.
+Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
@@ -98,7 +25,7 @@ from .schema import Hyperparameter, Schema, boolean, choice, in_range, positive
 
 __all__ = ["StreamingDiLoCo", "LAYOUTS", "fragment_blocks", "fragment_bounds", "fragment_offsets", "fragment_sizes"]
 
-#: How the flat buffer is assigned to fragments (module docstring).
+#: How the flat buffer is assigned to fragments (docs/algorithm-notes.md).
 LAYOUTS = ("contiguous", "strided")
 
 
@@ -138,41 +65,7 @@ def _fragment_index(blocks: List[Tuple[int, int]]) -> np.ndarray:
 
 @register
 class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
-    """Streaming DiLoCo (Douillard et al. 2025): DiLoCo fragment by fragment, each exchange overlapped with ``overlap_steps`` steps.
-
-    Parameters
-    ----------
-    topology : Topology
-        Communicators.
-    lr : float
-        The inner learning rate.
-    period : int
-        H, steps between two exchanges of the same fragment.
-    fragments : int
-        F, fragments (at most ``period``).
-    layout : {"contiguous", "strided"}
-        How the flat buffer is cut into fragments: F contiguous slices, or
-        ``F * stride_blocks`` near-equal blocks dealt out round-robin (block
-        i to fragment ``i mod F``), standing in for the paper's strided
-        assignment of layers (module docstring).
-    stride_blocks : int
-        k, blocks per fragment in the strided layout (the buffer must have
-        at least ``F * k`` values); no effect on the contiguous layout.
-    overlap_steps : int
-        tau, steps between a fragment's exchange start and its merge (less than ``period``).
-    alpha : float
-        Weight of the local fragment in the merge, in [0, 1].
-    outer_lr, outer_momentum, outer_nesterov
-        The outer SGD's, as in ``diloco``.
-    progress, progress_interval, tests_per_poke
-        Who pokes MPI while exchanges are in flight, as in ``dasgd``: the
-        mode (``"test"``, ``"thread"`` or ``"none"``), the helper thread's
-        seconds between pokes, the ``Test`` calls per poke (module docstring).
-    momentum, dampening, nesterov, weight_decay
-        The built-in inner update's.
-    nan_policy : {"raise", "skip"}
-        See :class:`~mpiopt.algorithms.base.Algorithm`.
-    """
+    """Streaming DiLoCo (Douillard et al. 2025): DiLoCo fragment by fragment, each exchange overlapped with ``overlap_steps`` steps."""
 
     name = "streaming_diloco"
     inner_role = "local"
@@ -240,7 +133,7 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
 
     def state_dict(self) -> Dict[str, Any]:
         """As :meth:`Algorithm.state_dict`, after completing (not merging) the exchanges in flight; zeros in the
-        idle fragments' regions of ``pending_sum`` (module docstring)."""
+        idle fragments' regions of ``pending_sum`` (docs/algorithm-notes.md)."""
         for f in self._inflight:
             f.complete()
         state = super().state_dict()

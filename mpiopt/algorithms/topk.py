@@ -1,62 +1,8 @@
 """Top-k sparsification with error feedback, and RegTop-k.
 
-Bereyhi, Liang, Boudreau and Afana, "Regularized Top-k: A Bayesian Framework
-for Gradient Sparsification" (arXiv:2501.05633, 2025; conference version
-"Novel gradient sparsification algorithm via Bayesian inference", MLSP
-2024); ALGORITHMS.md "Top-k with error feedback, and RegTop-k".
-
-Every worker ``n`` keeps an error buffer ``e_n`` of what it has not sent yet
-and, each step, sends ``k`` of its ``d`` entries::
-
-    a_n = g_n + e_n                        error-compensated gradient
-    S_n = the k entries of largest score   Top-k: score_j = |a_j|
-    send (j, a_j) for j in S_n;  e_n <- a_n - a_n 1_{S_n}
-    G   = (1/N) sum_n sent_n               the aggregate, on every rank
-    x  <- x - lr G                         the paper's rule: plain SGD on G
-
-RegTop-k ranks by ``score_j = tanh(|1 + delta_j| / mu) |a_j|`` instead, where
-``1 + delta_j = G_prev_j / (w s_j)`` (``w = 1/N``, ``s_j`` the value this
-worker sent for ``j`` last step) compares last step's aggregate with this
-worker's own share of it, and ``delta_j = Q`` for entries it did not send
-(they rank as in Top-k).  Where the other workers cancelled an entry, its
-score drops and the entry stays in the error buffer instead of being pushed
-again.  ``delta`` needs only the previous aggregate, which every rank holds:
-no extra communication.  See :func:`mpiopt.kernels.regtopk_scores`.
-
-The update ``x <- x - lr G`` goes through
-:class:`~mpiopt.algorithms.local.LocalSGD` when momentum or weight decay is
-set; the papers' rule, the default (``momentum=0``, ``weight_decay=0``),
-touches only the at most ``P k`` entries where ``G`` is non-zero (the same
-floats as the dense update, without its passes over all d entries).  Either
-update (the dense one through ``grad_support``) and RegTop-k's next ranking
-read ``G`` where it is non-zero only, so the dense ``G`` is written when
-:attr:`aggregate` is read, not every step.
-
-Exchange
---------
-Every rank encodes its k (index, value) pairs into a payload of
-:func:`~mpiopt.kernels.encoded_nbytes` ``(k, d)`` bytes (int32 indices or a
-bitmap, whichever is smaller; values in the parameters' dtype, float32 or
-float64) and one ``Allgather`` of the payloads per step gives every rank all of
-them; each rank decodes every row and scatter-adds it into ``G``, in rank
-order, so all ranks compute the same sum.  A rank sends ``encoded_nbytes(k, d)`` bytes and receives
-``(P - 1)`` times that.
-
-Shared with the simulator
--------------------------
-The per-worker half (:class:`SparseWorker`: selection, error feedback,
-encoding) and the aggregation (:func:`aggregate_payloads`) are plain array code with no
-MPI; :func:`mpiopt.sim.topk.simulate` runs N workers through them in one
-process, so a simulation and an MPI run of the same workers agree bit for
-bit.
-
-Example
--------
->>> alg = mpiopt.create("regtopk", topology, lr=0.01, density=0.01, mu=5)
->>> alg.setup(params)                       # float32 or float64, the same size on every rank
->>> for batch in data:
-...     loss, grad = compute(params, batch)
-...     alg.step(params, grad, loss=loss)
+Bereyhi et al., "Regularized Top-k: A Bayesian Framework for Gradient Sparsification" (arXiv:2501.05633, 2025):
+each rank sends its k largest ``g + e`` (RegTop-k: regularised by the last aggregate) by Allgather; the rest stays in ``e``.
+Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
@@ -104,20 +50,6 @@ TOPK = BASE.with_defaults(lr=0.01) + Schema(
 @dataclass(frozen=True)
 class Sparsifier:
     """What every worker sends: how many entries, ranked how.
-
-    Parameters
-    ----------
-    k : int, optional
-        Entries sent per step, ``1 <= k <= d`` (``d`` is checked when a
-        worker is made).
-    density : float, optional
-        Or the fraction of entries sent, in ``(0, 1]``:
-        ``k = round(density * d)``, at least 1.  At most one of ``k`` and
-        ``density``; neither means ``density = DEFAULT_DENSITY``.
-    mu : float, optional
-        RegTop-k's ``mu`` (> 0); None ranks by ``|a|`` (Top-k).
-    q : float
-        RegTop-k's ``Q`` (> 0): ``delta`` of entries not sent last step.
 
     Raises
     ------
@@ -169,7 +101,7 @@ class Sparsifier:
 
 
 class _SparseSGD(LocalStepState, SynchronousAlgorithm):
-    """Top-k / RegTop-k with error feedback over ``topology.world`` (see the module docstring)."""
+    """Top-k / RegTop-k with error feedback over ``topology.world`` (docs/algorithm-notes.md)."""
 
     fused_gradient_check = True  # error feedback's pass over g checks it
     inner_role = "gradient"
@@ -320,25 +252,7 @@ class _SparseSGD(LocalStepState, SynchronousAlgorithm):
 
 @register
 class TopK(_SparseSGD):
-    """Top-k sparsified SGD with error feedback (ALGORITHMS.md "Top-k with error feedback").
-
-    Parameters
-    ----------
-    topology : Topology
-        Communicators; payloads are exchanged over ``topology.world``.
-    lr : float
-        Learning rate (0.01, the papers' linear regression and CIFAR-10 runs).
-    k : int, optional
-        Entries sent per rank per step, ``1 <= k <= d``.
-    density : float, optional
-        Or the fraction sent, in ``(0, 1]`` (``k = round(density d)``, at
-        least 1).  At most one of ``k`` and ``density``; neither means
-        ``density = 0.001`` (the papers' CIFAR-10 setting).
-    momentum, dampening, nesterov, weight_decay
-        The step on ``G``, as in ``torch.optim.SGD``; the papers' rule is
-        plain SGD (all 0).
-    nan_policy : {"raise", "skip"}
-        See :class:`~mpiopt.algorithms.base.Algorithm`.
+    """Top-k sparsified SGD with error feedback (docs/algorithms.md "Top-k with error feedback").
 
     Notes
     -----
@@ -359,18 +273,6 @@ class TopK(_SparseSGD):
 @register
 class RegTopK(_SparseSGD):
     """RegTop-k: Top-k with error feedback, ranked by ``tanh(|1 + delta| / mu) |a|`` (Bereyhi et al.).
-
-    Parameters
-    ----------
-    topology, lr, k, density, momentum, dampening, nesterov, weight_decay, nan_policy
-        As in :class:`TopK`.
-    mu : float
-        > 0; how sharply an entry the other workers cancelled is held back.
-        5 is the papers' CIFAR-10 value (the default); their linear
-        regression uses 4.
-    q : float
-        ``Q`` > 0, ``delta`` of the entries this rank did not send last step
-        (large, so they rank as in Top-k).
 
     Notes
     -----
