@@ -88,6 +88,7 @@ class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice):
     state_scalars: ClassVar[Tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A class that sets no ``training_defaults`` (nor a base below Algorithm) takes its schema's ``training`` values."""
         super().__init_subclass__(**kwargs)
         setter = next(c for c in cls.__mro__ if "training_defaults" in c.__dict__ and "_derived_training" not in c.__dict__)
         if setter is Algorithm:
