@@ -1,98 +1,8 @@
 """Asynchronous LSGD: leaders kept by a server, pulls scheduled by the total step count.
 
-Teng, Gao, Chalus, Choromanska, Goldfarb and Weller, "Leader Stochastic
-Gradient Descent for Distributed Training of Deep Learning Models",
-NeurIPS 2019; ALGORITHMS.md "LSGD", "Asynchronous version": workers run
-local SGD at their own pace; a pull happens when the total step count (over
-all workers) crosses a multiple of ``N tau`` (towards the local leader) or
-``N tau_G`` (towards the global leader); a worker never waits for another.
-
-The local step, the pull forms, the proximal pull, the election by running
-mean loss and every hyperparameter are those of synchronous
-:class:`~mpiopt.algorithms.lsgd.LSGD`, from the rule both use
-(:class:`~mpiopt.algorithms.lsgd_rule.LSGDRule`).  What changes is who
-decides when to pull and where the leader's parameters come from: the
-server of :mod:`mpiopt.asyncrt`, whose policy is
-:class:`~mpiopt.algorithms.async_lsgd_server.LeaderBook` (its book, rounds,
-elections and replies: :mod:`mpiopt.algorithms.async_lsgd_server`).
-
-Roles
------
-World rank 0 is a server that computes nothing; ranks 1..P-1 are the
-``N = P - 1`` workers.  A worker's group is its topology group
-(``topology.group_index``, so ``group_size`` emulates nodes); the server
-belongs to none (``group_size=2`` at 4 ranks: worker groups {1} and {2, 3}).
-
-A worker's step (inside :meth:`AsyncLSGD.run`; nothing blocks)
-    1. if the reply to its report has arrived: upload ``x_t`` if asked, and
-       take the pulls it carries;
-    2. record the loss (every message to the server carries the running mean
-       of the losses of the steps it counts);
-    3. the local step with those pulls, as the synchronous step does
-       ("paper": differences at ``x_t``, subtracted after the local step;
-       "convex": mixes after it);
-    4. unless a report is still unanswered, every ``report_every`` steps:
-       report (its step count, running-mean loss), 32 bytes.
-
-Messages (:mod:`mpiopt.asyncrt.messages`)
-    ===========================  ==================================  =============================
-    message                      flags                               bytes
-    ===========================  ==================================  =============================
-    report (worker -> server)    none                                32
-    upload (worker -> server)    ``UPLOAD`` (``| LAST`` at the end)  32 + 4d (float32)
-    reply (server -> worker)     ``UPLOAD``, ``PULL_LOCAL``,         32 + k 4d: k = 0, 1 or 2
-                                 ``PULL_GLOBAL``                     copies
-    ===========================  ==================================  =============================
-
-    A reply's flags say which pulls it carries, its ``ranks`` towards whom;
-    with both, two copies when the sources differ (several groups), one
-    serving both otherwise.  Uploads are not answered.
-
-Shutdown
-    A worker stops after ``steps`` steps or ``seconds`` of wall time (each
-    rank its own), waits for the reply to its last report (its pulls are
-    applied without a gradient step) and sends its final upload (LAST, with
-    its final step count, loss and parameters).  It then owes no pull, but
-    stays a candidate leader: the server has its final parameters.  The
-    runtime answers every LAST with STOP once all have come; the server
-    then writes the final global leader's parameters into its own
-    ``params``, and every rank gets the same record
-    (:class:`AsyncLSGDResult`).
-
-One rank
-    The rank is the only worker and its own server (the runtime's
-    :class:`~mpiopt.asyncrt.LocalLink`): the same book, no messages.
-    ``N = 1``, rounds every ``tau`` steps, each settled "as leader": local
-    SGD (the proximal pull has no copy to go towards).  At two ranks the one
-    worker likewise never pulls, and uploads only its LAST.
-
-Continuing and resuming
-    The book is the algorithm's, on the server: a second ``run`` continues
-    it (``T``, rounds, leaders, their copies, the counts of the record), as
-    each worker continues its own state and step count (``worker_fn``'s
-    ``step`` too).  ``run`` returns quiescent: every worker's LAST handled,
-    no pull owed, no upload asked for and not arrived, no receive posted.
-    So ``state_dict()`` on every rank between two runs holds everything
-    (the server's book under ``"server"``; each worker's momentum, losses,
-    leader copy; the parameters are the caller's), and a fresh instance
-    that loaded it runs on as the first would have.  The copies that serve
-    pulls are current at the start of the next run (their leaders have not
-    stepped since their LAST), so a pull owed early in it may go towards
-    them.  At one rank a continued run is bitwise one long run (every count
-    but ``uploads``: one LAST per run).
-
-Cost per pull: 4d bytes, as the synchronous Bcast, and no election
-collective: a report is 32 bytes each way.  The server keeps each worker's
-latest upload twice (one arriving) and a reply buffer per worker (about 3 or
-4 copies of the parameters per worker); parameters live in host memory (numpy).
-
-Example
--------
->>> topology = mpiopt.Topology(group_size=4)
->>> alg = mpiopt.create("async_lsgd", topology, lr=0.1, global_period=16)
->>> alg.setup(params)
->>> result = alg.run(params, worker_fn, seconds=600)   # worker_fn(params, step, out) -> loss
->>> result.global_leader, result.pulls[topology.rank]
+Teng et al., "Leader Stochastic Gradient Descent for Distributed Training of Deep Learning Models", NeurIPS 2019,
+asynchronous version: workers step at their own pace; world rank 0 keeps the leaders and answers reports.
+Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
@@ -131,26 +41,6 @@ __all__ = ["AsyncLSGD", "AsyncLSGDResult"]
 class AsyncLSGD(ServerStateMixin, LSGDState, AsynchronousAlgorithm):
     """Asynchronous LSGD (Teng et al. 2019): a server keeps the leaders, workers never wait for each other.
 
-    Parameters
-    ----------
-    topology : Topology
-        World rank 0 serves; the other ranks are workers, grouped by
-        ``topology.group_index`` for their local leaders.
-    lr : float
-        Learning rate of the local steps (default 0.1, as LSGD's).
-    pull_local, pull_global, period, global_period, pull_form, proximal, loss_window,
-    momentum, dampening, nesterov, weight_decay
-        As in :class:`~mpiopt.algorithms.lsgd.LSGD` (same defaults); ``period``
-        and ``global_period`` count each worker's steps on average: a round
-        every ``N period`` (``N global_period``) steps of all ``N`` workers.
-    report_every : int
-        Local steps between a worker's reports (>= 1; default 1, 32 bytes each
-        way).  A report due while the previous one is unanswered waits for
-        that answer (the steps are never held up).
-    nan_policy : {"raise"}
-        ``"skip"`` is refused: the base class decides it collectively, which
-        workers that never wait for each other cannot do.
-
     Attributes
     ----------
     rule : LSGDRule
@@ -175,14 +65,13 @@ class AsyncLSGD(ServerStateMixin, LSGDState, AsynchronousAlgorithm):
     state_arrays = ("momentum_buffer", "leader_copy", "recent_losses")
     state_scalars = ("losses_seen", "last_local_leader", "last_global_leader", "pulls_local", "pulls_global")
 
-    def __init__(self, topology: Topology, *, lr: float = 0.1, report_every: int = 1, nan_policy: str = "raise", **lsgd: Any) -> None:
-        if nan_policy != "raise":
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        super().__init__(topology, **hyperparameters)
+        if self.nan_policy != "raise":
             raise ValueError(
-                f"nan_policy must be 'raise' for async_lsgd (skipping is decided collectively, not asynchronously), got {nan_policy!r}"
+                f"nan_policy must be 'raise' for async_lsgd (skipping is decided collectively, not asynchronously), got {self.nan_policy!r}"
             )
-        super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.rule = LSGDRule(**lsgd)
-        self.report_every = self.schema["report_every"].validate(report_every)
+        self.rule = LSGDRule(**LSGD_RULE.pick(self._values))
         self.pulls_local = 0
         self.pulls_global = 0
         self.last_local_leader = -1
@@ -218,7 +107,7 @@ class AsyncLSGD(ServerStateMixin, LSGDState, AsynchronousAlgorithm):
 
     # -- a worker's step (inside run) ------------------------------------------------------------
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
-        """A worker's local step, in the order of the module docstring."""
+        """A worker's local step, in the order of docs/algorithm-notes.md."""
         if loss is None:  # found on this rank alone, in the middle of the run
             self.topology.raise_or_abort(
                 ValueError(
@@ -272,42 +161,14 @@ class AsyncLSGD(ServerStateMixin, LSGDState, AsynchronousAlgorithm):
         seconds: Optional[float] = None,
         max_sleep: float = DEFAULT_MAX_SLEEP,
     ) -> AsyncLSGDResult:
-        """Train asynchronously on every rank of the world (a collective call).
+        """Train asynchronously on every rank of the world (a collective call); the same record on every rank.
 
-        Parameters
-        ----------
-        params : numpy.ndarray
-            A worker's own parameters, updated in place.  On the server they
-            end as the final global leader's (bitwise).
-        worker_fn : callable
-            ``worker_fn(params, step, out) -> loss``: this worker's stochastic
-            gradient at ``params`` (read-only) into ``out`` and its training
-            loss (required: it elects the leaders); ``step`` is this worker's
-            step count (:attr:`steps`: it runs on from run to run).
-        steps : int, optional
-            Local steps of this worker (ranks may differ).
-        seconds : float, optional
-            Wall-time budget of this worker: no step starts after it.  At
-            least one of ``steps`` and ``seconds``; the server ignores both
-            (but checks them).
-        max_sleep : float
-            Longest pause of a waiting rank (see :class:`~mpiopt.asyncrt.Poller`).
-
-        The run continues the server's book and each worker's state (see
-        "Continuing and resuming" in the module docstring).
-
-        Returns
-        -------
-        AsyncLSGDResult
-            The same record on every rank; its counts run on from the
-            earlier runs.
-
-        Raises
-        ------
-        RuntimeError, TypeError, ValueError
-            On every rank, when any rank is not set up or passes bad
-            ``params``, ``steps`` or ``seconds`` (the message names the ranks
-            and values).
+        ``worker_fn(params, step, out) -> loss`` writes this worker's gradient at
+        ``params`` into ``out`` and returns its loss (it elects the leaders).  A
+        worker runs ``steps`` local steps or until ``seconds`` (at least one);
+        on the server ``params`` end as the final global leader's.  The run
+        continues the server's book and each worker's state (docs/algorithm-notes.md);
+        bad arguments on any rank raise on every rank.
         """
         world = self.topology.world
         agree_on_arguments(world, "async_lsgd.run", lambda: self._check_run(params, steps, seconds))

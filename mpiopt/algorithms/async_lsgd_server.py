@@ -1,50 +1,7 @@
 """The server of asynchronous LSGD: its book of steps, rounds, leaders and their copies (:class:`LeaderBook`).
 
-The policy the runtime of :mod:`mpiopt.asyncrt` runs on world rank 0 for
-:class:`~mpiopt.algorithms.async_lsgd.AsyncLSGD` (whose docstring describes
-the workers, the messages and the shutdown), and the record of a run
-(:class:`AsyncLSGDResult`).  The book does no MPI of its own: its events are
-plain calls, tested on their own.
-
-The server's book (:class:`LeaderBook`)
-    ``T``, the sum of the step counts the workers report; rounds
-    ``r_L = T // (N tau)`` and ``r_G = T // (N tau_G)``.  Each worker's
-    latest running-mean loss; per scope (each worker group, and the world)
-    the leader: the lowest such loss, ties to the lowest rank, a NaN mean or
-    a worker that has not reported yet never elected.  Each worker's latest
-    uploaded parameters, with their step count and the rounds when they were
-    asked for; per scope the *source*, the leader whose upload serves the
-    pulls (the previous one until a new leader's parameters arrive).
-
-The server, per message
-    A report from ``w`` adds ``w``'s new steps to ``T``.  Every multiple of
-    ``N tau`` (``N tau_G``) crossed opens a local (global) round: each
-    worker still running owes that pull (one already owing it pulls once for
-    both rounds: *merged*), and the leader of each scope with two or more
-    workers is asked to refresh its upload.  The report's loss re-elects the
-    leaders of ``w``'s scopes; a new leader is asked to upload.  The reply
-    goes to ``w`` at once: an upload request if one is due, and for each
-    owed pull: nothing to do if ``w`` leads that scope (*as leader*); the
-    pull, with the source's parameters, if the source is another worker and
-    its copy is newer than the crossing (asked for after ``w``'s debt began)
-    or *current* (the source has reported no step since it uploaded: a slow
-    or finished leader); else the debt stays and a later reply settles it
-    (``w`` goes on meanwhile).  An upload replaces its sender's copy and
-    becomes the source of the scopes it leads.
-
-Choices
-    Every worker of a scope pulls once per round, in the first reply after
-    the crossing that has a copy newer than the crossing: the authors' code
-    likewise gives the pull to each worker's next request after the
-    crossing, and a pull then moves each worker as often as in the
-    synchronous form (once per ``tau`` of its own steps, on average) when
-    replies keep up with the rounds.  Rounds that open faster than a worker
-    hears back merge into one pull, as with a synchronous ``tau`` that
-    small.  Only leaders upload (at most once per round and reply, plus
-    leader changes): a worker's parameters cross the network only when
-    someone will pull towards them.  A pull never goes towards a copy from
-    before its crossing that the leader has since left behind; waiting for a
-    fresh one delays the pull, never a step.
+The policy :mod:`mpiopt.asyncrt` runs on world rank 0, and the record of a run (:class:`AsyncLSGDResult`);
+the book does no MPI of its own.  Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
@@ -102,20 +59,6 @@ class LeaderBook(Policy):
     upload (``UPLOAD``, and the final one with ``LAST``) is booked and kept
     (the runtime double-buffers it), so the copies a reply carries are views
     of the latest uploads.
-
-    Parameters
-    ----------
-    groups : mapping
-        World rank of each worker -> its group index.
-    period, global_period : int
-        ``tau`` and ``tau_G``: a round every ``N tau`` (``N tau_G``) total steps.
-    pulls_on : tuple of bool
-        Whether local and global pulls are on (a coefficient > 0); rounds are
-        counted either way, debts and uploads only when on.
-
-    The book outlives a run: :meth:`begin` starts the next one, which
-    continues it; :meth:`state_dict` and :meth:`loader` carry it between
-    processes.
     """
 
     keeps_payloads = True  # the latest uploads serve later replies

@@ -1,58 +1,7 @@
 """Async-MSGD: momentum SGD with stale gradients (Liu, Li, Shi, Zhou, Zhao, NeurIPS 2018).
 
-The update (ALGORITHMS.md "Async-MSGD")
-
-    x_{k+1} = x_k - eta g(x_{k - tau_k}; xi_k) + mu (x_k - x_{k-1})          (1)
-
-is heavy-ball momentum where the gradient was computed at an iterate
-``tau_k`` updates old.  It runs where ``x`` lives, once per arriving
-gradient: on the parameter server of :func:`mpiopt.asyncrt.run_async`
-(:meth:`AsyncMSGD.run`, real asynchrony, ``tau_k`` measured) or in its
-one-process twin :func:`mpiopt.asyncrt.simulated.simulate`
-(:meth:`AsyncMSGD.simulate`, ``tau_k`` fixed or random).  Both call the
-same function, :meth:`AsyncMSGDRule.__call__`, which is the step of
-:class:`~mpiopt.algorithms.local.LocalSGD` (torch.optim.SGD's momentum
-rule, dampening 0).
-
-Why torch's rule is (1)
------------------------
-``torch.optim.SGD`` keeps a buffer ``b``: ``b_0 = g_0``, ``b_k = mu b_{k-1} +
-g_k`` and ``x_{k+1} = x_k - eta b_k``.  Then ``eta b_{k-1} = x_{k-1} - x_k``, so
-
-    x_{k+1} = x_k - eta g_k - mu eta b_{k-1} = x_k - eta g_k + mu (x_k - x_{k-1}),
-
-and the first step ``x_1 = x_0 - eta g_0`` is (1) with ``x_{-1} = x_0`` (no
-momentum before the first update).  The two agree while ``eta`` is constant;
-if a scheduler changes ``eta``, torch's form (ours) scales the whole buffer
-by the new rate, (1) only the new gradient.
-
-API (the protocol's ``step`` does not fit a server loop)
---------------------------------------------------------
->>> alg = mpiopt.create("async_msgd", topology, lr=0.01, momentum=0.5)
->>> alg.setup(params)
->>> result = alg.run(params, worker_fn, steps)       # collective; rank 0 serves
->>> result.histogram()                                # {staleness: count}
->>> alg.simulate(params, worker_fn, steps, delay=4)   # deterministic, no MPI
-
-``worker_fn(params, step, out) -> loss`` writes a stochastic gradient for the
-given (possibly stale, read-only) parameters into ``out``.  ``step(params,
-grad)`` applies one gradient on this rank without communicating: the
-server's update, with the base class's checks and accounting.  The momentum
-buffer lives where the updates are applied, on rank 0; on the workers it
-stays None.
-
-Continuing and resuming
------------------------
-The server's version counter, the staleness histogram and the per-rank
-counts are the algorithm's state (:attr:`AsyncMSGD.version`,
-:attr:`~AsyncMSGD.staleness`, :attr:`~AsyncMSGD.applied`, the same on every
-rank after a run): each ``run`` or ``simulate`` continues them, and each
-rank's ``step`` numbers continue from its count.  ``run`` returns
-quiescent, so between two runs ``state_dict()`` on every rank is the whole
-state (the parameters are the caller's: on return they are the same on every
-rank); a fresh instance that loaded it, given the saved parameters, runs on
-as the first would have: from exactly those parameters, momentum and version
-(in ``simulate``, bitwise, with the iterates its delays still read).
+``x_{k+1} = x_k - eta g(x_{k - tau_k}) + mu (x_k - x_{k-1})`` (1) on a parameter server (world rank 0), with a
+single-process twin (``simulate``) that gives the same bits for the same arrival order.  Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
@@ -85,15 +34,7 @@ __all__ = ["AsyncMSGD", "AsyncMSGDRule"]
 
 
 class AsyncMSGDRule:
-    """The update (1) on its own, without MPI: an ``apply`` for :func:`~mpiopt.asyncrt.run_async` and its twin.
-
-    Parameters
-    ----------
-    lr : float
-        Step size ``eta`` (> 0).
-    momentum : float
-        ``mu`` in [0, 1).
-    """
+    """The update (1) on its own, without MPI: an ``apply`` for :func:`~mpiopt.asyncrt.run_async` and its twin."""
 
     def __init__(self, lr: float, momentum: float) -> None:
         self.lr = float(BASE["lr"].validate(lr))
@@ -115,23 +56,6 @@ class AsyncMSGDRule:
 @register
 class AsyncMSGD(ServerStateMixin, LocalStepState, AsynchronousAlgorithm):
     """Asynchronous momentum SGD on a parameter server.
-
-    Parameters
-    ----------
-    topology : Topology
-        World rank 0 serves; the other ranks compute gradients.
-    lr : float
-        Step size ``eta``.  Default 0.01.
-    momentum : float
-        ``mu`` in [0, 1).  Default 0.9, the synchronous MSGD value the paper
-        starts from; its point is that ``mu`` must come down as the staleness
-        grows (docs/async.md has the measured trade-off).
-    nan_policy : {"raise"}
-        A non-finite gradient raises ``FloatingPointError`` on the server
-        (with :func:`mpiopt.abort_on_exception`, as in every mpiopt job, that
-        ends all ranks).  ``"skip"`` is refused: the base class decides it
-        with a collective, which a server applying one worker's gradient
-        cannot call.
 
     Attributes
     ----------
@@ -157,14 +81,13 @@ class AsyncMSGD(ServerStateMixin, LocalStepState, AsynchronousAlgorithm):
     def server_messages(cls, d: int, itemsize: int = 4) -> Optional[Tuple[float, ...]]:
         return (itemsize * d, itemsize * d)  # a gradient in, the parameters out
 
-    def __init__(self, topology: Topology, *, lr: float = 0.01, momentum: float = 0.9, nan_policy: str = "raise") -> None:
-        if nan_policy != "raise":
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        super().__init__(topology, **hyperparameters)  # lr is the rule's (the property below): set here
+        if self.nan_policy != "raise":
             raise ValueError(
-                f"nan_policy must be 'raise' for async_msgd (skipping is decided collectively, not asynchronously), got {nan_policy!r}"
+                f"nan_policy must be 'raise' for async_msgd (skipping is decided collectively, not asynchronously), got {self.nan_policy!r}"
             )
-        # The rule owns lr (see the property below), so it must exist before the base class sets lr.
-        self.rule = AsyncMSGDRule(lr, momentum)
-        super().__init__(topology, lr=lr, nan_policy=nan_policy)
+        self.rule = AsyncMSGDRule(self._values["lr"], self.momentum)
         self.version = 0
         self.staleness = np.zeros(0, dtype=np.int64)
         self.applied = np.zeros(topology.size, dtype=np.int64)
@@ -183,9 +106,6 @@ class AsyncMSGD(ServerStateMixin, LocalStepState, AsynchronousAlgorithm):
     def local(self) -> LocalSGD:
         """The rule's local optimizer, whose momentum buffer is state."""
         return self.rule.local
-
-    def hyperparameters(self) -> Dict[str, Any]:
-        return {"momentum": self.rule.momentum}
 
     def _allocate(self, params: Any) -> None:
         self.rule.allocate(params)
@@ -248,34 +168,13 @@ class AsyncMSGD(ServerStateMixin, LocalStepState, AsynchronousAlgorithm):
         until: Optional[UntilFn] = None,
         max_sleep: float = DEFAULT_MAX_SLEEP,
     ) -> AsyncResult:
-        """Train asynchronously on every rank of the world (a collective call).
+        """Train asynchronously on every rank of the world (a collective call): ``steps`` gradients of this rank.
 
-        Parameters
-        ----------
-        params : numpy.ndarray
-            Rank 0's are ``x_0``; on return every rank holds the final ones.
-        worker_fn : callable
-            ``worker_fn(params, step, out) -> loss``: this rank's gradient.
-        steps : int
-            Gradients this rank computes (ranks may differ; rank 0's is used
-            only at world size 1, where it also computes).
-        until, max_sleep
-            See :func:`mpiopt.asyncrt.run_async`.
-
-        The run continues the state (:attr:`version`, and each rank's
-        ``step`` from its :attr:`applied` count), and adds its counts to it.
-
-        Returns
-        -------
-        AsyncResult
-            This run's staleness histogram and per-rank counts, and the
-            server's version at its start and end, the same on every rank.
-
-        Raises
-        ------
-        RuntimeError, TypeError, ValueError
-            On every rank, when any rank is not set up or passes bad
-            ``params`` or ``steps`` (the message names the ranks and values).
+        ``worker_fn(params, step, out) -> loss`` is this rank's gradient; rank 0's
+        ``params`` are ``x_0`` and every rank ends with the final ones.  The run
+        continues the state (:attr:`version`, :attr:`applied`) and returns its
+        staleness histogram and counts, the same on every rank; bad arguments on
+        any rank raise on every rank (``until``, ``max_sleep``: :func:`mpiopt.asyncrt.run_async`).
         """
         world = self.topology.world
         agree_on_arguments(world, "async_msgd.run", lambda: (self._check_ready(params), check_run_arguments(params, steps)))

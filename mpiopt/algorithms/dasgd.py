@@ -1,68 +1,21 @@
 """DaSGD: local SGD whose model averaging runs behind the next steps' computation.
 
-Zhou, Li, Zhou, Wang and Liu, "DaSGD: Squeezing SGD Parallelization
-Performance in Distributed Training Using Delayed Averaging", 2020
-(arXiv:2006.00441); ALGORITHMS.md "DaSGD".
-
-Every worker runs local momentum SGD (:class:`~mpiopt.algorithms.local.LocalSGD`).
-After step ``k``, for ``k`` a multiple of the period ``tau``, it copies its
-weights ``w_k`` into a snapshot and starts a nonblocking ``Iallreduce`` of
-it; steps ``k+1 .. k+d`` (``d = delay_steps``) run locally while the
-average travels, and after step ``k+d`` the average is merged:
-
-- ``merge="delayed"`` (the paper's rule, default):
-  ``w <- avg(w_k) + (w_{k+d} - w_k)``, the delayed average plus this
-  worker's own progress since the snapshot;
-- ``merge="proportion"`` (the authors' code):
-  ``w <- p w_{k+d} + (1 - p) avg(w_k)`` with ``p = update_proportion``.
-
-``d = 0`` is local SGD with blocking averaging every ``tau`` steps, and
-``tau = 1, d = 0`` is synchronous model averaging.  Traffic: 4 bytes per
-parameter every ``tau`` steps (one Allreduce), hidden behind ``d`` steps of
-computation when the MPI library moves the data while the worker computes.
-
-Progress
---------
-MPI implementations advance a nonblocking collective only inside MPI calls,
-and one call advances it only so far: one ``Test`` per step hides part of
-an averaging, several back-to-back ``Test`` calls (cheap when there is
-nothing to do) hide most of it (docs/benchmarks-averaging.md).  A *poke* is
-``tests_per_poke`` ``Test`` calls.  Who pokes:
-
-- ``progress="test"`` (default): one poke per step, plus whatever the
-  training loop adds with :meth:`DaSGD.progress_hook` (e.g. after each
-  layer's backward pass);
-- ``progress="thread"``: a helper thread pokes every ``progress_interval``
-  seconds while an averaging is in flight, sleeping in between (needs
-  ``MPI_THREAD_MULTIPLE``, which mpi4py requests by default; not for GPU
-  buffers staged through host memory, whose copy back would run in the
-  helper thread);
-- ``progress="none"``: nobody until the merge's ``Wait``; for MPICH's own
-  progress thread (``MPICH_ASYNC_PROGRESS=1`` at launch, needs
-  ``MPI_THREAD_MULTIPLE``), which spins and so needs a spare core per rank.
-
-docs/benchmarks-averaging.md has the measurements.
-
-Example
--------
->>> alg = mpiopt.create("dasgd", topology, lr=0.1, period=4, delay_steps=1)
->>> alg.setup(params)
->>> for batch in data:
-...     loss, grad = compute(params, batch)
-...     alg.step(params, grad, loss=loss)
->>> alg.finish(params)      # merges an average still in flight
+Zhou et al., "DaSGD: Squeezing SGD Parallelization Performance in Distributed Training Using Delayed Averaging",
+2020 (arXiv:2006.00441): an Iallreduce of ``w_k`` starts after every ``period``-th step and is merged ``delay_steps`` later.
+Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Optional
 
 from ..arrays import empty_apart
 from ..comm import Topology
 from ..comm.ledger import Call
 from ..kernels.update import MERGE_RULES, Merge, merge_average
-from .base import BASE, SynchronousAlgorithm, due_steps
-from .inflight import PROGRESS, InFlight, PendingBuffer, check_progress, progress_knobs
+from .base import BASE, SynchronousAlgorithm
+from .inflight import PROGRESS, InFlight, PendingBuffer, check_progress
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .schema import Hyperparameter, Schema, choice, in_range, positive
 from .registry import register
@@ -74,37 +27,6 @@ __all__ = ["DaSGD"]
 @register
 class DaSGD(LocalStepState, SynchronousAlgorithm):
     """Delayed-averaging SGD (Zhou et al. 2020) over ``topology.world``.
-
-    Parameters
-    ----------
-    topology : Topology
-        Communicators; models are averaged over ``topology.world``.
-    lr : float
-        Learning rate of the local steps.
-    period : int
-        ``tau``: an averaging starts after every ``period``-th step (>= 1).
-    delay_steps : int
-        ``d``: local steps run while the average is in flight, ``0 <= d <
-        period``; 0 averages at once (blocking local SGD).
-    merge : {"delayed", "proportion"}
-        Merge rule (module docstring): the paper's ``avg(w_k) + w_{k+d} -
-        w_k`` or the authors' code's ``p w_{k+d} + (1-p) avg(w_k)``.
-    update_proportion : float
-        ``p`` in [0, 1] of ``merge="proportion"`` (authors' code: 0.25).
-    progress : {"test", "thread", "none"}
-        Who pokes the averaging in flight (module docstring): ``"test"`` one
-        poke per step (and :meth:`progress_hook` calls of the training loop),
-        ``"thread"`` a helper thread, ``"none"`` nobody (MPICH's
-        ``MPICH_ASYNC_PROGRESS=1`` thread, or the merge's ``Wait``).
-    progress_interval : float
-        Seconds between the helper thread's pokes (``progress="thread"``).
-    tests_per_poke : int
-        ``Test`` calls per poke (see the module docstring for why more than one).
-    momentum, dampening, nesterov, weight_decay
-        The local optimizer, as in ``torch.optim.SGD``; defaults from the
-        authors' code (momentum 0.9, weight decay 0.01).
-    nan_policy : {"raise", "skip"}
-        See :class:`~mpiopt.algorithms.base.Algorithm`.
 
     Notes
     -----
@@ -134,42 +56,19 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
     wire_summary = "4d every `period` steps, hidden"
     update_goal = 1.5
 
+    periodic_allreduce = "period"
+
     @classmethod
     def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
-        count = due_steps(hyper["period"], steps)
-        return [Call("iallreduce", itemsize * d, ranks, count, overlap_steps=int(hyper["delay_steps"]))]
+        # The periodic Allreduce, nonblocking: in flight across delay_steps steps.
+        calls = super()._plan(d, ranks, hyper, groups, steps, itemsize)
+        return [replace(call, op="iallreduce", overlap_steps=int(hyper["delay_steps"])) for call in calls]
 
-    @classmethod
-    def plan_cycle(cls, hyper: Mapping[str, Any]) -> int:
-        return int(hyper["period"])
-
-    def __init__(
-        self,
-        topology: Topology,
-        *,
-        lr: float = 0.1,
-        period: int = 4,
-        delay_steps: int = 1,
-        merge: str = "delayed",
-        update_proportion: float = 0.25,
-        progress: str = "test",
-        progress_interval: float = 0.002,
-        tests_per_poke: int = 8,
-        momentum: float = 0.9,
-        dampening: float = 0.0,
-        nesterov: bool = False,
-        weight_decay: float = 0.01,
-        nan_policy: str = "raise",
-    ) -> None:
-        super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.period = self.schema["period"].validate(period)
-        self.delay_steps = self.schema["delay_steps"].validate(delay_steps)
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        super().__init__(topology, **hyperparameters)
         if self.delay_steps >= self.period:
-            raise ValueError(f"delay_steps must be < period ({period}): the next averaging would start first; got {delay_steps}")
-        self.merge = self.schema["merge"].validate(merge)
-        self.update_proportion = self.schema["update_proportion"].validate(update_proportion)
-        self.progress, self.progress_interval, self.tests_per_poke = progress_knobs(progress, progress_interval, tests_per_poke)
-        self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
+            raise ValueError(f"delay_steps must be < period ({self.period}): the next averaging would start first; got {self.delay_steps}")
+        self.local = LocalSGD.from_values(self._values)
         #: Step after which the average in flight is merged; 0 when none is pending.
         self.merge_step = 0
         self._snapshot: Optional[Any] = None  # w_k, kept for the delayed rule's merge (the proportion rule needs none)
@@ -200,15 +99,6 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
         if state.get("scalars", {}).get("merge_step") and any(state["arrays"].get(k) is None for k in needed):
             raise ValueError("dasgd state has a pending merge (merge_step > 0) but lacks its snapshot or sum")
         super().load_state_dict(state, override_hyperparameters=override_hyperparameters)
-
-    def hyperparameters(self) -> Dict[str, Any]:
-        return {
-            "period": self.period,
-            "delay_steps": self.delay_steps,
-            "merge": self.merge,
-            "update_proportion": self.update_proportion,
-            **self.local.hyperparameters(),
-        }
 
     # -- the algorithm --------------------------------------------------------------------
     def _allocate(self, params: Any) -> None:
@@ -260,7 +150,7 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
         self._inflight.complete()
 
     def _merge(self, params: Any) -> None:
-        """Merge the received average into ``params`` (ALGORITHMS.md "DaSGD", merge rule).
+        """Merge the received average into ``params`` (docs/algorithms.md "DaSGD", merge rule).
 
         ``delayed``: ``w <- avg(w_k) + (w_{k+d} - w_k)``, exactly ``avg(w_k)`` when ``d = 0``;
         ``proportion``: ``w <- p w_{k+d} + (1 - p) avg(w_k)``.  One fused pass

@@ -1,84 +1,20 @@
 """DiLoCo: many local steps, then one outer Nesterov step on the ranks' mean pseudo-gradient.
 
-Douillard et al., "DiLoCo: Distributed Low-Communication Training of
-Language Models", 2023 (arXiv:2311.08105), Algorithm 1.
-
-Every rank runs ``period`` (H) inner steps with its local update (the
-built-in :class:`~mpiopt.algorithms.local.LocalSGD`, or the caller's own
-optimizer through ``use_inner``/``inner=torch.optim.AdamW(...)``: each
-rank keeps its own inner state, never synchronised).  After every H-th
-step::
-
-    Delta      = mean_i (theta_start - theta_i)            one Allreduce of d values
-    theta_new  = OuterSGD(theta_start, Delta)                Nesterov, outer_lr, outer_momentum
-    theta_i    = theta_start = theta_new                     on every rank
-
-``OuterSGD`` is ``torch.optim.SGD``'s rule (the same
-:class:`~mpiopt.algorithms.local.LocalSGD` code as every local step):
-``b = mu b + Delta`` (``b = Delta`` the first time), ``g = Delta + mu b``
-(Nesterov) and ``theta_start - outer_lr g``, in one pass that also writes
-the new parameters.  Sign: the pseudo-gradient is ``theta_start -
-theta_local``, so a positive ``outer_lr`` moves towards the local models;
-``outer_lr=1, outer_momentum=0`` is plain periodic averaging, which is
-computed as the mean itself (``sum / N``) so that it is exact (one rank:
-bitwise the inner update alone).
-
-Defaults: ``outer_lr=0.7``, ``outer_momentum=0.9``, Nesterov, as the paper.
-``period`` defaults to 500, the paper's H (its ablation finds 500 the
-best trade-off for 150M-400M models); the CLI's short training runs use 8
-(``training_defaults``) so that a few hundred steps see many outer steps.
-
-The model to evaluate (``evaluates = "average"``): right after an outer
-step every rank holds the same parameters; in between, ranks differ and
-their average is the model DiLoCo would produce with outer_lr 1.
-
-Comparison with torchft's ``torchft/local_sgd.py`` (``DiLoCo`` class),
-read as a reference only:
-
-* Pseudo-gradient sign: the same.  torchft sets ``p.grad = original -
-  local`` and the outer optimizer steps on it (``theta_start - theta_local``
-  here).
-* Where the outer step starts: the same.  torchft restores the parameters
-  to the saved originals before ``outer_optimizer.step()``; here the outer
-  step is applied to ``theta_start`` and copied to the parameters in the
-  same pass.
-* What is averaged: torchft allreduces the pseudo-gradients (its
-  ``Manager.allreduce`` averages over the participating replicas, whose
-  count may change between steps as replicas join/leave); here the
-  parameters are summed by one Allreduce and ``Delta = theta_start -
-  sum / N`` with the fixed world size N (identical to rounding; fault
-  tolerance and quorum are not mpiopt's business).
-* Outer optimizer: torchft takes any user ``torch.optim`` outer optimizer;
-  here it is fixed to (Nesterov) SGD with the paper's values, so that its
-  state is a flat buffer in the checkpoint and the resize rules.
-* Inner optimizer state: neither syncs it.
-* Fragments / streaming: torchft's ``fragment_sync_delay`` and
-  ``fragment_update_alpha`` (``p.lerp_(local, alpha)``, i.e. ``alpha *
-  local + (1 - alpha) * global``) are ``streaming_diloco``'s
-  ``overlap_steps`` and ``alpha``, with the same meaning of alpha.  torchft
-  fragments by the model's modules as the caller lists them; here fragments
-  are contiguous slices of the flat buffer, or with ``layout="strided"``
-  interleaved blocks standing in for the paper's strided assignment of
-  layers, started at the offsets ``f H // F`` of each period.
-* torchft may quantise the pseudo-gradients for the allreduce
-  (``should_quantize``); here they travel in the parameters' dtype.
-* torchft keeps the outer state (saved originals) per fragment in its own
-  ``state_dict``; here ``theta_start`` and the outer momentum are flat
-  buffers in the algorithm's state, with the exchanges in flight completed
-  but not merged at a checkpoint (as ``dasgd``).
+Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models", 2023 (arXiv:2311.08105),
+Algorithm 1: ``period`` inner steps, one Allreduce, ``theta = OuterSGD(theta_start, mean_i (theta_start - theta_i))``.
+Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, List, Optional
 
 import numpy as np
 
 from ..arrays import empty_apart
 from ..comm import Topology
-from ..comm.ledger import Call
 from ..kernels.update import sgd_update
-from .base import BASE, SynchronousAlgorithm, due_steps
+from .base import BASE, SynchronousAlgorithm
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .registry import register
 from .resize import COPY, FOLLOW
@@ -124,21 +60,6 @@ def outer_step(
 class DiLoCo(LocalStepState, SynchronousAlgorithm):
     """DiLoCo (Douillard et al. 2023): ``period`` local steps, then an outer Nesterov step on the mean pseudo-gradient.
 
-    Parameters
-    ----------
-    topology : Topology
-        Communicators; the pseudo-gradient is averaged over ``topology.world``.
-    lr : float
-        The inner (local) learning rate.
-    period : int
-        H, inner steps between outer steps.
-    outer_lr, outer_momentum, outer_nesterov
-        The outer SGD's learning rate, momentum and Nesterov flag.
-    momentum, dampening, nesterov, weight_decay
-        The built-in inner update's, as in ``torch.optim.SGD``.
-    nan_policy : {"raise", "skip"}
-        See :class:`~mpiopt.algorithms.base.Algorithm`.
-
     Attributes
     ----------
     theta_start : array
@@ -168,49 +89,16 @@ class DiLoCo(LocalStepState, SynchronousAlgorithm):
     wire_summary = "4d every `period` steps"
     update_goal = 1.3
 
-    @classmethod
-    def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
-        return [Call("allreduce", itemsize * d, ranks, due_steps(hyper["period"], steps))]
+    periodic_allreduce = "period"
 
-    @classmethod
-    def plan_cycle(cls, hyper: Mapping[str, Any]) -> int:
-        return int(hyper["period"])
-
-    def __init__(
-        self,
-        topology: Topology,
-        *,
-        lr: float = 0.1,
-        period: int = 500,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        outer_nesterov: bool = True,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        nesterov: bool = False,
-        weight_decay: float = 0.0,
-        nan_policy: str = "raise",
-    ) -> None:
-        super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.period = self.schema["period"].validate(period)
-        self.outer_lr = float(self.schema["outer_lr"].validate(outer_lr))
-        self.outer_momentum = float(self.schema["outer_momentum"].validate(outer_momentum))
-        self.outer_nesterov = bool(self.schema["outer_nesterov"].validate(outer_nesterov))
-        self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        super().__init__(topology, **hyperparameters)
+        self.local = LocalSGD.from_values(self._values)
         self.theta_start: Optional[Any] = None
         self.outer_momentum_buffer: Optional[Any] = None  # zeros from setup when outer_momentum > 0
         self._outer_work: List[Any] = []
         self.outer_steps = 0
         self._sum: Optional[Any] = None  # receives sum_i theta_i, then holds Delta
-
-    def hyperparameters(self) -> Dict[str, Any]:
-        return {
-            "period": self.period,
-            "outer_lr": self.outer_lr,
-            "outer_momentum": self.outer_momentum,
-            "outer_nesterov": self.outer_nesterov,
-            **self.local.hyperparameters(),
-        }
 
     def _allocate(self, params: Any) -> None:
         self.local.allocate(params)

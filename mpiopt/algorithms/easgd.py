@@ -1,57 +1,19 @@
 """EASGD and EAMSGD: elastic averaging SGD, synchronous, without a parameter server.
 
-Zhang, Choromanska and LeCun, "Deep learning with Elastic Averaging SGD",
-NeurIPS 2015 (arXiv:1412.6651); ALGORITHMS.md "EASGD and EAMSGD".
-
-Every worker runs local SGD (:class:`~mpiopt.algorithms.local.LocalSGD`);
-after every ``period``-th step (``tau``) the workers and the centre variable
-``c`` pull towards each other, the synchronous update of Zhang et al.,
-eqs. (5)-(6), with both right-hand sides evaluated at the same ``x_i``::
-
-    x_i <- x_i - alpha (x_i - c)
-    c   <- c + alpha sum_i (x_i - c)  =  c + beta (mean_i x_i - c),   beta = N alpha
-
-with ``alpha = eta rho`` (``rho`` the elastic coefficient of the paper's
-objective ``f(x_i) + rho/2 ||x_i - c||^2``) and ``N`` workers.  The centre's
-update needs only ``sum_i x_i``: one Allreduce of the parameters per pull
-(4 bytes per float32 parameter each way), and every rank keeps its own,
-identical copy of ``c`` (an extra model in memory, no server rank).
-
-Order within a step: the local SGD step first, then (when the step count is
-a multiple of ``period``) the elastic pull, from the parameters after that
-local step.  This is the schedule of the paper's Algorithm 1 (pull every
-``tau`` steps, then keep stepping from the pulled point), and of the
-reference LSGD code's EASGD; eqs. (5)-(6) with ``tau = 1`` instead take the
-gradient and the elastic difference at the same ``x_t``.
-
-EAMSGD (the paper's Algorithm 2) is the same with Nesterov momentum
-``delta`` in the local steps: ``momentum=delta, nesterov=True`` (the paper
-uses ``delta = 0.99``).
-
-The centre starts as the world average of the parameters given to
-:meth:`~mpiopt.algorithms.base.Algorithm.setup` (one Allreduce): the
-common initial model when all ranks start from the same one, as in the
-paper.
-
-Example
--------
->>> alg = mpiopt.create("easgd", topology, lr=0.05, beta=0.9, period=4)
->>> alg.setup(params)
->>> for batch in data:
-...     loss, grad = compute(params, batch)
-...     alg.step(params, grad, loss=loss)
->>> alg.center        # the centre variable, the model to evaluate
+Zhang, Choromanska and LeCun, "Deep learning with Elastic Averaging SGD", NeurIPS 2015 (arXiv:1412.6651):
+local SGD, and every ``period`` steps the workers and the centre (a copy on every rank) pull together, eqs. (5)-(6).
+Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 from ..arrays import empty_apart
 from ..comm import Topology
-from ..comm.ledger import Call
 from ..kernels.update import elastic_pull, fused_update_available
-from .base import BASE, SynchronousAlgorithm, _plain, due_steps
+from ..comm.communicator import plain
+from .base import BASE, SynchronousAlgorithm
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .schema import Hyperparameter, Schema, check_positive, optional, positive
 from .registry import register
@@ -99,27 +61,6 @@ def moving_rates(alpha: Optional[float], beta: Optional[float], workers: int) ->
 class EASGD(LocalStepState, SynchronousAlgorithm):
     """Synchronous elastic averaging SGD (EASGD; EAMSGD with Nesterov momentum).
 
-    Parameters
-    ----------
-    topology : Topology
-        Communicators; the workers are the ranks of ``topology.world``.
-    lr : float
-        Learning rate ``eta`` of the local steps.
-    alpha : float, optional
-        Moving rate ``alpha = eta rho``: how far a worker moves towards the
-        centre at a pull.  Give ``alpha`` or ``beta``, not both.
-    beta : float, optional
-        ``beta = N alpha``: how far the centre moves towards the workers'
-        mean.  Default 0.9 (the paper) when neither is given; the reference
-        LSGD code uses 0.43.
-    period : int
-        ``tau``: a pull after every ``period``-th step (>= 1).
-    momentum, dampening, nesterov, weight_decay
-        The local optimizer, as in ``torch.optim.SGD``; EAMSGD is
-        ``momentum=0.99, nesterov=True``.
-    nan_policy : {"raise", "skip"}
-        See :class:`~mpiopt.algorithms.base.Algorithm`.
-
     Attributes
     ----------
     center : array
@@ -145,44 +86,21 @@ class EASGD(LocalStepState, SynchronousAlgorithm):
     wire_summary = "4d every `period` steps"
     update_goal = 1.5
 
-    @classmethod
-    def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
-        return [Call("allreduce", itemsize * d, ranks, due_steps(hyper["period"], steps))]
-
-    @classmethod
-    def plan_cycle(cls, hyper: Mapping[str, Any]) -> int:
-        return int(hyper["period"])
+    periodic_allreduce = "period"
 
     @classmethod
     def resize_skip(cls, saved: Mapping[str, Any], here: Mapping[str, Any], old_size: int, new_size: int) -> Tuple[str, ...]:
         # alpha and beta = N alpha cannot both stay at another N: accept the run when either does (the one its settings fixed).
-        plain_saved, plain_here = _plain(dict(saved)), _plain(dict(here))
+        plain_saved, plain_here = plain(dict(saved)), plain(dict(here))
         return ("alpha", "beta") if any(plain_saved.get(k) == plain_here.get(k) for k in ("alpha", "beta")) else ()
 
-    def __init__(
-        self,
-        topology: Topology,
-        *,
-        lr: float = 0.1,
-        alpha: Optional[float] = None,
-        beta: Optional[float] = None,
-        period: int = 4,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        nesterov: bool = False,
-        weight_decay: float = 0.0,
-        nan_policy: str = "raise",
-    ) -> None:
-        super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.alpha, self.beta = moving_rates(alpha, beta, topology.size)
-        self.period = self.schema["period"].validate(period)
-        self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        super().__init__(topology, **hyperparameters)
+        self.alpha, self.beta = moving_rates(self.alpha, self.beta, topology.size)
+        self.local = LocalSGD.from_values(self._values)
         self.center: Optional[Any] = None
         self._mean: Optional[Any] = None  # receives sum_i x_i
         self._work: Optional[Any] = None
-
-    def hyperparameters(self) -> Dict[str, Any]:
-        return {"alpha": self.alpha, "beta": self.beta, "period": self.period, **self.local.hyperparameters()}
 
     def _allocate(self, params: Any) -> None:
         self.local.allocate(params)

@@ -1,36 +1,19 @@
 """One nonblocking collective in flight, and who pokes it: shared by ``dasgd`` and ``streaming_diloco``.
 
-MPI progresses a nonblocking collective only inside MPI calls (without an
-asynchronous progress thread of the library's own), and one call advances
-it only so far: :func:`poke` makes several back-to-back ``Test`` calls; a
-:class:`ProgressThread` pokes from a helper thread (needs
-``MPI_THREAD_MULTIPLE``); :class:`InFlight` holds a request and its thread
-and completes it (``Wait``) when the result is needed.
-
-Both algorithms take the same three execution knobs, declared once here
-(:data:`PROGRESS`) and checked once (:func:`progress_knobs` when
-constructed, :func:`check_progress` at set-up):
-
-- ``progress``: who pokes.  ``"test"`` one poke per step (plus the training
-  loop's ``progress_hook()`` calls), ``"thread"`` a helper thread every
-  ``progress_interval`` seconds while a collective is in flight, ``"none"``
-  nobody until the ``Wait`` (for MPICH's own ``MPICH_ASYNC_PROGRESS=1``
-  thread);
-- ``progress_interval``: seconds between the helper thread's pokes;
-- ``tests_per_poke``: ``Test`` calls per poke.
-
-They change who drives MPI, never what is computed.
+Their three execution knobs (:data:`PROGRESS`: who pokes, how often, how many ``Test`` calls) change who drives MPI,
+never what is computed; :func:`check_progress` refuses a helper thread where MPI or the buffers cannot have one.
+Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional
 
 from ..comm import Request, Topology, is_gpu_array
 from .schema import Hyperparameter, Schema, choice, positive
 
-__all__ = ["PROGRESS_MODES", "PROGRESS", "progress_knobs", "check_progress", "poke", "ProgressThread", "InFlight", "PendingBuffer"]
+__all__ = ["PROGRESS_MODES", "PROGRESS", "check_progress", "poke", "ProgressThread", "InFlight", "PendingBuffer"]
 
 PROGRESS_MODES = ("test", "thread", "none")
 
@@ -40,15 +23,6 @@ PROGRESS = Schema(
     Hyperparameter("progress_interval", 0.002, positive(), "progress='thread': seconds between the thread's tests", execution=True),
     Hyperparameter("tests_per_poke", 8, positive(integer=True), "progress='test': MPI_Test calls per step", execution=True),
 )
-
-
-def progress_knobs(progress: str, progress_interval: float, tests_per_poke: int) -> Tuple[str, float, int]:
-    """The three knobs checked by their :data:`PROGRESS` entries (the error names the bad one)."""
-    return (
-        PROGRESS["progress"].validate(progress),
-        float(PROGRESS["progress_interval"].validate(progress_interval)),
-        PROGRESS["tests_per_poke"].validate(tests_per_poke),
-    )
 
 
 def check_progress(algorithm_name: str, progress: str, topology: Topology, params: Any) -> None:

@@ -10,7 +10,7 @@ when its C loop was built); a step allocates nothing after the first.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..arrays import array_module, empty_apart
 from ..kernels.update import Merge, all_finite, divide_finite, merge_average, sgd_update
@@ -56,6 +56,11 @@ class LocalSGD:
         self.groups: Optional[List[Tuple[int, int]]] = None
         self.group_values: List[Dict[str, Any]] = []
         self._group_work: List[List[Any]] = []
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> "LocalSGD":
+        """The update of an algorithm's checked :data:`LOCAL_SGD` values (the one place they become a ``LocalSGD``)."""
+        return cls(**LOCAL_SGD.pick(values))
 
     def set_groups(self, bounds: Sequence[Tuple[int, int]]) -> None:
         """Run the update group by group over these contiguous slices (each with :attr:`group_values`' settings)."""

@@ -1,89 +1,8 @@
 """LSGD: leader stochastic gradient descent, synchronous, with local and global leaders.
 
-Teng, Gao, Chalus, Choromanska, Goldfarb and Weller, "Leader Stochastic
-Gradient Descent for Distributed Training of Deep Learning Models",
-NeurIPS 2019 (arXiv:1905.10395); ALGORITHMS.md "LSGD".
-
-Each worker ``x_ji`` (worker ``i`` of group ``j``) minimises
-``f(x_ji) + lambda/2 ||x_ji - xl_j||^2 + lambda_G/2 ||x_ji - xg||^2``: it is
-pulled towards its local leader ``xl_j``, the worker of its group
-(``topology.group``) with the lowest loss, and towards the global leader
-``xg``, the lowest-loss worker of ``topology.world``.  The leaders are real
-workers, not averages, so the stationary points are those of ``f``; EASGD's
-average of workers sitting in symmetric minima can be a saddle or a maximum
-(the paper's "curse of symmetry").  One group is single-leader LSGD.
-
-Communication-efficient form: local steps, a local pull after every
-``period``-th step (``tau``), a global pull after every ``global_period``-th
-step (``tau_G``).  A pull is an election (:meth:`Comm.elect_min`: Allreduce
-MINLOC of one (float64 loss, int32 rank) pair, 16 bytes with padding) and a
-Bcast of the leader's parameters (4 bytes per float32 parameter) in the group
-(local) or the world (global) communicator.  The leader is not moved by its
-own pull (``x - x_leader = 0``) but still sends its parameters.
-
-Election
---------
-Each worker's loss is the running mean of the last ``loss_window`` losses
-passed to ``step`` (the authors' code: the last 10 training losses; steps
-skipped by ``nan_policy="skip"`` record none); ties go to the lowest rank,
-and a worker whose mean is NaN is never elected.
-
-Pull forms
-----------
-``pull_form="paper"`` (default), the paper's update::
-
-    x_{t+1} = x_t - eta d_t - lambda (x_t - xl_t) - lambda_G (x_t - xg_t)
-
-where ``eta d_t`` is the local optimizer's step from ``x_t`` and the leaders'
-parameters ``xl_t, xg_t`` are also those of step ``t`` (broadcast before this
-step's local step, so the leader is elected by losses measured at the very
-point it sends): the gradient step and the pulls are simultaneous, and a step
-due for both pulls takes both differences from the same ``x_t``.
-
-``pull_form="convex"``, the authors' code: the local step first, then
-``x <- (1 - c) x + c xl`` with ``c = pull_local``, then (when due)
-``x <- (1 - c_G) x + c_G xg`` with ``c_G = pull_global``, each mix from the
-parameters as they are at that moment (the leader's too).
-
-With ``c = lambda``, ``(1 - c) x + c xl = x - lambda (x - xl)``: a single
-pull is the same algebraic update in both forms.  What differs is where it
-is applied: the paper pulls ``x_t`` (the point where the gradient was taken)
-towards the leader's ``x_t``; the code pulls the point after the local step
-towards the leader's point after its local step.  Two pulls on one step add
-in the paper (``lambda + lambda_G`` when the leaders coincide) and compose in
-the code (``1 - (1 - c)(1 - c_G)``).  The rounding differs too.
-
-Proximal pull
--------------
-With ``proximal = p > 0``, every local step is followed by a pull
-``x <- x - p (x - x_copy)`` (``(1 - p) x + p x_copy`` in the convex form)
-towards ``x_copy``, the leader's parameters received at the latest pull (the
-global leader's when both pulls fell on that step); none before the first
-pull.  The authors' code pulls by ``p1 / tau`` towards the last local leader
-and by ``p2 / tau_G`` towards the last global leader after each local step;
-``proximal`` is that per-step strength, towards one copy.
-
-Order within a step
--------------------
-Record the loss; ("paper") elect, receive the leaders and take the pull
-differences at ``x_t``; the local SGD step; the proximal pull; then the pulls
-due (local before global).
-
-With one group (``topology.num_groups == 1``) the local and global leaders
-are the same worker (same ranks, losses and tie order), so a step due for
-both pulls elects and broadcasts once.  ``pull_local=0`` (or
-``pull_global=0``) turns that pull off, traffic included; with one group,
-``pull_local=0`` is the authors' single-leader set-up.
-
-Example
--------
->>> topology = mpiopt.Topology(group_size=4)      # local leaders in groups of 4
->>> alg = mpiopt.create("lsgd", topology, lr=0.1, global_period=16)
->>> alg.setup(params)
->>> for batch in data:
-...     loss, grad = compute(params, batch)
-...     alg.step(params, grad, loss=loss)        # loss is required (Algorithm: "Errors on one rank")
->>> alg.last_global_leader                       # world rank of the latest global leader
+Teng et al., "Leader Stochastic Gradient Descent for Distributed Training of Deep Learning Models", NeurIPS 2019
+(arXiv:1905.10395): the lowest running-mean loss elects a leader per group and one over the world; the others pull.
+Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
@@ -128,36 +47,6 @@ __all__ = ["LSGD", "PULL_FORMS"]
 @register
 class LSGD(LSGDState, SynchronousAlgorithm):
     """Synchronous leader SGD (Teng et al. 2019) with local (group) and global (world) leaders.
-
-    Parameters
-    ----------
-    topology : Topology
-        Communicators: local leaders within ``topology.group``, the global
-        leader over ``topology.world``.
-    lr : float
-        Learning rate of the local steps (authors' script: 0.1).
-    pull_local, pull_global : float
-        ``lambda`` and ``lambda_G`` in [0, 1] (authors: 0.1 and 0.1); 0 turns
-        that pull off.
-    period : int, optional
-        ``tau``, steps between local pulls; default ``global_period // 4``
-        (at least 1), as in the authors' scripts.
-    global_period : int
-        ``tau_G``, steps between global pulls, >= ``period`` (paper: 4, 16
-        or 64; default 16).
-    pull_form : {"paper", "convex"}
-        The paper's simultaneous update or the authors' code's convex mix
-        after the local step (module docstring).
-    proximal : float
-        Per-step pull in [0, 1) towards the latest leader copy; 0 (default)
-        turns it off.
-    loss_window : int
-        Number of recent losses whose mean elects the leaders (>= 1).
-    momentum, dampening, nesterov, weight_decay
-        The local optimizer, as in ``torch.optim.SGD``; defaults from the
-        authors' scripts (Nesterov momentum 0.9, weight decay 1e-4).
-    nan_policy : {"raise", "skip"}
-        See :class:`~mpiopt.algorithms.base.Algorithm`.
 
     Attributes
     ----------
@@ -212,30 +101,9 @@ class LSGD(LSGDState, SynchronousAlgorithm):
         period, global_period = periods(hyper)
         return period * global_period // math.gcd(period, global_period)
 
-    def __init__(
-        self,
-        topology: Topology,
-        *,
-        lr: float = 0.1,
-        pull_local: float = 0.1,
-        pull_global: float = 0.1,
-        period: Optional[int] = None,
-        global_period: int = 16,
-        pull_form: str = "paper",
-        proximal: float = 0.0,
-        loss_window: int = 4,
-        momentum: float = 0.9,
-        dampening: float = 0.0,
-        nesterov: bool = True,
-        weight_decay: float = 1e-4,
-        nan_policy: str = "raise",
-    ) -> None:
-        super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.rule = LSGDRule(
-            pull_local=pull_local, pull_global=pull_global, period=period, global_period=global_period,
-            pull_form=pull_form, proximal=proximal, loss_window=loss_window, momentum=momentum,
-            dampening=dampening, nesterov=nesterov, weight_decay=weight_decay,
-        )
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        super().__init__(topology, **hyperparameters)
+        self.rule = LSGDRule(**LSGD_RULE.pick(self._values))
         self.last_local_leader = -1
         self.last_global_leader = -1
         self._leader: Optional[Any] = None  # the latest leader's parameters (Bcast buffer)
@@ -253,7 +121,7 @@ class LSGD(LSGDState, SynchronousAlgorithm):
         self._leader = empty_apart(params)
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
-        """One step in the order of the module docstring ("Order within a step")."""
+        """One step in the order of docs/algorithm-notes.md ("Order within a step")."""
         if loss is None:
             # Found on this rank alone, while the others may be electing a leader.
             self.topology.raise_or_abort(ValueError(

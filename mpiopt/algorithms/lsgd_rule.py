@@ -1,18 +1,7 @@
 """LSGD's arithmetic on its own, without MPI: what synchronous and asynchronous LSGD share.
 
-Teng et al., NeurIPS 2019; ALGORITHMS.md "LSGD".  The two algorithms differ
-in who decides when to pull and where a leader's parameters come from (an
-election collective and a Bcast in :mod:`~mpiopt.algorithms.lsgd`; a
-server's reply in :mod:`~mpiopt.algorithms.async_lsgd`).  The rest is here,
-written once:
-
-- the hyperparameters, their defaults and their checks;
-- the value that elects a leader, the running mean of a worker's recent
-  losses, and the election rule (:func:`elect`);
-- the local step combined with the pulls, in either pull form, and the
-  proximal pull (:meth:`LSGDRule.step`; the equations are in the module
-  docstring of :mod:`~mpiopt.algorithms.lsgd`);
-- a worker's state over that rule (:class:`LSGDState`, a mixin).
+The hyperparameters, the running-mean loss that elects leaders (:func:`elect`), the local step with its pulls
+(:meth:`LSGDRule.step`) and a worker's state over that rule (:class:`LSGDState`).  Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
@@ -46,6 +35,9 @@ LSGD_RULE = Schema(
     Hyperparameter("loss_window", 4, positive(integer=True), "losses in the running mean that elects the leaders"),
 ) + LOCAL_SGD.with_defaults(momentum=0.9, nesterov=True, weight_decay=1e-4)
 
+#: The rule's own keywords (the rest are the local update's).
+RULE_NAMES = tuple(name for name in LSGD_RULE.names() if name not in LOCAL_SGD)
+
 #: A pull: ``(coefficient, fetch)``; ``fetch()`` returns the leader's
 #: parameters, or None where this worker is the leader (its own pull would not move it).
 Pull = Tuple[float, Callable[[], Optional[Any]]]
@@ -64,13 +56,6 @@ def elect(candidates: Iterable[Tuple[int, float]]) -> int:
 class LSGDRule:
     """A worker's LSGD arithmetic: hyperparameters, running-mean loss, the local step with its pulls.
 
-    Parameters
-    ----------
-    pull_local, pull_global, period, global_period, pull_form, proximal, loss_window,
-    momentum, dampening, nesterov, weight_decay
-        As documented in :class:`~mpiopt.algorithms.lsgd.LSGD` (these are
-        its defaults).
-
     Attributes
     ----------
     local : LocalSGD
@@ -81,49 +66,22 @@ class LSGDRule:
         Losses recorded so far (state).
     """
 
-    def __init__(
-        self,
-        *,
-        pull_local: float = 0.1,
-        pull_global: float = 0.1,
-        period: Optional[int] = None,
-        global_period: int = 16,
-        pull_form: str = "paper",
-        proximal: float = 0.0,
-        loss_window: int = 4,
-        momentum: float = 0.9,
-        dampening: float = 0.0,
-        nesterov: bool = True,
-        weight_decay: float = 1e-4,
-    ) -> None:
-        self.pull_local = LSGD_RULE["pull_local"].validate(pull_local)
-        self.pull_global = LSGD_RULE["pull_global"].validate(pull_global)
-        self.global_period = LSGD_RULE["global_period"].validate(global_period)
-        if period is None:
-            period = default_period(self.global_period)
-        self.period = LSGD_RULE["period"].validate(period)
+    def __init__(self, **values: Any) -> None:
+        values = LSGD_RULE.complete(values, what="lsgd")
+        for name in RULE_NAMES:
+            setattr(self, name, values[name])
+        if self.period is None:
+            self.period = default_period(self.global_period)
         if self.period > self.global_period:
-            raise ValueError(f"period must be <= global_period ({global_period}), got {period}")
-        self.pull_form = LSGD_RULE["pull_form"].validate(pull_form)
-        self.proximal = LSGD_RULE["proximal"].validate(proximal)
-        self.loss_window = LSGD_RULE["loss_window"].validate(loss_window)
-        self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
+            raise ValueError(f"period must be <= global_period ({self.global_period}), got {self.period}")
+        self.local = LocalSGD.from_values(values)
         self.recent_losses = np.zeros(self.loss_window)  # host floats
         self.losses_seen = 0
         self._pull: Optional[Any] = None  # "paper": the pull differences taken at x_t
         self._work: Optional[Any] = None
 
     def hyperparameters(self) -> Dict[str, Any]:
-        return {
-            "pull_local": self.pull_local,
-            "pull_global": self.pull_global,
-            "period": self.period,
-            "global_period": self.global_period,
-            "pull_form": self.pull_form,
-            "proximal": self.proximal,
-            "loss_window": self.loss_window,
-            **self.local.hyperparameters(),
-        }
+        return {**{name: getattr(self, name) for name in RULE_NAMES}, **self.local.hyperparameters()}
 
     def allocate(self, params: Any) -> None:
         """Scratch space for ``params`` (call once before the first step)."""
@@ -231,13 +189,6 @@ class LSGDState(LocalStepState):
     last_global_leader: int
 
     local = _from_rule("local")  # the local optimizer, whose momentum buffer is state
-    pull_local = _from_rule("pull_local")
-    pull_global = _from_rule("pull_global")
-    period = _from_rule("period")
-    global_period = _from_rule("global_period")
-    pull_form = _from_rule("pull_form")
-    proximal = _from_rule("proximal")
-    loss_window = _from_rule("loss_window")
 
     @property
     def recent_losses(self) -> np.ndarray:
@@ -268,3 +219,7 @@ class LSGDState(LocalStepState):
     def _proximal_target(self) -> Optional[Any]:
         """The latest leader copy once there has been a leader; None before (no proximal pull)."""
         return self._leader if max(self.last_local_leader, self.last_global_leader) >= 0 else None
+
+
+for _name in RULE_NAMES:  # the rule's values read as the algorithm's attributes (``alg.period``), read only
+    setattr(LSGDState, _name, _from_rule(_name))

@@ -41,7 +41,7 @@ def register(cls: A) -> A:
 
 
 def _check_schema(cls: Type[Algorithm]) -> None:
-    """The class's schema declares exactly its constructor's keywords, with the same defaults."""
+    """A class that still writes its keywords in a signature (the base class takes them from the schema) matches its schema."""
     parameters = inspect.signature(cls.__init__).parameters
     keywords = {k: p.default for k, p in parameters.items() if p.kind is p.KEYWORD_ONLY}
     passes_on = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
@@ -92,26 +92,10 @@ def algorithm_class(name: str) -> Type[Algorithm]:
 
 
 def create(name: str, topology: Topology, **hyperparameters: Any) -> Algorithm:
-    """Create the algorithm ``name`` on ``topology``.
+    """Create the algorithm ``name`` (one of :func:`available`) on ``topology`` with its keyword ``hyperparameters``.
 
-    Parameters
-    ----------
-    name : str
-        One of :func:`available`.
-    topology : Topology
-        Communicators to use.
-    **hyperparameters
-        Keyword arguments of the algorithm's class (papers' defaults apply).
-
-    Raises
-    ------
-    ValueError
-        For an unknown name (the message lists the known ones), or a bad
-        hyperparameter value.
-    TypeError
-        For an unknown hyperparameter (the message names the algorithm, the
-        close match if there is one, and the names it takes) or a value of
-        the wrong type.
+    ValueError for an unknown name (listing the known ones) or a bad value;
+    TypeError for an unknown keyword (naming the close match and what it takes).
     """
     cls = algorithm_class(name)
     # Before the constructor, whose own error would name only its __init__ (not the algorithm or what it takes);

@@ -1,33 +1,7 @@
 """Resuming on another number of ranks: each algorithm's rule for turning P old ranks' states into M new ones.
 
-:func:`resize_states` takes the :meth:`~mpiopt.algorithms.base.Algorithm.state_dict`
-of every rank of a checkpoint written by ``P`` ranks and returns one state
-per rank of a job of ``M`` ranks, ready for ``load_state_dict``.  Every state
-entry of an algorithm that can resize has a rule, declared beside the state
-in its class (``resize_rules``); the asynchronous algorithms have none (the
-server's and the leaders' state belong to one layout of server and workers).
-
-Why these rules:
-
-- *copied*: the entry is identical on every rank, so any rank's copy is right.
-- *follows* ``r % P``: per-worker state that goes with that worker's
-  parameters (the training loop gives new rank ``r`` old rank ``r % P``'s
-  parameters, BatchNorm buffers too; :func:`source_rank`).  A growing world
-  repeats old workers; a shrinking one keeps the first ``M``.  Averaging
-  would give every new worker the same momentum and, for Signum, a
-  lower-variance vote than any real worker casts.
-- *mean* for error feedback: the aggregate is ``(1/N) sum_n sent_n``, so the
-  update still owed by the residuals is ``(1/P) sum_old e``; giving each of
-  the ``M`` new ranks the old mean keeps ``(1/M) sum_new e`` equal to it
-  (conserved exactly up to rounding), where ``r % P`` would drop or
-  duplicate residuals.
-- *reset* where the entry describes a rank or a group of the old world and
-  no new rank can own it; the caller warns.
-
-The step counter and the learning rate are copied (the ranks agree on
-them); ``world_size`` becomes ``M`` and ``hyperparameters`` this run's.
-Hyperparameters that scale with the world size may differ where the class
-says so (``Algorithm.resize_skip``: EASGD's ``alpha`` or ``beta = N alpha``).
+:func:`resize_states` turns the states of a checkpoint of ``P`` ranks into ``M``, entry by entry, by the rules each class
+declares beside its state (``resize_rules``).  Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
@@ -37,7 +11,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .base import hyperparameter_lines
+from .state import hyperparameter_lines
 from .registry import algorithm_class
 
 __all__ = [
@@ -134,39 +108,13 @@ def resize_states(
     *,
     ranks: Optional[Sequence[int]] = None,
 ) -> Tuple[List[Dict[str, Any]], List[str]]:
-    """Turn every old rank's algorithm state into one state per rank of a world of ``new_size``.
+    """Turn the ``state_dict`` of every old rank (in rank order) into one state per rank of a world of ``new_size``.
 
-    Parameters
-    ----------
-    name : str
-        The algorithm (``state["algorithm"]`` of each state).
-    states : sequence of mapping
-        :meth:`~mpiopt.algorithms.base.Algorithm.state_dict` of old rank 0,
-        1, ..., P - 1, in rank order.
-    new_size : int
-        ``M``, the new world size (>= 1).
-    hyperparameters : mapping
-        The new run's hyperparameters (checked beforehand with
-        :func:`hyperparameter_differences`); written into each new state.
-    ranks : sequence of int, optional
-        The new ranks whose states to build (a rank of a job needs only its
-        own); all ``M`` by default.
-
-    Returns
-    -------
-    states : list of dict
-        The states of ``ranks`` (of every new rank by default), each
-        loadable by ``load_state_dict`` at world size ``M``.
-    notes : list of str
-        One line per entry that was redistributed or reset, saying how (for
-        the caller's warning); empty when nothing but copies was needed.
-
-    Raises
-    ------
-    ResizeError
-        For an algorithm without a rule (the asynchronous ones), states of
-        another algorithm, states whose entries are not the ones the rule
-        knows, or old ranks at different steps.
+    ``hyperparameters`` (the new run's, checked beforehand with
+    :func:`hyperparameter_differences`) go into each new state; ``ranks`` are
+    the new ranks to build (default all).  Returns the states and one note per
+    entry redistributed or reset (for the caller's warning).  ResizeError for
+    an algorithm without rules, foreign states, or old ranks at different steps.
     """
     rules = rules_of(name)
     if isinstance(new_size, bool) or not isinstance(new_size, (int, np.integer)) or new_size < 1:

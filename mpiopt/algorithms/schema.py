@@ -1,23 +1,8 @@
 """Hyperparameter schemas: what an algorithm takes, its defaults, ranges, and which values are per parameter group.
 
-Every algorithm class declares a :class:`Schema` (``Algorithm.schema``), one
-:class:`Hyperparameter` per keyword of its constructor.  The same entries
-validate the constructor's arguments, ``mpiopt train``'s ``--hp`` and TOML
-tables (before any rank communicates) and the hyperparameters a checkpoint
-carries, and they write the command line's help.
-
-Two kinds of entry:
-
-- *hyperparameters* define the mathematics: every rank must agree on them,
-  checkpoints record them and a resume that changes them is refused (unless
-  overridden);
-- *execution knobs* (``execution=True``) change how the work is done, never
-  its result (a progress mode, a poll count, pipeline chunks): they are
-  neither agreed across ranks nor a reason to refuse a resume.
-
-``per_group`` marks the entries a parameter group may set for its own slice
-of the parameters (``lr``, ``momentum``, ``dampening``, ``nesterov``,
-``weight_decay``).
+One :class:`Schema` per algorithm validates its constructor, ``--hp``, TOML tables and checkpoints, and writes the
+help.  Execution knobs (``execution=True``) change how, never what: neither agreed nor a reason to refuse a resume.
+Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
@@ -73,8 +58,9 @@ def check_bool(name: str, value: Any) -> bool:
 
 # -- validators for schema entries: each a function (name, value) -> checked value ----------------------------------
 def positive(*, allow_zero: bool = False, integer: bool = False) -> Check:
-    """A number > 0 (>= 0 with ``allow_zero``), an integer with ``integer``."""
-    return lambda name, value: check_positive(name, value, allow_zero=allow_zero, integer=integer)
+    """A number > 0 (>= 0 with ``allow_zero``): an int with ``integer``, else a float."""
+    convert = int if integer else float
+    return lambda name, value: convert(check_positive(name, value, allow_zero=allow_zero, integer=integer))
 
 
 def in_range(low: float, high: float, *, high_open: bool = False) -> Check:
@@ -121,6 +107,8 @@ class Hyperparameter:
         A parameter group may set it for its own slice of the parameters.
     execution : bool
         An execution knob, not mathematics (see the module docstring).
+    training : Any
+        Where ``mpiopt train`` starts instead of ``default`` (the papers' value for other models); None: it does not.
     """
 
     name: str
@@ -129,6 +117,7 @@ class Hyperparameter:
     help: str
     per_group: bool = False
     execution: bool = False
+    training: Any = None
 
     def validate(self, value: Any) -> Any:
         """The checked value (its error names this entry and the value)."""
@@ -192,6 +181,15 @@ class Schema:
         """
         self.check_names(values, what=what)
         return {name: self._entries[name].validate(value) for name, value in values.items()}
+
+    def complete(self, values: Mapping[str, Any], *, what: str = "algorithm") -> Dict[str, Any]:
+        """Every entry's checked value: ``values``' where given, else the default (unknown names refused as below)."""
+        self.check_names(values, what=what)
+        return {e.name: e.validate(values.get(e.name, e.default)) for e in self}
+
+    def pick(self, values: Mapping[str, Any]) -> Dict[str, Any]:
+        """The entries of ``values`` this schema declares."""
+        return {name: values[name] for name in self._entries if name in values}
 
     def check_names(self, names: Iterable[str], *, what: str = "algorithm") -> None:
         """Refuse the ``names`` the schema lacks, each with the declared name closest to it, if one is close.

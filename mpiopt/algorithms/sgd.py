@@ -1,18 +1,12 @@
 """Data-parallel SGD: the baseline every other algorithm is measured against.
 
-``g = (1/N) sum_i g_i`` by one Allreduce over the flat gradient buffer per
-step (4d bytes sent and received per rank, ALGORITHMS.md "Baseline"), then
-the local step of ``torch.optim.SGD`` (momentum, dampening, Nesterov, weight
-decay).  With one rank it is ``torch.optim.SGD`` itself.
-
-A caller that exchanges the gradient itself (in buckets, while backward is
-still running: :class:`mpiopt.torch.DistributedOptimizer` with
-``overlap=True``) hands the summed gradient to :meth:`SGD.step_reduced`.
+One Allreduce of the gradient per step, then ``torch.optim.SGD``'s local step (one rank: ``torch.optim.SGD`` itself);
+:meth:`SGD.step_reduced` takes a sum the caller exchanged in buckets during backward.  Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, NoReturn, Optional
+from typing import Any, List, Mapping, NoReturn, Optional
 
 from ..arrays import empty_apart
 from ..comm import Topology
@@ -28,19 +22,7 @@ __all__ = ["SGD"]
 
 @register
 class SGD(LocalStepState, SynchronousAlgorithm):
-    """Synchronous data-parallel SGD with Allreduce.
-
-    Parameters
-    ----------
-    topology : Topology
-        Communicators; the gradient is averaged over ``topology.world``.
-    lr : float
-        Learning rate.
-    momentum, dampening, nesterov, weight_decay
-        As in ``torch.optim.SGD`` (see :class:`~mpiopt.algorithms.local.LocalSGD`).
-    nan_policy : {"raise", "skip"}
-        See :class:`~mpiopt.algorithms.base.Algorithm`.
-    """
+    """Synchronous data-parallel SGD with Allreduce."""
 
     name = "sgd"
     inner_role = "gradient"
@@ -60,24 +42,11 @@ class SGD(LocalStepState, SynchronousAlgorithm):
     def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
         return [Call("allreduce", itemsize * d, ranks, len(steps))]
 
-    def __init__(
-        self,
-        topology: Topology,
-        *,
-        lr: float = 0.1,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        nesterov: bool = False,
-        weight_decay: float = 0.0,
-        nan_policy: str = "raise",
-    ) -> None:
-        super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        super().__init__(topology, **hyperparameters)
+        self.local = LocalSGD.from_values(self._values)
         self._average: Optional[Any] = None
         self._reduced: Optional[Any] = None  # the caller's summed gradient, during step_reduced only
-
-    def hyperparameters(self) -> Dict[str, Any]:
-        return self.local.hyperparameters()
 
     def _allocate(self, params: Any) -> None:
         self.local.allocate(params)

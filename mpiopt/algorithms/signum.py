@@ -1,63 +1,8 @@
 """signSGD and Signum with majority vote: one bit per parameter on the wire.
 
-Bernstein, Wang, Azizzadenesheli and Anandkumar, "signSGD: compressed
-optimisation for non-convex problems", ICML 2018 (Algorithms 1-3), and
-Bernstein, Zhao, Azizzadenesheli and Anandkumar, "signSGD with majority vote
-is communication efficient and fault tolerant", ICLR 2019 (Algorithm 1);
-ALGORITHMS.md "signSGD, Signum and majority vote".
-
-Every worker keeps its own momentum and sends only its signs::
-
-    m_i <- beta m_i + (1 - beta) g_i          (Signum; beta = 0: m_i = g_i, signSGD)
-    V   =  sign(sum_i sign(m_i))              (majority vote)
-    x   <- x - lr (V + weight_decay x)        (weight decay after the vote)
-
-Conventions (the same in every code path, see :mod:`mpiopt.kernels`):
-sign(0) = sign(-0.0) = +1, as in the ICLR experiments; a tie of an even number
-of voters votes +1.  Use an odd number of workers to avoid ties.
-
-Exchange modes (identical results, bit for bit):
-
-``allgather``
-    One Allgather of the packed signs: each rank sends ceil(d/8) bytes and
-    receives (P-1) ceil(d/8); every rank votes on the whole vector.
-``twophase``
-    Alltoall of packed chunks (rank q receives chunk q of every vector), a
-    vote per chunk, Allgather of the voted chunks: each rank sends about
-    d/8 bytes and receives about 2 (P-1)/P d/8, i.e. under 2 bits per
-    parameter each way, whatever P.
-``auto`` (default)
-    ``twophase`` when it receives fewer bytes than ``allgather`` by more than
-    :data:`LATENCY_BYTES` (the price of its second collective, expressed as
-    bytes at the link's bandwidth), else ``allgather``.  At P = 2 both receive
-    the same, so ``allgather`` wins; at P >= 3 ``twophase`` wins once d/8 is
-    large enough.
-``prevote``
-    A node-local pre-vote through the :class:`~mpiopt.comm.Topology`: an
-    Allgather and a vote inside each group (node), an Allgather and a vote of
-    the group results among the group leaders, a Bcast of the outcome inside
-    each group.  Only the leaders cross the network, each receiving
-    (groups - 1) d/8 bytes.  **This changes the semantics**: the result is the
-    majority of the groups' majorities, not the majority of all workers
-    (ties vote +1 at both levels), so ``auto`` never picks it.  With one group
-    it is the plain vote.
-
-Pipelining (``pipeline_chunks``)
-    ``allgather`` and ``twophase`` can split the packed vector into chunks of
-    whole 8-byte words and exchange them with nonblocking collectives
-    (``Iallgather``, ``Ialltoall``): the momentum and packing of chunk i+1 run
-    while chunk i is on the wire, and each chunk is voted, unpacked and
-    applied to its slice of the parameters as soon as it arrives, with at most
-    :data:`PIPELINE_DEPTH` chunks in flight.  The vote is per bit and the
-    update per element, so the result is bit for bit the unpipelined one; the
-    bytes are the same (``twophase``: up to 8 P bytes more per chunk, the
-    word padding of its P pieces).  Each chunk costs one more collective's
-    latency: ``"auto"`` uses :data:`PIPELINE_CHUNKS` chunks only when every
-    chunk keeps at least :data:`PIPELINE_MIN_BYTES`; an integer is the exact
-    count (capped at one word per chunk), 1 the unpipelined exchange.
-    ``prevote`` is never pipelined.
-
-Compare with the float32 Allreduce of data-parallel SGD: 4d bytes each way.
+Bernstein et al., ICML 2018 (Algorithms 1-3) and ICLR 2019 (Algorithm 1): every rank sends the signs of its momentum,
+the majority of the ranks' signs is the step; by packed-bit Allgather, a two-phase vote or a per-node pre-vote.
+Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
@@ -105,7 +50,7 @@ def exchange_bytes(mode: str, ranks: int, d: int, chunks: Union[int, str] = "aut
     Parameters
     ----------
     mode : {"allgather", "twophase"}
-        (``prevote``'s bytes depend on the group sizes: see the module docstring.)
+        (``prevote``'s bytes depend on the group sizes: docs/algorithm-notes.md.)
     ranks : int
         World size P.
     d : int
@@ -126,7 +71,7 @@ def pipeline_bounds(d: int, chunks: Union[int, str]) -> np.ndarray:
     d : int
         Number of parameters.
     chunks : int or "auto"
-        ``pipeline_chunks`` (see the module docstring).
+        ``pipeline_chunks`` (docs/algorithm-notes.md).
 
     Returns
     -------
@@ -142,7 +87,7 @@ def pipeline_bounds(d: int, chunks: Union[int, str]) -> np.ndarray:
 
 
 def choose_exchange(ranks: int, d: int) -> str:
-    """The mode ``auto`` picks for ``ranks`` workers and ``d`` parameters (see the module docstring)."""
+    """The mode ``auto`` picks for ``ranks`` workers and ``d`` parameters (docs/algorithm-notes.md)."""
     allgather = exchange_bytes("allgather", ranks, d)["recv"]
     twophase = exchange_bytes("twophase", ranks, d)["recv"]
     return "twophase" if allgather - twophase > LATENCY_BYTES else "allgather"
@@ -156,25 +101,6 @@ def _chunk_width(nbytes: int, ranks: int) -> int:
 @register
 class Signum(SynchronousAlgorithm):
     """Signum / signSGD with majority vote over packed sign bits.
-
-    Parameters
-    ----------
-    topology : Topology
-        The vote runs over ``topology.world``.
-    lr : float
-        Learning rate (ImageNet default 1e-4; CIFAR ResNet-20 signSGD: 1e-3).
-    momentum : float
-        ``beta`` in [0, 1); 0 gives signSGD (default 0.9).
-    weight_decay : float
-        Applied after the vote (default 1e-4).
-    exchange : {"auto", "allgather", "twophase", "prevote"}
-        How the signs are exchanged (see the module docstring; ``prevote``
-        votes within node groups first and so changes the result).
-    pipeline_chunks : int or "auto"
-        Chunks of a pipelined exchange (see the module docstring); 1 turns
-        pipelining off.  The result is the same bits whatever the value.
-    nan_policy : {"raise", "skip"}
-        See :class:`~mpiopt.algorithms.base.Algorithm`.
 
     Attributes
     ----------
@@ -220,22 +146,8 @@ class Signum(SynchronousAlgorithm):
             calls.append(Call("allgather", nbytes, len(groups), count, 2))
         return calls
 
-    def __init__(
-        self,
-        topology: Topology,
-        *,
-        lr: float = 1e-4,
-        momentum: float = 0.9,
-        weight_decay: float = 1e-4,
-        exchange: str = "auto",
-        pipeline_chunks: Union[int, str] = "auto",
-        nan_policy: str = "raise",
-    ) -> None:
-        super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.momentum = self.schema["momentum"].validate(momentum)
-        self.weight_decay = float(self.schema["weight_decay"].validate(weight_decay))
-        self.exchange = self.schema["exchange"].validate(exchange)
-        self.pipeline_chunks = self.schema["pipeline_chunks"].validate(pipeline_chunks)
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        super().__init__(topology, **hyperparameters)
         self.mode: Optional[str] = None
         self.chunks = 1
         self.momentum_buffer: Optional[Any] = None
@@ -244,11 +156,6 @@ class Signum(SynchronousAlgorithm):
     def vote(self) -> Any:
         """The packed majority vote of the last step (ceil(d/8) bytes, :mod:`mpiopt.kernels` bit order)."""
         return self._voted
-
-    def hyperparameters(self) -> Dict[str, Any]:
-        return {
-            "momentum": self.momentum, "weight_decay": self.weight_decay, "exchange": self.exchange,
-        }
 
     def _allocate(self, params: Any) -> None:
         xp = self._xp

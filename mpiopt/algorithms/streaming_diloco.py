@@ -1,81 +1,8 @@
 """Streaming DiLoCo: DiLoCo's outer step fragment by fragment, each fragment's exchange overlapped with tau steps.
 
-Douillard et al., "Streaming DiLoCo with overlapping communication: towards a
-distributed free lunch", 2025 (arXiv:2501.18512).
-
-The flat parameter buffer is split into ``fragments`` (F) fragments by
-``layout``:
-
-- ``"contiguous"`` (default): F contiguous slices in order, fragment f is
-  ``[f d // F, (f + 1) d // F)``;
-- ``"strided"``: the paper's strided assignment, where fragment p holds the
-  layers p, p + F, p + 2F, ... so that every fragment spans the model's
-  whole depth (the paper found it better than contiguous layers).  The
-  algorithm sees one flat buffer: :meth:`setup` takes nothing else, and the
-  groups of :meth:`use_groups` are the optimizer's (decay or not), not
-  layers.  So ``F k`` near-equal blocks ``[i d // (F k), (i + 1) d // (F k))``
-  (``k`` = ``stride_blocks``) stand in for the layers and block i goes to
-  fragment ``i mod F`` (:func:`fragment_blocks`).  A fragment's values are
-  gathered into its own contiguous region of the sum buffer for the
-  exchange (one index array per fragment, built at setup: one integer per
-  parameter in all) and scattered back at the merge; its bytes per
-  exchange are its size, as with contiguous fragments.
-
-The layout is mathematics: ranks must agree on it and checkpoints record
-it (``layout`` and ``stride_blocks``, only when strided: the contiguous
-record is the one from before the option, so those checkpoints resume).
-
-Fragment f starts its exchange after every step ``t`` with
-``t mod H == f H // F`` (``H`` = ``period``: staggered offsets, so at most
-one fragment's bytes start per step when F <= H): the fragment of the local
-parameters is copied (gathered, when strided) into the sum buffer and summed
-over the ranks by a nonblocking in-place ``Iallreduce`` (the in-flight
-machinery of :mod:`~mpiopt.algorithms.inflight`, shared with ``dasgd``).  ``overlap_steps`` (tau) steps later it completes
-and the fragment's outer step is taken, :func:`~mpiopt.algorithms.diloco.outer_step`,
-the same function as ``diloco``'s: ``Delta = theta_start_f - mean_i theta_i,f``
-(the local fragment at the exchange's start) and Nesterov SGD from
-``theta_start_f``.  The new outer fragment is then mixed into the local one
-(the paper's eq. for the overlapped merge; torchft's ``lerp(local, alpha)``)::
-
-    theta_f <- alpha * theta_local_f + (1 - alpha) * theta_outer_f
-
-with ``theta_local_f`` the local fragment *now* (tau steps after the
-exchange started): ``alpha = 0`` discards the local progress made during
-the overlap, ``alpha = 1`` keeps only it.  ``theta_start_f := theta_outer_f``.
-
-With one fragment, ``overlap_steps=0`` and ``alpha=0`` it is ``diloco``
-(in either layout: one fragment holds every block in order).
-
-Progress: MPI advances a fragment's ``Iallreduce`` only inside MPI calls,
-and at 4 ranks one burst of ``Test`` calls after a step does not get it far
-(docs/benchmarks-averaging.md, "Streaming DiLoCo").  As in ``dasgd``, a
-*poke* is ``tests_per_poke`` ``Test`` calls, and ``progress`` says who pokes
-the exchanges in flight:
-
-- ``"test"`` (default): one poke per step, plus whatever the training loop
-  adds with :meth:`StreamingDiLoCo.progress_hook` (e.g. after each layer's
-  backward pass);
-- ``"thread"``: a helper thread per exchange in flight pokes it every
-  ``progress_interval`` seconds (needs ``MPI_THREAD_MULTIPLE``; not for GPU
-  buffers staged through host memory);
-- ``"none"``: nobody until the merge's ``Wait`` (for MPICH's own
-  ``MPICH_ASYNC_PROGRESS=1`` thread).
-
-The three are execution knobs: every mode gives bitwise the same parameters.
-
-Checkpoints: :meth:`state_dict` completes the exchanges in flight (``Wait``)
-but does not merge them; their sums (``pending_sum``, the whole sum buffer,
-only while one is pending) and the steps at which each merges
-(``merge_steps``, one per fragment, 0 when none) are state, so a resume
-merges them at the same steps (bitwise).  The regions of the fragments with
-no merge pending are zeros in ``pending_sum``: the buffer holds scratch there
-(an earlier merge's, or nothing yet), which no step reads and a resumed run
-lacks, so equal states save equal bytes.  The sum buffer holds each
-fragment in its exchange order (for ``"strided"``, fragment by fragment);
-``theta_start`` and the outer momentum are in the parameters' order in
-both layouts.  Resize: ``theta_start`` and the
-outer momentum COPY (the same on every rank), a pending sum RESCALEs to the
-new world size, the inner momentum FOLLOWs its rank.
+Douillard et al., "Streaming DiLoCo with overlapping communication: towards a distributed free lunch", 2025
+(arXiv:2501.18512): fragment f's exchange starts at offset ``f H // F`` of each period and merges ``overlap_steps`` later.
+Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
@@ -90,7 +17,7 @@ from ..comm.ledger import Call
 from ..kernels._backend import take_rows
 from .base import BASE, SynchronousAlgorithm, due_steps
 from .diloco import outer_step
-from .inflight import PROGRESS, InFlight, PendingBuffer, check_progress, progress_knobs
+from .inflight import PROGRESS, InFlight, PendingBuffer, check_progress
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .registry import register
 from .resize import COPY, FOLLOW, RESCALE
@@ -98,7 +25,7 @@ from .schema import Hyperparameter, Schema, boolean, choice, in_range, positive
 
 __all__ = ["StreamingDiLoCo", "LAYOUTS", "fragment_blocks", "fragment_bounds", "fragment_offsets", "fragment_sizes"]
 
-#: How the flat buffer is assigned to fragments (module docstring).
+#: How the flat buffer is assigned to fragments (docs/algorithm-notes.md).
 LAYOUTS = ("contiguous", "strided")
 
 
@@ -138,41 +65,7 @@ def _fragment_index(blocks: List[Tuple[int, int]]) -> np.ndarray:
 
 @register
 class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
-    """Streaming DiLoCo (Douillard et al. 2025): DiLoCo fragment by fragment, each exchange overlapped with ``overlap_steps`` steps.
-
-    Parameters
-    ----------
-    topology : Topology
-        Communicators.
-    lr : float
-        The inner learning rate.
-    period : int
-        H, steps between two exchanges of the same fragment.
-    fragments : int
-        F, fragments (at most ``period``).
-    layout : {"contiguous", "strided"}
-        How the flat buffer is cut into fragments: F contiguous slices, or
-        ``F * stride_blocks`` near-equal blocks dealt out round-robin (block
-        i to fragment ``i mod F``), standing in for the paper's strided
-        assignment of layers (module docstring).
-    stride_blocks : int
-        k, blocks per fragment in the strided layout (the buffer must have
-        at least ``F * k`` values); no effect on the contiguous layout.
-    overlap_steps : int
-        tau, steps between a fragment's exchange start and its merge (less than ``period``).
-    alpha : float
-        Weight of the local fragment in the merge, in [0, 1].
-    outer_lr, outer_momentum, outer_nesterov
-        The outer SGD's, as in ``diloco``.
-    progress, progress_interval, tests_per_poke
-        Who pokes MPI while exchanges are in flight, as in ``dasgd``: the
-        mode (``"test"``, ``"thread"`` or ``"none"``), the helper thread's
-        seconds between pokes, the ``Test`` calls per poke (module docstring).
-    momentum, dampening, nesterov, weight_decay
-        The built-in inner update's.
-    nan_policy : {"raise", "skip"}
-        See :class:`~mpiopt.algorithms.base.Algorithm`.
-    """
+    """Streaming DiLoCo (Douillard et al. 2025): DiLoCo fragment by fragment, each exchange overlapped with ``overlap_steps`` steps."""
 
     name = "streaming_diloco"
     inner_role = "local"
@@ -210,49 +103,17 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
             for size, offset in zip(sizes, fragment_offsets(period, fragments))
         ]
 
-    @classmethod
-    def plan_cycle(cls, hyper: Mapping[str, Any]) -> int:
-        return int(hyper["period"])
+    periodic_allreduce = "period"  # the cycle; each fragment's share of the Allreduce is in _plan
 
-    def __init__(
-        self,
-        topology: Topology,
-        *,
-        lr: float = 0.1,
-        period: int = 100,
-        fragments: int = 4,
-        layout: str = "contiguous",
-        stride_blocks: int = 8,
-        overlap_steps: int = 1,
-        alpha: float = 0.5,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        outer_nesterov: bool = True,
-        progress: str = "test",
-        progress_interval: float = 0.002,
-        tests_per_poke: int = 8,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        nesterov: bool = False,
-        weight_decay: float = 0.0,
-        nan_policy: str = "raise",
-    ) -> None:
-        super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.period = self.schema["period"].validate(period)
-        self.fragments = self.schema["fragments"].validate(fragments)
-        self.layout = self.schema["layout"].validate(layout)
-        self.stride_blocks = self.schema["stride_blocks"].validate(stride_blocks)
-        self.overlap_steps = self.schema["overlap_steps"].validate(overlap_steps)
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        super().__init__(topology, **hyperparameters)
         if self.fragments > self.period:
-            raise ValueError(f"fragments={fragments} must be at most period={period} (one fragment's start per step)")
+            raise ValueError(f"fragments={self.fragments} must be at most period={self.period} (one fragment's start per step)")
         if self.overlap_steps >= self.period:
-            raise ValueError(f"overlap_steps={overlap_steps} must be less than period={period} (one exchange in flight per fragment)")
-        self.alpha = float(self.schema["alpha"].validate(alpha))
-        self.outer_lr = float(self.schema["outer_lr"].validate(outer_lr))
-        self.outer_momentum = float(self.schema["outer_momentum"].validate(outer_momentum))
-        self.outer_nesterov = bool(self.schema["outer_nesterov"].validate(outer_nesterov))
-        self.progress, self.progress_interval, self.tests_per_poke = progress_knobs(progress, progress_interval, tests_per_poke)
-        self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
+            raise ValueError(
+                f"overlap_steps={self.overlap_steps} must be less than period={self.period} (one exchange in flight per fragment)"
+            )
+        self.local = LocalSGD.from_values(self._values)
         self.theta_start: Optional[Any] = None
         self.outer_momentum_buffer: Optional[Any] = None
         self.merge_steps = np.zeros(self.fragments, np.int64)  # the step after which fragment f merges; 0: none pending
@@ -272,7 +133,7 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
 
     def state_dict(self) -> Dict[str, Any]:
         """As :meth:`Algorithm.state_dict`, after completing (not merging) the exchanges in flight; zeros in the
-        idle fragments' regions of ``pending_sum`` (module docstring)."""
+        idle fragments' regions of ``pending_sum`` (docs/algorithm-notes.md)."""
         for f in self._inflight:
             f.complete()
         state = super().state_dict()
@@ -295,12 +156,8 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         # The strided layout alone records its layout: the contiguous record is what it was before the option
         # existed (stride_blocks does nothing there), so checkpoints saved then still resume, and any other
         # record differs in "layout" from a strided one.
-        strided = {"layout": self.layout, "stride_blocks": self.stride_blocks} if self.layout == "strided" else {}
-        return {
-            "period": self.period, "fragments": self.fragments, **strided, "overlap_steps": self.overlap_steps, "alpha": self.alpha,
-            "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "outer_nesterov": self.outer_nesterov,
-            **self.local.hyperparameters(),
-        }
+        unrecorded = () if self.layout == "strided" else ("layout", "stride_blocks")
+        return {k: v for k, v in super().hyperparameters().items() if k not in unrecorded}
 
     def _allocate(self, params: Any) -> None:
         d = params.shape[0]

@@ -1,84 +1,23 @@
 """Top-k sparsification with error feedback, and RegTop-k.
 
-Bereyhi, Liang, Boudreau and Afana, "Regularized Top-k: A Bayesian Framework
-for Gradient Sparsification" (arXiv:2501.05633, 2025; conference version
-"Novel gradient sparsification algorithm via Bayesian inference", MLSP
-2024); ALGORITHMS.md "Top-k with error feedback, and RegTop-k".
-
-Every worker ``n`` keeps an error buffer ``e_n`` of what it has not sent yet
-and, each step, sends ``k`` of its ``d`` entries::
-
-    a_n = g_n + e_n                        error-compensated gradient
-    S_n = the k entries of largest score   Top-k: score_j = |a_j|
-    send (j, a_j) for j in S_n;  e_n <- a_n - a_n 1_{S_n}
-    G   = (1/N) sum_n sent_n               the aggregate, on every rank
-    x  <- x - lr G                         the paper's rule: plain SGD on G
-
-RegTop-k ranks by ``score_j = tanh(|1 + delta_j| / mu) |a_j|`` instead, where
-``1 + delta_j = G_prev_j / (w s_j)`` (``w = 1/N``, ``s_j`` the value this
-worker sent for ``j`` last step) compares last step's aggregate with this
-worker's own share of it, and ``delta_j = Q`` for entries it did not send
-(they rank as in Top-k).  Where the other workers cancelled an entry, its
-score drops and the entry stays in the error buffer instead of being pushed
-again.  ``delta`` needs only the previous aggregate, which every rank holds:
-no extra communication.  See :func:`mpiopt.kernels.regtopk_scores`.
-
-The update ``x <- x - lr G`` goes through
-:class:`~mpiopt.algorithms.local.LocalSGD` when momentum or weight decay is
-set; the papers' rule, the default (``momentum=0``, ``weight_decay=0``),
-touches only the at most ``P k`` entries where ``G`` is non-zero (the same
-floats as the dense update, without its passes over all d entries).  Either
-update (the dense one through ``grad_support``) and RegTop-k's next ranking
-read ``G`` where it is non-zero only, so the dense ``G`` is written when
-:attr:`aggregate` is read, not every step.
-
-Exchange
---------
-Every rank encodes its k (index, value) pairs into a payload of
-:func:`~mpiopt.kernels.encoded_nbytes` ``(k, d)`` bytes (int32 indices or a
-bitmap, whichever is smaller; values in the parameters' dtype, float32 or
-float64) and one ``Allgather`` of the payloads per step gives every rank all of
-them; each rank decodes every row and scatter-adds it into ``G``, in rank
-order, so all ranks compute the same sum.  A rank sends ``encoded_nbytes(k, d)`` bytes and receives
-``(P - 1)`` times that.
-
-Shared with the simulator
--------------------------
-The per-worker half (:class:`SparseWorker`: selection, error feedback,
-encoding) and the aggregation (:func:`aggregate_payloads`) are plain array code with no
-MPI; :func:`mpiopt.sim.topk.simulate` runs N workers through them in one
-process, so a simulation and an MPI run of the same workers agree bit for
-bit.
-
-Example
--------
->>> alg = mpiopt.create("regtopk", topology, lr=0.01, density=0.01, mu=5)
->>> alg.setup(params)                       # float32 or float64, the same size on every rank
->>> for batch in data:
-...     loss, grad = compute(params, batch)
-...     alg.step(params, grad, loss=loss)
+Bereyhi et al., "Regularized Top-k: A Bayesian Framework for Gradient Sparsification" (arXiv:2501.05633, 2025):
+each rank sends its k largest ``g + e`` (RegTop-k: regularised by the last aggregate) by Allgather; the rest stays in ``e``.
+Notes: docs/algorithm-notes.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from functools import partial
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
 from ..arrays import array_module, empty_apart
 from ..comm import Topology
 from ..comm.ledger import Call
-from ..kernels import (
-    decode, density_to_k, encode, encoded_nbytes, error_feedback, packed_nbytes, payload_format, regtopk_scores, scatter_add,
-    topk_indices,
-)
-from ..kernels.update import all_finite, reads_support
-from ..kernels.sparse import (
-    TopkWorkspace, divide_at, feedback_select, fused_feedback_available, merge_sorted_rows, regtopk_sent_factors, settle_aggregate,
-    subtract_scaled_at, take_and_zero, union_of_sorted, unsent_factor, zero_at,
-)
+from ..kernels import density_to_k, encoded_nbytes, packed_nbytes, payload_format
+from ..kernels.update import reads_support
+from ..kernels.sparse.worker import SparseAggregate, SparseWorker, aggregate_payloads
 from .base import BASE, SynchronousAlgorithm
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .schema import Hyperparameter, Schema, check_positive, optional, positive
@@ -111,20 +50,6 @@ TOPK = BASE.with_defaults(lr=0.01) + Schema(
 @dataclass(frozen=True)
 class Sparsifier:
     """What every worker sends: how many entries, ranked how.
-
-    Parameters
-    ----------
-    k : int, optional
-        Entries sent per step, ``1 <= k <= d`` (``d`` is checked when a
-        worker is made).
-    density : float, optional
-        Or the fraction of entries sent, in ``(0, 1]``:
-        ``k = round(density * d)``, at least 1.  At most one of ``k`` and
-        ``density``; neither means ``density = DEFAULT_DENSITY``.
-    mu : float, optional
-        RegTop-k's ``mu`` (> 0); None ranks by ``|a|`` (Top-k).
-    q : float
-        RegTop-k's ``Q`` (> 0): ``delta`` of entries not sent last step.
 
     Raises
     ------
@@ -175,234 +100,8 @@ class Sparsifier:
         return out
 
 
-class SparseWorker:
-    """One worker's half of a step, no communication: select, keep the rest as error, encode.
-
-    Used by :class:`TopK` / :class:`RegTopK` on each rank and by the
-    single-process simulator :func:`mpiopt.sim.topk.simulate` for each of
-    its workers.
-
-    Parameters
-    ----------
-    sparsifier : Sparsifier
-    like : array
-        A float32 or float64 vector of the parameters' length, dtype and
-        array module (numpy or cupy); only those are used.
-    n_workers : int
-        ``N`` (RegTop-k's weight ``w = 1/N``).
-
-    Attributes
-    ----------
-    k, num_params, payload_nbytes : int
-    error : array like ``like``
-        ``e``, what this worker has not sent yet.
-    sent_indices, sent_values : array or None
-        RegTop-k: what this worker sent last step (int32 indices, values in
-        ``like``'s dtype); None for Top-k, which does not need them.
-    has_history : bool
-        RegTop-k: whether ``sent_*`` hold last step's selection (False before
-        the first step, when every entry ranks as in Top-k).
-    """
-
-    def __init__(self, sparsifier: Sparsifier, like: Any, n_workers: int) -> None:
-        if like.dtype not in (np.float32, np.float64):
-            raise TypeError(f"top-k payloads carry float32 or float64 values: the parameters must be one of those, got {like.dtype}")
-        xp = array_module(like)
-        self.sparsifier = sparsifier
-        self.n_workers = int(check_positive("n_workers", n_workers, integer=True))
-        self.num_params = int(like.shape[0])
-        self.k = sparsifier.count(self.num_params)
-        self.payload_nbytes = encoded_nbytes(self.k, self.num_params, like.dtype)  # values in the parameters' dtype
-        self.error = empty_apart(like, zero=True)
-        regularized = sparsifier.regularized
-        self.sent_indices = xp.zeros(self.k, dtype=xp.int32) if regularized else None
-        self.sent_values = xp.zeros(self.k, dtype=like.dtype) if regularized else None
-        self.has_history = False
-        self._scores = empty_apart(like) if regularized else None
-        # Selection and the sent values in buffers made once: a step allocates nothing k- or d-sized.
-        self._workspace = TopkWorkspace(self.num_params, self.k, like.dtype) if xp is np else None
-        self._values = xp.empty(self.k, dtype=like.dtype)
-        # The fused pass scores unsent entries |a_j|: RegTop-k only where their factor is exactly 1 (the paper's q).
-        self._fusable = not regularized or unsent_factor(sparsifier.mu, sparsifier.q) == 1.0
-        #: Whether :meth:`compress` reads the dense G_prev every step (RegTop-k where the fused pass cannot
-        #: run); otherwise G_prev comes by its non-zero entries, and the dense one only on a rare fallback.
-        self.reads_dense_aggregate = regularized and not (
-            self._fusable and self._workspace is not None and self._workspace.fits(self.error, self.k)
-        )
-
-    def compress(
-        self, grad: Any, prev_aggregate: Any, out: Any, check_finite: bool = False, prev_support: Optional[Any] = None,
-    ) -> Optional[Any]:
-        """Error feedback and selection on ``grad``; the payload to send, written into ``out``.
-
-        Parameters
-        ----------
-        grad : array like ``error``
-            This worker's gradient ``g``.
-        prev_aggregate : array like ``error``, or a callable returning it
-            Last step's aggregate ``G_prev`` (read by RegTop-k only; a
-            callable is called only where the dense ``G_prev`` is read).
-        out : array of uint8, shape (payload_nbytes,)
-            Where the payload goes (a send buffer, or one row of the
-            simulator's table of payloads).
-        check_finite : bool
-            Also check that every element of ``grad`` is finite: in the
-            pass that forms ``a = e + g`` where that pass is fused (numpy
-            with the C loops), else in a pass of its own first.
-        prev_support : (indices, values), optional
-            ``G_prev``'s non-zero entries and values (RegTop-k): where the
-            fused pass runs, read instead of the dense ``G_prev``.
-
-        Returns
-        -------
-        array or None
-            ``out``; None when ``check_finite`` found a non-finite element
-            (nothing encoded; after the fused pass ``error`` holds ``a``, so
-            this worker's state is not to be used further).
-        """
-        sparsifier = self.sparsifier
-        if sparsifier.regularized:
-            select = partial(self._select_regularized, prev_aggregate)  # the general code: the dense G_prev
-        else:
-            select = partial(topk_indices, k=self.k, workspace=self._workspace)
-        # a = g + e; S = select(a); e <- a - a 1_S (in place; values = a on S).
-        # a = g + e and the candidates in one pass where it can (RegTop-k: the sent entries' regularizers
-        # first, from last step's selection and aggregate; the pass multiplies them by |a_j|)
-        fused = self._fusable and fused_feedback_available(grad, self.error, self._workspace)
-        sent_indices = sent_factors = None
-        if fused and sparsifier.regularized and self.has_history:
-            sent_indices = self.sent_indices
-            sent_factors = regtopk_sent_factors(
-                sent_indices, self.sent_values, None if prev_support is not None else _dense(prev_aggregate),
-                self.n_workers, sparsifier.mu, sparsifier.q, self._workspace, prev_support=prev_support,
-            )
-            fused = sent_factors is not None
-        if check_finite and not fused and not all_finite(grad):  # before error changes
-            return None
-        if fused:
-            indices, finite = feedback_select(
-                grad, self.error, self.k, self._workspace, sent_indices=sent_indices, sent_factors=sent_factors,
-            )
-            if check_finite and not finite:
-                return None
-            if indices is None:  # the candidates did not fit (or NaN came unchecked): the general selection of a
-                indices = select(self.error)
-            values = take_and_zero(self.error, indices, self._values)
-        else:
-            indices, values = error_feedback(grad, self.error, select, values_out=self._values)
-        if self.sent_indices is not None:
-            self.sent_indices[...] = indices
-            self.sent_values[...] = values
-            self.has_history = True
-        # error_feedback has checked the indices.
-        return encode(indices, values, self.num_params, out=out, dtype=values.dtype, check_indices=False)
-
-    def _select_regularized(self, prev_aggregate: Any, acc: Any) -> Any:
-        """RegTop-k: the k entries of largest ``tanh(|1 + delta| / mu) |a|``."""
-        history = self.k if self.has_history else 0
-        scores = regtopk_scores(
-            acc, self.sent_indices[:history], self.sent_values[:history], _dense(prev_aggregate),
-            self.n_workers, self.sparsifier.mu, self.sparsifier.q, out=self._scores, workspace=self._workspace,
-        )
-        return topk_indices(scores, self.k, absolute=False, workspace=self._workspace)
-
-
-def _dense(aggregate: Any) -> Any:
-    """An aggregate given as an array, or as a callable that returns it."""
-    return aggregate() if callable(aggregate) else aggregate
-
-
-class SparseAggregate(NamedTuple):
-    """What :func:`aggregate_payloads` returns.
-
-    Attributes
-    ----------
-    touched : array of int32
-        The sorted entries that some worker sent: ``G`` is +0.0 elsewhere.
-    values : array or None
-        ``G[touched]`` (a view of ``sums_out``) where the rows were merged in
-        sorted order; None where they were scatter-added.
-    """
-
-    touched: Any
-    values: Optional[Any]
-
-
-def aggregate_payloads(
-    payloads: Any, out: Any, stale: Optional[Any] = None, indices_out: Optional[Any] = None,
-    union_bits: Optional[Any] = None, union_out: Optional[Any] = None, sums_out: Optional[Any] = None,
-    params: Optional[Any] = None, lr: float = 0.0, write_out: bool = True,
-) -> SparseAggregate:
-    """``G = (1/N) sum_n sent_n`` from the N workers' payloads, into ``out``.
-
-    Parameters
-    ----------
-    payloads : array of uint8, shape (N, nbytes)
-        One payload per worker, in rank order (what ``Allgather`` returns).
-    out : array, 1-D float32 or float64, length d
-        Overwritten with the aggregate; its dtype is the payloads' value
-        type.  Rows are added in order, so every rank (and the simulator)
-        computes the same sum.
-    stale : array of int, optional
-        The only entries of ``out`` that may be non-zero (what the previous
-        call returned): only they are cleared, instead of all d entries.
-    indices_out : array of int32, shape (N, k), optional
-        Where the bitmap format's indices are decoded (row n: worker n's),
-        instead of new arrays each call.
-    union_bits, union_out : arrays, optional
-        A ``ceil(d / 8)``-byte bitmap and an int32 array of ``N k`` entries
-        where the union of the sent indices is formed without allocating
-        (see :func:`mpiopt.kernels.sparse.union_of_sorted`); the result is
-        then a view of ``union_out``, and may be passed back as ``stale``
-        (of the next call but one: ``union_out`` must not hold ``stale``).
-    sums_out : array like ``out``, ``N k`` entries, optional
-        With ``union_out``: the rows are merged in sorted order
-        (:func:`~mpiopt.kernels.sparse.merge_sorted_rows`) instead of
-        scatter-added one by one, and ``G`` is written in one walk (the same
-        floats).
-    params : array like ``out``, optional
-        Also ``params[j] -= lr * G[j]`` where ``G`` is non-zero (the papers'
-        update), in the same walk where it can.
-    lr : float
-        The learning rate of that update.
-    write_out : bool
-        False: where the rows are merged, ``G`` is only returned (``values``)
-        and ``out`` is left as it was (``stale`` unread); the scatter-adding
-        path writes ``out`` all the same.
-
-    Returns
-    -------
-    SparseAggregate
-        Where ``G`` is non-zero, and its values there when the merge formed them.
-    """
-    rows = [None] * payloads.shape[0] if indices_out is None else indices_out
-    decoded = [decode(payload, out.shape[0], out.dtype, row) for payload, row in zip(payloads, rows)]
-    merged = None
-    if union_out is not None and sums_out is not None:
-        merged = merge_sorted_rows([i for i, _ in decoded], [v for _, v in decoded], out.shape[0], union_out, sums_out)
-    if merged is not None:
-        touched, sums = merged
-        if write_out and stale is None:
-            out[...] = 0
-        settle_aggregate(
-            out if write_out else None, touched, sums, payloads.shape[0], stale=stale, params=params, lr=lr,
-        )  # sums <- G[touched]
-        return SparseAggregate(touched, sums)
-    if stale is None:
-        out[...] = 0
-    else:
-        zero_at(out, stale)  # before the union below, which may overwrite stale's buffer
-    for indices, values in decoded:  # one worker's indices are unique: one scatter-add per worker
-        scatter_add(out, indices, values)
-    touched = union_of_sorted([indices for indices, _ in decoded], out.shape[0], union_bits, union_out)
-    divide_at(out, touched, payloads.shape[0])
-    if params is not None:
-        subtract_scaled_at(params, touched, out, lr)
-    return SparseAggregate(touched, None)
-
-
 class _SparseSGD(LocalStepState, SynchronousAlgorithm):
-    """Top-k / RegTop-k with error feedback over ``topology.world`` (see the module docstring)."""
+    """Top-k / RegTop-k with error feedback over ``topology.world`` (docs/algorithm-notes.md)."""
 
     fused_gradient_check = True  # error feedback's pass over g checks it
     inner_role = "gradient"
@@ -417,21 +116,10 @@ class _SparseSGD(LocalStepState, SynchronousAlgorithm):
         k = Sparsifier(k=hyper.get("k"), density=hyper.get("density")).count(d)
         return [Call("allgather", encoded_nbytes(k, d), ranks, len(steps))]  # every rank's encoded payload
 
-    def __init__(
-        self,
-        topology: Topology,
-        sparsifier: Sparsifier,
-        *,
-        lr: float,
-        momentum: float,
-        dampening: float,
-        nesterov: bool,
-        weight_decay: float,
-        nan_policy: str,
-    ) -> None:
-        super().__init__(topology, lr=lr, nan_policy=nan_policy)
-        self.sparsifier = sparsifier
-        self.local = LocalSGD(momentum, dampening, nesterov, weight_decay)
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+        super().__init__(topology, **hyperparameters)
+        self.sparsifier = Sparsifier(**{f.name: self._values[f.name] for f in fields(Sparsifier) if f.name in self._values})
+        self.local = LocalSGD.from_values(self._values)
         # With momentum or weight decay the step on G is LocalSGD's dense update; otherwise the papers' sparse one.
         self._dense = bool(self.local.momentum or self.local.weight_decay)
         self.worker: Optional[SparseWorker] = None
@@ -564,25 +252,7 @@ class _SparseSGD(LocalStepState, SynchronousAlgorithm):
 
 @register
 class TopK(_SparseSGD):
-    """Top-k sparsified SGD with error feedback (ALGORITHMS.md "Top-k with error feedback").
-
-    Parameters
-    ----------
-    topology : Topology
-        Communicators; payloads are exchanged over ``topology.world``.
-    lr : float
-        Learning rate (0.01, the papers' linear regression and CIFAR-10 runs).
-    k : int, optional
-        Entries sent per rank per step, ``1 <= k <= d``.
-    density : float, optional
-        Or the fraction sent, in ``(0, 1]`` (``k = round(density d)``, at
-        least 1).  At most one of ``k`` and ``density``; neither means
-        ``density = 0.001`` (the papers' CIFAR-10 setting).
-    momentum, dampening, nesterov, weight_decay
-        The step on ``G``, as in ``torch.optim.SGD``; the papers' rule is
-        plain SGD (all 0).
-    nan_policy : {"raise", "skip"}
-        See :class:`~mpiopt.algorithms.base.Algorithm`.
+    """Top-k sparsified SGD with error feedback (docs/algorithms.md "Top-k with error feedback").
 
     Notes
     -----
@@ -599,40 +269,10 @@ class TopK(_SparseSGD):
     resize_rules = {"error": MEAN, "momentum_buffer": COPY}
     update_goal = 2.5
 
-    def __init__(
-        self,
-        topology: Topology,
-        *,
-        lr: float = 0.01,
-        k: Optional[int] = None,
-        density: Optional[float] = None,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        nesterov: bool = False,
-        weight_decay: float = 0.0,
-        nan_policy: str = "raise",
-    ) -> None:
-        super().__init__(
-            topology, Sparsifier(k=k, density=density), lr=lr, momentum=momentum, dampening=dampening,
-            nesterov=nesterov, weight_decay=weight_decay, nan_policy=nan_policy,
-        )
-
 
 @register
 class RegTopK(_SparseSGD):
     """RegTop-k: Top-k with error feedback, ranked by ``tanh(|1 + delta| / mu) |a|`` (Bereyhi et al.).
-
-    Parameters
-    ----------
-    topology, lr, k, density, momentum, dampening, nesterov, weight_decay, nan_policy
-        As in :class:`TopK`.
-    mu : float
-        > 0; how sharply an entry the other workers cancelled is held back.
-        5 is the papers' CIFAR-10 value (the default); their linear
-        regression uses 4.
-    q : float
-        ``Q`` > 0, ``delta`` of the entries this rank did not send last step
-        (large, so they rank as in Top-k).
 
     Notes
     -----
@@ -656,23 +296,3 @@ class RegTopK(_SparseSGD):
         "sent_indices": ZERO, "sent_values": ZERO, "has_history": NO_HISTORY,
     }
     update_goal = 3.0
-
-    def __init__(
-        self,
-        topology: Topology,
-        *,
-        lr: float = 0.01,
-        k: Optional[int] = None,
-        density: Optional[float] = None,
-        mu: float = 5.0,
-        q: float = 1e8,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        nesterov: bool = False,
-        weight_decay: float = 0.0,
-        nan_policy: str = "raise",
-    ) -> None:
-        super().__init__(
-            topology, Sparsifier(k=k, density=density, mu=mu, q=q), lr=lr, momentum=momentum, dampening=dampening,
-            nesterov=nesterov, weight_decay=weight_decay, nan_policy=nan_policy,
-        )

@@ -30,7 +30,7 @@ from .buffers import HostStaging, as_mpi_buffer, gpu_aware_mpi, nbytes
 from .ledger import Ledger
 from .waiting import Backoff, auto_wait_policy, check_wait_policy
 
-__all__ = ["Comm", "Request", "SetupMismatchError", "Failure", "ELECTION_BYTES", "raise_own_or_name_them", "SUM", "MAX", "MIN", "ANY_SOURCE", "ANY_TAG"]
+__all__ = ["Comm", "Request", "SetupMismatchError", "Failure", "ELECTION_BYTES", "raise_own_or_name_them", "MISSING", "plain", "differing_lines", "SUM", "MAX", "MIN", "ANY_SOURCE", "ANY_TAG"]
 
 SUM = MPI.SUM
 MAX = MPI.MAX
@@ -561,14 +561,8 @@ class Comm:
         return True
 
     def _mismatch(self, everyone: List[Mapping[str, Any]], what: str) -> NoReturn:
-        keys = sorted(set().union(*everyone))
-        lines = []
-        for key in keys:
-            values = [sig.get(key, "<missing>") for sig in everyone]
-            if any(v != values[0] for v in values):
-                per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-                lines.append(f"  {key}: {per_rank}")
-        raise SetupMismatchError(f"ranks disagree on the {what} ({self.name} communicator):\n" + "\n".join(lines))
+        lines = differing_lines(everyone, [f"rank {r}:" for r in range(len(everyone))], nested=False)
+        raise SetupMismatchError(f"ranks disagree on the {what} ({self.name} communicator):\n" + "\n".join(f"  {line}" for line in lines))
 
     def agree(self, signature: Mapping[str, Any], what: str = "set-up") -> None:
         """Check that every rank passes an identical ``signature`` (:meth:`decide` with ``agree_on``).
@@ -594,6 +588,39 @@ class Comm:
     def _check_rank(self, value: int, name: str) -> None:
         if not (0 <= value < self.size):
             raise ValueError(f"{name} must be a rank in [0, {self.size}), got {value}")
+
+
+class _Missing:
+    """An entry one table lacks, shown as ``nothing`` (unquoted, unlike a value)."""
+
+    def __repr__(self) -> str:
+        return "nothing"
+
+
+MISSING = _Missing()
+
+
+def plain(value: Any) -> Any:
+    """``value`` as JSON would carry it (lists for tuples, Python numbers for numpy's), to compare a saved table with."""
+    return json.loads(json.dumps(value, default=lambda v: v.tolist() if hasattr(v, "tolist") else repr(v)))
+
+
+def differing_lines(
+    tables: Sequence[Mapping[str, Any]], labels: Sequence[str], *, skip: Any = (), nested: bool = True, prefix: str = "",
+) -> List[str]:
+    """``"key: label0 X, label1 Y"`` for each key (but ``skip``) whose values differ among ``tables``, ``MISSING`` where absent.
+
+    The one printer of "these tables differ": set-up agreement (``rank 0:``, ``rank 1:``) and resumes
+    (``saved``, ``here``).  ``nested``: where every value is a table, one line per differing entry (``key.entry``).
+    """
+    lines = []
+    for key in sorted(set().union(*tables) - set(skip)):
+        values = [table.get(key, MISSING) for table in tables]
+        if nested and all(isinstance(v, dict) for v in values):
+            lines += differing_lines(values, labels, prefix=f"{prefix}{key}.")
+        elif any(v != values[0] for v in values):
+            lines.append(f"{prefix}{key}: " + ", ".join(f"{label} {v!r}" for label, v in zip(labels, values)))
+    return lines
 
 
 def _numel(buf: Any) -> int:

@@ -1,9 +1,9 @@
 """The twin of :class:`~mpiopt.algorithms.topk.TopK` (Top-k and RegTop-k): N workers in one process, bit for bit.
 
 Each step does what every rank of an MPI run does, through the same code:
-each worker's :meth:`~mpiopt.algorithms.topk.SparseWorker.compress` writes
+each worker's :meth:`~mpiopt.kernels.sparse.worker.SparseWorker.compress` writes
 its payload into row ``n`` of a table (the ``Allgather``'s result, in rank
-order), :func:`~mpiopt.algorithms.topk.aggregate_payloads` decodes and
+order), :func:`~mpiopt.kernels.sparse.worker.aggregate_payloads` decodes and
 averages the rows, and :class:`~mpiopt.algorithms.local.LocalSGD` applies
 the aggregate ``G``.  So a run of ``mpiopt.create("regtopk", ..., mu=mu)``
 on N ranks, rank ``n`` feeding ``problem.gradient(n, x)``, ends with bitwise
@@ -24,7 +24,8 @@ from typing import Optional
 import numpy as np
 
 from ..algorithms.local import LocalSGD
-from ..algorithms.topk import Sparsifier, SparseWorker, aggregate_payloads
+from ..algorithms.topk import Sparsifier
+from ..kernels.sparse.worker import SparseWorker, aggregate_payloads
 from ..tasks.linreg import LinRegProblem
 
 __all__ = ["SimulationRun", "simulate"]

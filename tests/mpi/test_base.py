@@ -273,7 +273,7 @@ def test_an_exception_in_a_thread_under_pytest_does_not_abort(topology):
 def test_the_update_checks_the_gradient_where_it_reads_this_ranks_own(topology, monkeypatch, name, policy, at_one_rank_only):
     # nan_policy="raise" and an update that reads this rank's gradient: the update's own pass checks it (no
     # pass of its own before; None: never); a non-finite value still names this rank, before the step communicates.
-    from mpiopt.algorithms import base
+    from mpiopt.algorithms import nonfinite as base
 
     checks, real = [], base.all_finite
     monkeypatch.setattr(base, "all_finite", lambda grad: checks.append(1) or real(grad))

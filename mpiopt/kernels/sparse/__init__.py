@@ -19,7 +19,8 @@ Modules, one job each: :mod:`.selection` (top-k), :mod:`.regtopk` (its
 scores), :mod:`.feedback` (error feedback, fused with the selection),
 :mod:`.payload` (the wire format), :mod:`.aggregation` (the workers'
 payloads into ``G``), :mod:`.index_sets` (the index convention and the indexed C
-loop).
+loop), :mod:`.worker` (one worker's step and the aggregation of all payloads,
+as the algorithms and the simulator run them).
 
 Conventions:
 
