@@ -1,31 +1,20 @@
 """``Comm``: the one place where mpiopt talks MPI.
 
-A :class:`Comm` wraps a ``Dup()`` of an mpi4py intracommunicator (so our
-traffic never matches a user's messages) and exposes exactly the operations
-the algorithms need.  Every call is recorded in a :class:`~mpiopt.comm.Ledger`
-(bytes exchanged with other ranks and wall time, see the ledger's module for
-the byte convention).  There is deliberately no pass-through of other
-mpi4py attributes: anything that bypasses the ledger would make the byte and
-time figures lie.
-
-Buffers may be numpy arrays, torch tensors (CPU or CUDA) or cupy arrays; see
-:mod:`mpiopt.comm.buffers`.  Blocking and nonblocking variants of an operation
-share one code path (:meth:`Comm._run`).
+It wraps a ``Dup()`` of an mpi4py intracommunicator and records every call's bytes and time in a
+:class:`~mpiopt.comm.Ledger`; nothing passes through unrecorded, or the figures would lie.  Buffers: numpy,
+torch or cupy (:mod:`.buffers`); collective decisions: :mod:`.decisions`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import pickle
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, NoReturn, Optional, Sequence, Set, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
-from .abort import OtherRankError
+from .decisions import MISSING, Decisions, Failure, first_failure, SetupMismatchError, differing_lines, plain, raise_own_or_name_them
 from .buffers import HostStaging, as_mpi_buffer, gpu_aware_mpi, nbytes
 from .ledger import Ledger
 from .waiting import Backoff, auto_wait_policy, check_wait_policy
@@ -42,39 +31,6 @@ ANY_TAG = MPI.ANY_TAG
 _DOUBLE_INT = np.dtype([("value", np.float64), ("rank", np.int32)], align=True)
 #: Bytes one rank contributes to an election (:meth:`Comm.elect_min`).
 ELECTION_BYTES = _DOUBLE_INT.itemsize
-
-
-class SetupMismatchError(ValueError):
-    """Ranks disagree on something that must be identical everywhere."""
-
-
-@dataclass(frozen=True)
-class Failure:
-    """One rank's failed check in a :meth:`Comm.decide`: its rank, the error's type name and message."""
-
-    rank: int
-    kind: str
-    message: str
-
-
-def raise_own_or_name_them(what: str) -> Callable[[List[Failure], Optional[BaseException]], BaseException]:
-    """:meth:`Comm.decide`'s default: a failed rank raises its own error, the others
-    :class:`~mpiopt.comm.abort.OtherRankError` naming every failed rank and its error."""
-
-    def error(failures: List[Failure], own: Optional[BaseException]) -> BaseException:
-        if own is not None:
-            return own
-        return OtherRankError(
-            f"the {what} failed on rank {', '.join(str(f.rank) for f in failures)}:\n"
-            + "\n".join(f"  rank {f.rank}: {f.kind}: {f.message}" for f in failures)
-        )
-
-    return error
-
-
-def _first_failure(kind: Type[BaseException]) -> Callable[[List[Failure], Optional[BaseException]], BaseException]:
-    """A :meth:`Comm.decide` error: ``kind`` with the lowest failed rank's message, naming that rank, on every rank."""
-    return lambda failures, own: kind(f"{failures[0].message} on rank {failures[0].rank}")
 
 
 class Request:
@@ -138,7 +94,7 @@ class Request:
         self._complete(time.perf_counter() - t0)
 
 
-class Comm:
+class Comm(Decisions):
     """An MPI intracommunicator with a byte/time ledger.
 
     Parameters
@@ -186,7 +142,7 @@ class Comm:
         self._comm = base.Dup() if dup else base
         self.name = name
         try:
-            self.wait_policy = self.decide(lambda: check_wait_policy(wait_policy), "wait policy", error=_first_failure(ValueError))
+            self.wait_policy = self.decide(lambda: check_wait_policy(wait_policy), "wait policy", error=first_failure(ValueError))
             if self.wait_policy == "auto":
                 self.wait_policy = self._auto_wait_policy()
             self._passive = self.wait_policy == "passive"
@@ -477,103 +433,6 @@ class Comm:
         return result
 
     # -- agreement and totals --------------------------------------------------------------
-    def decide(
-        self,
-        check: Callable[[], Any],
-        what: str,
-        *,
-        catch: Tuple[Type[BaseException], ...] = (TypeError, ValueError, RuntimeError, OSError),
-        agree_on: Any = None,
-        error: Optional[Callable[[List[Failure], Optional[BaseException]], BaseException]] = None,
-        stuck_after: Optional[float] = None,
-        on_stuck: Optional[Callable[[BaseException], NoReturn]] = None,
-    ) -> Any:
-        """Run ``check`` on every rank and decide together: its value where every rank passed, else an error on every rank.
-
-        The one collective decision of mpiopt: set-up and argument
-        agreement, settings, checkpoints, the wait policy all go through it.
-        It costs one Allreduce of a byte (of 65 with ``agree_on``) when all
-        is well; the failures' texts (or the disagreeing values) travel only
-        when something failed.  It is not recorded in the ledger: deciding
-        is not an algorithm's traffic.
-
-        Parameters
-        ----------
-        check : callable
-            This rank's check; its return value is returned.
-        what : str
-            The decision, for messages (``"sgd set-up"``).
-        catch : tuple of exception types
-            What counts as this rank's failure (anything else propagates at
-            once, as a bug would).
-        agree_on : JSON-serialisable, optional
-            A value every rank must pass alike; when ranks differ, every rank
-            raises :class:`SetupMismatchError` naming each differing key and
-            each rank's value (before any failure is reported).
-        error : callable, optional
-            ``error(failures, own) -> exception`` to raise on every rank when
-            some rank failed (``own``: this rank's error or None).  Default:
-            :func:`raise_own_or_name_them`.
-        stuck_after, on_stuck : float, callable, optional
-            A rank that failed waits at most ``stuck_after`` seconds for the
-            others, then calls ``on_stuck(its error)`` (which ends the job):
-            ranks that do not come are stuck in a collective it left.
-        """
-        try:
-            value, own = check(), None
-        except catch as err:
-            value, own = None, err
-        vote = np.zeros(1 if agree_on is None else 65, np.uint8)
-        vote[0] = own is not None
-        if agree_on is not None:
-            text = json.dumps(agree_on, sort_keys=True, default=repr)
-            digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), dtype=np.uint8)
-            vote[1:33], vote[33:] = digest, 255 - digest  # one MAX finds both the highest and the lowest digest
-        if not self.vote(vote, patience=stuck_after if own is not None and on_stuck is not None else None):
-            on_stuck(own)
-        if agree_on is not None and not np.array_equal(vote[1:33], 255 - vote[33:]):
-            self._mismatch(self._comm.allgather(json.loads(text)), what)
-        if not vote[0]:
-            return value
-        reports = self._comm.allgather(None if own is None else (type(own).__name__, str(own)))
-        failures = [Failure(rank, *report) for rank, report in enumerate(reports) if report is not None]
-        raise (error or raise_own_or_name_them(what))(failures, own)
-
-    def vote(self, values: np.ndarray, *, patience: Optional[float] = None) -> bool:
-        """Every rank's ``values`` reduced by elementwise maximum, in place (a collective call, not recorded).
-
-        The verdicts every rank must act on alike (a non-finite gradient to
-        skip, a GradScaler overflow, a stop signal) and :meth:`decide`'s first
-        phase.  With ``patience``, give up after that many seconds and return
-        False (the others did not come); True once the reduction is done.
-        """
-        if self.size == 1:
-            return True
-        request = self._comm.Iallreduce(MPI.IN_PLACE, values, MPI.MAX)
-        if patience is None:
-            request.Wait()
-            return True
-        deadline = time.monotonic() + patience
-        while not request.Test():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.001)
-        return True
-
-    def _mismatch(self, everyone: List[Mapping[str, Any]], what: str) -> NoReturn:
-        lines = differing_lines(everyone, [f"rank {r}:" for r in range(len(everyone))], nested=False)
-        raise SetupMismatchError(f"ranks disagree on the {what} ({self.name} communicator):\n" + "\n".join(f"  {line}" for line in lines))
-
-    def agree(self, signature: Mapping[str, Any], what: str = "set-up") -> None:
-        """Check that every rank passes an identical ``signature`` (:meth:`decide` with ``agree_on``).
-
-        Raises
-        ------
-        SetupMismatchError
-            On every rank, naming each key that differs and each rank's value.
-        """
-        self.decide(lambda: None, what, agree_on=signature)
-
     def ledger_totals(self) -> Ledger:
         """The ledger summed over the ranks of this communicator (a collective call; not itself recorded)."""
         ops = sorted(set().union(*self._comm.allgather(sorted(self.ledger.ops))))
@@ -588,39 +447,6 @@ class Comm:
     def _check_rank(self, value: int, name: str) -> None:
         if not (0 <= value < self.size):
             raise ValueError(f"{name} must be a rank in [0, {self.size}), got {value}")
-
-
-class _Missing:
-    """An entry one table lacks, shown as ``nothing`` (unquoted, unlike a value)."""
-
-    def __repr__(self) -> str:
-        return "nothing"
-
-
-MISSING = _Missing()
-
-
-def plain(value: Any) -> Any:
-    """``value`` as JSON would carry it (lists for tuples, Python numbers for numpy's), to compare a saved table with."""
-    return json.loads(json.dumps(value, default=lambda v: v.tolist() if hasattr(v, "tolist") else repr(v)))
-
-
-def differing_lines(
-    tables: Sequence[Mapping[str, Any]], labels: Sequence[str], *, skip: Any = (), nested: bool = True, prefix: str = "",
-) -> List[str]:
-    """``"key: label0 X, label1 Y"`` for each key (but ``skip``) whose values differ among ``tables``, ``MISSING`` where absent.
-
-    The one printer of "these tables differ": set-up agreement (``rank 0:``, ``rank 1:``) and resumes
-    (``saved``, ``here``).  ``nested``: where every value is a table, one line per differing entry (``key.entry``).
-    """
-    lines = []
-    for key in sorted(set().union(*tables) - set(skip)):
-        values = [table.get(key, MISSING) for table in tables]
-        if nested and all(isinstance(v, dict) for v in values):
-            lines += differing_lines(values, labels, prefix=f"{prefix}{key}.")
-        elif any(v != values[0] for v in values):
-            lines.append(f"{prefix}{key}: " + ", ".join(f"{label} {v!r}" for label, v in zip(labels, values)))
-    return lines
 
 
 def _numel(buf: Any) -> int:
