@@ -100,7 +100,9 @@ def validate(config: TrainConfig, algorithms: Sequence[str], axes: Sequence[Axis
                 continue
             for value in values:
                 try:
-                    with_point(config, algorithm, {key: value}).validate([algorithm])
+                    candidate = with_point(config, algorithm, {key: value})
+                    candidate.validate([algorithm])
+                    candidate.check_replaced_settings([algorithm])
                 except UsageError as err:
                     raise UsageError(f"--sweep {key}={value!r}: {err}") from None
 

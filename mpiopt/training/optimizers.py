@@ -15,6 +15,7 @@ parameters on a resize.
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from typing import Any, Dict, List, Mapping, Optional
@@ -24,7 +25,7 @@ import torch
 
 from .config import TrainConfig, UsageError
 
-__all__ = ["OPTIMIZERS", "NO_DECAY", "optimizer_keywords", "inner_optimizer", "schedule", "clip", "inner_state", "load_inner_state"]
+__all__ = ["OPTIMIZERS", "NO_DECAY", "keyword_names", "optimizer_keywords", "inner_optimizer", "schedule", "clip", "inner_state", "load_inner_state"]
 
 #: ``--optimizer`` names and their torch classes, with the rate each starts from where ``--lr`` is not given.
 OPTIMIZERS = {"sgd": (torch.optim.SGD, 0.05), "adam": (torch.optim.Adam, 1e-3), "adamw": (torch.optim.AdamW, 1e-3)}
@@ -49,6 +50,12 @@ def optimizer_keywords(config: TrainConfig) -> Dict[str, Any]:
         elif isinstance(value, tuple):
             table[key] = list(value)
     return table
+
+
+def keyword_names(optimizer: str) -> List[str]:
+    """The keywords ``--optimizer optimizer``'s torch class takes (``lr``, ``betas``, ...)."""
+    cls, _ = OPTIMIZERS[optimizer]
+    return [name for name in inspect.signature(cls.__init__).parameters if name not in ("self", "params")]
 
 
 def _keywords(config: TrainConfig) -> Dict[str, Any]:
