@@ -50,10 +50,10 @@ from ..tasks.text import TextDataset, load_text
 from ..torch import DistributedOptimizer, average_buffers, broadcast_module
 from ..torch.optimizer import loss_value
 from ..torch.threads import set_threads
-from .checkpointing import COUNTERS, Checkpointer, Interrupted
+from .checkpointing import COUNTERS, CheckpointPlan, Checkpointer, Interrupted
 from .config import DDP, DEFAULT_EPOCHS, TrainConfig, UsageError, agree_or_fail
 from .ddp import NOTES, DDPBaseline
-from .optimizers import clip, inner_optimizer, schedule
+from .optimizers import OptimizerSettings, clip, inner_optimizer, schedule
 from .progress import Progress
 
 __all__ = ["train", "load_data"]
@@ -211,7 +211,7 @@ def train(
     sizes = {k: v for k, v in config.gpt_sizes().items() if k != "block_size"}  # the block size is the dataset's windows'
     model = build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, width=config.width, dropout=config.dropout, **sizes)
     hyper = config.algorithm_hyperparameters(algorithm)
-    opt = _optimizer(algorithm, model, topology, hyper, inner_optimizer(config, model))
+    opt = _optimizer(algorithm, model, topology, hyper, inner_optimizer(OptimizerSettings.of(config), model))
     broadcast_module(model, topology)
     torch.manual_seed(config.seed + 1 + world.rank)  # dropout differs between ranks, reproducibly
     if world.rank == 0:
@@ -241,23 +241,23 @@ class _Batches:
     An asynchronous run's server computes nothing: the shards are the workers' (world ranks 1..P-1).
     """
 
-    def __init__(self, config: TrainConfig, dataset: ImageDataset | TextDataset, world: Comm, asynchronous: bool) -> None:
+    def __init__(self, dataset: ImageDataset | TextDataset, batch_size: int, seed: int, augment: bool, world: Comm, asynchronous: bool) -> None:
         workers = max(1, world.size - 1) if asynchronous else world.size
         self.worker_rank = max(0, world.rank - 1) if asynchronous else world.rank
         self.windows = None
         if isinstance(dataset, TextDataset):
-            self.sampler = self.windows = dataset.sampler(rank=self.worker_rank, world_size=workers, batch_size=config.batch_size, seed=config.seed)
+            self.sampler = self.windows = dataset.sampler(rank=self.worker_rank, world_size=workers, batch_size=batch_size, seed=seed)
             return
-        self.sampler = ShardSampler(len(dataset.y_train), rank=self.worker_rank, world_size=workers, batch_size=config.batch_size, seed=config.seed)
-        self.config, self.dataset = config, dataset
+        self.sampler = ShardSampler(len(dataset.y_train), rank=self.worker_rank, world_size=workers, batch_size=batch_size, seed=seed)
+        self.dataset, self.seed, self.augment = dataset, seed, augment
         self.x, self.y = torch.from_numpy(dataset.x_train), torch.from_numpy(dataset.y_train)
 
     def __call__(self, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
         if self.windows is not None:
             return self.windows(step)
         index = self.sampler.indices(step)
-        if self.config.augment:
-            x = torch.from_numpy(augment_cifar(self.dataset.x_train[index], batch_rng(self.config.seed, self.worker_rank, step)))
+        if self.augment:
+            x = torch.from_numpy(augment_cifar(self.dataset.x_train[index], batch_rng(self.seed, self.worker_rank, step)))
         else:
             x = self.x[index]
         return x, self.y[index]
@@ -292,11 +292,11 @@ class _Run:
         world = topology.world
         self.is_asynchronous = algorithm != DDP and algorithm_class(algorithm).protocol == ASYNCHRONOUS
         self.network = opt.network if algorithm == DDP else model  # the forward pass through DDP: its hooks average the gradient
-        self.batches = _Batches(config, dataset, world, self.is_asynchronous)
+        self.batches = _Batches(dataset, config.batch_size, config.seed, config.augment, world, self.is_asynchronous)
         self.batches_per_epoch = self.batches.sampler.batches_per_epoch
         self.steps = config.steps or max(1, math.ceil((config.epochs or DEFAULT_EPOCHS) * self.batches_per_epoch))
         self.eval_every = config.eval_every or max(1, self.steps // 10)
-        self.checkpoints = Checkpointer(config, algorithm, topology, model, opt, out_dir, self.batches_per_epoch)
+        self.checkpoints = Checkpointer(CheckpointPlan.of(config, out_dir), algorithm, topology, model, opt, self.batches_per_epoch)
         cleanup.callback(self.checkpoints.close)  # signal handlers restored however the run ends
         self.start = self.checkpoints.resume()
         if on_start is not None:
@@ -318,7 +318,7 @@ class _Run:
         self.totals = _Totals(self.checkpoints.counters)
         # The rate schedule acts on the groups the algorithm reads (the inner optimizer's, or DDP's optimizer's).
         groups = opt.optimizer if algorithm == DDP else opt
-        self.scheduler = None if self.is_asynchronous else schedule(config, groups, self.steps, self.start)
+        self.scheduler = None if self.is_asynchronous else schedule(config.warmup_steps, groups, self.steps, self.start)
 
     # -- records ------------------------------------------------------------------------------
     def _run_record(self, hyper: Dict[str, Any]) -> Dict[str, Any]:
@@ -385,7 +385,7 @@ class _Run:
                     loss.backward()
                 computed = time.perf_counter()
                 with self._phase("algorithm"):
-                    clip(self.config, opt, self.model)
+                    clip(self.config.clip_grad_norm, opt, self.model)
                     opt.step(loss=loss)
                     if self.scheduler is not None:
                         self.scheduler.step()
