@@ -88,6 +88,8 @@ def tuning_config(config: TrainConfig, algorithm: str, point: Dict[str, Any], st
 
 def validate(config: TrainConfig, algorithms: Sequence[str], axes: Sequence[Axis]) -> None:
     """Raise :class:`UsageError` naming the key and value of the first bad candidate, before any run."""
+    from ..training.optimizers import check_replaced_settings
+
     names = set(algorithms)
     for target, key, values in axes:
         if target and target not in names:
@@ -102,7 +104,7 @@ def validate(config: TrainConfig, algorithms: Sequence[str], axes: Sequence[Axis
                 try:
                     candidate = with_point(config, algorithm, {key: value})
                     candidate.validate([algorithm])
-                    candidate.check_replaced_settings([algorithm])
+                    check_replaced_settings(candidate, [algorithm])
                 except UsageError as err:
                     raise UsageError(f"--sweep {key}={value!r}: {err}") from None
 

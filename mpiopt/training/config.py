@@ -11,7 +11,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 if TYPE_CHECKING:
     from ..comm import Comm
@@ -193,37 +193,6 @@ class TrainConfig:
         for name in algorithms:
             self._check_hyperparameters(name)
 
-    def check_replaced_settings(self, algorithms: Sequence[str]) -> None:
-        """Refuse a built-in update's setting (``lr``, momentum, ...) given to an algorithm that ``--optimizer`` steps.
-
-        The torch front end would refuse it when that algorithm's run starts
-        (the ``ddp`` baseline would ignore it); checked here, before the first
-        run, the message names the flag that works.  No MPI, no torch.
-        """
-        from ..algorithms.local import LOCAL_SGD
-
-        replaced: Dict[Tuple[str, str], List[str]] = {}  # (key, value as a flag takes it) -> the algorithms given it
-        for name in algorithms:
-            if not self.for_algorithm(name).optimizer:
-                continue  # its own update (signum, the asynchronous ones) keeps these settings
-            for key, value in self.given_hyperparameters(name).items():
-                if name == DDP or key == "lr" or key in LOCAL_SGD:  # the baseline takes nothing beside --optimizer
-                    replaced.setdefault((key, _flag_value(value)), []).append(name)
-        if replaced:
-            fixes = [f"{key}={text} (for {', '.join(names)}): {self._replacement(key, text)}" for (key, text), names in replaced.items()]
-            raise UsageError(f"--optimizer {self.optimizer} replaces the built-in update, and these settings with it: {'; '.join(fixes)}")
-
-    def _replacement(self, key: str, text: str) -> str:
-        """What to give instead of the built-in update's ``key=text``: the ``--optimizer``'s own flag, or nothing."""
-        optimizer = self.optimizer
-        if key == "lr":
-            return f"give --lr {text} (or --hp {optimizer}.lr={text})"
-        from .optimizers import keyword_names  # torch: only on the way to a refusal
-
-        if key in keyword_names(optimizer):
-            return f"give --hp {optimizer}.{key}={text}"
-        return f"{optimizer} takes no {key}; leave it out"
-
     def _check_task(self) -> None:
         """The text task and the transformer go together; the transformer's sizes are positive and its heads divide its width."""
         if (self.dataset == "text") != (self.model == "gpt"):
@@ -320,15 +289,6 @@ def agree_or_fail(world: "Comm", what: Optional[str], fn: Callable[[], Any]) -> 
 
     caught = (UsageError, OSError, ValueError, TypeError)  # a DatasetError is a ValueError
     return world.decide(fn, what or "settings", catch=caught, error=error)
-
-
-def _flag_value(value: Any) -> str:
-    """``value`` as ``--hp``/``--lr`` take it on the command line: ``true``, ``0.9,0.95``, ``0.0003``."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, tuple)):
-        return ",".join(_flag_value(v) for v in value)
-    return str(value)
 
 
 def _positive(name: str, value: Any, integer: bool = False) -> None:

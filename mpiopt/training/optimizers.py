@@ -19,14 +19,14 @@ import inspect
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from .config import TrainConfig, UsageError
+from .config import DDP, TrainConfig, UsageError
 
-__all__ = ["OPTIMIZERS", "NO_DECAY", "OptimizerSettings", "keyword_names", "optimizer_keywords", "parse_keywords", "inner_optimizer", "schedule", "clip", "inner_state", "load_inner_state"]
+__all__ = ["OPTIMIZERS", "NO_DECAY", "OptimizerSettings", "check_replaced_settings", "keyword_names", "optimizer_keywords", "parse_keywords", "inner_optimizer", "schedule", "clip", "inner_state", "load_inner_state"]
 
 #: ``--optimizer`` names and their torch classes, with the rate each starts from where ``--lr`` is not given.
 OPTIMIZERS = {"sgd": (torch.optim.SGD, 0.05), "adam": (torch.optim.Adam, 1e-3), "adamw": (torch.optim.AdamW, 1e-3)}
@@ -80,6 +80,45 @@ class OptimizerSettings:
             return {}
         return {"optimizer": {"name": self.name, "keywords": self.keywords, "lr": self.lr, "no_decay_on": self.no_decay_on,
                               "clip_grad_norm": self.clip_grad_norm, "warmup_steps": self.warmup_steps}}
+
+
+def check_replaced_settings(config: TrainConfig, algorithms: Sequence[str]) -> None:
+    """Refuse a built-in update's setting (``lr``, momentum, ...) given to an algorithm that ``--optimizer`` steps.
+
+    The torch front end would refuse it when that algorithm's run starts (the
+    ``ddp`` baseline would ignore it); checked with the other settings, before
+    the first run, the message names the flag that works.  No MPI.
+    """
+    from ..algorithms.local import LOCAL_SGD
+
+    replaced: Dict[Tuple[str, str], List[str]] = {}  # (key, value as a flag takes it) -> the algorithms given it
+    for name in algorithms:
+        if not config.for_algorithm(name).optimizer:
+            continue  # its own update (signum, the asynchronous ones) keeps these settings
+        for key, value in config.given_hyperparameters(name).items():
+            if name == DDP or key == "lr" or key in LOCAL_SGD:  # the baseline takes nothing beside --optimizer
+                replaced.setdefault((key, _flag_value(value)), []).append(name)
+    if replaced:
+        fixes = [f"{key}={text} (for {', '.join(names)}): {_replacement(config.optimizer, key, text)}" for (key, text), names in replaced.items()]
+        raise UsageError(f"--optimizer {config.optimizer} replaces the built-in update, and these settings with it: {'; '.join(fixes)}")
+
+
+def _replacement(optimizer: str, key: str, text: str) -> str:
+    """What to give instead of the built-in update's ``key=text``: the optimizer's own flag, or nothing."""
+    if key == "lr":
+        return f"give --lr {text} (or --hp {optimizer}.lr={text})"
+    if key in keyword_names(optimizer):
+        return f"give --hp {optimizer}.{key}={text}"
+    return f"{optimizer} takes no {key}; leave it out"
+
+
+def _flag_value(value: Any) -> str:
+    """``value`` as ``--hp``/``--lr`` take it on the command line: ``true``, ``0.9,0.95``, ``0.0003``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_flag_value(v) for v in value)
+    return str(value)
 
 
 def keyword_names(optimizer: str) -> List[str]:

@@ -1,4 +1,4 @@
-"""``TrainConfig.check_replaced_settings``: the built-in update's settings given where ``--optimizer`` steps instead."""
+"""``check_replaced_settings``: the built-in update's settings given where ``--optimizer`` steps instead."""
 
 from __future__ import annotations
 
@@ -6,26 +6,28 @@ import pytest
 
 from mpiopt.training.config import TrainConfig, UsageError
 
+pytest.importorskip("torch")
+
+from mpiopt.training.optimizers import check_replaced_settings  # noqa: E402  (needs torch)
+
 COMPARE = ["ddp", "sgd", "diloco", "signum", "async_msgd"]
 
 
 def test_a_shared_rate_with_an_optimizer_is_refused_naming_every_algorithm_and_the_flags_that_work():
-    pytest.importorskip("torch")
     config = TrainConfig(optimizer="adamw", hyperparameters={"lr": 0.0003})
     config.validate(COMPARE)  # each setting is valid on its own
     with pytest.raises(UsageError) as refused:
-        config.check_replaced_settings(COMPARE)
+        check_replaced_settings(config, COMPARE)
     message = str(refused.value)
     assert "lr=0.0003 (for ddp, sgd, diloco): give --lr 0.0003 (or --hp adamw.lr=0.0003)" in message, message
     assert "signum" not in message and "async_msgd" not in message  # their own update takes the shared rate
 
 
 def test_an_algorithms_own_table_names_the_optimizers_keyword_or_says_it_has_none():
-    pytest.importorskip("torch")
     with pytest.raises(UsageError, match=r"weight_decay=0\.1 \(for diloco\): give --hp sgd\.weight_decay=0\.1"):
-        TrainConfig(optimizer="sgd", hyperparameters={"diloco": {"weight_decay": 0.1}}).check_replaced_settings(["sgd", "diloco"])
+        check_replaced_settings(TrainConfig(optimizer="sgd", hyperparameters={"diloco": {"weight_decay": 0.1}}), ["sgd", "diloco"])
     with pytest.raises(UsageError, match=r"nesterov=true \(for sgd\): adamw takes no nesterov; leave it out"):
-        TrainConfig(optimizer="adamw", hyperparameters={"sgd": {"nesterov": True}}).check_replaced_settings(["sgd"])
+        check_replaced_settings(TrainConfig(optimizer="adamw", hyperparameters={"sgd": {"nesterov": True}}), ["sgd"])
 
 
 @pytest.mark.parametrize("config,algorithms", [
@@ -37,4 +39,4 @@ def test_an_algorithms_own_table_names_the_optimizers_keyword_or_says_it_has_non
 ])
 def test_settings_that_reach_their_update_pass(config, algorithms):
     config.validate(algorithms)
-    config.check_replaced_settings(algorithms)
+    check_replaced_settings(config, algorithms)
