@@ -1,17 +1,8 @@
 """``mpiopt compare --sweep``: short tuning runs per candidate value before the main runs.
 
-``--sweep KEY=V1,V2,...`` (repeatable; several form a grid) tries each value
-of a hyperparameter of the algorithms' schemas, or ``lr``; ``--sweep
-ALGORITHM.KEY=...`` tries them for that algorithm only (instead of a shared
-axis of the same key).  Every candidate is
-checked against the schema before any run starts.  Each algorithm then trains
-``--sweep-steps`` steps per grid point (``OUT/sweep/<algorithm>/<k>/``) and
-keeps the point whose last evaluation has the lowest test loss (accuracy
-breaks no ties: the loss is what every task records); the choice and every
-candidate's score go to ``OUT/sweep.json`` and ``OUT/results.md``.  A
-candidate of a synchronous algorithm that diverges skips its non-finite
-steps (``nan_policy="skip"``) instead of ending the job, and loses on its
-score.
+Each algorithm trains ``--sweep-steps`` steps per grid point and keeps the
+point with the lowest last test loss; every candidate is checked before any
+run starts.  How and why: docs/training-internals.md.
 """
 
 from __future__ import annotations

@@ -111,10 +111,7 @@ class Checkpointer:
 
     # -- saving ---------------------------------------------------------------------------------
     def attrs(self, step: int, counters: Optional[Mapping[str, float]] = None) -> Dict[str, Any]:
-        """The root attributes of the checkpoint after ``step`` (:func:`save_checkpoint` adds ``world_size``).
-
-        ``counters``: the metrics' running totals (:data:`COUNTERS`) at that step.
-        """
+        """The root attributes of the checkpoint after ``step``, with the metrics' ``counters`` (:data:`COUNTERS`)."""
         return {
             **{name: counters[name] for name in COUNTERS if counters is not None},
             "step": step,
@@ -151,14 +148,9 @@ class Checkpointer:
                                keep=self.plan.keep)
 
     def after_step(self, step: int, last: bool, counters: Optional[Mapping[str, float]] = None) -> Optional[str]:
-        """At the boundary after ``step``: checkpoint when due, then stop if any rank received a signal.
+        """At the boundary after ``step``: checkpoint when due (with ``counters``), then stop if any rank received a signal.
 
-        ``counters``: the metrics' running totals to save with it (:data:`COUNTERS`).
-
-        Raises
-        ------
-        Interrupted
-            On every rank, after the checkpoint, when a stop signal arrived at any rank.
+        Raises :class:`Interrupted` on every rank, after the checkpoint, when a stop signal arrived at any rank.
         """
         if not self.enabled:
             return None

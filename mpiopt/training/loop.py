@@ -1,29 +1,8 @@
 """One training run: a model from :mod:`mpiopt.tasks` trained by a :class:`~mpiopt.torch.DistributedOptimizer`.
 
-What a run does, on every rank:
-
-1. builds the model from the seed (rank 0's initial parameters and buffers
-   are broadcast, so every rank starts identical);
-2. steps through its shard of the training set (:class:`ShardSampler`:
-   every sample once per epoch across the ranks, the order fixed by the
-   seed), forward and backward, then the algorithm's step;
-3. evaluates every ``eval_every`` steps and at the end: BatchNorm statistics
-   averaged over the ranks (:func:`~mpiopt.torch.average_buffers`), then the
-   model below on the test split, each rank a slice of it;
-4. on rank 0, writes a JSON-lines record per step and per evaluation
-   (:mod:`mpiopt.metrics.records`) and reports progress.
-
-Which model is evaluated is the algorithm class's ``evaluates``: where
-every rank's model is identical (``sgd``, ``signum``, ``topk``, ``regtopk``,
-and the ``ddp`` baseline of :mod:`mpiopt.training.ddp`) that model; where
-ranks differ between averaging points (``easgd``, ``lsgd``, ``dasgd``) the
-average of the ranks' models; for the asynchronous algorithms the server's
-model, or the global leader's, at the quiescent end of each segment (every
-``eval_every`` steps and at the end; the workers pause for the segment's
-drain and the evaluation).
-
-Times: ``wall_seconds`` counts training only (evaluations excluded), so
-time-to-accuracy compares the algorithms, not the evaluation schedule.
+Every rank builds the model from the seed, steps through its shard of the
+data, evaluates the model the algorithm's ``evaluates`` names, and rank 0
+writes the records.  The whole walk-through: docs/training-internals.md.
 """
 
 from __future__ import annotations
@@ -140,11 +119,9 @@ _PER_RUN_SUMS = ("sent", "seconds", "idle_seconds")
 
 
 def _job_result(results: List[Any]) -> Dict[str, Any]:
-    """The scalar fields of a job's asynchronous runs (its checkpoint segments, in order) as those of one run.
+    """The scalar fields of a job's asynchronous runs (its segments, in order) as those of one run.
 
-    The running counts (version, steps, rounds, leaders) are the last run's;
-    the per-run ones are summed, ``start_version`` is the first run's and
-    ``stopped_early`` whether any run stopped early.
+    Running counts are the last run's; per-run ones (:data:`_PER_RUN_SUMS`) are summed.
     """
     merged = {k: v for k, v in vars(results[-1]).items() if isinstance(v, (int, float, str, bool))}
     for key in _PER_RUN_SUMS:
@@ -178,31 +155,11 @@ def train(
     stream: Optional[Any] = sys.stdout,
     on_start: Optional[Callable[[], None]] = None,
 ) -> Optional[str]:
-    """Train ``algorithm`` on ``dataset`` as ``config`` says (a collective call).
+    """Train ``algorithm`` on ``dataset`` (from :func:`load_data`) as ``config`` says, writing to ``out_dir`` (collective).
 
-    Parameters
-    ----------
-    config : TrainConfig
-        Validated settings.
-    algorithm : str
-        The algorithm (``config.algorithm`` for ``train``; each of the list for ``compare``).
-    topology : Topology
-        Communicators.
-    dataset : ImageDataset
-        From :func:`load_data`.
-    out_dir : str
-        Folder of this run's files (``metrics.jsonl``; the trace if asked for).
-    stream : file, optional
-        Where rank 0 reports progress.
-    on_start : callable, optional
-        Called once the run is set to start, after a resume was accepted
-        (``train`` saves the settings then, so a refused resume leaves the
-        folder's ``config.toml`` as it was).
-
-    Returns
-    -------
-    str or None
-        The metrics file's path on rank 0; None on the other ranks.
+    ``on_start`` is called once a resume was accepted (``train`` saves its
+    settings then, so a refused resume leaves ``config.toml`` as it was).
+    Returns the metrics file's path on rank 0, None elsewhere.
     """
     world = topology.world
     config = config.for_algorithm(algorithm)
@@ -234,11 +191,9 @@ def _optimizer(algorithm: str, model: torch.nn.Module, topology: Topology, hyper
 
 
 class _Batches:
-    """This rank's shard of the training set (:class:`ShardSampler`) and the batch of each step, augmented if asked.
+    """This rank's shard of the training set and the batch of each step (a function of the step: nothing to checkpoint).
 
-    A text dataset draws its own windows (:meth:`TextDataset.sampler`); ``sampler.batches_per_epoch`` serves both.
-
-    An asynchronous run's server computes nothing: the shards are the workers' (world ranks 1..P-1).
+    An asynchronous run's shards are the workers' (world ranks 1..P-1).
     """
 
     def __init__(self, dataset: ImageDataset | TextDataset, batch_size: int, seed: int, augment: bool, world: Comm, asynchronous: bool) -> None:
@@ -277,11 +232,9 @@ class _Totals:
 
 
 class _Run:
-    """One :func:`train` on this rank once its model and optimizer exist: the steps, evaluations and records.
+    """One :func:`train` on this rank once its model and optimizer exist: steps, evaluations, records, checkpoints.
 
-    :meth:`synchronous` and :meth:`asynchronous` run the steps (from the
-    resumed step, if any); both write a record per step (rank 0), evaluate and
-    checkpoint.  Files and handlers opened here close with ``cleanup``.
+    Files and handlers opened here close with ``cleanup``.
     """
 
     def __init__(
@@ -407,15 +360,8 @@ class _Run:
     def asynchronous(self) -> Dict[str, Any]:
         """Segments of runs that end quiescent, each until the next multiple of ``--checkpoint-every`` or ``eval_every``.
 
-        An evaluation at every multiple of ``eval_every`` and at the end, from
-        the parameters the algorithm's ``evaluates`` names, while the run is
-        quiescent: the workers pause for the segment's drain and the
-        evaluation (:meth:`_segment_end`).
-
-        Between segments every rank saves and the ranks vote on stop signals.
-        The step that :meth:`_compute` is given runs on from run to run by
-        itself (the algorithm's state: async_msgd's per-rank ``applied``,
-        async_lsgd's ``steps``), restored by a resume too.
+        Between segments: records, evaluation, checkpoint and the stop-signal
+        vote (docs/training-internals.md).
         """
         world, steps = self.topology.world, self.steps
         every = self.config.checkpoint_every or steps

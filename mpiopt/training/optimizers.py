@@ -1,16 +1,8 @@
 """A run's inner optimizer, its parameter groups, clipping and learning-rate schedule (``--optimizer`` and friends).
 
-``mpiopt train --optimizer adamw`` makes every synchronous algorithm step with
-``torch.optim.AdamW`` (:class:`~mpiopt.torch.DistributedOptimizer`'s
-``inner``), and the ``ddp`` baseline with the same optimizer, so the two
-compare on equal terms.  Its keywords come from ``--lr`` and ``--hp
-adamw.KEY=VALUE`` (``betas=0.9,0.95``); ``--no-decay-on bias,norm`` puts
-biases and normalisation layers' parameters in a group without weight decay;
-``--clip-grad-norm X`` clips the exchanged gradient where the algorithm
-exchanges one (after ``synchronize()``), else this rank's own; ``--warmup-steps
-N`` warms the rate up linearly over N steps, then follows a cosine to 0 at the
-last step.  Inner states are saved per rank in checkpoints and follow the
-parameters on a resize.
+``--optimizer`` steps every synchronous algorithm that takes an inner
+optimizer, and the ``ddp`` baseline, with the same torch optimizer, so they
+compare on equal terms; what each flag does: docs/training-internals.md.
 """
 
 from __future__ import annotations
