@@ -26,7 +26,10 @@ algorithm, each column's median over the repeats with its range,
 
 ``--optimizer`` steps every algorithm that takes an inner optimizer and the
 ``ddp`` baseline; signum and the asynchronous algorithms keep their own
-update (``train`` refuses ``--optimizer`` for them).
+update (``train`` refuses ``--optimizer`` for them).  Every algorithm's
+settings are checked before the first run: a rate or momentum given to an
+algorithm that ``--optimizer`` steps is refused, naming ``--lr`` or ``--hp
+OPTIMIZER.KEY`` instead.
 
 ``--sweep KEY=V1,V2`` (see :mod:`mpiopt.cli.sweep`) tunes a hyperparameter
 with short runs first; the main runs use each algorithm's best value.

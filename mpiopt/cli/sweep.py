@@ -1,17 +1,8 @@
 """``mpiopt compare --sweep``: short tuning runs per candidate value before the main runs.
 
-``--sweep KEY=V1,V2,...`` (repeatable; several form a grid) tries each value
-of a hyperparameter of the algorithms' schemas, or ``lr``; ``--sweep
-ALGORITHM.KEY=...`` tries them for that algorithm only (instead of a shared
-axis of the same key).  Every candidate is
-checked against the schema before any run starts.  Each algorithm then trains
-``--sweep-steps`` steps per grid point (``OUT/sweep/<algorithm>/<k>/``) and
-keeps the point whose last evaluation has the lowest test loss (accuracy
-breaks no ties: the loss is what every task records); the choice and every
-candidate's score go to ``OUT/sweep.json`` and ``OUT/results.md``.  A
-candidate of a synchronous algorithm that diverges skips its non-finite
-steps (``nan_policy="skip"``) instead of ending the job, and loses on its
-score.
+Each algorithm trains ``--sweep-steps`` steps per grid point and keeps the
+point with the lowest last test loss; every candidate is checked before any
+run starts.  How and why: docs/training-internals.md.
 """
 
 from __future__ import annotations
@@ -88,6 +79,8 @@ def tuning_config(config: TrainConfig, algorithm: str, point: Dict[str, Any], st
 
 def validate(config: TrainConfig, algorithms: Sequence[str], axes: Sequence[Axis]) -> None:
     """Raise :class:`UsageError` naming the key and value of the first bad candidate, before any run."""
+    from ..training.optimizers import check_replaced_settings
+
     names = set(algorithms)
     for target, key, values in axes:
         if target and target not in names:
@@ -100,7 +93,9 @@ def validate(config: TrainConfig, algorithms: Sequence[str], axes: Sequence[Axis
                 continue
             for value in values:
                 try:
-                    with_point(config, algorithm, {key: value}).validate([algorithm])
+                    candidate = with_point(config, algorithm, {key: value})
+                    candidate.validate([algorithm])
+                    check_replaced_settings(candidate, [algorithm])
                 except UsageError as err:
                     raise UsageError(f"--sweep {key}={value!r}: {err}") from None
 

@@ -1,9 +1,4 @@
-"""Training runs on the image tasks: settings (:mod:`.config`), the loop (:mod:`.loop`), progress output.
-
-The layer the ``train`` and ``compare`` commands stand on; it composes the
-torch front end, the tasks, metrics and checkpoints, and nothing below it
-imports it.  :mod:`.config` needs no torch; :mod:`.loop` does.
-"""
+"""Training runs behind ``train`` and ``compare``: settings (:mod:`.config`), the loop (:mod:`.loop`), checkpoints (docs/training-internals.md)."""
 
 from .config import TrainConfig, UsageError, training_defaults
 

@@ -115,18 +115,22 @@ class TrainConfig:
             return self
         return dataclasses.replace(self, optimizer=None, no_decay_on=None)
 
+    def given_hyperparameters(self, algorithm: str) -> Dict[str, Any]:
+        """The hyperparameters the user gave ``algorithm``: the shared table, then its own (no defaults, no --lr)."""
+        shared = {k: v for k, v in self.hyperparameters.items() if not isinstance(v, dict)}
+        # --optimizer sgd claims the table sgd: its keys are the optimizer's, not the sgd algorithm's
+        own = {} if self.optimizer == algorithm else self.hyperparameters.get(algorithm, {})
+        return {**shared, **own}
+
     def algorithm_hyperparameters(self, algorithm: Optional[str] = None) -> Dict[str, Any]:
         """The keyword arguments for ``algorithm`` (default: this run's): defaults, shared table, its own table, --lr."""
         name = algorithm or self.algorithm
-        shared = {k: v for k, v in self.hyperparameters.items() if not isinstance(v, dict)}
-        # --optimizer sgd claims the table sgd: its keys are the optimizer's, not the sgd algorithm's
-        own = {} if self.optimizer == name else self.hyperparameters.get(name, {})
         starts = training_defaults(name)
         if self.optimizer and name != DDP:  # the rate and the local update's settings are the inner optimizer's
             from ..algorithms.local import LOCAL_SGD
 
             starts = {k: v for k, v in starts.items() if k != "lr" and k not in LOCAL_SGD}
-        hyper = {**starts, **shared, **own}
+        hyper = {**starts, **self.given_hyperparameters(name)}
         if self.lr is not None and not self.optimizer:
             hyper["lr"] = self.lr
         return hyper

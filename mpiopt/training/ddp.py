@@ -1,27 +1,8 @@
 """The ``ddp`` baseline of ``mpiopt train`` and ``compare``: torch ``DistributedDataParallel`` on gloo.
 
-What users run today, trained by the same loop as the mpiopt algorithms (same
-model, seed, batches, evaluation), so that one ``compare`` job puts them side
-by side.  :class:`DDPBaseline` stands where the loop otherwise holds a
-:class:`~mpiopt.torch.DistributedOptimizer`: the loop runs the forward pass
-through :attr:`DDPBaseline.network` (the wrapped model), then calls
-``zero_grad``, ``step``, ``finish`` and reads ``last`` as for any algorithm.
-
-A step is ``torch.optim.SGD`` (``sgd``'s defaults of
-:func:`~mpiopt.training.config.training_defaults` unless overridden) on the
-mean gradient, which DDP's bucketed gloo Allreduce computes *during* the
-backward pass.  Two consequences for the step records:
-
-* bytes: DDP's traffic does not pass mpiopt's ledger; each step records the
-  ledger's convention for an Allreduce of the float32 gradient (``4 d`` sent
-  and ``4 d`` received, 0 at one rank), an estimate, so marked in the run's
-  header (:data:`NOTES`);
-* time: the Allreduce overlaps the backward pass and cannot be timed apart,
-  so ``compute_seconds`` holds forward, backward and Allreduce together and
-  ``comm_seconds`` is 0; ``algo_seconds`` is the local SGD update.
-
-The gloo process group is started once per process (:func:`init_gloo`)
-and reused by later runs of the same job.  Checkpoints are not supported.
+What users run today, trained by the same loop as the mpiopt algorithms so
+that one ``compare`` puts them side by side.  Its bytes are an estimate and its
+Allreduce time is inside its compute time (:data:`NOTES`; docs/training-internals.md).
 """
 
 from __future__ import annotations
@@ -84,20 +65,10 @@ def _destroy_gloo() -> None:
 
 
 class DDPBaseline:
-    """A model wrapped in ``DistributedDataParallel`` over gloo, and ``torch.optim.SGD`` (a collective constructor).
+    """A model wrapped in ``DistributedDataParallel`` over gloo, and its optimizer (a collective constructor).
 
-    Parameters
-    ----------
-    model : torch.nn.Module
-        The model (trained in place; rank 0's parameters are broadcast by DDP).
-    topology : Topology
-        The ranks (gloo's world is MPI's).
-    optimizer : torch.optim.Optimizer, optional
-        Over ``model``'s parameters (``--optimizer``); default ``torch.optim.SGD``
-        with ``hyper``.
-    **hyper
-        Keywords of ``torch.optim.SGD`` (``lr``, ``momentum``, ...), checked
-        before any communication.
+    ``optimizer``: ``--optimizer``'s over ``model``'s parameters; default
+    ``torch.optim.SGD`` with ``hyper`` (checked before any communication).
     """
 
     def __init__(self, model: torch.nn.Module, topology: Topology, optimizer: Optional[torch.optim.Optimizer] = None, **hyper: Any) -> None:

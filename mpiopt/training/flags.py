@@ -237,6 +237,9 @@ def config_from_args(args: argparse.Namespace, command: str) -> "tuple[TrainConf
     if command == "train":
         algorithms = [config.algorithm]
     config.validate(algorithms)
+    from .optimizers import check_replaced_settings  # torch: not for --help
+
+    check_replaced_settings(config, algorithms)  # every run's, before the first one starts
     return config, algorithms
 
 

@@ -1,29 +1,8 @@
 """One training run: a model from :mod:`mpiopt.tasks` trained by a :class:`~mpiopt.torch.DistributedOptimizer`.
 
-What a run does, on every rank:
-
-1. builds the model from the seed (rank 0's initial parameters and buffers
-   are broadcast, so every rank starts identical);
-2. steps through its shard of the training set (:class:`ShardSampler`:
-   every sample once per epoch across the ranks, the order fixed by the
-   seed), forward and backward, then the algorithm's step;
-3. evaluates every ``eval_every`` steps and at the end: BatchNorm statistics
-   averaged over the ranks (:func:`~mpiopt.torch.average_buffers`), then the
-   model below on the test split, each rank a slice of it;
-4. on rank 0, writes a JSON-lines record per step and per evaluation
-   (:mod:`mpiopt.metrics.records`) and reports progress.
-
-Which model is evaluated is the algorithm class's ``evaluates``: where
-every rank's model is identical (``sgd``, ``signum``, ``topk``, ``regtopk``,
-and the ``ddp`` baseline of :mod:`mpiopt.training.ddp`) that model; where
-ranks differ between averaging points (``easgd``, ``lsgd``, ``dasgd``) the
-average of the ranks' models; for the asynchronous algorithms the server's
-model, or the global leader's, at the quiescent end of each segment (every
-``eval_every`` steps and at the end; the workers pause for the segment's
-drain and the evaluation).
-
-Times: ``wall_seconds`` counts training only (evaluations excluded), so
-time-to-accuracy compares the algorithms, not the evaluation schedule.
+Every rank builds the model from the seed, steps through its shard of the
+data, evaluates the model the algorithm's ``evaluates`` names, and rank 0
+writes the records.  The whole walk-through: docs/training-internals.md.
 """
 
 from __future__ import annotations
@@ -50,10 +29,10 @@ from ..tasks.text import TextDataset, load_text
 from ..torch import DistributedOptimizer, average_buffers, broadcast_module
 from ..torch.optimizer import loss_value
 from ..torch.threads import set_threads
-from .checkpointing import COUNTERS, Checkpointer, Interrupted
+from .checkpointing import COUNTERS, CheckpointPlan, Checkpointer, Interrupted
 from .config import DDP, DEFAULT_EPOCHS, TrainConfig, UsageError, agree_or_fail
 from .ddp import NOTES, DDPBaseline
-from .optimizers import clip, inner_optimizer, schedule
+from .optimizers import OptimizerSettings, clip, inner_optimizer, schedule
 from .progress import Progress
 
 __all__ = ["train", "load_data"]
@@ -140,11 +119,9 @@ _PER_RUN_SUMS = ("sent", "seconds", "idle_seconds")
 
 
 def _job_result(results: List[Any]) -> Dict[str, Any]:
-    """The scalar fields of a job's asynchronous runs (its checkpoint segments, in order) as those of one run.
+    """The scalar fields of a job's asynchronous runs (its segments, in order) as those of one run.
 
-    The running counts (version, steps, rounds, leaders) are the last run's;
-    the per-run ones are summed, ``start_version`` is the first run's and
-    ``stopped_early`` whether any run stopped early.
+    Running counts are the last run's; per-run ones (:data:`_PER_RUN_SUMS`) are summed.
     """
     merged = {k: v for k, v in vars(results[-1]).items() if isinstance(v, (int, float, str, bool))}
     for key in _PER_RUN_SUMS:
@@ -178,31 +155,11 @@ def train(
     stream: Optional[Any] = sys.stdout,
     on_start: Optional[Callable[[], None]] = None,
 ) -> Optional[str]:
-    """Train ``algorithm`` on ``dataset`` as ``config`` says (a collective call).
+    """Train ``algorithm`` on ``dataset`` (from :func:`load_data`) as ``config`` says, writing to ``out_dir`` (collective).
 
-    Parameters
-    ----------
-    config : TrainConfig
-        Validated settings.
-    algorithm : str
-        The algorithm (``config.algorithm`` for ``train``; each of the list for ``compare``).
-    topology : Topology
-        Communicators.
-    dataset : ImageDataset
-        From :func:`load_data`.
-    out_dir : str
-        Folder of this run's files (``metrics.jsonl``; the trace if asked for).
-    stream : file, optional
-        Where rank 0 reports progress.
-    on_start : callable, optional
-        Called once the run is set to start, after a resume was accepted
-        (``train`` saves the settings then, so a refused resume leaves the
-        folder's ``config.toml`` as it was).
-
-    Returns
-    -------
-    str or None
-        The metrics file's path on rank 0; None on the other ranks.
+    ``on_start`` is called once a resume was accepted (``train`` saves its
+    settings then, so a refused resume leaves ``config.toml`` as it was).
+    Returns the metrics file's path on rank 0, None elsewhere.
     """
     world = topology.world
     config = config.for_algorithm(algorithm)
@@ -211,7 +168,7 @@ def train(
     sizes = {k: v for k, v in config.gpt_sizes().items() if k != "block_size"}  # the block size is the dataset's windows'
     model = build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, width=config.width, dropout=config.dropout, **sizes)
     hyper = config.algorithm_hyperparameters(algorithm)
-    opt = _optimizer(algorithm, model, topology, hyper, inner_optimizer(config, model))
+    opt = _optimizer(algorithm, model, topology, hyper, inner_optimizer(OptimizerSettings.of(config), model))
     broadcast_module(model, topology)
     torch.manual_seed(config.seed + 1 + world.rank)  # dropout differs between ranks, reproducibly
     if world.rank == 0:
@@ -234,30 +191,28 @@ def _optimizer(algorithm: str, model: torch.nn.Module, topology: Topology, hyper
 
 
 class _Batches:
-    """This rank's shard of the training set (:class:`ShardSampler`) and the batch of each step, augmented if asked.
+    """This rank's shard of the training set and the batch of each step (a function of the step: nothing to checkpoint).
 
-    A text dataset draws its own windows (:meth:`TextDataset.sampler`); ``sampler.batches_per_epoch`` serves both.
-
-    An asynchronous run's server computes nothing: the shards are the workers' (world ranks 1..P-1).
+    An asynchronous run's shards are the workers' (world ranks 1..P-1).
     """
 
-    def __init__(self, config: TrainConfig, dataset: ImageDataset | TextDataset, world: Comm, asynchronous: bool) -> None:
+    def __init__(self, dataset: ImageDataset | TextDataset, batch_size: int, seed: int, augment: bool, world: Comm, asynchronous: bool) -> None:
         workers = max(1, world.size - 1) if asynchronous else world.size
         self.worker_rank = max(0, world.rank - 1) if asynchronous else world.rank
         self.windows = None
         if isinstance(dataset, TextDataset):
-            self.sampler = self.windows = dataset.sampler(rank=self.worker_rank, world_size=workers, batch_size=config.batch_size, seed=config.seed)
+            self.sampler = self.windows = dataset.sampler(rank=self.worker_rank, world_size=workers, batch_size=batch_size, seed=seed)
             return
-        self.sampler = ShardSampler(len(dataset.y_train), rank=self.worker_rank, world_size=workers, batch_size=config.batch_size, seed=config.seed)
-        self.config, self.dataset = config, dataset
+        self.sampler = ShardSampler(len(dataset.y_train), rank=self.worker_rank, world_size=workers, batch_size=batch_size, seed=seed)
+        self.dataset, self.seed, self.augment = dataset, seed, augment
         self.x, self.y = torch.from_numpy(dataset.x_train), torch.from_numpy(dataset.y_train)
 
     def __call__(self, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
         if self.windows is not None:
             return self.windows(step)
         index = self.sampler.indices(step)
-        if self.config.augment:
-            x = torch.from_numpy(augment_cifar(self.dataset.x_train[index], batch_rng(self.config.seed, self.worker_rank, step)))
+        if self.augment:
+            x = torch.from_numpy(augment_cifar(self.dataset.x_train[index], batch_rng(self.seed, self.worker_rank, step)))
         else:
             x = self.x[index]
         return x, self.y[index]
@@ -277,11 +232,9 @@ class _Totals:
 
 
 class _Run:
-    """One :func:`train` on this rank once its model and optimizer exist: the steps, evaluations and records.
+    """One :func:`train` on this rank once its model and optimizer exist: steps, evaluations, records, checkpoints.
 
-    :meth:`synchronous` and :meth:`asynchronous` run the steps (from the
-    resumed step, if any); both write a record per step (rank 0), evaluate and
-    checkpoint.  Files and handlers opened here close with ``cleanup``.
+    Files and handlers opened here close with ``cleanup``.
     """
 
     def __init__(
@@ -292,11 +245,11 @@ class _Run:
         world = topology.world
         self.is_asynchronous = algorithm != DDP and algorithm_class(algorithm).protocol == ASYNCHRONOUS
         self.network = opt.network if algorithm == DDP else model  # the forward pass through DDP: its hooks average the gradient
-        self.batches = _Batches(config, dataset, world, self.is_asynchronous)
+        self.batches = _Batches(dataset, config.batch_size, config.seed, config.augment, world, self.is_asynchronous)
         self.batches_per_epoch = self.batches.sampler.batches_per_epoch
         self.steps = config.steps or max(1, math.ceil((config.epochs or DEFAULT_EPOCHS) * self.batches_per_epoch))
         self.eval_every = config.eval_every or max(1, self.steps // 10)
-        self.checkpoints = Checkpointer(config, algorithm, topology, model, opt, out_dir, self.batches_per_epoch)
+        self.checkpoints = Checkpointer(CheckpointPlan.of(config, out_dir), algorithm, topology, model, opt, self.batches_per_epoch)
         cleanup.callback(self.checkpoints.close)  # signal handlers restored however the run ends
         self.start = self.checkpoints.resume()
         if on_start is not None:
@@ -318,7 +271,7 @@ class _Run:
         self.totals = _Totals(self.checkpoints.counters)
         # The rate schedule acts on the groups the algorithm reads (the inner optimizer's, or DDP's optimizer's).
         groups = opt.optimizer if algorithm == DDP else opt
-        self.scheduler = None if self.is_asynchronous else schedule(config, groups, self.steps, self.start)
+        self.scheduler = None if self.is_asynchronous else schedule(config.warmup_steps, groups, self.steps, self.start)
 
     # -- records ------------------------------------------------------------------------------
     def _run_record(self, hyper: Dict[str, Any]) -> Dict[str, Any]:
@@ -385,7 +338,7 @@ class _Run:
                     loss.backward()
                 computed = time.perf_counter()
                 with self._phase("algorithm"):
-                    clip(self.config, opt, self.model)
+                    clip(self.config.clip_grad_norm, opt, self.model)
                     opt.step(loss=loss)
                     if self.scheduler is not None:
                         self.scheduler.step()
@@ -407,15 +360,8 @@ class _Run:
     def asynchronous(self) -> Dict[str, Any]:
         """Segments of runs that end quiescent, each until the next multiple of ``--checkpoint-every`` or ``eval_every``.
 
-        An evaluation at every multiple of ``eval_every`` and at the end, from
-        the parameters the algorithm's ``evaluates`` names, while the run is
-        quiescent: the workers pause for the segment's drain and the
-        evaluation (:meth:`_segment_end`).
-
-        Between segments every rank saves and the ranks vote on stop signals.
-        The step that :meth:`_compute` is given runs on from run to run by
-        itself (the algorithm's state: async_msgd's per-rank ``applied``,
-        async_lsgd's ``steps``), restored by a resume too.
+        Between segments: records, evaluation, checkpoint and the stop-signal
+        vote (docs/training-internals.md).
         """
         world, steps = self.topology.world, self.steps
         every = self.config.checkpoint_every or steps

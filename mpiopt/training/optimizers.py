@@ -1,30 +1,24 @@
 """A run's inner optimizer, its parameter groups, clipping and learning-rate schedule (``--optimizer`` and friends).
 
-``mpiopt train --optimizer adamw`` makes every synchronous algorithm step with
-``torch.optim.AdamW`` (:class:`~mpiopt.torch.DistributedOptimizer`'s
-``inner``), and the ``ddp`` baseline with the same optimizer, so the two
-compare on equal terms.  Its keywords come from ``--lr`` and ``--hp
-adamw.KEY=VALUE`` (``betas=0.9,0.95``); ``--no-decay-on bias,norm`` puts
-biases and normalisation layers' parameters in a group without weight decay;
-``--clip-grad-norm X`` clips the exchanged gradient where the algorithm
-exchanges one (after ``synchronize()``), else this rank's own; ``--warmup-steps
-N`` warms the rate up linearly over N steps, then follows a cosine to 0 at the
-last step.  Inner states are saved per rank in checkpoints and follow the
-parameters on a resize.
+``--optimizer`` steps every synchronous algorithm that takes an inner
+optimizer, and the ``ddp`` baseline, with the same torch optimizer, so they
+compare on equal terms; what each flag does: docs/training-internals.md.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
-from typing import Any, Dict, List, Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from .config import TrainConfig, UsageError
+from .config import DDP, TrainConfig, UsageError
 
-__all__ = ["OPTIMIZERS", "NO_DECAY", "optimizer_keywords", "inner_optimizer", "schedule", "clip", "inner_state", "load_inner_state"]
+__all__ = ["OPTIMIZERS", "NO_DECAY", "OptimizerSettings", "check_replaced_settings", "keyword_names", "optimizer_keywords", "parse_keywords", "inner_optimizer", "schedule", "clip", "inner_state", "load_inner_state"]
 
 #: ``--optimizer`` names and their torch classes, with the rate each starts from where ``--lr`` is not given.
 OPTIMIZERS = {"sgd": (torch.optim.SGD, 0.05), "adam": (torch.optim.Adam, 1e-3), "adamw": (torch.optim.AdamW, 1e-3)}
@@ -34,28 +28,95 @@ _NORMS = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._No
 
 
 def optimizer_keywords(config: TrainConfig) -> Dict[str, Any]:
-    """``--hp NAME.KEY=VALUE``'s table of the run's ``--optimizer``, its values parsed: ``betas=0.9,0.95`` is a list.
+    """``--hp NAME.KEY=VALUE``'s table of the run's ``--optimizer``, parsed (:func:`parse_keywords`)."""
+    return parse_keywords(config.optimizer, config.hyperparameters.get(config.optimizer or "", {}))
 
-    The form checkpoints record and ``config.toml`` saves, so that ``0.90,0.95`` and a TOML array ``[0.9, 0.95]``
-    are the same setting as ``0.9,0.95``.
+
+def parse_keywords(optimizer: Optional[str], table: Mapping[str, Any]) -> Dict[str, Any]:
+    """An optimizer's keywords as checkpoints record and ``config.toml`` saves them: ``betas=0.9,0.95`` is a list.
+
+    So ``0.90,0.95`` and a TOML array ``[0.9, 0.95]`` are the same setting as ``0.9,0.95``.
     """
-    table = dict(config.hyperparameters.get(config.optimizer or "", {}))
+    table = dict(table)
     for key, value in table.items():
         if isinstance(value, str) and "," in value:  # betas=0.9,0.95 from the command line
             try:
                 table[key] = [float(v) for v in value.split(",")]
             except ValueError:
-                raise UsageError(f"--hp {config.optimizer}.{key}: expected numbers separated by commas, got {value!r}") from None
+                raise UsageError(f"--hp {optimizer}.{key}: expected numbers separated by commas, got {value!r}") from None
         elif isinstance(value, tuple):
             table[key] = list(value)
     return table
 
 
-def _keywords(config: TrainConfig) -> Dict[str, Any]:
-    """The optimizer's keywords: its default rate or ``--lr``, then its ``--hp NAME.KEY=VALUE`` table."""
-    _, lr = OPTIMIZERS[config.optimizer]
-    table = {key: tuple(value) if isinstance(value, list) else value for key, value in optimizer_keywords(config).items()}
-    return {"lr": config.lr if config.lr is not None else lr, **table}
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """``--optimizer`` and its companions: what the inner optimizer is made of, and what a checkpoint records of them."""
+
+    name: Optional[str] = None
+    lr: Optional[float] = None  # the optimizer's --lr (None: its default rate)
+    keywords: Dict[str, Any] = field(default_factory=dict)  # parsed (:func:`parse_keywords`)
+    no_decay_on: Optional[str] = None
+    clip_grad_norm: Optional[float] = None
+    warmup_steps: Optional[int] = None
+
+    @classmethod
+    def of(cls, config: TrainConfig) -> "OptimizerSettings":
+        """``config``'s (as one algorithm trains: :meth:`TrainConfig.for_algorithm`)."""
+        return cls(config.optimizer, config.lr if config.optimizer else None, optimizer_keywords(config), config.no_decay_on,
+                   config.clip_grad_norm, config.warmup_steps)
+
+    def record(self) -> Dict[str, Any]:
+        """What a checkpoint compares on resume: {} without any of them, so that such runs' checkpoints compare as before."""
+        if not (self.name or self.clip_grad_norm or self.warmup_steps):
+            return {}
+        return {"optimizer": {"name": self.name, "keywords": self.keywords, "lr": self.lr, "no_decay_on": self.no_decay_on,
+                              "clip_grad_norm": self.clip_grad_norm, "warmup_steps": self.warmup_steps}}
+
+
+def check_replaced_settings(config: TrainConfig, algorithms: Sequence[str]) -> None:
+    """Refuse a built-in update's setting (``lr``, momentum, ...) given to an algorithm that ``--optimizer`` steps.
+
+    The torch front end would refuse it when that algorithm's run starts (the
+    ``ddp`` baseline would ignore it); checked with the other settings, before
+    the first run, the message names the flag that works.  No MPI.
+    """
+    from ..algorithms.local import LOCAL_SGD
+
+    replaced: Dict[Tuple[str, str], List[str]] = {}  # (key, value as a flag takes it) -> the algorithms given it
+    for name in algorithms:
+        if not config.for_algorithm(name).optimizer:
+            continue  # its own update (signum, the asynchronous ones) keeps these settings
+        for key, value in config.given_hyperparameters(name).items():
+            if name == DDP or key == "lr" or key in LOCAL_SGD:  # the baseline takes nothing beside --optimizer
+                replaced.setdefault((key, _flag_value(value)), []).append(name)
+    if replaced:
+        fixes = [f"{key}={text} (for {', '.join(names)}): {_replacement(config.optimizer, key, text)}" for (key, text), names in replaced.items()]
+        raise UsageError(f"--optimizer {config.optimizer} replaces the built-in update, and these settings with it: {'; '.join(fixes)}")
+
+
+def _replacement(optimizer: str, key: str, text: str) -> str:
+    """What to give instead of the built-in update's ``key=text``: the optimizer's own flag, or nothing."""
+    if key == "lr":
+        return f"give --lr {text} (or --hp {optimizer}.lr={text})"
+    if key in keyword_names(optimizer):
+        return f"give --hp {optimizer}.{key}={text}"
+    return f"{optimizer} takes no {key}; leave it out"
+
+
+def _flag_value(value: Any) -> str:
+    """``value`` as ``--hp``/``--lr`` take it on the command line: ``true``, ``0.9,0.95``, ``0.0003``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_flag_value(v) for v in value)
+    return str(value)
+
+
+def keyword_names(optimizer: str) -> List[str]:
+    """The keywords ``--optimizer optimizer``'s torch class takes (``lr``, ``betas``, ...)."""
+    cls, _ = OPTIMIZERS[optimizer]
+    return [name for name in inspect.signature(cls.__init__).parameters if name not in ("self", "params")]
 
 
 def _groups(model: torch.nn.Module, kinds: List[str], weight_decay: Optional[float]) -> List[Dict[str, Any]]:
@@ -71,23 +132,24 @@ def _groups(model: torch.nn.Module, kinds: List[str], weight_decay: Optional[flo
     return groups + [{"params": [p for p in params if id(p) in exempt], "weight_decay": 0.0}]
 
 
-def inner_optimizer(config: TrainConfig, model: torch.nn.Module) -> Optional[torch.optim.Optimizer]:
-    """The run's ``--optimizer`` over ``model``'s parameters (None without one); bad keywords raise :class:`UsageError`."""
-    if config.optimizer is None:
+def inner_optimizer(settings: OptimizerSettings, model: torch.nn.Module) -> Optional[torch.optim.Optimizer]:
+    """The ``--optimizer`` over ``model``'s parameters (None without one); bad keywords raise :class:`UsageError`."""
+    if settings.name is None:
         return None
-    cls, _ = OPTIMIZERS[config.optimizer]
-    keywords = _keywords(config)
-    kinds = [k for k in (config.no_decay_on or "").split(",") if k]
+    cls, default_lr = OPTIMIZERS[settings.name]
+    table = {key: tuple(value) if isinstance(value, list) else value for key, value in settings.keywords.items()}
+    keywords = {"lr": settings.lr if settings.lr is not None else default_lr, **table}
+    kinds = [k for k in (settings.no_decay_on or "").split(",") if k]
     params: Any = model.parameters() if not kinds else _groups(model, kinds, keywords.get("weight_decay"))
     try:
         return cls(params, **keywords)
     except (TypeError, ValueError) as err:
-        raise UsageError(f"--optimizer {config.optimizer}: {err}") from None
+        raise UsageError(f"--optimizer {settings.name}: {err}") from None
 
 
-def schedule(config: TrainConfig, optimizer: torch.optim.Optimizer, steps: int, start: int) -> Optional[Any]:
+def schedule(warmup_steps: Optional[int], optimizer: torch.optim.Optimizer, steps: int, start: int) -> Optional[Any]:
     """``--warmup-steps``' schedule on ``optimizer``'s groups, advanced to ``start`` (a resume), or None."""
-    warmup = config.warmup_steps
+    warmup = warmup_steps
     if warmup is None:
         return None
 
@@ -104,13 +166,13 @@ def schedule(config: TrainConfig, optimizer: torch.optim.Optimizer, steps: int, 
     return scheduler
 
 
-def clip(config: TrainConfig, opt: Any, model: torch.nn.Module) -> None:
+def clip(max_norm: Optional[float], opt: Any, model: torch.nn.Module) -> None:
     """``--clip-grad-norm``: the exchanged gradient where the algorithm exchanges one (``synchronize()``), else this rank's."""
-    if config.clip_grad_norm is None:
+    if max_norm is None:
         return
     if getattr(getattr(opt, "algorithm", None), "inner_role", None) == "gradient":
         opt.synchronize()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_grad_norm)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 def inner_state(optimizer: Optional[torch.optim.Optimizer]) -> Optional[Dict[str, Any]]:

@@ -15,24 +15,12 @@ OPEN_MPI_RANK = "OMPI_COMM_WORLD_SIZE"
 
 
 class Progress:
-    """Report steps of one run.
+    """Report the steps of one run labelled ``label`` (the algorithm) out of ``total``; ``stream`` None is silent.
 
-    Parameters
-    ----------
-    label : str
-        Shown at the start of every line (the algorithm).
-    total : int
-        Steps of the run.
-    every : int
-        A plain line every ``every`` steps when ``stream`` is not a terminal
-        (and at the last step).  On a terminal the bar is redrawn at most
-        ten times a second.
-    stream : file, optional
-        Default ``sys.stdout``; None makes it silent (ranks other than 0).
-    mode : {"auto", "bar", "lines"}
-        A bar redrawn in place, plain lines, or a bar when ``stream`` is a terminal.  Under Open MPI's
-        mpiexec, "auto" means lines: it hands every rank a pseudo-terminal whatever its own output is (a log
-        file, a pipe), so a rank cannot tell.
+    ``mode`` "bar" redraws a bar in place (at most ten times a second),
+    "lines" writes a line every ``every`` steps, "auto" a bar on a terminal.
+    Under Open MPI's mpiexec "auto" means lines: it hands every rank a
+    pseudo-terminal whatever its output is, so a rank cannot tell.
     """
 
     def __init__(self, label: str, total: int, every: int, stream: Optional[TextIO] = sys.stdout, mode: str = "auto") -> None:

@@ -151,7 +151,7 @@ def test_saved_settings_with_an_optimizer_reproduce_its_keywords(algorithm, tmp_
     from mpiopt.cli.main import build_parser
     from mpiopt.cli.session import _hyperparameter_tables
     from mpiopt.training.flags import config_from_args, dump_toml
-    from mpiopt.training.optimizers import inner_optimizer, optimizer_keywords
+    from mpiopt.training.optimizers import OptimizerSettings, inner_optimizer, optimizer_keywords
 
     def read(*argv):
         return config_from_args(build_parser().parse_args(["train", "--algorithm", algorithm, "--out", str(tmp_path), *argv]), "train")[0]
@@ -167,7 +167,7 @@ def test_saved_settings_with_an_optimizer_reproduce_its_keywords(algorithm, tmp_
     (tmp_path / "config.toml").write_text(dump_toml({"algorithm": algorithm, "optimizer": optimizer, "steps": 3, "hyperparameters": tables}))
     again = read("--config", str(tmp_path / "config.toml"))
     assert optimizer_keywords(again) == want and again.algorithm_hyperparameters(algorithm) == {"nan_policy": "skip"}
-    inner = inner_optimizer(again, torch.nn.Linear(2, 2))
+    inner = inner_optimizer(OptimizerSettings.of(again), torch.nn.Linear(2, 2))
     assert all(inner.param_groups[0][k] == (tuple(v) if isinstance(v, list) else v) for k, v in want.items())
 
 
@@ -176,7 +176,7 @@ def test_a_checkpoint_with_the_optimizers_keywords_as_text_compares_equal_to_the
     pytest.importorskip("torch")
     pytest.importorskip("h5py")
     from mpiopt.algorithms.resize import hyperparameter_differences
-    from mpiopt.training.checkpointing import _parsed_keywords
+    from mpiopt.training.resume import _parsed_keywords
 
     here = {"lr": 0.001, "optimizer": {"name": "adamw", "keywords": {"betas": [0.9, 0.95]}, "clip_grad_norm": 0.5}}
     old = {"lr": 0.001, "optimizer": {"name": "adamw", "keywords": {"betas": "0.9,0.95"}, "clip_grad_norm": 0.5}}

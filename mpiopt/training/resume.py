@@ -1,0 +1,88 @@
+"""Whether a checkpoint may be resumed by this run, and which saved state each rank takes.
+
+The whole decision of ``--resume`` in one place (collective): the algorithm,
+model and groups must match, so must the hyperparameters (unless overridden;
+on another world size those the class lets scale may differ), the ranks must
+be at one step, and on another world size the algorithm's state moves by its
+rules (:mod:`mpiopt.algorithms.resize`, used here as a library).  Every
+refusal is a :class:`UsageError` raised on every rank alike.  Why each rule:
+docs/training-internals.md.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, Mapping
+
+from ..algorithms.resize import hyperparameter_differences, resize_states, source_rank
+from ..checkpoint import Checkpoint
+from ..comm import Comm
+from .config import UsageError
+from .optimizers import parse_keywords
+
+__all__ = ["rank_state"]
+
+
+def rank_state(ckpt: Checkpoint, here: Mapping[str, Any], algorithm: str, world: Comm, *,
+               override_hyperparameters: bool, hyperparameters: Mapping[str, Any]) -> Dict[str, Any]:
+    """This rank's state from ``ckpt`` (params, buffers, rng, algorithm, inner), or :class:`UsageError` (collective).
+
+    ``here``: the root attributes this run would save (``Checkpointer.attrs``);
+    ``hyperparameters``: the algorithm's, written into a resized state.
+    """
+    _check_fit(ckpt, here, algorithm, world.size, override_hyperparameters)
+    saved, states = ckpt.attrs, ckpt.rank_states
+    # At the same world size each rank read its own state only: the ranks tell each other their steps.
+    steps = [int(s["step"]) for s in states] if states is not None else world.allgather_obj(int(ckpt.rank_state["step"]))
+    if len(set(steps)) > 1 or steps[0] != int(saved["step"]):
+        raise UsageError(f"--resume {ckpt.path}: the ranks' states are at different steps {steps}; the file says step {saved['step']}")
+    return ckpt.rank_state if states is None else _resized(ckpt, algorithm, world, hyperparameters)
+
+
+def _check_fit(ckpt: Checkpoint, here: Mapping[str, Any], algorithm: str, size: int, override_hyperparameters: bool) -> None:
+    """Refuse a checkpoint of another algorithm, model, groups or hyperparameters, naming both values."""
+    saved = ckpt.attrs
+    checks = [("algorithm", "algorithm"), ("model signature", "model_signature")]
+    if ckpt.world_size == size:  # on another world size the groups change with it
+        checks += [("number of groups (--group-size)", "num_groups"), ("size of rank 0's group (--group-size)", "group_size")]
+    for what, key in checks:
+        if saved.get(key) != here[key]:
+            raise UsageError(f"--resume {ckpt.path}: the checkpoint's {what} is {saved.get(key)!r}, this run's {here[key]!r}")
+    if override_hyperparameters:
+        return
+    differences = hyperparameter_differences(
+        algorithm, _parsed_keywords(saved["hyperparameters"]), here["hyperparameters"], ckpt.world_size, size)
+    if differences:
+        raise UsageError(
+            f"--resume {ckpt.path}: the checkpoint's hyperparameters differ from this run's "
+            f"(--override-hyperparameters keeps this run's): {'; '.join(differences)}"
+        )
+
+
+def _resized(ckpt: Checkpoint, algorithm: str, world: Comm, hyperparameters: Mapping[str, Any]) -> Dict[str, Any]:
+    """This rank's state from a checkpoint of another world size; rank 0 warns what moved and how."""
+    old = ckpt.world_size
+    mine = ckpt.rank_states[source_rank(world.rank, old)]
+    try:
+        (moved,), notes = resize_states(algorithm, [s["algorithm"] for s in ckpt.rank_states], world.size, hyperparameters, ranks=[world.rank])
+    except ValueError as err:  # the same states on every rank: every rank refuses alike
+        raise UsageError(f"--resume {ckpt.path}: written by {old} ranks, this job has {world.size}: {err}") from None
+    if world.rank == 0:
+        lines = "".join(f"\n  {note}" for note in notes) or " nothing but copies"
+        warnings.warn(
+            f"--resume {ckpt.path}: written by {old} ranks, resuming on {world.size}. Parameters and model buffers: "
+            f"new rank r takes old rank r % {old}'s. {algorithm} state:{lines}\n"
+            "The data order continues at the next step of this world's sampler (its epochs differ).",
+            stacklevel=3,
+        )
+    rng = ckpt.rank_states[world.rank]["rng"] if world.rank < old else None  # a new rank keeps its fresh seed
+    # The inner optimizer's state follows the parameters it moved.
+    return {"algorithm": moved, "params": mine["params"], "buffers": mine["buffers"], "rng": rng, "inner": mine.get("inner")}
+
+
+def _parsed_keywords(hyperparameters: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A checkpoint's hyperparameters with its optimizer's keywords parsed as now (older files kept ``"0.9,0.95"``)."""
+    optimizer = hyperparameters.get("optimizer")
+    if not isinstance(optimizer, dict) or not isinstance(optimizer.get("keywords"), dict):
+        return hyperparameters
+    return {**hyperparameters, "optimizer": {**optimizer, "keywords": parse_keywords(optimizer.get("name"), optimizer["keywords"])}}
