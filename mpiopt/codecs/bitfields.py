@@ -10,8 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels._backend import cached, take_rows
+from ..kernels._backend import block_length, cached, take_rows
 from ..kernels.signs import pack_bits, unpack_bits
+
+# Bytes per look-up block: a 512 KiB index temporary, in cache.
+_BLOCK = 1 << 16
 
 __all__ = ["fields_nbytes", "pack_fields", "unpack_fields", "pack_nibbles", "unpack_nibbles"]
 
@@ -22,17 +25,21 @@ def fields_nbytes(count: int, width: int) -> int:
 
 
 def pack_fields(xp: ModuleType, values: Any, width: int, out: Any) -> Any:
-    """Pack unsigned ``values`` (each below ``2**width``) into ``out`` (``fields_nbytes`` bytes); for short vectors (k-sized)."""
-    shifts = xp.arange(width, dtype=values.dtype)
-    bits = ((values[:, None] >> shifts) & 1).astype(bool)
+    """Pack unsigned ``values`` (each below ``2**width``) into ``out`` (``fields_nbytes`` bytes)."""
+    bits = xp.empty((values.shape[0], width), dtype=bool)
+    for bit in range(width):  # one pass per bit position: count-sized temporaries only
+        bits[:, bit] = (values >> bit) & 1
     out[...] = pack_bits(xp, bits.ravel())
     return out
 
 
 def unpack_fields(xp: ModuleType, packed: Any, width: int, count: int) -> Any:
     """The ``count`` fields of ``width`` bits that ``packed`` holds, as int64."""
-    bits = unpack_bits(xp, packed, count * width).reshape(count, width).astype(xp.int64)
-    return (bits << xp.arange(width, dtype=xp.int64)).sum(axis=1)
+    bits = unpack_bits(xp, packed, count * width).reshape(count, width).view(xp.uint8)
+    values = xp.zeros(count, dtype=xp.int64)
+    for bit in range(width):
+        values |= bits[:, bit].astype(xp.int64) << bit
+    return values
 
 
 def pack_nibbles(xp: ModuleType, codes: Any, out: Any) -> Any:
@@ -58,8 +65,10 @@ def unpack_nibbles(xp: ModuleType, packed: Any, nibble_values: np.ndarray, key: 
     half = n // 2
     dtype = np.dtype(out.dtype)
     table = cached(xp, ("nibble_pairs", key, dtype.str), lambda: _pair_table(nibble_values, dtype))
-    if half:
-        take_rows(table, packed[:half], out[: 2 * half].reshape(half, 2))
+    pairs = out[: 2 * half].reshape(half, 2)
+    block = block_length(xp, _BLOCK, half)
+    for start in range(0, half, block):  # blocks bound the look-up's index temporary (numpy widens uint8 to intp)
+        take_rows(table, packed[start : min(start + block, half)], pairs[start : start + block])
     if n % 2:
         out[n - 1 :] = table[packed[half : half + 1], 0]
     return out
