@@ -6,6 +6,7 @@ and the codec are agreed before any exchange).  Layouts, bounds and bytes: docs/
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 from types import ModuleType
 from typing import Any, Dict, Tuple
@@ -47,6 +48,11 @@ def check_payload(name: str, payload: Any, nbytes: int, ndim: int = 1) -> Module
     if payload.shape[-1] != nbytes or not payload.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous uint8 with {nbytes} bytes per payload, got shape {tuple(payload.shape)}")
     return xp
+
+
+def _quiet(xp: ModuleType):
+    """numpy's floating-point warnings off: a non-finite chunk gives non-finite scales and values, by design."""
+    return np.errstate(invalid="ignore", divide="ignore", over="ignore") if xp is np else contextlib.nullcontext()
 
 
 class Codec:
@@ -102,7 +108,8 @@ class Codec:
             out = xp.empty(nbytes, dtype=xp.uint8)
         if check_payload("out", out, nbytes) is not xp:
             raise TypeError("out must live where x does (numpy or cupy)")
-        self._encode(xp, x, self._sections(out, d))
+        with _quiet(xp):
+            self._encode(xp, x, self._sections(out, d))
         return out
 
     def decode(self, payload: Any, d: int, out: Any = None) -> Any:
@@ -112,7 +119,8 @@ class Codec:
         if out is None:
             out = xp.empty(d, dtype=xp.float32)
         check_vector("out", out, d)
-        self._decode(xp, self._sections(payload, d), d, out)
+        with _quiet(xp):
+            self._decode(xp, self._sections(payload, d), d, out)
         return out
 
     def add_decoded(self, payload: Any, d: int, out: Any, weight: float = 1.0) -> Any:
@@ -120,7 +128,8 @@ class Codec:
         d = check_count("d", d, 1)
         xp = check_payload("payload", payload, self.payload_nbytes(d))
         check_vector("out", out, d)
-        self._add_decoded(xp, self._sections(payload, d), d, out, float(weight))
+        with _quiet(xp):
+            self._add_decoded(xp, self._sections(payload, d), d, out, float(weight))
         return out
 
     def aggregate(self, payloads: Any, d: int, out: Any = None, mean: bool = False) -> Any:
@@ -135,9 +144,10 @@ class Codec:
         if out is None:
             out = xp.empty(d, dtype=xp.float32)
         check_vector("out", out, d)
-        self._decode(xp, self._sections(payloads[0], d), d, out)
-        for row in payloads[1:]:
-            self._add_decoded(xp, self._sections(row, d), d, out, 1.0)
+        with _quiet(xp):
+            self._decode(xp, self._sections(payloads[0], d), d, out)
+            for row in payloads[1:]:
+                self._add_decoded(xp, self._sections(row, d), d, out, 1.0)
         if mean and payloads.shape[0] > 1:
             out /= payloads.shape[0]
         return out

@@ -13,8 +13,8 @@ import numpy as np
 from ..kernels._backend import block_length, cached, take_rows
 from ..kernels.signs import pack_bits, unpack_bits
 
-# Bytes per look-up block: a 512 KiB index temporary, in cache.
-_BLOCK = 1 << 16
+# Bytes per look-up block: a 128 KiB index temporary, in cache.
+_BLOCK = 1 << 14
 
 __all__ = ["fields_nbytes", "pack_fields", "unpack_fields", "pack_nibbles", "unpack_nibbles"]
 

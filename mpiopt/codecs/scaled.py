@@ -6,7 +6,6 @@ gets a non-finite scale, so it decodes to non-finite values: never silently fini
 
 from __future__ import annotations
 
-import contextlib
 from types import ModuleType
 from typing import Any, Dict
 
@@ -22,11 +21,6 @@ __all__ = ["IntCodec", "Int8Codec", "Int4Codec", "FP4Codec", "SignCodec", "E3M0_
 E3M0_MAGNITUDES = np.array([0.0] + [2.0**e for e in range(-6, 1)])
 # |x| / absmax from which E3M0 rounds up to 2**-6 rather than down to 0 (the midpoint).
 _E3M0_ZERO_EDGE = 2.0**-7
-
-
-def _quiet(xp: ModuleType):
-    """numpy's warnings off for casting NaN to int (the scale already carries the NaN)."""
-    return np.errstate(invalid="ignore") if xp is np else contextlib.nullcontext()
 
 
 def _divide_rows(codec: Chunked, xp: ModuleType, v: Any, scales: Any, out: Any) -> Any:
@@ -64,15 +58,14 @@ class IntCodec(Chunked):
         t = _divide_rows(self, xp, x, steps, self._buffer(xp, "ratio", d, x.dtype))
         xp.rint(t, out=t)
         xp.clip(t, -self.qmax, self.qmax, out=t)
-        with _quiet(xp):
-            if self.bits == 8:
-                sections["values"].view(xp.int8)[...] = t
-            else:
-                codes = self._buffer(xp, "codes", d, xp.int8)
-                codes[...] = t
-                codes = codes.view(xp.uint8)
-                codes &= 15  # two's complement nibbles
-                pack_nibbles(xp, codes, sections["values"])
+        if self.bits == 8:
+            sections["values"].view(xp.int8)[...] = t
+        else:
+            codes = self._buffer(xp, "codes", d, xp.int8)
+            codes[...] = t
+            codes = codes.view(xp.uint8)
+            codes &= 15  # two's complement nibbles
+            pack_nibbles(xp, codes, sections["values"])
 
     def _decode(self, xp: ModuleType, sections: Dict[str, Any], d: int, out: Any) -> None:
         if self.bits == 8:
