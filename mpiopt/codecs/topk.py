@@ -20,15 +20,17 @@ from .bitfields import fields_nbytes, pack_fields, unpack_fields
 
 __all__ = ["TopkCodec", "topk_levels"]
 
-# The magnitude levels, in units of the selection's mean |value|, span [_LOW, _HIGH] evenly: fitted to the
-# top 64 of 4,096 of Gaussian, Laplace and Student-t samples (docs/codecs.md, "topk").
-_LOW, _HIGH = 0.9, 1.5
+# The span of the magnitude levels, in units of the selection's mean |value|, by bits: fitted to the top 64 of
+# 4,096 of Gaussian, Laplace and Student-t samples (docs/codecs.md, "topk").
+_SPANS = {2: (0.95, 1.3)}
+_SPAN = (0.9, 1.5)
 
 
 def topk_levels(bits: int) -> np.ndarray:
-    """The ``2**(bits - 1)`` magnitude levels (units of the mean ``|value|``): ``{1}`` for 1 bit, else ``[0.9, 1.5]`` evenly."""
+    """The ``2**(bits - 1)`` magnitude levels (units of the mean ``|value|``), evenly spaced: ``{1}`` for 1 bit,
+    ``{0.95, 1.3}`` for 2, ``[0.9, 1.5]`` for more."""
     count = 2 ** (bits - 1)
-    return np.ones(1) if count == 1 else np.linspace(_LOW, _HIGH, count)
+    return np.ones(1) if count == 1 else np.linspace(*_SPANS.get(bits, _SPAN), count)
 
 
 class TopkCodec(Chunked):
@@ -122,8 +124,8 @@ class TopkCodec(Chunked):
         unit = xp.where(scales == 0, 1, scales).astype(xp.float64)[owner]
         last = self.levels.shape[0] - 1
         if last:  # the nearest level: levels are evenly spaced
-            spacing = (_HIGH - _LOW) / last
-            index = xp.clip(xp.rint((magnitudes / unit - _LOW) / spacing), 0, last)
+            low, spacing = float(self.levels[0]), float(self.levels[1] - self.levels[0])
+            index = xp.clip(xp.rint((magnitudes / unit - low) / spacing), 0, last)
             index = xp.nan_to_num(index).astype(xp.int64)
         else:
             index = xp.zeros(values.shape[0], dtype=xp.int64)

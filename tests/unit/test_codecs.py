@@ -191,6 +191,15 @@ def test_a_non_finite_chunk_decodes_non_finite(name):
     assert not np.isfinite(decoded[64:128]).all() and not np.isfinite(decoded[192:]).all()
 
 
+def test_topk_sends_inf_and_ranks_nan_last():
+    codec = create("topk", chunk=64, k=8)
+    x = _vector(128)
+    x[3], x[70] = np.inf, np.nan
+    decoded = codec.decode(codec.encode(x), 128)
+    assert not np.isfinite(decoded[:64][decoded[:64] != 0]).any()  # inf is a number: sent, its chunk's scale inf
+    assert decoded[70] == 0 and np.isfinite(decoded[64:]).all()  # NaN below every number (algorithms check first)
+
+
 def test_float64_input_and_output():
     x = _vector(3000, dtype=np.float64)
     for name in CODECS:
