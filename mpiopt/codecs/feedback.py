@@ -46,7 +46,8 @@ class ErrorFeedback:
 
     def state_dict(self) -> Dict[str, Any]:
         """``residual`` (the live array), ``beta``, the codec's ``name`` and parameters: arrays and numbers, no communicator."""
-        return {"codec": self.codec.name, **{f"codec_{k}": v for k, v in self.codec.params().items()}, "beta": self.beta, "residual": self.residual}
+        params = {f"codec_{key}": value for key, value in self.codec.params().items()}
+        return {"codec": self.codec.name, **params, "beta": self.beta, "residual": self.residual}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: the residual copied in place; ``ValueError`` if codec, parameters, beta or ``d`` differ."""

@@ -101,10 +101,8 @@ class TopkCodec(Chunked):
 
     # ---- quantization -------------------------------------------------------------------------------------
     def _chunk_of(self, xp: ModuleType, d: int) -> Any:
-        """The chunk of every selected entry (chunks send ``k`` each, the ragged last ``min(k, rest)``)."""
-        counts = xp.full(self.chunks(d), self.k, dtype=xp.int64)
-        counts[-1] = self.selected(d) - (self.chunks(d) - 1) * self.k
-        return xp.repeat(xp.arange(self.chunks(d)), counts)
+        """The chunk of every selected entry: ``k`` per chunk in order, the ragged last one's ``min(k, rest)`` at the end."""
+        return xp.arange(self.selected(d), dtype=xp.int64) // self.k
 
     def _mean_per_chunk(self, xp: ModuleType, magnitudes: Any) -> Any:
         """The mean of every chunk's selected magnitudes (``k`` per whole chunk, the rest in the last), float64."""
