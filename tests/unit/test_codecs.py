@@ -201,13 +201,17 @@ def test_topk_sends_inf_and_ranks_nan_last():
 
 
 def test_float64_input_and_output():
-    x = _vector(3000, dtype=np.float64)
+    x64 = _vector(3000, dtype=np.float64, heavy=True)
+    x32 = x64.astype(np.float32)
     for name in CODECS:
-        codec = create(name)
-        as32 = codec.decode(codec.encode(x.astype(np.float32)), 3000)
-        as64 = codec.decode(codec.encode(x), 3000, out=np.empty(3000, np.float64))
-        assert as64.dtype == np.float64
-        assert np.allclose(as64, as32, rtol=1e-6, atol=1e-6 * np.abs(x).max()) or name in ("fp4", "int4", "topk")
+        codec = create(name, chunk=512) if name not in ("none", "bf16") else create(name)
+        payload = codec.encode(x64)
+        decoded = codec.decode(payload, 3000, out=np.empty(3000, np.float64))
+        if name in ("none", "bf16"):  # float32 bits on the wire: float64 input is rounded to float32 first
+            assert np.array_equal(payload, codec.encode(x32))
+        # Within the bound float32 input meets, up to float32's rounding of the input.
+        bound = np.abs(codec.decode(codec.encode(x32), 3000) - x32).max()
+        assert np.abs(decoded - x64).max() <= bound * (1 + 1e-3) + 1e-6 * np.abs(x64).max(), name
 
 
 # ---- bytes ------------------------------------------------------------------------------------------------
