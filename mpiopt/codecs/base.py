@@ -21,12 +21,10 @@ __all__ = ["Codec", "Chunked", "SCALE_BYTES", "check_vector", "check_payload", "
 SCALE_BYTES = 4
 
 
-def check_real(name: str, value: Any, low: float, high: float, *, low_open: bool = False) -> float:
-    """A real parameter in ``[low, high]`` (``(low, high]`` with ``low_open``) as float; ``ValueError`` names the value."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not np.isfinite(value):
-        raise ValueError(f"{name} must be a real number in {'(' if low_open else '['}{low}, {high}], got {value!r}")
-    if value < low or value > high or (low_open and value == low):
-        raise ValueError(f"{name} must be in {'(' if low_open else '['}{low}, {high}], got {value!r}")
+def check_real(name: str, value: Any, low: float, high: float) -> float:
+    """A real parameter in ``[low, high]`` as float; ``ValueError`` names the parameter, the range and the value."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not low <= value <= high:
+        raise ValueError(f"{name} must be a real number in [{low}, {high}], got {value!r}")
     return float(value)
 
 
