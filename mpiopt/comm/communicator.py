@@ -17,7 +17,7 @@ from mpi4py import MPI
 from .decisions import MISSING, Decisions, Failure, first_failure, SetupMismatchError, differing_lines, plain, raise_own_or_name_them
 from .buffers import HostStaging, as_mpi_buffer, gpu_aware_mpi, nbytes
 from .ledger import Ledger
-from .waiting import Backoff, auto_wait_policy, check_wait_policy
+from .waiting import Backoff, check_wait_policy, wait_policy_here
 
 __all__ = ["Comm", "Request", "SetupMismatchError", "Failure", "ELECTION_BYTES", "raise_own_or_name_them", "MISSING", "plain", "differing_lines", "SUM", "MAX", "MIN", "ANY_SOURCE", "ANY_TAG"]
 
@@ -144,7 +144,7 @@ class Comm(Decisions):
         try:
             self.wait_policy = self.decide(lambda: check_wait_policy(wait_policy), "wait policy", error=first_failure(ValueError))
             if self.wait_policy == "auto":
-                self.wait_policy = self._auto_wait_policy()
+                self.wait_policy = wait_policy_here(self._comm)
             self._passive = self.wait_policy == "passive"
         except ValueError:
             if dup:
@@ -156,21 +156,6 @@ class Comm(Decisions):
         # Nonblocking calls in flight at once need their own staging buffers:
         # lane n of an operation is busy from posting until completion.
         self._busy_lanes: Dict[str, Set[int]] = {}
-
-    def _auto_wait_policy(self) -> str:
-        """The ``auto`` wait policy's choice for this rank (a collective call: host names and a shared-memory split).
-
-        Ranks with this rank's host name share its CPUs; their bytes cross a
-        network where some rank is on another host, or where the MPI library
-        puts fewer of them in one shared-memory group than share the host
-        (MPICH's ``MPIR_CVAR_NOLOCAL`` does).
-        """
-        hosts = self._comm.allgather(MPI.Get_processor_name())
-        node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self._comm.Get_rank())
-        shared = node.Get_size()
-        node.Free()
-        here = hosts.count(hosts[self._comm.Get_rank()])
-        return auto_wait_policy(here, crosses_network=len(set(hosts)) > 1 or shared < here)
 
     # -- identity --------------------------------------------------------------
     @property
