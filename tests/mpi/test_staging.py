@@ -109,3 +109,13 @@ def test_chunk_size_must_agree():
         Comm(staging_chunk=4096 * (1 + MPI.COMM_WORLD.rank))
     with pytest.raises(ValueError, match="staging_chunk must be a positive number of bytes.* got 'x'"):
         Comm(staging_chunk="x")
+
+
+def test_the_staging_benchmark_dry_run():
+    from mpiopt.bench.staging import CASES, measure
+    from mpiopt.comm import Topology
+
+    topology = Topology()
+    seconds = measure(topology, 40_000, 4096, 1, "cpu", "torch")
+    assert sorted(seconds) == sorted(CASES) and all(len(s) == 1 and s[0] > 0 for s in seconds.values())
+    topology.Free()

@@ -151,3 +151,11 @@ def test_copy_bytes_across_libraries():
         copy_bytes(back, src)
     with pytest.raises(ValueError, match="C-contiguous"):
         copy_bytes(np.zeros((3, 3))[:, 0], np.zeros(3))
+
+
+def test_the_staging_benchmark_has_help(capsys):
+    from mpiopt.bench.staging import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0 and "--chunk" in capsys.readouterr().out
