@@ -207,6 +207,9 @@ def staged_call(
     size = nbytes(buffers[0][0])
     if any(nbytes(buf) != size for buf, _, _ in buffers):
         raise ValueError(f"staged buffers must have equal sizes, got {[nbytes(buf) for buf, _, _ in buffers]} bytes")
+    kinds = {type(buf).__name__ for buf, _, _ in buffers}
+    if is_gpu_array(buffers[0][0]) and len(kinds) > 1:
+        raise ValueError(f"staged GPU buffers of one call must come from one library, got {', '.join(sorted(kinds))}")
     dtype = _dtype(buffers[0][0])
     ranges = chunk_ranges(size, chunk, dtype.itemsize)
     devices = [byte_view(buf) for buf, _, _ in buffers]

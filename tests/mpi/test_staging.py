@@ -119,3 +119,52 @@ def test_the_staging_benchmark_dry_run():
     seconds = measure(topology, 40_000, 4096, 1, "cpu", "torch")
     assert sorted(seconds) == sorted(CASES) and all(len(s) == 1 and s[0] > 0 for s in seconds.values())
     topology.Free()
+
+
+def _gpu_backends():
+    backends = ["torch"] if torch.cuda.is_available() else []
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            backends.append("cupy")
+    except Exception:  # noqa: BLE001 - no cupy, or no driver
+        pass
+    return backends
+
+
+@pytest.mark.skipif(not _gpu_backends(), reason="no CUDA GPU on this machine (the CUDA paths run on a GPU machine only)")
+@pytest.mark.parametrize("backend", _gpu_backends() or ["none"])
+def test_gpu_buffers_staged_in_chunks_and_at_a_world_of_one(backend):
+    def device(host):
+        if backend == "torch":
+            return torch.from_numpy(host).cuda()
+        import cupy
+
+        return cupy.asarray(host)
+
+    def host(buf):
+        return buf.cpu().numpy() if backend == "torch" else buf.get()
+
+    whole, staged = Comm(), Comm(gpu_aware=False, staging_chunk=40_000)
+    P, r = whole.size, whole.rank
+    data = rank_data(r, 123_457, np.float32)
+    expect = data.copy()
+    whole.Allreduce(expect)
+    buf = device(data / 2)
+    buf *= 2  # a kernel on the current stream writes the buffer just before it is staged
+    staged.Allreduce(buf)
+    out = device(np.zeros_like(data))
+    request = staged.Iallreduce(device(data), out=out)
+    while not request.Test():
+        pass
+    bcast = device(np.full(1000, r, np.float32))
+    staged.Bcast(bcast, root=P - 1)
+    assert host(buf).tobytes() == expect.tobytes() and host(out).tobytes() == expect.tobytes()
+    assert host(bcast).tobytes() == np.full(1000, P - 1, np.float32).tobytes()
+    alone = Comm(MPI.COMM_SELF, gpu_aware=False)
+    copied = device(np.zeros_like(data))
+    alone.Allreduce(device(data), out=copied)
+    assert host(copied).tobytes() == data.tobytes() and len(alone._staging) == 0
+    for comm in (whole, staged, alone):
+        comm.Free()
