@@ -9,6 +9,7 @@ from .abort import ABORT_ENV, OtherRankError, abort_job, abort_on_exception
 from .buffers import gpu_aware_mpi, is_gpu_array, nbytes
 from .communicator import ANY_SOURCE, ANY_TAG, MAX, MIN, SUM, Comm, Request, SetupMismatchError
 from .ledger import Ledger, OpStats
+from .staging import CHUNK_ENV as STAGING_CHUNK_ENV, GpuPath
 from .topology import GROUP_SIZE_ENV, Topology
 
 __all__ = [
@@ -31,4 +32,6 @@ __all__ = [
     "ANY_SOURCE",
     "ANY_TAG",
     "GROUP_SIZE_ENV",
+    "STAGING_CHUNK_ENV",
+    "GpuPath",
 ]

@@ -18,6 +18,9 @@ __all__ = [
     "HostStaging",
     "as_mpi_buffer",
     "tensor_array",
+    "byte_view",
+    "check_buffer",
+    "copy_bytes",
 ]
 
 GPU_AWARE_ENV = "MPIOPT_GPU_AWARE"
@@ -105,6 +108,10 @@ class HostStaging:
             have = self._slots[slot] = self._allocate(max(size, 2 * (0 if have is None else have.nbytes)))
         return have[:size]
 
+    def __len__(self) -> int:
+        """The number of slots allocated."""
+        return len(self._slots)
+
     @staticmethod
     def _allocate(size: int) -> np.ndarray:
         try:
@@ -153,6 +160,57 @@ def torch_numpy_dtype(tensor: Any) -> np.dtype:
         return torch.empty(0, dtype=tensor.dtype).numpy().dtype
     except TypeError:
         raise TypeError(f"torch dtype {tensor.dtype} has no MPI/numpy equivalent; cast to float32 first") from None
+
+
+def byte_view(buf: Any) -> Any:
+    """A flat uint8 view of a contiguous buffer in its own library (numpy, torch or cupy): no copy."""
+    check_buffer(buf)
+    if _is_torch(buf):
+        import torch
+
+        return buf.detach().reshape(-1).view(torch.uint8)
+    if isinstance(buf, np.ndarray):
+        return buf.reshape(-1).view(np.uint8)
+    import cupy
+
+    return cupy.asarray(buf).reshape(-1).view(cupy.uint8)
+
+
+def copy_bytes(dst: Any, src: Any, count: Optional[int] = None) -> None:
+    """Copy the first ``count`` bytes of ``src`` (all by default) to the start of ``dst``; on the device, in stream order, for GPU arrays."""
+    count = nbytes(src) if count is None else count
+    if count > nbytes(dst):
+        raise ValueError(f"cannot copy {count} bytes into a buffer of {nbytes(dst)}")
+    to, of = byte_view(dst)[:count], byte_view(src)[:count]
+    if _is_torch(to) or _is_torch(of):
+        import torch
+
+        def tensor(x: Any) -> Any:
+            return x if _is_torch(x) else torch.as_tensor(x, device="cuda" if is_gpu_array(x) else "cpu")
+
+        tensor(to).copy_(tensor(of))
+    elif is_gpu_array(to) and isinstance(of, np.ndarray):
+        to.set(of)
+    elif is_gpu_array(to):
+        to[...] = of
+    elif is_gpu_array(of):
+        of.get(out=to)
+    else:
+        np.copyto(to, of)
+
+
+def check_buffer(buf: Any) -> None:
+    """Raise unless ``buf`` is a C-contiguous numpy/cupy array or torch tensor (TypeError, ValueError)."""
+    if isinstance(buf, np.ndarray):
+        ok = buf.flags.c_contiguous
+    elif _is_torch(buf):
+        ok = buf.is_contiguous()
+    elif is_gpu_array(buf):
+        ok = _cupy_contiguous(buf)
+    else:
+        raise TypeError(f"buffer must be a numpy/cupy array or a torch tensor, got {type(buf).__name__}")
+    if not ok:
+        raise ValueError(f"buffer must be C-contiguous, got a strided {type(buf).__name__} (its result would be lost in a copy)")
 
 
 def as_mpi_buffer(

@@ -7,6 +7,7 @@ torch or cupy (:mod:`.buffers`); collective decisions: :mod:`.decisions`.
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -15,9 +16,10 @@ import numpy as np
 from mpi4py import MPI
 
 from .decisions import MISSING, Decisions, Failure, first_failure, SetupMismatchError, differing_lines, plain, raise_own_or_name_them
-from .buffers import HostStaging, as_mpi_buffer, gpu_aware_mpi, nbytes
+from .buffers import HostStaging, as_mpi_buffer, check_buffer, copy_bytes, gpu_aware_mpi, nbytes
+from .staging import CHUNK_ENV, GpuPath, gpu_path, staged, staged_call, staging_chunk_bytes
 from .ledger import Ledger
-from .waiting import Backoff, auto_wait_policy, check_wait_policy
+from .waiting import Backoff, check_wait_policy, wait_policy_here
 
 __all__ = ["Comm", "Request", "SetupMismatchError", "Failure", "ELECTION_BYTES", "raise_own_or_name_them", "MISSING", "plain", "differing_lines", "SUM", "MAX", "MIN", "ANY_SOURCE", "ANY_TAG"]
 
@@ -120,6 +122,14 @@ class Comm(Decisions):
         ``MPIOPT_WAIT_POLICY``, else ``"auto"``.  Checked collectively and
         resolved at construction; sub-communicators inherit the choice.
 
+    staging_chunk : int or str, optional
+        Bytes per chunk of a GPU buffer staged through host memory (``"8M"``
+        = 8 MiB); default ``MPIOPT_STAGING_CHUNK``, else 8 MiB.  The same on
+        every rank (checked).  See :mod:`mpiopt.comm.staging`.
+    stage_host : bool
+        Stage numpy and torch CPU buffers as if they were GPU buffers (the
+        CPU tests and dry runs of the staged path).
+
     Attributes
     ----------
     wait_policy : str
@@ -135,6 +145,8 @@ class Comm(Decisions):
         gpu_aware: Optional[bool] = None,
         dup: bool = True,
         wait_policy: Optional[str] = None,
+        staging_chunk: Any = None,
+        stage_host: bool = False,
     ) -> None:
         base = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(base, MPI.Intracomm):
@@ -142,9 +154,13 @@ class Comm(Decisions):
         self._comm = base.Dup() if dup else base
         self.name = name
         try:
-            self.wait_policy = self.decide(lambda: check_wait_policy(wait_policy), "wait policy", error=first_failure(ValueError))
+            asked_chunk = staging_chunk if staging_chunk is not None else os.environ.get(CHUNK_ENV)
+            self.wait_policy, (self.staging_chunk, self._chunk_reason) = self.decide(
+                lambda: (check_wait_policy(wait_policy), staging_chunk_bytes(staging_chunk)), "communication settings",
+                error=first_failure(ValueError), agree_on={"staging_chunk": asked_chunk},
+            )
             if self.wait_policy == "auto":
-                self.wait_policy = self._auto_wait_policy()
+                self.wait_policy = wait_policy_here(self._comm)
             self._passive = self.wait_policy == "passive"
         except ValueError:
             if dup:
@@ -153,24 +169,10 @@ class Comm(Decisions):
         self.ledger = Ledger() if ledger is None else ledger
         self.gpu_aware, self.gpu_aware_reason = gpu_aware_mpi(gpu_aware)
         self._staging = HostStaging()
+        self._stage_host = bool(stage_host)
         # Nonblocking calls in flight at once need their own staging buffers:
         # lane n of an operation is busy from posting until completion.
         self._busy_lanes: Dict[str, Set[int]] = {}
-
-    def _auto_wait_policy(self) -> str:
-        """The ``auto`` wait policy's choice for this rank (a collective call: host names and a shared-memory split).
-
-        Ranks with this rank's host name share its CPUs; their bytes cross a
-        network where some rank is on another host, or where the MPI library
-        puts fewer of them in one shared-memory group than share the host
-        (MPICH's ``MPIR_CVAR_NOLOCAL`` does).
-        """
-        hosts = self._comm.allgather(MPI.Get_processor_name())
-        node = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self._comm.Get_rank())
-        shared = node.Get_size()
-        node.Free()
-        here = hosts.count(hosts[self._comm.Get_rank()])
-        return auto_wait_policy(here, crosses_network=len(set(hosts)) > 1 or shared < here)
 
     # -- identity --------------------------------------------------------------
     @property
@@ -216,7 +218,14 @@ class Comm(Decisions):
 
     def _sub(self, raw: MPI.Intracomm, name: str) -> "Comm":
         """A new communicator of some of our ranks, sharing our ledger and settings."""
-        return Comm(raw, name=name, ledger=self.ledger, gpu_aware=self.gpu_aware, dup=False, wait_policy=self.wait_policy)
+        return Comm(
+            raw, name=name, ledger=self.ledger, gpu_aware=self.gpu_aware, dup=False, wait_policy=self.wait_policy,
+            staging_chunk=self.staging_chunk, stage_host=self._stage_host,
+        )
+
+    def gpu_path(self) -> GpuPath:
+        """How GPU buffers travel on this communicator (world of one, CUDA-aware, staged in chunks) and why."""
+        return gpu_path(self.size, self.gpu_aware, self.gpu_aware_reason, self.staging_chunk, self._chunk_reason)
 
     # -- the shared code path ------------------------------------------------------
     def _run(
@@ -227,32 +236,52 @@ class Comm(Decisions):
         call: Callable[..., Any],
         buffers: Sequence[Tuple[Any, bool, bool]],
         nonblocking: bool = False,
+        *,
+        local: Optional[Callable[..., None]] = None,
+        chunked: Optional[Callable[..., MPI.Request]] = None,
     ) -> Any:
         """Stage ``buffers`` (``(buf, read, write)`` triples), run ``call`` on them, record.
 
         For nonblocking calls ``call`` returns an ``MPI.Request`` and a
-        :class:`Request` is returned whose completion records the time.
+        :class:`Request` is returned whose completion records the time.  At a
+        world of one, ``local(*buffers)`` does a collective's work instead (a
+        copy on the buffers' device, or nothing): no MPI call, no staging.
+        ``chunked(*host_chunks)`` starts the call on one chunk (a nonblocking
+        MPI call): staged buffers then go in pipelined chunks (:mod:`.staging`).
         """
         started = time.perf_counter()
-        busy = self._busy_lanes.setdefault(op, set())
-        lane = min(set(range(len(busy) + 1)) - busy) if nonblocking else 0
-        if nonblocking:
-            busy.add(lane)
-        mpi_bufs, writebacks = [], []
-        for i, (buf, read, write) in enumerate(buffers):
-            mpi_buf, writeback = as_mpi_buffer(
-                buf, gpu_aware=self.gpu_aware, staging=self._staging, slot=f"{op}:{lane}:{i}", read=read, write=write
-            )
-            mpi_bufs.append(mpi_buf)
-            if writeback is not None:
-                writebacks.append(writeback)
+        writebacks: List[Callable[[], None]] = []
+        release: Callable[[], None] = lambda: None
+        if self.size == 1 and local is not None:
+            for buf, _, _ in buffers:
+                check_buffer(buf)  # the errors MPI's path gives
+            local(*(buf for buf, _, _ in buffers))
+            result = MPI.REQUEST_NULL if nonblocking else None
+        else:
+            busy = self._busy_lanes.setdefault(op, set())
+            lane = min(set(range(len(busy) + 1)) - busy) if nonblocking else 0
+            if nonblocking:
+                busy.add(lane)
+                release = lambda: busy.discard(lane)  # noqa: E731
+            slots = [f"{op}:{lane}:{i}" for i in range(len(buffers))]
+            if chunked is not None and staged(buffers, self.gpu_aware, self._stage_host):
+                result = staged_call(buffers, chunked, self._staging, slots, self.staging_chunk)
+                if not nonblocking:
+                    result = result.Wait()
+            else:
+                mpi_bufs = []
+                for slot, (buf, read, write) in zip(slots, buffers):
+                    mpi_buf, writeback = as_mpi_buffer(
+                        buf, gpu_aware=self.gpu_aware, staging=self._staging, slot=slot, read=read, write=write
+                    )
+                    mpi_bufs.append(mpi_buf)
+                    if writeback is not None:
+                        writebacks.append(writeback)
+                result = call(*mpi_bufs)
         name = f"{self.name}.{op}"
-        result = call(*mpi_bufs)
         if nonblocking:
             self.ledger.record(name, sent, recv)
-            return Request(
-                self.ledger, name, result, writebacks, started, lambda: busy.discard(lane), passive=self._passive
-            )
+            return Request(self.ledger, name, result, writebacks, started, release, passive=self._passive)
         for writeback in writebacks:
             writeback()
         ended = time.perf_counter()
@@ -270,11 +299,18 @@ class Comm(Decisions):
         n = self._others(nbytes(buf))
         fn = self._comm.Iallreduce if nonblocking else self._comm.Allreduce
         name = "Iallreduce" if nonblocking else "Allreduce"
+        chunk = self._comm.Iallreduce
         if out is None:
-            return self._run(name, n, n, lambda b: fn(MPI.IN_PLACE, b, op), [(buf, True, True)], nonblocking)
+            return self._run(
+                name, n, n, lambda b: fn(MPI.IN_PLACE, b, op), [(buf, True, True)], nonblocking,
+                local=lambda b: None, chunked=lambda b: chunk(MPI.IN_PLACE, b, op),
+            )
         if nbytes(out) != nbytes(buf):
             raise ValueError(f"out has {nbytes(out)} bytes, buf has {nbytes(buf)}: they must match")
-        return self._run(name, n, n, lambda b, o: fn(b, o, op), [(buf, True, False), (out, False, True)], nonblocking)
+        return self._run(
+            name, n, n, lambda b, o: fn(b, o, op), [(buf, True, False), (out, False, True)], nonblocking,
+            local=lambda b, o: copy_bytes(o, b), chunked=lambda b, o: chunk(b, o, op),
+        )
 
     def Allreduce(self, buf: Any, out: Optional[Any] = None, op: MPI.Op = SUM) -> None:
         """Reduce ``buf`` over all ranks into ``out`` (in place when ``out`` is None)."""
@@ -293,6 +329,7 @@ class Comm(Decisions):
         self._run(
             "Reduce_scatter", others, others,
             lambda s, r: self._comm.Reduce_scatter_block(s, r, op), [(sendbuf, True, False), (recvbuf, False, True)],
+            local=lambda s, r: copy_bytes(r, s),
         )
 
     def elect_min(self, value: float) -> Tuple[float, int]:
@@ -305,7 +342,7 @@ class Comm(Decisions):
         pair["value"] = np.inf if np.isnan(value) else value
         pair["rank"] = self.rank
         n = self._others(pair.nbytes)
-        self._run("elect_min", n, n, lambda b: self._comm.Allreduce(MPI.IN_PLACE, [b, MPI.DOUBLE_INT], MPI.MINLOC), [(pair, True, True)])
+        self._run("elect_min", n, n, lambda b: self._comm.Allreduce(MPI.IN_PLACE, [b, MPI.DOUBLE_INT], MPI.MINLOC), [(pair, True, True)], local=lambda b: None)
         return float(pair["value"][0]), int(pair["rank"][0])
 
     # -- gathers and scatters -----------------------------------------------------------------
@@ -315,7 +352,7 @@ class Comm(Decisions):
             raise ValueError(f"recvbuf has {nbytes(recvbuf)} bytes; expected size x sendbuf = {s * self.size}")
         fn, name = (self._comm.Iallgather, "Iallgather") if nonblocking else (self._comm.Allgather, "Allgather")
         buffers = [(sendbuf, True, False), (recvbuf, False, True)]
-        return self._run(name, self._others(s), s * (self.size - 1), fn, buffers, nonblocking)
+        return self._run(name, self._others(s), s * (self.size - 1), fn, buffers, nonblocking, local=lambda s, r: copy_bytes(r, s))
 
     def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
         """Gather every rank's ``sendbuf`` into ``recvbuf`` (``size`` blocks, rank order)."""
@@ -340,6 +377,7 @@ class Comm(Decisions):
         self._run(
             "Allgatherv", sent, recv,
             lambda s, r: self._comm.Allgatherv(s, [r, counts]), [(sendbuf, True, False), (recvbuf, False, True)],
+            local=lambda s, r: copy_bytes(r, s),
         )
 
     def _alltoall(self, sendbuf: Any, recvbuf: Any, nonblocking: bool) -> Any:
@@ -349,7 +387,8 @@ class Comm(Decisions):
             )
         others = nbytes(sendbuf) // self.size * (self.size - 1)
         fn, name = (self._comm.Ialltoall, "Ialltoall") if nonblocking else (self._comm.Alltoall, "Alltoall")
-        return self._run(name, others, others, fn, [(sendbuf, True, False), (recvbuf, False, True)], nonblocking)
+        buffers = [(sendbuf, True, False), (recvbuf, False, True)]
+        return self._run(name, others, others, fn, buffers, nonblocking, local=lambda s, r: copy_bytes(r, s))
 
     def Alltoall(self, sendbuf: Any, recvbuf: Any) -> None:
         """Send block ``j`` of ``sendbuf`` to rank ``j``; receive rank ``j``'s block ``rank`` into block ``j``."""
@@ -370,6 +409,7 @@ class Comm(Decisions):
         self._run(
             "Alltoallv", sent, recv,
             lambda s, r: self._comm.Alltoallv([s, sendcounts], [r, recvcounts]), [(sendbuf, True, False), (recvbuf, False, True)],
+            local=lambda s, r: copy_bytes(r, s, sendcounts[0] * item),
         )
 
     def Bcast(self, buf: Any, root: int = 0) -> None:
@@ -377,11 +417,14 @@ class Comm(Decisions):
         self._check_rank(root, "root")
         n = self._others(nbytes(buf))
         is_root = self.rank == root
-        self._run("Bcast", n if is_root else 0, 0 if is_root else n, lambda b: self._comm.Bcast(b, root), [(buf, is_root, not is_root)])
+        self._run(
+            "Bcast", n if is_root else 0, 0 if is_root else n, lambda b: self._comm.Bcast(b, root), [(buf, is_root, not is_root)],
+            local=lambda b: None, chunked=lambda b: self._comm.Ibcast(b, root),
+        )
 
     def Barrier(self) -> None:
         """Wait for every rank."""
-        self._run("Barrier", 0, 0, self._comm.Barrier, [])
+        self._run("Barrier", 0, 0, self._comm.Barrier, [], local=lambda: None)
 
     # -- point to point -----------------------------------------------------------------------
     def Send(self, buf: Any, dest: int, tag: int = 0) -> None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
-__all__ = ["WAIT_POLICY_ENV", "WAIT_POLICIES", "Backoff", "check_wait_policy", "auto_wait_policy", "network_only"]
+__all__ = ["WAIT_POLICY_ENV", "WAIT_POLICIES", "Backoff", "check_wait_policy", "auto_wait_policy", "wait_policy_here", "network_only"]
 
 #: Environment variable giving the wait policy when ``Comm`` gets none.
 WAIT_POLICY_ENV = "MPIOPT_WAIT_POLICY"
@@ -73,3 +73,21 @@ def auto_wait_policy(node_ranks: int, crosses_network: bool, cpus: Optional[int]
     """``"passive"`` when ``node_ranks`` outnumber the node's ``cpus`` and the bytes cross a network; else ``"active"``."""
     cpus = (os.cpu_count() or 1) if cpus is None else cpus
     return "passive" if node_ranks > cpus and (crosses_network or network_only()) else "active"
+
+
+def wait_policy_here(comm: Any) -> str:
+    """The ``auto`` wait policy's choice for this rank of mpi4py ``comm`` (a collective call: host names and a shared-memory split).
+
+    Ranks with this rank's host name share its CPUs; their bytes cross a
+    network where some rank is on another host, or where the MPI library
+    puts fewer of them in one shared-memory group than share the host
+    (MPICH's ``MPIR_CVAR_NOLOCAL`` does).
+    """
+    from mpi4py import MPI
+
+    hosts = comm.allgather(MPI.Get_processor_name())
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    shared = node.Get_size()
+    node.Free()
+    here = hosts.count(hosts[comm.Get_rank()])
+    return auto_wait_policy(here, crosses_network=len(set(hosts)) > 1 or shared < here)
