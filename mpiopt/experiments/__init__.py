@@ -37,6 +37,7 @@ EXPERIMENTS: Dict[str, Experiment] = {
     "topk": Experiment("topk", 2, "Top-k vs RegTop-k on the paper's distributed linear regression and on digits at density 0.01"),
     "async": Experiment("asynchronous", 4, "Async-MSGD delay x momentum grid on streaming PCA; sgd / async_msgd / async_lsgd on digits with one slowed rank"),
     "diloco": Experiment("diloco", 4, "DiLoCo's H sweep at 2 and 4 ranks (loss against bytes) vs sgd, dasgd, lsgd, easgd; Streaming DiLoCo's peak bytes"),
+    "codecs": Experiment("codecs", 4, "diloco with each codec and sparseloco on the GPT text task: test loss against bytes sent, vs data-parallel"),
 }
 
 

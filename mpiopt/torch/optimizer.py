@@ -154,7 +154,8 @@ class DistributedOptimizer(GroupsMixin, torch.optim.Optimizer):
             self.algorithm.use_groups(self._group_slices())
         world = self.topology.world
         world.agree(
-            {"algorithm": algorithm, "shapes": [list(p.shape) for p in self._params], "dtype": str(self._flat_params.dtype)},
+            {"algorithm": algorithm, "shapes": [list(p.shape) for p in self._params], "dtype": str(self._flat_params.dtype),
+             "device": self._flat_params.device.type},  # a staged GPU buffer is other MPI calls than a host one
             what="model passed to DistributedOptimizer",
         )
         world.Bcast(self._flat_params, root=0)
