@@ -38,7 +38,7 @@ from ..training.config import UsageError
 #: The subcommands; each is the module of mpiopt.bench of that name ("-" for "_"), whose docstring's first line is its help.
 BENCHMARKS = (
     "collectives", "algorithms", "ddp", "compressed", "averaging", "kernels", "torch-overhead", "update", "regtopk",
-    "tradeoff", "model", "staging",
+    "tradeoff", "model", "staging", "codecs",
 )
 
 _LAUNCHER_ENV = ("PMI_", "PMIX_", "MPIR_CVAR_", "HYDRA_", "OMPI_")
