@@ -1,4 +1,4 @@
-"""The ``codec`` hyperparameter of diloco: ``codec="none"`` is today's
+"""The ``codec`` hyperparameter of diloco, streaming_diloco, dasgd, easgd and sgd: ``codec="none"`` is today's
 algorithm bit for bit, the plan's bytes are the ledger's for every codec, shared values stay the same on every
 rank, a resume with error feedback in flight is bitwise, and bad settings are refused before any communication."""
 
@@ -21,14 +21,22 @@ pytestmark = pytest.mark.mpi
 
 D = 1001
 ALGORITHMS = {
+    "sgd": dict(lr=0.05, momentum=0.9),
+    "easgd": dict(lr=0.05, period=3, momentum=0.9),
+    "dasgd": dict(lr=0.05, period=4, delay_steps=2),
     "diloco": dict(lr=0.05, period=3, momentum=0.9),
+    "streaming_diloco": dict(lr=0.05, period=4, fragments=2, overlap_steps=1),
 }
 # Small chunks, so that d = 1001 makes many of them and a ragged last one.
 CODEC_SETTINGS = {name: ({"codec_chunk": 64} if "chunk" in CODECS[name].defaults else {}) for name in CODECS if name != "none"}
 CODEC_SETTINGS["topk"] = {"codec_chunk": 64, "codec_k": 5, "codec_bits": 3}
 # sha256 (first 16 hex digits) of each rank's parameters after 10 steps at 2 ranks, d = 257, from the code before
 # codecs existed (commit f8936d4): codec="none" must give these bits.
-TODAY = {"diloco": ["4b05d11b910210ed", "38750ce97eae642e"]}
+TODAY = {
+    "sgd": ["d7fcae776c35263a", "c93a76730eddd5fa"], "easgd": ["ee8128f52b3446fa", "e301071471f14e94"],
+    "dasgd": ["ebb550b0d667b8ff", "ccc15157108dc0f0"], "diloco": ["4b05d11b910210ed", "38750ce97eae642e"],
+    "streaming_diloco": ["02f6b5abcdb5d602", "129ad602c5566ed5"],
+}
 
 
 def _run(topology, name, hyper, d, steps, seed=2, same_start=False):
@@ -75,14 +83,15 @@ def test_plan_bytes_equal_the_ledger_for_every_codec(name, codec):
         assert expected["recv"] * P * steps == pytest.approx(recv, rel=1e-12, abs=1e-9)
         if P > 1:  # Allgather: each rank sends its payload once and receives the P - 1 others
             assert delta.bytes_recv == (P - 1) * delta.bytes_sent
-            calls = delta["world.Allgather"].calls  # one payload of d entries per exchange
-            codec_object = CODECS[codec](**{k[6:]: v for k, v in CODEC_SETTINGS[codec].items()})
-            assert calls > 0 and delta.bytes_sent == calls * codec_object.payload_nbytes(D)
+            if name != "streaming_diloco":  # one payload of d entries per exchange
+                calls = delta[f"world.{'Iallgather' if name == 'dasgd' else 'Allgather'}"].calls
+                codec_object = CODECS[codec](**{k[6:]: v for k, v in CODEC_SETTINGS[codec].items()})
+                assert calls > 0 and delta.bytes_sent == calls * codec_object.payload_nbytes(D)
     finally:
         topology.Free()
 
 
-SHARED = {"diloco": "theta_start"}
+SHARED = {"diloco": "theta_start", "streaming_diloco": "theta_start", "easgd": "center", "dasgd": "last_average"}
 
 
 @pytest.mark.parametrize("codec", ["int8", "topk"])
@@ -90,7 +99,7 @@ SHARED = {"diloco": "theta_start"}
 def test_what_was_the_same_on_every_rank_stays_so(topology, name, codec):
     alg, params = _run(topology, name, {**ALGORITHMS[name], "codec": codec, **CODEC_SETTINGS[codec]}, D, 9, same_start=True)
     alg.finish(params)
-    shared = getattr(alg, SHARED[name])
+    shared = params if name in ("sgd", "diloco") else getattr(alg, SHARED[name])
     everyone = topology.world.allgather_obj(hashlib.sha256(np.ascontiguousarray(shared).tobytes()).hexdigest())
     assert len(set(everyone)) == 1
     residual = alg.codec_residual
@@ -130,7 +139,10 @@ def _resume_bitwise(topology, name, hyper, split, steps, through=None):
 
 RESUMES = [
     ("diloco", "topk", 4, 9),  # the residual of the outer step after step 3 is carried over the save after step 4
-    ("diloco", "int8", 7, 10),
+    ("streaming_diloco", "fp4", 6, 11),  # fragment 1's exchange, started after step 6, merges after step 7
+    ("dasgd", "int4", 5, 10),  # the averaging started after step 4 merges after step 6
+    ("easgd", "sign", 4, 9),
+    ("sgd", "bf16", 3, 7),
 ]
 
 
@@ -162,6 +174,10 @@ def test_resume_with_error_feedback_in_flight_is_bitwise(topology, name, codec, 
             shutil.rmtree(directory, ignore_errors=True)
     residual = state["arrays"]["codec_residual"]
     assert residual is not None and residual.any()  # error feedback was in flight at the save
+    if name == "dasgd":
+        assert state["scalars"]["merge_step"] == 6 and state["arrays"]["pending_sum"] is not None
+    if name == "streaming_diloco":
+        assert state["arrays"]["merge_steps"].any() and state["arrays"]["pending_sum"] is not None
 
 
 def test_the_saved_residual_is_the_one_in_flight(topology):
@@ -206,7 +222,7 @@ def test_a_bad_codec_is_refused_on_every_rank_before_any_communication(topology,
 def test_a_state_saved_before_codecs_existed_still_loads(topology, name):
     alg, params = _run(topology, name, ALGORITHMS[name], D, 5)
     state = alg.state_dict()
-    old = {**state, "arrays": {k: v for k, v in state["arrays"].items() if k != "codec_residual"}}
+    old = {**state, "arrays": {k: v for k, v in state["arrays"].items() if k not in ("codec_residual", "last_average")}}
     fresh = mpiopt.create(name, topology, **ALGORITHMS[name])
     fresh.setup(params.copy())
     fresh.load_state_dict(old)
