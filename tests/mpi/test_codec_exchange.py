@@ -27,6 +27,7 @@ ALGORITHMS = {
     "diloco": dict(lr=0.05, period=3, momentum=0.9),
     "streaming_diloco": dict(lr=0.05, period=4, fragments=2, overlap_steps=1),
 }
+SPARSELOCO = dict(lr=0.05, period=3, momentum=0.9)
 # Small chunks, so that d = 1001 makes many of them and a ragged last one.
 CODEC_SETTINGS = {name: ({"codec_chunk": 64} if "chunk" in CODECS[name].defaults else {}) for name in CODECS if name != "none"}
 CODEC_SETTINGS["topk"] = {"codec_chunk": 64, "codec_k": 5, "codec_bits": 3}
@@ -143,6 +144,8 @@ RESUMES = [
     ("dasgd", "int4", 5, 10),  # the averaging started after step 4 merges after step 6
     ("easgd", "sign", 4, 9),
     ("sgd", "bf16", 3, 7),
+    ("sparseloco", "topk", 4, 9),
+    ("sparseloco", "int8", 7, 10),
 ]
 
 
@@ -164,7 +167,7 @@ def _through_a_checkpoint(topology):
 @pytest.mark.parametrize("file", [False, True], ids=["state_dict", "hdf5"])
 @pytest.mark.parametrize("name, codec, split, steps", RESUMES, ids=lambda v: str(v))
 def test_resume_with_error_feedback_in_flight_is_bitwise(topology, name, codec, split, steps, file):
-    hyper = {**ALGORITHMS[name], "codec": codec, **CODEC_SETTINGS[codec]}
+    hyper = {**ALGORITHMS.get(name, SPARSELOCO), "codec": codec, **CODEC_SETTINGS[codec]}
     through, directory = _through_a_checkpoint(topology) if file else (None, None)
     try:
         state = _resume_bitwise(topology, name, hyper, split, steps, through)
@@ -216,6 +219,45 @@ def test_a_bad_codec_is_refused_on_every_rank_before_any_communication(topology,
         mpiopt.create(name, topology, **ALGORITHMS[name], **settings)
     assert topology.ledger.total().calls == 0  # refused in the constructor: nothing was sent
     assert len(set(MPI.COMM_WORLD.allgather(str(caught.value)))) == 1
+
+
+def test_torch_state_dict_keeps_the_residual_and_torch_load_reads_it(topology):
+    """DistributedOptimizer.state_dict() with sparseloco and AdamW: the accumulator is a CPU tensor that
+    ``torch.load``'s default reads, and a fresh optimizer given it continues bitwise."""
+    torch = pytest.importorskip("torch")
+    import io
+
+    from mpiopt.torch import DistributedOptimizer
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(40, 30)
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+        return model, DistributedOptimizer(model.parameters(), "sparseloco", topology=topology, inner=inner, period=2,
+                                           codec_chunk=64, codec_k=6)
+
+    def steps(model, opt, first, last):
+        for t in range(first, last):
+            x = torch.randn(8, 40, generator=torch.Generator().manual_seed(100 * topology.rank + t))
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+
+    model, opt = make()
+    steps(model, opt, 0, 3)  # an outer step after step 2, a local step after it
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    steps(model, opt, 3, 7)
+    buffer.seek(0)
+    saved = torch.load(buffer)  # the default: weights_only where torch has it
+    residual = saved["opt"]["mpiopt"]["algorithm"]["arrays"]["codec_residual"]
+    fresh_model, fresh = make()
+    fresh_model.load_state_dict(saved["model"])
+    fresh.load_state_dict(saved["opt"])
+    steps(fresh_model, fresh, 3, 7)
+    for p, q in zip(model.parameters(), fresh_model.parameters()):
+        assert torch.equal(p, q)
+    assert isinstance(residual, torch.Tensor) and residual.abs().sum() > 0
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)

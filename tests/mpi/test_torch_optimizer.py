@@ -38,6 +38,7 @@ RESUMED = {
     "regtopk": dict(lr=0.05, density=0.2, momentum=0.5),
     "diloco": dict(lr=0.05, period=4, momentum=0.5, codec="topk", codec_chunk=16, codec_k=4),
     "streaming_diloco": dict(lr=0.05, period=6, fragments=2, overlap_steps=2, momentum=0.5, codec="sign", codec_chunk=16),
+    "sparseloco": dict(lr=0.05, period=4, momentum=0.5, codec_chunk=16, codec_k=4),
 }
 SAVE_AFTER, STEPS = 6, 12
 

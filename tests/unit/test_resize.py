@@ -190,6 +190,7 @@ SETTINGS = {
     "easgd": {"period": 2}, "lsgd": {"period": 1, "global_period": 2, "proximal": 0.1}, "dasgd": {"period": 2, "delay_steps": 1},
     "diloco": {"period": 3, "momentum": 0.9},
     "streaming_diloco": {"period": 4, "fragments": 2, "overlap_steps": 1, "momentum": 0.9},
+    "sparseloco": {"period": 3, "momentum": 0.9, "codec_chunk": 4, "codec_k": 1},
 }
 
 
@@ -230,7 +231,7 @@ def test_real_states_moved_by_the_rule_load_into_the_algorithm(topology, name, s
     fresh.finish(np.zeros(D, dtype=np.float32))
 
 
-@pytest.mark.parametrize("name", ["sgd", "easgd", "dasgd", "diloco", "streaming_diloco"])
+@pytest.mark.parametrize("name", ["sgd", "easgd", "dasgd", "diloco", "streaming_diloco", "sparseloco"])
 @pytest.mark.parametrize("old,new", [(2, 4), (4, 2), (3, 5), (4, 1)])
 def test_codec_residuals_move_as_their_mean_so_what_is_owed_is_kept(name, old, new):
     """Each exchange delivers the ranks' mean: the residuals owe (1/P) sum e, which each new rank taking the mean keeps."""
