@@ -15,6 +15,7 @@ from ..comm import Topology
 from ..comm.ledger import Call
 from ..kernels.update import MERGE_RULES, Merge, merge_average
 from .base import BASE, SynchronousAlgorithm
+from .compressed import CODEC, FEEDBACK, RESIDUAL, SHARED, Compressed
 from .inflight import PROGRESS, InFlight, PendingBuffer, check_progress
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .schema import Hyperparameter, Schema, choice, in_range, positive
@@ -25,14 +26,17 @@ __all__ = ["DaSGD"]
 
 
 @register
-class DaSGD(LocalStepState, SynchronousAlgorithm):
+class DaSGD(Compressed, LocalStepState, SynchronousAlgorithm):
     """Delayed-averaging SGD (Zhou et al. 2020) over ``topology.world``.
 
     Notes
     -----
     :meth:`state_dict` completes an average in flight (``Wait``) but keeps it
     unmerged in the state, so a run resumed from it merges at the same step
-    and continues bit for bit.  :meth:`finish` merges it at once.
+    and continues bit for bit.  :meth:`finish` merges it at once.  With a
+    ``codec`` the ranks send ``w_k - last_average`` (the last merged average,
+    the same on every rank) and the new average is ``last_average`` plus the
+    decoded mean difference.
     """
 
     name = "dasgd"
@@ -45,15 +49,19 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
         Hyperparameter("delay_steps", 1, positive(allow_zero=True, integer=True), "steps an averaging stays in flight, < period"),
         Hyperparameter("merge", "delayed", choice(*MERGE_RULES), "how the late average is merged into the parameters"),
         Hyperparameter("update_proportion", 0.25, in_range(0.0, 1.0), "merge='proportion': the weight of the local progress"),
-    ) + PROGRESS + LOCAL_SGD.with_defaults(momentum=0.9, weight_decay=0.01)
+    ) + CODEC + FEEDBACK + PROGRESS + LOCAL_SGD.with_defaults(momentum=0.9, weight_decay=0.01)
     evaluates = "average"
     fused_gradient_check = True
-    state_arrays = ("momentum_buffer", "pending_snapshot", "pending_sum")
+    state_arrays = ("momentum_buffer", "pending_snapshot", "pending_sum", "last_average", "codec_residual")
     state_scalars = ("merge_step",)
     # The merge divides pending_sum by M and must find the old ranks' average; an averaging in flight is merged at
-    # its step, each new rank adding its own progress since its snapshot.
-    resize_rules = {"momentum_buffer": FOLLOW, "pending_snapshot": FOLLOW, "pending_sum": RESCALE, "merge_step": COPY}
-    wire_summary = "4d every `period` steps, hidden"
+    # its step, each new rank adding its own progress since its snapshot.  A codec's pending_sum is the sum of the
+    # decoded differences (rescaled alike), last_average the same on every rank, the residuals owed to the mean.
+    resize_rules = {
+        "momentum_buffer": FOLLOW, "pending_snapshot": FOLLOW, "pending_sum": RESCALE, "merge_step": COPY,
+        "last_average": SHARED, "codec_residual": RESIDUAL,
+    }
+    wire_summary = "4d every `period` steps, hidden (a codec: its payload of w_k - last average, all-gathered)"
     update_goal = 1.5
 
     periodic_allreduce = "period"
@@ -62,7 +70,9 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
     def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
         # The periodic Allreduce, nonblocking: in flight across delay_steps steps.
         calls = super()._plan(d, ranks, hyper, groups, steps, itemsize)
-        return [replace(call, op="iallreduce", overlap_steps=int(hyper["delay_steps"])) for call in calls]
+        calls = [replace(call, op="iallreduce", overlap_steps=int(hyper["delay_steps"])) for call in calls]
+        coded = cls._codec_call(d, ranks, hyper, calls[0].count, overlap_steps=int(hyper["delay_steps"]))
+        return calls if coded is None else [coded]
 
     def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
         super().__init__(topology, **hyperparameters)
@@ -74,6 +84,9 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
         self._snapshot: Optional[Any] = None  # w_k, kept for the delayed rule's merge (the proportion rule needs none)
         self._sum: Optional[Any] = None  # w_k, then (in-place Iallreduce) its sum over the ranks
         self._inflight = InFlight()  # the Iallreduce started and not yet completed, and its progress thread
+        self.last_average: Optional[Any] = None  # with a codec: the last merged average (the same on every rank)
+        self._wire: Optional[Any] = None  # the codec's exchange
+        self._undecoded = False  # a codec's payloads arrived (or are arriving) and are not yet summed into _sum
 
     # -- state ---------------------------------------------------------------------------
     # momentum_buffer comes from LocalStepState; the snapshot and the received
@@ -106,6 +119,11 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
         self.local.allocate(params)
         self._snapshot = empty_apart(params) if self.merge == "delayed" else None
         self._sum = empty_apart(params)
+        self._wire = self._allocate_codec(params)
+        if self._wire is not None:  # the first differences are to the ranks' mean: never raw parameters on the wire
+            self.last_average = empty_apart(params)
+            self.topology.world.Allreduce(params, out=self.last_average)
+            self.last_average /= self.topology.world.size
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         step = self.steps + 1  # the base class counts the step after _step returns
@@ -139,15 +157,23 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
         parameters); the snapshot keeps ``w_k`` for the delayed rule's merge.
         """
         threaded = self.progress == "thread" and self.delay_steps
+        if self._wire is None:
+            request = self.topology.world.Iallreduce(self._sum)
+        else:
+            self._sum -= self.last_average  # w_k - last average
+            request, self._undecoded = self._wire.start(self.topology.world, self._sum, nonblocking=True), True
         self._inflight.start(
-            self.topology.world.Iallreduce(self._sum), thread_interval=self.progress_interval if threaded else None,
+            request, thread_interval=self.progress_interval if threaded else None,
             tests=self.tests_per_poke, name="dasgd-progress",
         )
         self.merge_step = step + self.delay_steps
 
     def _complete(self) -> None:
-        """Wait for the average in flight, if any (the sum stays unmerged)."""
+        """Wait for the average in flight, if any (the sum stays unmerged; a codec's payloads decoded and summed)."""
         self._inflight.complete()
+        if self._undecoded:
+            self._wire.total(out=self._sum)
+            self._undecoded = False
 
     def _merge(self, params: Any) -> None:
         """Merge the received average into ``params`` (docs/algorithms.md "DaSGD", merge rule).
@@ -161,8 +187,16 @@ class DaSGD(LocalStepState, SynchronousAlgorithm):
         self.merge_step = 0
 
     def _pending_merge(self) -> Merge:
-        """The merge of the received sum (``merge_average``'s arguments after the parameters)."""
-        return Merge(self._snapshot, self._sum, self.topology.world.size, self.merge, self.update_proportion)
+        """The merge of the received sum (``merge_average``'s arguments after the parameters).
+
+        A codec's sum of differences becomes the new average here, kept as ``last_average``: call once per merge.
+        """
+        if self._wire is None:
+            return Merge(self._snapshot, self._sum, self.topology.world.size, self.merge, self.update_proportion)
+        self._sum /= self.topology.world.size
+        self._sum += self.last_average
+        self.last_average[...] = self._sum
+        return Merge(self._snapshot, self._sum, 1, self.merge, self.update_proportion)
 
     def progress_hook(self) -> bool:
         """Poke the average in flight (``tests_per_poke`` ``Test`` calls); True when none is left in flight.

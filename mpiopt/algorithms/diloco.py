@@ -7,20 +7,22 @@ Notes: docs/algorithm-notes.md.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List, Mapping, Optional
 
 import numpy as np
 
 from ..arrays import empty_apart
 from ..comm import Topology
 from ..kernels.update import sgd_update
-from .base import BASE, SynchronousAlgorithm
+from ..comm.ledger import Call
+from .base import BASE, SynchronousAlgorithm, due_steps
+from .compressed import CODEC, FEEDBACK, RESIDUAL, Compressed
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .registry import register
 from .resize import COPY, FOLLOW
 from .schema import Hyperparameter, Schema, boolean, in_range, positive
 
-__all__ = ["DiLoCo", "outer_step"]
+__all__ = ["DiLoCo", "outer_step", "outer_update"]
 
 
 def outer_step(
@@ -30,11 +32,8 @@ def outer_step(
     """The outer step from ``theta_start`` (in place) given ``total = sum_i theta_i`` over ``size`` ranks.
 
     ``Delta = theta_start - total / size`` (``total`` becomes Delta: no
-    allocation), then ``torch.optim.SGD``'s rule with ``momentum`` (and
-    Nesterov) on ``buffer``, which starts as zeros: ``b = mu 0 + Delta`` is
-    bitwise torch's first ``b = Delta``.  ``out`` (the parameters) receives
-    the new ``theta_start`` in the same pass.  ``lr = 1, momentum = 0`` is
-    the mean itself, computed as such (exact).  Shared by ``diloco`` and
+    allocation), then :func:`outer_update`.  ``lr = 1, momentum = 0`` is the
+    mean itself, computed as such (exact).  Shared by ``diloco`` and
     ``streaming_diloco`` (there on one fragment's slices).
     """
     if lr == 1.0 and momentum == 0.0:
@@ -42,22 +41,32 @@ def outer_step(
             np.divide(total, size, out=theta_start)
         else:
             theta_start[...] = total / size
-    else:
-        total /= size
-        if isinstance(total, np.ndarray):
-            np.subtract(theta_start, total, out=total)  # Delta, in place
-        else:
-            total[...] = theta_start - total
-        sgd_update(theta_start, total, buffer, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0, work=work)
         if out is not None:
             out[...] = theta_start
         return
+    total /= size
+    if isinstance(total, np.ndarray):
+        np.subtract(theta_start, total, out=total)  # Delta, in place
+    else:
+        total[...] = theta_start - total
+    outer_update(theta_start, total, lr=lr, momentum=momentum, nesterov=nesterov, buffer=buffer, out=out, work=work)
+
+
+def outer_update(
+    theta_start: Any, delta: Any, *, lr: float, momentum: float, nesterov: bool, buffer: Optional[Any],
+    out: Optional[Any] = None, work: Optional[List[Any]] = None,
+) -> None:
+    """``torch.optim.SGD``'s rule on the mean pseudo-gradient ``delta`` from ``theta_start`` (in place; ``out`` gets a copy).
+
+    ``buffer`` (the momentum) starts as zeros: ``b = mu 0 + Delta`` is bitwise torch's first ``b = Delta``.
+    """
+    sgd_update(theta_start, delta, buffer, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0, work=work)
     if out is not None:
         out[...] = theta_start
 
 
 @register
-class DiLoCo(LocalStepState, SynchronousAlgorithm):
+class DiLoCo(Compressed, LocalStepState, SynchronousAlgorithm):
     """DiLoCo (Douillard et al. 2023): ``period`` local steps, then an outer Nesterov step on the mean pseudo-gradient.
 
     Attributes
@@ -66,6 +75,8 @@ class DiLoCo(LocalStepState, SynchronousAlgorithm):
         The parameters at the last outer step (same on every rank).
     outer_momentum_buffer : array or None
         The outer SGD's momentum buffer (same on every rank; zeros until the first outer step).
+    codec_residual : array or None
+        With a lossy ``codec``: what this rank's payloads have not carried yet (error feedback).
     """
 
     name = "diloco"
@@ -78,18 +89,26 @@ class DiLoCo(LocalStepState, SynchronousAlgorithm):
         Hyperparameter("outer_lr", 0.7, positive(), "outer SGD learning rate"),
         Hyperparameter("outer_momentum", 0.9, in_range(0.0, 1.0, high_open=True), "outer SGD momentum, in [0, 1)"),
         Hyperparameter("outer_nesterov", True, boolean(), "Nesterov outer momentum (ignored at outer_momentum 0)"),
-    ) + LOCAL_SGD
+    ) + CODEC + FEEDBACK + LOCAL_SGD
     evaluates = "average"
     fused_gradient_check = True
-    state_arrays = ("theta_start", "outer_momentum_buffer", "momentum_buffer")
+    state_arrays = ("theta_start", "outer_momentum_buffer", "momentum_buffer", "codec_residual")
     state_scalars = ("outer_steps",)
-    # theta_start and the outer momentum are the same on every rank; an inner momentum belongs to its rank's parameters.
-    resize_rules = {"theta_start": COPY, "outer_momentum_buffer": COPY, "momentum_buffer": FOLLOW, "outer_steps": COPY}
+    # theta_start and the outer momentum are the same on every rank; an inner momentum belongs to its rank's parameters;
+    # the residuals are owed to the mean: each new rank takes their mean, which keeps it (docs/codecs.md).
+    resize_rules = {
+        "theta_start": COPY, "outer_momentum_buffer": COPY, "momentum_buffer": FOLLOW, "outer_steps": COPY, "codec_residual": RESIDUAL,
+    }
     training_defaults = {"lr": 0.05, "momentum": 0.9, "period": 8}
-    wire_summary = "4d every `period` steps"
+    wire_summary = "4d every `period` steps (a codec: its payload, all-gathered)"
     update_goal = 1.3
 
     periodic_allreduce = "period"
+
+    @classmethod
+    def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
+        call = cls._codec_call(d, ranks, hyper, due_steps(hyper["period"], steps))
+        return super()._plan(d, ranks, hyper, groups, steps, itemsize) if call is None else [call]
 
     def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
         super().__init__(topology, **hyperparameters)
@@ -98,7 +117,8 @@ class DiLoCo(LocalStepState, SynchronousAlgorithm):
         self.outer_momentum_buffer: Optional[Any] = None  # zeros from setup when outer_momentum > 0
         self._outer_work: List[Any] = []
         self.outer_steps = 0
-        self._sum: Optional[Any] = None  # receives sum_i theta_i, then holds Delta
+        self._sum: Optional[Any] = None  # receives sum_i theta_i (with a codec: Delta_i, then the decoded sum), then holds Delta
+        self._wire: Optional[Any] = None  # the codec's exchange
 
     def _allocate(self, params: Any) -> None:
         self.local.allocate(params)
@@ -106,6 +126,7 @@ class DiLoCo(LocalStepState, SynchronousAlgorithm):
         self.outer_momentum_buffer = empty_apart(params, zero=True) if self.outer_momentum else None
         world = self.topology.world
         self._sum = empty_apart(params)
+        self._wire = self._allocate_codec(params)
         self.theta_start = empty_apart(params)
         world.Allreduce(params, out=self.theta_start)  # the common start: the ranks' mean (their model when they agree)
         self.theta_start /= world.size
@@ -118,11 +139,18 @@ class DiLoCo(LocalStepState, SynchronousAlgorithm):
             self._outer_step(params)
 
     def _outer_step(self, params: Any) -> None:
-        """One Allreduce of the parameters, then the outer SGD step from ``theta_start`` into both buffers."""
+        """One Allreduce of the parameters (a codec: an Allgather of the encoded ``Delta_i``), then the outer SGD step
+        from ``theta_start`` into both buffers."""
         world = self.topology.world
-        world.Allreduce(params, out=self._sum)
-        outer_step(
-            self.theta_start, self._sum, world.size, lr=self.outer_lr, momentum=self.outer_momentum,
-            nesterov=self.outer_nesterov, buffer=self.outer_momentum_buffer, out=params, work=self._outer_work,
-        )
+        options = dict(lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_nesterov,
+                       buffer=self.outer_momentum_buffer, out=params, work=self._outer_work)
+        if self._wire is None:
+            world.Allreduce(params, out=self._sum)
+            outer_step(self.theta_start, self._sum, world.size, **options)
+        else:  # theta_start is the same on every rank, and so is the decoded mean: so is the new theta_start
+            self._xp.subtract(self.theta_start, params, out=self._sum)  # Delta_i = theta_start - theta_i
+            self._wire.start(world, self._sum)
+            self._wire.total(out=self._sum)
+            self._sum /= world.size
+            outer_update(self.theta_start, self._sum, **options)
         self.outer_steps += 1

@@ -7,13 +7,15 @@ Notes: docs/algorithm-notes.md.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
 
 from ..arrays import empty_apart
 from ..comm import Topology
 from ..kernels.update import elastic_pull, fused_update_available
 from ..comm.communicator import plain
-from .base import BASE, SynchronousAlgorithm
+from ..comm.ledger import Call
+from .base import BASE, SynchronousAlgorithm, due_steps
+from .compressed import CODEC, FEEDBACK, RESIDUAL, Compressed
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .schema import Hyperparameter, Schema, check_positive, optional, positive
 from .registry import register
@@ -58,7 +60,7 @@ def moving_rates(alpha: Optional[float], beta: Optional[float], workers: int) ->
 
 
 @register
-class EASGD(LocalStepState, SynchronousAlgorithm):
+class EASGD(Compressed, LocalStepState, SynchronousAlgorithm):
     """Synchronous elastic averaging SGD (EASGD; EAMSGD with Nesterov momentum).
 
     Attributes
@@ -76,17 +78,23 @@ class EASGD(LocalStepState, SynchronousAlgorithm):
         Hyperparameter("alpha", None, optional(positive(allow_zero=True)), "moving rate of a worker towards the centre (give alpha or beta)"),
         Hyperparameter("beta", None, optional(positive(allow_zero=True)), "beta = N alpha, the centre's moving rate (default 0.9)"),
         Hyperparameter("period", 4, positive(integer=True), "steps between elastic pulls (tau)"),
-    ) + LOCAL_SGD
+    ) + CODEC + FEEDBACK + LOCAL_SGD
     evaluates = "average"
     fused_gradient_check = True
-    state_arrays = ("center", "momentum_buffer")
-    # Every rank holds the same centre; a momentum buffer belongs to the parameters it moved.
-    resize_rules = {"center": COPY, "momentum_buffer": FOLLOW}
+    state_arrays = ("center", "momentum_buffer", "codec_residual")
+    # Every rank holds the same centre; a momentum buffer belongs to the parameters it moved; the residuals are owed
+    # to the mean, which each new rank taking their mean keeps (docs/codecs.md).
+    resize_rules = {"center": COPY, "momentum_buffer": FOLLOW, "codec_residual": RESIDUAL}
     training_defaults = {"lr": 0.05, "momentum": 0.9}
-    wire_summary = "4d every `period` steps"
+    wire_summary = "4d every `period` steps (a codec: its payload of x_i - c, all-gathered)"
     update_goal = 1.5
 
     periodic_allreduce = "period"
+
+    @classmethod
+    def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
+        call = cls._codec_call(d, ranks, hyper, due_steps(hyper["period"], steps))
+        return super()._plan(d, ranks, hyper, groups, steps, itemsize) if call is None else [call]
 
     @classmethod
     def resize_skip(cls, saved: Mapping[str, Any], here: Mapping[str, Any], old_size: int, new_size: int) -> Tuple[str, ...]:
@@ -99,13 +107,15 @@ class EASGD(LocalStepState, SynchronousAlgorithm):
         self.alpha, self.beta = moving_rates(self.alpha, self.beta, topology.size)
         self.local = LocalSGD.from_values(self._values)
         self.center: Optional[Any] = None
-        self._mean: Optional[Any] = None  # receives sum_i x_i
+        self._mean: Optional[Any] = None  # receives sum_i x_i (with a codec: x_i - c, then the decoded sum)
+        self._wire: Optional[Any] = None  # the codec's exchange
         self._work: Optional[Any] = None
 
     def _allocate(self, params: Any) -> None:
         self.local.allocate(params)
         self._mean = empty_apart(params)
         self._work = None if fused_update_available(params) else empty_apart(params)  # the array code's scratch
+        self._wire = self._allocate_codec(params)
         world = self.topology.world
         self.center = empty_apart(params)
         world.Allreduce(params, out=self.center)
@@ -120,7 +130,21 @@ class EASGD(LocalStepState, SynchronousAlgorithm):
     def _elastic_pull(self, params: Any) -> None:
         """Zhang et al. eqs. (5)-(6) without the gradient term: workers and centre pull together."""
         world = self.topology.world
+        if self._wire is not None:
+            self._compressed_pull(params)
+            return
         world.Allreduce(params, out=self._mean)
         # x_i <- x_i - alpha (x_i - c), with the centre before it moves, and c <- c + alpha sum_i (x_i - c)
         # = c + beta (mean - c) from the same (pre-pull) x_i: one pass in the fused loop (C or CUDA).
         elastic_pull(params, self.center, self._mean, world.size, self.alpha, self.beta, work=self._work)
+
+    def _compressed_pull(self, params: Any) -> None:
+        """The same pull with the mean of ``x_i - c`` exchanged through the codec: ``mean_i x_i - c`` is its mean."""
+        world, diff = self.topology.world, self._mean
+        self._xp.subtract(params, self.center, out=diff)
+        self._wire.start(world, diff)
+        diff *= self.alpha  # x_i <- x_i - alpha (x_i - c), exact as before: only the centre's move is compressed
+        params -= diff
+        self._wire.total(out=diff)
+        diff *= self.beta / world.size
+        self.center += diff  # c <- c + beta mean_i decode(x_i - c): the same bits on every rank

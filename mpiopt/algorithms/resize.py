@@ -6,7 +6,7 @@ declares beside its state (``resize_rules``).  Notes: docs/algorithm-notes.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -16,7 +16,7 @@ from .registry import algorithm_class
 
 __all__ = [
     "resize_states", "hyperparameter_differences", "source_rank", "rules_of", "ResizeError",
-    "COPY", "FOLLOW", "MEAN", "RESCALE", "ZERO", "NO_HISTORY", "NO_LEADER",
+    "COPY", "FOLLOW", "MEAN", "RESCALE", "ZERO", "NO_HISTORY", "NO_LEADER", "absent_before",
 ]
 
 
@@ -36,6 +36,12 @@ class Rule:
     apply: Callable[[Sequence[Any], int, int], Any]
     kind: str  # "copied", "redistributed" or "reset"
     how: str
+    optional: bool = False  # states saved before the entry existed lack it: None there
+
+
+def absent_before(rule: Rule) -> Rule:
+    """``rule`` for an entry that states saved before it existed lack (it is None in them: the codecs' residuals)."""
+    return replace(rule, optional=True)
 
 
 def _copied(values: Sequence[Any], rank: int, size: int) -> Any:
@@ -127,15 +133,23 @@ def resize_states(
         if state.get("algorithm") != name:
             raise ResizeError(f"old rank {rank}'s state is for algorithm {state.get('algorithm')!r}, not {name!r}")
         entries = set(state.get("arrays", {})) | set(state.get("scalars", {}))
-        if entries != set(rules):
-            raise ResizeError(f"{name}: old rank {rank}'s state has entries {sorted(entries)}; the resize rule knows {sorted(rules)}")
+        required = {key for key, rule in rules.items() if not rule.optional}
+        if not required <= entries <= set(rules):
+            optional = sorted(set(rules) - required)
+            raise ResizeError(
+                f"{name}: old rank {rank}'s state has entries {sorted(entries)}; the resize rule knows {sorted(required)}"
+                + (f" (and, optionally, {optional})" if optional else "")
+            )
     steps = [int(state["steps"]) for state in states]
     if len(set(steps)) > 1:
         raise ResizeError(f"{name}: the old ranks are at different steps {steps}")
 
     def moved(section: str, rank: int) -> Dict[str, Any]:
         keys = sorted(states[0][section])
-        return {key: rules[key].apply([s[section][key] for s in states], rank, int(new_size)) for key in keys}
+        out = {key: rules[key].apply([s[section][key] for s in states], rank, int(new_size)) for key in keys}
+        if section == "arrays":  # optional arrays a state lacks are None (an optional scalar would need a value)
+            out.update({key: None for key, rule in rules.items() if rule.optional and key not in out})
+        return out
 
     resized = [
         {

@@ -13,6 +13,7 @@ from ..comm import Topology
 from ..comm.ledger import Call
 from ..kernels.update import all_finite
 from .base import BASE, StepRecord, SynchronousAlgorithm
+from .compressed import CODEC, FEEDBACK, RESIDUAL, Compressed
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .registry import register
 from .resize import COPY
@@ -21,36 +22,42 @@ __all__ = ["SGD"]
 
 
 @register
-class SGD(LocalStepState, SynchronousAlgorithm):
-    """Synchronous data-parallel SGD with Allreduce."""
+class SGD(Compressed, LocalStepState, SynchronousAlgorithm):
+    """Synchronous data-parallel SGD with Allreduce (a ``codec``: the gradients' payloads all-gathered instead)."""
 
     name = "sgd"
     inner_role = "gradient"
     inner_rule = "g = (1/N) sum_i g_i into .grad; x <- inner(x, g)  (the paper: x <- x - eta g, inner = SGD)"
     listing_order = 0
-    schema = BASE.with_defaults(lr=0.1) + LOCAL_SGD
+    schema = BASE.with_defaults(lr=0.1) + LOCAL_SGD + CODEC + FEEDBACK
     baseline = True
     overlaps_backward = True
     fused_gradient_check = True
-    state_arrays = ("momentum_buffer",)
-    resize_rules = {"momentum_buffer": COPY}  # the same on every rank (averaged gradients)
+    state_arrays = ("momentum_buffer", "codec_residual")
+    # The momentum is the same on every rank (averaged gradients); the residuals are owed to the mean (docs/codecs.md).
+    resize_rules = {"momentum_buffer": COPY, "codec_residual": RESIDUAL}
     training_defaults = {"lr": 0.05, "momentum": 0.9}
-    wire_summary = "4d bytes each way"
+    wire_summary = "4d bytes each way (a codec: its payload, all-gathered)"
     update_goal = 1.2
 
     @classmethod
     def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
-        return [Call("allreduce", itemsize * d, ranks, len(steps))]
+        return [cls._codec_call(d, ranks, hyper, len(steps)) or Call("allreduce", itemsize * d, ranks, len(steps))]
 
     def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
         super().__init__(topology, **hyperparameters)
         self.local = LocalSGD.from_values(self._values)
         self._average: Optional[Any] = None
         self._reduced: Optional[Any] = None  # the caller's summed gradient, during step_reduced only
+        self._wire: Optional[Any] = None  # the codec's exchange
+        # A codec's payloads cannot be summed in buckets during backward, and its residual is in the gradient's units.
+        self.overlaps_backward = self._codec is None
+        self.exchange_keeps_gradient = self._feeds_back()
 
     def _allocate(self, params: Any) -> None:
         self.local.allocate(params)
-        self._average = empty_apart(params) if self.topology.world.size > 1 else None
+        self._average = empty_apart(params) if self.topology.world.size > 1 or self._codec is not None else None
+        self._wire = self._allocate_codec(params)
 
     def step_reduced(self, params: Any, grad: Any, total: Any, loss: Optional[float] = None) -> StepRecord:
         """:meth:`step` without its Allreduce: ``total`` already holds the sum of ``grad`` over the world.
@@ -64,6 +71,8 @@ class SGD(LocalStepState, SynchronousAlgorithm):
         at fault).  The record counts no bytes for the exchange the caller
         made.
         """
+        if self._codec is not None:
+            raise TypeError(f"sgd with codec={self.codec!r} exchanges encoded gradients: there is no summed gradient to take; call step()")
         self._check_flat("total", total)
         self._reduced = total
         try:
@@ -96,16 +105,23 @@ class SGD(LocalStepState, SynchronousAlgorithm):
 
     def _exchange(self, params: Any, grad: Any) -> Any:
         world = self.topology.world
-        if world.size == 1:
+        if self._wire is not None:
+            self._wire.start(world, grad)
+            self._wire.total(out=self._average)
+        elif world.size == 1:
             return grad
-        world.Allreduce(grad, out=self._average)
+        else:
+            world.Allreduce(grad, out=self._average)
         self._average /= world.size
         return self._average
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         world = self.topology.world
         total = self._reduced
-        if total is None and world.size == 1:
+        if self._wire is not None:  # the decoded sum, the same bits on every rank
+            self._wire.start(world, grad)
+            total = self._wire.total(out=self._average)
+        elif total is None and world.size == 1:
             total = grad  # one rank's sum is its gradient: no copy
         elif total is None:
             world.Allreduce(grad, out=self._average)

@@ -16,7 +16,8 @@ from ..comm import Topology
 from ..comm.ledger import Call
 from ..kernels._backend import take_rows
 from .base import BASE, SynchronousAlgorithm, due_steps
-from .diloco import outer_step
+from .compressed import CODEC, FEEDBACK, RESIDUAL, Compressed
+from .diloco import outer_step, outer_update
 from .inflight import PROGRESS, InFlight, PendingBuffer, check_progress
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .registry import register
@@ -64,8 +65,12 @@ def _fragment_index(blocks: List[Tuple[int, int]]) -> np.ndarray:
 
 
 @register
-class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
-    """Streaming DiLoCo (Douillard et al. 2025): DiLoCo fragment by fragment, each exchange overlapped with ``overlap_steps`` steps."""
+class StreamingDiLoCo(Compressed, LocalStepState, SynchronousAlgorithm):
+    """Streaming DiLoCo (Douillard et al. 2025): DiLoCo fragment by fragment, each exchange overlapped with ``overlap_steps`` steps.
+
+    With a ``codec`` each fragment sends its pseudo-gradient ``theta_start_f - theta_f`` (the paper's fp4); the
+    residual ``codec_residual`` is laid out as ``pending_sum`` is, fragment after fragment.
+    """
 
     name = "streaming_diloco"
     inner_role = "local"
@@ -83,15 +88,17 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         Hyperparameter("outer_lr", 0.7, positive(), "outer SGD learning rate"),
         Hyperparameter("outer_momentum", 0.9, in_range(0.0, 1.0, high_open=True), "outer SGD momentum, in [0, 1)"),
         Hyperparameter("outer_nesterov", True, boolean(), "Nesterov outer momentum (ignored at outer_momentum 0)"),
-    ) + PROGRESS + LOCAL_SGD
+    ) + CODEC + FEEDBACK + PROGRESS + LOCAL_SGD
     evaluates = "average"
     fused_gradient_check = True
-    state_arrays = ("theta_start", "outer_momentum_buffer", "momentum_buffer", "pending_sum", "merge_steps")
+    state_arrays = ("theta_start", "outer_momentum_buffer", "momentum_buffer", "pending_sum", "merge_steps", "codec_residual")
+    # A codec's pending_sum is the sum of the decoded pseudo-gradients (rescaled alike); residuals are owed to the mean.
     resize_rules = {
         "theta_start": COPY, "outer_momentum_buffer": COPY, "momentum_buffer": FOLLOW, "pending_sum": RESCALE, "merge_steps": COPY,
+        "codec_residual": RESIDUAL,
     }
     training_defaults = {"lr": 0.05, "momentum": 0.9, "period": 8, "fragments": 2, "overlap_steps": 1}
-    wire_summary = "4d every `period` steps in `fragments` pieces, overlapped"
+    wire_summary = "4d every `period` steps in `fragments` pieces, overlapped (a codec: each piece's payload, all-gathered)"
     update_goal = 1.3
 
     @classmethod
@@ -99,7 +106,8 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         period, fragments, tau = int(hyper["period"]), int(hyper["fragments"]), int(hyper["overlap_steps"])
         sizes = fragment_sizes(d, fragments, hyper["layout"], int(hyper["stride_blocks"]))
         return [
-            Call("iallreduce", itemsize * size, ranks, due_steps(period, steps, offset), overlap_steps=tau)
+            cls._codec_call(size, ranks, hyper, due_steps(period, steps, offset), overlap_steps=tau)
+            or Call("iallreduce", itemsize * size, ranks, due_steps(period, steps, offset), overlap_steps=tau)
             for size, offset in zip(sizes, fragment_offsets(period, fragments))
         ]
 
@@ -124,6 +132,8 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         self._offsets = fragment_offsets(self.period, self.fragments)
         self._inflight = [InFlight() for _ in range(self.fragments)]  # each fragment's Iallreduce and progress thread
         self._outer_work: List[List[Any]] = [[] for _ in range(self.fragments)]  # each fragment's scratch
+        self._wires: List[Any] = []  # with a codec: each fragment's exchange
+        self._undecoded = [False] * self.fragments  # a codec's payloads not yet summed into the fragment's region
 
     pending_sum = PendingBuffer("_sum", lambda alg: alg.merge_steps.any())  # state only while a merge is pending
 
@@ -134,8 +144,8 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
     def state_dict(self) -> Dict[str, Any]:
         """As :meth:`Algorithm.state_dict`, after completing (not merging) the exchanges in flight; zeros in the
         idle fragments' regions of ``pending_sum`` (docs/algorithm-notes.md)."""
-        for f in self._inflight:
-            f.complete()
+        for f in range(self.fragments):
+            self._complete(f)
         state = super().state_dict()
         pending = state["arrays"]["pending_sum"]  # the base class's copy: the live buffer keeps its scratch
         if pending is not None:
@@ -188,6 +198,11 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         params[...] = self.theta_start
         self.outer_momentum_buffer = empty_apart(params, zero=True) if self.outer_momentum else None
         self.merge_steps = np.zeros(self.fragments, np.int64)
+        self._allocate_codec(params)
+        residual = self.codec_residual
+        self._wires = [] if self._codec is None else [
+            self._codec_exchange(self._sum[a:b], None if residual is None else residual[a:b]) for a, b in self._bounds
+        ]
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         step = self.steps + 1  # the base class counts the step after _step returns
@@ -211,15 +226,23 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
         else:
             take_rows(params, self._index[f], self._sum[a:b])
         threaded = self.progress == "thread" and self.overlap_steps  # with tau = 0 it is completed at once
+        if self._wires:  # Delta_f = theta_start_f - theta_f
+            start = self.theta_start[a:b] if self._index[f] is None else self._gathered[0][: b - a]
+            if self._index[f] is not None:
+                take_rows(self.theta_start, self._index[f], start)
+            self._xp.subtract(start, self._sum[a:b], out=self._sum[a:b])
+            request, self._undecoded[f] = self._wires[f].start(self.topology.world, self._sum[a:b], nonblocking=True), True
+        else:
+            request = self.topology.world.Iallreduce(self._sum[a:b])
         self._inflight[f].start(
-            self.topology.world.Iallreduce(self._sum[a:b]), thread_interval=self.progress_interval if threaded else None,
+            request, thread_interval=self.progress_interval if threaded else None,
             tests=self.tests_per_poke, name=f"streaming-diloco-progress-{f}",
         )
         self.merge_steps[f] = step + self.overlap_steps
 
     def _merge(self, f: int, params: Any) -> None:
         """Fragment f's outer step from its sum, then ``alpha * local + (1 - alpha) * outer`` into the parameters."""
-        self._inflight[f].complete()
+        self._complete(f)
         a, b = self._bounds[f]
         index, total = self._index[f], self._sum[a:b]
         if index is None:  # views of the fragment's slice
@@ -233,10 +256,13 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
             if self.outer_momentum_buffer is not None:
                 take_rows(self.outer_momentum_buffer, index, moment)
                 buffer = moment
-        outer_step(
-            start, total, self.topology.world.size, lr=self.outer_lr, momentum=self.outer_momentum,
-            nesterov=self.outer_nesterov, buffer=buffer, out=local if self.alpha == 0.0 else None, work=self._outer_work[f],
-        )
+        options = dict(lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_nesterov, buffer=buffer,
+                       out=local if self.alpha == 0.0 else None, work=self._outer_work[f])
+        if self._wires:  # the decoded sum of the pseudo-gradients, the same on every rank
+            total /= self.topology.world.size
+            outer_update(start, total, **options)
+        else:
+            outer_step(start, total, self.topology.world.size, **options)
         if self.alpha != 0.0:  # total is scratch now
             array_module(total).multiply(start, 1.0 - self.alpha, out=total)
             local *= self.alpha
@@ -247,6 +273,14 @@ class StreamingDiLoCo(LocalStepState, SynchronousAlgorithm):
             if buffer is not None:
                 self.outer_momentum_buffer[index] = buffer
         self.merge_steps[f] = 0
+
+    def _complete(self, f: int) -> None:
+        """Wait for fragment f's exchange, if in flight (a codec's payloads then decoded and summed into its region)."""
+        self._inflight[f].complete()
+        if self._undecoded[f]:
+            a, b = self._bounds[f]
+            self._wires[f].total(out=self._sum[a:b])
+            self._undecoded[f] = False
 
     def progress_hook(self) -> bool:
         """Poke every exchange in flight (``tests_per_poke`` ``Test`` calls each); True when none is left in flight.

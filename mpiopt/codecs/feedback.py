@@ -19,9 +19,14 @@ __all__ = ["ErrorFeedback"]
 
 
 class ErrorFeedback:
-    """A codec's residual ``e`` (``d`` entries of ``dtype`` on ``like``'s device) and the decay ``beta`` in ``[0, 1]``."""
+    """A codec's residual ``e`` (``d`` entries of ``dtype`` on ``like``'s device) and the decay ``beta`` in ``[0, 1]``.
 
-    def __init__(self, codec: Codec, d: int, beta: float = 1.0, dtype: Any = np.float32, like: Any = None) -> None:
+    ``residual``, when given, is the caller's array to keep ``e`` in (zeroed here; its dtype and device win).
+    """
+
+    def __init__(
+        self, codec: Codec, d: int, beta: float = 1.0, dtype: Any = np.float32, like: Any = None, residual: Any = None,
+    ) -> None:
         if not isinstance(codec, Codec):
             raise TypeError(f"codec must be a Codec (mpiopt.codecs.create), got {type(codec).__name__}")
         self.codec = codec
@@ -30,6 +35,11 @@ class ErrorFeedback:
         dtype = np.dtype(dtype)
         if dtype not in (np.float32, np.float64):
             raise TypeError(f"dtype must be float32 or float64, got {dtype}")
+        if residual is not None:
+            check_vector("residual", residual, self.d)
+            residual[...] = 0
+            self.residual = residual
+            return
         xp = np if like is None else array_module(like)
         self.residual = xp.zeros(self.d, dtype=dtype)
 

@@ -23,6 +23,8 @@ CASES = [
     ("diloco", {"period": 4, "outer_lr": 1.0, "outer_momentum": 0.0}, None),
     ("streaming_diloco", {"period": 6, "fragments": 3, "overlap_steps": 2}, None),
     ("streaming_diloco", {"period": 4, "fragments": 1, "overlap_steps": 0}, None),
+    ("sparseloco", {"period": 3, "codec_chunk": 128, "codec_k": 9}, None),
+    ("sparseloco", {"period": 2, "codec": "none"}, None),
     ("streaming_diloco", {"period": 6, "fragments": 3, "overlap_steps": 2, "layout": "strided", "stride_blocks": 5}, None),
     ("signum", {"exchange": "allgather"}, None),
     ("signum", {"exchange": "twophase"}, None),

@@ -26,14 +26,19 @@ SYNC = {
 }
 # Every synchronous algorithm with each of its state arrays in use after SAVE_AFTER steps: momentum wherever it is
 # optional, lsgd's proximal pull (its leader copy), and in flight dasgd's averaging (started after step 6, merged
-# after step 7) and streaming_diloco's fragment 0 (started after step 6, merged after step 8).
+# after step 7) and streaming_diloco's fragment 0 (started after step 6, merged after step 8); a codec's residual
+# (and dasgd's last average) wherever an algorithm takes one.
 RESUMED = {
     **SYNC,
+    "sgd": dict(SYNC["sgd"], codec="int8", codec_chunk=16),
+    "easgd": dict(SYNC["easgd"], codec="fp4", codec_chunk=16),
+    "dasgd": dict(SYNC["dasgd"], codec="int4", codec_chunk=16),
     "lsgd": dict(lr=0.05, period=2, global_period=4, momentum=0.5, proximal=0.1),
     "topk": dict(lr=0.05, density=0.2, momentum=0.5),
     "regtopk": dict(lr=0.05, density=0.2, momentum=0.5),
-    "diloco": dict(lr=0.05, period=4, momentum=0.5),
-    "streaming_diloco": dict(lr=0.05, period=6, fragments=2, overlap_steps=2, momentum=0.5),
+    "diloco": dict(lr=0.05, period=4, momentum=0.5, codec="topk", codec_chunk=16, codec_k=4),
+    "streaming_diloco": dict(lr=0.05, period=6, fragments=2, overlap_steps=2, momentum=0.5, codec="sign", codec_chunk=16),
+    "sparseloco": dict(lr=0.05, period=4, momentum=0.5, codec_chunk=16, codec_k=4),
 }
 SAVE_AFTER, STEPS = 6, 12
 

@@ -190,6 +190,7 @@ SETTINGS = {
     "easgd": {"period": 2}, "lsgd": {"period": 1, "global_period": 2, "proximal": 0.1}, "dasgd": {"period": 2, "delay_steps": 1},
     "diloco": {"period": 3, "momentum": 0.9},
     "streaming_diloco": {"period": 4, "fragments": 2, "overlap_steps": 1, "momentum": 0.9},
+    "sparseloco": {"period": 3, "momentum": 0.9, "codec_chunk": 4, "codec_k": 1},
 }
 
 
@@ -228,3 +229,25 @@ def test_real_states_moved_by_the_rule_load_into_the_algorithm(topology, name, s
         assert (value is None and loaded["arrays"][key] is None) or np.array_equal(loaded["arrays"][key], value), key
     assert loaded["scalars"] == moved["scalars"]
     fresh.finish(np.zeros(D, dtype=np.float32))
+
+
+@pytest.mark.parametrize("name", ["sgd", "easgd", "dasgd", "diloco", "streaming_diloco", "sparseloco"])
+@pytest.mark.parametrize("old,new", [(2, 4), (4, 2), (3, 5), (4, 1)])
+def test_codec_residuals_move_as_their_mean_so_what_is_owed_is_kept(name, old, new):
+    """Each exchange delivers the ranks' mean: the residuals owe (1/P) sum e, which each new rank taking the mean keeps."""
+    cls = algorithm_class(name)
+    residuals = [vec(40 + r) * (r + 1) for r in range(old)]
+    arrays = {key: None for key in cls.state_arrays}
+    scalars = {key: 0 for key in cls.state_scalars}
+    if "merge_steps" in arrays:
+        arrays["merge_steps"] = np.zeros(2, np.int64)
+    olds = [state(name, r, {**arrays, "codec_residual": residuals[r]}, scalars) for r in range(old)]
+    states, notes = resize_states(name, olds, new, {})
+    owed = np.mean([e.astype(np.float64) for e in residuals], axis=0)
+    for s in states:
+        assert s["arrays"]["codec_residual"].dtype == np.float32
+        np.testing.assert_allclose(s["arrays"]["codec_residual"], owed, rtol=1e-6, atol=1e-7)
+    assert "codec_residual: redistributed, the mean over the old ranks on every new rank" in notes
+    # A state saved before codecs existed has no residual: it moves as None.
+    before = [state(name, r, {k: v for k, v in arrays.items() if k not in ("codec_residual", "last_average")}, scalars) for r in range(old)]
+    assert all(s["arrays"]["codec_residual"] is None for s in resize_states(name, before, new, {})[0])
