@@ -141,3 +141,18 @@ def test_diloco(tmp_path):
     assert streaming["peak_bytes_per_step"] * 3 < diloco["peak_bytes_per_step"] <= streaming["peak_bytes_per_step"] * 4 + 16
     assert numbers["streaming_peak_ratio"] == pytest.approx(diloco["peak_bytes_per_step"] / streaming["peak_bytes_per_step"])
     assert all(math.isfinite(row["test_loss"]) and 0.0 <= row["test_accuracy"] <= 1.0 for row in runs.values())
+
+
+def test_codecs(tmp_path):
+    """Every codec's bytes per outer step are its payload's (float32 diloco's: 4d), sparseloco's are topk's; the goals are judged."""
+    from mpiopt import codecs
+
+    document = run_quick("codecs", tmp_path)
+    d, rows = document["settings"]["parameters"], {r["label"]: r for r in document["numbers"]["runs"]}
+    assert rows["diloco none"]["bytes_per_outer_step"] == 4 * d == rows["sgd (data-parallel)"]["bytes_per_outer_step"]
+    for name in ("bf16", "int8", "int4", "fp4", "sign", "topk"):
+        assert rows[f"diloco {name}"]["bytes_per_outer_step"] == codecs.create(name).payload_nbytes(d), name
+    assert rows["sparseloco"]["bytes_per_outer_step"] == rows["diloco topk"]["bytes_per_outer_step"]
+    goals = document["numbers"]["goals"]
+    assert goals["int8 bytes"]["met"] and goals["fp4 bytes"]["met"] and set(goals) >= {"bf16 loss", "sparseloco loss"}
+    assert all(math.isfinite(r["test_loss"]) for r in rows.values())
