@@ -1,0 +1,77 @@
+"""``--device`` and ``--precision`` end to end on the CPU (2 ranks): refusals on every rank, bfloat16 trained and resumed bitwise."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mpiopt.checkpoint import first_difference
+
+from .launch import run_mpi
+
+h5py = pytest.importorskip("h5py")
+torch = pytest.importorskip("torch")
+
+from mpiopt.checkpoint.layout import read_group  # noqa: E402  (needs h5py)
+
+TEXT = ["train", "--dataset", "text", "--model", "gpt", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
+        "--batch-size", "8", "--steps", "6", "--eval-every", "6", "--dropout", "0.1", "--progress", "lines", "--checkpoint-every", "3"]
+# The runs of one job, in order (mpiopt's main() once each), each rank's output to LOGS/<name>.<rank>.log.
+DRIVER = """
+import contextlib, json, os, sys
+from mpi4py import MPI
+from mpiopt.cli.main import main
+import mpiopt.cli.train, mpiopt.training.loop  # before the redirections: default arguments bind sys.stdout at import
+cases, logs, codes = json.loads(sys.argv[1]), sys.argv[2], {}
+for name, argv in cases:
+    with open(os.path.join(logs, f"{name}.{MPI.COMM_WORLD.rank}.log"), "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        codes[name] = main(argv)
+if MPI.COMM_WORLD.rank == 0:
+    with open(os.path.join(logs, "codes.json"), "w") as f:
+        json.dump(codes, f)
+"""
+
+
+def _read(path) -> dict:
+    with h5py.File(path, "r") as f:
+        return {"model": read_group(f["model"]), "ranks": read_group(f["ranks"]), "precision": f.attrs["precision"]}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: --device cuda is not refused")
+def test_device_cuda_without_a_gpu_fails_every_rank_before_training(tmp_path):
+    code, output, _ = run_mpi(2, ["-m", "mpiopt", *TEXT, "--device", "cuda", "--out", str(tmp_path / "run")], timeout=120)
+    assert code == 2, output
+    assert output.count("mpiopt train: error: --device cuda, but no GPU is visible to this rank: torch.cuda.is_available() is "
+                        "False, CUDA_VISIBLE_DEVICES is") == 1, output
+    assert "Traceback" not in output and "data:" not in output and not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU fp16 is allowed")
+def test_bf16_trains_resumes_bitwise_and_refuses_another_precision(tmp_path):
+    whole, resumed, logs = tmp_path / "whole", tmp_path / "resumed", tmp_path / "logs"
+    middle = str(whole / "checkpoints" / "ckpt-000000003.h5")
+    cases = [
+        ("whole", [*TEXT, "--precision", "bf16", "--out", str(whole)]),
+        ("resumed", [*TEXT, "--precision", "bf16", "--out", str(resumed), "--resume", middle]),
+        ("other-precision", [*TEXT, "--out", str(tmp_path / "refused"), "--resume", middle]),
+        ("fp16-on-cpu", [*TEXT, "--precision", "fp16", "--out", str(tmp_path / "fp16")]),
+    ]
+    logs.mkdir()
+    code, output, _ = run_mpi(2, ["-c", DRIVER, json.dumps(cases), str(logs)], timeout=300)
+    assert code == 0, output
+    codes = json.loads((logs / "codes.json").read_text())
+    text = {name: (logs / f"{name}.0.log").read_text() for name, _ in cases}
+    assert codes["whole"] == codes["resumed"] == 0, text
+    assert "precision = \"bf16\"" in (whole / "config.toml").read_text()
+    a, b = _read(whole / "checkpoints" / "ckpt-000000006.h5"), _read(resumed / "checkpoints" / "ckpt-000000006.h5")
+    assert a["precision"] == "bf16" and first_difference(a, b) is None
+    assert codes["other-precision"] == 2 and (f"--resume {middle}: the checkpoint's precision (--precision) is 'bf16', this "
+                                              "run's 'fp32'") in text["other-precision"]
+    assert codes["fp16-on-cpu"] == 2 and "--precision fp16 needs a GPU" in text["fp16-on-cpu"]
+    assert "Traceback" not in text["other-precision"] + text["fp16-on-cpu"]
+
+
+def test_help_names_the_device_settings():
+    code, output, _ = run_mpi(1, ["-m", "mpiopt", "compare", "--help"], timeout=60)
+    assert code == 0 and all(flag in output for flag in ("--device DEVICE", "--precision PRECISION", "--share-gpus")), output
