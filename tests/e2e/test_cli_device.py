@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -75,3 +76,11 @@ def test_bf16_trains_resumes_bitwise_and_refuses_another_precision(tmp_path):
 def test_help_names_the_device_settings():
     code, output, _ = run_mpi(1, ["-m", "mpiopt", "compare", "--help"], timeout=60)
     assert code == 0 and all(flag in output for flag in ("--device DEVICE", "--precision PRECISION", "--share-gpus")), output
+
+
+def test_info_names_each_ranks_gpu_and_where_gpu_buffers_go():
+    code, output, _ = run_mpi(2, ["-m", "mpiopt", "info", "--elements", "1024"], timeout=120, env={"MPIOPT_GPU_AWARE": "0"})
+    assert code == 0, output
+    assert "GPU buffers: staged through pinned host memory (MPI not CUDA-aware: MPIOPT_GPU_AWARE=0;" in output, output
+    gpu = r"(none visible \(torch.cuda.is_available\(\) is False, .*\)|cuda:\d of \d+: .*, [\d.]+ GiB)"
+    assert [rank for rank, _ in re.findall(rf"^\| (\d) \| {gpu} \|$", output, flags=re.M)] == ["0", "1"], output
