@@ -84,3 +84,32 @@ def test_info_names_each_ranks_gpu_and_where_gpu_buffers_go():
     assert "GPU buffers: staged through pinned host memory (MPI not CUDA-aware: MPIOPT_GPU_AWARE=0;" in output, output
     gpu = r"(none visible \(torch.cuda.is_available\(\) is False, .*\)|cuda:\d of \d+: .*, [\d.]+ GiB)"
     assert [rank for rank, _ in re.findall(rf"^\| (\d) \| {gpu} \|$", output, flags=re.M)] == ["0", "1"], output
+
+
+# fp16 is refused on the CPU by the CLI; train() called with the device given runs its scaler path there (CPU autocast
+# takes float16, torch's GradScaler takes "cpu"), so that path is tested without a GPU.
+FP16 = """
+import sys
+from mpiopt.comm import Topology
+from mpiopt.training.config import TrainConfig
+from mpiopt.training.loop import load_data, train
+out, algorithm = sys.argv[1], sys.argv[2]
+topology = Topology()
+parts = [("whole", None)] + ([] if algorithm == "ddp" else [("resumed", f"{out}/whole/checkpoints/ckpt-000000002.h5")])
+for part, resume in parts:
+    config = TrainConfig(algorithm=algorithm, dataset="text", model="gpt", n_layer=1, n_embd=16, n_head=2, block_size=16,
+                         batch_size=4, steps=4, eval_every=4, dropout=0.1, precision="fp16", progress="lines", clip_grad_norm=1.0,
+                         checkpoint_every=None if algorithm == "ddp" else 2, resume=resume)
+    train(config, algorithm, topology, load_data(config, topology.world), f"{out}/{part}", device="cpu")
+"""
+
+
+@pytest.mark.parametrize("algorithm", ["sgd", "ddp"])
+def test_fp16_steps_through_the_scaler_and_resumes_with_its_state(tmp_path, algorithm):
+    code, output, _ = run_mpi(1, ["-c", FP16, str(tmp_path), algorithm], timeout=180)
+    assert code == 0, output
+    if algorithm == "ddp":
+        return  # torch's scaler stepped the baseline's optimizer
+    a, b = (_read(tmp_path / part / "checkpoints" / "ckpt-000000004.h5") for part in ("whole", "resumed"))
+    assert a["precision"] == "fp16" and first_difference(a, b) is None
+    assert float(a["ranks"]["0"]["scaler"]["scale"]) > 0 and int(a["ranks"]["0"]["scaler"]["_growth_tracker"]) == 4
