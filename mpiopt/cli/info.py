@@ -51,7 +51,7 @@ def describe_launcher() -> str:
     return f"{view.size} process(es), from {view.launcher} ({view.variable}={view.size})"
 
 
-def describe_gpu(node_rank: int) -> str:
+def describe_gpu(node_rank: int, node_size: int) -> str:
     """The GPU this rank would train on with ``--device auto`` (index, name, memory), or why none."""
     try:
         import torch
@@ -64,9 +64,11 @@ def describe_gpu(node_rank: int) -> str:
         return f"none visible ({view.described()})"
     given = local_rank()
     try:
-        device = torch.device(resolve_device("auto", "fp32", view, node_rank if given is None else given))
+        device = torch.device(resolve_device("auto", "fp32", view, node_rank if given is None else given, node_size))
     except ValueError as err:
         return f"none: {err}"
+    if device.type == "cpu":
+        return f"none: {node_size} ranks on this node, {view.count} GPU(s) visible to each (--device cuda --share-gpus shares them)"
     props = torch.cuda.get_device_properties(device)
     return f"{device} of {view.count}: {props.name}, {props.total_memory / 2**30:.1f} GiB"
 
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     topo = Topology(group_size=args.group_size)
     world = topo.world
     node = world.Split_shared("node")
-    gpus = world.allgather_obj(describe_gpu(node.rank))
+    gpus = world.allgather_obj(describe_gpu(node.rank, node.size))
     node.Free()
     places = world.allgather_obj(topo.describe())
     if args.elements < world.size:

@@ -122,9 +122,12 @@ def read_settings(args: Any, command: str) -> "tuple[TrainConfig, List[str]]":
     check = Comm(name="settings")
     try:
         config, algorithms = agree_or_fail(check, None, lambda: config_from_args(args, command))
-        from ..training.device import choose_device  # torch: not for --help
+        from ..training.device import choose_device, cuda_view  # torch: not for --help
 
-        choose_device(config.device, config.precision, config.share_gpus, check)  # --device cuda without a GPU: refused here
+        device = choose_device(config.device, config.precision, config.share_gpus, check)  # --device cuda without a GPU: refused here
+        if check.rank == 0 and device == "cpu" and config.device == "auto" and cuda_view().count:
+            print("--device auto: more ranks on this node than GPUs for them: every rank trains on the CPU "
+                  "(--device cuda --share-gpus shares the GPUs)", flush=True)
         return config, algorithms
     finally:
         check.Free()

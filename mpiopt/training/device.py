@@ -57,13 +57,13 @@ def local_rank(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
     return None
 
 
-def resolve_device(setting: str, precision: str, view: CudaView, node_rank: int, *, share: bool = False) -> str:
-    """The torch device of the rank at ``node_rank`` on its node: ``"cpu"`` or ``"cuda:i"``.
+def resolve_device(setting: str, precision: str, view: CudaView, node_rank: int, node_size: int, *, share: bool = False) -> str:
+    """The torch device of the rank at ``node_rank`` of the ``node_size`` on its node: ``"cpu"`` or ``"cuda:i"``.
 
-    ``auto`` is CUDA where ``view`` has a device.  With several visible, node
-    rank r takes device r (r % count only where ``share``); with one, every
-    rank takes it where CUDA_VISIBLE_DEVICES picked it for the rank, or where
-    ``share``.  Refusals are ValueErrors naming the values.
+    Node rank r takes device r (r % count only where ``share``); where the
+    rank sees one device picked for it by CUDA_VISIBLE_DEVICES, that one.
+    ``auto`` is the CPU where the node's ranks cannot each have a GPU.
+    Refusals are ValueErrors naming the values.
     """
     if setting not in DEVICES:
         raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {setting!r}")
@@ -74,7 +74,9 @@ def resolve_device(setting: str, precision: str, view: CudaView, node_rank: int,
     device = "cpu"
     if setting != "cpu" and view.count > 0:
         per_rank = view.count == 1 and view.visible is not None and view.visible.strip() != ""
-        if node_rank < view.count or per_rank or share:
+        if setting == "auto" and node_size > view.count and not (per_rank or share):
+            pass  # a laptop's GPU and mpiexec -n 4: every rank on the CPU, as before --device
+        elif node_rank < view.count or per_rank or share:
             device = f"cuda:{0 if per_rank else node_rank % view.count}"
         else:
             raise ValueError(f"node-local rank {node_rank} has no GPU of its own: {view.count} visible ({view.described()}); "
@@ -107,12 +109,12 @@ def choose_device(setting: str, precision: str, share: bool, comm: Any) -> str:
     from .config import agree_or_fail
 
     node = comm.Split_shared("node")
-    node_rank = node.rank
+    node_rank, node_size = node.rank, node.size
     node.Free()
 
     def resolve() -> str:
         given = local_rank()
-        return resolve_device(setting, precision, cuda_view(), node_rank if given is None else given, share=share)
+        return resolve_device(setting, precision, cuda_view(), node_rank if given is None else given, node_size, share=share)
 
     return agree_or_fail(comm, None, resolve)
 

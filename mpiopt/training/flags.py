@@ -63,7 +63,8 @@ _HELP = {
     "terminal (mpiexec passes output through pipes: ask for bar there)",
     "threads": "threads per rank for torch and mpiopt's C kernels (default: the machine's cores divided by the ranks on it; the kernels keep MPIOPT_NUM_THREADS when it is set)",
     "device": "where each rank trains: cuda (the GPU of its node-local rank: device r for local rank r, or the one "
-    "CUDA_VISIBLE_DEVICES leaves it; refused where none is visible), cpu, or auto: cuda where a GPU is visible (docs/gpu.md)",
+    "CUDA_VISIBLE_DEVICES leaves it; refused where none is visible), cpu, or auto: cuda where every rank of the node can "
+    "have a GPU of its own, else cpu (docs/gpu.md)",
     "precision": "autocast of the forward pass: fp32 (none), bf16 (bfloat16, CPU or GPU), fp16 (float16 with "
     "mpiopt.torch.GradScaler, GPU only); parameters and exchanges stay float32; a resume keeps the checkpoint's",
     "share_gpus": "let several node-local ranks share a GPU (local rank r takes device r modulo the GPUs it sees); "
