@@ -393,9 +393,9 @@ class _Run:
             clip(self.config.clip_grad_norm, opt, self.model)
             opt.step(loss=loss)
             return
-        if self.config.clip_grad_norm is not None:
-            scaler.unscale_(opt.optimizer if self.algorithm == DDP else opt)  # before the exchange (docs/torch.md)
-            clip(self.config.clip_grad_norm, opt, self.model)
+        # Unscaled before any exchange: topk's error feedback keeps what it did not send in the units sent (docs/torch.md).
+        scaler.unscale_(opt.optimizer if self.algorithm == DDP else opt)
+        clip(self.config.clip_grad_norm, opt, self.model)
         if self.algorithm == DDP:
             opt.step(loss=loss)  # the baseline steps its optimizer through the scaler
         else:
