@@ -393,9 +393,13 @@ class _Run:
             clip(self.config.clip_grad_norm, opt, self.model)
             opt.step(loss=loss)
             return
-        # Unscaled before any exchange: topk's error feedback keeps what it did not send in the units sent (docs/torch.md).
+        # Unscaled before the exchange (topk's error feedback keeps what it did not send in the units sent), except where
+        # backward sent the gradient already (sgd's overlap at 2 ranks or more): its sum is unscaled then (docs/torch.md).
+        overlapped = self.algorithm != DDP and opt.algorithm.overlaps_backward and self.topology.size > 1
+        if overlapped:
+            opt.synchronize()
         scaler.unscale_(opt.optimizer if self.algorithm == DDP else opt)
-        clip(self.config.clip_grad_norm, opt, self.model)
+        clip(self.config.clip_grad_norm, opt, self.model, synchronized=overlapped)
         if self.algorithm == DDP:
             opt.step(loss=loss)  # the baseline steps its optimizer through the scaler
         else:

@@ -104,9 +104,9 @@ for part, resume in parts:
 """
 
 
-@pytest.mark.parametrize("algorithm, ranks", [("topk", 2), ("ddp", 1)])
+@pytest.mark.parametrize("algorithm, ranks", [("sgd", 2), ("topk", 2), ("ddp", 1)])
 def test_fp16_steps_through_the_scaler_and_resumes_with_its_state(tmp_path, algorithm, ranks):
-    """topk: the gradient is unscaled before its exchange (its error feedback would keep scaled values)."""
+    """sgd at 2 ranks: backward sent the scaled gradient (overlap), unscaled once summed; topk: unscaled before its exchange."""
     code, output, _ = run_mpi(ranks, ["-c", FP16, str(tmp_path), algorithm], timeout=180)
     assert code == 0, output
     if algorithm == "ddp":
