@@ -1,7 +1,8 @@
 """``mpiopt info``: what this job looks like to mpiopt.
 
 Prints the launcher's count of processes beside MPI's world, the topology (groups, leaders, hosts, each rank's wait policy),
-whether the MPI library is GPU-aware and why we think so, and the bytes each
+whether the MPI library is GPU-aware and why we think so (GPU buffers then go to MPI directly, else through
+host memory), the GPU each rank would train on (``--device auto``; docs/gpu.md), and the bytes each
 wrapped collective puts on the wire for a buffer of the given size (from the
 ledger, summed over ranks).
 """
@@ -50,9 +51,41 @@ def describe_launcher() -> str:
     return f"{view.size} process(es), from {view.launcher} ({view.variable}={view.size})"
 
 
+def describe_gpu(node_rank: int, node_size: int) -> str:
+    """The GPU this rank would train on with ``--device auto`` (index, name, memory), or why none."""
+    try:
+        import torch
+
+        from ..training.device import cuda_view, local_rank, resolve_device
+    except ImportError:
+        return "none: torch is not installed"
+    view = cuda_view()
+    if view.count == 0:
+        return f"none visible ({view.described()})"
+    given = local_rank()
+    try:
+        device = torch.device(resolve_device("auto", "fp32", view, node_rank if given is None else given, node_size))
+    except ValueError as err:
+        return f"none: {err}"
+    if device.type == "cpu":
+        return f"none: {node_size} ranks on this node, {view.count} GPU(s) visible to each (--device cuda --share-gpus shares them)"
+    props = torch.cuda.get_device_properties(device)
+    return f"{device} of {view.count}: {props.name}, {props.total_memory / 2**30:.1f} GiB"
+
+
+def describe_staging(aware: bool, reason: str) -> str:
+    """Where GPU buffers go for MPI, and why mpiopt thinks so (:func:`mpiopt.comm.buffers.gpu_aware_mpi`'s answer)."""
+    if aware:
+        return f"handed to MPI directly (CUDA-aware, from {reason})"
+    return f"staged through pinned host memory (MPI not CUDA-aware: {reason}; MPIOPT_GPU_AWARE=1 overrides)"
+
+
 def run(args: argparse.Namespace) -> int:
     topo = Topology(group_size=args.group_size)
     world = topo.world
+    node = world.Split_shared("node")
+    gpus = world.allgather_obj(describe_gpu(node.rank, node.size))
+    node.Free()
     places = world.allgather_obj(topo.describe())
     if args.elements < world.size:
         raise ValueError(f"--elements must be at least the number of ranks ({world.size}), got {args.elements}")
@@ -65,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"mpiopt info: {world.size} rank(s), MPI: {MPI.Get_library_version().splitlines()[0].strip()}")
         print(f"launcher: {describe_launcher()}")
         print(f"GPU-aware MPI: {'yes' if topo.gpu_aware else 'no'} ({world.gpu_aware_reason})")
+        print(f"GPU buffers: {describe_staging(topo.gpu_aware, world.gpu_aware_reason)}")
         print(f"groups: {topo.num_groups}" + (f" of at most {topo.group_size_setting} ranks (emulated)" if topo.group_size_setting else " (one per node)"))
         print()
         print("| rank | host | group | rank in group | leader | wait policy |")
@@ -75,6 +109,11 @@ def run(args: argparse.Namespace) -> int:
                 f"| {'yes' if p['is_leader'] else ''} | {p['wait_policy']} |"
             )
         print(f"(wait policy: how a rank waits for a nonblocking operation; {WAIT_POLICY_ENV}={'|'.join(WAIT_POLICIES)}, see mpiopt.comm.waiting)")
+        print()
+        print("| rank | GPU (--device auto) |")
+        print("|---:|---|")
+        for rank, gpu in enumerate(gpus):
+            print(f"| {rank} | {gpu} |")
         print()
         print(totals.table(f"bytes on the wire per collective, summed over ranks ({args.elements} float32 values = {4 * args.elements} bytes; {elapsed:.3f} s)"))
     topo.Free()

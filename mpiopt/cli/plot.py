@@ -15,7 +15,7 @@ import math
 import os
 from typing import Any, List, Optional, Sequence, Tuple
 
-from ..training.config import UsageError
+from ..training.config import TEXT_TARGET_LOSS, UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="folder for the figures and results.md (created if missing)")
     parser.add_argument("--target-accuracy", type=float, default=0.9, metavar="X", help="test accuracy for the to-target columns (default: 0.9)")
     parser.add_argument("--target-loss", type=float, default=None, metavar="X",
-                        help="test loss for the to-target columns instead of --target-accuracy (the table then shows the test loss too)")
+                        help="test loss for the to-target columns instead of --target-accuracy (the table then shows the test loss too; "
+                        f"default for language models: {TEXT_TARGET_LOSS:g})")
     parser.add_argument("--budget-seconds", type=float, default=None, metavar="T",
                         help="add a column: the test loss at the last evaluation within T seconds of training (default: none)")
     parser.add_argument("--baseline", default=None, metavar="ALGORITHM",
@@ -39,11 +40,13 @@ def write_report(
 
     With ``groups`` (the runs again, one list per algorithm of its repeats) the
     table has one row per algorithm: medians over the repeats and their ranges.
-    A ``target_loss`` replaces ``target_accuracy`` as the target; ``budget_seconds`` adds the loss within that budget;
+    A ``target_loss`` replaces ``target_accuracy`` as the target (language models: default ``TEXT_TARGET_LOSS``); ``budget_seconds`` adds the loss within that budget;
     ``baseline`` (an algorithm among the runs) adds each run's speed-up to the target over it, from the same seed.
     """
     from ..metrics import add_speedups, markdown_table, plot_runs, repeats_table, summarize
 
+    if target_loss is None and runs and all(any("bits_per_byte" in e for e in run.evals) for run in runs):
+        target_loss = TEXT_TARGET_LOSS  # language models: a loss to reach, not a next-byte accuracy
     target = dict(target_accuracy=target_accuracy) if target_loss is None else dict(target_loss=target_loss)
     target["budget_seconds"] = budget_seconds
     summaries = [[summarize(run, **target) for run in group] for group in (groups or [runs])]

@@ -115,12 +115,20 @@ def _hyperparameter_tables(config: TrainConfig, algorithms: List[str]) -> Dict[s
 def read_settings(args: Any, command: str) -> "tuple[TrainConfig, List[str]]":
     """The command's settings, read and checked on every rank and agreed (a collective call).
 
-    A check that fails on some ranks only (a folder missing on one node) fails
-    on every rank with the same message, before any rank waits in a collective.
+    A check that fails on some ranks only (a folder missing on one node, a GPU
+    missing for ``--device cuda``) fails on every rank with the same message,
+    before any rank waits in a collective of the run.
     """
     check = Comm(name="settings")
     try:
-        return agree_or_fail(check, None, lambda: config_from_args(args, command))
+        config, algorithms = agree_or_fail(check, None, lambda: config_from_args(args, command))
+        from ..training.device import choose_device, cuda_view  # torch: not for --help
+
+        device = choose_device(config.device, config.precision, config.share_gpus, check)  # --device cuda without a GPU: refused here
+        if check.rank == 0 and device == "cpu" and config.device == "auto" and cuda_view().count:
+            print("--device auto: more ranks on this node than GPUs for them: every rank trains on the CPU "
+                  "(--device cuda --share-gpus shares the GPUs)", flush=True)
+        return config, algorithms
     finally:
         check.Free()
 

@@ -1,4 +1,4 @@
-"""One line per run: accuracy reached, time and bytes it took, where the time went (the five fractions add up to 1).
+"""One line per run: accuracy reached (a language model's loss, bits per byte and perplexity), time and bytes it took, where the time went (the five fractions add up to 1).
 
 Fields and the time split: docs/internals-metrics.md, "Summaries".
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .records import Run
 
@@ -41,6 +41,7 @@ def summarize(run: Run, *, target_accuracy: Optional[float] = None, target_loss:
     latest = [r for r in (run.end, run.steps[-1] if run.steps else None, run.evals[-1] if run.evals else None) if r]
     accuracies = [e["test_accuracy"] for e in run.evals if e.get("test_accuracy") is not None]
     losses = [e["test_loss"] for e in run.evals if e.get("test_loss") is not None]
+    bits = [e for e in run.evals if e.get("bits_per_byte") is not None]  # a language model's evaluations
     reached = None
     if target_accuracy is not None:
         reached = next((e for e in run.evals if (e.get("test_accuracy") or 0.0) >= target_accuracy), None)
@@ -55,6 +56,9 @@ def summarize(run: Run, *, target_accuracy: Optional[float] = None, target_loss:
         "best_accuracy": max(accuracies) if accuracies else None,
         "final_loss": losses[-1] if losses else None,
         "best_loss": min(losses) if losses else None,
+        "language_model": bool(bits),
+        "final_bits_per_byte": bits[-1]["bits_per_byte"] if bits else None,
+        "final_perplexity": math.exp(min(bits[-1]["test_loss"], 700.0)) if bits else None,
         "target_accuracy": target_accuracy,
         "target_loss": target_loss,
         "time_to_target": None if reached is None else reached["wall_seconds"],
@@ -141,16 +145,30 @@ def _by_loss(summaries: Sequence[Dict[str, Any]]) -> bool:
     return any(s.get("target_loss") is not None for s in summaries)
 
 
+def _perplexity(value: Optional[float]) -> str:
+    return _MISSING if value is None else f"{value:.2f}"
+
+
+def _quality(summaries: Sequence[Dict[str, Any]]) -> List[Tuple[str, str, Callable[[Optional[float]], str]]]:
+    """(column, summary key, format) of the columns of what a run reached.
+
+    A language model's: its test loss, in bits per byte and as a perplexity (its next-byte accuracy says little).
+    """
+    loss = [("final loss", "final_loss", _loss), ("best loss", "best_loss", _loss)]
+    if summaries and all(s.get("language_model") for s in summaries):
+        return loss + [("bits per byte", "final_bits_per_byte", _loss), ("perplexity", "final_perplexity", _perplexity)]
+    return [("final accuracy", "final_accuracy", _percent), ("best accuracy", "best_accuracy", _percent)] + (loss if _by_loss(summaries) else [])
+
+
 def _header(summaries: Sequence[Dict[str, Any]], *, repeats: bool) -> List[str]:
     """The columns of :func:`markdown_table` (``repeats``: of :func:`repeats_table`); the target named where all share one."""
+    quality = [column for column, _, _ in _quality(summaries)]
     if _by_loss(summaries):
         targets = {s["target_loss"] for s in summaries if s.get("target_loss") is not None}
         target = f" loss {targets.pop():g}" if len(targets) == 1 else ""
-        quality = ["final accuracy", "best accuracy", "final loss", "best loss"]
     else:
         targets = {s["target_accuracy"] for s in summaries if s["target_accuracy"] is not None}
         target = f" {_percent(targets.pop())}" if len(targets) == 1 else ""
-        quality = ["final accuracy", "best accuracy"]
     budgets = {s["budget_seconds"] for s in summaries if s.get("budget_seconds") is not None}
     budget = [f"loss at {budgets.pop():g} s" if len(budgets) == 1 else "loss at budget"] if budgets else []
     return (["algorithm"] + (["repeats"] if repeats else []) + quality + budget
@@ -162,15 +180,13 @@ def _header(summaries: Sequence[Dict[str, Any]], *, repeats: bool) -> List[str]:
 
 def markdown_table(summaries: Sequence[Dict[str, Any]]) -> str:
     """A Markdown table of :func:`summarize` results, one row per run; "—" where a run never reached the target."""
-    losses = _by_loss(summaries)
+    quality = _quality(summaries)
     budgeted = any(s.get("budget_seconds") is not None for s in summaries)
     faster = any(s.get("speedup_over") for s in summaries)
     header = _header(summaries, repeats=False)
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for s in summaries:
-        row: List[str] = [str(s["algorithm"]), _percent(s["final_accuracy"]), _percent(s["best_accuracy"])]
-        if losses:
-            row += [_loss(s["final_loss"]), _loss(s["best_loss"])]
+        row: List[str] = [str(s["algorithm"])] + [form(s.get(key)) for _, key, form in quality]
         if budgeted:
             row.append(_loss(s["loss_at_budget"]))
         row += [
@@ -208,7 +224,7 @@ def format_spread(values: Sequence[Optional[float]], formatter: Callable[[Option
 def repeats_table(groups: Sequence[Sequence[Dict[str, Any]]]) -> str:
     """A Markdown table of repeated runs, one row per algorithm: each column's median over its repeats and their range."""
     every = [s for g in groups for s in g]
-    losses = _by_loss(every)
+    quality = _quality(every)
     budgeted = any(s.get("budget_seconds") is not None for s in every)
     faster = any(s.get("speedup_over") for s in every)
     header = _header(every, repeats=True)
@@ -216,14 +232,8 @@ def repeats_table(groups: Sequence[Sequence[Dict[str, Any]]]) -> str:
     steps = lambda v: _MISSING if v is None else f"{v:g}"  # noqa: E731
     for group in groups:
         column = lambda key: [s[key] for s in group]  # noqa: E731
-        row: List[str] = [
-            str(group[0]["algorithm"]),
-            str(len(group)),
-            format_spread(column("final_accuracy"), _percent),
-            format_spread(column("best_accuracy"), _percent),
-        ]
-        if losses:
-            row += [format_spread(column("final_loss"), _loss), format_spread(column("best_loss"), _loss)]
+        row: List[str] = [str(group[0]["algorithm"]), str(len(group))]
+        row += [format_spread([s.get(key) for s in group], form) for _, key, form in quality]
         if budgeted:
             row.append(format_spread(column("loss_at_budget"), _loss))
         row += [

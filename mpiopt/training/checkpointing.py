@@ -55,6 +55,19 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().cpu().numpy().copy()
 
 
+def _rng_state(device: torch.device) -> Dict[str, np.ndarray]:
+    """The generators a rank draws from: torch's, and on a GPU the device's too."""
+    state = {"torch": torch.get_rng_state().numpy().copy()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device).numpy().copy()
+    return state
+
+
+def _scaler_state(scaler: torch.amp.GradScaler) -> Dict[str, np.ndarray]:
+    """``--precision fp16``'s scaler (its scale and growth count: a resume continues them) as numbers."""
+    return {key: np.array(value) for key, value in scaler.state_dict().items()}
+
+
 @dataclass(frozen=True)
 class CheckpointPlan:
     """What a run's checkpoints do (``--checkpoint-every``, ``--checkpoint-dir``, ``--keep-checkpoints``, ``--resume``...).
@@ -86,9 +99,10 @@ class Checkpointer:
     """
 
     def __init__(self, plan: CheckpointPlan, algorithm: str, topology: Topology, model: torch.nn.Module, opt: DistributedOptimizer,
-                 batches_per_epoch: int) -> None:
+                 batches_per_epoch: int, scaler: Optional[torch.amp.GradScaler] = None) -> None:
         self.plan, self.algorithm, self.topology = plan, algorithm, topology
-        self.model, self.opt, self.batches_per_epoch = model, opt, batches_per_epoch
+        self.model, self.opt, self.batches_per_epoch, self.scaler = model, opt, batches_per_epoch, scaler
+        self.device = next(model.parameters()).device
         self.directory = plan.directory
         self.enabled = bool(plan.every or plan.resume)
         #: The metrics' running totals (:data:`COUNTERS`) the resumed run starts from; zeros without a resume.
@@ -123,6 +137,7 @@ class Checkpointer:
             "num_groups": self.topology.num_groups,
             "group_size": self.topology.group.size,
             "model_signature": model_signature(self.model),
+            "precision": self.plan.settings.get("precision", "fp32"),
             "config": dict(self.plan.settings),
             "versions": versions(),
         }
@@ -140,7 +155,8 @@ class Checkpointer:
             "algorithm": self.opt.algorithm.state_dict(),
             **({"inner": inner_state(self.opt.inner)} if self.opt.inner is not None else {}),
             "buffers": {name: _numpy(b) for name, b in self.model.named_buffers()},
-            "rng": {"torch": torch.get_rng_state().numpy().copy()},
+            "rng": _rng_state(self.device),
+            **({"scaler": _scaler_state(self.scaler)} if self.scaler is not None else {}),
             "step": step,
         }
         path = checkpoint_path(self.directory, step)
@@ -213,6 +229,10 @@ class Checkpointer:
                 buffer.copy_(torch.from_numpy(state["buffers"][name]))
         if state["rng"] is not None:
             torch.set_rng_state(torch.from_numpy(state["rng"]["torch"]))
+            if self.device.type == "cuda" and "cuda" in state["rng"]:  # dropout on the GPU draws from the device's generator
+                torch.cuda.set_rng_state(torch.from_numpy(state["rng"]["cuda"]), self.device)
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict({key: np.asarray(value).item() for key, value in state["scaler"].items()})
         step = int(ckpt.attrs["step"])
         self.counters = {name: ckpt.attrs.get(name, self.counters[name]) for name in COUNTERS}
         if world.rank == 0:

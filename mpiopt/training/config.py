@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from ..comm import Comm
     from ..comm.communicator import Failure
 
-__all__ = ["agree_or_fail", "TrainConfig", "UsageError", "training_defaults", "DDP", "DEFAULT_EPOCHS"]
+__all__ = ["agree_or_fail", "TrainConfig", "UsageError", "training_defaults", "DDP", "DEFAULT_EPOCHS", "TEXT_TARGET_LOSS"]
 
 
 class UsageError(ValueError):
@@ -48,6 +48,8 @@ MODELS = ("mlp", "cnn", "resnet20", "gpt")
 #: The transformer's sizes (:mod:`mpiopt.tasks.gpt`): settings of ``--model gpt`` only.
 GPT_SIZES = ("n_layer", "n_embd", "n_head", "block_size")
 DEFAULT_EPOCHS = 20
+#: The text task's default ``--target-loss`` (nats, 3.6 bits per byte): the headline comparison's target (docs/headline.md).
+TEXT_TARGET_LOSS = 2.5
 PROGRESS_MODES = ("auto", "bar", "lines")
 #: ``--optimizer`` choices (:mod:`.optimizers` makes them) and ``--no-decay-on`` kinds.
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
@@ -86,6 +88,9 @@ class TrainConfig:
     log_every: Optional[int] = None
     progress: str = "auto"
     threads: Optional[int] = None
+    device: str = "auto"
+    precision: str = "fp32"
+    share_gpus: bool = False
     trace: Optional[str] = None
     out: Optional[str] = None
     checkpoint_every: Optional[int] = None
@@ -176,6 +181,12 @@ class TrainConfig:
         _positive("threads", self.threads, integer=True)
         _positive("checkpoint_every", self.checkpoint_every, integer=True)
         _positive("keep_checkpoints", self.keep_checkpoints, integer=True)
+        from .device import DEVICES, PRECISIONS
+
+        if self.device not in DEVICES:
+            raise UsageError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.progress not in PROGRESS_MODES:
             raise UsageError(f"progress must be one of {', '.join(PROGRESS_MODES)}, got {self.progress!r}")
         if not (0.0 <= self.dropout < 1.0):
@@ -234,6 +245,9 @@ class TrainConfig:
             cls = algorithm_class(name)
             if cls.protocol == ASYNCHRONOUS and (self.clip_grad_norm or self.warmup_steps):
                 raise UsageError(f"{name} is asynchronous: --clip-grad-norm and --warmup-steps act between synchronous steps")
+            if cls.protocol == ASYNCHRONOUS and self.precision == "fp16":
+                raise UsageError(f"{name} is asynchronous: its workers take no gradient scaler's step, which --precision fp16 "
+                                 "needs; use bf16")
 
     def _check_types(self) -> None:
         """Each setting of the type its field declares (values from a TOML file arrive unchecked)."""

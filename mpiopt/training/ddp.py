@@ -1,4 +1,4 @@
-"""The ``ddp`` baseline of ``mpiopt train`` and ``compare``: torch ``DistributedDataParallel`` on gloo.
+"""The ``ddp`` baseline of ``mpiopt train`` and ``compare``: torch ``DistributedDataParallel`` on gloo (NCCL on GPUs).
 
 What users run today, trained by the same loop as the mpiopt algorithms so
 that one ``compare`` puts them side by side.  Its bytes are an estimate and its
@@ -43,8 +43,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_gloo(topology: Topology) -> None:
-    """Start a torch.distributed gloo group over the MPI world (ranks, size and rank 0's port from MPI)."""
+def init_gloo(topology: Topology, backend: str = "gloo") -> None:
+    """Start a torch.distributed group (gloo; nccl for GPUs) over the MPI world (ranks, size and rank 0's port from MPI)."""
     hosts = topology.world.allgather_obj(socket.gethostname())
     one_host = len(set(hosts)) == 1
     if one_host:
@@ -52,7 +52,7 @@ def init_gloo(topology: Topology) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     address = "127.0.0.1" if one_host else hosts[0]
     port = topology.world.bcast_obj(_free_port() if topology.rank == 0 else None)
-    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=topology.rank, world_size=topology.size)
+    dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=topology.rank, world_size=topology.size)
     # Ended while the interpreter is still whole: gloo's worker threads torn down during its finalization can
     # abort the process ("terminate called without an active exception", pytorch/pytorch#190489).
     atexit.register(_destroy_gloo)
@@ -71,16 +71,23 @@ class DDPBaseline:
     ``torch.optim.SGD`` with ``hyper`` (checked before any communication).
     """
 
-    def __init__(self, model: torch.nn.Module, topology: Topology, optimizer: Optional[torch.optim.Optimizer] = None, **hyper: Any) -> None:
+    def __init__(self, model: torch.nn.Module, topology: Topology, optimizer: Optional[torch.optim.Optimizer] = None,
+                 scaler: Optional[torch.amp.GradScaler] = None, **hyper: Any) -> None:
         # Bad keywords fail here, on every rank alike.
         self.optimizer = optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), **hyper)
+        self.scaler = scaler  # --precision fp16: torch's scaler (DDP's averaged gradient carries an overflow to every rank)
+        device = next(model.parameters()).device
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if dist.is_initialized() and dist.get_backend() != backend:
+            dist.destroy_process_group()  # a job's runs share one device, so this is a library user's other group
         if not dist.is_initialized():
-            init_gloo(topology)
+            init_gloo(topology, backend)
         with warnings.catch_warnings():
             # torch 2.13 deprecates broadcast_buffers, but its replacement still syncs at set-up.
             warnings.filterwarnings("ignore", message=".*broadcast_buffers", category=FutureWarning)
             # mpiopt averages BatchNorm statistics before evaluations only: so does the baseline.
-            self.network = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+            ids = [device.index] if device.type == "cuda" else None
+            self.network = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
         gradient_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
         self._bytes = gradient_bytes if topology.size > 1 else 0  # at one rank a collective moves nothing
         self.steps = 0
@@ -101,7 +108,10 @@ class DDPBaseline:
     def step(self, loss: Any = None) -> None:
         """Apply the mean gradient (already averaged by DDP during ``backward``)."""
         started = time.perf_counter()
-        self.optimizer.step()
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            self.scaler.step(self.optimizer)
         self.steps += 1
         self.last = StepRecord(self.steps, loss_value(loss), self._bytes, self._bytes, 0.0, 0.0, time.perf_counter() - started)
 

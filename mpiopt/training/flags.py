@@ -21,7 +21,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from .config import DDP, DEFAULT_EPOCHS, TrainConfig, UsageError, training_defaults
+from .config import DDP, DEFAULT_EPOCHS, TEXT_TARGET_LOSS, TrainConfig, UsageError, training_defaults
 
 __all__ = ["add_config_arguments", "config_from_args", "command_settings", "dump_toml", "hyperparameter_help", "evaluated_help"]
 
@@ -56,12 +56,19 @@ _HELP = {
     "eval_every": "evaluate on the test split every N steps (default: 10 times per run, and at the end)",
     "target_accuracy": "test accuracy for the time-to-target and bytes-to-target columns",
     "target_loss": "test loss for those columns instead of --target-accuracy: the first evaluation at or below it (for "
-    "--dataset text, where the loss is what matters; the table then shows the test loss too; default: none, the accuracy "
-    "target)",
+    "--dataset text, where the loss is what matters; the table then shows the test loss too; default: 2.5 for --dataset "
+    "text, 3.6 bits per byte; else none, the accuracy target)",
     "log_every": "plain progress line every N steps when the output is not a terminal (default: --eval-every)",
     "progress": "progress on rank 0: bar (redrawn in place), lines (plain lines, for logs), or auto: a bar when the output is a "
     "terminal (mpiexec passes output through pipes: ask for bar there)",
     "threads": "threads per rank for torch and mpiopt's C kernels (default: the machine's cores divided by the ranks on it; the kernels keep MPIOPT_NUM_THREADS when it is set)",
+    "device": "where each rank trains: cuda (the GPU of its node-local rank: device r for local rank r, or the one "
+    "CUDA_VISIBLE_DEVICES leaves it; refused where none is visible), cpu, or auto: cuda where every rank of the node can "
+    "have a GPU of its own, else cpu (docs/gpu.md)",
+    "precision": "autocast of the forward pass: fp32 (none), bf16 (bfloat16, CPU or GPU), fp16 (float16 with "
+    "mpiopt.torch.GradScaler, GPU only); parameters and exchanges stay float32; a resume keeps the checkpoint's",
+    "share_gpus": "let several node-local ranks share a GPU (local rank r takes device r modulo the GPUs it sees); "
+    "default: more ranks on a node than GPUs is refused",
     "trace": "write every rank's phases (compute, algorithm, communication, operations in flight) to this Chrome/Perfetto trace file (default: no trace)",
     "out": "folder for everything the run writes (default: runs/<command>-<date>-<time>)",
     "checkpoint_every": "write a checkpoint every N steps and at the end (default: no checkpoints)",
@@ -234,6 +241,8 @@ def config_from_args(args: argparse.Namespace, command: str) -> "tuple[TrainConf
         value = getattr(config, f.name)
         if value is not None and f.name in ("epochs", "dropout", "target_accuracy", "target_loss", "lr", "clip_grad_norm") and isinstance(value, int) and not isinstance(value, bool):
             setattr(config, f.name, float(value))  # TOML's 1 where 1.0 was meant
+    if config.dataset == "text" and config.target_loss is None:
+        config.target_loss = TEXT_TARGET_LOSS  # a language model's target is a loss, not the next byte's accuracy
     if command == "train":
         algorithms = [config.algorithm]
     config.validate(algorithms)

@@ -32,6 +32,7 @@ from ..torch.threads import set_threads
 from .checkpointing import COUNTERS, CheckpointPlan, Checkpointer, Interrupted
 from .config import DDP, DEFAULT_EPOCHS, TrainConfig, UsageError, agree_or_fail
 from .ddp import NOTES, DDPBaseline
+from .device import autocast, choose_device, use_device, uses_scaler
 from .optimizers import OptimizerSettings, clip, inner_optimizer, schedule
 from .progress import Progress
 
@@ -62,16 +63,17 @@ def _set_threads(config: TrainConfig, world: Comm) -> None:
 class _Evaluator:
     """The test-set evaluation of a run (collective): each rank a slice, sums over the ranks."""
 
-    def __init__(self, model: torch.nn.Module, dataset: ImageDataset | TextDataset, world: Comm, source: str) -> None:
-        self.world = world
+    def __init__(self, model: torch.nn.Module, dataset: ImageDataset | TextDataset, world: Comm, source: str, precision: str) -> None:
+        self.world, self.precision = world, precision
+        device = next(model.parameters()).device
         self.bits_per_byte = getattr(dataset, "byte_level", False)  # byte tokens: the loss in bits per byte as well
         self.eval_batch = getattr(dataset, "eval_batch", EVAL_BATCH)
-        self.x = torch.from_numpy(dataset.x_test[world.rank :: world.size])
-        self.y = torch.from_numpy(dataset.y_test[world.rank :: world.size])
+        self.x = torch.from_numpy(dataset.x_test[world.rank :: world.size]).to(device)
+        self.y = torch.from_numpy(dataset.y_test[world.rank :: world.size]).to(device)
         # A second model only where another set of parameters than this rank's is evaluated.
         self.source = source
         self.copy = None if source == "own" else copy.deepcopy(model)
-        self._flat = None if source == "own" else torch.empty(sum(p.numel() for p in model.parameters()), dtype=next(model.parameters()).dtype)
+        self._flat = None if source == "own" else torch.empty(sum(p.numel() for p in model.parameters()), dtype=next(model.parameters()).dtype, device=device)
 
     @torch.no_grad()
     def __call__(self, model: torch.nn.Module, flat: Optional[torch.Tensor], train_losses: List[float]) -> Dict[str, float]:
@@ -96,7 +98,8 @@ class _Evaluator:
         sums = np.zeros(5, dtype=np.float64)  # test loss, correct, count, train loss sum, train count
         for start in range(0, len(self.y), self.eval_batch):
             x, y = self.x[start : start + self.eval_batch], self.y[start : start + self.eval_batch]
-            logits = evaluated(x)
+            with autocast(x.device, self.precision):
+                logits = evaluated(x)
             sums[0] += float(_loss(logits, y, reduction="sum"))
             sums[1] += float((logits.argmax(-1) == y).sum())  # text: next-token accuracy over every position
             sums[2] += y.numel()
@@ -111,6 +114,7 @@ class _Evaluator:
         }
         if self.bits_per_byte:
             result["bits_per_byte"] = result["test_loss"] / math.log(2)
+            result["perplexity"] = math.exp(min(result["test_loss"], 700.0))  # exp(700) still a float
         return result
 
 
@@ -154,37 +158,52 @@ def train(
     *,
     stream: Optional[Any] = sys.stdout,
     on_start: Optional[Callable[[], None]] = None,
+    device: Optional[str] = None,
 ) -> Optional[str]:
     """Train ``algorithm`` on ``dataset`` (from :func:`load_data`) as ``config`` says, writing to ``out_dir`` (collective).
 
     ``on_start`` is called once a resume was accepted (``train`` saves its
     settings then, so a refused resume leaves ``config.toml`` as it was).
+    ``device``: this rank's (``"cuda:1"``); default: ``config.device`` resolved here.
     Returns the metrics file's path on rank 0, None elsewhere.
     """
     world = topology.world
     config = config.for_algorithm(algorithm)
+    device = device or choose_device(config.device, config.precision, config.share_gpus, world)
+    use_device(device)
     _set_threads(config, world)
     torch.manual_seed(config.seed)
     sizes = {k: v for k, v in config.gpt_sizes().items() if k != "block_size"}  # the block size is the dataset's windows'
     model = build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, width=config.width, dropout=config.dropout, **sizes)
+    model.to(device)  # before the optimizers: their flat buffers and state are made where the parameters are
     hyper = config.algorithm_hyperparameters(algorithm)
-    opt = _optimizer(algorithm, model, topology, hyper, inner_optimizer(OptimizerSettings.of(config), model))
+    scaler = _scaler(algorithm, device) if uses_scaler(config.precision) else None
+    opt = _optimizer(algorithm, model, topology, hyper, inner_optimizer(OptimizerSettings.of(config), model), scaler)
     broadcast_module(model, topology)
     torch.manual_seed(config.seed + 1 + world.rank)  # dropout differs between ranks, reproducibly
     if world.rank == 0:
         os.makedirs(out_dir, exist_ok=True)
     world.Barrier()
     with ExitStack() as cleanup:
-        run = _Run(config, algorithm, topology, dataset, model, opt, hyper, out_dir, stream, cleanup, on_start)
+        run = _Run(config, algorithm, topology, dataset, model, opt, hyper, out_dir, stream, cleanup, on_start, scaler)
         end = run.asynchronous() if run.is_asynchronous else run.synchronous()
         return run.close_records(end)
 
 
-def _optimizer(algorithm: str, model: torch.nn.Module, topology: Topology, hyper: Dict[str, Any], inner: Any) -> Any:
+def _scaler(algorithm: str, device: str) -> torch.amp.GradScaler:
+    """``--precision fp16``'s gradient scaler: torch's for the ddp baseline, else mpiopt's (its overflow check agreed by the ranks)."""
+    if algorithm == DDP:
+        return torch.amp.GradScaler(torch.device(device).type)
+    from ..torch import GradScaler
+
+    return GradScaler(torch.device(device).type)
+
+
+def _optimizer(algorithm: str, model: torch.nn.Module, topology: Topology, hyper: Dict[str, Any], inner: Any, scaler: Any) -> Any:
     """The run's optimizer (DDP's baseline or a :class:`DistributedOptimizer`, over ``inner`` if given), validated before any communication."""
     try:  # every rank fails alike
         if algorithm == DDP:
-            return DDPBaseline(model, topology, optimizer=inner, **({} if inner is not None else hyper))
+            return DDPBaseline(model, topology, optimizer=inner, scaler=scaler, **({} if inner is not None else hyper))
         return DistributedOptimizer(model.parameters(), algorithm, topology=topology, inner=inner, **hyper)
     except (TypeError, ValueError) as err:
         raise UsageError(f"{algorithm}: {err}") from None
@@ -196,7 +215,9 @@ class _Batches:
     An asynchronous run's shards are the workers' (world ranks 1..P-1).
     """
 
-    def __init__(self, dataset: ImageDataset | TextDataset, batch_size: int, seed: int, augment: bool, world: Comm, asynchronous: bool) -> None:
+    def __init__(self, dataset: ImageDataset | TextDataset, batch_size: int, seed: int, augment: bool, world: Comm, asynchronous: bool,
+                 device: torch.device) -> None:
+        self.device = device
         workers = max(1, world.size - 1) if asynchronous else world.size
         self.worker_rank = max(0, world.rank - 1) if asynchronous else world.rank
         self.windows = None
@@ -208,6 +229,10 @@ class _Batches:
         self.x, self.y = torch.from_numpy(dataset.x_train), torch.from_numpy(dataset.y_train)
 
     def __call__(self, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        x, y = self._host(step)
+        return x.to(self.device), y.to(self.device)
+
+    def _host(self, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
         if self.windows is not None:
             return self.windows(step)
         index = self.sampler.indices(step)
@@ -240,22 +265,25 @@ class _Run:
     def __init__(
         self, config: TrainConfig, algorithm: str, topology: Topology, dataset: ImageDataset | TextDataset, model: torch.nn.Module, opt: Any,
         hyper: Dict[str, Any], out_dir: str, stream: Optional[Any], cleanup: ExitStack, on_start: Optional[Callable[[], None]],
+        scaler: Optional[torch.amp.GradScaler],
     ) -> None:
         self.config, self.algorithm, self.topology, self.model, self.opt, self.out_dir = config, algorithm, topology, model, opt, out_dir
+        self.device, self.scaler = next(model.parameters()).device, scaler
         world = topology.world
         self.is_asynchronous = algorithm != DDP and algorithm_class(algorithm).protocol == ASYNCHRONOUS
         self.network = opt.network if algorithm == DDP else model  # the forward pass through DDP: its hooks average the gradient
-        self.batches = _Batches(dataset, config.batch_size, config.seed, config.augment, world, self.is_asynchronous)
+        self.batches = _Batches(dataset, config.batch_size, config.seed, config.augment, world, self.is_asynchronous, self.device)
         self.batches_per_epoch = self.batches.sampler.batches_per_epoch
         self.steps = config.steps or max(1, math.ceil((config.epochs or DEFAULT_EPOCHS) * self.batches_per_epoch))
         self.eval_every = config.eval_every or max(1, self.steps // 10)
-        self.checkpoints = Checkpointer(CheckpointPlan.of(config, out_dir), algorithm, topology, model, opt, self.batches_per_epoch)
+        self.checkpoints = Checkpointer(CheckpointPlan.of(config, out_dir), algorithm, topology, model, opt, self.batches_per_epoch, scaler)
         cleanup.callback(self.checkpoints.close)  # signal handlers restored however the run ends
         self.start = self.checkpoints.resume()
         if on_start is not None:
             on_start()
         reporter = world.rank == (1 if self.is_asynchronous and world.size > 1 else 0)
         self.progress = Progress(algorithm, self.steps, config.log_every or self.eval_every, stream if reporter else None, config.progress)
+        self.progress.language = getattr(dataset, "byte_level", False)
         self.writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), truncate=not self.start) if world.rank == 0 else None
         if self.writer:
             cleanup.callback(self.writer.close)
@@ -267,7 +295,7 @@ class _Run:
             cleanup.callback(self.tracer.close)
         evaluates = "identical" if algorithm == DDP else algorithm_class(algorithm).evaluates
         self.source, self.evaluated_name = _EVALUATED[evaluates]
-        self.evaluator = _Evaluator(model, dataset, world, self.source)
+        self.evaluator = _Evaluator(model, dataset, world, self.source, config.precision)
         self.totals = _Totals(self.checkpoints.counters)
         # The rate schedule acts on the groups the algorithm reads (the inner optimizer's, or DDP's optimizer's).
         groups = opt.optimizer if algorithm == DDP else opt
@@ -281,7 +309,7 @@ class _Run:
             "kind": "run", "algorithm": self.algorithm, "task": f"{config.dataset}/{config.model}",
             "config": {**asdict(config), "algorithm": self.algorithm, "hyperparameters": hyper}, "world_size": self.topology.world.size,
             "versions": versions(), "steps": self.steps, "batches_per_epoch": self.batches_per_epoch,
-            "parameters": sum(p.numel() for p in self.model.parameters()), **({"resumed_after_step": self.start} if self.start else {}),
+            "parameters": sum(p.numel() for p in self.model.parameters()), "device": _device_name(self.device), **({"resumed_after_step": self.start} if self.start else {}),
             **({"notes": NOTES} if self.algorithm == DDP else {}),
         }
 
@@ -314,9 +342,11 @@ class _Run:
         with self._phase("eval"):
             result = self.evaluator(self.model, None if self.source == "own" else self.opt.flat_params, self.totals.losses)
         self.totals.losses = []
-        self.progress.accuracy = result["test_accuracy"]
+        self.progress.accuracy, self.progress.test_loss = result["test_accuracy"], result["test_loss"]
         if self.progress.tty:  # the bar is redrawn in place: keep each evaluation as a line of its own
-            self.progress.note(f"eval at step {step}: test accuracy {100 * result['test_accuracy']:.1f}%, test loss {result['test_loss']:.4f}")
+            quality = (f"{result['bits_per_byte']:.3f} bits per byte, perplexity {result['perplexity']:.2f}" if "bits_per_byte" in result
+                       else f"test accuracy {100 * result['test_accuracy']:.1f}%")
+            self.progress.note(f"eval at step {step}: {quality}, test loss {result['test_loss']:.4f}")
         if self.writer:
             self.writer.write({
                 "kind": "eval", "step": step, "epoch": step / self.batches_per_epoch, "wall_seconds": self.totals.wall_seconds,
@@ -334,12 +364,12 @@ class _Run:
                 x, y = self.batches(step)
                 with self._phase("compute"):
                     opt.zero_grad()
-                    loss = _loss(self.network(x), y)
-                    loss.backward()
+                    with autocast(self.device, self.config.precision):
+                        loss = _loss(self.network(x), y)
+                    (loss if self.scaler is None else self.scaler.scale(loss)).backward()
                 computed = time.perf_counter()
                 with self._phase("algorithm"):
-                    clip(self.config.clip_grad_norm, opt, self.model)
-                    opt.step(loss=loss)
+                    self._apply(loss)
                     if self.scheduler is not None:
                         self.scheduler.step()
                 whole = time.perf_counter() - started
@@ -355,6 +385,26 @@ class _Run:
                 self.checkpoints.after_step(step + 1, last=step + 1 == steps, counters=self.totals.counters())
         opt.finish()
         return {}
+
+    def _apply(self, loss: torch.Tensor) -> None:
+        """Clip and step; with a scaler (``--precision fp16``) unscaled first, the step skipped on every rank after an overflow."""
+        opt, scaler = self.opt, self.scaler
+        if scaler is None:
+            clip(self.config.clip_grad_norm, opt, self.model)
+            opt.step(loss=loss)
+            return
+        # Unscaled before the exchange (topk's error feedback keeps what it did not send in the units sent), except where
+        # backward sent the gradient already (sgd's overlap at 2 ranks or more): its sum is unscaled then (docs/torch.md).
+        overlapped = self.algorithm != DDP and opt.algorithm.overlaps_backward and self.topology.size > 1
+        if overlapped:
+            opt.synchronize()
+        scaler.unscale_(opt.optimizer if self.algorithm == DDP else opt)
+        clip(self.config.clip_grad_norm, opt, self.model, synchronized=overlapped)
+        if self.algorithm == DDP:
+            opt.step(loss=loss)  # the baseline steps its optimizer through the scaler
+        else:
+            scaler.step(opt, loss=loss)
+        scaler.update()
 
     # -- the asynchronous protocol ---------------------------------------------------------------
     def asynchronous(self) -> Dict[str, Any]:
@@ -400,7 +450,8 @@ class _Run:
         started = time.perf_counter()
         with self._phase("compute"):
             x, y = self.batches(step)
-            loss = _loss(self.model(x), y)
+            with autocast(self.device, self.config.precision):
+                loss = _loss(self.model(x), y)
             loss.backward()
         now = time.perf_counter()
         delta = self.topology.ledger.since(self._ledger)
@@ -414,3 +465,8 @@ class _Run:
         self.progress.update(step + 1, self._log[-1]["loss"], whole, self.totals.bytes_sent_total / 1e6)
         self._last, self._ledger = now, self.topology.ledger.snapshot()
         return loss
+
+
+def _device_name(device: torch.device) -> str:
+    """``cpu``, or ``cuda:0 (NVIDIA H100 80GB HBM3)``: the run header's record of where a rank trained."""
+    return str(device) if device.type != "cuda" else f"{device} ({torch.cuda.get_device_name(device)})"

@@ -166,11 +166,12 @@ def schedule(warmup_steps: Optional[int], optimizer: torch.optim.Optimizer, step
     return scheduler
 
 
-def clip(max_norm: Optional[float], opt: Any, model: torch.nn.Module) -> None:
-    """``--clip-grad-norm``: the exchanged gradient where the algorithm exchanges one (``synchronize()``), else this rank's."""
+def clip(max_norm: Optional[float], opt: Any, model: torch.nn.Module, synchronized: bool = False) -> None:
+    """``--clip-grad-norm``: the exchanged gradient where the algorithm exchanges one (``synchronize()``, unless
+    ``synchronized`` already), else this rank's."""
     if max_norm is None:
         return
-    if getattr(getattr(opt, "algorithm", None), "inner_role", None) == "gradient":
+    if not synchronized and getattr(getattr(opt, "algorithm", None), "inner_role", None) == "gradient":
         opt.synchronize()
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -30,6 +31,9 @@ class Progress:
         self._drawn = 0.0
         self._seconds, self._count = 0.0, 0  # step times since the last line
         self.accuracy: Optional[float] = None
+        #: A language model's latest test loss (its lines then show it, in bits per byte and as a perplexity, not the accuracy).
+        self.test_loss: Optional[float] = None
+        self.language = False
 
     def update(self, step: int, loss: float, step_seconds: float, megabytes_sent: float) -> None:
         """Report ``step`` (1-based) with this rank's loss, the step's time and the MB sent so far.
@@ -44,7 +48,7 @@ class Progress:
         due = last or (time.monotonic() - self._drawn >= 0.1 if self.tty else step % self.every == 0)
         if not due:
             return
-        accuracy = "  acc   -  " if self.accuracy is None else f"  acc {100 * self.accuracy:5.1f}%"
+        accuracy = self._evaluation()
         mean = self._seconds / self._count
         self._seconds, self._count = 0.0, 0
         numbers = f"loss {loss:7.4f}{accuracy}  {1e3 * mean:7.1f} ms/step  {megabytes_sent:9.2f} MB sent"
@@ -57,6 +61,15 @@ class Progress:
         else:
             self.stream.write(f"{self.label:>10} step {step:>{len(str(self.total))}}/{self.total}  {numbers}\n")
             self.stream.flush()
+
+    def _evaluation(self) -> str:
+        """The latest evaluation as a line shows it: the accuracy, or for a language model the loss and what it means."""
+        if self.language:
+            if self.test_loss is None:
+                return "  test   -    (  -   bits/byte, perplexity   -   )"
+            loss = self.test_loss
+            return f"  test {loss:6.4f} ({loss / math.log(2):5.3f} bits/byte, perplexity {math.exp(min(loss, 700.0)):7.2f})"
+        return "  acc   -  " if self.accuracy is None else f"  acc {100 * self.accuracy:5.1f}%"
 
     def note(self, text: str) -> None:
         """A line of its own (evaluation results, checkpoints)."""

@@ -48,6 +48,9 @@ def _check_fit(ckpt: Checkpoint, here: Mapping[str, Any], algorithm: str, size: 
     for what, key in checks:
         if saved.get(key) != here[key]:
             raise UsageError(f"--resume {ckpt.path}: the checkpoint's {what} is {saved.get(key)!r}, this run's {here[key]!r}")
+    if saved.get("precision", "fp32") != here["precision"]:  # files from before --precision trained in float32
+        raise UsageError(f"--resume {ckpt.path}: the checkpoint's precision (--precision) is {saved.get('precision', 'fp32')!r}, "
+                         f"this run's {here['precision']!r}")
     if override_hyperparameters:
         return
     differences = hyperparameter_differences(
@@ -77,7 +80,8 @@ def _resized(ckpt: Checkpoint, algorithm: str, world: Comm, hyperparameters: Map
         )
     rng = ckpt.rank_states[world.rank]["rng"] if world.rank < old else None  # a new rank keeps its fresh seed
     # The inner optimizer's state follows the parameters it moved.
-    return {"algorithm": moved, "params": mine["params"], "buffers": mine["buffers"], "rng": rng, "inner": mine.get("inner")}
+    return {"algorithm": moved, "params": mine["params"], "buffers": mine["buffers"], "rng": rng, "inner": mine.get("inner"),
+            "scaler": mine.get("scaler")}
 
 
 def _parsed_keywords(hyperparameters: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -1,4 +1,4 @@
-"""``mpiopt train --dataset text --model gpt`` end to end: the evaluations record bits per byte; the ddp baseline takes the task too."""
+"""``mpiopt train --dataset text --model gpt`` end to end: bits per byte and perplexity recorded and shown; the ddp baseline takes the task too."""
 
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ def test_text_training_records_bits_per_byte(tmp_path, ranks, algorithm):
     (final,) = run.evals
     assert final["bits_per_byte"] == pytest.approx(final["test_loss"] / math.log(2))
     assert 0 < final["bits_per_byte"] < 8.5 and 0 <= final["test_accuracy"] <= 1
+    # A language model's lines and table: its loss, in bits per byte and as a perplexity, to a target loss (default 2.5).
+    assert f"bits/byte, perplexity {math.exp(final['test_loss']):7.2f})" in output, output
+    header = (out / "results.md").read_text().splitlines()[2]
+    assert header.startswith("| algorithm | final loss | best loss | bits per byte | perplexity |") and "time to loss 2.5" in header
+    assert "accuracy" not in header
 
 
 def test_a_resumed_text_run_ends_where_an_uninterrupted_one_does(tmp_path):

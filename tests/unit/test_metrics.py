@@ -191,6 +191,18 @@ def test_tables_to_a_target_loss_name_it_and_show_the_test_loss():
     assert lines[2].startswith("| sgd | 2 | 70.0 % (70.0-70.0) | 80.0 % (80.0-80.0) | 1.6000 (1.5000-1.7000) | 1.2000 (1.2000-1.2000) |")
 
 
+def test_a_language_models_table_shows_its_loss_in_bits_per_byte_and_perplexity_not_its_accuracy():
+    run = loss_run()
+    for record in run.evals:
+        record["bits_per_byte"] = record["test_loss"] / math.log(2)
+    s = summarize(run, target_loss=1.3)
+    assert s["final_bits_per_byte"] == 1.5 / math.log(2) and s["final_perplexity"] == pytest.approx(math.exp(1.5))
+    lines = markdown_table([s]).splitlines()
+    assert lines[0].startswith("| algorithm | final loss | best loss | bits per byte | perplexity | steps | wall time | time to loss 1.3 |")
+    assert lines[2].startswith("| sgd | 1.5000 | 1.2000 | 2.1640 | 4.48 | 30 | 4.20 s | 2.50 s |")
+    assert "| sgd | 2 | 1.5000 (1.5000-1.5000) | 1.2000 (1.2000-1.2000) | 2.1640 (2.1640-2.1640) | 4.48 (4.48-4.48) |" in repeats_table([[s, s]])
+
+
 def test_loss_at_a_budget_is_the_last_evaluation_within_it():
     # Evaluations at 1.0 s (loss 2.0), 2.5 s (1.2), 4.0 s (1.5).
     assert summarize(loss_run(), budget_seconds=3.0)["loss_at_budget"] == 1.2

@@ -1,0 +1,118 @@
+#!/bin/bash
+# The GPU checks of docs/gpu.md ("Measured"), as one script for a machine with an NVIDIA GPU.
+#
+#   bash tools/gpu_checks.sh            # from the repository root; about 6 to 10 minutes on one H100
+#
+# Runs: the GPU unit tests; the GPU MPI tests at 2 ranks; mpiopt train --device cuda on the text task at
+# 2 ranks (bf16 and fp16, two algorithms), checkpointed and resumed, the resumed run's last checkpoint
+# compared bitwise with the uninterrupted one's; the ddp baseline on NCCL; bench update --device cuda at
+# d = 100M.  Each part has its own time limit; a failed part is named at the end and the exit code is 1.
+# The log goes to $OUT/gpu_checks.log where OUT is set (else runs/gpu-checks/), with the benchmark's JSON.
+#
+# Where MPI is missing (an image with torch and cupy but no MPI library), wheels in .whl/ are installed
+# first into /tmp/site: the mpich wheel (libmpi and mpiexec), mpi4py and pytest-mpi, e.g. fetched with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64 \
+#       -d .whl mpich mpi4py pytest-mpi
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT_DIR=${OUT:-runs/gpu-checks}
+mkdir -p "$OUT_DIR"
+LOG=$OUT_DIR/gpu_checks.log
+WORK=$(mktemp -d /tmp/gpu-checks.XXXXXX)   # run folders and checkpoints (large: kept out of OUT)
+exec > >(tee "$LOG") 2>&1
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 MPIOPT_WAIT_POLICY=${MPIOPT_WAIT_POLICY:-passive}
+
+# ---- Environment ------------------------------------------------------------------------------
+if compgen -G ".whl/*.whl" >/dev/null; then
+    echo "== installing .whl/*.whl into /tmp/site"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    export PATH=/tmp/site/bin:$PATH   # the mpich wheel's mpiexec
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+MPIEXEC=$(command -v mpiexec || true)
+# The C kernels are built for this Python here (a copy of the tree may carry another Python's).
+"$PY" setup.py -q build_ext --inplace >"$WORK/build.log" 2>&1 || { echo "(C kernels not built: the array code runs instead)"; tail -5 "$WORK/build.log"; }
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader || true
+"$PY" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "GPUs", torch.cuda.device_count())'
+GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+SHARE=()
+if [[ $GPUS -lt 2 ]]; then SHARE=(--share-gpus); fi   # 2 ranks on one GPU: sharing asked for
+echo "mpiexec: ${MPIEXEC:-none}; GPUs: $GPUS; ${SHARE[*]:-one GPU per rank}"
+
+failed=()
+LIMIT=60
+limited() { timeout --kill-after=10 "$LIMIT" "$@"; }
+part() {  # part NAME SECONDS COMMAND...: a program under that time limit, or a function whose programs each take it
+    local name=$1
+    LIMIT=$2
+    shift 2
+    echo
+    echo "== $name ($(date +%T), limit ${LIMIT} s each): $*"
+    local started=$SECONDS runner=limited
+    [[ $(type -t "$1") == function ]] && runner=
+    if $runner "$@"; then
+        echo "== $name: passed in $((SECONDS - started)) s"
+    else
+        echo "== $name: FAILED (exit $?) after $((SECONDS - started)) s"
+        failed+=("$name")
+    fi
+}
+mpi() { limited "$MPIEXEC" -n "$1" "${@:2}"; }
+if [[ -z $MPIEXEC ]]; then
+    echo "no mpiexec: the MPI parts fail (put the mpich, mpi4py and pytest-mpi wheels in .whl/)"
+    mpi() { return 127; }
+fi
+
+# ---- The suite's GPU tests --------------------------------------------------------------------
+part "unit GPU tests" 300 "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_cuda_kernels.py tests/unit/test_buffers.py
+part "MPI GPU tests, 2 ranks" 300 mpi 2 "$PY" tools/run_mpi_pytest.py -q tests/mpi/test_comm_gpu.py tests/mpi/test_algorithms_gpu.py
+part "mpiopt info, 2 ranks" 60 mpi 2 "$PY" -m mpiopt info --elements 1048576
+
+# ---- Training on the GPU, checkpointed and resumed bitwise ------------------------------------
+TEXT=(-m mpiopt train --device cuda --dataset text --model gpt --n-layer 4 --n-embd 256 --n-head 4 --block-size 128
+      --batch-size 16 --dropout 0.1 --steps 40 --eval-every 20 --checkpoint-every 20 --progress lines "${SHARE[@]}")
+same_checkpoints() {  # same_checkpoints A B: the two files' model and every rank's state bitwise equal
+    limited "$PY" - "$1" "$2" <<'EOF'
+import sys, h5py
+from mpiopt.checkpoint import first_difference
+from mpiopt.checkpoint.layout import read_group
+def read(path):
+    with h5py.File(path, "r") as f:
+        return {"model": read_group(f["model"]), "ranks": read_group(f["ranks"]), "precision": f.attrs["precision"]}
+a, b = read(sys.argv[1]), read(sys.argv[2])
+difference = first_difference(a, b)
+print(f"precision {a['precision']}: " + ("bitwise equal" if difference is None else f"DIFFERENT at {difference}"))
+sys.exit(difference is not None)
+EOF
+}
+train_and_resume() {  # train_and_resume NAME FLAGS...: 40 steps whole, and from the checkpoint after step 20
+    local name=$1 dir=$WORK/$1
+    shift
+    mpi 2 "$PY" "${TEXT[@]}" "$@" --out "$dir/whole" || return 1
+    mpi 2 "$PY" "${TEXT[@]}" "$@" --out "$dir/resumed" --resume "$dir/whole/checkpoints/ckpt-000000020.h5" || return 1
+    grep -h '"device"' "$dir/whole/metrics.jsonl" | head -1 | "$PY" -c 'import json, sys; print("trained on", json.loads(sys.stdin.read())["device"])'
+    same_checkpoints "$dir/whole/checkpoints/ckpt-000000040.h5" "$dir/resumed/checkpoints/ckpt-000000040.h5"
+}
+part "train bf16 sgd+adamw, 2 ranks, resume" 240 train_and_resume bf16-sgd --precision bf16 --algorithm sgd --optimizer adamw --clip-grad-norm 1.0
+part "train bf16 diloco+adamw, 2 ranks, resume" 240 train_and_resume bf16-diloco --precision bf16 --algorithm diloco --optimizer adamw --hp period=8
+part "train fp16 sgd, 2 ranks, resume" 240 train_and_resume fp16-sgd --precision fp16 --algorithm sgd
+# NCCL takes one GPU per rank: 2 ranks where there are 2 GPUs, else 1 (ddp takes no checkpoints).
+DDP=(-m mpiopt train --device cuda --precision bf16 --dataset text --model gpt --n-layer 4 --n-embd 256 --n-head 4
+     --block-size 128 --batch-size 16 --steps 20 --eval-every 20 --progress lines --algorithm ddp "${SHARE[@]}")
+part "ddp baseline on NCCL" 180 mpi $((GPUS >= 2 ? 2 : 1)) "$PY" "${DDP[@]}" --out "$WORK/ddp"
+
+# ---- Each algorithm's step on device arrays, in units of torch's fused SGD ---------------------
+part "bench update --device cuda --d 100M" 420 "$PY" -m mpiopt bench update --device cuda --d 100M --json "$OUT_DIR/bench-update-cuda.json"
+
+echo
+nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | sed 's/^/GPU: /'
+echo "date: $(date -u +%FT%TZ); log: $LOG"
+rm -rf "$WORK"
+if [[ ${#failed[@]} -gt 0 ]]; then
+    printf 'FAILED: %s\n' "${failed[@]}"
+    exit 1
+fi
+echo "all GPU checks passed"
