@@ -45,6 +45,9 @@ def training_defaults(name: str) -> Dict[str, Any]:
 
 DATASETS = ("digits", "cifar10", "synthetic", "text")
 MODELS = ("mlp", "cnn", "resnet20", "gpt")
+#: --device and --precision (mpiopt.training.device).
+DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("fp32", "bf16", "fp16")
 #: The transformer's sizes (:mod:`mpiopt.tasks.gpt`): settings of ``--model gpt`` only.
 GPT_SIZES = ("n_layer", "n_embd", "n_head", "block_size")
 DEFAULT_EPOCHS = 20
@@ -181,8 +184,6 @@ class TrainConfig:
         _positive("threads", self.threads, integer=True)
         _positive("checkpoint_every", self.checkpoint_every, integer=True)
         _positive("keep_checkpoints", self.keep_checkpoints, integer=True)
-        from .device import DEVICES, PRECISIONS
-
         if self.device not in DEVICES:
             raise UsageError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.precision not in PRECISIONS:

@@ -12,11 +12,11 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, ContextManager, Mapping, Optional
 
+from .config import DEVICES, PRECISIONS, agree_or_fail
+
 __all__ = ["DEVICES", "PRECISIONS", "LOCAL_RANK_VARIABLES", "CudaView", "cuda_view", "local_rank", "resolve_device",
            "choose_device", "use_device", "autocast", "uses_scaler"]
 
-DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("fp32", "bf16", "fp16")
 #: The node-local rank as each launcher sets it, in the order read: Open MPI, MPICH/Hydra and Intel MPI, Slurm's srun.
 LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "SLURM_LOCALID")
 
@@ -106,8 +106,6 @@ def choose_device(setting: str, precision: str, share: bool, comm: Any) -> str:
 
     The node-local rank is the launcher's, else the rank among those sharing this node's memory.
     """
-    from .config import agree_or_fail
-
     node = comm.Split_shared("node")
     node_rank, node_size = node.rank, node.size
     node.Free()
