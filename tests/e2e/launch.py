@@ -39,3 +39,20 @@ def library_pmi() -> str:
     from mpi4py import MPI
 
     return "pmix" if "Open MPI" in MPI.Get_library_version() else "pmi2"
+
+
+# Runs each (name, argv) through mpiopt's CLI in this one MPI job; each rank's output goes to LOGS/<name>.<rank>.log,
+# rank 0 writes the exit codes to LOGS/codes.json.
+CLI_DRIVER = """
+import contextlib, json, os, sys
+from mpi4py import MPI
+from mpiopt.cli.main import main
+import mpiopt.cli.train, mpiopt.training.loop  # before the redirections: default arguments bind sys.stdout at import
+cases, logs, codes = json.loads(sys.argv[1]), sys.argv[2], {}
+for name, argv in cases:
+    with open(os.path.join(logs, f"{name}.{MPI.COMM_WORLD.rank}.log"), "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        codes[name] = main(argv)
+if MPI.COMM_WORLD.rank == 0:
+    with open(os.path.join(logs, "codes.json"), "w") as f:
+        json.dump(codes, f)
+"""

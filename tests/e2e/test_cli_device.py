@@ -9,7 +9,7 @@ import pytest
 
 from mpiopt.checkpoint import first_difference
 
-from .launch import run_mpi
+from .launch import CLI_DRIVER as DRIVER, run_mpi
 
 h5py = pytest.importorskip("h5py")
 torch = pytest.importorskip("torch")
@@ -18,20 +18,6 @@ from mpiopt.checkpoint.layout import read_group  # noqa: E402  (needs h5py)
 
 TEXT = ["train", "--dataset", "text", "--model", "gpt", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
         "--batch-size", "8", "--steps", "6", "--eval-every", "6", "--dropout", "0.1", "--progress", "lines", "--checkpoint-every", "3"]
-# The runs of one job, in order (mpiopt's main() once each), each rank's output to LOGS/<name>.<rank>.log.
-DRIVER = """
-import contextlib, json, os, sys
-from mpi4py import MPI
-from mpiopt.cli.main import main
-import mpiopt.cli.train, mpiopt.training.loop  # before the redirections: default arguments bind sys.stdout at import
-cases, logs, codes = json.loads(sys.argv[1]), sys.argv[2], {}
-for name, argv in cases:
-    with open(os.path.join(logs, f"{name}.{MPI.COMM_WORLD.rank}.log"), "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        codes[name] = main(argv)
-if MPI.COMM_WORLD.rank == 0:
-    with open(os.path.join(logs, "codes.json"), "w") as f:
-        json.dump(codes, f)
-"""
 
 
 def _read(path) -> dict:

@@ -15,7 +15,7 @@ import pytest
 from mpiopt.checkpoint import first_difference
 from mpiopt.metrics import read_metrics
 
-from .launch import ROOT, mpiexec, run_mpi
+from .launch import CLI_DRIVER as DRIVER, ROOT, mpiexec, run_mpi
 
 h5py = pytest.importorskip("h5py")
 pytest.importorskip("torch")
@@ -84,21 +84,6 @@ def variants(size: int) -> dict:
 
 CASES = [(size, name) for size in SIZES for name in variants(size)] + [(2, "cnn-cifar10-augment")]
 
-# Runs each (name, argv) through mpiopt's CLI in this one MPI job; each rank's output goes to LOGS/<name>.<rank>.log,
-# rank 0 writes the exit codes to LOGS/codes.json.
-DRIVER = """
-import contextlib, json, os, sys
-from mpi4py import MPI
-from mpiopt.cli.main import main
-import mpiopt.cli.train, mpiopt.training.loop  # before the redirections: default arguments bind sys.stdout at import
-cases, logs, codes = json.loads(sys.argv[1]), sys.argv[2], {}
-for name, argv in cases:
-    with open(os.path.join(logs, f"{name}.{MPI.COMM_WORLD.rank}.log"), "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        codes[name] = main(argv)
-if MPI.COMM_WORLD.rank == 0:
-    with open(os.path.join(logs, "codes.json"), "w") as f:
-        json.dump(codes, f)
-"""
 
 
 def _write_cifar10(directory, train=64, test=16) -> None:
