@@ -65,7 +65,7 @@ def test_algorithms_ledger_matches_formula(tmp_path):
     code, output, _ = run_mpi(2, [*BENCH, "algorithms", "--d", "5000", "--steps", "8", "--compute-ms", "1", "--json", str(out)], timeout=180)
     assert code == 0, output
     data = load(out)
-    assert [r["algorithm"] for r in data["results"]] == ["sgd", "easgd", "lsgd", "dasgd", "diloco", "streaming_diloco", "signum", "topk", "regtopk"]
+    assert [r["algorithm"] for r in data["results"]] == ["sgd", "easgd", "lsgd", "dasgd", "diloco", "streaming_diloco", "sparseloco", "signum", "topk", "regtopk"]
     for r in data["results"]:
         assert r["bytes_sent_per_rank_step"] == pytest.approx(r["expected_sent_per_rank_step"], rel=1e-12), r
         assert r["bytes_recv_per_rank_step"] == pytest.approx(r["expected_recv_per_rank_step"], rel=1e-12), r
