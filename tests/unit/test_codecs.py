@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mpiopt.arrays import to_numpy
-from mpiopt.codecs import CODECS, ErrorFeedback, create
+from mpiopt.codecs import CODECS, ErrorFeedback, create, fused
 from mpiopt.codecs.scaled import E3M0_MAGNITUDES
 from mpiopt.codecs.topk import topk_levels
 from mpiopt.kernels.sparse import topk_indices
@@ -416,6 +416,46 @@ def test_codecs_import_only_arrays_kernels_and_themselves():
                 elif isinstance(node, (ast.Import, ast.ImportFrom)):
                     names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
                     assert not any(n and n.startswith("mpiopt") for n in names), f"{file} imports {names}"
+
+
+# ---- the fused C loops: the array code's bits ---------------------------------------------------------------
+
+
+def _specials(x):
+    """An all-zero chunk, -0.0, NaN, inf and -inf in their own chunks of 64 (when ``x`` has room)."""
+    if x.shape[0] >= 5000:
+        x[:300] = 0.0
+        x[[301, 1000, 2000, 3000]] = [-0.0, np.nan, np.inf, -np.inf]
+    return x
+
+
+def _everything(codec, d, special):
+    """Every output of every entry point (encode, decode, add_decoded, aggregate, error feedback) at length ``d``."""
+    x = _vector(d, seed=d, heavy=True)
+    x = _specials(x) if special else x
+    rows = np.stack([codec.encode(_vector(d, seed=d + r, heavy=True)) for r in range(3)])
+    outputs = [codec.encode(x), codec.decode(rows[1], d), codec.add_decoded(rows[2], d, x.copy())]
+    outputs += [codec.aggregate(rows, d), codec.aggregate(rows, d, mean=True), codec.aggregate(rows[:1], d, mean=True)]
+    for beta in (1.0, 0.95):
+        feedback = ErrorFeedback(codec, d, beta=beta)
+        outputs += [feedback.encode(_specials(_vector(d, seed=s)) if special else _vector(d, seed=s)) for s in range(3)]
+        outputs.append(feedback.residual.copy())
+    return outputs
+
+
+@pytest.mark.skipif(fused._codecsc is None, reason="the C loops are not built")
+@pytest.mark.parametrize("name, chunk", [(name, chunk) for name in ("int8", "int4", "fp4", "sign") for chunk in (64, 200, 4096)] + [("none", None), ("bf16", None)])
+def test_the_c_loops_give_the_array_codes_bits(name, chunk, monkeypatch):
+    codec = create(name) if chunk is None else create(name, chunk=chunk)
+    assert fused.available(codec)
+    for d in (1, 7, 257, 5000, 10001):
+        for special in (False, True):
+            with_c = _everything(codec, d, special)
+            monkeypatch.setattr(fused, "enabled", False)
+            with_numpy = _everything(codec, d, special)
+            monkeypatch.setattr(fused, "enabled", True)
+            for i, (a, b) in enumerate(zip(with_c, with_numpy)):
+                assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8)), (d, special, i)
 
 
 # ---- cupy where a GPU is: the same bits as numpy ----------------------------------------------------------

@@ -1,0 +1,59 @@
+"""The dense codecs' optional fused C loops (``mpiopt/kernels/_codecsc.c``): the array code's bits, one visit per chunk.
+
+Each function returns whether the C loop did the work (C-contiguous numpy float32 and a chunk it takes); the
+caller runs its array code otherwise.  Tests set :data:`enabled` to False to compare the two.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..kernels._backend import load_extension
+from ..kernels.threads import get_num_threads
+
+__all__ = ["enabled", "available", "encode", "decode"]
+
+_codecsc = load_extension("_codecsc", 1)
+#: False runs the array code everywhere (the tests' reference).
+enabled = True
+# The C loops' codec numbers.
+_KINDS = {"int8": 0, "int4": 1, "fp4": 2, "sign": 3, "none": 4, "bf16": 5}
+
+
+def _chunk(codec: Any) -> int:
+    return getattr(codec, "chunk", 4096)
+
+
+def available(codec: Any) -> bool:
+    """Whether the C loops take ``codec`` (its name, and a chunk whose parts own whole bytes; sign: numpy's sum order)."""
+    kind = _KINDS.get(codec.name)
+    if not enabled or _codecsc is None or kind is None:
+        return False
+    chunk = _chunk(codec)
+    return kind in (0, 4, 5) or (kind in (1, 2) and chunk % 2 == 0) or (kind == 3 and chunk % 8 == 0 and chunk <= 8192)
+
+
+def _f32(a: Any) -> bool:
+    return isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous
+
+
+def encode(codec: Any, e: Any, payload: Any, x: Any = None, beta: float = 1.0, feedback: bool = False) -> bool:
+    """``e = e * beta + x`` (unless ``x`` is None), ``e``'s payload, and with ``feedback`` ``e -= decode(payload)``.
+
+    ``bf16``: the payload only; ``none``: never (numpy's copy is the copy).
+    """
+    if codec.name == "none" or (codec.name == "bf16" and (x is not None or feedback)) or not available(codec) or not _f32(e) or not (x is None or _f32(x)) or not isinstance(payload, np.ndarray):
+        return False
+    _codecsc.encode(_KINDS[codec.name], e, x, float(beta), payload, _chunk(codec), feedback, get_num_threads())
+    return True
+
+
+def decode(codec: Any, payloads: Any, out: Any, add: bool = False, divisor: float = 1.0) -> bool:
+    """``out`` (= or +=) the sum of the decoded rows of ``payloads`` (1-D: one row) in order, then ``/= divisor``."""
+    if not available(codec) or not _f32(out) or not isinstance(payloads, np.ndarray):
+        return False
+    rows = 1 if payloads.ndim == 1 else payloads.shape[0]
+    _codecsc.decode(_KINDS[codec.name], payloads, rows, out, _chunk(codec), add, float(divisor), get_num_threads())
+    return True

@@ -1,0 +1,453 @@
+/* The dense codecs' loops (mpiopt.codecs: int8, int4, fp4, sign, none, bf16), fused (optional).
+ *
+ * encode: per chunk, in cache, error feedback's fold (e = e * beta + x), the chunk's scale, the codes and
+ * the residual's update (e = e - decoded) in one visit instead of numpy's dozen passes over d.  decode:
+ * the sum of P payloads' decoded rows in row order (and the division of the mean) in one pass over the
+ * output.  Every product, quotient and sum is the float32 (or float64) operation numpy does, in its
+ * order: the same bits.  Two details carry that: np.rint's round-half-to-even is (|t| + 2**23) - 2**23
+ * for |t| <= 127 (no SSE4.1 needed), and the sign codec's mean |x| is numpy's pairwise float64 sum (its
+ * blocks of 8 accumulators and 128 entries), for chunks of at most 8192 (numpy's buffer).
+ * Chunks go to threads whole (_parallel.h), so the bits do not depend on the split.
+ */
+#include "_cloops.h"
+
+#include <math.h>
+
+enum { INT8, INT4, FP4, SIGN, NONE, BF16 };
+
+/* The chunk loops also compiled for AVX2 and AVX-512, picked at load time: the same IEEE operations and
+ * no contraction (the same bits) on 8 or 16 lanes instead of SSE2's 4. */
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__x86_64__) && defined(__linux__)
+#define WIDE __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define WIDE
+#endif
+/* What the chunk loops call is compiled into each of their versions. */
+#if defined(__GNUC__)
+#define INLINE static inline __attribute__((always_inline))
+#else
+#define INLINE static inline
+#endif
+/* Codes per inner block: in L1 with their chunk. */
+#define BLOCK 512
+
+static inline uint32_t bits_of(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return u;
+}
+
+static inline float float_of(uint32_t u) {
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+/* numpy's pairwise float64 sum of |a| (pairwise_sum in its loops_utils), as add.reduce does a row. */
+static double pairwise_abs(const float *a, Py_ssize_t n) {
+    if (n < 8) {
+        double res = 0.;
+        for (Py_ssize_t i = 0; i < n; ++i) res += (double)fabsf(a[i]);
+        return res;
+    }
+    if (n <= 128) {
+        double r[8];
+        for (int k = 0; k < 8; ++k) r[k] = (double)fabsf(a[k]);
+        Py_ssize_t i;
+        for (i = 8; i < n - (n % 8); i += 8)
+            for (int k = 0; k < 8; ++k) r[k] += (double)fabsf(a[i + k]);
+        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; ++i) res += (double)fabsf(a[i]);
+        return res;
+    }
+    Py_ssize_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return pairwise_abs(a, n2) + pairwise_abs(a + n2, n - n2);
+}
+
+
+typedef struct {
+    int kind, fold, feedback; /* fold: 0 none, 1 e = e + x, 2 e = e * beta + x */
+    Py_ssize_t chunk;
+    float *e;
+    const float *x;
+    float beta;
+    unsigned char *scales, *values;
+} encode_job;
+
+/* E3M0's value of code q in units of the scale, from the bits: 2**(index - 7), 0 for index 0, sign bit 8. */
+static inline float e3m0(uint32_t q) {
+    const uint32_t index = q & 7;
+    return float_of((index ? (index + 120) << 23 : 0) | (q & 8) << 28);
+}
+
+/* Codes of v[0, m) (scale s) into q; with feedback v = v - decoded.  Branch-free, vectorizable loops: a
+ * finite scale gives finite quotients; a non-finite one (NaN or inf in the chunk) takes the scalar loop. */
+INLINE void quantize_int(float *restrict v, Py_ssize_t m, float s, float qmax, signed char *restrict q, int feedback) {
+    const float safe = s == 0.0f ? 1.0f : s;
+    if (s - s == 0.0f) {
+        for (Py_ssize_t i = 0; i < m; ++i) {
+            float t = v[i] / safe;
+            t = t < qmax ? t : qmax;
+            t = t > -qmax ? t : -qmax; /* clip(rint(t)) == rint(clip(t)): the bounds are integers */
+            q[i] = (signed char)(int)copysignf((fabsf(t) + 0x1p23f) - 0x1p23f, t); /* rint, ties to even */
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < m; ++i) {
+            float t = v[i] / safe;
+            t = t > qmax ? qmax : t;
+            t = t < -qmax ? -qmax : t;
+            const float r = (fabsf(t) + 0x1p23f) - 0x1p23f;
+            const int k = t == t ? (int)r : 0; /* NaN: 0, as numpy's cast */
+            q[i] = (signed char)(t < 0.0f ? -k : k);
+        }
+    }
+    if (feedback)
+        for (Py_ssize_t i = 0; i < m; ++i) {
+            const float dec = (float)q[i] * s;
+            v[i] = v[i] - dec;
+        }
+}
+
+INLINE void quantize_fp4(float *restrict v, Py_ssize_t m, float s, unsigned char *restrict q, int feedback) {
+    const float safe = s == 0.0f ? 1.0f : s;
+    for (Py_ssize_t i = 0; i < m; ++i) {
+        const float t = fabsf(v[i]) / safe;
+        /* the nearest power of two by the bits (mpiopt.codecs.scaled.FP4Codec), 2**-7 and up to 2**-6 */
+        int32_t index = (int32_t)((bits_of(t) + 0x400000u) >> 23) - 120;
+        index = index < 0 ? 0 : index;
+        index = index > 7 ? 7 : index;
+        const int32_t flag = t >= 0x1p-7f ? 1 : 0;
+        index = index > flag ? index : flag;
+        q[i] = (unsigned char)(index | (v[i] < 0.0f ? 8 : 0));
+    }
+    if (feedback)
+        for (Py_ssize_t i = 0; i < m; ++i) {
+            const float dec = e3m0(q[i]) * s;
+            v[i] = v[i] - dec;
+        }
+}
+
+/* +1.0f for bit 1, -1.0f for bit 0. */
+static inline float unit(uint32_t bit) { return float_of(0x3f800000u | (~bit & 1u) << 31); }
+
+/* Byte b's 8 signs as +-1.0f (bit k: entry k); filled at import. */
+static float SIGNS[256][8];
+
+static void fill_tables(void) {
+    for (uint32_t b = 0; b < 256; ++b) {
+        for (int k = 0; k < 8; ++k) SIGNS[b][k] = unit(b >> k);
+    }
+}
+
+INLINE void quantize_sign(float *restrict v, Py_ssize_t m, float s, unsigned char *restrict q, int feedback) {
+    for (Py_ssize_t i = 0; i < m; ++i) q[i] = v[i] >= 0.0f ? 1 : 0;
+    if (feedback)
+        for (Py_ssize_t i = 0; i < m; ++i) {
+            const float dec = s == s ? unit(q[i]) * s : s; /* a NaN keeps its sign (the compiler may flip it on -1 * s) */
+            v[i] = v[i] - dec;
+        }
+}
+
+/* Codes q[0, m) of elements [at, at + m) into the values section (at even for nibbles, a multiple of 8 for signs). */
+INLINE void put_codes(int kind, unsigned char *values, Py_ssize_t at, const unsigned char *q, Py_ssize_t m) {
+    if (kind == INT8) {
+        memcpy(values + at, q, m);
+    } else if (kind == SIGN) {
+        unsigned char *out = values + at / 8;
+        for (Py_ssize_t i = 0; i < m / 8; ++i) {
+            unsigned byte = 0;
+            for (int b = 0; b < 8; ++b) byte |= (unsigned)q[8 * i + b] << b;
+            out[i] = (unsigned char)byte;
+        }
+        if (m % 8) {
+            unsigned byte = 0;
+            for (Py_ssize_t b = m / 8 * 8; b < m; ++b) byte |= (unsigned)q[b] << (b % 8);
+            out[m / 8] = (unsigned char)byte;
+        }
+    } else {
+        unsigned char *out = values + at / 2;
+        const Py_ssize_t pairs = m / 2;
+        for (Py_ssize_t i = 0; i < pairs; ++i) out[i] = (unsigned char)((q[2 * i] & 15) | (q[2 * i + 1] & 15) << 4);
+        if (m % 2) out[pairs] = q[m - 1] & 15;
+    }
+}
+
+/* The largest |v| by its bits (NaN's are above inf's, so NaN wins; the bits are below 2**31, so signed). */
+#define TOP(v) top = (int32_t)(bits_of(v) & 0x7fffffffu) > top ? (int32_t)(bits_of(v) & 0x7fffffffu) : top
+
+WIDE static void encode_chunk(const encode_job *j, Py_ssize_t c0, Py_ssize_t n) {
+    float *restrict e = j->e + c0;
+    const float *restrict x = j->x + c0;
+    const float beta = j->beta;
+    int32_t top = 0;
+    if (j->kind == SIGN) { /* the sum below reads e again, in cache */
+        if (j->fold == 2)
+            for (Py_ssize_t i = 0; i < n; ++i) {
+                const float v = e[i] * beta;
+                e[i] = v + x[i];
+            }
+        else if (j->fold == 1)
+            for (Py_ssize_t i = 0; i < n; ++i) e[i] = e[i] + x[i];
+    } else if (j->fold == 2) {
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            const float v = e[i] * beta, w = v + x[i];
+            e[i] = w;
+            TOP(w);
+        }
+    } else if (j->fold == 1) {
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            const float w = e[i] + x[i];
+            e[i] = w;
+            TOP(w);
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < n; ++i) TOP(e[i]);
+    }
+    float s;
+    if (j->kind == SIGN) {
+        s = (float)(pairwise_abs(e, n) / (double)n);
+    } else {
+        const float absmax = float_of((uint32_t)top);
+        s = j->kind == FP4 ? absmax : (float)((double)absmax / (j->kind == INT8 ? 127.0 : 7.0));
+    }
+    memcpy(j->scales + 4 * (c0 / j->chunk), &s, 4);
+    unsigned char q[BLOCK];
+    for (Py_ssize_t b = 0; b < n; b += BLOCK) {
+        const Py_ssize_t m = n - b < BLOCK ? n - b : BLOCK;
+        if (j->kind == INT8 || j->kind == INT4)
+            quantize_int(e + b, m, s, j->kind == INT8 ? 127.0f : 7.0f, (signed char *)q, j->feedback);
+        else if (j->kind == FP4)
+            quantize_fp4(e + b, m, s, q, j->feedback);
+        else
+            quantize_sign(e + b, m, s, q, j->feedback);
+        put_codes(j->kind, j->values, c0 + b, q, m);
+    }
+}
+
+/* bf16's round to nearest even on the float32 bits; NaN -> 0x7FC0. */
+WIDE static void encode_bf16(const float *restrict x, unsigned char *restrict out, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        const uint32_t b = bits_of(x[i]);
+        const uint16_t r = x[i] != x[i] ? 0x7FC0 : (uint16_t)((((b >> 16) & 1u) + 0x7FFFu + b) >> 16);
+        memcpy(out + 2 * i, &r, 2);
+    }
+}
+
+static void encode_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    const encode_job *j = (const encode_job *)ctx;
+    (void)part;
+    if (j->kind == BF16) {
+        encode_bf16(j->e + lo, j->values + 2 * lo, hi - lo);
+        return;
+    }
+    for (Py_ssize_t c0 = lo; c0 < hi; c0 += j->chunk) encode_chunk(j, c0, hi - c0 < j->chunk ? hi - c0 : j->chunk);
+}
+
+typedef struct {
+    int kind, add;
+    Py_ssize_t chunk, rows, nbytes, values_at;
+    const unsigned char *payloads;
+    float *out;
+    float divisor;
+} decode_job;
+
+/* A float32 and a bfloat16 at any byte address (payload rows need not be aligned). */
+static inline float load_float(const unsigned char *p) {
+    float f;
+    memcpy(&f, p, 4);
+    return f;
+}
+
+static inline float load_bf16(const unsigned char *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return float_of((uint32_t)h << 16);
+}
+
+/* o[i] = dec(i) (first) or o[i] + dec(i): DEC is the decoded value of element i, an expression. */
+#define ACCUMULATE(DEC)                                                  \
+    do {                                                                 \
+        if (first)                                                       \
+            for (Py_ssize_t i = 0; i < n; ++i) o[i] = (DEC);             \
+        else                                                             \
+            for (Py_ssize_t i = 0; i < n; ++i) o[i] = o[i] + (DEC);      \
+    } while (0)
+
+WIDE static void decode_chunk(const decode_job *j, Py_ssize_t c0, Py_ssize_t n) {
+    float *restrict o = j->out + c0;
+    for (Py_ssize_t r = 0; r < j->rows; ++r) {
+        const unsigned char *row = j->payloads + r * j->nbytes, *v = row + j->values_at;
+        const int first = r == 0 && !j->add;
+        float s = 0.0f;
+        if (j->kind < NONE) memcpy(&s, row + 4 * (c0 / j->chunk), 4);
+        if (j->kind == INT8) {
+            const signed char *q = (const signed char *)v + c0;
+            ACCUMULATE((float)q[i] * s);
+        } else if (j->kind == INT4 || j->kind == FP4 || j->kind == SIGN) {
+            float unitv[BLOCK]; /* the block's decoded values in units of the scale */
+            for (Py_ssize_t b = 0; b < n; b += BLOCK) {
+                const Py_ssize_t m = n - b < BLOCK ? n - b : BLOCK, at = c0 + b; /* at is even (signs: a multiple of 8) */
+                if (j->kind == SIGN) {
+                    const unsigned char *bytes = v + at / 8;
+                    for (Py_ssize_t i = 0; i < m / 8; ++i) memcpy(unitv + 8 * i, SIGNS[bytes[i]], 32);
+                    for (Py_ssize_t i = m / 8 * 8; i < m; ++i) unitv[i] = SIGNS[bytes[m / 8]][i % 8];
+                } else {
+                    const unsigned char *bytes = v + at / 2;
+                    unsigned char codes[BLOCK];
+                    for (Py_ssize_t i = 0; i < m / 2; ++i) {
+                        codes[2 * i] = bytes[i] & 15;
+                        codes[2 * i + 1] = bytes[i] >> 4;
+                    }
+                    if (m % 2) codes[m - 1] = bytes[m / 2] & 15;
+                    if (j->kind == INT4)
+                        for (Py_ssize_t i = 0; i < m; ++i) unitv[i] = (float)((int32_t)((uint32_t)codes[i] << 28) >> 28);
+                    else
+                        for (Py_ssize_t i = 0; i < m; ++i) unitv[i] = e3m0(codes[i]);
+                }
+                float *restrict ob = o + b;
+                if (first)
+                    for (Py_ssize_t i = 0; i < m; ++i) ob[i] = unitv[i] * s;
+                else
+                    for (Py_ssize_t i = 0; i < m; ++i) ob[i] = ob[i] + unitv[i] * s;
+            }
+        } else if (j->kind == NONE) {
+            const unsigned char *f = v + 4 * c0;
+            ACCUMULATE(load_float(f + 4 * i));
+        } else {
+            const unsigned char *h = v + 2 * c0;
+            ACCUMULATE(load_bf16(h + 2 * i));
+        }
+    }
+    if (j->divisor != 1.0f)
+        for (Py_ssize_t i = 0; i < n; ++i) o[i] = o[i] / j->divisor;
+}
+
+static void decode_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    const decode_job *j = (const decode_job *)ctx;
+    (void)part;
+    for (Py_ssize_t c0 = lo; c0 < hi; c0 += j->chunk) decode_chunk(j, c0, hi - c0 < j->chunk ? hi - c0 : j->chunk);
+}
+
+/* A C-contiguous float32 buffer (writable if asked) of d entries; -1 with an exception set. */
+static int get_floats(PyObject *o, Py_buffer *view, int writable, Py_ssize_t d, const char *what) {
+    if (PyObject_GetBuffer(o, view, (writable ? PyBUF_WRITABLE : 0) | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    const char *f = view->format ? view->format : "B";
+    if (*f == '@' || *f == '=' || *f == (PY_LITTLE_ENDIAN ? '<' : '>')) ++f;
+    if (strcmp(f, "f") != 0 || view->itemsize != 4 || (d >= 0 && view->len != 4 * d)) {
+        PyErr_Format(PyExc_ValueError, "%s must be C-contiguous float32 of the vector's length", what);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* Bytes a (P rows of) payload(s) of d entries take, and where its values start. */
+static Py_ssize_t payload_layout(int kind, Py_ssize_t d, Py_ssize_t chunk, Py_ssize_t *values_at) {
+    *values_at = kind < NONE ? 4 * ((d + chunk - 1) / chunk) : 0;
+    const Py_ssize_t values[] = {d, (d + 1) / 2, (d + 1) / 2, (d + 7) / 8, 4 * d, 2 * d};
+    return *values_at + values[kind];
+}
+
+/* Parts own whole chunks: chunk even for nibbles and a multiple of 8 for signs (checked by the caller). */
+static int check_kind(int kind, Py_ssize_t chunk) {
+    if (kind < INT8 || kind > BF16 || chunk < 1 || ((kind == INT4 || kind == FP4) && chunk % 2) ||
+        (kind == SIGN && (chunk % 8 || chunk > 8192))) {
+        PyErr_SetString(PyExc_ValueError, "codecs: unknown kind, or a chunk the C loops do not take");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_encode(PyObject *self, PyObject *args) {
+    PyObject *eo, *xo, *po;
+    int kind, feedback, threads;
+    Py_ssize_t chunk;
+    double beta;
+    Py_buffer e = {0}, x = {0}, p = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iOOdOnpi", &kind, &eo, &xo, &beta, &po, &chunk, &feedback, &threads)) return NULL;
+    if (check_kind(kind, chunk) < 0 || kind == NONE) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "encode: none is a copy");
+        return NULL;
+    }
+    const int fold = xo != Py_None;
+    if (get_floats(eo, &e, fold || feedback, -1, "encode: e") < 0) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t d = e.len / 4;
+    Py_ssize_t values_at;
+    if (fold && get_floats(xo, &x, 0, d, "encode: x") < 0) goto done;
+    if (PyObject_GetBuffer(po, &p, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (d < 1 || p.len != payload_layout(kind, d, chunk, &values_at)) {
+        PyErr_SetString(PyExc_ValueError, "encode: the payload's size is not the codec's");
+        goto done;
+    }
+    encode_job job = {kind, fold ? (beta != 1.0 ? 2 : 1) : 0, feedback, kind == BF16 ? 4096 : chunk, (float *)e.buf,
+                      (const float *)x.buf, (float)beta, (unsigned char *)p.buf, (unsigned char *)p.buf + values_at};
+    Py_BEGIN_ALLOW_THREADS
+    mpiopt_parallel_for(threads, d, job.chunk, encode_part, &job);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    PyBuffer_Release(&e);
+    if (x.obj) PyBuffer_Release(&x);
+    if (p.obj) PyBuffer_Release(&p);
+    return result;
+}
+
+static PyObject *py_decode(PyObject *self, PyObject *args) {
+    PyObject *po, *oo;
+    int kind, add, threads;
+    Py_ssize_t chunk, rows;
+    double divisor;
+    Py_buffer p = {0}, o = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iOnOnpdi", &kind, &po, &rows, &oo, &chunk, &add, &divisor, &threads)) return NULL;
+    if (check_kind(kind, chunk) < 0) return NULL;
+    if (get_floats(oo, &o, 1, -1, "decode: out") < 0) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t d = o.len / 4;
+    Py_ssize_t values_at;
+    if (PyObject_GetBuffer(po, &p, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    const Py_ssize_t nbytes = payload_layout(kind, d, chunk, &values_at);
+    if (d < 1 || rows < 1 || p.len != rows * nbytes) {
+        PyErr_SetString(PyExc_ValueError, "decode: the payloads' size is not rows times the codec's");
+        goto done;
+    }
+    decode_job job = {kind, add, kind >= NONE ? 4096 : chunk, rows, nbytes, values_at, (const unsigned char *)p.buf,
+                      (float *)o.buf, (float)divisor};
+    Py_BEGIN_ALLOW_THREADS
+    mpiopt_parallel_for(threads, d, job.chunk, decode_part, &job);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    PyBuffer_Release(&o);
+    if (p.obj) PyBuffer_Release(&p);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"encode", py_encode, METH_VARARGS,
+     "encode(kind, e, x, beta, payload, chunk, feedback, threads) -> None\n\n"
+     "kind 0 int8, 1 int4, 2 fp4, 3 sign, 5 bf16 (float32 in).  Unless x is None, first e = e * beta + x\n"
+     "(beta 1: e + x) in place; then e's payload into payload; with feedback, e = e - decode(payload)."},
+    {"decode", py_decode, METH_VARARGS,
+     "decode(kind, payloads, rows, out, chunk, add, divisor, threads) -> None\n\n"
+     "out (float32) = the sum of the rows' decoded vectors in row order (add: out + that sum), divided\n"
+     "by divisor unless it is 1; kind as encode's, 4 none."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_codecsc", "Fused CPU loops of mpiopt.codecs' dense codecs.", -1, methods, NULL, NULL, NULL, NULL,
+};
+
+/* VERSION changes with the functions' arguments, so that mpiopt.codecs can refuse a stale build. */
+PyMODINIT_FUNC PyInit__codecsc(void) {
+    fill_tables();
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "VERSION", 1) < 0) Py_CLEAR(m);
+    return m;
+}
