@@ -6,7 +6,7 @@ caller runs its array code otherwise.  Tests set :data:`enabled` to False to com
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Tuple
 
 import numpy as np
 
@@ -19,7 +19,7 @@ _codecsc = load_extension("_codecsc", 1)
 #: False runs the array code everywhere (the tests' reference).
 enabled = True
 # The C loops' codec numbers.
-_KINDS = {"int8": 0, "int4": 1, "fp4": 2, "sign": 3, "none": 4, "bf16": 5}
+_KINDS = {"int8": 0, "int4": 1, "fp4": 2, "sign": 3, "none": 4, "bf16": 5, "topk": 6}
 
 
 def _chunk(codec: Any) -> int:
@@ -32,11 +32,19 @@ def available(codec: Any) -> bool:
     if not enabled or _codecsc is None or kind is None:
         return False
     chunk = _chunk(codec)
-    return kind in (0, 4, 5) or (kind in (1, 2) and chunk % 2 == 0) or (kind == 3 and chunk % 8 == 0 and chunk <= 8192)
+    return kind in (0, 4, 5, 6) or (kind in (1, 2) and chunk % 2 == 0) or (kind == 3 and chunk % 8 == 0 and chunk <= 8192)
 
 
 def _f32(a: Any) -> bool:
     return isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous
+
+
+def _topk(codec: Any) -> Tuple[int, int, int, float, float, Any]:
+    """TopkCodec's (k, bits, index_bits, first level, level spacing, float32 table of the decoded units)."""
+    levels = codec.levels
+    first, spacing = (float(levels[0]), float(levels[1] - levels[0])) if levels.shape[0] > 1 else (0.0, 1.0)
+    table = np.concatenate([levels, -levels]).astype(np.float32)  # code = sign << (bits - 1) | level index
+    return codec.k, codec.bits, codec.index_bits, first, spacing, table
 
 
 def encode(codec: Any, e: Any, payload: Any, x: Any = None, beta: float = 1.0, feedback: bool = False) -> bool:
@@ -46,7 +54,12 @@ def encode(codec: Any, e: Any, payload: Any, x: Any = None, beta: float = 1.0, f
     """
     if codec.name == "none" or (codec.name == "bf16" and (x is not None or feedback)) or not available(codec) or not _f32(e) or not (x is None or _f32(x)) or not isinstance(payload, np.ndarray):
         return False
-    _codecsc.encode(_KINDS[codec.name], e, x, float(beta), payload, _chunk(codec), feedback, get_num_threads())
+    if codec.name == "topk":
+        k, bits, index_bits, first, spacing, table = _topk(codec)
+        _codecsc.topk_encode(e, x, float(beta), payload, codec.chunk, k, bits, index_bits, first, spacing, table, feedback,
+                             get_num_threads())
+    else:
+        _codecsc.encode(_KINDS[codec.name], e, x, float(beta), payload, _chunk(codec), feedback, get_num_threads())
     return True
 
 
@@ -55,5 +68,9 @@ def decode(codec: Any, payloads: Any, out: Any, add: bool = False, divisor: floa
     if not available(codec) or not _f32(out) or not isinstance(payloads, np.ndarray):
         return False
     rows = 1 if payloads.ndim == 1 else payloads.shape[0]
+    if codec.name == "topk":
+        k, bits, index_bits, _, _, table = _topk(codec)
+        _codecsc.topk_decode(payloads, rows, out, codec.chunk, k, bits, index_bits, table, add, float(divisor), get_num_threads())
+        return True
     _codecsc.decode(_KINDS[codec.name], payloads, rows, out, _chunk(codec), add, float(divisor), get_num_threads())
     return True

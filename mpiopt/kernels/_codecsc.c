@@ -12,6 +12,7 @@
 #include "_cloops.h"
 
 #include <math.h>
+#include <stdlib.h>
 
 enum { INT8, INT4, FP4, SIGN, NONE, BF16 };
 
@@ -42,6 +43,9 @@ static inline float float_of(uint32_t u) {
     memcpy(&v, &u, 4);
     return v;
 }
+
+/* numpy's a + b, whose NaN is a's when both are NaN: the compiler may swap the operands of a C +. */
+static inline float add(float a, float b) { return a != a ? a : a + b; }
 
 /* numpy's pairwise float64 sum of |a| (pairwise_sum in its loops_utils), as add.reduce does a row. */
 static double pairwise_abs(const float *a, Py_ssize_t n) {
@@ -185,19 +189,19 @@ WIDE static void encode_chunk(const encode_job *j, Py_ssize_t c0, Py_ssize_t n) 
         if (j->fold == 2)
             for (Py_ssize_t i = 0; i < n; ++i) {
                 const float v = e[i] * beta;
-                e[i] = v + x[i];
+                e[i] = add(v, x[i]);
             }
         else if (j->fold == 1)
-            for (Py_ssize_t i = 0; i < n; ++i) e[i] = e[i] + x[i];
+            for (Py_ssize_t i = 0; i < n; ++i) e[i] = add(e[i], x[i]);
     } else if (j->fold == 2) {
         for (Py_ssize_t i = 0; i < n; ++i) {
-            const float v = e[i] * beta, w = v + x[i];
+            const float v = e[i] * beta, w = add(v, x[i]);
             e[i] = w;
             TOP(w);
         }
     } else if (j->fold == 1) {
         for (Py_ssize_t i = 0; i < n; ++i) {
-            const float w = e[i] + x[i];
+            const float w = add(e[i], x[i]);
             e[i] = w;
             TOP(w);
         }
@@ -271,7 +275,7 @@ static inline float load_bf16(const unsigned char *p) {
         if (first)                                                       \
             for (Py_ssize_t i = 0; i < n; ++i) o[i] = (DEC);             \
         else                                                             \
-            for (Py_ssize_t i = 0; i < n; ++i) o[i] = o[i] + (DEC);      \
+            for (Py_ssize_t i = 0; i < n; ++i) o[i] = add(o[i], (DEC));     \
     } while (0)
 
 WIDE static void decode_chunk(const decode_job *j, Py_ssize_t c0, Py_ssize_t n) {
@@ -281,14 +285,20 @@ WIDE static void decode_chunk(const decode_job *j, Py_ssize_t c0, Py_ssize_t n) 
         const int first = r == 0 && !j->add;
         float s = 0.0f;
         if (j->kind < NONE) memcpy(&s, row + 4 * (c0 / j->chunk), 4);
-        if (j->kind == INT8) {
+        if (j->kind == INT8 && s - s == 0.0f) { /* the common case in one loop (no NaN to order) */
             const signed char *q = (const signed char *)v + c0;
-            ACCUMULATE((float)q[i] * s);
-        } else if (j->kind == INT4 || j->kind == FP4 || j->kind == SIGN) {
+            if (first)
+                for (Py_ssize_t i = 0; i < n; ++i) o[i] = (float)q[i] * s;
+            else
+                for (Py_ssize_t i = 0; i < n; ++i) o[i] = o[i] + (float)q[i] * s;
+        } else if (j->kind < NONE) {
             float unitv[BLOCK]; /* the block's decoded values in units of the scale */
             for (Py_ssize_t b = 0; b < n; b += BLOCK) {
-                const Py_ssize_t m = n - b < BLOCK ? n - b : BLOCK, at = c0 + b; /* at is even (signs: a multiple of 8) */
-                if (j->kind == SIGN) {
+                const Py_ssize_t m = n - b < BLOCK ? n - b : BLOCK, at = c0 + b; /* even for nibbles, a multiple of 8 for signs */
+                if (j->kind == INT8) {
+                    const signed char *q = (const signed char *)v + at;
+                    for (Py_ssize_t i = 0; i < m; ++i) unitv[i] = (float)q[i];
+                } else if (j->kind == SIGN) {
                     const unsigned char *bytes = v + at / 8;
                     for (Py_ssize_t i = 0; i < m / 8; ++i) memcpy(unitv + 8 * i, SIGNS[bytes[i]], 32);
                     for (Py_ssize_t i = m / 8 * 8; i < m; ++i) unitv[i] = SIGNS[bytes[m / 8]][i % 8];
@@ -308,8 +318,10 @@ WIDE static void decode_chunk(const decode_job *j, Py_ssize_t c0, Py_ssize_t n) 
                 float *restrict ob = o + b;
                 if (first)
                     for (Py_ssize_t i = 0; i < m; ++i) ob[i] = unitv[i] * s;
-                else
+                else if (s - s == 0.0f) /* finite units times a finite scale: no NaN to order */
                     for (Py_ssize_t i = 0; i < m; ++i) ob[i] = ob[i] + unitv[i] * s;
+                else
+                    for (Py_ssize_t i = 0; i < m; ++i) ob[i] = add(ob[i], unitv[i] * s);
             }
         } else if (j->kind == NONE) {
             const unsigned char *f = v + 4 * c0;
@@ -428,6 +440,343 @@ done:
     return result;
 }
 
+/* ---- topk: per chunk the k largest |e| (ties to the lowest index, NaN below every number), b-bit levels ---- */
+
+/* numpy's pairwise float64 sum (as pairwise_abs) of a float64 array. */
+static double pairwise(const double *a, Py_ssize_t n) {
+    if (n < 8) {
+        double res = 0.;
+        for (Py_ssize_t i = 0; i < n; ++i) res += a[i];
+        return res;
+    }
+    if (n <= 128) {
+        double r[8];
+        for (int k = 0; k < 8; ++k) r[k] = a[k];
+        Py_ssize_t i;
+        for (i = 8; i < n - (n % 8); i += 8)
+            for (int k = 0; k < 8; ++k) r[k] += a[i + k];
+        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; ++i) res += a[i];
+        return res;
+    }
+    Py_ssize_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return pairwise(a, n2) + pairwise(a + n2, n - n2);
+}
+
+/* Field j of w bits at bit j * w of a section: OR-ed in (the section starts zeroed), or read. */
+INLINE void put_field(unsigned char *p, Py_ssize_t j, int w, uint32_t value) {
+    const Py_ssize_t pos = j * w;
+    uint64_t t = (uint64_t)value << (pos & 7);
+    for (unsigned char *b = p + (pos >> 3); t; t >>= 8) *b++ |= (unsigned char)t;
+}
+
+static inline uint32_t get_field(const unsigned char *p, Py_ssize_t j, int w) {
+    const Py_ssize_t pos = j * w, last = (pos + w - 1) >> 3;
+    uint64_t t = 0;
+    for (Py_ssize_t b = last; b >= pos >> 3; --b) t = t << 8 | p[b];
+    return (uint32_t)(t >> (pos & 7)) & ((1u << w) - 1);
+}
+
+typedef struct {
+    int fold, feedback, bits, index_bits;
+    Py_ssize_t d, chunk, k;
+    float *e;
+    const float *x;
+    float beta;
+    double low, spacing; /* the levels' first and spacing, in units of the mean |value| */
+    const float *table;  /* the 2**bits decoded values in units of the scale */
+    unsigned char *scales, *indices, *values;
+} topk_job;
+
+/* Per-part work space: a chunk's keys, its selection, their magnitudes; histograms. */
+typedef struct {
+    uint32_t *keys, *cand;
+    int32_t *picked;
+    double *magnitudes;
+    uint32_t h1[2048], h2[1024];
+} topk_space;
+
+/* Of the counts h[0..top], the bin holding the need-th largest and how many lie above it. */
+static inline uint32_t bin_of(const uint32_t *h, uint32_t top, Py_ssize_t need, Py_ssize_t *above) {
+    Py_ssize_t sum = 0;
+    uint32_t b = top;
+    while (sum + h[b] < need) sum += h[b--];
+    *above = sum;
+    return b;
+}
+
+/* The kk-th largest key of keys[0, n) and how many keys equal to it to take (lowest index first). */
+INLINE uint32_t threshold(topk_space *w, Py_ssize_t n, Py_ssize_t kk, uint32_t top, Py_ssize_t *ties) {
+    const uint32_t *keys = w->keys;
+    memset(w->h1, 0, sizeof w->h1);
+    for (Py_ssize_t i = 0; i < n; ++i) w->h1[keys[i] >> 20]++;
+    Py_ssize_t above, need = kk;
+    const uint32_t b1 = bin_of(w->h1, top >> 20, need, &above);
+    need -= above;
+    Py_ssize_t m = 0; /* the bin's keys, low 20 bits; blocks without a key in or above the bin skipped */
+    for (Py_ssize_t b = 0; b < n; b += 16) {
+        const Py_ssize_t end = b + 16 < n ? b + 16 : n;
+        int any = 0;
+        for (Py_ssize_t i = b; i < end; ++i) any |= keys[i] >> 20 >= b1;
+        if (!any) continue;
+        for (Py_ssize_t i = b; i < end; ++i) {
+            w->cand[m] = keys[i] & 0xfffff;
+            m += keys[i] >> 20 == b1;
+        }
+    }
+    memset(w->h2, 0, sizeof w->h2);
+    uint32_t top2 = 0;
+    for (Py_ssize_t i = 0; i < m; ++i) {
+        w->h2[w->cand[i] >> 10]++;
+        top2 = w->cand[i] > top2 ? w->cand[i] : top2;
+    }
+    const uint32_t b2 = bin_of(w->h2, top2 >> 10, need, &above);
+    need -= above;
+    memset(w->h2, 0, sizeof w->h2);
+    uint32_t top3 = 0;
+    for (Py_ssize_t i = 0; i < m; ++i)
+        if (w->cand[i] >> 10 == b2) {
+            w->h2[w->cand[i] & 1023]++;
+            top3 = (w->cand[i] & 1023) > top3 ? w->cand[i] & 1023 : top3;
+        }
+    const uint32_t b3 = bin_of(w->h2, top3, need, &above);
+    *ties = need - above;
+    return b1 << 20 | b2 << 10 | b3;
+}
+
+/* Chunk c (n entries from c0; its fields from j0): fold, select, scale, levels, fields, and feedback. */
+/* keys[i]: |v|'s bits + 1 (order-preserving), NaN 0 (below every number). */
+static inline int32_t key_of(float v) {
+    const int32_t u = (int32_t)(bits_of(v) & 0x7fffffffu) + 1;
+    return u > 0x7f800001 ? 0 : u;
+}
+
+WIDE static void topk_chunk(const topk_job *j, topk_space *w, Py_ssize_t c0, Py_ssize_t n, Py_ssize_t j0) {
+    float *restrict e = j->e + c0;
+    const float *restrict x = j->x + c0;
+    int32_t *restrict keys = (int32_t *)w->keys;
+    const Py_ssize_t kk = n < j->k ? n : j->k;
+    const float beta = j->beta;
+    int32_t top = 0;
+    if (j->fold == 2)
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            const float v = add(e[i] * beta, x[i]);
+            const int32_t key = key_of(v);
+            e[i] = v;
+            keys[i] = key;
+            top = key > top ? key : top;
+        }
+    else if (j->fold == 1)
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            const float v = add(e[i], x[i]);
+            const int32_t key = key_of(v);
+            e[i] = v;
+            keys[i] = key;
+            top = key > top ? key : top;
+        }
+    else
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            const int32_t key = key_of(e[i]);
+            keys[i] = key;
+            top = key > top ? key : top;
+        }
+    Py_ssize_t ties;
+    const int32_t t = (int32_t)threshold(w, n, kk, (uint32_t)top, &ties);
+    Py_ssize_t m = 0;
+    for (Py_ssize_t b = 0; b < n; b += 16) { /* blocks without a key >= t are skipped by one vector test */
+        const Py_ssize_t end = b + 16 < n ? b + 16 : n;
+        int any = 0;
+        for (Py_ssize_t i = b; i < end; ++i) any |= keys[i] >= t;
+        if (!any) continue;
+        for (Py_ssize_t i = b; i < end; ++i)
+            if (keys[i] > t || (keys[i] == t && ties > 0)) {
+                ties -= keys[i] == t;
+                w->picked[m++] = (int32_t)i;
+            }
+    }
+    for (Py_ssize_t i = 0; i < kk; ++i) w->magnitudes[i] = fabs((double)e[w->picked[i]]);
+    const float s = (float)(pairwise(w->magnitudes, kk) / (double)kk);
+    memcpy(j->scales + 4 * (c0 / j->chunk), &s, 4);
+    const double unit = s == 0.0f ? 1.0 : (double)s, last = (double)((1 << (j->bits - 1)) - 1);
+    for (Py_ssize_t i = 0; i < kk; ++i) {
+        const Py_ssize_t at = w->picked[i];
+        double level = 0.0;
+        if (last > 0) { /* the nearest level: clip, then rint; NaN -> 0 (nan_to_num) */
+            double r = (w->magnitudes[i] / unit - j->low) / j->spacing;
+            r = r > last ? last : r;
+            r = r < 0.0 ? 0.0 : r;
+            level = r == r ? (r + 0x1p52) - 0x1p52 : 0.0;
+        }
+        const uint32_t code = (uint32_t)level | (bits_of(e[at]) >> 31) << (j->bits - 1);
+        put_field(j->values, j0 + i, j->bits, code);
+        put_field(j->indices, j0 + i, j->index_bits, (uint32_t)at);
+        if (j->feedback) {
+            const float dec = j->table[code] * s;
+            e[at] = e[at] - dec; /* numpy's e + (-1 * dec): the same, NaN's included */
+        }
+    }
+}
+
+static void topk_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    const topk_job *j = (const topk_job *)ctx;
+    (void)part;
+    topk_space *w = (topk_space *)malloc(sizeof(topk_space));
+    const Py_ssize_t n = j->chunk < j->d ? j->chunk : j->d;
+    if (w) {
+        w->keys = (uint32_t *)malloc(n * 4);
+        w->cand = (uint32_t *)malloc(n * 4);
+        w->picked = (int32_t *)malloc(n * 4);
+        w->magnitudes = (double *)malloc(n * 8);
+    }
+    if (w && w->keys && w->cand && w->picked && w->magnitudes)
+        for (Py_ssize_t c0 = lo; c0 < hi; c0 += j->chunk)
+            topk_chunk(j, w, c0, hi - c0 < j->chunk ? hi - c0 : j->chunk, c0 / j->chunk * j->k);
+    if (w) {
+        free(w->keys);
+        free(w->cand);
+        free(w->picked);
+        free(w->magnitudes);
+    }
+    free(w);
+}
+
+typedef struct {
+    int add, bits, index_bits;
+    Py_ssize_t d, chunk, k, rows, nbytes, indices_at, values_at;
+    const unsigned char *payloads;
+    const float *table;
+    float *out;
+    float divisor;
+} topk_decode_job;
+
+static void topk_decode_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    const topk_decode_job *j = (const topk_decode_job *)ctx;
+    (void)part;
+    for (Py_ssize_t c0 = lo; c0 < hi; c0 += j->chunk) {
+        const Py_ssize_t n = hi - c0 < j->chunk ? hi - c0 : j->chunk, kk = n < j->k ? n : j->k;
+        const Py_ssize_t c = c0 / j->chunk, j0 = c * j->k;
+        float *restrict o = j->out + c0;
+        if (!j->add) memset(o, 0, n * sizeof(float)); /* +0.0, then each row added: numpy's zeros and scatter_add */
+        for (Py_ssize_t r = 0; r < j->rows; ++r) {
+            const unsigned char *row = j->payloads + r * j->nbytes;
+            float s;
+            memcpy(&s, row + 4 * c, 4);
+            for (Py_ssize_t i = 0; i < kk; ++i) {
+                const uint32_t at = get_field(row + j->indices_at, j0 + i, j->index_bits);
+                const float v = j->table[get_field(row + j->values_at, j0 + i, j->bits)] * s;
+                o[at] = add(o[at], v);
+            }
+        }
+        if (j->divisor != 1.0f)
+            for (Py_ssize_t i = 0; i < n; ++i) o[i] = o[i] / j->divisor;
+    }
+}
+
+/* A float32 table of 2**bits entries; -1 with an exception set. */
+static int get_table(PyObject *o, Py_buffer *view, int bits) {
+    if (PyObject_GetBuffer(o, view, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (bits < 1 || bits > 8 || view->len != 4 * ((Py_ssize_t)1 << bits)) {
+        PyErr_SetString(PyExc_ValueError, "topk: the level table must hold 2**bits float32, bits in [1, 8]");
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* Sections of a topk payload: scales, indices, values; returns its bytes. */
+static Py_ssize_t topk_layout(Py_ssize_t d, Py_ssize_t chunk, Py_ssize_t k, int bits, int index_bits, Py_ssize_t *indices_at,
+                              Py_ssize_t *values_at) {
+    const Py_ssize_t count = d / chunk * k + (d % chunk < k ? d % chunk : k);
+    *indices_at = 4 * ((d + chunk - 1) / chunk);
+    *values_at = *indices_at + (count * index_bits + 7) / 8;
+    return *values_at + (count * bits + 7) / 8;
+}
+
+/* Threads only where every chunk's fields start on a byte (no byte shared by two parts). */
+static int topk_threads(int threads, Py_ssize_t k, int bits, int index_bits) {
+    return (k * bits) % 8 || (k * index_bits) % 8 ? 1 : threads;
+}
+
+static PyObject *py_topk_encode(PyObject *self, PyObject *args) {
+    PyObject *eo, *xo, *po, *to;
+    Py_ssize_t chunk, k;
+    int bits, index_bits, feedback, threads;
+    double beta, low, spacing;
+    Py_buffer e = {0}, x = {0}, p = {0}, t = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOdOnniiddOpi", &eo, &xo, &beta, &po, &chunk, &k, &bits, &index_bits, &low, &spacing, &to,
+                          &feedback, &threads))
+        return NULL;
+    const int fold = xo != Py_None;
+    if (get_floats(eo, &e, fold || feedback, -1, "topk: e") < 0) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t d = e.len / 4;
+    Py_ssize_t indices_at, values_at;
+    if (fold && get_floats(xo, &x, 0, d, "topk: x") < 0) goto done;
+    if (get_table(to, &t, bits) < 0) goto done;
+    if (PyObject_GetBuffer(po, &p, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (d < 1 || chunk < 1 || k < 1 || k > chunk || index_bits < 1 || index_bits > 24 || ((Py_ssize_t)1 << index_bits) < chunk ||
+        p.len != topk_layout(d, chunk, k, bits, index_bits, &indices_at, &values_at)) {
+        PyErr_SetString(PyExc_ValueError, "topk: bad chunk, k or index bits, or the payload's size is not the codec's");
+        goto done;
+    }
+    unsigned char *payload = (unsigned char *)p.buf;
+    memset(payload + indices_at, 0, p.len - indices_at); /* fields are OR-ed in */
+    topk_job job = {fold ? (beta != 1.0 ? 2 : 1) : 0, feedback, bits, index_bits, d, chunk, k, (float *)e.buf,
+                    (const float *)x.buf, (float)beta, low, spacing, (const float *)t.buf, payload, payload + indices_at,
+                    payload + values_at};
+    Py_BEGIN_ALLOW_THREADS
+    mpiopt_parallel_for(topk_threads(threads, k, bits, index_bits), d, chunk, topk_part, &job);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    PyBuffer_Release(&e);
+    if (x.obj) PyBuffer_Release(&x);
+    if (t.obj) PyBuffer_Release(&t);
+    if (p.obj) PyBuffer_Release(&p);
+    return result;
+}
+
+static PyObject *py_topk_decode(PyObject *self, PyObject *args) {
+    PyObject *po, *oo, *to;
+    Py_ssize_t rows, chunk, k;
+    int bits, index_bits, add, threads;
+    double divisor;
+    Py_buffer p = {0}, o = {0}, t = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OnOnniiOpdi", &po, &rows, &oo, &chunk, &k, &bits, &index_bits, &to, &add, &divisor, &threads))
+        return NULL;
+    if (get_floats(oo, &o, 1, -1, "topk: out") < 0) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t d = o.len / 4;
+    Py_ssize_t indices_at, values_at;
+    if (get_table(to, &t, bits) < 0) goto done;
+    if (PyObject_GetBuffer(po, &p, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (d < 1 || rows < 1 || chunk < 1 || k < 1 || k > chunk || index_bits < 1 || index_bits > 24) {
+        PyErr_SetString(PyExc_ValueError, "topk: bad rows, chunk, k or index bits");
+        goto done;
+    }
+    const Py_ssize_t nbytes = topk_layout(d, chunk, k, bits, index_bits, &indices_at, &values_at);
+    if (p.len != rows * nbytes) {
+        PyErr_SetString(PyExc_ValueError, "topk: the payloads' size is not rows times the codec's");
+        goto done;
+    }
+    topk_decode_job job = {add, bits, index_bits, d, chunk, k, rows, nbytes, indices_at, values_at, (const unsigned char *)p.buf,
+                           (const float *)t.buf, (float *)o.buf, (float)divisor};
+    Py_BEGIN_ALLOW_THREADS
+    mpiopt_parallel_for(threads, d, chunk, topk_decode_part, &job);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    PyBuffer_Release(&o);
+    if (t.obj) PyBuffer_Release(&t);
+    if (p.obj) PyBuffer_Release(&p);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"encode", py_encode, METH_VARARGS,
      "encode(kind, e, x, beta, payload, chunk, feedback, threads) -> None\n\n"
@@ -437,6 +786,14 @@ static PyMethodDef methods[] = {
      "decode(kind, payloads, rows, out, chunk, add, divisor, threads) -> None\n\n"
      "out (float32) = the sum of the rows' decoded vectors in row order (add: out + that sum), divided\n"
      "by divisor unless it is 1; kind as encode's, 4 none."},
+    {"topk_encode", py_topk_encode, METH_VARARGS,
+     "topk_encode(e, x, beta, payload, chunk, k, bits, index_bits, low, spacing, table, feedback, threads) -> None\n\n"
+     "encode's fold and feedback around mpiopt.codecs.TopkCodec's payload: the k largest |e| of every chunk\n"
+     "(ties to the lowest index, NaN last), levels low + i * spacing of the mean |value|, table the decoded\n"
+     "values in units of the scale."},
+    {"topk_decode", py_topk_decode, METH_VARARGS,
+     "topk_decode(payloads, rows, out, chunk, k, bits, index_bits, table, add, divisor, threads) -> None\n\n"
+     "decode's sum of rows in order for TopkCodec payloads (a zero vector plus each row's entries)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -429,27 +429,37 @@ def _specials(x):
     return x
 
 
+def _inputs(d, seed, special):
+    """Heavy-tailed, with :func:`_specials`, or rounded to integers (many ties for topk)."""
+    x = _vector(d, seed=seed, heavy=True)
+    return _specials(x) if special == "non-finite" else np.round(x) if special == "ties" else x
+
+
 def _everything(codec, d, special):
     """Every output of every entry point (encode, decode, add_decoded, aggregate, error feedback) at length ``d``."""
-    x = _vector(d, seed=d, heavy=True)
-    x = _specials(x) if special else x
-    rows = np.stack([codec.encode(_vector(d, seed=d + r, heavy=True)) for r in range(3)])
+    x = _inputs(d, d, special)
+    rows = np.stack([codec.encode(_inputs(d, d + r, special)) for r in range(3)])
     outputs = [codec.encode(x), codec.decode(rows[1], d), codec.add_decoded(rows[2], d, x.copy())]
     outputs += [codec.aggregate(rows, d), codec.aggregate(rows, d, mean=True), codec.aggregate(rows[:1], d, mean=True)]
     for beta in (1.0, 0.95):
         feedback = ErrorFeedback(codec, d, beta=beta)
-        outputs += [feedback.encode(_specials(_vector(d, seed=s)) if special else _vector(d, seed=s)) for s in range(3)]
+        outputs += [feedback.encode(_inputs(d, s, special)) for s in range(3)]
         outputs.append(feedback.residual.copy())
     return outputs
 
 
 @pytest.mark.skipif(fused._codecsc is None, reason="the C loops are not built")
-@pytest.mark.parametrize("name, chunk", [(name, chunk) for name in ("int8", "int4", "fp4", "sign") for chunk in (64, 200, 4096)] + [("none", None), ("bf16", None)])
-def test_the_c_loops_give_the_array_codes_bits(name, chunk, monkeypatch):
-    codec = create(name) if chunk is None else create(name, chunk=chunk)
+@pytest.mark.parametrize(
+    "name, params",
+    [(name, {"chunk": chunk}) for name in ("int8", "int4", "fp4", "sign") for chunk in (64, 200, 4096)]
+    + [("none", {}), ("bf16", {}), ("topk", {}), ("topk", {"chunk": 64, "k": 64, "bits": 8}), ("topk", {"chunk": 100, "k": 7, "bits": 3}),
+       ("topk", {"chunk": 333, "k": 1, "bits": 1})],
+)
+def test_the_c_loops_give_the_array_codes_bits(name, params, monkeypatch):
+    codec = create(name, **params)
     assert fused.available(codec)
     for d in (1, 7, 257, 5000, 10001):
-        for special in (False, True):
+        for special in ("", "non-finite", "ties"):
             with_c = _everything(codec, d, special)
             monkeypatch.setattr(fused, "enabled", False)
             with_numpy = _everything(codec, d, special)
