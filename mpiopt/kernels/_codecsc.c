@@ -13,6 +13,9 @@
 
 #include <math.h>
 #include <stdlib.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 enum { INT8, INT4, FP4, SIGN, NONE, BF16 };
 
@@ -489,12 +492,14 @@ typedef struct {
     unsigned char *scales, *indices, *values;
 } topk_job;
 
-/* Per-part work space: a chunk's keys, its selection, their magnitudes; histograms. */
+/* Per-part work space: a chunk's keys, its candidates (positions, keys), its selection, their magnitudes;
+ * histograms (zero between uses); the last chunk's threshold, where the next one's candidates start. */
 typedef struct {
-    uint32_t *keys, *cand;
-    int32_t *picked;
+    int32_t *keys, *cand, *cand_keys, *picked;
+    uint32_t *scratch;
     double *magnitudes;
     uint32_t h1[2048], h2[1024];
+    int32_t hint;
 } topk_space;
 
 /* Of the counts h[0..top], the bin holding the need-th largest and how many lie above it. */
@@ -506,43 +511,65 @@ static inline uint32_t bin_of(const uint32_t *h, uint32_t top, Py_ssize_t need, 
     return b;
 }
 
-/* The kk-th largest key of keys[0, n) and how many keys equal to it to take (lowest index first). */
-INLINE uint32_t threshold(topk_space *w, Py_ssize_t n, Py_ssize_t kk, uint32_t top, Py_ssize_t *ties) {
-    const uint32_t *keys = w->keys;
-    memset(w->h1, 0, sizeof w->h1);
-    for (Py_ssize_t i = 0; i < n; ++i) w->h1[keys[i] >> 20]++;
-    Py_ssize_t above, need = kk;
-    const uint32_t b1 = bin_of(w->h1, top >> 20, need, &above);
-    need -= above;
-    Py_ssize_t m = 0; /* the bin's keys, low 20 bits; blocks without a key in or above the bin skipped */
-    for (Py_ssize_t b = 0; b < n; b += 16) {
-        const Py_ssize_t end = b + 16 < n ? b + 16 : n;
-        int any = 0;
-        for (Py_ssize_t i = b; i < end; ++i) any |= keys[i] >> 20 >= b1;
-        if (!any) continue;
-        for (Py_ssize_t i = b; i < end; ++i) {
-            w->cand[m] = keys[i] & 0xfffff;
-            m += keys[i] >> 20 == b1;
-        }
+/* The positions of keys[0, n) at least low, ascending, into at; returns how many.  SSE2 compares 16 keys
+ * at once and only their set bits are visited (a few in a hundred keys pass). */
+INLINE Py_ssize_t gather(const int32_t *keys, Py_ssize_t n, int32_t low, int32_t *at) {
+    Py_ssize_t m = 0, i = 0;
+#if defined(__SSE2__)
+    const __m128i below = _mm_set1_epi32(low - 1);
+#define MASK4(q) _mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(_mm_loadu_si128((const __m128i *)(keys + i + 4 * (q))), below)))
+    for (; i + 16 <= n; i += 16) {
+        unsigned mask = (unsigned)(MASK4(0) | MASK4(1) << 4 | MASK4(2) << 8 | MASK4(3) << 12);
+        const int count = __builtin_popcount(mask);
+        /* the first two unconditionally (at has 2 spare entries): most blocks hold 0, 1 or 2 */
+        at[m] = (int32_t)(i + __builtin_ctz(mask | 0x10000u));
+        mask &= mask - 1;
+        at[m + 1] = (int32_t)(i + __builtin_ctz(mask | 0x10000u));
+        if (count > 2)
+            for (Py_ssize_t q = m + 2; mask &= mask - 1, mask; ++q) at[q] = (int32_t)(i + __builtin_ctz(mask));
+        m += count;
     }
-    memset(w->h2, 0, sizeof w->h2);
+#undef MASK4
+#endif
+    for (; i < n; ++i) {
+        at[m] = (int32_t)i;
+        m += keys[i] >= low;
+    }
+    return m;
+}
+
+/* The kk-th largest of keys[0, m) (top their largest) and how many keys equal to it to take, lowest
+ * position first: a radix select on bits 31-20, 19-10 and 9-0; the histograms are left zero. */
+INLINE int32_t threshold(topk_space *w, const int32_t *keys, Py_ssize_t m, Py_ssize_t kk, int32_t top, Py_ssize_t *ties) {
+    uint32_t *h = w->h1, *h2 = w->h2, *low = w->scratch;
+    for (Py_ssize_t i = 0; i < m; ++i) h[keys[i] >> 20]++;
+    Py_ssize_t above, need = kk;
+    const uint32_t b1 = bin_of(h, (uint32_t)top >> 20, need, &above);
+    need -= above;
+    Py_ssize_t c = 0; /* the bin's keys, low 20 bits */
     uint32_t top2 = 0;
     for (Py_ssize_t i = 0; i < m; ++i) {
-        w->h2[w->cand[i] >> 10]++;
-        top2 = w->cand[i] > top2 ? w->cand[i] : top2;
-    }
-    const uint32_t b2 = bin_of(w->h2, top2 >> 10, need, &above);
-    need -= above;
-    memset(w->h2, 0, sizeof w->h2);
-    uint32_t top3 = 0;
-    for (Py_ssize_t i = 0; i < m; ++i)
-        if (w->cand[i] >> 10 == b2) {
-            w->h2[w->cand[i] & 1023]++;
-            top3 = (w->cand[i] & 1023) > top3 ? w->cand[i] & 1023 : top3;
+        h[keys[i] >> 20] = 0;
+        const uint32_t u = (uint32_t)keys[i] & 0xfffff;
+        if ((uint32_t)keys[i] >> 20 == b1) {
+            low[c++] = u;
+            h2[u >> 10]++;
+            top2 = u > top2 ? u : top2;
         }
-    const uint32_t b3 = bin_of(w->h2, top3, need, &above);
+    }
+    const uint32_t b2 = bin_of(h2, top2 >> 10, need, &above);
+    need -= above;
+    uint32_t top3 = 0;
+    for (Py_ssize_t i = 0; i < c; ++i) h2[low[i] >> 10] = 0;
+    for (Py_ssize_t i = 0; i < c; ++i)
+        if (low[i] >> 10 == b2) {
+            h2[low[i] & 1023]++;
+            top3 = (low[i] & 1023) > top3 ? low[i] & 1023 : top3;
+        }
+    const uint32_t b3 = bin_of(h2, top3, need, &above);
+    for (Py_ssize_t i = 0; i < c; ++i) h2[low[i] & 1023] = 0;
     *ties = need - above;
-    return b1 << 20 | b2 << 10 | b3;
+    return (int32_t)(b1 << 20 | b2 << 10 | b3);
 }
 
 /* Chunk c (n entries from c0; its fields from j0): fold, select, scale, levels, fields, and feedback. */
@@ -555,7 +582,7 @@ static inline int32_t key_of(float v) {
 WIDE static void topk_chunk(const topk_job *j, topk_space *w, Py_ssize_t c0, Py_ssize_t n, Py_ssize_t j0) {
     float *restrict e = j->e + c0;
     const float *restrict x = j->x + c0;
-    int32_t *restrict keys = (int32_t *)w->keys;
+    int32_t *restrict keys = w->keys;
     const Py_ssize_t kk = n < j->k ? n : j->k;
     const float beta = j->beta;
     int32_t top = 0;
@@ -581,19 +608,22 @@ WIDE static void topk_chunk(const topk_job *j, topk_space *w, Py_ssize_t c0, Py_
             keys[i] = key;
             top = key > top ? key : top;
         }
-    Py_ssize_t ties;
-    const int32_t t = (int32_t)threshold(w, n, kk, (uint32_t)top, &ties);
+    /* Candidates: the keys from an eighth of an octave below the last chunk's threshold (chunks alike need look
+     * at a few per cent of their keys), else from an octave below, else all. */
     Py_ssize_t m = 0;
-    for (Py_ssize_t b = 0; b < n; b += 16) { /* blocks without a key >= t are skipped by one vector test */
-        const Py_ssize_t end = b + 16 < n ? b + 16 : n;
-        int any = 0;
-        for (Py_ssize_t i = b; i < end; ++i) any |= keys[i] >= t;
-        if (!any) continue;
-        for (Py_ssize_t i = b; i < end; ++i)
-            if (keys[i] > t || (keys[i] == t && ties > 0)) {
-                ties -= keys[i] == t;
-                w->picked[m++] = (int32_t)i;
-            }
+    for (int32_t below = 1 << 20; m < kk; below = below < (8 << 20) ? 8 << 20 : INT32_MAX)
+        m = gather(keys, n, w->hint > below ? w->hint - below : 0, w->cand);
+    for (Py_ssize_t i = 0; i < m; ++i) w->cand_keys[i] = keys[w->cand[i]];
+    Py_ssize_t ties;
+    const int32_t t = threshold(w, w->cand_keys, m, kk, top, &ties);
+    w->hint = t;
+    Py_ssize_t picked = 0;
+    for (Py_ssize_t i = 0; i < m; ++i) {
+        const int32_t key = w->cand_keys[i];
+        if (key > t || (key == t && ties > 0)) {
+            ties -= key == t;
+            w->picked[picked++] = w->cand[i];
+        }
     }
     for (Py_ssize_t i = 0; i < kk; ++i) w->magnitudes[i] = fabs((double)e[w->picked[i]]);
     const float s = (float)(pairwise(w->magnitudes, kk) / (double)kk);
@@ -621,20 +651,24 @@ WIDE static void topk_chunk(const topk_job *j, topk_space *w, Py_ssize_t c0, Py_
 static void topk_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
     const topk_job *j = (const topk_job *)ctx;
     (void)part;
-    topk_space *w = (topk_space *)malloc(sizeof(topk_space));
+    topk_space *w = (topk_space *)calloc(1, sizeof(topk_space));
     const Py_ssize_t n = j->chunk < j->d ? j->chunk : j->d;
     if (w) {
-        w->keys = (uint32_t *)malloc(n * 4);
-        w->cand = (uint32_t *)malloc(n * 4);
+        w->keys = (int32_t *)malloc(n * 4);
+        w->cand = (int32_t *)malloc((n + 2) * 4);
+        w->cand_keys = (int32_t *)malloc(n * 4);
         w->picked = (int32_t *)malloc(n * 4);
+        w->scratch = (uint32_t *)malloc(n * 4);
         w->magnitudes = (double *)malloc(n * 8);
     }
-    if (w && w->keys && w->cand && w->picked && w->magnitudes)
+    if (w && w->keys && w->cand && w->cand_keys && w->picked && w->scratch && w->magnitudes)
         for (Py_ssize_t c0 = lo; c0 < hi; c0 += j->chunk)
             topk_chunk(j, w, c0, hi - c0 < j->chunk ? hi - c0 : j->chunk, c0 / j->chunk * j->k);
     if (w) {
         free(w->keys);
         free(w->cand);
+        free(w->cand_keys);
+        free(w->scratch);
         free(w->picked);
         free(w->magnitudes);
     }
