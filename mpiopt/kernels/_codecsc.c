@@ -51,7 +51,7 @@ static inline float float_of(uint32_t u) {
 static inline float add(float a, float b) { return a != a ? a : a + b; }
 
 /* numpy's pairwise float64 sum of |a| (pairwise_sum in its loops_utils), as add.reduce does a row. */
-static double pairwise_abs(const float *a, Py_ssize_t n) {
+WIDE static double pairwise_abs(const float *a, Py_ssize_t n) {
     if (n < 8) {
         double res = 0.;
         for (Py_ssize_t i = 0; i < n; ++i) res += (double)fabsf(a[i]);
@@ -294,6 +294,22 @@ WIDE static void decode_chunk(const decode_job *j, Py_ssize_t c0, Py_ssize_t n) 
                 for (Py_ssize_t i = 0; i < n; ++i) o[i] = (float)q[i] * s;
             else
                 for (Py_ssize_t i = 0; i < n; ++i) o[i] = o[i] + (float)q[i] * s;
+        } else if ((j->kind == INT4 || j->kind == FP4) && s - s == 0.0f) { /* pairs of nibbles, one loop */
+            const unsigned char *bytes = v + c0 / 2;
+            const Py_ssize_t pairs = n / 2;
+#define NIBBLE(c) (j->kind == INT4 ? (float)((int32_t)((uint32_t)(c) << 28) >> 28) : e3m0(c))
+            if (first)
+                for (Py_ssize_t i = 0; i < pairs; ++i) {
+                    o[2 * i] = NIBBLE(bytes[i] & 15u) * s;
+                    o[2 * i + 1] = NIBBLE((uint32_t)bytes[i] >> 4) * s;
+                }
+            else
+                for (Py_ssize_t i = 0; i < pairs; ++i) {
+                    o[2 * i] = o[2 * i] + NIBBLE(bytes[i] & 15u) * s;
+                    o[2 * i + 1] = o[2 * i + 1] + NIBBLE((uint32_t)bytes[i] >> 4) * s;
+                }
+            if (n % 2) o[n - 1] = first ? NIBBLE(bytes[pairs] & 15u) * s : o[n - 1] + NIBBLE(bytes[pairs] & 15u) * s;
+#undef NIBBLE
         } else if (j->kind < NONE) {
             float unitv[BLOCK]; /* the block's decoded values in units of the scale */
             for (Py_ssize_t b = 0; b < n; b += BLOCK) {
@@ -446,7 +462,7 @@ done:
 /* ---- topk: per chunk the k largest |e| (ties to the lowest index, NaN below every number), b-bit levels ---- */
 
 /* numpy's pairwise float64 sum (as pairwise_abs) of a float64 array. */
-static double pairwise(const double *a, Py_ssize_t n) {
+WIDE static double pairwise(const double *a, Py_ssize_t n) {
     if (n < 8) {
         double res = 0.;
         for (Py_ssize_t i = 0; i < n; ++i) res += a[i];
