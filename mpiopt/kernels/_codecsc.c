@@ -259,6 +259,17 @@ typedef struct {
     float divisor;
 } decode_job;
 
+/* o /= divisor; by a power of two a product by its exact reciprocal, which rounds the same exact value. */
+INLINE void divide(float *restrict o, Py_ssize_t n, float divisor) {
+    int exponent;
+    if (frexpf(divisor, &exponent) == 0.5f) {
+        const float reciprocal = 1.0f / divisor;
+        for (Py_ssize_t i = 0; i < n; ++i) o[i] = o[i] * reciprocal;
+    } else {
+        for (Py_ssize_t i = 0; i < n; ++i) o[i] = o[i] / divisor;
+    }
+}
+
 /* A float32 and a bfloat16 at any byte address (payload rows need not be aligned). */
 static inline float load_float(const unsigned char *p) {
     float f;
@@ -351,7 +362,7 @@ WIDE static void decode_chunk(const decode_job *j, Py_ssize_t c0, Py_ssize_t n) 
         }
     }
     if (j->divisor != 1.0f)
-        for (Py_ssize_t i = 0; i < n; ++i) o[i] = o[i] / j->divisor;
+        divide(o, n, j->divisor);
 }
 
 static void decode_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
@@ -490,6 +501,22 @@ INLINE void put_field(unsigned char *p, Py_ssize_t j, int w, uint32_t value) {
     for (unsigned char *b = p + (pos >> 3); t; t >>= 8) *b++ |= (unsigned char)t;
 }
 
+/* Fields j0, j0 + 1, ... of v: a byte at a time from a bit accumulator where field j0 starts a byte. */
+INLINE void put_fields(unsigned char *p, Py_ssize_t j0, int w, const uint32_t *v, Py_ssize_t count) {
+    if ((j0 * w) & 7) {
+        for (Py_ssize_t i = 0; i < count; ++i) put_field(p, j0 + i, w, v[i]);
+        return;
+    }
+    unsigned char *b = p + (j0 * w >> 3);
+    uint64_t acc = 0;
+    int held = 0;
+    for (Py_ssize_t i = 0; i < count; ++i) {
+        acc |= (uint64_t)v[i] << held;
+        for (held += w; held >= 8; held -= 8, acc >>= 8) *b++ = (unsigned char)acc;
+    }
+    if (held) *b |= (unsigned char)acc;
+}
+
 static inline uint32_t get_field(const unsigned char *p, Py_ssize_t j, int w) {
     const Py_ssize_t pos = j * w, last = (pos + w - 1) >> 3;
     uint64_t t = 0;
@@ -512,7 +539,7 @@ typedef struct {
  * histograms (zero between uses); the last chunk's threshold, where the next one's candidates start. */
 typedef struct {
     int32_t *keys, *cand, *cand_keys, *picked;
-    uint32_t *scratch;
+    uint32_t *scratch, *codes;
     double *magnitudes;
     uint32_t h1[2048], h2[1024];
     int32_t hint;
@@ -537,7 +564,7 @@ INLINE Py_ssize_t gather(const int32_t *keys, Py_ssize_t n, int32_t low, int32_t
     for (; i + 16 <= n; i += 16) {
         unsigned mask = (unsigned)(MASK4(0) | MASK4(1) << 4 | MASK4(2) << 8 | MASK4(3) << 12);
         const int count = __builtin_popcount(mask);
-        /* the first two unconditionally (at has 2 spare entries): most blocks hold 0, 1 or 2 */
+        /* the first two unconditionally (at has spare entries): most blocks hold 0, 1 or 2 */
         at[m] = (int32_t)(i + __builtin_ctz(mask | 0x10000u));
         mask &= mask - 1;
         at[m + 1] = (int32_t)(i + __builtin_ctz(mask | 0x10000u));
@@ -553,6 +580,30 @@ INLINE Py_ssize_t gather(const int32_t *keys, Py_ssize_t n, int32_t low, int32_t
     }
     return m;
 }
+
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__x86_64__) && defined(__linux__)
+#include <immintrin.h>
+/* gather with AVX-512 where the CPU has it (PyInit decides): a compare and a compress per 16 keys. */
+#define GATHER512 1
+static int use_gather512;
+
+__attribute__((target("avx512f,popcnt"))) static Py_ssize_t gather512(const int32_t *keys, Py_ssize_t n, int32_t low,
+                                                                      int32_t *at) {
+    Py_ssize_t m = 0, i = 0;
+    const __m512i bound = _mm512_set1_epi32(low), sixteen = _mm512_set1_epi32(16);
+    __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; i + 16 <= n; i += 16, index = _mm512_add_epi32(index, sixteen)) {
+        const __mmask16 mask = _mm512_cmpge_epi32_mask(_mm512_loadu_si512((const void *)(keys + i)), bound);
+        _mm512_storeu_si512((void *)(at + m), _mm512_maskz_compress_epi32(mask, index)); /* at has 16 spare */
+        m += _mm_popcnt_u32(mask);
+    }
+    for (; i < n; ++i) {
+        at[m] = (int32_t)i;
+        m += keys[i] >= low;
+    }
+    return m;
+}
+#endif
 
 /* The kk-th largest of keys[0, m) (top their largest) and how many keys equal to it to take, lowest
  * position first: a radix select on bits 31-20, 19-10 and 9-0; the histograms are left zero. */
@@ -628,7 +679,12 @@ WIDE static void topk_chunk(const topk_job *j, topk_space *w, Py_ssize_t c0, Py_
      * at a few per cent of their keys), else from an octave below, else all. */
     Py_ssize_t m = 0;
     for (int32_t below = 1 << 20; m < kk; below = below < (8 << 20) ? 8 << 20 : INT32_MAX)
-        m = gather(keys, n, w->hint > below ? w->hint - below : 0, w->cand);
+#ifdef GATHER512
+        if (use_gather512)
+            m = gather512(keys, n, w->hint > below ? w->hint - below : 0, w->cand);
+        else
+#endif
+            m = gather(keys, n, w->hint > below ? w->hint - below : 0, w->cand);
     for (Py_ssize_t i = 0; i < m; ++i) w->cand_keys[i] = keys[w->cand[i]];
     Py_ssize_t ties;
     const int32_t t = threshold(w, w->cand_keys, m, kk, top, &ties);
@@ -655,13 +711,14 @@ WIDE static void topk_chunk(const topk_job *j, topk_space *w, Py_ssize_t c0, Py_
             level = r == r ? (r + 0x1p52) - 0x1p52 : 0.0;
         }
         const uint32_t code = (uint32_t)level | (bits_of(e[at]) >> 31) << (j->bits - 1);
-        put_field(j->values, j0 + i, j->bits, code);
-        put_field(j->indices, j0 + i, j->index_bits, (uint32_t)at);
+        w->codes[i] = code;
         if (j->feedback) {
             const float dec = j->table[code] * s;
             e[at] = e[at] - dec; /* numpy's e + (-1 * dec): the same, NaN's included */
         }
     }
+    put_fields(j->values, j0, j->bits, w->codes, kk);
+    put_fields(j->indices, j0, j->index_bits, (const uint32_t *)w->picked, kk);
 }
 
 static void topk_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
@@ -671,13 +728,14 @@ static void topk_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
     const Py_ssize_t n = j->chunk < j->d ? j->chunk : j->d;
     if (w) {
         w->keys = (int32_t *)malloc(n * 4);
-        w->cand = (int32_t *)malloc((n + 2) * 4);
+        w->cand = (int32_t *)malloc((n + 16) * 4);
         w->cand_keys = (int32_t *)malloc(n * 4);
         w->picked = (int32_t *)malloc(n * 4);
         w->scratch = (uint32_t *)malloc(n * 4);
+        w->codes = (uint32_t *)malloc(n * 4);
         w->magnitudes = (double *)malloc(n * 8);
     }
-    if (w && w->keys && w->cand && w->cand_keys && w->picked && w->scratch && w->magnitudes)
+    if (w && w->keys && w->cand && w->cand_keys && w->picked && w->scratch && w->codes && w->magnitudes)
         for (Py_ssize_t c0 = lo; c0 < hi; c0 += j->chunk)
             topk_chunk(j, w, c0, hi - c0 < j->chunk ? hi - c0 : j->chunk, c0 / j->chunk * j->k);
     if (w) {
@@ -685,6 +743,7 @@ static void topk_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
         free(w->cand);
         free(w->cand_keys);
         free(w->scratch);
+        free(w->codes);
         free(w->picked);
         free(w->magnitudes);
     }
@@ -719,7 +778,7 @@ static void topk_decode_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) 
             }
         }
         if (j->divisor != 1.0f)
-            for (Py_ssize_t i = 0; i < n; ++i) o[i] = o[i] / j->divisor;
+            divide(o, n, j->divisor);
     }
 }
 
@@ -854,6 +913,10 @@ static struct PyModuleDef module = {
 /* VERSION changes with the functions' arguments, so that mpiopt.codecs can refuse a stale build. */
 PyMODINIT_FUNC PyInit__codecsc(void) {
     fill_tables();
+#ifdef GATHER512
+    __builtin_cpu_init();
+    use_gather512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("popcnt");
+#endif
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "VERSION", 1) < 0) Py_CLEAR(m);
     return m;
