@@ -440,7 +440,9 @@ def _everything(codec, d, special):
     x = _inputs(d, d, special)
     rows = np.stack([codec.encode(_inputs(d, d + r, special)) for r in range(3)])
     outputs = [codec.encode(x), codec.decode(rows[1], d), codec.add_decoded(rows[2], d, x.copy())]
+    five = np.concatenate([rows, rows[::-1][:2]])
     outputs += [codec.aggregate(rows, d), codec.aggregate(rows, d, mean=True), codec.aggregate(rows[:1], d, mean=True)]
+    outputs += [codec.aggregate(five[:4], d, mean=True), codec.aggregate(five, d, mean=True)]
     for beta in (1.0, 0.95):
         feedback = ErrorFeedback(codec, d, beta=beta)
         outputs += [feedback.encode(_inputs(d, s, special)) for s in range(3)]
