@@ -318,7 +318,24 @@ WIDE static void decode_chunk(const decode_job *j, Py_ssize_t c0, Py_ssize_t n) 
         if (j->divisor != 1.0f) divide(o, n, j->divisor);
         return;
     }
-    for (Py_ssize_t r = 0; r < j->rows; ++r) {
+    Py_ssize_t r = 0;
+    for (; j->kind == INT8 && r + 4 <= j->rows; r += 4) { /* 4 rows in one loop while their scales are finite */
+        const signed char *q[4];
+        float s[4];
+        for (int k = 0; k < 4; ++k) {
+            const unsigned char *row = j->payloads + (r + k) * j->nbytes;
+            memcpy(&s[k], row + 4 * (c0 / j->chunk), 4);
+            q[k] = (const signed char *)row + j->values_at + c0;
+        }
+        if (!(s[0] - s[0] == 0.0f && s[1] - s[1] == 0.0f && s[2] - s[2] == 0.0f && s[3] - s[3] == 0.0f)) break;
+#define DEC(k) ((float)q[k][i] * s[k])
+        if (r == 0 && !j->add)
+            for (Py_ssize_t i = 0; i < n; ++i) o[i] = ((DEC(0) + DEC(1)) + DEC(2)) + DEC(3);
+        else
+            for (Py_ssize_t i = 0; i < n; ++i) o[i] = (((o[i] + DEC(0)) + DEC(1)) + DEC(2)) + DEC(3);
+#undef DEC
+    }
+    for (; r < j->rows; ++r) {
         const unsigned char *row = j->payloads + r * j->nbytes, *v = row + j->values_at;
         const int first = r == 0 && !j->add;
         float s = 0.0f;
