@@ -310,6 +310,28 @@ INLINE void decode_dense(const decode_job *j, Py_ssize_t c0, Py_ssize_t n, float
 }
 #undef DENSE
 
+/* int4's or fp4's 4 rows (bytes q[k], finite scales s[k]) into o[0, n), a byte (two nibbles) at a time. */
+INLINE void nibbles4(float *restrict o, Py_ssize_t n, const unsigned char *const *q, const float *s, int first, int kind) {
+#define NIB(c) (kind == INT4 ? (float)((int32_t)((uint32_t)(c) << 28) >> 28) : e3m0(c))
+#define SUM(base, shift, at)                                                                            \
+    (((base + NIB((uint32_t)q[0][at] >> shift & 15u) * s[0]) + NIB((uint32_t)q[1][at] >> shift & 15u) * s[1]) + \
+     NIB((uint32_t)q[2][at] >> shift & 15u) * s[2]) + NIB((uint32_t)q[3][at] >> shift & 15u) * s[3]
+    const Py_ssize_t pairs = n / 2;
+    if (first)
+        for (Py_ssize_t i = 0; i < pairs; ++i) {
+            o[2 * i] = SUM(-0.0f, 0, i);
+            o[2 * i + 1] = SUM(-0.0f, 4, i);
+        }
+    else
+        for (Py_ssize_t i = 0; i < pairs; ++i) {
+            o[2 * i] = SUM(o[2 * i], 0, i);
+            o[2 * i + 1] = SUM(o[2 * i + 1], 4, i);
+        }
+    if (n % 2) o[n - 1] = first ? SUM(-0.0f, 0, pairs) : SUM(o[n - 1], 0, pairs);
+#undef SUM
+#undef NIB
+}
+
 WIDE static void decode_chunk(const decode_job *j, Py_ssize_t c0, Py_ssize_t n) {
     float *restrict o = j->out + c0;
     if (j->kind == NONE || j->kind == BF16) {
@@ -319,21 +341,28 @@ WIDE static void decode_chunk(const decode_job *j, Py_ssize_t c0, Py_ssize_t n) 
         return;
     }
     Py_ssize_t r = 0;
-    for (; j->kind == INT8 && r + 4 <= j->rows; r += 4) { /* 4 rows in one loop while their scales are finite */
-        const signed char *q[4];
+    for (; j->kind <= FP4 && r + 4 <= j->rows; r += 4) { /* 4 rows in one loop while their scales are finite */
+        const unsigned char *q[4];
         float s[4];
         for (int k = 0; k < 4; ++k) {
             const unsigned char *row = j->payloads + (r + k) * j->nbytes;
             memcpy(&s[k], row + 4 * (c0 / j->chunk), 4);
-            q[k] = (const signed char *)row + j->values_at + c0;
+            q[k] = row + j->values_at + (j->kind == INT8 ? c0 : c0 / 2);
         }
         if (!(s[0] - s[0] == 0.0f && s[1] - s[1] == 0.0f && s[2] - s[2] == 0.0f && s[3] - s[3] == 0.0f)) break;
-#define DEC(k) ((float)q[k][i] * s[k])
-        if (r == 0 && !j->add)
-            for (Py_ssize_t i = 0; i < n; ++i) o[i] = ((DEC(0) + DEC(1)) + DEC(2)) + DEC(3);
-        else
-            for (Py_ssize_t i = 0; i < n; ++i) o[i] = (((o[i] + DEC(0)) + DEC(1)) + DEC(2)) + DEC(3);
+        const int first = r == 0 && !j->add;
+        if (j->kind == INT8) {
+#define DEC(k) ((float)(signed char)q[k][i] * s[k])
+            if (first)
+                for (Py_ssize_t i = 0; i < n; ++i) o[i] = ((DEC(0) + DEC(1)) + DEC(2)) + DEC(3);
+            else
+                for (Py_ssize_t i = 0; i < n; ++i) o[i] = (((o[i] + DEC(0)) + DEC(1)) + DEC(2)) + DEC(3);
 #undef DEC
+        } else if (j->kind == INT4) {
+            nibbles4(o, n, q, s, first, INT4);
+        } else {
+            nibbles4(o, n, q, s, first, FP4);
+        }
     }
     for (; r < j->rows; ++r) {
         const unsigned char *row = j->payloads + r * j->nbytes, *v = row + j->values_at;
