@@ -677,16 +677,29 @@ INLINE int32_t threshold(topk_space *w, const int32_t *keys, Py_ssize_t m, Py_ss
     Py_ssize_t above, need = kk;
     const uint32_t b1 = bin_of(h, (uint32_t)top >> 20, need, &above);
     need -= above;
-    Py_ssize_t c = 0; /* the bin's keys, low 20 bits */
-    uint32_t top2 = 0;
+    Py_ssize_t c = 0; /* the bin's keys, low 20 bits (branch-free: about one in five is in the bin) */
     for (Py_ssize_t i = 0; i < m; ++i) {
         h[keys[i] >> 20] = 0;
-        const uint32_t u = (uint32_t)keys[i] & 0xfffff;
-        if ((uint32_t)keys[i] >> 20 == b1) {
-            low[c++] = u;
-            h2[u >> 10]++;
-            top2 = u > top2 ? u : top2;
+        low[c] = (uint32_t)keys[i] & 0xfffff;
+        c += (uint32_t)keys[i] >> 20 == b1;
+    }
+    if (c <= 48) { /* few keys in the bin: sorted descending (insertion), the need-th is the threshold */
+        for (Py_ssize_t i = 1; i < c; ++i) {
+            const uint32_t u = low[i];
+            Py_ssize_t k = i;
+            for (; k > 0 && low[k - 1] < u; --k) low[k] = low[k - 1];
+            low[k] = u;
         }
+        const uint32_t t = low[need - 1];
+        Py_ssize_t larger = 0;
+        while (low[larger] > t) ++larger;
+        *ties = need - larger;
+        return (int32_t)(b1 << 20 | t);
+    }
+    uint32_t top2 = 0;
+    for (Py_ssize_t i = 0; i < c; ++i) {
+        h2[low[i] >> 10]++;
+        top2 = low[i] > top2 ? low[i] : top2;
     }
     const uint32_t b2 = bin_of(h2, top2 >> 10, need, &above);
     need -= above;
@@ -754,12 +767,12 @@ WIDE static void topk_chunk(const topk_job *j, topk_space *w, Py_ssize_t c0, Py_
     const int32_t t = threshold(w, w->cand_keys, m, kk, top, &ties);
     w->hint = t;
     Py_ssize_t picked = 0;
-    for (Py_ssize_t i = 0; i < m; ++i) {
+    for (Py_ssize_t i = 0; i < m; ++i) { /* branch-free: about half are taken */
         const int32_t key = w->cand_keys[i];
-        if (key > t || (key == t && ties > 0)) {
-            ties -= key == t;
-            w->picked[picked++] = w->cand[i];
-        }
+        const int take = (key > t) | ((key == t) & (ties > 0));
+        ties -= take & (key == t);
+        w->picked[picked] = w->cand[i];
+        picked += take;
     }
     for (Py_ssize_t i = 0; i < kk; ++i) w->magnitudes[i] = fabs((double)e[w->picked[i]]);
     const float s = (float)(pairwise(w->magnitudes, kk) / (double)kk);
