@@ -1,12 +1,13 @@
-/* The dense codecs' loops (mpiopt.codecs: int8, int4, fp4, sign, none, bf16), fused (optional).
+/* The codecs' loops (mpiopt.codecs: int8, int4, fp4, sign, none, bf16, topk), fused (optional).
  *
  * encode: per chunk, in cache, error feedback's fold (e = e * beta + x), the chunk's scale, the codes and
- * the residual's update (e = e - decoded) in one visit instead of numpy's dozen passes over d.  decode:
- * the sum of P payloads' decoded rows in row order (and the division of the mean) in one pass over the
- * output.  Every product, quotient and sum is the float32 (or float64) operation numpy does, in its
- * order: the same bits.  Two details carry that: np.rint's round-half-to-even is (|t| + 2**23) - 2**23
- * for |t| <= 127 (no SSE4.1 needed), and the sign codec's mean |x| is numpy's pairwise float64 sum (its
- * blocks of 8 accumulators and 128 entries), for chunks of at most 8192 (numpy's buffer).
+ * the residual's update (e = e - decoded) in one visit instead of numpy's dozen passes over d; topk's
+ * selection is a radix select on the float bits.  decode: the sum of P payloads' decoded rows in row
+ * order (and the division of the mean) in one pass over the output.  Every product, quotient and sum is
+ * the float32 (or float64) operation numpy does, in its order: the same bits.  The details that carry
+ * it: np.rint's round-half-to-even is (|t| + 2**23) - 2**23 for |t| <= 127 (no SSE4.1 needed); numpy's
+ * pairwise float64 sums (its blocks of 8 accumulators and 128 entries; for sign's float32 input, chunks
+ * of at most 8192, numpy's buffer); a + b keeps a's NaN when both are NaN (add below).
  * Chunks go to threads whole (_parallel.h), so the bits do not depend on the split.
  */
 #include "_cloops.h"

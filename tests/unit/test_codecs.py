@@ -17,6 +17,7 @@ from mpiopt.codecs import CODECS, ErrorFeedback, create, fused
 from mpiopt.codecs.scaled import E3M0_MAGNITUDES
 from mpiopt.codecs.topk import topk_levels
 from mpiopt.kernels.sparse import topk_indices
+from mpiopt.kernels.threads import get_num_threads, set_num_threads
 
 SIZES = [1, 2, 3, 7, 63, 64, 65, 100, 1000, 4095, 4096, 4097, 8192, 10001]
 SMALL_CHUNK = 256  # several chunks and a ragged last one at test sizes
@@ -468,6 +469,27 @@ def test_the_c_loops_give_the_array_codes_bits(name, params, monkeypatch):
             monkeypatch.setattr(fused, "enabled", True)
             for i, (a, b) in enumerate(zip(with_c, with_numpy)):
                 assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8)), (d, special, i)
+
+
+@pytest.mark.skipif(fused._codecsc is None, reason="the C loops are not built")
+@pytest.mark.parametrize("name", list(CODECS))
+def test_the_c_loops_give_the_same_bits_on_two_threads(name):
+    d = 600_001  # parts of at least 2**18 entries: two threads take a share each
+    codec = create(name)
+
+    def run():
+        feedback = ErrorFeedback(codec, d, beta=0.95)
+        outputs = [feedback.encode(_vector(d, seed=s, heavy=True)) for s in range(2)] + [feedback.residual.copy()]
+        return outputs + [codec.aggregate(np.stack(outputs[:2]), d, mean=True)]
+
+    previous = get_num_threads()
+    one = run()
+    set_num_threads(2)
+    try:
+        two = run()
+    finally:
+        set_num_threads(previous)
+    assert all(np.array_equal(a.view(np.uint8), b.view(np.uint8)) for a, b in zip(one, two))
 
 
 # ---- cupy where a GPU is: the same bits as numpy ----------------------------------------------------------
