@@ -812,17 +812,20 @@ WIDE static void topk_chunk(const topk_job *j, topk_space *w, Py_ssize_t c0, Py_
     const float s = (float)(pairwise(w->magnitudes, kk) / (double)kk);
     memcpy(j->scales + 4 * (c0 / j->chunk), &s, 4);
     const double unit = s == 0.0f ? 1.0 : (double)s, last = (double)((1 << (j->bits - 1)) - 1);
+    const double first = j->low, spacing = j->spacing;
+    const double *restrict magnitudes = w->magnitudes;
+    uint32_t *restrict codes = w->codes;
+    for (Py_ssize_t i = 0; i < kk; ++i) { /* the nearest level: clip, then rint; NaN -> 0 (nan_to_num); a vector loop */
+        double r = (magnitudes[i] / unit - first) / spacing;
+        r = r > last ? last : r;
+        r = r < 0.0 ? 0.0 : r;
+        codes[i] = (uint32_t)(r == r ? (r + 0x1p52) - 0x1p52 : 0.0);
+    }
+    const int sign_at = j->bits - 1;
     for (Py_ssize_t i = 0; i < kk; ++i) {
         const Py_ssize_t at = w->picked[i];
-        double level = 0.0;
-        if (last > 0) { /* the nearest level: clip, then rint; NaN -> 0 (nan_to_num) */
-            double r = (w->magnitudes[i] / unit - j->low) / j->spacing;
-            r = r > last ? last : r;
-            r = r < 0.0 ? 0.0 : r;
-            level = r == r ? (r + 0x1p52) - 0x1p52 : 0.0;
-        }
-        const uint32_t code = (uint32_t)level | (bits_of(e[at]) >> 31) << (j->bits - 1);
-        w->codes[i] = code;
+        const uint32_t code = codes[i] | (bits_of(e[at]) >> 31) << sign_at;
+        codes[i] = code;
         if (j->feedback) {
             const float dec = j->table[code] * s;
             e[at] = e[at] - dec; /* numpy's e + (-1 * dec): the same, NaN's included */
