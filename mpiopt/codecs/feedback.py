@@ -38,7 +38,7 @@ class ErrorFeedback:
         """Fold ``x`` into the residual, encode the residual into ``out`` (a payload) and keep what it did not carry."""
         check_vector("x", x, self.d)
         residual = self.residual
-        if fused.available(self.codec) and self.codec.name != "none":  # one fused visit per chunk, same bits
+        if fused.available(self.codec, feedback=True):  # one fused visit per chunk, same bits
             nbytes = self.codec.payload_nbytes(self.d)
             payload = np.empty(nbytes, dtype=np.uint8) if out is None else out
             check_payload("out", payload, nbytes)

@@ -1,4 +1,4 @@
-"""The dense codecs' optional fused C loops (``mpiopt/kernels/_codecsc.c``): the array code's bits, one visit per chunk.
+"""The codecs' optional fused C loops (``mpiopt/kernels/_codecsc.c``): the array code's bits, one visit per chunk.
 
 Each function returns whether the C loop did the work (C-contiguous numpy float32 and a chunk it takes); the
 caller runs its array code otherwise.  Tests set :data:`enabled` to False to compare the two.
@@ -26,10 +26,13 @@ def _chunk(codec: Any) -> int:
     return getattr(codec, "chunk", 4096)
 
 
-def available(codec: Any) -> bool:
-    """Whether the C loops take ``codec`` (its name, and a chunk whose parts own whole bytes; sign: numpy's sum order)."""
+def available(codec: Any, feedback: bool = False) -> bool:
+    """Whether the C loops take ``codec`` (its name, and a chunk whose parts own whole bytes; sign: numpy's sum order).
+
+    ``feedback``: whether they also do error feedback's fold and update (not ``none`` and ``bf16``).
+    """
     kind = _KINDS.get(codec.name)
-    if not enabled or _codecsc is None or kind is None:
+    if not enabled or _codecsc is None or kind is None or (feedback and codec.name in ("none", "bf16")):
         return False
     chunk = _chunk(codec)
     return kind in (0, 4, 5, 6) or (kind in (1, 2) and chunk % 2 == 0) or (kind == 3 and chunk % 8 == 0 and chunk <= 8192)
@@ -52,7 +55,8 @@ def encode(codec: Any, e: Any, payload: Any, x: Any = None, beta: float = 1.0, f
 
     ``bf16``: the payload only; ``none``: never (numpy's copy is the copy).
     """
-    if codec.name == "none" or (codec.name == "bf16" and (x is not None or feedback)) or not available(codec) or not _f32(e) or not (x is None or _f32(x)) or not isinstance(payload, np.ndarray):
+    takes = available(codec, feedback or x is not None) and codec.name != "none" and _f32(e) and (x is None or _f32(x))
+    if not takes or not isinstance(payload, np.ndarray):
         return False
     if codec.name == "topk":
         k, bits, index_bits, first, spacing, table = _topk(codec)
