@@ -801,10 +801,11 @@ WIDE static void topk_chunk(const topk_job *j, topk_space *w, Py_ssize_t c0, Py_
     const int32_t t = threshold(w, w->cand_keys, m, kk, top, &ties);
     w->hint = t;
     Py_ssize_t picked = 0;
+    Py_ssize_t equal = 0; /* keys equal to t so far: the first `ties` of them are taken */
     for (Py_ssize_t i = 0; i < m; ++i) { /* branch-free: about half are taken */
         const int32_t key = w->cand_keys[i];
-        const int take = (key > t) | ((key == t) & (ties > 0));
-        ties -= take & (key == t);
+        const int take = (key > t) | ((key == t) & (equal < ties));
+        equal += key == t;
         w->picked[picked] = w->cand[i];
         picked += take;
     }
