@@ -469,6 +469,14 @@ static void decode_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
     for (Py_ssize_t c0 = lo; c0 < hi; c0 += j->chunk) decode_chunk(j, c0, hi - c0 < j->chunk ? hi - c0 : j->chunk);
 }
 
+/* fn over [0, d) in parts of whole `align` entries, on up to `threads` threads, without the GIL; returns None. */
+static PyObject *run_parts(int threads, Py_ssize_t d, Py_ssize_t align, mpiopt_part_fn fn, void *job) {
+    Py_BEGIN_ALLOW_THREADS
+    mpiopt_parallel_for(threads, d, align, fn, job);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* A C-contiguous float32 buffer (writable if asked) of d entries; -1 with an exception set. */
 static int get_floats(PyObject *o, Py_buffer *view, int writable, Py_ssize_t d, const char *what) {
     if (PyObject_GetBuffer(o, view, (writable ? PyBUF_WRITABLE : 0) | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return -1;
@@ -524,11 +532,7 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
     }
     encode_job job = {kind, fold ? (beta != 1.0 ? 2 : 1) : 0, feedback, kind == BF16 ? 4096 : chunk, (float *)e.buf,
                       (const float *)x.buf, (float)beta, (unsigned char *)p.buf, (unsigned char *)p.buf + values_at};
-    Py_BEGIN_ALLOW_THREADS
-    mpiopt_parallel_for(threads, d, job.chunk, encode_part, &job);
-    Py_END_ALLOW_THREADS
-    Py_INCREF(Py_None);
-    result = Py_None;
+    result = run_parts(threads, d, job.chunk, encode_part, &job);
 done:
     PyBuffer_Release(&e);
     if (x.obj) PyBuffer_Release(&x);
@@ -557,11 +561,7 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     }
     decode_job job = {kind, add, kind >= NONE ? 4096 : chunk, rows, nbytes, values_at, (const unsigned char *)p.buf,
                       (float *)o.buf, (float)divisor};
-    Py_BEGIN_ALLOW_THREADS
-    mpiopt_parallel_for(threads, d, job.chunk, decode_part, &job);
-    Py_END_ALLOW_THREADS
-    Py_INCREF(Py_None);
-    result = Py_None;
+    result = run_parts(threads, d, job.chunk, decode_part, &job);
 done:
     PyBuffer_Release(&o);
     if (p.obj) PyBuffer_Release(&p);
@@ -950,11 +950,7 @@ static PyObject *py_topk_encode(PyObject *self, PyObject *args) {
     topk_job job = {fold ? (beta != 1.0 ? 2 : 1) : 0, feedback, bits, index_bits, d, chunk, k, (float *)e.buf,
                     (const float *)x.buf, (float)beta, low, spacing, (const float *)t.buf, payload, payload + indices_at,
                     payload + values_at};
-    Py_BEGIN_ALLOW_THREADS
-    mpiopt_parallel_for(topk_threads(threads, k, bits, index_bits), d, chunk, topk_part, &job);
-    Py_END_ALLOW_THREADS
-    Py_INCREF(Py_None);
-    result = Py_None;
+    result = run_parts(topk_threads(threads, k, bits, index_bits), d, chunk, topk_part, &job);
 done:
     PyBuffer_Release(&e);
     if (x.obj) PyBuffer_Release(&x);
@@ -989,11 +985,7 @@ static PyObject *py_topk_decode(PyObject *self, PyObject *args) {
     }
     topk_decode_job job = {add, bits, index_bits, d, chunk, k, rows, nbytes, indices_at, values_at, (const unsigned char *)p.buf,
                            (const float *)t.buf, (float *)o.buf, (float)divisor};
-    Py_BEGIN_ALLOW_THREADS
-    mpiopt_parallel_for(threads, d, chunk, topk_decode_part, &job);
-    Py_END_ALLOW_THREADS
-    Py_INCREF(Py_None);
-    result = Py_None;
+    result = run_parts(threads, d, chunk, topk_decode_part, &job);
 done:
     PyBuffer_Release(&o);
     if (t.obj) PyBuffer_Release(&t);
