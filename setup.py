@@ -2,8 +2,9 @@
 
 ``mpiopt.kernels._signsc`` fuses sign packing, the bit-sliced majority vote and
 Signum's update, ``mpiopt.kernels._sparsec`` Top-k's selection, payload bitmaps
-and aggregation, and ``mpiopt.kernels._updatec`` the SGD update (weight decay,
-momentum, Nesterov, the step) into one pass each; without a C compiler the build
+and aggregation, ``mpiopt.kernels._updatec`` the SGD update (weight decay,
+momentum, Nesterov, the step), and ``mpiopt.kernels._codecsc`` the codecs' error-feedback
+encode and decode-sum (mpiopt.codecs) into one pass each; without a C compiler the build
 skips them (``optional=True``) and mpiopt uses its numpy code, with identical
 results.  ``-ffp-contract=off`` keeps each product and sum rounded on its own, as
 numpy rounds them (a fused multiply-add would change the last bit).  Long vectors
@@ -36,5 +37,6 @@ setup(
             **{**_COMMON, "depends": _COMMON["depends"] + ["mpiopt/kernels/_sparsec.h"]},
         ),
         Extension("mpiopt.kernels._updatec", ["mpiopt/kernels/_updatec.c"], **_COMMON),
+        Extension("mpiopt.kernels._codecsc", ["mpiopt/kernels/_codecsc.c"], **_COMMON),
     ]
 )

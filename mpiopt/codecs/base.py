@@ -14,6 +14,7 @@ from typing import Any, Dict, Tuple
 import numpy as np
 
 from ..kernels._backend import check_array, check_count
+from . import fused
 
 __all__ = ["Codec", "Chunked", "SCALE_BYTES", "check_vector", "check_payload", "check_real"]
 
@@ -106,6 +107,8 @@ class Codec:
             out = xp.empty(nbytes, dtype=xp.uint8)
         if check_payload("out", out, nbytes) is not xp:
             raise TypeError("out must live where x does (numpy or cupy)")
+        if fused.encode(self, x, out):
+            return out
         with _quiet(xp):
             self._encode(xp, x, self._sections(out, d))
         return out
@@ -117,6 +120,8 @@ class Codec:
         if out is None:
             out = xp.empty(d, dtype=xp.float32)
         check_vector("out", out, d)
+        if fused.decode(self, payload, out):
+            return out
         with _quiet(xp):
             self._decode(xp, self._sections(payload, d), d, out)
         return out
@@ -126,6 +131,8 @@ class Codec:
         d = check_count("d", d, 1)
         xp = check_payload("payload", payload, self.payload_nbytes(d))
         check_vector("out", out, d)
+        if weight == 1.0 and fused.decode(self, payload, out, add=True):
+            return out
         with _quiet(xp):
             self._add_decoded(xp, self._sections(payload, d), d, out, float(weight))
         return out
@@ -142,6 +149,9 @@ class Codec:
         if out is None:
             out = xp.empty(d, dtype=xp.float32)
         check_vector("out", out, d)
+        rows = payloads.shape[0]
+        if fused.decode(self, payloads, out, divisor=rows if mean and rows > 1 else 1):
+            return out
         with _quiet(xp):
             self._decode(xp, self._sections(payloads[0], d), d, out)
             for row in payloads[1:]:
@@ -194,17 +204,18 @@ class Chunked(Codec):
         return v[:whole].reshape(-1, self.chunk), v[whole:]
 
     def per_chunk(self, xp: ModuleType, v: Any, reduce: str) -> Any:
-        """``reduce`` of every chunk of ``v``, float64 (one per chunk): 'absmax', or 'sum' (``v`` already ``|x|``)."""
+        """``reduce`` of every chunk of ``v``, float64 (one per chunk): 'absmax' (+0.0 and NaN without sign bits, as the
+        C loops give them), or 'sum' (``v`` already ``|x|``)."""
         rows, tail = self.rows(v)
         parts = []
         if rows.shape[0]:
             if reduce == "absmax":  # two reductions, no d-sized |v| temporary; NaN propagates
-                parts.append(xp.maximum(rows.max(axis=1), -rows.min(axis=1)).astype(xp.float64))
+                parts.append(xp.abs(xp.maximum(rows.max(axis=1), -rows.min(axis=1))).astype(xp.float64))
             else:
                 parts.append(rows.sum(axis=1, dtype=xp.float64))
         if tail.shape[0]:
             if reduce == "absmax":
-                parts.append(xp.maximum(tail.max(keepdims=True), -tail.min(keepdims=True)).astype(xp.float64))
+                parts.append(xp.abs(xp.maximum(tail.max(keepdims=True), -tail.min(keepdims=True))).astype(xp.float64))
             else:
                 parts.append(tail.sum(keepdims=True, dtype=xp.float64))
         return xp.concatenate(parts)

@@ -13,7 +13,8 @@ import numpy as np
 
 from ..arrays import array_module
 from ..kernels._backend import check_count
-from .base import Codec, check_real, check_vector
+from . import fused
+from .base import Codec, check_payload, check_real, check_vector
 
 __all__ = ["ErrorFeedback"]
 
@@ -47,6 +48,12 @@ class ErrorFeedback:
         """Fold ``x`` into the residual, encode the residual into ``out`` (a payload) and keep what it did not carry."""
         check_vector("x", x, self.d)
         residual = self.residual
+        if fused.available(self.codec, feedback=True):  # one fused visit per chunk, same bits
+            nbytes = self.codec.payload_nbytes(self.d)
+            payload = np.empty(nbytes, dtype=np.uint8) if out is None else out
+            check_payload("out", payload, nbytes)
+            if fused.encode(self.codec, residual, payload, x, self.beta, feedback=True):
+                return payload
         if self.beta != 1.0:
             residual *= residual.dtype.type(self.beta)
         residual += x

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from mpiopt.arrays import to_numpy
-from mpiopt.codecs import CODECS, ErrorFeedback, create
+from mpiopt.codecs import CODECS, ErrorFeedback, create, fused
 from mpiopt.codecs.scaled import E3M0_MAGNITUDES
 from mpiopt.codecs.topk import topk_levels
 from mpiopt.kernels.sparse import topk_indices
+from mpiopt.kernels.threads import get_num_threads, set_num_threads
 
 SIZES = [1, 2, 3, 7, 63, 64, 65, 100, 1000, 4095, 4096, 4097, 8192, 10001]
 SMALL_CHUNK = 256  # several chunks and a ragged last one at test sizes
@@ -416,6 +417,79 @@ def test_codecs_import_only_arrays_kernels_and_themselves():
                 elif isinstance(node, (ast.Import, ast.ImportFrom)):
                     names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
                     assert not any(n and n.startswith("mpiopt") for n in names), f"{file} imports {names}"
+
+
+# ---- the fused C loops: the array code's bits ---------------------------------------------------------------
+
+
+def _specials(x):
+    """An all-zero chunk, -0.0, NaN, inf and -inf in their own chunks of 64 (when ``x`` has room)."""
+    if x.shape[0] >= 5000:
+        x[:300] = 0.0
+        x[[301, 1000, 2000, 3000]] = [-0.0, np.nan, np.inf, -np.inf]
+    return x
+
+
+def _inputs(d, seed, special):
+    """Heavy-tailed, with :func:`_specials`, or rounded to integers (many ties for topk)."""
+    x = _vector(d, seed=seed, heavy=True)
+    return _specials(x) if special == "non-finite" else np.round(x) if special == "ties" else x
+
+
+def _everything(codec, d, special):
+    """Every output of every entry point (encode, decode, add_decoded, aggregate, error feedback) at length ``d``."""
+    x = _inputs(d, d, special)
+    rows = np.stack([codec.encode(_inputs(d, d + r, special)) for r in range(3)])
+    outputs = [codec.encode(x), codec.decode(rows[1], d), codec.add_decoded(rows[2], d, x.copy())]
+    five = np.concatenate([rows, rows[::-1][:2]])
+    outputs += [codec.aggregate(rows, d), codec.aggregate(rows, d, mean=True), codec.aggregate(rows[:1], d, mean=True)]
+    outputs += [codec.aggregate(five[:4], d, mean=True), codec.aggregate(five, d, mean=True)]
+    for beta in (1.0, 0.95):
+        feedback = ErrorFeedback(codec, d, beta=beta)
+        outputs += [feedback.encode(_inputs(d, s, special)) for s in range(3)]
+        outputs.append(feedback.residual.copy())
+    return outputs
+
+
+@pytest.mark.skipif(fused._codecsc is None, reason="the C loops are not built")
+@pytest.mark.parametrize(
+    "name, params",
+    [(name, {"chunk": chunk}) for name in ("int8", "int4", "fp4", "sign") for chunk in (64, 200, 4096)]
+    + [("none", {}), ("bf16", {}), ("topk", {}), ("topk", {"chunk": 64, "k": 64, "bits": 8}), ("topk", {"chunk": 100, "k": 7, "bits": 3}),
+       ("topk", {"chunk": 333, "k": 1, "bits": 1})],
+)
+def test_the_c_loops_give_the_array_codes_bits(name, params, monkeypatch):
+    codec = create(name, **params)
+    assert fused.available(codec)
+    for d in (1, 7, 257, 5000, 10001):
+        for special in ("", "non-finite", "ties"):
+            with_c = _everything(codec, d, special)
+            monkeypatch.setattr(fused, "enabled", False)
+            with_numpy = _everything(codec, d, special)
+            monkeypatch.setattr(fused, "enabled", True)
+            for i, (a, b) in enumerate(zip(with_c, with_numpy)):
+                assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8)), (d, special, i)
+
+
+@pytest.mark.skipif(fused._codecsc is None, reason="the C loops are not built")
+@pytest.mark.parametrize("name", list(CODECS))
+def test_the_c_loops_give_the_same_bits_on_two_threads(name):
+    d = 600_001  # parts of at least 2**18 entries: two threads take a share each
+    codec = create(name)
+
+    def run():
+        feedback = ErrorFeedback(codec, d, beta=0.95)
+        outputs = [feedback.encode(_vector(d, seed=s, heavy=True)) for s in range(2)] + [feedback.residual.copy()]
+        return outputs + [codec.aggregate(np.stack(outputs[:2]), d, mean=True)]
+
+    previous = get_num_threads()
+    one = run()
+    set_num_threads(2)
+    try:
+        two = run()
+    finally:
+        set_num_threads(previous)
+    assert all(np.array_equal(a.view(np.uint8), b.view(np.uint8)) for a, b in zip(one, two))
 
 
 # ---- cupy where a GPU is: the same bits as numpy ----------------------------------------------------------
