@@ -4,7 +4,7 @@ A subclass declares its schema and state and writes its math in
 :meth:`Algorithm._step`; the base class, composed of one mixin per concern
 (:mod:`.plan`, :mod:`.state`, :mod:`.nonfinite`, :mod:`.inner`,
 :mod:`.record`), does the rest alike for every algorithm.  Errors on one
-rank and how the ranks stay together: docs/failures-algorithms.md.
+rank and how the ranks stay together: docs/failures.md.
 """
 
 from __future__ import annotations

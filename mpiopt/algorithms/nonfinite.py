@@ -1,7 +1,7 @@
 """The non-finite gradient policy: ``raise`` ends the job naming the rank, ``skip`` skips the step on every rank.
 
 Why a step's check ends the job instead of deciding together, and what a
-caller that catches the error must do: docs/failures-algorithms.md.
+caller that catches the error must do: docs/failures.md.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class NonFinitePolicy:
     def _checks_in_step(self) -> bool:
         """Whether :meth:`_step` checks the gradient inside its update pass (``raise`` and :attr:`fused_gradient_check`).
 
-        ``_step`` must then call :meth:`_non_finite_gradient` before communicating.  Recovery rules: docs/failures-algorithms.md.
+        ``_step`` must then call :meth:`_non_finite_gradient` before communicating.  Recovery rules: docs/failures.md.
         """
         return self.fused_gradient_check and self.nan_policy == "raise"
 
