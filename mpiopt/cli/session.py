@@ -87,7 +87,7 @@ def _settings_summary(settings: Dict[str, Any]) -> str:
     """The settings as a few indented lines: the plain ones wrapped, then one line of hyperparameters per algorithm."""
     shown = {key: ",".join(value) if isinstance(value, list) else value for key, value in settings.items()}
     plain = ", ".join(f"{key}={value}" for key, value in shown.items() if value is not None and not isinstance(value, dict))
-    lines = textwrap.wrap(plain, width=100, initial_indent="  ", subsequent_indent="  ")
+    lines = textwrap.wrap(plain, width=100, initial_indent="  ", subsequent_indent="  ", break_long_words=False)  # a name stays whole
     optimizer = settings.get("optimizer")
     shared = ", ".join(f"{key}={value}" for key, value in settings["hyperparameters"].items() if not isinstance(value, dict))
     if shared:
