@@ -195,6 +195,37 @@ def environment(topology: Any, link: Optional[str]) -> Dict[str, Any]:
     }
 
 
+#: Variables a launcher sets for its ranks: a job started from such a process must not inherit them...
+LAUNCHER_ENV = ("PMI_", "PMIX_", "MPIR_CVAR_", "HYDRA_", "OMPI_")
+#: ...but these are the user's settings for Open MPI's mpiexec, not a launcher's: run as root, MCA parameters.
+USER_ENV = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_MCA_")
+
+
+def child_environment() -> Dict[str, str]:
+    """This process's environment for a new MPI job: without the launcher settings of the job it may be in."""
+    return {k: v for k, v in os.environ.items() if k.startswith(USER_ENV) or not k.startswith(LAUNCHER_ENV)}
+
+
+def repository_tool(name: str, needed_by: str) -> str:
+    """``tools/<name>`` of the repository checkout this package is in; ``UsageError`` naming ``needed_by`` if absent."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools", name)
+    if not os.path.exists(path):
+        raise UsageError(f"{needed_by} needs tools/{name} of a repository checkout of mpiopt, not found at {path} "
+                         f"(an installed package has no tools/)")
+    return path
+
+
+def mpiexec_path(needed_by: str) -> str:
+    """The ``mpiexec`` next to this Python, else the first on PATH; ``UsageError`` naming ``needed_by`` if none."""
+    import shutil
+
+    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = local if os.path.exists(local) else shutil.which("mpiexec")
+    if found is None:
+        raise UsageError(f"{needed_by} needs mpiexec (next to this Python or on PATH); install the 'mpich' extra or an MPI")
+    return found
+
+
 def save_figure(fig: Any, path: str) -> None:
     """Write a matplotlib figure to ``path`` (making its folder) and free it."""
     import matplotlib.pyplot as plt

@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
-import shutil
 import subprocess
 import sys
 from types import ModuleType
 from typing import List
 
-from ..bench._common import HelpFormatter, parse_rate, positive_int
+from ..bench._common import HelpFormatter, child_environment, mpiexec_path, parse_rate, positive_int, repository_tool
 from ..training.config import UsageError
 
 #: The subcommands; each is the module of mpiopt.bench of that name ("-" for "_"), whose docstring's first line is its help.
@@ -40,10 +38,6 @@ BENCHMARKS = (
     "collectives", "algorithms", "ddp", "compressed", "averaging", "kernels", "torch-overhead", "update", "regtopk",
     "tradeoff", "model", "staging", "codecs",
 )
-
-_LAUNCHER_ENV = ("PMI_", "PMIX_", "MPIR_CVAR_", "HYDRA_", "OMPI_")
-# ...but these are the user's settings for Open MPI's mpiexec, not a launcher's: run as root, MCA parameters.
-_USER_ENV = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_MCA_")
 
 
 def _module(name: str) -> ModuleType:
@@ -69,25 +63,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         summary = (module.__doc__ or name).strip().splitlines()[0].rstrip(".")
         p = sub.add_parser(name, help=summary, description=module.__doc__, formatter_class=HelpFormatter)
         module.add_arguments(p)
-
-
-def _tool(name: str) -> str:
-    """``tools/<name>`` of the repository checkout this package is in."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools", name)
-    if not os.path.exists(path):
-        raise UsageError(
-            f"--link needs tools/{name} of a repository checkout of mpiopt, not found at {path} (an installed package "
-            f"has no tools/); from a checkout run: RATE=RATE tools/{name} mpiexec -n N python -m mpiopt bench ..."
-        )
-    return path
-
-
-def _mpiexec() -> str:
-    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    found = local if os.path.exists(local) else shutil.which("mpiexec")
-    if found is None:
-        raise UsageError("--ranks needs mpiexec (next to this Python or on PATH); install the 'mpich' extra or an MPI")
-    return found
 
 
 def _without_ranks(argv: List[str]) -> List[str]:
@@ -120,11 +95,10 @@ def launch(args: argparse.Namespace) -> int:
     argv = sys.argv[1:]
     if "bench" not in argv:
         raise UsageError("--ranks works from the command line (python -m mpiopt bench --ranks N ...) only")
-    command = [_mpiexec(), "-n", str(args.ranks), *_this_program(), *_without_ranks(argv)]
-    # This process is an MPI singleton: its launcher settings must not leak into the new job.
-    env = {k: v for k, v in os.environ.items() if k.startswith(_USER_ENV) or not k.startswith(_LAUNCHER_ENV)}
+    command = [mpiexec_path("--ranks"), "-n", str(args.ranks), *_this_program(), *_without_ranks(argv)]
+    env = child_environment()  # this process is an MPI singleton: its launcher settings must not leak into the new job
     if args.link:
-        command = [_tool("emulated_link.sh"), *command]
+        command = [repository_tool("emulated_link.sh", "--link"), *command]
         env["RATE"] = args.link
     sys.stdout.flush()
     return subprocess.run(command, env=env).returncode
