@@ -16,14 +16,18 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import TYPE_CHECKING
 
 from ..training.config import UsageError
+
+if TYPE_CHECKING:
+    from ..experiments import Experiment
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..experiments import EXPERIMENTS
 
-    names = ", ".join(f"{name} ({e.ranks} ranks)" for name, e in EXPERIMENTS.items())
+    names = ", ".join(f"{name} ({'python, as root' if e.launches else f'{e.ranks} ranks'})" for name, e in EXPERIMENTS.items())
     parser.add_argument("name", nargs="?", metavar="NAME", help=f"the experiment, launched with this many ranks: {names}")
     parser.add_argument("--list", action="store_true", help="list the experiments, each with the ranks it needs, and exit")
     parser.add_argument("--out", metavar="DIR", default=None, help="folder for its figures and results (default: runs/experiment-NAME-<date>-<time>)")
@@ -34,7 +38,14 @@ def listing() -> str:
     """One line per experiment: name, the launch command and what it shows."""
     from ..experiments import EXPERIMENTS
 
-    return "\n".join(f"{name:<7} mpiexec -n {e.ranks} python -m mpiopt experiment {name}\n        {e.summary}" for name, e in EXPERIMENTS.items())
+    return "\n".join(f"{name:<9} {_launch(name, e)}\n          {e.summary}" for name, e in EXPERIMENTS.items())
+
+
+def _launch(name: str, experiment: "Experiment") -> str:
+    """The command that starts ``experiment``."""
+    if experiment.launches:
+        return f"python -m mpiopt experiment {name}   (as root: it starts {experiment.ranks}-rank jobs on the emulated cluster)"
+    return f"mpiexec -n {experiment.ranks} python -m mpiopt experiment {name}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"name an experiment ({', '.join(EXPERIMENTS)}) or give --list")
     if args.name not in EXPERIMENTS:
         raise UsageError(f"unknown experiment {args.name!r}; choose from {', '.join(EXPERIMENTS)}")
-    ranks = EXPERIMENTS[args.name].ranks
+    ranks = 1 if EXPERIMENTS[args.name].launches else EXPERIMENTS[args.name].ranks
+    if world.size != ranks and ranks == 1:
+        raise UsageError(f"experiment {args.name} starts its own MPI jobs: run it with plain python -m mpiopt experiment {args.name}, not under mpiexec")
     if world.size != ranks:
         raise UsageError(f"experiment {args.name} needs {ranks} ranks, got {world.size}: mpiexec -n {ranks} python -m mpiopt experiment {args.name}")
     out = args.out or world.bcast(time.strftime(f"runs/experiment-{args.name}-%Y%m%d-%H%M%S") if world.rank == 0 else None)

@@ -1,7 +1,7 @@
 """Reproductions of each paper's claim, one module per experiment (``mpiopt experiment NAME``).
 
 :data:`EXPERIMENTS` names each one's module, the world size it must run at
-(``mpiexec -n RANKS``) and a one-line summary, without importing the module
+(``mpiexec -n RANKS``; or, for one that ``launches`` its own jobs, plain ``python``) and a one-line summary, without importing the module
 (``mpiopt experiment --list`` and ``--help`` stay fast).  Every module has
 ``RANKS`` (its entry's) and ``run(out, quick) -> dict``: a collective call on every rank of the world;
   writes its figures (``results-<name>-*.png``), ``results.json`` and
@@ -28,6 +28,8 @@ class Experiment(NamedTuple):
     module: str
     ranks: int
     summary: str
+    #: Started with plain python (as root): it starts its own ``ranks``-rank jobs on the emulated cluster.
+    launches: bool = False
 
 
 EXPERIMENTS: Dict[str, Experiment] = {
@@ -38,6 +40,8 @@ EXPERIMENTS: Dict[str, Experiment] = {
     "async": Experiment("asynchronous", 4, "Async-MSGD delay x momentum grid on streaming PCA; sgd / async_msgd / async_lsgd on digits with one slowed rank"),
     "diloco": Experiment("diloco", 4, "DiLoCo's H sweep at 2 and 4 ranks (loss against bytes) vs sgd, dasgd, lsgd, easgd; Streaming DiLoCo's peak bytes"),
     "codecs": Experiment("codecs", 4, "diloco with each codec and sparseloco on the GPT text task: test loss against bytes sent, vs data-parallel"),
+    "crossover": Experiment("crossover", 4, "DDP and 9 algorithms on the emulated 2-node cluster at 10 Gbit/s, 1 Gbit/s and 100 Mbit/s: "
+                            "speed-up to a target loss per link rate, beside the alpha-beta model", launches=True),
 }
 
 

@@ -56,3 +56,22 @@ if MPI.COMM_WORLD.rank == 0:
     with open(os.path.join(logs, "codes.json"), "w") as f:
         json.dump(codes, f)
 """
+
+
+def emulated_cluster_unavailable() -> str:
+    """Why tools/emulated_cluster.sh cannot run here, or "" where it can."""
+    if os.geteuid() != 0:
+        return "the emulated cluster needs root (network namespaces, veth links, tc)"
+    for tool in ("ip", "tc", "unshare", "nsenter"):
+        if shutil.which(tool) is None:
+            return f"the emulated cluster needs '{tool}' (iproute2, util-linux)"
+    if subprocess.run(["unshare", "-n", "true"], stderr=subprocess.DEVNULL).returncode != 0:
+        return "unshare -n (a network namespace) is not allowed here"
+    found = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = found if os.path.exists(found) else shutil.which("mpiexec")
+    if found is None:
+        return "no mpiexec"
+    version = subprocess.run([found, "--version"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True).stdout
+    if "hydra" not in version.lower():
+        return "the emulated cluster drives MPICH's Hydra mpiexec (this one is not: Open MPI?)"
+    return ""

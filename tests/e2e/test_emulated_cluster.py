@@ -5,36 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from .launch import ROOT, mpiexec
+from .launch import ROOT, emulated_cluster_unavailable, mpiexec
 
 SCRIPT = os.path.join(ROOT, "tools", "emulated_cluster.sh")
 
 
-def _why_not() -> str:
-    if os.geteuid() != 0:
-        return "the emulated cluster needs root (network namespaces, veth links, tc)"
-    for tool in ("ip", "tc", "unshare", "nsenter"):
-        if shutil.which(tool) is None:
-            return f"the emulated cluster needs '{tool}' (iproute2, util-linux)"
-    if subprocess.run(["unshare", "-n", "true"], stderr=subprocess.DEVNULL).returncode != 0:
-        return "unshare -n (a network namespace) is not allowed here"
-    found = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    found = found if os.path.exists(found) else shutil.which("mpiexec")
-    if found is None:
-        return "no mpiexec"
-    version = subprocess.run([found, "--version"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True).stdout
-    if "hydra" not in version.lower():
-        return "the emulated cluster drives MPICH's Hydra mpiexec (this one is not: Open MPI?)"
-    return ""
-
-
-WHY_NOT = _why_not()
+WHY_NOT = emulated_cluster_unavailable()
 pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "runs")
 
 

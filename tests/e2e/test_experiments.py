@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 
 from mpiopt.experiments import EXPERIMENTS, experiment_module
 
-from .launch import run_mpi
+from .launch import ROOT, emulated_cluster_unavailable, mpiexec, run_mpi
 
 pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
@@ -49,6 +51,10 @@ def test_list_and_help_name_every_experiment_with_its_ranks():
     assert code == 0, helped
     for name, experiment in EXPERIMENTS.items():
         assert experiment_module(name).RANKS == experiment.ranks
+        if experiment.launches:  # it starts its own jobs of experiment.ranks ranks
+            assert f"python -m mpiopt experiment {name}   (as root: it starts {experiment.ranks}-rank jobs" in listed
+            assert f"{name} (python, as root)" in " ".join(helped.split())
+            continue
         assert f"mpiexec -n {experiment.ranks} python -m mpiopt experiment {name}" in listed
         assert f"{name} ({experiment.ranks} ranks)" in " ".join(helped.split())
 
@@ -156,3 +162,41 @@ def test_codecs(tmp_path):
     goals = document["numbers"]["goals"]
     assert goals["int8 bytes"]["met"] and goals["fp4 bytes"]["met"] and set(goals) >= {"bf16 loss", "sparseloco loss"}
     assert all(math.isfinite(r["test_loss"]) for r in rows.values())
+
+
+CLUSTER_WHY_NOT = emulated_cluster_unavailable()
+
+
+@pytest.mark.skipif(bool(CLUSTER_WHY_NOT), reason=CLUSTER_WHY_NOT or "runs")
+def test_crossover_measures_each_rate_models_it_and_resumes(tmp_path):
+    """2 rates x 2 variants on the emulated cluster: tuned, trained, calibrated and reported; a rerun trains only what is missing."""
+    from mpiopt.experiments.crossover import QUICK
+
+    out = tmp_path / "crossover"
+    command = [sys.executable, "-m", "mpiopt", "experiment", "crossover", "--quick", "--out", str(out)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PATH=os.path.dirname(mpiexec()) + os.pathsep + os.environ.get("PATH", ""))
+    first = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300, cwd=ROOT, env=env)
+    assert first.returncode == 0, first.stdout[-4000:]
+    document = json.loads((out / "results.json").read_text())
+    rows = document["numbers"]["rows"]
+    assert {(r["rate"], r["label"]) for r in rows} == {(rate, v.label) for rate in QUICK["rates"] for v in QUICK["variants"]}
+    for r in rows:
+        assert r["measured_step"] > 0 and r["predicted_step"] >= r["compute_step"] > 0, r
+        assert r["predicted_step"] / r["measured_step"] - 1 == pytest.approx(r["model_error"])
+    slow, fast = (next(r for r in rows if r["rate"] == rate and r["label"] == "sgd") for rate in ("100mbit", "1gbit"))
+    assert slow["predicted_comm"] > fast["predicted_comm"] > 0  # a tenth of the rate: more time on the wire
+    assert slow["final_loss"] == fast["final_loss"]  # the same seed trains the same steps at any rate
+    assert (out / "results-crossover-map.png").stat().st_size > 0 and "Goals" in (out / "results.md").read_text()
+    # Interrupted after all but one run: the same command trains that one and writes the same report around it.
+    os.remove(out / "1gbit" / "diloco" / "seed0" / "complete.json")
+    again = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300, cwd=ROOT, env=env)
+    assert again.returncode == 0, again.stdout[-4000:]
+    assert "[main-1gbit]: 1 of 2 runs already done, 1 to go" in again.stdout
+    assert "[tuning-1]: all 2 runs already done" in again.stdout and "[main-100mbit]: all 2 runs already done" in again.stdout
+    rerun = {(r["rate"], r["label"]): r for r in json.loads((out / "results.json").read_text())["numbers"]["rows"]}
+    assert rerun[("1gbit", "diloco")]["final_loss"] == next(r for r in rows if r["rate"] == "1gbit" and r["label"] == "diloco")["final_loss"]
+
+
+def test_crossover_refuses_to_run_under_mpiexec():
+    code, output, _ = run_mpi(2, ["-m", "mpiopt", "experiment", "crossover", "--quick", "--out", "/tmp/unused"], timeout=60)
+    assert code != 0 and "starts its own MPI jobs: run it with plain python" in output, output

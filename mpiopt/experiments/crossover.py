@@ -1,0 +1,223 @@
+"""Which algorithm wins at which bandwidth: DDP and mpiopt's algorithms on the emulated 2-node cluster at three rates.
+
+Claim (docs/crossover.md): the ranking of the algorithms by time to a target loss changes with the link's rate,
+and the alpha-beta model (docs/scaling.md) predicts each one's step time at each rate.  This experiment is a
+driver, started with plain ``python`` as root: it starts its own MPI jobs (:mod:`.crossover_job`) inside
+``tools/emulated_cluster.sh`` (2 nodes of 2 ranks), one per phase and rate:
+
+1. *tuning* (at :data:`TUNING_RATE`; the loss after a number of steps does not depend on the link): every
+   variant's learning rates (and periods), the same grid for everyone, extended past an edge that wins;
+2. *main runs*: every variant with every seed at every rate, round by round (every variant once per seed);
+3. *calibration*: ``bench collectives`` at each rate, for the model's ``alpha`` and ``beta``.
+
+Each run's result is kept as it completes (``complete.json``), so the same command resumes an interrupted
+experiment.  :mod:`.crossover_report` turns the results into the figure, the tables and the verdicts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+from ..bench._common import child_environment, mpiexec_path, repository_tool, write_json
+from ..training.config import UsageError
+from . import EXPERIMENTS
+from .crossover_job import COMPLETE
+
+RANKS = EXPERIMENTS["crossover"].ranks
+NODES, RANKS_PER_NODE = 2, 2
+TUNING_RATE = "10gbit"
+ADAMW_RATES = (3e-4, 1e-3, 3e-3)
+#: Signum's own update is the sign of a momentum: its rate is a step per element, a smaller scale than AdamW's.
+SIGNUM_RATES = (1e-4, 3e-4, 1e-3)
+#: How many times a grid may grow past an edge that won (a factor of 3 each time).
+EXTENSIONS = 2
+
+
+class Variant(NamedTuple):
+    """One line of the map: its label, algorithm, fixed hyperparameters, and the grids it is tuned over."""
+
+    label: str
+    algorithm: str
+    hyperparameters: Dict[str, Any]
+    rates: Tuple[float, ...]
+    periods: Tuple[Optional[int], ...] = (None,)
+
+
+VARIANTS = (
+    Variant("ddp", "ddp", {}, ADAMW_RATES),
+    Variant("sgd", "sgd", {}, ADAMW_RATES),
+    Variant("dasgd", "dasgd", {}, ADAMW_RATES, (4, 8)),
+    Variant("lsgd", "lsgd", {}, ADAMW_RATES),
+    Variant("diloco", "diloco", {}, ADAMW_RATES, (8, 16)),
+    Variant("diloco-int8", "diloco", {"codec": "int8"}, ADAMW_RATES, (8, 16)),
+    Variant("streaming_diloco", "streaming_diloco", {}, ADAMW_RATES, (8, 16)),
+    Variant("sparseloco", "sparseloco", {}, ADAMW_RATES, (8, 16)),
+    Variant("signum", "signum", {}, SIGNUM_RATES),
+    Variant("topk", "topk", {}, ADAMW_RATES),
+)
+#: The GPT text task: small enough that DDP's exchange is a visible share of a step even at 10 Gbit/s here.
+TASK = dict(dataset="text", model="gpt", n_layer=2, n_embd=192, n_head=4, block_size=32, batch_size=2,
+            optimizer="adamw", eval_every=10, target_loss=2.6, threads=1, log_every=50)
+FULL = dict(rates=("10gbit", "1gbit", "100mbit"), seeds=(0, 1, 2), steps=200, tuning_steps=100, variants=VARIANTS, task=TASK,
+            calibration_sizes="16k,128k,512k", calibration_repeats=5)
+QUICK = dict(rates=("1gbit", "100mbit"), seeds=(0,), steps=6, tuning_steps=3,
+             variants=(Variant("sgd", "sgd", {}, (1e-3,)), Variant("diloco", "diloco", {}, (1e-3,), (3,))),
+             task=dict(TASK, n_layer=1, n_embd=32, n_head=2, eval_every=3, target_loss=5.4, log_every=3),
+             calibration_sizes="1k,16k", calibration_repeats=2)
+
+
+def settings(quick: bool) -> Dict[str, Any]:
+    """The experiment's sizes: :data:`FULL`, or :data:`QUICK` (seconds; its numbers mean nothing)."""
+    return QUICK if quick else FULL
+
+
+def point_name(point: Dict[str, Any]) -> str:
+    """A folder name for a grid point: ``lr0.001-period8``."""
+    return "-".join(f"{k}{v:g}" if isinstance(v, float) else f"{k}{v}" for k, v in point.items())
+
+
+def grid(variant: Variant, rates: Sequence[float]) -> List[Dict[str, Any]]:
+    """The points of ``variant``'s grid at learning rates ``rates``."""
+    return [{"lr": lr, **({} if period is None else {"period": period})} for lr, period in itertools.product(rates, variant.periods)]
+
+
+def extended(rates: Sequence[float], chosen: float, grown: int) -> Optional[float]:
+    """The rate to add when ``chosen`` is an edge of ``rates`` (a factor of 3 beyond), None when inside or grown enough."""
+    if len(rates) < 2 or grown >= EXTENSIONS:
+        return None
+    if chosen == min(rates):
+        return min(rates) / 3
+    if chosen == max(rates):
+        return max(rates) * 3
+    return None
+
+
+def run_entry(out: str, variant: Variant, point: Dict[str, Any], seed: int, steps: int, folder: str, tuning: bool) -> Dict[str, Any]:
+    """One run of a job file."""
+    return {"folder": os.path.join(out, folder), "label": variant.label, "algorithm": variant.algorithm,
+            "hyperparameters": variant.hyperparameters, "point": point, "seed": seed, "steps": steps, "tuning": tuning}
+
+
+class LoadSampler:
+    """The 1-minute load average every ``every`` seconds while jobs run, appended to ``path`` (kept across restarts)."""
+
+    def __init__(self, path: str, every: float = 20.0) -> None:
+        self.path, self.every, self._stop = path, every, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every):
+            with open(self.path, "a") as handle:
+                handle.write(json.dumps({"time": time.time(), "load": os.getloadavg()[0]}) + "\n")
+
+    def __enter__(self) -> "LoadSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def launch(rate: str, command: Sequence[str], what: str) -> None:
+    """Run ``command`` on the emulated cluster at ``rate``; ``RuntimeError`` naming ``what`` if it fails."""
+    cluster = [repository_tool("emulated_cluster.sh", "experiment crossover"), "--nodes", str(NODES),
+               "--ranks-per-node", str(RANKS_PER_NODE), "--rate", rate, "--"]
+    env = dict(child_environment(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    sys.stdout.flush()
+    code = subprocess.run([*cluster, *command], env=env).returncode
+    if code != 0:
+        raise RuntimeError(f"{what} at {rate} failed (exit {code}); the runs completed so far are kept: "
+                           "run the same command again to go on from there")
+
+
+def train_job(out: str, name: str, rate: str, task: Dict[str, Any], runs: List[Dict[str, Any]]) -> None:
+    """Write job ``name``'s file and run its pending runs on the cluster at ``rate``."""
+    path = os.path.join(out, "jobs", f"{name}.json")
+    write_json(path, {"tag": f"[{name}]", "task": task, "runs": runs})
+    if any(not os.path.exists(os.path.join(r["folder"], COMPLETE)) for r in runs):
+        launch(rate, [mpiexec_path("experiment crossover"), "-n", str(RANKS), sys.executable, "-m",
+                      "mpiopt.experiments.crossover_job", path], f"job {name}")
+    else:
+        print(f"[{name}]: all {len(runs)} runs already done", flush=True)
+
+
+def score(run: Dict[str, Any]) -> Optional[float]:
+    """A tuning run's last test loss (None if it diverged)."""
+    with open(os.path.join(run["folder"], COMPLETE)) as handle:
+        loss = json.load(handle)["summary"]["final_loss"]
+    return None if loss is None or loss != loss else float(loss)
+
+
+def tune(out: str, s: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """Every variant's chosen grid point: the lowest last test loss after ``tuning_steps`` steps (seed 0)."""
+    rates = {v.label: list(v.rates) for v in s["variants"]}
+    grown = {v.label: 0 for v in s["variants"]}
+    runs: Dict[str, List[Dict[str, Any]]] = {v.label: [] for v in s["variants"]}
+    for round_ in itertools.count(1):
+        for v in s["variants"]:
+            have = {point_name(r["point"]) for r in runs[v.label]}
+            runs[v.label] += [run_entry(out, v, p, 0, s["tuning_steps"], os.path.join("tuning", v.label, point_name(p)), True)
+                              for p in grid(v, rates[v.label]) if point_name(p) not in have]
+        train_job(out, f"tuning-{round_}", TUNING_RATE, s["task"], [r for v in s["variants"] for r in runs[v.label]])
+        chosen, more = {}, False
+        for v in s["variants"]:
+            scored = [(score(r), r["point"]) for r in runs[v.label]]
+            chosen[v.label] = min(scored, key=lambda c: (c[0] is None, c[0] or 0.0))[1]
+            beyond = extended(rates[v.label], chosen[v.label]["lr"], grown[v.label])
+            if beyond is not None:
+                rates[v.label].append(beyond)
+                grown[v.label] += 1
+                more = True
+        if not more:
+            write_json(os.path.join(out, "tuning.json"), {
+                "steps": s["tuning_steps"], "rate": TUNING_RATE, "chosen": chosen,
+                "candidates": {label: [{"point": r["point"], "test_loss": score(r)} for r in rs] for label, rs in runs.items()}})
+            return chosen
+
+
+def main_runs(out: str, s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]]) -> None:
+    """Every variant at its chosen point, every seed, every rate; then the collectives at that rate."""
+    for rate in s["rates"]:
+        runs = [run_entry(out, v, chosen[v.label], seed, s["steps"], os.path.join(rate, v.label, f"seed{seed}"), False)
+                for seed in s["seeds"] for v in s["variants"]]
+        train_job(out, f"main-{rate}", rate, s["task"], runs)
+        collectives = os.path.join(out, rate, "collectives.json")
+        if not os.path.exists(collectives):
+            launch(rate, [mpiexec_path("experiment crossover"), "-n", str(RANKS), sys.executable, "-m", "mpiopt", "bench",
+                          "collectives", "--sizes", s["calibration_sizes"], "--repeats", str(s["calibration_repeats"]),
+                          "--ops", "allreduce,iallreduce,allgather-bits,vote-twophase,bcast", "--json", collectives],
+                   "calibration (bench collectives)")
+
+
+def check_can_run() -> None:
+    """``UsageError`` unless this process can build the emulated cluster: root, outside mpiexec, the tools there."""
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_size() > 1:
+        raise UsageError("experiment crossover starts its own MPI jobs: run it with plain python, not under mpiexec")
+    if os.geteuid() != 0:
+        raise UsageError("experiment crossover builds the emulated cluster (network namespaces, tc): run it as root")
+    repository_tool("emulated_cluster.sh", "experiment crossover")
+    mpiexec_path("experiment crossover")
+
+
+def run(out: str, quick: bool) -> Dict[str, Any]:
+    """Tune, run and calibrate (resuming what a previous call left), then report; the results document."""
+    from .crossover_report import report
+
+    check_can_run()
+    s = settings(quick)
+    started = time.perf_counter()
+    with LoadSampler(os.path.join(out, "load.jsonl")):
+        chosen = tune(out, s)
+        main_runs(out, s, chosen)
+    print(f"all runs done in {(time.perf_counter() - started) / 60:.1f} min (this call); writing the report", flush=True)
+    return report(out, s, chosen, quick)

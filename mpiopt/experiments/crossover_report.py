@@ -1,0 +1,263 @@
+"""The crossover map from the runs of :mod:`.crossover`: speed-ups over DDP per rate, the model beside them, the verdicts.
+
+Every number is read back from the runs' metrics and ``complete.json`` files, so the report can be written again
+from a finished experiment's folder.  The model (docs/scaling.md) predicts a step as the variant's computation
+measured at the fastest rate plus the alpha-beta cost of its plan's collectives, fitted to ``bench collectives``
+at each rate; the projection moves the 1 Gbit/s fit to other rates and rank counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..bench._common import markdown_table, parse_rate
+from ..bench.model.calibration import calibrate
+from ..bench.model.predict import RANKS as PROJECTED_RANKS
+from ..bench.model.predict import at_rate, comm_seconds, plan
+from ..metrics import read_metrics, summarize
+from ..metrics.summary import format_bytes, format_seconds, format_spread
+from ._common import new_figure, write_results
+from .crossover_job import COMPLETE
+
+__all__ = ["report", "GOAL_SLOW", "GOAL_MODEL", "PROJECTED_RATES", "MODEL_ALPHA"]
+
+#: At the slowest rate the best variant reaches the target at least this many times sooner than DDP (median).
+GOAL_SLOW = 5.0
+#: The model's step time within this fraction of the measured one, every variant at every rate.
+GOAL_MODEL = 0.25
+PROJECTED_RATES = ("10gbit", "100gbit")
+#: A fabric's per-hop latency for the projection (this machine's fitted alpha is its scheduling, not a network's).
+MODEL_ALPHA = 1e-5
+
+
+def _median(values: Sequence[Optional[float]]) -> Optional[float]:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _speedup(value: Optional[float]) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def _loss(value: Optional[float]) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def _step(summary: Dict[str, Any]) -> float:
+    """Seconds per training step: everything a step took, data loading included."""
+    return sum(summary[f"{key}_seconds"] for key in ("compute", "algorithm", "communication", "waiting", "other")) / summary["steps"]
+
+
+def _local_step(summary: Dict[str, Any]) -> float:
+    """Seconds per step outside MPI (the model's computation): a step less its communication and waiting."""
+    return _step(summary) - (summary["communication_seconds"] + summary["waiting_seconds"]) / summary["steps"]
+
+
+def _comm_plan(variant: Any, d: int, ranks: int, point: Dict[str, Any], groups: Optional[List[int]]) -> List[Any]:
+    """The variant's collectives per step; ``ddp`` is modelled as ``sgd`` (an Allreduce of the gradient a step)."""
+    name = "sgd" if variant.algorithm == "ddp" else variant.algorithm
+    hyper = {**variant.hyperparameters, **{k: v for k, v in point.items() if k != "lr"}}
+    return plan(name, d, ranks, hyper, groups if name == "lsgd" else None)
+
+
+def _load(out: str, s: Dict[str, Any]) -> Dict[str, Dict[str, List[Dict[str, Any]]]]:
+    """``runs[rate][label]``: each seed's run, its summary and metrics, in seed order."""
+    runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {}
+    for rate in s["rates"]:
+        runs[rate] = {}
+        for v in s["variants"]:
+            runs[rate][v.label] = []
+            for seed in s["seeds"]:
+                folder = os.path.join(out, rate, v.label, f"seed{seed}")
+                with open(os.path.join(folder, COMPLETE)) as handle:
+                    done = json.load(handle)
+                runs[rate][v.label].append({"seed": seed, "metrics": read_metrics(os.path.join(folder, "metrics.jsonl")),
+                                            "summary": done["summary"]})
+    return runs
+
+
+def _rows(runs: Dict[str, Dict[str, List[Dict[str, Any]]]], s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]],
+          models: Dict[str, Dict[str, Any]], baseline: str, d: int) -> List[Dict[str, Any]]:
+    """One row per (rate, variant): times, speed-ups paired by seed, loss within the budget, step times and the model's."""
+    target = s["task"]["target_loss"]
+    fastest = max(s["rates"], key=parse_rate)
+    compute = {v.label: _median([_local_step(r["summary"]) for r in runs[fastest][v.label]]) for v in s["variants"]}
+    if baseline == "ddp" and "sgd" in compute:  # DDP's hooks fold its exchange into its backward pass: sgd's is the same work
+        compute["ddp"] = compute["sgd"]
+    rows = []
+    for rate in s["rates"]:
+        base = {r["seed"]: r["summary"]["time_to_target"] for r in runs[rate][baseline]}
+        base_times = [t for t in base.values() if t is not None]
+        budget = 0.5 * (statistics.median(base_times) if base_times else _median([r["summary"]["wall_seconds"] for r in runs[rate][baseline]]))
+        for v in s["variants"]:
+            group = runs[rate][v.label]
+            times = [r["summary"]["time_to_target"] for r in group]
+            speedups = [base[r["seed"]] / t if t and base.get(r["seed"]) else None for r, t in zip(group, times)]
+            at_budget = [summarize(r["metrics"], target_loss=target, budget_seconds=budget)["loss_at_budget"] for r in group]
+            measured = _median([_step(r["summary"]) for r in group])
+            comm = comm_seconds(_comm_plan(v, d, s["ranks"], chosen[v.label], [s["ranks_per_node"]] * s["nodes"]), models[rate], compute[v.label])
+            predicted = compute[v.label] + comm
+            rows.append({
+                "rate": rate, "label": v.label, "point": chosen[v.label], "times_to_target": times, "speedups": speedups,
+                "speedup": _median(speedups), "reached": sum(t is not None for t in times), "repeats": len(group),
+                "budget_seconds": budget, "loss_at_budget": at_budget, "final_loss": [r["summary"]["final_loss"] for r in group],
+                "steps_to_target": _median([r["summary"]["steps_to_target"] for r in group]),
+                "bytes_per_rank": _median([r["summary"]["bytes_sent_per_rank"] for r in group]),
+                "measured_step": measured, "compute_step": compute[v.label], "predicted_comm": comm, "predicted_step": predicted,
+                "model_error": predicted / measured - 1,
+            })
+    by_key = {(r["rate"], r["label"]): r for r in rows}
+    for r in rows:  # the step-time ratio over the baseline, measured and modelled
+        b = by_key[(r["rate"], baseline)]
+        r["step_speedup_measured"] = b["measured_step"] / r["measured_step"]
+        r["step_speedup_predicted"] = b["predicted_step"] / r["predicted_step"]
+    return rows
+
+
+def _projection(s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]], rows: List[Dict[str, Any]], model: Dict[str, Any],
+                baseline: str, d: int) -> List[Dict[str, Any]]:
+    """Predicted speed-up to the target at 64-1024 ranks: step time (switched network, alpha 10 us) x measured steps to it."""
+    fastest = max(s["rates"], key=parse_rate)
+    steps = {r["label"]: r["steps_to_target"] for r in rows if r["rate"] == fastest}
+    compute = {r["label"]: r["compute_step"] for r in rows if r["rate"] == fastest}
+    out = []
+    for rate in PROJECTED_RATES:
+        moved = at_rate(model, parse_rate(rate), "switched", MODEL_ALPHA)
+        for P in PROJECTED_RANKS:
+            seconds = {v.label: compute[v.label] + comm_seconds(_comm_plan(v, d, P, chosen[v.label], None), moved, compute[v.label])
+                       for v in s["variants"]}
+            for v in s["variants"]:
+                if steps.get(v.label) and steps.get(baseline):
+                    out.append({"rate": rate, "P": P, "label": v.label, "step_seconds": seconds[v.label],
+                                "speedup": seconds[baseline] * steps[baseline] / (seconds[v.label] * steps[v.label])})
+    return out
+
+
+def _figure(s: Dict[str, Any], rows: List[Dict[str, Any]], projection: List[Dict[str, Any]], baseline: str, path: str) -> str:
+    """Measured speed-up to the target against the link rate; step-time speed-up, measured and modelled; the projection."""
+    fig, (left, middle, right) = new_figure(3, width=5.2, height=4.6)
+    rates = sorted(s["rates"], key=parse_rate)
+    x = [parse_rate(r) / 1e9 for r in rates]
+    colors = {}
+    for v in s["variants"]:
+        mine = {r["rate"]: r for r in rows if r["label"] == v.label}
+        ups = [[u for u in mine[rate]["speedups"] if u is not None] for rate in rates]
+        med = [statistics.median(u) if u else float("nan") for u in ups]
+        low = [m - min(u) if u else 0 for m, u in zip(med, ups)]
+        high = [max(u) - m if u else 0 for m, u in zip(med, ups)]
+        line = left.errorbar(x, med, yerr=[low, high], marker="o", capsize=3, label=v.label)
+        colors[v.label] = line[0].get_color()
+        middle.plot(x, [mine[rate]["step_speedup_measured"] for rate in rates], "o-", color=colors[v.label], label=v.label)
+        middle.plot(x, [mine[rate]["step_speedup_predicted"] for rate in rates], "x--", color=colors[v.label])
+        for rate, style in zip(PROJECTED_RATES, ("-", ":")):
+            pts = [p for p in projection if p["label"] == v.label and p["rate"] == rate]
+            if pts:
+                right.plot([p["P"] for p in pts], [p["speedup"] for p in pts], style, color=colors[v.label],
+                           label=f"{v.label}, {rate}" if v.label == baseline or style == "-" else None)
+    left.set_title(f"measured: time to test loss {s['task']['target_loss']:g}, {baseline}'s over each's")
+    middle.set_title("step time: measured (o-) and alpha-beta model (x--)")
+    right.set_title("model at 64-1024 ranks: 10 Gbit/s (solid), 100 Gbit/s (dotted)")
+    for ax in (left, middle):
+        ax.set_xscale("log")
+        ax.set_xlabel("link rate between the 2 nodes (Gbit/s)")
+    right.set_xscale("log", base=2)
+    right.set_xlabel("ranks")
+    for ax in (left, middle, right):
+        ax.set_yscale("log")
+        ax.set_ylabel(f"speed-up over {baseline}")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.grid(alpha=0.3, which="both")
+    left.legend(fontsize=7)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def _verdicts(s: Dict[str, Any], rows: List[Dict[str, Any]], baseline: str) -> Dict[str, Dict[str, Any]]:
+    """The issue's goals, each with what was measured."""
+    slowest, fastest = min(s["rates"], key=parse_rate), max(s["rates"], key=parse_rate)
+    best = max((r for r in rows if r["rate"] == slowest and r["label"] != baseline and r["speedup"] is not None),
+               key=lambda r: r["speedup"], default=None)
+    sgd = next((r for r in rows if r["rate"] == fastest and r["label"] == "sgd"), None)
+    worst = max(rows, key=lambda r: abs(r["model_error"]))
+    verdicts = {
+        f"best at {slowest}: >= {GOAL_SLOW:g}x sooner than {baseline}": {
+            "measured": "none reached the target" if best is None else f"{best['label']} {best['speedup']:.2f}x",
+            "met": best is not None and best["speedup"] >= GOAL_SLOW},
+        f"model step time within {GOAL_MODEL:.0%} of measured, every variant and rate": {
+            "measured": f"worst {worst['label']} at {worst['rate']}: {worst['model_error']:+.0%}",
+            "met": all(abs(r["model_error"]) <= GOAL_MODEL for r in rows)},
+    }
+    if sgd is not None and baseline != "sgd":
+        verdicts[f"sgd at {fastest}: at most 1.0x {baseline}'s time"] = {
+            "measured": "not reached" if sgd["speedup"] is None else f"{1 / sgd['speedup']:.2f}x",
+            "met": sgd["speedup"] is not None and sgd["speedup"] >= 1.0}
+    return verdicts
+
+
+def _tables(s: Dict[str, Any], rows: List[Dict[str, Any]], baseline: str) -> str:
+    """The pick per rate, then one table per rate."""
+    parts = []
+    picks = []
+    for rate in sorted(s["rates"], key=parse_rate):
+        ranked = sorted((r for r in rows if r["rate"] == rate and r["label"] != baseline and r["speedup"] is not None),
+                        key=lambda r: -r["speedup"])
+        text = lambda r: f"`{r['label']}` {r['speedup']:.2f}x ({r['reached']} of {r['repeats']})"  # noqa: E731
+        picks.append([rate, text(ranked[0]) if ranked else "—", ", ".join(text(r) for r in ranked[1:3]) or "—"])
+    parts.append(markdown_table(["link", f"pick (median speed-up over {baseline} to the target)", "next"], picks, "lll"))
+    for rate in s["rates"]:
+        mine = [r for r in rows if r["rate"] == rate]
+        parts.append(f"### {rate}: budget {mine[0]['budget_seconds']:.1f} s (half {baseline}'s median time to the target)")
+        parts.append(markdown_table(
+            ["variant", "tuned", "time to target", "speed-up", "loss at budget", "final loss", "sent per rank",
+             "step (measured)", "step (model)", "model error"],
+            [[r["label"], ", ".join(f"{k} {v:g}" for k, v in r["point"].items()),
+              format_spread(r["times_to_target"], format_seconds), format_spread(r["speedups"], _speedup),
+              format_spread(r["loss_at_budget"], _loss), format_spread(r["final_loss"], _loss), format_bytes(r["bytes_per_rank"]),
+              f"{1000 * r['measured_step']:.1f} ms", f"{1000 * r['predicted_step']:.1f} ms", f"{r['model_error']:+.0%}"] for r in mine],
+            "llrrrrrrrr"))
+    return "\n\n".join(parts)
+
+
+def _load_samples(out: str) -> Dict[str, Any]:
+    path = os.path.join(out, "load.jsonl")
+    loads = [json.loads(line)["load"] for line in open(path)] if os.path.exists(path) else []
+    rounded = lambda v: None if v is None else round(v, 1)  # noqa: E731
+    return {"samples": len(loads), "median": rounded(_median(loads)), "min": rounded(min(loads, default=None)),
+            "max": rounded(max(loads, default=None))}
+
+
+def report(out: str, s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]], quick: bool) -> Dict[str, Any]:
+    """Read every run, fit the model at each rate, write the figure and results; return the results document."""
+    s = dict(s, ranks=4, nodes=2, ranks_per_node=2)
+    labels = [v.label for v in s["variants"]]
+    baseline = "ddp" if "ddp" in labels else labels[0]
+    runs = _load(out, s)
+    d = int(runs[s["rates"][0]][baseline][0]["metrics"].header["parameters"])
+    models = {}
+    for rate in s["rates"]:
+        with open(os.path.join(out, rate, "collectives.json")) as handle:
+            models[rate] = calibrate([json.load(handle)], medium="switched")
+    rows = _rows(runs, s, chosen, models, baseline, d)
+    reference = "1gbit" if "1gbit" in models else s["rates"][0]
+    projection = _projection(s, chosen, rows, models[reference], baseline, d)
+    figure = _figure(s, rows, projection, baseline, os.path.join(out, "results-crossover-map.png"))
+    verdicts = _verdicts(s, rows, baseline)
+    load = _load_samples(out)
+    goals = markdown_table(["goal", "measured", "met"], [[k, v["measured"], "yes" if v["met"] else "no"] for k, v in verdicts.items()], "lll")
+    task = s["task"]
+    markdown = (
+        f"GPT text task (n_layer {task['n_layer']}, n_embd {task['n_embd']}, block {task['block_size']}; {d:,} parameters), "
+        f"batch {task['batch_size']} per rank, {s['steps']} steps, inner AdamW; 2 emulated nodes of 2 ranks; "
+        f"{len(s['seeds'])} seed(s); target test loss {task['target_loss']:g}. Load average during the runs: median "
+        f"{load['median']} ({load['min']}-{load['max']}, {load['samples']} samples of the 1-minute load, every 20 s).\n\n"
+        f"{_tables(s, rows, baseline)}\n\nGoals:\n\n{goals}"
+    )
+    settings = {"rates": list(s["rates"]), "seeds": list(s["seeds"]), "steps": s["steps"], "tuning_steps": s["tuning_steps"],
+                "task": task, "variants": [v._asdict() for v in s["variants"]], "chosen": chosen, "parameters": d,
+                "baseline": baseline, "model_alpha_projection": MODEL_ALPHA, "projection_calibration": reference, "load": load}
+    numbers = {"rows": rows, "projection": projection, "goals": verdicts,
+               "calibration": {rate: {op: {k: c[k] for k in ("alpha", "beta")} for op, c in m["collectives"].items()} for rate, m in models.items()}}
+    return write_results(out, "crossover", quick, settings, numbers, markdown, [figure])
