@@ -38,7 +38,7 @@ def unpack_fields(xp: ModuleType, packed: Any, width: int, count: int) -> Any:
     if packed.ndim == 1:
         bits = unpack_bits(xp, packed, count * width).view(xp.uint8)
     else:
-        bits = xp.unpackbits(packed, axis=-1, bitorder="little")[:, : count * width]
+        bits = xp.unpackbits(packed.ravel(), bitorder="little").reshape(packed.shape[0], -1)[:, : count * width]  # cupy: no axis
     bits = bits.reshape(*packed.shape[:-1], count, width)
     values = xp.zeros(bits.shape[:-1], dtype=xp.int64)
     for bit in range(width):
