@@ -56,11 +56,14 @@ def codec_of(values: Mapping[str, Any]) -> Optional[Codec]:
 class CodecExchange:
     """One vector's compressed exchange over a communicator: its payload buffers and, with feedback, its residual."""
 
-    def __init__(self, codec: Codec, like: Any, ranks: int, residual: Optional[Any] = None, beta: float = 1.0) -> None:
+    def __init__(self, codec: Codec, like: Any, ranks: int, residual: Optional[Any] = None, beta: float = 1.0,
+                 senders: bool = False) -> None:
         xp, self.codec, self.d = array_module(like), codec, int(like.shape[0])
         nbytes = codec.payload_nbytes(self.d)
         self.payload = xp.empty(nbytes, dtype=xp.uint8)
         self.rows = xp.empty((ranks, nbytes), dtype=xp.uint8)  # every rank's payload, in rank order
+        # senders: the mean of each entry over the ranks that sent it, counted here (allocated once, not per exchange)
+        self.senders = xp.empty(self.d, dtype=xp.int32) if senders else None
         self.feedback = None if residual is None else ErrorFeedback(codec, self.d, beta, residual=residual)
 
     def start(self, comm: Any, x: Any, nonblocking: bool = False) -> Any:
@@ -74,6 +77,18 @@ class CodecExchange:
     def total(self, out: Any) -> Any:
         """The sum of the ranks' decoded vectors into ``out``, in rank order (after :meth:`start` completed)."""
         return self.codec.aggregate(self.rows, self.d, out=out)
+
+    def mean(self, out: Any) -> Any:
+        """The mean of the ranks' decoded vectors into ``out``: over all ranks, or (``senders``) each entry over the
+        ranks that sent it, 0 where none did (docs/algorithms.md "SparseLoCo")."""
+        self.total(out=out)
+        if self.senders is None:
+            out /= self.rows.shape[0]
+        else:
+            self.codec.count_senders(self.rows, self.d, out=self.senders)
+            array_module(out).maximum(self.senders, 1, out=self.senders)  # no sender: the sum is 0, and stays so
+            out /= self.senders
+        return out
 
     @staticmethod
     def call(codec: Codec, d: int, ranks: int, count: float, **options: Any) -> Call:

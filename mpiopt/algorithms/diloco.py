@@ -150,7 +150,6 @@ class DiLoCo(Compressed, LocalStepState, SynchronousAlgorithm):
         else:  # theta_start is the same on every rank, and so is the decoded mean: so is the new theta_start
             self._xp.subtract(self.theta_start, params, out=self._sum)  # Delta_i = theta_start - theta_i
             self._wire.start(world, self._sum)
-            self._wire.total(out=self._sum)
-            self._sum /= world.size
+            self._wire.mean(out=self._sum)
             outer_update(self.theta_start, self._sum, **options)
         self.outer_steps += 1

@@ -7,11 +7,13 @@ Sarfi, Thérien, Lidin and Belilovsky, "Communication Efficient LLM Pre-training
 
 from __future__ import annotations
 
-from .compressed import RESIDUAL
+from typing import Any, Optional
+
+from .compressed import RESIDUAL, CodecExchange
 from .diloco import DiLoCo
 from .registry import register
 from .resize import COPY, FOLLOW
-from .schema import Schema
+from .schema import Hyperparameter, Schema, choice
 
 __all__ = ["SparseLoCo"]
 
@@ -23,17 +25,20 @@ class SparseLoCo(DiLoCo):
 
     DiLoCo's inner loop and its compressed exchange (:mod:`.compressed`) with outer momentum 0: the accumulator,
     kept per rank as ``codec_residual``, is the momentum (beta 0.95), and every rank's theta_start stays the same.
+    ``aggregate="senders"`` (the default, as the paper's code): each entry's mean over the ranks that sent it;
+    ``"ranks"``: Algorithm 1's sum / R, whose steps shrink where the ranks' picks differ (docs/algorithms.md "SparseLoCo").
     """
 
     name = "sparseloco"
     inner_role = "local"
     inner_rule = ("H steps theta_i <- inner(theta_i, g_i); e_i <- beta e_i + (theta_start - theta_i); s_i = Q(TopK(e_i)); "
-                  "e_i <- e_i - s_i; theta <- theta_start - outer_lr mean_i s_i  (the paper, arXiv:2508.15706, Algorithm 1: inner = AdamW)")
+                  "e_i <- e_i - s_i; theta <- theta_start - outer_lr mean_i s_i (over senders, or ranks)  (the paper, arXiv:2508.15706, Algorithm 1: inner = AdamW)")
     listing_order = 33
     # DiLoCo's entries but its outer momentum (the accumulator replaces it) and the switch of error feedback (always on).
     schema = Schema(*(e for e in DiLoCo.schema if e.name not in ("outer_momentum", "outer_nesterov", "codec_feedback"))).with_defaults(
         period=15, outer_lr=1.0, codec="topk", codec_beta=0.95,
-    )
+    ) + Schema(Hyperparameter("aggregate", "senders", choice("senders", "ranks"),
+                              "each entry's mean over the ranks that sent it (the paper's code) or over all ranks (Algorithm 1)"))
     outer_momentum, outer_nesterov = 0.0, False
     evaluates = "average"
     state_arrays = ("theta_start", "momentum_buffer", "codec_residual")
@@ -43,3 +48,7 @@ class SparseLoCo(DiLoCo):
     resize_rules = {"theta_start": COPY, "momentum_buffer": FOLLOW, "codec_residual": RESIDUAL, "outer_steps": COPY}
     training_defaults = {"lr": 0.05, "momentum": 0.9, "period": 8}
     wire_summary = "the codec's payload (topk: 0.23 bits per parameter) every `period` steps, all-gathered"
+
+    def _codec_exchange(self, like: Any, residual: Optional[Any] = None) -> CodecExchange:
+        return CodecExchange(self._codec, like, self.topology.world.size, residual, self.codec_beta,
+                             senders=self.aggregate == "senders")

@@ -160,7 +160,20 @@ class Codec:
             out /= payloads.shape[0]
         return out
 
+    def count_senders(self, payloads: Any, d: int, out: Any) -> Any:
+        """``out[j]``: how many rows of ``payloads`` (P, nbytes) send entry ``j`` (every row, for a dense codec); returns ``out``."""
+        d = check_count("d", d, 1)
+        xp = check_payload("payloads", payloads, self.payload_nbytes(d), ndim=2)
+        if check_array("out", out, ndim=1, kinds="iuf") is not xp or out.shape[0] != d:
+            raise ValueError(f"out must have length d = {d} and live where payloads do, got {type(out).__name__} of {out.shape[0]}")
+        self._count_senders(xp, payloads, d, out)
+        return out
+
     # ---- for subclasses --------------------------------------------------------------------------------------
+    def _count_senders(self, xp: ModuleType, payloads: Any, d: int, out: Any) -> None:
+        """Dense codecs: every row sends every entry."""
+        out[...] = payloads.shape[0]
+
     def _encode(self, xp: ModuleType, x: Any, sections: Dict[str, Any]) -> None:
         raise NotImplementedError
 

@@ -34,11 +34,15 @@ def pack_fields(xp: ModuleType, values: Any, width: int, out: Any) -> Any:
 
 
 def unpack_fields(xp: ModuleType, packed: Any, width: int, count: int) -> Any:
-    """The ``count`` fields of ``width`` bits that ``packed`` holds, as int64."""
-    bits = unpack_bits(xp, packed, count * width).reshape(count, width).view(xp.uint8)
-    values = xp.zeros(count, dtype=xp.int64)
+    """The ``count`` fields of ``width`` bits that ``packed`` holds, as int64; a 2-D ``packed`` (rows of bytes): each row's."""
+    if packed.ndim == 1:
+        bits = unpack_bits(xp, packed, count * width).view(xp.uint8)
+    else:
+        bits = xp.unpackbits(packed.ravel(), bitorder="little").reshape(packed.shape[0], -1)[:, : count * width]  # cupy: no axis
+    bits = bits.reshape(*packed.shape[:-1], count, width)
+    values = xp.zeros(bits.shape[:-1], dtype=xp.int64)
     for bit in range(width):
-        values |= bits[:, bit].astype(xp.int64) << bit
+        values |= bits[..., bit].astype(xp.int64) << bit
     return values
 
 

@@ -163,6 +163,26 @@ def test_topk_sends_the_top_k_on_the_grid(d, bits):
         assert _nearest_on_grid(x[in_chunk].astype(np.float64) / scale, decoded[in_chunk] / scale, grid)
 
 
+@pytest.mark.parametrize("d, chunk, k, bits", [(1, 64, 8, 2), (65, 64, 8, 2), (1001, 64, 5, 3), (10001, 4096, 64, 2), (333, 333, 1, 1)])
+def test_topk_counts_the_senders_of_every_entry(d, chunk, k, bits):
+    """count_senders: per entry, how many rows picked it (the reference's top-k per row, counted one row at a time);
+    rows that pick the same entries count it more than once, a zero-valued pick counts too."""
+    codec = create("topk", chunk=chunk, k=k, bits=bits)
+    vectors = [_vector(d, seed=s, heavy=True) for s in range(3)] + [np.zeros(d, np.float32)]
+    vectors.append(vectors[0].copy())  # the same picks as row 0
+    expected = np.zeros(d, np.int64)
+    for x in vectors:
+        expected[_topk_reference(x, chunk, k)] += 1
+    payloads = np.stack([codec.encode(x) for x in vectors])
+    for dtype in (np.int32, np.float64):
+        out = np.full(d, 7, dtype)  # overwritten, not added to
+        assert codec.count_senders(payloads, d, out) is out and np.array_equal(out, expected)
+    dense = create("int8", chunk=64)
+    assert np.array_equal(dense.count_senders(np.stack([dense.encode(x) for x in vectors]), d, np.empty(d, np.int32)), [5] * d)
+    with pytest.raises(ValueError, match="out must have length d"):
+        codec.count_senders(payloads, d, np.empty(d + 1, np.int32))
+
+
 def test_topk_ties_take_the_lowest_indices_and_nan_ranks_last():
     codec = create("topk", chunk=16, k=4, bits=2)
     x = np.zeros(48, np.float32)
