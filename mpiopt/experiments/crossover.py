@@ -6,7 +6,7 @@ driver, started with plain ``python`` as root: it starts its own MPI jobs (:mod:
 ``tools/emulated_cluster.sh`` (2 nodes of 2 ranks), one per phase and rate:
 
 1. *tuning* (at :data:`TUNING_RATE`; the loss after a number of steps does not depend on the link): every
-   variant's learning rates (and periods), the same grid for everyone, extended past an edge that wins;
+   variant's learning rates (and periods), the same grid for everyone, each axis extended past an edge that wins;
 2. *main runs*: every variant with every seed at every rate, round by round (every variant once per seed);
 3. *calibration*: ``bench collectives`` at each rate, for the model's ``alpha`` and ``beta``.
 
@@ -28,7 +28,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 from ..bench._common import child_environment, mpiexec_path, repository_tool, write_json
 from ..training.config import UsageError
 from . import EXPERIMENTS
-from .crossover_job import COMPLETE
+from .crossover_job import COMPLETE, pending
 
 RANKS = EXPERIMENTS["crossover"].ranks
 NODES, RANKS_PER_NODE = 2, 2
@@ -36,7 +36,7 @@ TUNING_RATE = "10gbit"
 ADAMW_RATES = (3e-4, 1e-3, 3e-3)
 #: Signum's own update is the sign of a momentum: its rate is a step per element, a smaller scale than AdamW's.
 SIGNUM_RATES = (1e-4, 3e-4, 1e-3)
-#: How many times a grid may grow past an edge that won (a factor of 3 each time).
+#: How many times an axis of a grid may grow past an edge that won (rates by 3x, periods by 2x each time).
 EXTENSIONS = 2
 
 
@@ -83,20 +83,22 @@ def point_name(point: Dict[str, Any]) -> str:
     return "-".join(f"{k}{v:g}" if isinstance(v, float) else f"{k}{v}" for k, v in point.items())
 
 
-def grid(variant: Variant, rates: Sequence[float]) -> List[Dict[str, Any]]:
-    """The points of ``variant``'s grid at learning rates ``rates``."""
-    return [{"lr": lr, **({} if period is None else {"period": period})} for lr, period in itertools.product(rates, variant.periods)]
+def grid(rates: Sequence[float], periods: Sequence[Optional[int]]) -> List[Dict[str, Any]]:
+    """The grid points: every learning rate with every period (None: the variant has no period to tune)."""
+    return [{"lr": lr, **({} if period is None else {"period": period})} for lr, period in itertools.product(rates, periods)]
 
 
-def extended(rates: Sequence[float], chosen: float, grown: int) -> Optional[float]:
-    """The rate to add when ``chosen`` is an edge of ``rates`` (a factor of 3 beyond), None when inside or grown enough."""
-    if len(rates) < 2 or grown >= EXTENSIONS:
+def extended(values: Sequence[Any], chosen: Any, grown: int, factor: float) -> Optional[Any]:
+    """The value to add when ``chosen`` is an edge of ``values`` (``factor`` beyond it), None when inside or grown enough.
+
+    Periods grow by 2 (integers; never below 1), learning rates by 3.
+    """
+    if len(values) < 2 or grown >= EXTENSIONS or chosen is None:
         return None
-    if chosen == min(rates):
-        return min(rates) / 3
-    if chosen == max(rates):
-        return max(rates) * 3
-    return None
+    beyond = chosen / factor if chosen == min(values) else chosen * factor if chosen == max(values) else None
+    if beyond is None or not isinstance(chosen, int):
+        return beyond
+    return max(1, int(beyond)) if max(1, int(beyond)) not in values else None
 
 
 def run_entry(out: str, variant: Variant, point: Dict[str, Any], seed: int, steps: int, folder: str, tuning: bool) -> Dict[str, Any]:
@@ -142,7 +144,7 @@ def train_job(out: str, name: str, rate: str, task: Dict[str, Any], runs: List[D
     """Write job ``name``'s file and run its pending runs on the cluster at ``rate``."""
     path = os.path.join(out, "jobs", f"{name}.json")
     write_json(path, {"tag": f"[{name}]", "task": task, "runs": runs})
-    if any(not os.path.exists(os.path.join(r["folder"], COMPLETE)) for r in runs):
+    if pending(runs):
         launch(rate, [mpiexec_path("experiment crossover"), "-n", str(RANKS), sys.executable, "-m",
                       "mpiopt.experiments.crossover_job", path], f"job {name}")
     else:
@@ -158,24 +160,25 @@ def score(run: Dict[str, Any]) -> Optional[float]:
 
 def tune(out: str, s: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
     """Every variant's chosen grid point: the lowest last test loss after ``tuning_steps`` steps (seed 0)."""
-    rates = {v.label: list(v.rates) for v in s["variants"]}
-    grown = {v.label: 0 for v in s["variants"]}
+    axes = {v.label: {"lr": list(v.rates), "period": list(v.periods)} for v in s["variants"]}
+    grown = {(v.label, key): 0 for v in s["variants"] for key in ("lr", "period")}
     runs: Dict[str, List[Dict[str, Any]]] = {v.label: [] for v in s["variants"]}
     for round_ in itertools.count(1):
         for v in s["variants"]:
             have = {point_name(r["point"]) for r in runs[v.label]}
             runs[v.label] += [run_entry(out, v, p, 0, s["tuning_steps"], os.path.join("tuning", v.label, point_name(p)), True)
-                              for p in grid(v, rates[v.label]) if point_name(p) not in have]
+                              for p in grid(*axes[v.label].values()) if point_name(p) not in have]
         train_job(out, f"tuning-{round_}", TUNING_RATE, s["task"], [r for v in s["variants"] for r in runs[v.label]])
         chosen, more = {}, False
         for v in s["variants"]:
             scored = [(score(r), r["point"]) for r in runs[v.label]]
             chosen[v.label] = min(scored, key=lambda c: (c[0] is None, c[0] or 0.0))[1]
-            beyond = extended(rates[v.label], chosen[v.label]["lr"], grown[v.label])
-            if beyond is not None:
-                rates[v.label].append(beyond)
-                grown[v.label] += 1
-                more = True
+            for key, factor in (("lr", 3.0), ("period", 2)):
+                beyond = extended(axes[v.label][key], chosen[v.label].get(key), grown[(v.label, key)], factor)
+                if beyond is not None:
+                    axes[v.label][key].append(beyond)
+                    grown[(v.label, key)] += 1
+                    more = True
         if not more:
             write_json(os.path.join(out, "tuning.json"), {
                 "steps": s["tuning_steps"], "rate": TUNING_RATE, "chosen": chosen,

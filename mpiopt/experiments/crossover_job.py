@@ -21,7 +21,7 @@ from ..comm import Topology
 from ..metrics import read_metrics, summarize
 from ..training.config import TrainConfig
 
-__all__ = ["COMPLETE", "run_config", "pending", "main"]
+__all__ = ["COMPLETE", "run_config", "done", "pending", "main"]
 
 #: The file that marks a run as done; its folder's metrics are then whole.
 COMPLETE = "complete.json"
@@ -39,9 +39,18 @@ def run_config(task: Dict[str, Any], run: Dict[str, Any]) -> TrainConfig:
     return sweep.with_point(config, algorithm, run["point"])
 
 
+def done(run: Dict[str, Any]) -> bool:
+    """Whether ``run`` completed as asked: its ``complete.json`` names the same run (a changed plan trains again)."""
+    path = os.path.join(run["folder"], COMPLETE)
+    if not os.path.exists(path):
+        return False
+    with open(path) as handle:
+        return json.load(handle)["run"] == run
+
+
 def pending(runs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The runs without a ``complete.json``."""
-    return [r for r in runs if not os.path.exists(os.path.join(r["folder"], COMPLETE))]
+    """The runs not :func:`done`."""
+    return [r for r in runs if not done(r)]
 
 
 def main(argv: Sequence[str]) -> int:

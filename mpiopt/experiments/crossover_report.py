@@ -157,16 +157,22 @@ def _figure(s: Dict[str, Any], rows: List[Dict[str, Any]], projection: List[Dict
             if pts:
                 right.plot([p["P"] for p in pts], [p["speedup"] for p in pts], style, color=colors[v.label],
                            label=f"{v.label}, {rate}" if v.label == baseline or style == "-" else None)
-    left.set_title(f"measured: time to test loss {s['task']['target_loss']:g}, {baseline}'s over each's")
-    middle.set_title("step time: measured (o-) and alpha-beta model (x--)")
-    right.set_title("model at 64-1024 ranks: 10 Gbit/s (solid), 100 Gbit/s (dotted)")
+    from matplotlib.ticker import FuncFormatter
+
+    left.set_title(f"(a) measured: to test loss {s['task']['target_loss']:g}, 4 ranks", fontsize=10)
+    middle.set_title("(b) step time: measured (o), model (x, dashed)", fontsize=10)
+    right.set_title("(c) model to the loss: 10 Gbit/s solid, 100 dotted", fontsize=10)
     for ax in (left, middle):
         ax.set_xscale("log")
+        ax.set_xticks(x, [f"{v:g}" for v in x])
         ax.set_xlabel("link rate between the 2 nodes (Gbit/s)")
     right.set_xscale("log", base=2)
-    right.set_xlabel("ranks")
+    right.set_xticks(list(PROJECTED_RANKS), [str(P) for P in PROJECTED_RANKS])
+    right.set_xlabel("ranks (steps to the loss as measured at 4)")
     for ax in (left, middle, right):
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}x" if f"{v:.0e}"[0] in "25" else ""))
         ax.set_ylabel(f"speed-up over {baseline}")
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.grid(alpha=0.3, which="both")
@@ -221,6 +227,24 @@ def _tables(s: Dict[str, Any], rows: List[Dict[str, Any]], baseline: str) -> str
     return "\n\n".join(parts)
 
 
+def _tuning(out: str, chosen: Dict[str, Dict[str, Any]]) -> str:
+    """The tuning's candidates per variant, the choice, and whether the grid brackets its learning rate."""
+    with open(os.path.join(out, "tuning.json")) as handle:
+        tuning = json.load(handle)
+    rows = []
+    for label, candidates in tuning["candidates"].items():
+        rates = sorted({c["point"]["lr"] for c in candidates})
+        periods = sorted({c["point"]["period"] for c in candidates if "period" in c["point"]})
+        lr = chosen[label]["lr"]
+        inside = len(rates) > 1 and rates[0] < lr < rates[-1]
+        rows.append([label, ", ".join(f"{r:g}" for r in rates), ", ".join(map(str, periods)) or "—",
+                     ", ".join(f"{k} {v:g}" for k, v in chosen[label].items()),
+                     "yes" if inside else "no (the grid stopped growing)" if len(rates) > 1 else "one value"])
+    return (f"Tuning ({tuning['steps']} steps per candidate at {tuning['rate']}, seed 0; the lowest last test loss wins; "
+            "a winning edge grows the grid by 3x, twice at most):\n\n"
+            + markdown_table(["variant", "learning rates tried", "periods tried", "chosen", "rate bracketed"], rows, "lllll"))
+
+
 def _load_samples(out: str) -> Dict[str, Any]:
     path = os.path.join(out, "load.jsonl")
     loads = [json.loads(line)["load"] for line in open(path)] if os.path.exists(path) else []
@@ -253,7 +277,7 @@ def report(out: str, s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]], quick
         f"batch {task['batch_size']} per rank, {s['steps']} steps, inner AdamW; 2 emulated nodes of 2 ranks; "
         f"{len(s['seeds'])} seed(s); target test loss {task['target_loss']:g}. Load average during the runs: median "
         f"{load['median']} ({load['min']}-{load['max']}, {load['samples']} samples of the 1-minute load, every 20 s).\n\n"
-        f"{_tables(s, rows, baseline)}\n\nGoals:\n\n{goals}"
+        f"{_tables(s, rows, baseline)}\n\n{_tuning(out, chosen)}\n\nGoals:\n\n{goals}"
     )
     settings = {"rates": list(s["rates"]), "seeds": list(s["seeds"]), "steps": s["steps"], "tuning_steps": s["tuning_steps"],
                 "task": task, "variants": [v._asdict() for v in s["variants"]], "chosen": chosen, "parameters": d,
