@@ -91,14 +91,15 @@ def grid(rates: Sequence[float], periods: Sequence[Optional[int]]) -> List[Dict[
 def extended(values: Sequence[Any], chosen: Any, grown: int, factor: float) -> Optional[Any]:
     """The value to add when ``chosen`` is an edge of ``values`` (``factor`` beyond it), None when inside or grown enough.
 
-    Periods grow by 2 (integers; never below 1), learning rates by 3.
+    Learning rates grow by 3, periods by 2 and never below 2 (a period of 1 is data-parallel SGD, and dasgd's
+    one step of delay needs a longer period).
     """
     if len(values) < 2 or grown >= EXTENSIONS or chosen is None:
         return None
     beyond = chosen / factor if chosen == min(values) else chosen * factor if chosen == max(values) else None
     if beyond is None or not isinstance(chosen, int):
         return beyond
-    return max(1, int(beyond)) if max(1, int(beyond)) not in values else None
+    return max(2, int(beyond)) if max(2, int(beyond)) not in values else None
 
 
 def run_entry(out: str, variant: Variant, point: Dict[str, Any], seed: int, steps: int, folder: str, tuning: bool) -> Dict[str, Any]:

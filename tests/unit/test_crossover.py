@@ -39,7 +39,7 @@ def test_the_grid_grows_a_bounded_number_of_times_and_never_from_one_value():
     assert extended((None,), None, grown=0, factor=2) is None  # no period to tune
 
 
-@pytest.mark.parametrize("chosen, expected", [(16, 32), (8, 4), (2, 1), (1, None)])
-def test_a_period_at_an_edge_doubles_or_halves_and_stays_a_whole_number_of_steps(chosen, expected):
-    periods = (chosen, chosen * 2) if chosen in (8, 2, 1) else (8, 16)
+@pytest.mark.parametrize("chosen, expected", [(16, 32), (8, 4), (4, 2), (2, None)])
+def test_a_period_at_an_edge_doubles_or_halves_and_stays_a_whole_number_of_steps_of_at_least_two(chosen, expected):
+    periods = (chosen, chosen * 2) if chosen in (8, 4, 2) else (8, 16)
     assert extended(periods, chosen, grown=0, factor=2) == expected
