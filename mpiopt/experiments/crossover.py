@@ -8,7 +8,8 @@ driver, started with plain ``python`` as root: it starts its own MPI jobs (:mod:
 1. *tuning* (at :data:`TUNING_RATE`; the loss after a number of steps does not depend on the link): every
    variant's learning rates (and periods), the same grid for everyone, each axis extended past an edge that wins;
 2. *main runs*: every variant with every seed at every rate, round by round (every variant once per seed);
-3. *calibration*: ``bench collectives`` at each rate, for the model's ``alpha`` and ``beta``.
+3. *calibration*: ``bench collectives`` at each rate, and between a node's two ranks (shared memory, where a
+   group's calls run), for the model's ``alpha`` and ``beta``.
 
 Each run's result is kept as it completes (``complete.json``), so the same command resumes an interrupted
 experiment.  :mod:`.crossover_report` turns the results into the figure, the tables and the verdicts.
@@ -66,11 +67,11 @@ VARIANTS = (
 TASK = dict(dataset="text", model="gpt", n_layer=2, n_embd=192, n_head=4, block_size=32, batch_size=2,
             optimizer="adamw", eval_every=10, target_loss=2.6, threads=1, log_every=50)
 FULL = dict(rates=("10gbit", "1gbit", "100mbit"), seeds=(0, 1, 2), steps=200, tuning_steps=100, variants=VARIANTS, task=TASK,
-            calibration_sizes="16k,128k,512k", calibration_repeats=5)
+            calibration_sizes="16k,128k,512k,1M", calibration_repeats=10)
 QUICK = dict(rates=("1gbit", "100mbit"), seeds=(0,), steps=6, tuning_steps=3,
              variants=(Variant("sgd", "sgd", {}, (1e-3,)), Variant("diloco", "diloco", {}, (1e-3,), (3,))),
              task=dict(TASK, n_layer=1, n_embd=32, n_head=2, eval_every=3, target_loss=5.4, log_every=3),
-             calibration_sizes="1k,16k", calibration_repeats=2)
+             calibration_sizes="16k,64k", calibration_repeats=3)
 
 
 def settings(quick: bool) -> Dict[str, Any]:
@@ -187,8 +188,18 @@ def tune(out: str, s: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
             return chosen
 
 
+def calibrate_node(out: str, s: Dict[str, Any]) -> None:
+    """``bench collectives`` between the ranks of one node (shared memory): the model's cost of a group's calls."""
+    path = os.path.join(out, "node-collectives.json")
+    if not os.path.exists(path):
+        launch(s["rates"][0], [mpiexec_path("experiment crossover"), "-n", str(RANKS_PER_NODE), sys.executable, "-m", "mpiopt",
+                               "bench", "collectives", "--sizes", s["calibration_sizes"], "--repeats", str(s["calibration_repeats"]),
+                               "--ops", "allreduce,iallreduce,bcast", "--json", path], "calibration of a node (bench collectives)")
+
+
 def main_runs(out: str, s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]]) -> None:
-    """Every variant at its chosen point, every seed, every rate; then the collectives at that rate."""
+    """Every variant at its chosen point, every seed, every rate; then the collectives at that rate, and in a node."""
+    calibrate_node(out, s)
     for rate in s["rates"]:
         runs = [run_entry(out, v, chosen[v.label], seed, s["steps"], os.path.join(rate, v.label, f"seed{seed}"), False)
                 for seed in s["seeds"] for v in s["variants"]]

@@ -63,6 +63,13 @@ def _comm_plan(variant: Any, d: int, ranks: int, point: Dict[str, Any], groups: 
     return plan(name, d, ranks, hyper, groups if name == "lsgd" else None)
 
 
+def _comm(calls: List[Any], P: int, per_node: int, models: Dict[str, Dict[str, Any]], compute: float) -> float:
+    """Seconds per step of ``calls``: a call among a node's ranks (a group's) at shared-memory cost, the others on the link."""
+    inside = [c for c in calls if c.ranks <= per_node < P]
+    across = [c for c in calls if not (c.ranks <= per_node < P)]
+    return comm_seconds(across, models["link"], compute) + (comm_seconds(inside, models["node"], compute) if inside else 0.0)
+
+
 def _load(out: str, s: Dict[str, Any]) -> Dict[str, Dict[str, List[Dict[str, Any]]]]:
     """``runs[rate][label]``: each seed's run, its summary and metrics, in seed order."""
     runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {}
@@ -98,7 +105,8 @@ def _rows(runs: Dict[str, Dict[str, List[Dict[str, Any]]]], s: Dict[str, Any], c
             speedups = [base[r["seed"]] / t if t and base.get(r["seed"]) else None for r, t in zip(group, times)]
             at_budget = [summarize(r["metrics"], target_loss=target, budget_seconds=budget)["loss_at_budget"] for r in group]
             measured = _median([_step(r["summary"]) for r in group])
-            comm = comm_seconds(_comm_plan(v, d, s["ranks"], chosen[v.label], [s["ranks_per_node"]] * s["nodes"]), models[rate], compute[v.label])
+            calls = _comm_plan(v, d, s["ranks"], chosen[v.label], [s["ranks_per_node"]] * s["nodes"])
+            comm = _comm(calls, s["ranks"], s["ranks_per_node"], {"link": models[rate], "node": models["node"]}, compute[v.label])
             predicted = compute[v.label] + comm
             rows.append({
                 "rate": rate, "label": v.label, "point": chosen[v.label], "times_to_target": times, "speedups": speedups,
@@ -261,8 +269,8 @@ def report(out: str, s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]], quick
     runs = _load(out, s)
     d = int(runs[s["rates"][0]][baseline][0]["metrics"].header["parameters"])
     models = {}
-    for rate in s["rates"]:
-        with open(os.path.join(out, rate, "collectives.json")) as handle:
+    for rate, path in [(rate, os.path.join(rate, "collectives.json")) for rate in s["rates"]] + [("node", "node-collectives.json")]:
+        with open(os.path.join(out, path)) as handle:
             models[rate] = calibrate([json.load(handle)], medium="switched")
     rows = _rows(runs, s, chosen, models, baseline, d)
     reference = "1gbit" if "1gbit" in models else s["rates"][0]
