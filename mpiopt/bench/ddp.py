@@ -11,6 +11,7 @@ Method: docs/internals-bench.md; results and gloo's set-up: docs/benchmarks-ddp.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import warnings
@@ -182,8 +183,10 @@ def run(args: argparse.Namespace) -> int:
             "sgd_parameter_difference": difference, "goal": goal, "results": results,
         })
         out(f"\nwrote {args.json}")
-    # The DDP wrappers go before their process group, and the ranks end it together.
+    # The DDP wrappers go before their process group (collected now: a module and its reducer hold each other, and
+    # a reducer freed after its group aborts the process), and the ranks end it together.
     variants.clear()
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
     topology.Free()

@@ -8,6 +8,7 @@ Allreduce time is inside its compute time (:data:`NOTES`; docs/training-internal
 from __future__ import annotations
 
 import atexit
+import gc
 import inspect
 import os
 import socket
@@ -61,6 +62,7 @@ def init_gloo(topology: Topology, backend: str = "gloo") -> None:
 def _destroy_gloo() -> None:
     """Destroy the process group init_gloo started, unless its user did already."""
     if dist.is_initialized():
+        gc.collect()  # DDP wrappers still held in reference cycles go while their group lives
         dist.destroy_process_group()
 
 
