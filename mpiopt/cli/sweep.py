@@ -7,8 +7,6 @@ run starts.  How and why: docs/training-internals.md.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import itertools
 import json
 import os
@@ -16,6 +14,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..training.config import TrainConfig, UsageError
 from ..training.flags import _toml_value
+from ..training.tuning import tuning_config, with_point
+
+__all__ = ["Axis", "parse_sweeps", "grid", "with_point", "tuning_config", "validate", "score", "choose", "report"]
 
 #: One axis of the grid: (algorithm or "" for all, key, values).
 Axis = Tuple[str, str, List[Any]]
@@ -43,38 +44,6 @@ def grid(axes: Sequence[Axis], algorithm: str) -> List[Dict[str, Any]]:
     own = {key for target, key, _ in axes if target == algorithm}
     mine = [(key, values) for target, key, values in axes if target == algorithm or (target == "" and key not in own)]
     return [dict(zip([k for k, _ in mine], point)) for point in itertools.product(*[v for _, v in mine])]
-
-
-def with_point(config: TrainConfig, algorithm: str, point: Dict[str, Any]) -> TrainConfig:
-    """``config`` as ``algorithm`` trains at ``point``: its keys in the algorithm's own hyperparameter table.
-
-    Where ``--optimizer`` steps the algorithm, ``lr`` is the optimizer's rate (the ``lr`` setting) instead.
-    """
-    mine = config.for_algorithm(algorithm)
-    point = dict(point)
-    rate = {"lr": point.pop("lr")} if mine.optimizer and "lr" in point else {}
-    hyper = copy.deepcopy(mine.hyperparameters)
-    if point:
-        hyper.setdefault(algorithm, {}).update(point)
-    return dataclasses.replace(mine, hyperparameters=hyper, **rate)
-
-
-def tuning_config(config: TrainConfig, algorithm: str, point: Dict[str, Any], steps: int) -> TrainConfig:
-    """The short run of ``algorithm`` at ``point``: ``steps`` steps, and a non-finite gradient skipped, not fatal.
-
-    A candidate that diverges (a rate too high) then scores its last test loss,
-    or none, and loses; the sweep goes on.  A ``nan_policy`` the user set stays.
-    The asynchronous algorithms cannot skip (it is decided collectively): a
-    diverging candidate of theirs still ends the job, naming the step.
-    """
-    from ..algorithms import ASYNCHRONOUS, algorithm_class
-    from ..training.config import DDP
-
-    short = dataclasses.replace(with_point(config, algorithm, point), steps=steps, epochs=None)
-    if (algorithm == DDP or algorithm_class(algorithm).protocol == ASYNCHRONOUS
-            or "nan_policy" in short.algorithm_hyperparameters(algorithm)):
-        return short
-    return with_point(short, algorithm, {"nan_policy": "skip"})
 
 
 def validate(config: TrainConfig, algorithms: Sequence[str], axes: Sequence[Axis]) -> None:

@@ -29,14 +29,14 @@ COMPLETE = "complete.json"
 
 def run_config(task: Dict[str, Any], run: Dict[str, Any]) -> TrainConfig:
     """The :class:`TrainConfig` of one run of the job: the task's settings, the run's own, then its grid point."""
-    from ..cli import sweep
+    from ..training.tuning import tuning_config, with_point
 
     algorithm = run["algorithm"]
     config = TrainConfig(**task, steps=run["steps"], seed=run["seed"], out=run["folder"], progress="lines",
                          hyperparameters={algorithm: dict(run["hyperparameters"])})
     if run["tuning"]:  # a diverging candidate skips its non-finite steps and loses, as in compare --sweep
-        return sweep.tuning_config(config, algorithm, run["point"], run["steps"])
-    return sweep.with_point(config, algorithm, run["point"])
+        return tuning_config(config, algorithm, run["point"], run["steps"])
+    return with_point(config, algorithm, run["point"])
 
 
 def done(run: Dict[str, Any]) -> bool:

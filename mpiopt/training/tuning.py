@@ -1,0 +1,46 @@
+"""A training run at one point of a tuning grid: the point's values where they belong, and a tuning run's settings.
+
+``mpiopt compare --sweep`` and ``mpiopt experiment crossover`` both tune through these.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Dict
+
+from .config import TrainConfig
+
+__all__ = ["with_point", "tuning_config"]
+
+
+def with_point(config: TrainConfig, algorithm: str, point: Dict[str, Any]) -> TrainConfig:
+    """``config`` as ``algorithm`` trains at ``point``: its keys in the algorithm's own hyperparameter table.
+
+    Where ``--optimizer`` steps the algorithm, ``lr`` is the optimizer's rate (the ``lr`` setting) instead.
+    """
+    mine = config.for_algorithm(algorithm)
+    point = dict(point)
+    rate = {"lr": point.pop("lr")} if mine.optimizer and "lr" in point else {}
+    hyper = copy.deepcopy(mine.hyperparameters)
+    if point:
+        hyper.setdefault(algorithm, {}).update(point)
+    return dataclasses.replace(mine, hyperparameters=hyper, **rate)
+
+
+def tuning_config(config: TrainConfig, algorithm: str, point: Dict[str, Any], steps: int) -> TrainConfig:
+    """The short run of ``algorithm`` at ``point``: ``steps`` steps, and a non-finite gradient skipped, not fatal.
+
+    A candidate that diverges (a rate too high) then scores its last test loss,
+    or none, and loses; the sweep goes on.  A ``nan_policy`` the user set stays.
+    The asynchronous algorithms cannot skip (it is decided collectively): a
+    diverging candidate of theirs still ends the job, naming the step.
+    """
+    from ..algorithms import ASYNCHRONOUS, algorithm_class
+    from .config import DDP
+
+    short = dataclasses.replace(with_point(config, algorithm, point), steps=steps, epochs=None)
+    if (algorithm == DDP or algorithm_class(algorithm).protocol == ASYNCHRONOUS
+            or "nan_policy" in short.algorithm_hyperparameters(algorithm)):
+        return short
+    return with_point(short, algorithm, {"nan_policy": "skip"})
