@@ -4,7 +4,8 @@
 (under ``mpiexec -n P``; inside the emulated link with ``mpiopt bench --link 1gbit --ranks P collectives``).
 
 Operations: allreduce, allgather-bits, vote-twophase, allgatherv-sparse, bcast, iallreduce, each moving what
-an algorithm moves for ``d`` float32 parameters.  Medians of the slowest rank's time, ledger bytes, and the
+an algorithm moves for ``d`` float32 parameters, and allreduce-gloo (not by default): torch.distributed's
+Allreduce on gloo, DDP's exchange, whose bytes bypass mpiopt's ledger.  Medians of the slowest rank's time, ledger bytes, and the
 rates against the link; ``--json`` feeds ``mpiopt bench model calibrate``.  Method: docs/internals-bench.md.
 """
 
@@ -26,12 +27,14 @@ from ._common import slowest_seconds, write_json
 __all__ = ["OPERATIONS", "add_arguments", "run", "main"]
 
 OPERATIONS = ("allreduce", "allgather-bits", "vote-twophase", "allgatherv-sparse", "bcast", "iallreduce")
+#: Operations timed only when asked for: they need torch.
+GLOO_OPERATIONS = ("allreduce-gloo",)
 SIZES = (1_000, 16_000, 256_000, 4_000_000)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", type=comma_list(count), default=list(SIZES), metavar="D,D,...", help="parameter counts d (suffixes k, M, G)")
-    parser.add_argument("--ops", type=comma_list(str), default=list(OPERATIONS), metavar="OP,OP,...", help=f"operations, among {','.join(OPERATIONS)}")
+    parser.add_argument("--ops", type=comma_list(str), default=list(OPERATIONS), metavar="OP,OP,...", help=f"operations, among {','.join(OPERATIONS + GLOO_OPERATIONS)}")
     parser.add_argument("--repeats", type=positive_int, default=20, help="timed repetitions per operation and size (median reported)")
     parser.add_argument("--density", type=float, default=0.01, help="fraction of d sent as (index, value) pairs by allgatherv-sparse")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write every measurement to FILE")
@@ -43,7 +46,18 @@ class _Operation:
     def __init__(self, name: str, topology: Topology, d: int, density: float) -> None:
         world, P = topology.world, topology.size
         self.call: Callable[[], None]
-        if name in ("allreduce", "iallreduce", "bcast"):
+        self.ledgered = name not in GLOO_OPERATIONS
+        if name == "allreduce-gloo":
+            import torch
+            import torch.distributed as dist
+
+            from ..training.ddp import init_gloo  # torch: imported only when this operation is asked for
+
+            if not dist.is_initialized():
+                init_gloo(topology)
+            tensor = torch.ones(d)
+            self.call = lambda: dist.all_reduce(tensor)
+        elif name in ("allreduce", "iallreduce", "bcast"):
             send, out = np.ones(d, np.float32), np.empty(d, np.float32)
             if name == "allreduce":
                 self.call = lambda: world.Allreduce(send, out=out)
@@ -76,7 +90,7 @@ class _Operation:
 
 
 def _check(args: argparse.Namespace) -> None:
-    check_choices("--ops", args.ops, OPERATIONS)
+    check_choices("--ops", args.ops, OPERATIONS + GLOO_OPERATIONS)
     if not 0 < args.density <= 1:
         raise UsageError(f"--density must be in (0, 1], got {args.density}")
 
@@ -85,14 +99,15 @@ def measure(topology: Topology, ops: Sequence[str], sizes: Sequence[int], repeat
     """Time every operation at every size; one record per (operation, size) with seconds and ledger bytes per rank."""
     world, P = topology.world, topology.size
     cases = [(op, d) for d in sizes for op in ops]
-    calls = {case: _Operation(case[0], topology, case[1], density).call for case in cases}
+    operations = {case: _Operation(case[0], topology, case[1], density) for case in cases}
+    calls = {case: operation.call for case, operation in operations.items()}
     bytes_per_call: Dict[tuple, tuple] = {}
-    for case in cases:  # warm-up, and one call's bytes from the ledger
+    for case in cases:  # warm-up, and one call's bytes from the ledger (None for gloo's, which bypass it)
         before = topology.ledger.snapshot()
         calls[case]()
         delta = topology.ledger.since(before)
         sums = world.allreduce_obj(np.array([delta.bytes_sent, delta.bytes_recv], dtype=np.float64))
-        bytes_per_call[case] = (float(sums[0]) / P, float(sums[1]) / P)
+        bytes_per_call[case] = (float(sums[0]) / P, float(sums[1]) / P) if operations[case].ledgered else (None, None)
     seconds: Dict[tuple, List[float]] = {case: [] for case in cases}
     for rep in range(repeats):
         for case in rotated(cases, rep):
@@ -119,13 +134,14 @@ def table(records: Sequence[Dict[str, Any]], ranks: int, link_bytes_per_second: 
         header.append("% of link")
     rows = []
     for r in records:
-        per_rank = r["bytes_recv_per_rank"] / r["median_seconds"] if r["median_seconds"] > 0 else math.nan
-        row = [
-            r["op"], f"{r['d']:,}", f"{r['bytes_sent_per_rank']:,.0f} B", f"{r['bytes_recv_per_rank']:,.0f} B",
-            f"{1e3 * r['median_seconds']:.3f} ms", f"{1e3 * r['min_seconds']:.3f} ms", _rate(per_rank), _rate(per_rank * ranks),
-        ]
-        if link_bytes_per_second:
-            row.append(f"{100 * per_rank * ranks / link_bytes_per_second:.0f} %")
+        if r["bytes_recv_per_rank"] is None:  # gloo's: not in the ledger
+            rates = ["—"] * (5 if link_bytes_per_second else 4)
+        else:
+            per_rank = r["bytes_recv_per_rank"] / r["median_seconds"] if r["median_seconds"] > 0 else math.nan
+            rates = [f"{r['bytes_sent_per_rank']:,.0f} B", f"{r['bytes_recv_per_rank']:,.0f} B", _rate(per_rank), _rate(per_rank * ranks)]
+            if link_bytes_per_second:
+                rates.append(f"{100 * per_rank * ranks / link_bytes_per_second:.0f} %")
+        row = [r["op"], f"{r['d']:,}", *rates[:2], f"{1e3 * r['median_seconds']:.3f} ms", f"{1e3 * r['min_seconds']:.3f} ms", *rates[2:]]
         rows.append(row)
     return markdown_table(header, rows)
 

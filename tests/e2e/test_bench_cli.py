@@ -40,6 +40,17 @@ def test_help_lists_every_benchmark_and_every_default():
     assert "(default: 16)" in output and "(default: 1000000)" in output and "(default: 0.0)" in output, output
 
 
+def test_collectives_times_ddps_gloo_allreduce_beside_mpis_when_asked(tmp_path):
+    out = tmp_path / "coll.json"
+    code, output, _ = run_mpi(2, [*BENCH, "collectives", "--sizes", "64k", "--repeats", "2", "--ops", "allreduce,allreduce-gloo",
+                                  "--json", str(out)])
+    assert code == 0, output
+    assert "| allreduce-gloo | 64,000 | — | — |" in output, output  # gloo's bytes bypass the ledger: none claimed
+    rows = {r["op"]: r for r in load(out)["results"]}
+    assert rows["allreduce-gloo"]["bytes_sent_per_rank"] is None and rows["allreduce"]["bytes_sent_per_rank"] == 4 * 64_000
+    assert 0 < rows["allreduce-gloo"]["min_seconds"] <= rows["allreduce-gloo"]["median_seconds"]
+
+
 def test_collectives_bytes_at_two_ranks(tmp_path):
     out = tmp_path / "coll.json"
     code, output, _ = run_mpi(2, [*BENCH, "collectives", "--sizes", "1000,64k", "--repeats", "2", "--density", "0.01", "--json", str(out)])

@@ -28,6 +28,7 @@ def _model(medium="switched", alpha=ALPHA, beta=BETA, rate=1e9):
     ("allreduce", 8, 1000, 6, 1750, 14000),          # 2 log2 P; 2 (P-1)/P n; 2 (P-1) n
     ("allreduce", 5, 1000, 6, 1600, 8000),           # ceil(log2 5) = 3
     ("iallreduce", 2, 1000, 2, 1000, 2000),
+    ("allreduce-gloo", 8, 1000, 6, 1750, 14000),     # DDP's Allreduce: the same form, its own fit
     ("allgather", 8, 1000, 7, 7000, 56000),          # P-1; (P-1) n; P (P-1) n
     ("allgatherv", 3, 10, 2, 20, 60),
     ("bcast", 4, 1000, 2, 2000, 3000),               # binomial below 8 ranks
@@ -53,7 +54,7 @@ def _collectives_doc(P, alpha, beta, medium, emulated=True, sizes=(1000, 64000, 
     """A bench collectives document whose medians follow the model exactly."""
     results = []
     for d in sizes:
-        for op in ("allreduce", "iallreduce", "bcast", "allgather-bits", "allgatherv-sparse", "vote-twophase"):
+        for op in ("allreduce", "iallreduce", "allreduce-gloo", "bcast", "allgather-bits", "allgatherv-sparse", "vote-twophase"):
             kind, n = _message({"op": op, "d": d}, P, 0.01)
             results.append({"op": op, "d": d, "median_seconds": M.collective_seconds(kind, P, n, alpha, beta, medium)})
     return {"benchmark": "collectives", "world_size": P, "link_bits_per_second": 1e9, "emulated_link": emulated,
@@ -65,7 +66,7 @@ def test_calibration_recovers_known_alpha_and_beta(medium):
     docs = [_collectives_doc(P, 3e-4, 9e-9, medium, emulated=medium == "shared") for P in (2, 4, 8)]
     model = M.calibrate(docs)
     assert model["medium"] == medium  # the emulated link's documents default to the shared medium
-    assert set(model["collectives"]) == {"allreduce", "iallreduce", "bcast", "allgather", "allgatherv", "twophase"}
+    assert set(model["collectives"]) == {"allreduce", "iallreduce", "allreduce-gloo", "bcast", "allgather", "allgatherv", "twophase"}
     for op, entry in model["collectives"].items():
         assert entry["alpha"] == pytest.approx(3e-4, rel=1e-6), op
         assert entry["beta"] == pytest.approx(9e-9, rel=1e-6), op

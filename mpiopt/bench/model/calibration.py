@@ -43,7 +43,7 @@ def fit(points: Sequence[Tuple[int, float, float]], op: str, medium: str) -> Tup
 def _message(record: Mapping[str, Any], P: int, density: float) -> Optional[Tuple[str, int]]:
     """The model's (collective, message bytes) for one ``bench collectives`` record, None if not modelled."""
     op, d = record["op"], int(record["d"])
-    if op in ("allreduce", "iallreduce", "bcast"):
+    if op in ("allreduce", "iallreduce", "allreduce-gloo", "bcast"):
         return op, 4 * d
     if op == "allgather-bits":
         return "allgather", packed_nbytes(d)

@@ -10,7 +10,9 @@ import math
 __all__ = ["MEDIA", "COLLECTIVES", "BCAST_MIN_PROCS", "latency_terms", "wire_bytes", "collective_seconds"]
 
 MEDIA = ("switched", "shared")
-COLLECTIVES = ("allreduce", "iallreduce", "allgather", "allgatherv", "bcast", "twophase")
+#: ``allreduce-gloo``: torch.distributed's Allreduce on gloo (DDP's exchange), costed as MPICH's and fitted apart.
+COLLECTIVES = ("allreduce", "iallreduce", "allreduce-gloo", "allgather", "allgatherv", "bcast", "twophase")
+ALLREDUCES = ("allreduce", "iallreduce", "allreduce-gloo")
 #: MPICH's MPIR_CVAR_BCAST_MIN_PROCS: fewer ranks broadcast along a binomial tree, more scatter and allgather.
 BCAST_MIN_PROCS = 8
 
@@ -23,7 +25,7 @@ def latency_terms(op: str, P: int) -> int:
     """Message hops on the critical path of ``op`` over ``P`` ranks (the ``alpha`` multiplier)."""
     if P < 2:
         return 0
-    if op in ("allreduce", "iallreduce"):
+    if op in ALLREDUCES:
         return 2 * _log2(P)
     if op in ("allgather", "allgatherv"):
         return P - 1
@@ -45,7 +47,7 @@ def wire_bytes(op: str, P: int, n: float, medium: str = "switched") -> float:
     if P < 2:
         return 0.0
     shared = medium == "shared"
-    if op in ("allreduce", "iallreduce"):
+    if op in ALLREDUCES:
         return 2 * (P - 1) * n if shared else 2 * (P - 1) / P * n
     if op in ("allgather", "allgatherv"):
         return P * (P - 1) * n if shared else (P - 1) * n
