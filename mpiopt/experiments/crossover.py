@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from ..bench._common import child_environment, mpiexec_path, repository_tool, write_json
+from ..bench._common import child_environment, mpiexec_path, parse_rate, repository_tool, write_json
 from ..training.config import UsageError
 from . import EXPERIMENTS
 from .crossover_job import COMPLETE, pending
@@ -39,6 +39,12 @@ ADAMW_RATES = (3e-4, 1e-3, 3e-3)
 SIGNUM_RATES = (1e-4, 3e-4, 1e-3)
 #: How many times an axis of a grid may grow past an edge that won (rates by 3x, periods by 2x each time).
 EXTENSIONS = 2
+#: The shaped link's token bucket holds this long a burst at its rate, at most :data:`MAX_BURST_BYTES`: a real
+#: line takes its time for every byte, and a bucket that refills while ranks compute lets a small exchange pass
+#: at once (docs/crossover.md, "What the emulation flatters").
+BURST_SECONDS = 0.005
+#: ``tools/emulated_cluster.sh``'s default bucket: at 10 Gbit/s and above the shaping is CPU-bound here anyway.
+MAX_BURST_BYTES = 1 << 20
 
 
 class Variant(NamedTuple):
@@ -49,13 +55,15 @@ class Variant(NamedTuple):
     hyperparameters: Dict[str, Any]
     rates: Tuple[float, ...]
     periods: Tuple[Optional[int], ...] = (None,)
+    #: The hyperparameter the period axis sets (``lsgd``: its global pulls, the ones that cross the link).
+    period_name: str = "period"
 
 
 VARIANTS = (
     Variant("ddp", "ddp", {}, ADAMW_RATES),
     Variant("sgd", "sgd", {}, ADAMW_RATES),
     Variant("dasgd", "dasgd", {}, ADAMW_RATES, (4, 8)),
-    Variant("lsgd", "lsgd", {}, ADAMW_RATES),
+    Variant("lsgd", "lsgd", {}, ADAMW_RATES, (8, 16), "global_period"),
     Variant("diloco", "diloco", {}, ADAMW_RATES, (8, 16)),
     Variant("diloco-int8", "diloco", {"codec": "int8"}, ADAMW_RATES, (8, 16)),
     Variant("streaming_diloco", "streaming_diloco", {}, ADAMW_RATES, (8, 16)),
@@ -84,9 +92,19 @@ def point_name(point: Dict[str, Any]) -> str:
     return "-".join(f"{k}{v:g}" if isinstance(v, float) else f"{k}{v}" for k, v in point.items())
 
 
-def grid(rates: Sequence[float], periods: Sequence[Optional[int]]) -> List[Dict[str, Any]]:
+def grid(rates: Sequence[float], periods: Sequence[Optional[int]], period_name: str = "period") -> List[Dict[str, Any]]:
     """The grid points: every learning rate with every period (None: the variant has no period to tune)."""
-    return [{"lr": lr, **({} if period is None else {"period": period})} for lr, period in itertools.product(rates, periods)]
+    return [{"lr": lr, **({} if period is None else {period_name: period})} for lr, period in itertools.product(rates, periods)]
+
+
+def burst_bytes(rate: str) -> int:
+    """The token bucket of the link at ``rate``: :data:`BURST_SECONDS` of the line, at most :data:`MAX_BURST_BYTES`."""
+    return min(MAX_BURST_BYTES, int(parse_rate(rate) * BURST_SECONDS / 8))
+
+
+def link(rate: str) -> Dict[str, Any]:
+    """How the link at ``rate`` is shaped: part of every timed run's and calibration's identity."""
+    return {"rate": rate, "burst_bytes": burst_bytes(rate)}
 
 
 def extended(values: Sequence[Any], chosen: Any, grown: int, factor: float) -> Optional[Any]:
@@ -103,10 +121,12 @@ def extended(values: Sequence[Any], chosen: Any, grown: int, factor: float) -> O
     return max(2, int(beyond)) if max(2, int(beyond)) not in values else None
 
 
-def run_entry(out: str, variant: Variant, point: Dict[str, Any], seed: int, steps: int, folder: str, tuning: bool) -> Dict[str, Any]:
-    """One run of a job file."""
+def run_entry(out: str, variant: Variant, point: Dict[str, Any], seed: int, steps: int, folder: str,
+              shaping: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """One run of a job file; a timed run names its link's ``shaping``, a tuning run (its loss only counts) none."""
     return {"folder": os.path.join(out, folder), "label": variant.label, "algorithm": variant.algorithm,
-            "hyperparameters": variant.hyperparameters, "point": point, "seed": seed, "steps": steps, "tuning": tuning}
+            "hyperparameters": variant.hyperparameters, "point": point, "seed": seed, "steps": steps,
+            "tuning": shaping is None, **({} if shaping is None else {"link": shaping})}
 
 
 class LoadSampler:
@@ -134,7 +154,7 @@ def launch(rate: str, command: Sequence[str], what: str) -> None:
     """Run ``command`` on the emulated cluster at ``rate``; ``RuntimeError`` naming ``what`` if it fails."""
     cluster = [repository_tool("emulated_cluster.sh", "experiment crossover"), "--nodes", str(NODES),
                "--ranks-per-node", str(RANKS_PER_NODE), "--rate", rate, "--"]
-    env = dict(child_environment(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(child_environment(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", BURST=str(burst_bytes(rate)))
     sys.stdout.flush()
     code = subprocess.run([*cluster, *command], env=env).returncode
     if code != 0:
@@ -163,20 +183,21 @@ def score(run: Dict[str, Any]) -> Optional[float]:
 def tune(out: str, s: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
     """Every variant's chosen grid point: the lowest last test loss after ``tuning_steps`` steps (seed 0)."""
     axes = {v.label: {"lr": list(v.rates), "period": list(v.periods)} for v in s["variants"]}
+    name = {v.label: {"lr": "lr", "period": v.period_name} for v in s["variants"]}
     grown = {(v.label, key): 0 for v in s["variants"] for key in ("lr", "period")}
     runs: Dict[str, List[Dict[str, Any]]] = {v.label: [] for v in s["variants"]}
     for round_ in itertools.count(1):
         for v in s["variants"]:
             have = {point_name(r["point"]) for r in runs[v.label]}
-            runs[v.label] += [run_entry(out, v, p, 0, s["tuning_steps"], os.path.join("tuning", v.label, point_name(p)), True)
-                              for p in grid(*axes[v.label].values()) if point_name(p) not in have]
+            runs[v.label] += [run_entry(out, v, p, 0, s["tuning_steps"], os.path.join("tuning", v.label, point_name(p)))
+                              for p in grid(*axes[v.label].values(), v.period_name) if point_name(p) not in have]
         train_job(out, f"tuning-{round_}", TUNING_RATE, s["task"], [r for v in s["variants"] for r in runs[v.label]])
         chosen, more = {}, False
         for v in s["variants"]:
             scored = [(score(r), r["point"]) for r in runs[v.label]]
             chosen[v.label] = min(scored, key=lambda c: (c[0] is None, c[0] or 0.0))[1]
             for key, factor in (("lr", 3.0), ("period", 2)):
-                beyond = extended(axes[v.label][key], chosen[v.label].get(key), grown[(v.label, key)], factor)
+                beyond = extended(axes[v.label][key], chosen[v.label].get(name[v.label][key]), grown[(v.label, key)], factor)
                 if beyond is not None:
                     axes[v.label][key].append(beyond)
                     grown[(v.label, key)] += 1
@@ -188,28 +209,35 @@ def tune(out: str, s: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
             return chosen
 
 
-def calibrate_node(out: str, s: Dict[str, Any]) -> None:
-    """``bench collectives`` between the ranks of one node (shared memory): the model's cost of a group's calls."""
-    path = os.path.join(out, "node-collectives.json")
-    if not os.path.exists(path):
-        launch(s["rates"][0], [mpiexec_path("experiment crossover"), "-n", str(RANKS_PER_NODE), sys.executable, "-m", "mpiopt",
-                               "bench", "collectives", "--sizes", s["calibration_sizes"], "--repeats", str(s["calibration_repeats"]),
-                               "--ops", "allreduce,iallreduce,bcast", "--json", path], "calibration of a node (bench collectives)")
+#: The collectives timed at each rate for the model: mpiopt's (MPICH) and DDP's (torch's gloo Allreduce).
+LINK_OPERATIONS = "allreduce,iallreduce,allgather-bits,vote-twophase,bcast,allreduce-gloo"
+#: Between a node's two ranks, where a group's calls (``lsgd``'s local pulls) run.
+NODE_OPERATIONS = "allreduce,iallreduce,bcast"
+
+
+def calibrate(path: str, rate: str, ranks: int, operations: str, s: Dict[str, Any], what: str) -> None:
+    """``bench collectives`` of ``operations`` at ``ranks`` on the link at ``rate`` into ``path``, unless done for this link."""
+    if os.path.exists(path):
+        with open(path) as handle:
+            if json.load(handle).get("shaping") == link(rate):
+                return
+    launch(rate, [mpiexec_path("experiment crossover"), "-n", str(ranks), sys.executable, "-m", "mpiopt", "bench", "collectives",
+                  "--sizes", s["calibration_sizes"], "--repeats", str(s["calibration_repeats"]), "--ops", operations,
+                  "--json", path], what)
+    with open(path) as handle:
+        document = json.load(handle)
+    write_json(path, dict(document, shaping=link(rate)))
 
 
 def main_runs(out: str, s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]]) -> None:
     """Every variant at its chosen point, every seed, every rate; then the collectives at that rate, and in a node."""
-    calibrate_node(out, s)
+    calibrate(os.path.join(out, "node-collectives.json"), s["rates"][0], RANKS_PER_NODE, NODE_OPERATIONS, s,
+              "calibration of a node (bench collectives)")
     for rate in s["rates"]:
-        runs = [run_entry(out, v, chosen[v.label], seed, s["steps"], os.path.join(rate, v.label, f"seed{seed}"), False)
+        runs = [run_entry(out, v, chosen[v.label], seed, s["steps"], os.path.join(rate, v.label, f"seed{seed}"), link(rate))
                 for seed in s["seeds"] for v in s["variants"]]
         train_job(out, f"main-{rate}", rate, s["task"], runs)
-        collectives = os.path.join(out, rate, "collectives.json")
-        if not os.path.exists(collectives):
-            launch(rate, [mpiexec_path("experiment crossover"), "-n", str(RANKS), sys.executable, "-m", "mpiopt", "bench",
-                          "collectives", "--sizes", s["calibration_sizes"], "--repeats", str(s["calibration_repeats"]),
-                          "--ops", "allreduce,iallreduce,allgather-bits,vote-twophase,bcast", "--json", collectives],
-                   "calibration (bench collectives)")
+        calibrate(os.path.join(out, rate, "collectives.json"), rate, RANKS, LINK_OPERATIONS, s, "calibration (bench collectives)")
 
 
 def check_can_run() -> None:

@@ -19,6 +19,7 @@ from ..bench.model.predict import RANKS as PROJECTED_RANKS
 from ..bench.model.predict import at_rate, comm_seconds, plan
 from ..metrics import read_metrics, summarize
 from ..metrics.summary import format_bytes, format_seconds, format_spread
+from ..training.config import DDP
 from ._common import new_figure, write_results
 from .crossover_job import COMPLETE
 
@@ -31,6 +32,8 @@ GOAL_MODEL = 0.25
 PROJECTED_RATES = ("10gbit", "100gbit")
 #: A fabric's per-hop latency for the projection (this machine's fitted alpha is its scheduling, not a network's).
 MODEL_ALPHA = 1e-5
+#: ``bench collectives``' timing of DDP's exchange, torch's gloo Allreduce (slower than MPICH's on this link).
+GLOO_ALLREDUCE = "allreduce-gloo"
 
 
 def _median(values: Sequence[Optional[float]]) -> Optional[float]:
@@ -61,6 +64,13 @@ def _comm_plan(variant: Any, d: int, ranks: int, point: Dict[str, Any], groups: 
     name = "sgd" if variant.algorithm == "ddp" else variant.algorithm
     hyper = {**variant.hyperparameters, **{k: v for k, v in point.items() if k != "lr"}}
     return plan(name, d, ranks, hyper, groups if name == "lsgd" else None)
+
+
+def _priced(variant: Any, model: Dict[str, Any]) -> Dict[str, Any]:
+    """The fit ``variant``'s calls are priced with: DDP's Allreduce at gloo's (``allreduce-gloo``), where it was timed."""
+    if variant.algorithm != DDP or GLOO_ALLREDUCE not in model["collectives"]:
+        return model
+    return dict(model, collectives=dict(model["collectives"], allreduce=model["collectives"][GLOO_ALLREDUCE]))
 
 
 def _comm(calls: List[Any], P: int, per_node: int, models: Dict[str, Dict[str, Any]], compute: float) -> float:
@@ -106,7 +116,8 @@ def _rows(runs: Dict[str, Dict[str, List[Dict[str, Any]]]], s: Dict[str, Any], c
             at_budget = [summarize(r["metrics"], target_loss=target, budget_seconds=budget)["loss_at_budget"] for r in group]
             measured = _median([_step(r["summary"]) for r in group])
             calls = _comm_plan(v, d, s["ranks"], chosen[v.label], [s["ranks_per_node"]] * s["nodes"])
-            comm = _comm(calls, s["ranks"], s["ranks_per_node"], {"link": models[rate], "node": models["node"]}, compute[v.label])
+            comm = _comm(calls, s["ranks"], s["ranks_per_node"], {"link": _priced(v, models[rate]), "node": models["node"]},
+                         compute[v.label])
             predicted = compute[v.label] + comm
             rows.append({
                 "rate": rate, "label": v.label, "point": chosen[v.label], "times_to_target": times, "speedups": speedups,
@@ -242,7 +253,7 @@ def _tuning(out: str, chosen: Dict[str, Dict[str, Any]]) -> str:
     rows = []
     for label, candidates in tuning["candidates"].items():
         rates = sorted({c["point"]["lr"] for c in candidates})
-        periods = sorted({c["point"]["period"] for c in candidates if "period" in c["point"]})
+        periods = sorted({value for c in candidates for key, value in c["point"].items() if key != "lr"})
         lr = chosen[label]["lr"]
         inside = len(rates) > 1 and rates[0] < lr < rates[-1]
         rows.append([label, ", ".join(f"{r:g}" for r in rates), ", ".join(map(str, periods)) or "—",
@@ -268,10 +279,13 @@ def report(out: str, s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]], quick
     baseline = "ddp" if "ddp" in labels else labels[0]
     runs = _load(out, s)
     d = int(runs[s["rates"][0]][baseline][0]["metrics"].header["parameters"])
-    models = {}
+    models, buckets = {}, {}
     for rate, path in [(rate, os.path.join(rate, "collectives.json")) for rate in s["rates"]] + [("node", "node-collectives.json")]:
         with open(os.path.join(out, path)) as handle:
-            models[rate] = calibrate([json.load(handle)], medium="switched")
+            document = json.load(handle)
+        models[rate] = calibrate([document], medium="switched")
+        if rate != "node":
+            buckets[rate] = document.get("shaping", {}).get("burst_bytes")
     rows = _rows(runs, s, chosen, models, baseline, d)
     reference = "1gbit" if "1gbit" in models else s["rates"][0]
     projection = _projection(s, chosen, rows, models[reference], baseline, d)
@@ -283,13 +297,14 @@ def report(out: str, s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]], quick
     markdown = (
         f"GPT text task (n_layer {task['n_layer']}, n_embd {task['n_embd']}, block {task['block_size']}; {d:,} parameters), "
         f"batch {task['batch_size']} per rank, {s['steps']} steps, inner AdamW; 2 emulated nodes of 2 ranks; "
-        f"{len(s['seeds'])} seed(s); target test loss {task['target_loss']:g}. Load average during the runs: median "
+        f"{len(s['seeds'])} seed(s); target test loss {task['target_loss']:g}. The link's token bucket: "
+        + ", ".join(f"{rate} {format_bytes(b) if b else 'the default'}" for rate, b in buckets.items()) + ". Load average during the runs: median "
         f"{load['median']} ({load['min']}-{load['max']}, {load['samples']} samples of the 1-minute load, every 20 s).\n\n"
         f"{_tables(s, rows, baseline)}\n\n{_tuning(out, chosen)}\n\nGoals:\n\n{goals}"
     )
     settings = {"rates": list(s["rates"]), "seeds": list(s["seeds"]), "steps": s["steps"], "tuning_steps": s["tuning_steps"],
                 "task": task, "variants": [v._asdict() for v in s["variants"]], "chosen": chosen, "parameters": d,
-                "baseline": baseline, "model_alpha_projection": MODEL_ALPHA, "projection_calibration": reference, "load": load}
+                "baseline": baseline, "burst_bytes": buckets, "model_alpha_projection": MODEL_ALPHA, "projection_calibration": reference, "load": load}
     numbers = {"rows": rows, "projection": projection, "goals": verdicts,
                "calibration": {rate: {op: {k: c[k] for k in ("alpha", "beta")} for op, c in m["collectives"].items()} for rate, m in models.items()}}
     return write_results(out, "crossover", quick, settings, numbers, markdown, [figure])

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from mpiopt.experiments.crossover import ADAMW_RATES, EXTENSIONS, FULL, Variant, extended, grid, point_name
+import json
+
+from mpiopt.experiments import crossover
+from mpiopt.experiments.crossover import ADAMW_RATES, EXTENSIONS, FULL, Variant, burst_bytes, extended, grid, link, point_name, run_entry
 
 
 def test_every_variant_is_tuned_over_the_same_grid_of_its_kind():
@@ -15,7 +18,9 @@ def test_every_variant_is_tuned_over_the_same_grid_of_its_kind():
         if v.algorithm != "signum":  # AdamW's rate for everyone AdamW steps; signum's own update has its own scale
             assert v.rates == ADAMW_RATES, v
     periodic = {v.label: v.periods for v in variants if v.periods != (None,)}
-    assert set(periodic) == {"dasgd", "diloco", "diloco-int8", "streaming_diloco", "sparseloco"}
+    assert set(periodic) == {"dasgd", "lsgd", "diloco", "diloco-int8", "streaming_diloco", "sparseloco"}
+    lsgd = next(v for v in variants if v.label == "lsgd")  # its global pulls are the ones that cross the link
+    assert grid(lsgd.rates, lsgd.periods, lsgd.period_name)[0] == {"lr": ADAMW_RATES[0], "global_period": lsgd.periods[0]}
 
 
 def test_a_grid_is_every_rate_with_every_period():
@@ -43,3 +48,47 @@ def test_the_grid_grows_a_bounded_number_of_times_and_never_from_one_value():
 def test_a_period_at_an_edge_doubles_or_halves_and_stays_a_whole_number_of_steps_of_at_least_two(chosen, expected):
     periods = (chosen, chosen * 2) if chosen in (8, 4, 2) else (8, 16)
     assert extended(periods, chosen, grown=0, factor=2) == expected
+
+
+def test_the_links_bucket_holds_five_milliseconds_of_the_line_and_at_most_one_megabyte():
+    assert burst_bytes("100mbit") == 62_500  # 100e6 bit/s x 5 ms / 8
+    assert burst_bytes("1gbit") == 625_000
+    assert burst_bytes("10gbit") == burst_bytes("100gbit") == 1 << 20  # tools/emulated_cluster.sh's default
+
+
+def test_a_timed_run_names_its_link_so_that_a_changed_shaping_trains_again_and_a_tuning_run_does_not(tmp_path):
+    v = FULL["variants"][1]
+    timed = run_entry(str(tmp_path), v, {"lr": 1e-3}, 0, 200, "1gbit/sgd/seed0", link("1gbit"))
+    tuning = run_entry(str(tmp_path), v, {"lr": 1e-3}, 0, 100, "tuning/sgd/lr0.001")
+    assert timed["link"] == {"rate": "1gbit", "burst_bytes": 625_000} and not timed["tuning"]
+    assert "link" not in tuning and tuning["tuning"]
+
+
+def test_a_calibration_is_redone_only_when_its_links_shaping_changed(tmp_path, monkeypatch):
+    launched = []
+
+    def fake_launch(rate, command, what):
+        launched.append(rate)
+        with open(command[command.index("--json") + 1], "w") as handle:
+            json.dump({"benchmark": "collectives", "results": []}, handle)
+
+    monkeypatch.setattr(crossover, "launch", fake_launch)
+    path, s = str(tmp_path / "collectives.json"), dict(FULL)
+    crossover.calibrate(path, "1gbit", 4, "allreduce", s, "calibration")
+    assert json.load(open(path))["shaping"] == link("1gbit")
+    crossover.calibrate(path, "1gbit", 4, "allreduce", s, "calibration")
+    assert launched == ["1gbit"]  # kept
+    monkeypatch.setattr(crossover, "BURST_SECONDS", 0.010)
+    crossover.calibrate(path, "1gbit", 4, "allreduce", s, "calibration")
+    assert launched == ["1gbit", "1gbit"]  # the bucket changed: timed again
+
+
+def test_ddps_allreduce_is_priced_at_gloos_fit_and_every_other_variants_at_mpichs():
+    from mpiopt.experiments.crossover_report import GLOO_ALLREDUCE, _priced
+
+    model = {"collectives": {"allreduce": {"alpha": 1e-5, "beta": 1e-9}, GLOO_ALLREDUCE: {"alpha": 1e-3, "beta": 2e-9}}}
+    ddp, sgd = FULL["variants"][:2]
+    assert _priced(ddp, model)["collectives"]["allreduce"] == {"alpha": 1e-3, "beta": 2e-9}
+    assert _priced(sgd, model) is model
+    older = {"collectives": {"allreduce": {"alpha": 1e-5, "beta": 1e-9}}}  # a calibration without gloo's timing
+    assert _priced(ddp, older) is older
