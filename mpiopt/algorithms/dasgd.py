@@ -16,7 +16,7 @@ from ..comm.ledger import Call
 from ..kernels.update import MERGE_RULES, Merge, merge_average
 from .base import BASE, SynchronousAlgorithm
 from .compressed import CODEC, FEEDBACK, RESIDUAL, SHARED, Compressed
-from .inflight import PROGRESS, InFlight, PendingBuffer, check_progress
+from .inflight import PROGRESS, InFlight, PendingBuffer, check_progress, progress_rounds
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .schema import Hyperparameter, Schema, choice, in_range, positive
 from .registry import register
@@ -68,10 +68,12 @@ class DaSGD(Compressed, LocalStepState, SynchronousAlgorithm):
 
     @classmethod
     def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
-        # The periodic Allreduce, nonblocking: in flight across delay_steps steps.
+        # The periodic Allreduce, nonblocking: in flight across delay_steps steps, as far as MPI is made to progress it.
+        delay = int(hyper["delay_steps"])
+        flight = dict(overlap_steps=delay, progress_rounds=progress_rounds(hyper["progress"], delay))
         calls = super()._plan(d, ranks, hyper, groups, steps, itemsize)
-        calls = [replace(call, op="iallreduce", overlap_steps=int(hyper["delay_steps"])) for call in calls]
-        coded = cls._codec_call(d, ranks, hyper, calls[0].count, overlap_steps=int(hyper["delay_steps"]))
+        calls = [replace(call, op="iallreduce", **flight) for call in calls]
+        coded = cls._codec_call(d, ranks, hyper, calls[0].count, **flight)
         return calls if coded is None else [coded]
 
     def __init__(self, topology: Topology, **hyperparameters: Any) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 from ..comm import Request, Topology, is_gpu_array
 from .schema import Hyperparameter, Schema, choice, positive
 
-__all__ = ["PROGRESS_MODES", "PROGRESS", "check_progress", "poke", "ProgressThread", "InFlight", "PendingBuffer"]
+__all__ = ["PROGRESS_MODES", "PROGRESS", "check_progress", "progress_rounds", "poke", "ProgressThread", "InFlight", "PendingBuffer"]
 
 PROGRESS_MODES = ("test", "thread", "none")
 
@@ -23,6 +23,18 @@ PROGRESS = Schema(
     Hyperparameter("progress_interval", 0.002, positive(), "progress='thread': seconds between the thread's tests", execution=True),
     Hyperparameter("tests_per_poke", 8, positive(integer=True), "progress='test': MPI_Test calls per step", execution=True),
 )
+
+
+def progress_rounds(progress: str, steps: int) -> Optional[int]:
+    """Rounds of a nonblocking collective's schedule done before its ``Wait``, ``steps`` steps after its start.
+
+    For the cost model (docs/internals-comm.md, "Communication plans"): the start posts the first round and
+    each step's poke (``progress="test"``) the next, so ``steps`` rounds; ``"none"`` only the first; a
+    ``"thread"`` pokes throughout (None).
+    """
+    if progress == "thread":
+        return None
+    return min(steps, 1) if progress == "none" else steps
 
 
 def check_progress(algorithm_name: str, progress: str, topology: Topology, params: Any) -> None:

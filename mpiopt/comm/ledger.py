@@ -143,7 +143,8 @@ PLANNED_OPS = ("allreduce", "iallreduce", "allgather", "allgatherv", "bcast", "t
 class Call:
     """One collective of an algorithm's plan: ``op`` with an ``nbytes`` message over ``ranks`` ranks, ``count`` times.
 
-    ``phase`` and ``overlap_steps`` (calls beside each other or beside computation): docs/internals-comm.md.
+    ``phase``, ``overlap_steps`` and ``progress_rounds`` (calls beside each other or beside computation, and how
+    far MPI moves a call in flight): docs/internals-comm.md.
     """
 
     op: str
@@ -152,6 +153,7 @@ class Call:
     count: float = 1.0
     phase: int = 0
     overlap_steps: int = 0
+    progress_rounds: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.op not in PLANNED_OPS:

@@ -132,7 +132,14 @@ def test_step_seconds_by_hand():
     whole = 4 * 1e-2 + 6000 * BETA
     got = M.step_seconds("dasgd", d, P, c, slow, {"period": 4, "delay_steps": 2})["comm"]
     assert got == pytest.approx((whole - 2 * c) / 4)
-    assert M.step_seconds("dasgd", d, P, c, model, {"period": 4, "delay_steps": 1})["comm"] == 0
+    assert M.step_seconds("dasgd", d, P, c, model, {"period": 4, "delay_steps": 1, "progress": "thread"})["comm"] == 0
+    # Poked once a step (the default, progress="test"), MPI completes one of the Allreduce's 4 rounds a step: a
+    # short one hides a round per step of delay, a long one at most a step's computation per round.
+    fast = 4 * ALPHA + 6000 * BETA
+    for delay in (1, 2, 3, 5):
+        got = M.step_seconds("dasgd", d, P, c, model, {"period": 8, "delay_steps": delay})["comm"]
+        assert got == pytest.approx(fast * (1 - min(delay, 4) / 4) / 8)
+    assert M.step_seconds("dasgd", d, P, c, slow, {"period": 4, "delay_steps": 3, "progress": "none"})["comm"] == pytest.approx((whole - c) / 4)
     # LSGD, one group of 4, defaults (period 4, global 16 suppressed): election + bcast every 4 steps.
     election = 4 * ALPHA + 1.5 * 16 * BETA
     bcast = 2 * ALPHA + 2 * 4000 * BETA

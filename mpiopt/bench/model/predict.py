@@ -14,7 +14,7 @@ from ...algorithms import algorithms as registered
 from ...comm.ledger import Call
 from ...training.config import training_defaults
 from .._common import parse_rate
-from .costs import collective_seconds
+from .costs import collective_seconds, latency_terms
 
 __all__ = [
     "RANKS", "RATES", "projected", "plan", "comm_seconds", "step_seconds", "async_seconds", "at_rate", "validate", "project",
@@ -62,14 +62,21 @@ def comm_seconds(calls: Iterable[Call], model: Mapping[str, Any], compute: float
     """Communication seconds per step: phases one after the other; calls of a phase in parallel (switched) or one after the other (shared).
 
     A call in flight across ``overlap_steps`` steps of ``compute`` seconds
-    (DaSGD's averaging) exposes only what outlasts them.
+    (DaSGD's averaging) exposes only what outlasts them; one that MPI moves a
+    round at a time (``progress_rounds``) hides those rounds, each behind at
+    most a step.
     """
     medium = model["medium"]
     phases: Dict[int, List[float]] = {}
     for c in calls:
         alpha, beta = _params(model, c.op)
         whole = collective_seconds(c.op, c.ranks, c.nbytes, alpha, beta, medium)
-        phases.setdefault(c.phase, []).append(c.count * max(0.0, whole - c.overlap_steps * compute))
+        if c.progress_rounds is None:
+            hidden = c.overlap_steps * compute
+        else:
+            rounds = max(1, latency_terms(c.op, c.ranks))
+            hidden = min(c.progress_rounds, rounds) * min(whole / rounds, compute)
+        phases.setdefault(c.phase, []).append(c.count * max(0.0, whole - hidden))
     return sum((sum(ts) if medium == "shared" else max(ts)) for ts in phases.values())
 
 
