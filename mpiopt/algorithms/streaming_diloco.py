@@ -18,7 +18,7 @@ from ..kernels._backend import take_rows
 from .base import BASE, SynchronousAlgorithm, due_steps
 from .compressed import CODEC, FEEDBACK, RESIDUAL, Compressed
 from .diloco import outer_step, outer_update
-from .inflight import PROGRESS, InFlight, PendingBuffer, check_progress
+from .inflight import PROGRESS, InFlight, PendingBuffer, check_progress, progress_rounds
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .registry import register
 from .resize import COPY, FOLLOW, RESCALE
@@ -105,9 +105,10 @@ class StreamingDiLoCo(Compressed, LocalStepState, SynchronousAlgorithm):
     def _plan(cls, d: int, ranks: int, hyper: Mapping[str, Any], groups: List[int], steps: range, itemsize: int) -> List[Call]:
         period, fragments, tau = int(hyper["period"]), int(hyper["fragments"]), int(hyper["overlap_steps"])
         sizes = fragment_sizes(d, fragments, hyper["layout"], int(hyper["stride_blocks"]))
+        flight = dict(overlap_steps=tau, progress_rounds=progress_rounds(hyper["progress"], tau))
         return [
-            cls._codec_call(size, ranks, hyper, due_steps(period, steps, offset), overlap_steps=tau)
-            or Call("iallreduce", itemsize * size, ranks, due_steps(period, steps, offset), overlap_steps=tau)
+            cls._codec_call(size, ranks, hyper, due_steps(period, steps, offset), **flight)
+            or Call("iallreduce", itemsize * size, ranks, due_steps(period, steps, offset), **flight)
             for size, offset in zip(sizes, fragment_offsets(period, fragments))
         ]
 

@@ -250,3 +250,12 @@ def test_as_mpiopt_bench_subcommand(tmp_path, capsys):
     assert args.ranks is None and args.world_sizes == [64, 128]
     assert bench.run(args) == 0
     assert "| x | 10gbit | sgd | " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, steps", [("dasgd", "delay_steps"), ("streaming_diloco", "overlap_steps")])
+def test_an_exchange_in_flight_names_how_far_mpi_moves_it(name, steps):
+    hyper = {"period": 8, steps: 2}
+    assert {c.progress_rounds for c in M.plan(name, 1000, 4, hyper)} == {2}  # progress="test": a round a step
+    assert {c.progress_rounds for c in M.plan(name, 1000, 4, {**hyper, "progress": "none"})} == {1}  # the start's
+    assert {c.progress_rounds for c in M.plan(name, 1000, 4, {**hyper, "progress": "thread"})} == {None}  # throughout
+    assert {c.overlap_steps for c in M.plan(name, 1000, 4, hyper)} == {2}
