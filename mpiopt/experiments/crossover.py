@@ -7,6 +7,7 @@ driver, started with plain ``python`` as root: it starts its own MPI jobs (:mod:
 
 1. *tuning* (at :data:`TUNING_RATE`; the loss after a number of steps does not depend on the link): every
    variant's learning rates (and periods), the same grid for everyone, each axis extended past an edge that wins;
+   of periods whose losses tie, the longest wins;
 2. *main runs*: every variant with every seed at every rate, round by round (every variant once per seed);
 3. *calibration*: ``bench collectives`` at each rate, and between a node's two ranks (shared memory, where a
    group's calls run), for the model's ``alpha`` and ``beta``.
@@ -39,6 +40,8 @@ ADAMW_RATES = (3e-4, 1e-3, 3e-3)
 SIGNUM_RATES = (1e-4, 3e-4, 1e-3)
 #: How many times an axis of a grid may grow past an edge that won (rates by 3x, periods by 2x each time).
 EXTENSIONS = 2
+#: Tuning losses within this fraction of the lowest are a tie, which the longest period wins (:func:`choose`).
+TIE = 0.01
 #: The shaped link's token bucket holds this long a burst at its rate, at most :data:`MAX_BURST_BYTES`: a real
 #: line takes its time for every byte, and a bucket that refills while ranks compute lets a small exchange pass
 #: at once (docs/crossover.md, "What the emulation flatters").
@@ -121,6 +124,19 @@ def extended(values: Sequence[Any], chosen: Any, grown: int, factor: float) -> O
     return max(2, int(beyond)) if max(2, int(beyond)) not in values else None
 
 
+def choose(scored: Sequence[Tuple[Optional[float], Dict[str, Any]]], period_name: str = "period") -> Dict[str, Any]:
+    """The tuning's pick from ``(last test loss or None, point)``: the lowest loss, or the longest period within :data:`TIE`.
+
+    A longer period at the winner's learning rate whose loss is within :data:`TIE` of the winner's replaces it:
+    one seed's loss after a short run cannot tell them apart, and it communicates less.
+    """
+    best_loss, best = min(scored, key=lambda c: (c[0] is None, c[0] or 0.0))
+    if best_loss is None or period_name not in best:
+        return best
+    ties = [p for loss, p in scored if loss is not None and loss <= best_loss * (1 + TIE) and p["lr"] == best["lr"]]
+    return max(ties, key=lambda p: p[period_name])
+
+
 def run_entry(out: str, variant: Variant, point: Dict[str, Any], seed: int, steps: int, folder: str,
               shaping: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """One run of a job file; a timed run names its link's ``shaping``, a tuning run (its loss only counts) none."""
@@ -194,8 +210,7 @@ def tune(out: str, s: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
         train_job(out, f"tuning-{round_}", TUNING_RATE, s["task"], [r for v in s["variants"] for r in runs[v.label]])
         chosen, more = {}, False
         for v in s["variants"]:
-            scored = [(score(r), r["point"]) for r in runs[v.label]]
-            chosen[v.label] = min(scored, key=lambda c: (c[0] is None, c[0] or 0.0))[1]
+            chosen[v.label] = choose([(score(r), r["point"]) for r in runs[v.label]], v.period_name)
             for key, factor in (("lr", 3.0), ("period", 2)):
                 beyond = extended(axes[v.label][key], chosen[v.label].get(name[v.label][key]), grown[(v.label, key)], factor)
                 if beyond is not None:
@@ -204,7 +219,7 @@ def tune(out: str, s: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
                     more = True
         if not more:
             write_json(os.path.join(out, "tuning.json"), {
-                "steps": s["tuning_steps"], "rate": TUNING_RATE, "chosen": chosen,
+                "steps": s["tuning_steps"], "rate": TUNING_RATE, "tie": TIE, "chosen": chosen,
                 "candidates": {label: [{"point": r["point"], "test_loss": score(r)} for r in rs] for label, rs in runs.items()}})
             return chosen
 

@@ -259,8 +259,9 @@ def _tuning(out: str, chosen: Dict[str, Dict[str, Any]]) -> str:
         rows.append([label, ", ".join(f"{r:g}" for r in rates), ", ".join(map(str, periods)) or "—",
                      ", ".join(f"{k} {v:g}" for k, v in chosen[label].items()),
                      "yes" if inside else "no (the grid stopped growing)" if len(rates) > 1 else "one value"])
-    return (f"Tuning ({tuning['steps']} steps per candidate at {tuning['rate']}, seed 0; the lowest last test loss wins; "
-            "a winning edge grows the grid by 3x, twice at most):\n\n"
+    return (f"Tuning ({tuning['steps']} steps per candidate at {tuning['rate']}, seed 0; the lowest last test loss wins, "
+            f"or the longest period at its rate within {tuning['tie']:.0%} of it; a winning edge grows the grid (rates by 3x, periods by 2x), "
+            "twice at most):\n\n"
             + markdown_table(["variant", "learning rates tried", "periods tried", "chosen", "rate bracketed"], rows, "lllll"))
 
 

@@ -187,6 +187,7 @@ def test_crossover_measures_each_rate_models_it_and_resumes(tmp_path):
     assert slow["predicted_comm"] > fast["predicted_comm"] > 0  # a tenth of the rate: more time on the wire
     assert slow["final_loss"] == fast["final_loss"]  # the same seed trains the same steps at any rate
     assert (out / "results-crossover-map.png").stat().st_size > 0 and "Goals" in (out / "results.md").read_text()
+    assert document["settings"]["burst_bytes"] == {"1gbit": 625_000, "100mbit": 62_500}  # 5 ms of each line
     # Interrupted after all but one run: the same command trains that one and writes the same report around it.
     os.remove(out / "1gbit" / "diloco" / "seed0" / "complete.json")
     again = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300, cwd=ROOT, env=env)

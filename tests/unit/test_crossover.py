@@ -92,3 +92,17 @@ def test_ddps_allreduce_is_priced_at_gloos_fit_and_every_other_variants_at_mpich
     assert _priced(sgd, model) is model
     older = {"collectives": {"allreduce": {"alpha": 1e-5, "beta": 1e-9}}}  # a calibration without gloo's timing
     assert _priced(ddp, older) is older
+
+
+def test_the_lowest_loss_wins_unless_a_longer_period_at_its_rate_ties_with_it():
+    from mpiopt.experiments.crossover import TIE, choose
+
+    near = 2.7 * (1 + TIE / 2)
+    scored = [(2.7, {"lr": 1e-3, "period": 4}), (near, {"lr": 1e-3, "period": 8}), (2.9, {"lr": 1e-3, "period": 16}),
+              (2.7 * (1 + 2 * TIE), {"lr": 1e-3, "period": 32}), (2.69, {"lr": 3e-3, "period": 2}), (None, {"lr": 1e-2, "period": 64})]
+    assert choose(scored) == {"lr": 3e-3, "period": 2}  # the lowest; no longer period at its rate ties with it
+    assert choose(scored[:5]) == choose(scored) and choose(scored[:4]) == {"lr": 1e-3, "period": 8}  # a tie: the longer
+    assert choose([(2.5, {"lr": 1e-3}), (2.51, {"lr": 3e-3})]) == {"lr": 1e-3}  # no period: the rate is never a tie
+    assert choose([(2.5, {"lr": 1e-3, "global_period": 4}), (2.51, {"lr": 1e-3, "global_period": 16})], "global_period") == {
+        "lr": 1e-3, "global_period": 16}
+    assert choose([(None, {"lr": 1e-3, "period": 4}), (None, {"lr": 3e-3, "period": 8})]) == {"lr": 1e-3, "period": 4}
