@@ -197,7 +197,7 @@ def score(run: Dict[str, Any]) -> Optional[float]:
 
 
 def tune(out: str, s: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
-    """Every variant's chosen grid point: the lowest last test loss after ``tuning_steps`` steps (seed 0)."""
+    """Every variant's chosen grid point (:func:`choose`) by the last test loss after ``tuning_steps`` steps (seed 0)."""
     axes = {v.label: {"lr": list(v.rates), "period": list(v.periods)} for v in s["variants"]}
     name = {v.label: {"lr": "lr", "period": v.period_name} for v in s["variants"]}
     grown = {(v.label, key): 0 for v in s["variants"] for key in ("lr", "period")}
