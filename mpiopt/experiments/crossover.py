@@ -44,7 +44,7 @@ EXTENSIONS = 2
 TIE = 0.01
 #: The shaped link's token bucket holds this long a burst at its rate, at most :data:`MAX_BURST_BYTES`: a real
 #: line takes its time for every byte, and a bucket that refills while ranks compute lets a small exchange pass
-#: at once (docs/crossover.md, "What the emulation flatters").
+#: at once (docs/crossover.md, "The link").
 BURST_SECONDS = 0.005
 #: ``tools/emulated_cluster.sh``'s default bucket: at 10 Gbit/s and above the shaping is CPU-bound here anyway.
 MAX_BURST_BYTES = 1 << 20

@@ -246,6 +246,13 @@ def _tables(s: Dict[str, Any], rows: List[Dict[str, Any]], baseline: str) -> str
     return "\n\n".join(parts)
 
 
+def _bracketed(tried: Sequence[float], value: float) -> str:
+    """Whether ``value`` lies strictly inside the values ``tried``, and why not."""
+    if len(tried) < 2:
+        return "one value"
+    return "yes" if tried[0] < value < tried[-1] else "no (the grid stopped growing)"
+
+
 def _tuning(out: str, chosen: Dict[str, Dict[str, Any]]) -> str:
     """The tuning's candidates per variant, the choice, and whether the grid brackets its learning rate."""
     with open(os.path.join(out, "tuning.json")) as handle:
@@ -254,15 +261,15 @@ def _tuning(out: str, chosen: Dict[str, Dict[str, Any]]) -> str:
     for label, candidates in tuning["candidates"].items():
         rates = sorted({c["point"]["lr"] for c in candidates})
         periods = sorted({value for c in candidates for key, value in c["point"].items() if key != "lr"})
-        lr = chosen[label]["lr"]
-        inside = len(rates) > 1 and rates[0] < lr < rates[-1]
+        period = next((v for k, v in chosen[label].items() if k != "lr"), None)
         rows.append([label, ", ".join(f"{r:g}" for r in rates), ", ".join(map(str, periods)) or "—",
                      ", ".join(f"{k} {v:g}" for k, v in chosen[label].items()),
-                     "yes" if inside else "no (the grid stopped growing)" if len(rates) > 1 else "one value"])
+                     _bracketed(rates, chosen[label]["lr"]), "—" if period is None else _bracketed(periods, period)])
     return (f"Tuning ({tuning['steps']} steps per candidate at {tuning['rate']}, seed 0; the lowest last test loss wins, "
             f"or the longest period at its rate within {tuning['tie']:.0%} of it; a winning edge grows the grid (rates by 3x, periods by 2x), "
             "twice at most):\n\n"
-            + markdown_table(["variant", "learning rates tried", "periods tried", "chosen", "rate bracketed"], rows, "lllll"))
+            + markdown_table(["variant", "learning rates tried", "periods tried", "chosen", "rate bracketed", "period bracketed"],
+                             rows, "llllll"))
 
 
 def _load_samples(out: str) -> Dict[str, Any]:
