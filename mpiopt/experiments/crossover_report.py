@@ -18,7 +18,7 @@ from ..bench.model.calibration import calibrate
 from ..bench.model.predict import RANKS as PROJECTED_RANKS
 from ..bench.model.predict import at_rate, comm_seconds, plan
 from ..metrics import read_metrics, summarize
-from ..metrics.summary import format_bytes, format_seconds, format_spread
+from ..metrics.summary import format_bytes, format_loss, format_seconds, format_speedup, format_spread
 from ..training.config import DDP
 from ._common import new_figure, write_results
 from .crossover_job import COMPLETE
@@ -41,12 +41,8 @@ def _median(values: Sequence[Optional[float]]) -> Optional[float]:
     return statistics.median(present) if present else None
 
 
-def _speedup(value: Optional[float]) -> str:
-    return "—" if value is None else f"{value:.2f}x"
-
-
 def _loss(value: Optional[float]) -> str:
-    return "—" if value is None else f"{value:.3f}"
+    return format_loss(value, digits=3)
 
 
 def _step(summary: Dict[str, Any]) -> float:
@@ -239,7 +235,7 @@ def _tables(s: Dict[str, Any], rows: List[Dict[str, Any]], baseline: str) -> str
             ["variant", "tuned", "time to target", "speed-up", "loss at budget", "final loss", "sent per rank",
              "step (measured)", "step (model)", "model error"],
             [[r["label"], ", ".join(f"{k} {v:g}" for k, v in r["point"].items()),
-              format_spread(r["times_to_target"], format_seconds), format_spread(r["speedups"], _speedup),
+              format_spread(r["times_to_target"], format_seconds), format_spread(r["speedups"], format_speedup),
               format_spread(r["loss_at_budget"], _loss), format_spread(r["final_loss"], _loss), format_bytes(r["bytes_per_rank"]),
               f"{1000 * r['measured_step']:.1f} ms", f"{1000 * r['predicted_step']:.1f} ms", f"{r['model_error']:+.0%}"] for r in mine],
             "llrrrrrrrr"))

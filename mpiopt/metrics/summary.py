@@ -11,7 +11,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .records import Run
 
-__all__ = ["summarize", "add_speedups", "markdown_table", "repeats_table", "format_spread", "format_bytes", "format_seconds", "SPLITS"]
+__all__ = ["summarize", "add_speedups", "markdown_table", "repeats_table", "format_spread", "format_bytes", "format_seconds",
+           "format_speedup", "format_loss", "SPLITS"]
 
 #: (summary key prefix, step record field, table column) of the time split.
 SPLITS = (
@@ -132,12 +133,14 @@ def _percent(fraction: Optional[float]) -> str:
     return _MISSING if fraction is None else f"{100.0 * fraction:.1f} %"
 
 
-def _speedup(value: Optional[float]) -> str:
+def format_speedup(value: Optional[float]) -> str:
+    """A speed-up as "1.25x"; "—" for None."""
     return _MISSING if value is None else f"{value:.2f}x"
 
 
-def _loss(value: Optional[float]) -> str:
-    return _MISSING if value is None else f"{value:.4f}"
+def format_loss(value: Optional[float], digits: int = 4) -> str:
+    """A loss with ``digits`` decimals; "—" for None."""
+    return _MISSING if value is None else f"{value:.{digits}f}"
 
 
 def _by_loss(summaries: Sequence[Dict[str, Any]]) -> bool:
@@ -154,9 +157,9 @@ def _quality(summaries: Sequence[Dict[str, Any]]) -> List[Tuple[str, str, Callab
 
     A language model's: its test loss, in bits per byte and as a perplexity (its next-byte accuracy says little).
     """
-    loss = [("final loss", "final_loss", _loss), ("best loss", "best_loss", _loss)]
+    loss = [("final loss", "final_loss", format_loss), ("best loss", "best_loss", format_loss)]
     if summaries and all(s.get("language_model") for s in summaries):
-        return loss + [("bits per byte", "final_bits_per_byte", _loss), ("perplexity", "final_perplexity", _perplexity)]
+        return loss + [("bits per byte", "final_bits_per_byte", format_loss), ("perplexity", "final_perplexity", _perplexity)]
     return [("final accuracy", "final_accuracy", _percent), ("best accuracy", "best_accuracy", _percent)] + (loss if _by_loss(summaries) else [])
 
 
@@ -188,12 +191,12 @@ def markdown_table(summaries: Sequence[Dict[str, Any]]) -> str:
     for s in summaries:
         row: List[str] = [str(s["algorithm"])] + [form(s.get(key)) for _, key, form in quality]
         if budgeted:
-            row.append(_loss(s["loss_at_budget"]))
+            row.append(format_loss(s["loss_at_budget"]))
         row += [
             str(s["steps"]),
             format_seconds(s["wall_seconds"]),
             format_seconds(s["time_to_target"]),
-        ] + ([_speedup(s.get("speedup"))] if faster else []) + [
+        ] + ([format_speedup(s.get("speedup"))] if faster else []) + [
             format_bytes(s["bytes_to_target"]),
             format_bytes(s["bytes_sent_per_rank"]),
         ]
@@ -235,12 +238,12 @@ def repeats_table(groups: Sequence[Sequence[Dict[str, Any]]]) -> str:
         row: List[str] = [str(group[0]["algorithm"]), str(len(group))]
         row += [format_spread([s.get(key) for s in group], form) for _, key, form in quality]
         if budgeted:
-            row.append(format_spread(column("loss_at_budget"), _loss))
+            row.append(format_spread(column("loss_at_budget"), format_loss))
         row += [
             format_spread(column("steps"), steps),
             format_spread(column("wall_seconds"), format_seconds),
             format_spread(column("time_to_target"), format_seconds),
-        ] + ([format_spread([s.get("speedup") for s in group], _speedup)] if faster else []) + [
+        ] + ([format_spread([s.get("speedup") for s in group], format_speedup)] if faster else []) + [
             format_spread(column("bytes_to_target"), format_bytes),
             format_spread(column("bytes_sent_per_rank"), format_bytes),
         ]
