@@ -24,11 +24,13 @@ from ..training.config import UsageError
 from ._common import check_choices, comma_list, count, environment, link_rate, markdown_table, median, module_main, parse_rate, positive_int, rotated, say
 from ._common import slowest_seconds, write_json
 
-__all__ = ["OPERATIONS", "add_arguments", "run", "main"]
+__all__ = ["OPERATIONS", "GLOO_ALLREDUCE", "GLOO_OPERATIONS", "add_arguments", "run", "main"]
 
 OPERATIONS = ("allreduce", "allgather-bits", "vote-twophase", "allgatherv-sparse", "bcast", "iallreduce")
+#: torch.distributed's Allreduce on gloo: DDP's exchange.
+GLOO_ALLREDUCE = "allreduce-gloo"
 #: Operations timed only when asked for: they need torch.
-GLOO_OPERATIONS = ("allreduce-gloo",)
+GLOO_OPERATIONS = (GLOO_ALLREDUCE,)
 SIZES = (1_000, 16_000, 256_000, 4_000_000)
 
 
@@ -47,7 +49,7 @@ class _Operation:
         world, P = topology.world, topology.size
         self.call: Callable[[], None]
         self.ledgered = name not in GLOO_OPERATIONS
-        if name == "allreduce-gloo":
+        if name == GLOO_ALLREDUCE:
             import torch
             import torch.distributed as dist
 

@@ -28,6 +28,7 @@ import time
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..bench._common import child_environment, mpiexec_path, parse_rate, repository_tool, write_json
+from ..bench.collectives import GLOO_ALLREDUCE
 from ..training.config import UsageError
 from . import EXPERIMENTS
 from .crossover_job import COMPLETE, pending
@@ -225,7 +226,7 @@ def tune(out: str, s: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
 
 
 #: The collectives timed at each rate for the model: mpiopt's (MPICH) and DDP's (torch's gloo Allreduce).
-LINK_OPERATIONS = "allreduce,iallreduce,allgather-bits,vote-twophase,bcast,allreduce-gloo"
+LINK_OPERATIONS = f"allreduce,iallreduce,allgather-bits,vote-twophase,bcast,{GLOO_ALLREDUCE}"
 #: Between a node's two ranks, where a group's calls (``lsgd``'s local pulls) run.
 NODE_OPERATIONS = "allreduce,iallreduce,bcast"
 

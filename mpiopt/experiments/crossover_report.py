@@ -14,12 +14,14 @@ import statistics
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..bench._common import markdown_table, parse_rate
+from ..bench.collectives import GLOO_ALLREDUCE
 from ..bench.model.calibration import calibrate
 from ..bench.model.predict import RANKS as PROJECTED_RANKS
 from ..bench.model.predict import at_rate, comm_seconds, plan
 from ..metrics import read_metrics, summarize
 from ..metrics.summary import format_bytes, format_loss, format_seconds, format_speedup, format_spread
 from ..training.config import DDP
+from ..training.ddp import MODELLED_AS
 from ._common import new_figure, write_results
 from .crossover_job import COMPLETE
 
@@ -32,8 +34,6 @@ GOAL_MODEL = 0.25
 PROJECTED_RATES = ("10gbit", "100gbit")
 #: A fabric's per-hop latency for the projection (this machine's fitted alpha is its scheduling, not a network's).
 MODEL_ALPHA = 1e-5
-#: ``bench collectives``' timing of DDP's exchange, torch's gloo Allreduce (slower than MPICH's on this link).
-GLOO_ALLREDUCE = "allreduce-gloo"
 
 
 def _median(values: Sequence[Optional[float]]) -> Optional[float]:
@@ -56,8 +56,8 @@ def _local_step(summary: Dict[str, Any]) -> float:
 
 
 def _comm_plan(variant: Any, d: int, ranks: int, point: Dict[str, Any], groups: Optional[List[int]]) -> List[Any]:
-    """The variant's collectives per step; ``ddp`` is modelled as ``sgd`` (an Allreduce of the gradient a step)."""
-    name = "sgd" if variant.algorithm == "ddp" else variant.algorithm
+    """The variant's collectives per step; DDP's are those of the algorithm it is modelled as."""
+    name = MODELLED_AS if variant.algorithm == DDP else variant.algorithm
     hyper = {**variant.hyperparameters, **{k: v for k, v in point.items() if k != "lr"}}
     return plan(name, d, ranks, hyper, groups if name == "lsgd" else None)
 
@@ -98,8 +98,8 @@ def _rows(runs: Dict[str, Dict[str, List[Dict[str, Any]]]], s: Dict[str, Any], c
     target = s["task"]["target_loss"]
     fastest = max(s["rates"], key=parse_rate)
     compute = {v.label: _median([_local_step(r["summary"]) for r in runs[fastest][v.label]]) for v in s["variants"]}
-    if baseline == "ddp" and "sgd" in compute:  # DDP's hooks fold its exchange into its backward pass: sgd's is the same work
-        compute["ddp"] = compute["sgd"]
+    if baseline == DDP and MODELLED_AS in compute:  # its time outside MPI is not measured apart (training/ddp.py)
+        compute[DDP] = compute[MODELLED_AS]
     rows = []
     for rate in s["rates"]:
         base = {r["seed"]: r["summary"]["time_to_target"] for r in runs[rate][baseline]}
@@ -280,7 +280,7 @@ def report(out: str, s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]], quick
     """Read every run, fit the model at each rate, write the figure and results; return the results document."""
     s = dict(s, ranks=4, nodes=2, ranks_per_node=2)
     labels = [v.label for v in s["variants"]]
-    baseline = "ddp" if "ddp" in labels else labels[0]
+    baseline = DDP if DDP in labels else labels[0]
     runs = _load(out, s)
     d = int(runs[s["rates"][0]][baseline][0]["metrics"].header["parameters"])
     models, buckets = {}, {}

@@ -23,7 +23,7 @@ from ..algorithms.base import StepRecord
 from ..torch.optimizer import loss_value
 from ..comm import Topology
 
-__all__ = ["NOTES", "DDPBaseline", "hyperparameter_names"]
+__all__ = ["NOTES", "MODELLED_AS", "DDPBaseline", "hyperparameter_names"]
 
 #: What the run header says about the baseline's step records.
 NOTES = {
@@ -31,6 +31,12 @@ NOTES = {
     "DDP's gloo traffic does not pass mpiopt's ledger",
     "compute_seconds": "forward, backward and DDP's gradient Allreduce (overlapped with the backward pass); comm_seconds is 0",
 }
+
+
+#: The mpiopt algorithm whose plan and computation the alpha-beta model uses for DDP: ``sgd``, one Allreduce of
+#: the gradient a step.  DDP's hooks fold that exchange into its backward pass, so its own time outside MPI is not
+#: measured apart; its Allreduce is priced with gloo's fit, which runs it (docs/crossover.md).
+MODELLED_AS = "sgd"
 
 
 def hyperparameter_names() -> FrozenSet[str]:

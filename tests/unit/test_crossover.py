@@ -84,7 +84,8 @@ def test_a_calibration_is_redone_only_when_its_links_shaping_changed(tmp_path, m
 
 
 def test_ddps_allreduce_is_priced_at_gloos_fit_and_every_other_variants_at_mpichs():
-    from mpiopt.experiments.crossover_report import GLOO_ALLREDUCE, _priced
+    from mpiopt.bench.collectives import GLOO_ALLREDUCE
+    from mpiopt.experiments.crossover_report import _priced
 
     model = {"collectives": {"allreduce": {"alpha": 1e-5, "beta": 1e-9}, GLOO_ALLREDUCE: {"alpha": 1e-3, "beta": 2e-9}}}
     ddp, sgd = FULL["variants"][:2]
