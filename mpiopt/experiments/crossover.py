@@ -47,7 +47,7 @@ TIE = 0.01
 #: line takes its time for every byte, and a bucket that refills while ranks compute lets a small exchange pass
 #: at once (docs/crossover.md, "The link").
 BURST_SECONDS = 0.005
-#: ``tools/emulated_cluster.sh``'s default bucket: at 10 Gbit/s and above the shaping is CPU-bound here anyway.
+#: ``tools/emulated_cluster.sh``'s default bucket (tc's ``1mb``, 1 MiB): from 10 Gbit/s the CPU bounds the link here.
 MAX_BURST_BYTES = 1 << 20
 
 
