@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..training.config import TrainConfig, UsageError
 from ..training.flags import _toml_value
-from ..training.tuning import tuning_config, with_point
+from ..training.tuning import lowest, tuning_config, with_point
 
 __all__ = ["Axis", "parse_sweeps", "grid", "with_point", "tuning_config", "validate", "score", "choose", "report"]
 
@@ -81,11 +81,7 @@ def score(path: Optional[str]) -> Optional[float]:
 
 def choose(candidates: List[Dict[str, Any]]) -> Dict[str, Any]:
     """The candidate with the lowest score (None and NaN last; the first of equals)."""
-    def key(c: Dict[str, Any]) -> Tuple[int, float]:
-        s = c["score"]
-        return (1, 0.0) if s is None or s != s else (0, s)
-
-    return min(candidates, key=key)
+    return candidates[lowest([c["score"] for c in candidates])]
 
 
 def report(out: str, chosen: Dict[str, Dict[str, Any]], tried: Dict[str, List[Dict[str, Any]]], steps: int) -> str:

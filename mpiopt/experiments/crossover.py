@@ -30,6 +30,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 from ..bench._common import child_environment, mpiexec_path, parse_rate, repository_tool, write_json
 from ..bench.collectives import GLOO_ALLREDUCE
 from ..training.config import UsageError
+from ..training.tuning import lowest
 from . import EXPERIMENTS
 from .crossover_job import COMPLETE, pending
 
@@ -131,7 +132,7 @@ def choose(scored: Sequence[Tuple[Optional[float], Dict[str, Any]]], period_name
     A longer period at the winner's learning rate whose loss is within :data:`TIE` of the winner's replaces it:
     one seed's loss after a short run cannot tell them apart, and it communicates less.
     """
-    best_loss, best = min(scored, key=lambda c: (c[0] is None, c[0] or 0.0))
+    best_loss, best = scored[lowest([loss for loss, _ in scored])]
     if best_loss is None or period_name not in best:
         return best
     ties = [p for loss, p in scored if loss is not None and loss <= best_loss * (1 + TIE) and p["lr"] == best["lr"]]
@@ -200,7 +201,6 @@ def score(run: Dict[str, Any]) -> Optional[float]:
 def tune(out: str, s: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
     """Every variant's chosen grid point (:func:`choose`) by the last test loss after ``tuning_steps`` steps (seed 0)."""
     axes = {v.label: {"lr": list(v.rates), "period": list(v.periods)} for v in s["variants"]}
-    name = {v.label: {"lr": "lr", "period": v.period_name} for v in s["variants"]}
     grown = {(v.label, key): 0 for v in s["variants"] for key in ("lr", "period")}
     runs: Dict[str, List[Dict[str, Any]]] = {v.label: [] for v in s["variants"]}
     for round_ in itertools.count(1):
@@ -212,8 +212,8 @@ def tune(out: str, s: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
         chosen, more = {}, False
         for v in s["variants"]:
             chosen[v.label] = choose([(score(r), r["point"]) for r in runs[v.label]], v.period_name)
-            for key, factor in (("lr", 3.0), ("period", 2)):
-                beyond = extended(axes[v.label][key], chosen[v.label].get(name[v.label][key]), grown[(v.label, key)], factor)
+            for key, setting, factor in (("lr", "lr", 3.0), ("period", v.period_name, 2)):
+                beyond = extended(axes[v.label][key], chosen[v.label].get(setting), grown[(v.label, key)], factor)
                 if beyond is not None:
                     axes[v.label][key].append(beyond)
                     grown[(v.label, key)] += 1
@@ -231,7 +231,7 @@ LINK_OPERATIONS = f"allreduce,iallreduce,allgather-bits,vote-twophase,bcast,{GLO
 NODE_OPERATIONS = "allreduce,iallreduce,bcast"
 
 
-def calibrate(path: str, rate: str, ranks: int, operations: str, s: Dict[str, Any], what: str) -> None:
+def calibrate_link(path: str, rate: str, ranks: int, operations: str, s: Dict[str, Any], what: str) -> None:
     """``bench collectives`` of ``operations`` at ``ranks`` on the link at ``rate`` into ``path``, unless done for this link."""
     if os.path.exists(path):
         with open(path) as handle:
@@ -247,13 +247,13 @@ def calibrate(path: str, rate: str, ranks: int, operations: str, s: Dict[str, An
 
 def main_runs(out: str, s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]]) -> None:
     """Every variant at its chosen point, every seed, every rate; then the collectives at that rate, and in a node."""
-    calibrate(os.path.join(out, "node-collectives.json"), s["rates"][0], RANKS_PER_NODE, NODE_OPERATIONS, s,
+    calibrate_link(os.path.join(out, "node-collectives.json"), s["rates"][0], RANKS_PER_NODE, NODE_OPERATIONS, s,
               "calibration of a node (bench collectives)")
     for rate in s["rates"]:
         runs = [run_entry(out, v, chosen[v.label], seed, s["steps"], os.path.join(rate, v.label, f"seed{seed}"), link(rate))
                 for seed in s["seeds"] for v in s["variants"]]
         train_job(out, f"main-{rate}", rate, s["task"], runs)
-        calibrate(os.path.join(out, rate, "collectives.json"), rate, RANKS, LINK_OPERATIONS, s, "calibration (bench collectives)")
+        calibrate_link(os.path.join(out, rate, "collectives.json"), rate, RANKS, LINK_OPERATIONS, s, "calibration (bench collectives)")
 
 
 def check_can_run() -> None:

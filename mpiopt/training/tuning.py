@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Sequence
 
 from .config import TrainConfig
 
-__all__ = ["with_point", "tuning_config"]
+__all__ = ["with_point", "tuning_config", "lowest"]
 
 
 def with_point(config: TrainConfig, algorithm: str, point: Dict[str, Any]) -> TrainConfig:
@@ -44,3 +44,8 @@ def tuning_config(config: TrainConfig, algorithm: str, point: Dict[str, Any], st
             or "nan_policy" in short.algorithm_hyperparameters(algorithm)):
         return short
     return with_point(short, algorithm, {"nan_policy": "skip"})
+
+
+def lowest(scores: Sequence[Optional[float]]) -> int:
+    """The index of the lowest score (a candidate's last test loss): None and NaN last, the first of equals."""
+    return min(range(len(scores)), key=lambda i: (1, 0.0) if scores[i] is None or scores[i] != scores[i] else (0, scores[i]))

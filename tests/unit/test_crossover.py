@@ -74,12 +74,12 @@ def test_a_calibration_is_redone_only_when_its_links_shaping_changed(tmp_path, m
 
     monkeypatch.setattr(crossover, "launch", fake_launch)
     path, s = str(tmp_path / "collectives.json"), dict(FULL)
-    crossover.calibrate(path, "1gbit", 4, "allreduce", s, "calibration")
+    crossover.calibrate_link(path, "1gbit", 4, "allreduce", s, "calibration")
     assert json.load(open(path))["shaping"] == link("1gbit")
-    crossover.calibrate(path, "1gbit", 4, "allreduce", s, "calibration")
+    crossover.calibrate_link(path, "1gbit", 4, "allreduce", s, "calibration")
     assert launched == ["1gbit"]  # kept
     monkeypatch.setattr(crossover, "BURST_SECONDS", 0.010)
-    crossover.calibrate(path, "1gbit", 4, "allreduce", s, "calibration")
+    crossover.calibrate_link(path, "1gbit", 4, "allreduce", s, "calibration")
     assert launched == ["1gbit", "1gbit"]  # the bucket changed: timed again
 
 

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from ...kernels import chunk_bounds, packed_nbytes
-from .costs import collective_seconds, latency_terms, wire_bytes
+from .costs import ALLREDUCES, collective_seconds, latency_terms, wire_bytes
 
 __all__ = ["fit", "calibrate"]
 
@@ -43,7 +43,7 @@ def fit(points: Sequence[Tuple[int, float, float]], op: str, medium: str) -> Tup
 def _message(record: Mapping[str, Any], P: int, density: float) -> Optional[Tuple[str, int]]:
     """The model's (collective, message bytes) for one ``bench collectives`` record, None if not modelled."""
     op, d = record["op"], int(record["d"])
-    if op in ("allreduce", "iallreduce", "allreduce-gloo", "bcast"):
+    if op in ALLREDUCES or op == "bcast":
         return op, 4 * d
     if op == "allgather-bits":
         return "allgather", packed_nbytes(d)
