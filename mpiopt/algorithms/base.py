@@ -17,11 +17,12 @@ import numpy as np
 from ..arrays import array_module, keep_apart
 from ..comm import Topology
 from .inner import LocalStepChoice
+from .islands import IslandWorkers
 from .local import LOCAL_SGD
 from .nonfinite import NonFinitePolicy
 from .plan import Planned, due_steps
 from .record import StepRecord, record_step
-from .schema import Schema
+from .schema import Schema, check_bool
 from .state import StateDict, hyperparameter_lines
 from .vocabulary import ASYNCHRONOUS, BASE, EVALUATED_MODELS, NAN_POLICIES, SYNCHRONOUS
 
@@ -31,7 +32,7 @@ __all__ = [
 ]
 
 
-class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice):
+class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice, IslandWorkers):
     """Base class of every distributed optimizer: derive from :class:`SynchronousAlgorithm` or :class:`AsynchronousAlgorithm`.
 
     A subclass sets :attr:`name` and :attr:`schema`, allocates state in
@@ -82,6 +83,8 @@ class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice):
     #: The call that passes this rank's loss, for the message of an algorithm that needs one (lsgd): a front end
     #: driving the algorithm sets its instance's to its own call (DistributedOptimizer: ``opt.step(loss=loss)``).
     loss_call: str = "step(params, grad, loss=...)"
+    #: Why ``islands=True`` is refused; None where every exchange goes through :attr:`workers` (docs/islands.md).
+    islands_refusal: ClassVar[Optional[str]] = "its module does not say how its exchanges run between islands"
     #: Attribute names of arrays (or None) that make up the state.
     state_arrays: ClassVar[Tuple[str, ...]] = ()
     #: Attribute names of scalars (int, float, bool, str) that make up the state.
@@ -100,8 +103,11 @@ class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice):
         """Hyperparameters that may differ when resuming ``saved`` as ``here`` on another world size."""
         return ()
 
-    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
+    def __init__(self, topology: Topology, *, islands: bool = False, **hyperparameters: Any) -> None:
         """Check every keyword against :attr:`schema`, fill in its defaults and set each as an attribute.
+
+        ``islands``: each group of the topology (a node) is one worker, data-parallel inside (docs/islands.md); a
+        layout, not a hyperparameter (checkpoints record it beside the world size).
 
         A name the class computes (a property: Top-k's ``k``, LSGD's rule
         values) is left to it; every value is in :attr:`_values` for the class
@@ -110,10 +116,12 @@ class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice):
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be an mpiopt.Topology, got {type(topology).__name__}")
         self.topology = topology
+        self.islands = check_bool("islands", islands)
         self._values = self.schema.complete(hyperparameters, what=self.name or type(self).__name__)
         for name, value in self._values.items():
             if not isinstance(getattr(type(self), name, None), property):
                 setattr(self, name, value)
+        self._check_islands()
         self.steps = 0
         self.last: Optional[StepRecord] = None
         self.num_params: Optional[int] = None
@@ -175,6 +183,7 @@ class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice):
                 **buffer,
                 "lr": self.lr,
                 "nan_policy": self.nan_policy,
+                "islands": self.islands,
                 "hyperparameters": self.hyperparameters(),
                 # Knobs are not mathematics, but some shape the collectives (pipeline chunks): ranks agree on them too.
                 "execution": self.execution(),
@@ -185,6 +194,7 @@ class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice):
             raise unfit  # the same on every rank: they agreed
         self._xp = array_module(params)  # subclasses allocate with it
         keep_apart(params)  # their state arrays are streamed beside it
+        self._setup_islands(params)
         try:  # any failure must reach the other ranks
             self.topology.decide(lambda: self._allocate(params), f"{self.name} set-up", catch=(Exception,))
         except Exception:
@@ -193,14 +203,18 @@ class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice):
         self.num_params = int(params.size)
         self.dtype = np.dtype(params.dtype)
 
-    def _apply_step(self, params: Any, grad: Any, loss: Optional[float] = None) -> StepRecord:
-        """One step on this rank: the checks, :meth:`_step` and the accounting."""
+    def _apply_step(self, params: Any, grad: Any, loss: Optional[float] = None, *, reduced: Optional[Any] = None,
+                    island_mean: bool = False) -> StepRecord:
+        """One step on this rank: the worker's gradient (:meth:`worker_gradient` unless ``island_mean``), the checks,
+        :meth:`_step` and the accounting."""
         if self.num_params is None:
             raise RuntimeError(f"{type(self).__name__}.setup(params) must be called before stepping")
         self._check_flat("params", params)
         self._check_flat("grad", grad)
         before = self.ledger.snapshot()
         started = time.perf_counter()
+        if not island_mean:
+            grad = self.worker_gradient(grad, reduced)
         skipped = False if self._checks_in_step() else not self._gradient_ok(grad)
         if not skipped:
             self._step(params, grad, loss)
@@ -231,7 +245,7 @@ class SynchronousAlgorithm(Algorithm):
 
     protocol: ClassVar[str] = SYNCHRONOUS
 
-    def step(self, params: Any, grad: Any, loss: Optional[float] = None) -> StepRecord:
+    def step(self, params: Any, grad: Any, loss: Optional[float] = None, *, island_mean: bool = False) -> StepRecord:
         """Apply one step: read ``grad``, communicate as the algorithm says, update ``params`` in place.
 
         Parameters
@@ -241,15 +255,27 @@ class SynchronousAlgorithm(Algorithm):
         loss : float, optional
             This rank's training loss for the step (needed by LSGD's leader
             election; recorded by every algorithm).
+        island_mean : bool
+            With islands: ``grad`` is the island's mean already (:meth:`worker_gradient`), not this rank's own.
 
         Returns
         -------
         StepRecord
             Bytes and times of this step (also kept as :attr:`last`).
         """
-        return self._apply_step(params, grad, loss)
+        return self._apply_step(params, grad, loss, island_mean=island_mean)
 
-    def exchange(self, params: Any, grad: Any, *, skip_non_finite: bool = False) -> Optional[Any]:
+    def step_reduced(self, params: Any, grad: Any, total: Any, loss: Optional[float] = None) -> StepRecord:
+        """:meth:`step` on a sum of ``grad`` that the caller made over :attr:`reduced_over` (``total``, left unchanged).
+
+        With islands, the island's sum (the torch front end's buckets during backward); ``sgd`` overrides it for the
+        world's.  TypeError where :attr:`reduced_over` is None.
+        """
+        if not self.islands:
+            raise TypeError(f"{self.name} takes no summed gradient (its exchange is not a sum of gradients); call step()")
+        return self._apply_step(params, grad, loss, reduced=total)
+
+    def exchange(self, params: Any, grad: Any, *, skip_non_finite: bool = False, reduced: Optional[Any] = None) -> Optional[Any]:
         """The exchange alone: the gradient every rank will apply, combined from every rank's ``grad`` (a collective call).
 
         For the gradient-exchanging algorithms (:attr:`inner_role` ``"gradient"``):
@@ -260,7 +286,9 @@ class SynchronousAlgorithm(Algorithm):
         (``nan_policy="skip"``, or ``skip_non_finite``: a caller that decides
         about a non-finite gradient later, as the torch front end does
         where a GradScaler may yet call it an overflow, has every rank skip
-        the exchange whatever the policy).
+        the exchange whatever the policy).  With islands the exchange is of
+        the island's mean (of ``reduced``, the island's sum, where the caller
+        made it).
 
         Raises
         ------
@@ -276,6 +304,7 @@ class SynchronousAlgorithm(Algorithm):
             raise RuntimeError(f"{type(self).__name__}.setup(params) must be called before exchange()")
         self._check_flat("params", params)
         self._check_flat("grad", grad)
+        grad = self.worker_gradient(grad, reduced)
         if not self._gradient_ok(grad, skip=skip_non_finite):
             return None
         return self._exchange(params, grad)
@@ -306,6 +335,9 @@ class AsynchronousAlgorithm(Algorithm):
     evaluates: ClassVar[str] = "server"
     inner_refusal: ClassVar[str] = "a server applies its workers' gradients with its own update rule"
     resize_refusal: ClassVar[str] = "the server's and the leaders' state belong to one layout of server and workers"
+    islands_refusal: ClassVar[Optional[str]] = (
+        "its workers trade whole vectors with a server rank at their own pace, while an island's ranks must step together"
+    )
 
     @classmethod
     def server_messages(cls, d: int, itemsize: int = 4) -> Optional[Tuple[float, ...]]:

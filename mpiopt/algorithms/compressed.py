@@ -126,7 +126,7 @@ class Compressed:
 
     def _codec_exchange(self, like: Any, residual: Optional[Any] = None) -> CodecExchange:
         """A :class:`CodecExchange` for vectors like ``like`` over the world, feeding back into ``residual``."""
-        return CodecExchange(self._codec, like, self.topology.world.size, residual, self._values.get("codec_beta", 1.0))
+        return CodecExchange(self._codec, like, self.workers.size, residual, self._values.get("codec_beta", 1.0))
 
     def _allocate_codec(self, params: Any) -> Optional[CodecExchange]:
         """``codec_residual`` (zeros like ``params`` where this run feeds back, else None) and the exchange of

@@ -27,7 +27,7 @@ __all__ = ["DaSGD"]
 
 @register
 class DaSGD(Compressed, LocalStepState, SynchronousAlgorithm):
-    """Delayed-averaging SGD (Zhou et al. 2020) over ``topology.world``.
+    """Delayed-averaging SGD (Zhou et al. 2020) over its workers (the world's ranks, or islands).
 
     Notes
     -----
@@ -52,6 +52,7 @@ class DaSGD(Compressed, LocalStepState, SynchronousAlgorithm):
     ) + CODEC + FEEDBACK + PROGRESS + LOCAL_SGD.with_defaults(momentum=0.9, weight_decay=0.01)
     evaluates = "average"
     fused_gradient_check = True
+    islands_refusal = None
     state_arrays = ("momentum_buffer", "pending_snapshot", "pending_sum", "last_average", "codec_residual")
     state_scalars = ("merge_step",)
     # The merge divides pending_sum by M and must find the old ranks' average; an averaging in flight is merged at
@@ -124,8 +125,8 @@ class DaSGD(Compressed, LocalStepState, SynchronousAlgorithm):
         self._wire = self._allocate_codec(params)
         if self._wire is not None:  # the first differences are to the ranks' mean: never raw parameters on the wire
             self.last_average = empty_apart(params)
-            self.topology.world.Allreduce(params, out=self.last_average)
-            self.last_average /= self.topology.world.size
+            self.workers.Allreduce(params, out=self.last_average)
+            self.last_average /= self.workers.size
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         step = self.steps + 1  # the base class counts the step after _step returns
@@ -160,10 +161,10 @@ class DaSGD(Compressed, LocalStepState, SynchronousAlgorithm):
         """
         threaded = self.progress == "thread" and self.delay_steps
         if self._wire is None:
-            request = self.topology.world.Iallreduce(self._sum)
+            request = self.workers.Iallreduce(self._sum)
         else:
             self._sum -= self.last_average  # w_k - last average
-            request, self._undecoded = self._wire.start(self.topology.world, self._sum, nonblocking=True), True
+            request, self._undecoded = self._wire.start(self.workers, self._sum, nonblocking=True), True
         self._inflight.start(
             request, thread_interval=self.progress_interval if threaded else None,
             tests=self.tests_per_poke, name="dasgd-progress",
@@ -194,8 +195,8 @@ class DaSGD(Compressed, LocalStepState, SynchronousAlgorithm):
         A codec's sum of differences becomes the new average here, kept as ``last_average``: call once per merge.
         """
         if self._wire is None:
-            return Merge(self._snapshot, self._sum, self.topology.world.size, self.merge, self.update_proportion)
-        self._sum /= self.topology.world.size
+            return Merge(self._snapshot, self._sum, self.workers.size, self.merge, self.update_proportion)
+        self._sum /= self.workers.size
         self._sum += self.last_average
         self.last_average[...] = self._sum
         return Merge(self._snapshot, self._sum, 1, self.merge, self.update_proportion)

@@ -92,6 +92,7 @@ class DiLoCo(Compressed, LocalStepState, SynchronousAlgorithm):
     ) + CODEC + FEEDBACK + LOCAL_SGD
     evaluates = "average"
     fused_gradient_check = True
+    islands_refusal = None
     state_arrays = ("theta_start", "outer_momentum_buffer", "momentum_buffer", "codec_residual")
     state_scalars = ("outer_steps",)
     # theta_start and the outer momentum are the same on every rank; an inner momentum belongs to its rank's parameters;
@@ -124,7 +125,7 @@ class DiLoCo(Compressed, LocalStepState, SynchronousAlgorithm):
         self.local.allocate(params)
         self._outer_work = []
         self.outer_momentum_buffer = empty_apart(params, zero=True) if self.outer_momentum else None
-        world = self.topology.world
+        world = self.workers
         self._sum = empty_apart(params)
         self._wire = self._allocate_codec(params)
         self.theta_start = empty_apart(params)
@@ -141,7 +142,7 @@ class DiLoCo(Compressed, LocalStepState, SynchronousAlgorithm):
     def _outer_step(self, params: Any) -> None:
         """One Allreduce of the parameters (a codec: an Allgather of the encoded ``Delta_i``), then the outer SGD step
         from ``theta_start`` into both buffers."""
-        world = self.topology.world
+        world = self.workers
         options = dict(lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_nesterov,
                        buffer=self.outer_momentum_buffer, out=params, work=self._outer_work)
         if self._wire is None:

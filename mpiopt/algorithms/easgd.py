@@ -81,6 +81,7 @@ class EASGD(Compressed, LocalStepState, SynchronousAlgorithm):
     ) + CODEC + FEEDBACK + LOCAL_SGD
     evaluates = "average"
     fused_gradient_check = True
+    islands_refusal = None
     state_arrays = ("center", "momentum_buffer", "codec_residual")
     # Every rank holds the same centre; a momentum buffer belongs to the parameters it moved; the residuals are owed
     # to the mean, which each new rank taking their mean keeps (docs/codecs.md).
@@ -104,7 +105,7 @@ class EASGD(Compressed, LocalStepState, SynchronousAlgorithm):
 
     def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
         super().__init__(topology, **hyperparameters)
-        self.alpha, self.beta = moving_rates(self.alpha, self.beta, topology.size)
+        self.alpha, self.beta = moving_rates(self.alpha, self.beta, self.worker_count)
         self.local = LocalSGD.from_values(self._values)
         self.center: Optional[Any] = None
         self._mean: Optional[Any] = None  # receives sum_i x_i (with a codec: x_i - c, then the decoded sum)
@@ -116,7 +117,7 @@ class EASGD(Compressed, LocalStepState, SynchronousAlgorithm):
         self._mean = empty_apart(params)
         self._work = None if fused_update_available(params) else empty_apart(params)  # the array code's scratch
         self._wire = self._allocate_codec(params)
-        world = self.topology.world
+        world = self.workers
         self.center = empty_apart(params)
         world.Allreduce(params, out=self.center)
         self.center /= world.size
@@ -129,7 +130,7 @@ class EASGD(Compressed, LocalStepState, SynchronousAlgorithm):
 
     def _elastic_pull(self, params: Any) -> None:
         """Zhang et al. eqs. (5)-(6) without the gradient term: workers and centre pull together."""
-        world = self.topology.world
+        world = self.workers
         if self._wire is not None:
             self._compressed_pull(params)
             return
@@ -140,7 +141,7 @@ class EASGD(Compressed, LocalStepState, SynchronousAlgorithm):
 
     def _compressed_pull(self, params: Any) -> None:
         """The same pull with the mean of ``x_i - c`` exchanged through the codec: ``mean_i x_i - c`` is its mean."""
-        world, diff = self.topology.world, self._mean
+        world, diff = self.workers, self._mean
         self._xp.subtract(params, self.center, out=diff)
         self._wire.start(world, diff)
         diff *= self.alpha  # x_i <- x_i - alpha (x_i - c), exact as before: only the centre's move is compressed

@@ -65,6 +65,8 @@ class LSGD(LSGDState, SynchronousAlgorithm):
     listing_order = 20
     schema = BASE.with_defaults(lr=0.1) + LSGD_RULE
     evaluates = "average"
+    islands_refusal = ("it is node-aware already: each node's ranks elect a local leader among themselves (pull_local) and "
+                       "the world a global one, and an island would hide the very workers it elects among")
     state_arrays = ("momentum_buffer", "leader_copy", "recent_losses")
     state_scalars = ("losses_seen", "last_local_leader", "last_global_leader")
     # The loss history describes the parameters the new rank takes over; leaders named ranks of the old world (with

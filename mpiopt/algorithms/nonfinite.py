@@ -62,8 +62,11 @@ class NonFinitePolicy:
         self.topology.raise_or_abort(self._non_finite_error())
 
     def _non_finite_error(self) -> FloatingPointError:
-        """The error naming this rank's non-finite gradient at the step being taken."""
+        """The error naming this rank's non-finite gradient (with islands: its island's mean) at the step being taken."""
+        where = f"rank {self.topology.rank}"
+        if getattr(self, "islands", False):
+            where = f"island {self.topology.group_index} (the mean of ranks {self.topology.group_ranks}'s)"
         return FloatingPointError(
-            f"{self.name}: non-finite gradient on rank {self.topology.rank} at step {self.steps + 1} "
+            f"{self.name}: non-finite gradient on {where} at step {self.steps + 1} "
             "(nan_policy='raise'; use nan_policy='skip' to skip such steps on every rank)"
         )

@@ -91,8 +91,10 @@ def algorithm_class(name: str) -> Type[Algorithm]:
     return _REGISTRY[name]
 
 
-def create(name: str, topology: Topology, **hyperparameters: Any) -> Algorithm:
+def create(name: str, topology: Topology, *, islands: bool = False, **hyperparameters: Any) -> Algorithm:
     """Create the algorithm ``name`` (one of :func:`available`) on ``topology`` with its keyword ``hyperparameters``.
+
+    ``islands=True``: each group of the topology (a node) is one worker (docs/islands.md).
 
     ValueError for an unknown name (listing the known ones) or a bad value;
     TypeError for an unknown keyword (naming the close match and what it takes).
@@ -101,4 +103,4 @@ def create(name: str, topology: Topology, **hyperparameters: Any) -> Algorithm:
     # Before the constructor, whose own error would name only its __init__ (not the algorithm or what it takes);
     # here every entry point (create, DistributedOptimizer, the training loop) gets the schema's message.
     cls.schema.check_names(hyperparameters, what=name)
-    return cls(topology, **hyperparameters)
+    return cls(topology, **hyperparameters, **({} if islands is False else {"islands": islands}))

@@ -33,6 +33,7 @@ class SGD(Compressed, LocalStepState, SynchronousAlgorithm):
     baseline = True
     overlaps_backward = True
     fused_gradient_check = True
+    islands_refusal = None  # islands: the island's mean, then the mean of the islands' (plain data parallelism)
     state_arrays = ("momentum_buffer", "codec_residual")
     # The momentum is the same on every rank (averaged gradients); the residuals are owed to the mean (docs/codecs.md).
     resize_rules = {"momentum_buffer": COPY, "codec_residual": RESIDUAL}
@@ -51,12 +52,12 @@ class SGD(Compressed, LocalStepState, SynchronousAlgorithm):
         self._reduced: Optional[Any] = None  # the caller's summed gradient, during step_reduced only
         self._wire: Optional[Any] = None  # the codec's exchange
         # A codec's payloads cannot be summed in buckets during backward, and its residual is in the gradient's units.
-        self.overlaps_backward = self._codec is None
+        self.overlaps_backward = self.islands or self._codec is None
         self.exchange_keeps_gradient = self._feeds_back()
 
     def _allocate(self, params: Any) -> None:
         self.local.allocate(params)
-        self._average = empty_apart(params) if self.topology.world.size > 1 or self._codec is not None else None
+        self._average = empty_apart(params) if self.worker_count > 1 or self._codec is not None else None
         self._wire = self._allocate_codec(params)
 
     def step_reduced(self, params: Any, grad: Any, total: Any, loss: Optional[float] = None) -> StepRecord:
@@ -71,6 +72,8 @@ class SGD(Compressed, LocalStepState, SynchronousAlgorithm):
         at fault).  The record counts no bytes for the exchange the caller
         made.
         """
+        if self.islands:  # the island's sum: the base class takes it
+            return super().step_reduced(params, grad, total, loss)
         if self._codec is not None:
             raise TypeError(f"sgd with codec={self.codec!r} exchanges encoded gradients: there is no summed gradient to take; call step()")
         self._check_flat("total", total)
@@ -104,7 +107,7 @@ class SGD(Compressed, LocalStepState, SynchronousAlgorithm):
         ))
 
     def _exchange(self, params: Any, grad: Any) -> Any:
-        world = self.topology.world
+        world = self.workers
         if self._wire is not None:
             self._wire.start(world, grad)
             self._wire.total(out=self._average)
@@ -116,7 +119,7 @@ class SGD(Compressed, LocalStepState, SynchronousAlgorithm):
         return self._average
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
-        world = self.topology.world
+        world = self.workers
         total = self._reduced
         if self._wire is not None:  # the decoded sum, the same bits on every rank
             self._wire.start(world, grad)

@@ -122,6 +122,8 @@ class Signum(SynchronousAlgorithm):
         Hyperparameter("exchange", "auto", choice(*EXCHANGES), "how the signs are voted: Allgather, two-phase, or per-node pre-vote"),
         Hyperparameter("pipeline_chunks", "auto", count_or_auto(), "pieces the vote is pipelined in (same bits)", execution=True),
     )
+    # Islands: the island's ranks keep the island's momentum alike and each sends a slice of its packed signs' bytes.
+    islands_refusal = None
     state_arrays = ("momentum_buffer",)
     # Per-worker momentum goes with that worker's parameters: averaging would cast a lower-variance vote than any worker.
     resize_rules = {"momentum_buffer": FOLLOW}
@@ -148,6 +150,9 @@ class Signum(SynchronousAlgorithm):
 
     def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
         super().__init__(topology, **hyperparameters)
+        if self.islands and self.exchange == "prevote":
+            raise ValueError("signum: exchange='prevote' votes inside each node first, and with islands=True a node is one "
+                             "worker already: use exchange='auto', 'allgather' or 'twophase'")
         self.mode: Optional[str] = None
         self.chunks = 1
         self.momentum_buffer: Optional[Any] = None
@@ -159,7 +164,7 @@ class Signum(SynchronousAlgorithm):
 
     def _allocate(self, params: Any) -> None:
         xp = self._xp
-        P, d = self.topology.size, params.size
+        P, d = self.worker_count, params.size
         self.mode = choose_exchange(P, d) if self.exchange == "auto" else self.exchange
         nbytes = packed_nbytes(d)
         # Scratch of the array code's passes ((1 - beta) g, then lr times the vote); the fused passes need none.
@@ -215,8 +220,8 @@ class Signum(SynchronousAlgorithm):
         return None if self._signs is None else self._signs[lo:hi]
 
     def _exchange(self, op: str, send: Any, recv: Any) -> Optional[Request]:
-        """World ``Allgather``/``Alltoall``, nonblocking (its request returned) when pipelined."""
-        world = self.topology.world
+        """The workers' ``Allgather``/``Alltoall``, nonblocking (its request returned) when pipelined."""
+        world = self.workers
         if self.chunks > 1:
             return getattr(world, "I" + op.lower())(send, recv)
         return getattr(world, op)(send, recv)
@@ -233,7 +238,7 @@ class Signum(SynchronousAlgorithm):
     def _twophase_chunk(self, params: Any, grad: Any, chunk: Tuple) -> Iterator[Optional[Request]]:
         """One chunk of the two-phase vote: Alltoall of its P pieces, a vote on ours, Allgather of the votes."""
         start, stop, pieces, send, recv, gathered, mine = chunk
-        d, rank = params.size, self.topology.world.rank
+        d, rank = params.size, self.workers.rank
         for q, (a, b) in enumerate(pieces):  # a loop over ranks, not parameters
             # Pieces start on whole words (64 signs), so packing piece by piece gives the whole chunk's bits.
             self._pack(grad, 8 * a, min(8 * b, d), send[q, : b - a])

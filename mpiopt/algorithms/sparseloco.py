@@ -50,5 +50,5 @@ class SparseLoCo(DiLoCo):
     wire_summary = "the codec's payload (topk: 0.23 bits per parameter) every `period` steps, all-gathered"
 
     def _codec_exchange(self, like: Any, residual: Optional[Any] = None) -> CodecExchange:
-        return CodecExchange(self._codec, like, self.topology.world.size, residual, self.codec_beta,
+        return CodecExchange(self._codec, like, self.workers.size, residual, self.codec_beta,
                              senders=self.aggregate == "senders")

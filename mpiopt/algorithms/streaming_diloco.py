@@ -91,6 +91,7 @@ class StreamingDiLoCo(Compressed, LocalStepState, SynchronousAlgorithm):
     ) + CODEC + FEEDBACK + PROGRESS + LOCAL_SGD
     evaluates = "average"
     fused_gradient_check = True
+    islands_refusal = None
     state_arrays = ("theta_start", "outer_momentum_buffer", "momentum_buffer", "pending_sum", "merge_steps", "codec_residual")
     # A codec's pending_sum is the sum of the decoded pseudo-gradients (rescaled alike); residuals are owed to the mean.
     resize_rules = {
@@ -190,7 +191,7 @@ class StreamingDiLoCo(Compressed, LocalStepState, SynchronousAlgorithm):
             self._gathered = [self._xp.empty(max(sizes), params.dtype) for _ in range(3)]
         else:
             self._index, self._gathered = [None] * self.fragments, []
-        world = self.topology.world
+        world = self.workers
         self._sum = empty_apart(params)
         self._outer_work = [[] for _ in range(self.fragments)]
         self.theta_start = empty_apart(params)
@@ -232,9 +233,9 @@ class StreamingDiLoCo(Compressed, LocalStepState, SynchronousAlgorithm):
             if self._index[f] is not None:
                 take_rows(self.theta_start, self._index[f], start)
             self._xp.subtract(start, self._sum[a:b], out=self._sum[a:b])
-            request, self._undecoded[f] = self._wires[f].start(self.topology.world, self._sum[a:b], nonblocking=True), True
+            request, self._undecoded[f] = self._wires[f].start(self.workers, self._sum[a:b], nonblocking=True), True
         else:
-            request = self.topology.world.Iallreduce(self._sum[a:b])
+            request = self.workers.Iallreduce(self._sum[a:b])
         self._inflight[f].start(
             request, thread_interval=self.progress_interval if threaded else None,
             tests=self.tests_per_poke, name=f"streaming-diloco-progress-{f}",
@@ -260,10 +261,10 @@ class StreamingDiLoCo(Compressed, LocalStepState, SynchronousAlgorithm):
         options = dict(lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_nesterov, buffer=buffer,
                        out=local if self.alpha == 0.0 else None, work=self._outer_work[f])
         if self._wires:  # the decoded sum of the pseudo-gradients, the same on every rank
-            total /= self.topology.world.size
+            total /= self.workers.size
             outer_update(start, total, **options)
         else:
-            outer_step(start, total, self.topology.world.size, **options)
+            outer_step(start, total, self.workers.size, **options)
         if self.alpha != 0.0:  # total is scratch now
             array_module(total).multiply(start, 1.0 - self.alpha, out=total)
             local *= self.alpha

@@ -101,9 +101,12 @@ class Sparsifier:
 
 
 class _SparseSGD(LocalStepState, SynchronousAlgorithm):
-    """Top-k / RegTop-k with error feedback over ``topology.world`` (docs/algorithm-notes.md)."""
+    """Top-k / RegTop-k with error feedback over its workers (docs/algorithm-notes.md)."""
 
     fused_gradient_check = True  # error feedback's pass over g checks it
+    # Islands: every rank of an island selects the same global top k of the island's mean; only the payload's bytes
+    # are sliced along the rails, so the selection stays the worker's (docs/islands.md).
+    islands_refusal = None
     inner_role = "gradient"
     exchange_keeps_gradient = True  # the error feedback: what was not sent, in the units it was sent in
     inner_rule = ("a_i = g_i + e_i, e_i <- a_i - a_i 1_S_i; G = (1/N) sum_i a_i 1_S_i into .grad; x <- inner(x, G)  "
@@ -191,18 +194,19 @@ class _SparseSGD(LocalStepState, SynchronousAlgorithm):
     # -- the algorithm ----------------------------------------------------------------------
     def _allocate(self, params: Any) -> None:
         xp = array_module(params)
-        self.worker = SparseWorker(self.sparsifier, params, self.topology.world.size)
+        workers = self.workers.size
+        self.worker = SparseWorker(self.sparsifier, params, workers)
         self.local.allocate(params)
         self._aggregate = empty_apart(params, zero=True)
         self._payload = xp.empty(self.worker.payload_nbytes, dtype=xp.uint8)
-        self._payloads = xp.empty((self.topology.world.size, self.worker.payload_nbytes), dtype=xp.uint8)
+        self._payloads = xp.empty((workers, self.worker.payload_nbytes), dtype=xp.uint8)
         bitmaps = payload_format(self.worker.k, self.worker.num_params) == "bitmap"
         # Bitmap payloads' indices are decoded here each step (pairs payloads' are read in place).
-        self._indices = xp.empty((self.topology.world.size, self.worker.k), dtype=xp.int32) if bitmaps else None
+        self._indices = xp.empty((workers, self.worker.k), dtype=xp.int32) if bitmaps else None
         # Where the union of the sent indices is formed and kept as the next step's stale entries: two
         # buffers used in turn, as a step's union must not overwrite the stale entries it clears.
         self._union_bits = xp.empty(packed_nbytes(params.size), dtype=xp.uint8)
-        union = min(params.size, self.topology.world.size * self.worker.k)
+        union = min(params.size, workers * self.worker.k)
         self._unions = xp.empty((2, union), dtype=xp.int32)
         self._union_slot = 0  # the buffer that does not hold self._touched
         self._sums = xp.empty(union, dtype=params.dtype)  # per union entry, the workers' sum
@@ -227,7 +231,7 @@ class _SparseSGD(LocalStepState, SynchronousAlgorithm):
         )
         if sent is None:
             self._non_finite_gradient()  # before the Allgather
-        self.topology.world.Allgather(self._payload, self._payloads)
+        self.workers.Allgather(self._payload, self._payloads)
         # G = (1/N) sum_n sent_n, non-zero on at most P k entries; the update on params in the same walk
         # gives the dense update's floats.
         aggregate = aggregate_payloads(

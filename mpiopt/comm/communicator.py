@@ -23,11 +23,8 @@ from .waiting import Backoff, check_wait_policy, wait_policy_here
 
 __all__ = ["Comm", "Request", "SetupMismatchError", "Failure", "ELECTION_BYTES", "raise_own_or_name_them", "MISSING", "plain", "differing_lines", "SUM", "MAX", "MIN", "ANY_SOURCE", "ANY_TAG"]
 
-SUM = MPI.SUM
-MAX = MPI.MAX
-MIN = MPI.MIN
-ANY_SOURCE = MPI.ANY_SOURCE
-ANY_TAG = MPI.ANY_TAG
+SUM, MAX, MIN = MPI.SUM, MPI.MAX, MPI.MIN
+ANY_SOURCE, ANY_TAG = MPI.ANY_SOURCE, MPI.ANY_TAG
 
 # (value, rank) pairs for leader election: float64 + int32, padded like the C struct.
 _DOUBLE_INT = np.dtype([("value", np.float64), ("rank", np.int32)], align=True)
@@ -362,18 +359,24 @@ class Comm(Decisions):
         """Nonblocking :meth:`Allgather`; the buffers must not be touched until the request completes."""
         return self._allgather(sendbuf, recvbuf, nonblocking=True)
 
-    def Allgatherv(self, sendbuf: Any, recvbuf: Any, counts: Sequence[int]) -> None:
-        """Gather blocks of different lengths; ``counts[r]`` elements from rank ``r``, packed in rank order."""
+    def Allgatherv(self, sendbuf: Optional[Any], recvbuf: Any, counts: Sequence[int]) -> None:
+        """Gather blocks of different lengths; ``counts[r]`` elements from rank ``r``, packed in rank order.
+
+        ``sendbuf`` None: in place, this rank's block already where it belongs in ``recvbuf``.
+        """
         counts = [int(c) for c in counts]
         if len(counts) != self.size:
             raise ValueError(f"counts has {len(counts)} entries; expected one per rank ({self.size})")
         item = nbytes(recvbuf) // max(1, _numel(recvbuf))
-        if _numel(sendbuf) != counts[self.rank]:
+        if sendbuf is not None and _numel(sendbuf) != counts[self.rank]:
             raise ValueError(f"sendbuf has {_numel(sendbuf)} elements but counts[{self.rank}] = {counts[self.rank]}")
         if _numel(recvbuf) < sum(counts):
             raise ValueError(f"recvbuf has {_numel(recvbuf)} elements; counts need {sum(counts)}")
-        sent = self._others(counts[self.rank] * item)
-        recv = (sum(counts) - counts[self.rank]) * item
+        sent, recv = self._others(counts[self.rank] * item), (sum(counts) - counts[self.rank]) * item
+        if sendbuf is None:
+            call = lambda r: self._comm.Allgatherv(MPI.IN_PLACE, [r, counts])  # noqa: E731
+            self._run("Allgatherv", sent, recv, call, [(recvbuf, True, True)], local=lambda r: None)
+            return
         self._run(
             "Allgatherv", sent, recv,
             lambda s, r: self._comm.Allgatherv(s, [r, counts]), [(sendbuf, True, False), (recvbuf, False, True)],

@@ -16,6 +16,7 @@ from mpi4py import MPI
 from .abort import ABORT_ENV, abort_job, abort_on_exception
 from .buffers import _parse_flag
 from .communicator import Comm
+from .islands import Islands
 from .launcher import check_world_size
 from .ledger import Ledger
 
@@ -120,6 +121,9 @@ class Topology:
         self.group_index = self.group.bcast_obj(self.leaders.rank if is_leader else None)
         self.num_groups = self.group.bcast_obj(self.leaders.size if is_leader else None)
         self.group_ranks: List[int] = self.group.allgather_obj(self.world.rank)
+        #: Every group's size, in group order (islands need them equal).
+        self.group_sizes: List[int] = [s for s in self.world.allgather_obj(self.group.size if is_leader else 0) if s]
+        self._islands: Optional[Islands] = None  # made at the first islands() call
         # Votes on errors go through their own communicator, so that one never
         # matches a collective that an algorithm left half done; its traffic is
         # not the algorithms' (a ledger of its own).
@@ -133,6 +137,29 @@ class Topology:
         They never match a collective an algorithm left half done, and their bytes are not the algorithms'.
         """
         return self._control
+
+    def islands_problem(self) -> Optional[str]:
+        """Why this topology's groups cannot be islands (groups of unequal size), with the fix; None when they can."""
+        if len(set(self.group_sizes)) == 1:
+            return None
+        return (
+            f"islands must be of one size, and the {self.size} ranks make groups of {self.group_sizes}: launch a multiple "
+            f"of the ranks per node, or give group_size (--group-size) a divisor of {self.size}"
+        )
+
+    def islands(self) -> Islands:
+        """The groups as islands, each one worker (:mod:`.islands`): collective at the first call, the same object after.
+
+        ValueError (on every rank alike, before any communication) when the groups differ in size.
+        """
+        if self._islands is None:
+            problem = self.islands_problem()
+            if problem is not None:
+                raise ValueError(problem)
+            island = self.world.Split(self.group_index, self.world.rank, "island")
+            rail = self.world.Split(self.group.rank, self.group_index, "rail")
+            self._islands = Islands(island, rail)
+        return self._islands
 
     @property
     def rank(self) -> int:
@@ -212,7 +239,8 @@ class Topology:
 
     def Free(self) -> None:
         """Release the communicators."""
-        for comm in (self._control, self.leaders, self.group, self.world):
+        islands = () if self._islands is None else (self._islands.rail, self._islands.island)
+        for comm in (*islands, self._control, self.leaders, self.group, self.world):
             if comm is not None:
                 comm.Free()
 
