@@ -122,6 +122,8 @@ class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice, IslandWork
             if not isinstance(getattr(type(self), name, None), property):
                 setattr(self, name, value)
         self._check_islands()
+        if self.islands:  # the island's mean gradient is a sum the torch front end can make during backward
+            self.overlaps_backward = True
         self.steps = 0
         self.last: Optional[StepRecord] = None
         self.num_params: Optional[int] = None

@@ -59,6 +59,13 @@ class IslandWorkers:
             return self.topology.islands().island
         return self.topology.world if self.overlaps_backward else None
 
+    @property
+    def reduced_ranks(self) -> int:
+        """How many ranks :attr:`reduced_over` holds, known without communication (1: there is no such sum)."""
+        if self.islands:
+            return self.topology.group.size
+        return self.topology.size if self.overlaps_backward else 1
+
     def layout(self) -> Dict[str, int]:
         """Workers, this rank's worker and its ranks: what a state is kept per (state_dict, checkpoints, resizes)."""
         return {"workers": self.worker_count, "worker": self.worker_index,

@@ -8,67 +8,29 @@ exchange, the scaler's verdict, unscale, apply.  Inner optimizers, groups,
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional
+from typing import Any, Callable, Dict, Iterable, Optional
 
 import torch
 
 from ..algorithms import ASYNCHRONOUS, SYNCHRONOUS, Algorithm, StepRecord, create
 from ..algorithms.schema import check_positive
-from ..comm import Ledger, Topology
+from ..comm import Topology
 from ..comm.buffers import tensor_array
 from ..kernels.update import all_finite
 from .flat import FlatBuffers, flat_buffer
 from .groups import GroupsMixin, check_inner
 from .overlap import BucketExchange
+from .pipeline import LOCAL, Exchanged, add_cost, loss_value, mean_over_passes
 from .scaler import ScalerVote, Verdict
 from .state import load_optimizer_state, optimizer_state
 
 __all__ = ["DistributedOptimizer"]
 
 
-def loss_value(loss: Any) -> Optional[float]:
-    """A loss (tensor, number or None) as a Python float, detached from the graph."""
-    if loss is None:
-        return None
-    return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-
-
 def _address(array: Any) -> int:
     return array.data.ptr if hasattr(array.data, "ptr") else array.ctypes.data
-
-
-def _add_cost(record: StepRecord, delta: Ledger) -> StepRecord:
-    """``record`` with the bytes and blocked times of a ledger delta added."""
-    comm, wait = delta.blocked_seconds()
-    return dataclasses.replace(
-        record,
-        bytes_sent=record.bytes_sent + delta.bytes_sent,
-        bytes_recv=record.bytes_recv + delta.bytes_recv,
-        comm_seconds=record.comm_seconds + comm,
-        wait_seconds=record.wait_seconds + wait,
-    )
-
-
-def mean_over_passes(grads: torch.Tensor, passes: int, start: int = 0, end: Optional[int] = None) -> None:
-    """This rank's gradient summed over ``passes`` backward passes, divided by them in place (the one place that does)."""
-    if passes > 1:
-        grads[start:end].div_(passes)
-
-
-class _Exchanged(NamedTuple):
-    """Where the step's exchange stands once finished: ``local`` (the algorithm exchanges in its step),
-    ``synchronized`` (``.grad`` holds it; not ``finite``: every rank skipped it) or ``reduced`` (the buckets' sums)."""
-
-    kind: str
-    finite: bool = True
-    cost: Optional[Ledger] = None  # synchronized: what it cost
-    before: Optional[Ledger] = None  # reduced: the ledger before its first bucket
-
-
-_LOCAL = _Exchanged("local")
 
 
 class DistributedOptimizer(GroupsMixin, torch.optim.Optimizer):
@@ -85,13 +47,15 @@ class DistributedOptimizer(GroupsMixin, torch.optim.Optimizer):
     backward_passes_per_step : int
         Backward passes per ``step()``: the optimizer averages them (do not divide the loss).
     overlap : bool, optional
-        Exchange the gradient in buckets during backward (``sgd``'s default at more than one rank).
+        Sum the gradient in buckets during backward: ``sgd``'s exchange, or with ``islands=True`` the island's mean
+        (the default where that sum spans more than one rank, but for exchanges that keep error feedback: docs/torch.md).
     bucket_cap_mb : float
         With ``overlap``: bucket size in MiB (DDP's ``bucket_cap_mb``).
     inner : torch.optim.Optimizer, optional
         The local update in place of the built-in SGD update; its groups become this optimizer's.
     **hyperparameters
-        The algorithm's keyword arguments, validated by its schema.
+        The algorithm's keyword arguments, validated by its schema; ``islands=True`` makes each node one worker
+        (docs/islands.md).
 
     Examples
     --------
@@ -129,13 +93,16 @@ class DistributedOptimizer(GroupsMixin, torch.optim.Optimizer):
         self.algorithm.loss_call = "opt.step(loss=loss)"  # what a message asking for the loss tells this API's user
         if self.inner is not None:  # before anything changes: an algorithm without an inner role refuses here
             self.algorithm.use_inner(self._inner_step, type(self.inner).__name__)
-        if overlap is None:  # as torch DDP: on wherever the exchange can run during backward (and there is one)
-            overlap = self.algorithm.overlaps_backward and self.topology.size > 1
-        if overlap and not self.algorithm.overlaps_backward:
+        alg = self.algorithm
+        if overlap is None:  # as torch DDP: wherever a sum of the gradients can run during backward (over two ranks or more)
+            overlap = alg.reduced_ranks > 1 and not (alg.islands and alg.exchange_keeps_gradient)
+        if overlap and not alg.overlaps_backward:
             raise ValueError(
-                f"overlap=True needs an algorithm that exchanges the gradient by Allreduce (sgd); {algorithm!r} does not "
-                "(docs/torch.md says why)"
+                f"overlap=True needs an algorithm that exchanges the gradient by Allreduce (sgd), or islands=True (the island's "
+                f"mean is then summed in buckets); {algorithm!r} does not (docs/torch.md says why)"
             )
+        #: Whether the gradient is summed in buckets during backward (over the island with islands, else the world).
+        self.overlap = overlap
         self.backward_passes_per_step = backward_passes_per_step
         self.last: Optional[StepRecord] = None
         self._frozen = False
@@ -164,12 +131,12 @@ class DistributedOptimizer(GroupsMixin, torch.optim.Optimizer):
         self._vote = ScalerVote(self.topology.control)
         self._own_finite = True  # whether this rank's gradient was finite when synchronize() skipped the exchange
         self._exchange: Optional[BucketExchange] = None
-        self._synchronized: Optional[_Exchanged] = None
+        self._synchronized: Optional[Exchanged] = None
         if overlap:
-            self._flat_total = flat_buffer(self._flat_grads.numel(), self._flat_grads)  # the buckets' sums over the world
+            self._flat_total = flat_buffer(self._flat_grads.numel(), self._flat_grads)  # the buckets' sums
             self._total_array = tensor_array(self._flat_total)
             self._exchange = BucketExchange(
-                self._params, self._grad_views, self._flat_grads, self._total_array, world, backward_passes_per_step,
+                self._params, self._grad_views, self._flat_grads, self._total_array, alg.reduced_over, backward_passes_per_step,
                 bucket_cap_mb * 2**20, functools.partial(mean_over_passes, self._flat_grads, backward_passes_per_step),
             )
 
@@ -203,38 +170,44 @@ class DistributedOptimizer(GroupsMixin, torch.optim.Optimizer):
 
     @torch.no_grad()
     def synchronize(self) -> None:
-        """Complete the gradient exchange now and leave the exchanged gradient in ``.grad``, to clip or unscale.
+        """Complete the gradient exchange now and leave in ``.grad`` the gradient the step applies, to clip or unscale.
 
-        The next :meth:`step` applies ``.grad`` without exchanging again.  For
-        ``sgd``, ``topk`` and ``regtopk`` only (the others exchange parameters
-        after the local step: ``TypeError``); twice without a step: ``RuntimeError``.
+        That is the exchanged gradient of ``sgd``, ``topk`` and ``regtopk``; with islands, for the algorithms that
+        exchange parameters after the local step, the island's mean (its worker's gradient).  The next :meth:`step`
+        applies ``.grad`` without exchanging again.  Others: ``TypeError``; twice without a step: ``RuntimeError``.
         """
         if self._synchronized is not None:
             raise RuntimeError("synchronize() was called twice without step(): the exchanged gradient is in .grad already")
-        if self.algorithm.inner_role != "gradient":
+        alg = self.algorithm
+        if alg.inner_role != "gradient" and not alg.islands:
             raise TypeError(
-                f"{self.algorithm.name} exchanges parameters after the local step, not gradients: there is nothing to "
+                f"{alg.name} exchanges parameters after the local step, not gradients: there is nothing to "
                 "synchronize before step() (clipping .grad clips this rank's own gradient)"
             )
         self._take_gradients()
         ledger = self.topology.ledger
-        before = ledger.snapshot()
-        if self._exchange is not None:  # the buckets backward started (each divided by the passes): the mean into .grad
+        before, total = ledger.snapshot(), None
+        if self._exchange is not None:  # the buckets backward started (each divided by the passes)
             self._exchange.start_rest()
             before = self._exchange.finish()  # the ledger when the first bucket left
-            torch.div(self._flat_total, self.topology.size, out=self._flat_grads)
-            exchanged = self._grads_array
+            total = self._total_array
         else:
             self._mean_over_passes()
+        if total is not None and not alg.islands:  # sgd: the buckets' sum over the world is its exchange
+            torch.div(self._flat_total, self.topology.size, out=self._flat_grads)
+            exchanged = self._grads_array
+        elif alg.inner_role == "gradient":
             # A non-finite gradient has every rank skip the exchange, to be judged in step(): a GradScaler's
             # unscale_ and step between here and there may call it an overflow (skip), else nan_policy decides.
-            exchanged = self.algorithm.exchange(self._params_array, self._grads_array, skip_non_finite=True)
+            exchanged = alg.exchange(self._params_array, self._grads_array, skip_non_finite=True, reduced=total)
             if exchanged is None:  # as a sum of them would be, the exchanged gradient is not finite on any rank
                 self._own_finite = all_finite(self._grads_array)  # (a pass on this path only) whose it was, for step()
                 self._flat_grads.fill_(math.nan)  # so every rank's GradScaler finds the overflow, as under DDP
-            elif exchanged is not self._grads_array:
-                self._grads_array[...] = exchanged
-        self._synchronized = _Exchanged("synchronized", exchanged is not None, cost=ledger.since(before))
+        else:  # islands: the island's mean, which the worker's local step reads
+            exchanged = alg.worker_gradient(self._grads_array, reduced=total)
+        if exchanged is not None and exchanged is not self._grads_array:
+            self._grads_array[...] = exchanged
+        self._synchronized = Exchanged("synchronized", exchanged is not None, cost=ledger.since(before))
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, loss: Any = None) -> Any:
@@ -261,13 +234,13 @@ class DistributedOptimizer(GroupsMixin, torch.optim.Optimizer):
         self.last = self._apply(exchanged, loss_value(loss))
         return loss
 
-    def _finish_exchange(self) -> _Exchanged:
+    def _finish_exchange(self) -> Exchanged:
         """The exchange ``synchronize()`` made, or the buckets backward started (waited for), or none yet."""
         if self._synchronized is not None:
             exchanged, self._synchronized = self._synchronized, None
             return exchanged
         if self._exchange is None:
-            return _LOCAL
+            return LOCAL
         self._exchange.start_rest()  # before any other collective: every rank starts the same ones in the same order
         if getattr(self, "found_inf", None) is not None and getattr(self, "grad_scale", None) is None:
             self._exchange.finish()
@@ -276,9 +249,9 @@ class DistributedOptimizer(GroupsMixin, torch.optim.Optimizer):
                 "before scaler.unscale_(opt) (the exchanged gradient is then in .grad, to unscale and clip), or create the "
                 "optimizer with overlap=False"
             )
-        return _Exchanged("reduced", before=self._exchange.finish())
+        return Exchanged("reduced", before=self._exchange.finish())
 
-    def _unscale(self, exchanged: _Exchanged, verdict: Verdict) -> None:
+    def _unscale(self, exchanged: Exchanged, verdict: Verdict) -> None:
         """Undo the GradScaler's scale on what the step will read."""
         inverse = verdict.inverse_scale
         if inverse is None:
@@ -289,20 +262,23 @@ class DistributedOptimizer(GroupsMixin, torch.optim.Optimizer):
             self._flat_total.mul_(inverse)  # a power of two commutes with the sum, bitwise
         else:  # the scalers diverged (an overflow on some ranks only): the scaled sums mean nothing
             self._flat_grads.mul_(inverse)
-            self.topology.world.Allreduce(self._grads_array, out=self._total_array)
+            self._exchange.comm.Allreduce(self._grads_array, out=self._total_array)
 
-    def _apply(self, exchanged: _Exchanged, loss: Optional[float]) -> StepRecord:
+    def _apply(self, exchanged: Exchanged, loss: Optional[float]) -> StepRecord:
         """The algorithm's step on what the exchange left: its whole step, or its update after the exchange."""
         if exchanged.kind == "local":
             self._mean_over_passes()
             return self.algorithm.step(self._params_array, self._grads_array, loss=loss)
         if exchanged.kind == "reduced":
             record = self.algorithm.step_reduced(self._params_array, self._grads_array, self._total_array, loss=loss)
-            return _add_cost(record, self.topology.ledger.since(exchanged.before))
+            return add_cost(record, self.topology.ledger.since(exchanged.before))
+        if self.algorithm.inner_role != "gradient":  # islands: .grad holds the island's mean, which the local step reads
+            record = self.algorithm.step(self._params_array, self._grads_array, loss=loss, island_mean=True)
+            return add_cost(record, exchanged.cost)
         if not exchanged.finite and self.algorithm.nan_policy == "raise":  # not an overflow: end the job, naming the ranks
             self.algorithm.name_non_finite_ranks(self._own_finite)
         record = self.algorithm.step_exchanged(self._params_array, self._grads_array if exchanged.finite else None, loss=loss)
-        return _add_cost(record, exchanged.cost)
+        return add_cost(record, exchanged.cost)
 
     def _mean_over_passes(self) -> None:
         mean_over_passes(self._flat_grads, self.backward_passes_per_step)

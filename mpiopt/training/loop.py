@@ -394,8 +394,8 @@ class _Run:
             opt.step(loss=loss)
             return
         # Unscaled before the exchange (topk's error feedback keeps what it did not send in the units sent), except where
-        # backward sent the gradient already (sgd's overlap at 2 ranks or more): its sum is unscaled then (docs/torch.md).
-        overlapped = self.algorithm != DDP and opt.algorithm.overlaps_backward and self.topology.size > 1
+        # backward sent the gradient already (overlap: sgd's sum, an island's mean): its sum is unscaled then (docs/torch.md).
+        overlapped = self.algorithm != DDP and opt.overlap
         if overlapped:
             opt.synchronize()
         scaler.unscale_(opt.optimizer if self.algorithm == DDP else opt)

@@ -167,11 +167,12 @@ def schedule(warmup_steps: Optional[int], optimizer: torch.optim.Optimizer, step
 
 
 def clip(max_norm: Optional[float], opt: Any, model: torch.nn.Module, synchronized: bool = False) -> None:
-    """``--clip-grad-norm``: the exchanged gradient where the algorithm exchanges one (``synchronize()``, unless
-    ``synchronized`` already), else this rank's."""
+    """``--clip-grad-norm``: the exchanged gradient where the algorithm exchanges one, with islands the island's mean
+    (``synchronize()``, unless ``synchronized`` already), else this rank's."""
     if max_norm is None:
         return
-    if not synchronized and getattr(getattr(opt, "algorithm", None), "inner_role", None) == "gradient":
+    algorithm = getattr(opt, "algorithm", None)
+    if not synchronized and (getattr(algorithm, "inner_role", None) == "gradient" or getattr(algorithm, "islands", False)):
         opt.synchronize()
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
