@@ -66,7 +66,7 @@ class IslandWorkers:
             return self.topology.group.size
         return self.topology.size if self.overlaps_backward else 1
 
-    def layout(self) -> Dict[str, int]:
+    def worker_layout(self) -> Dict[str, int]:
         """Workers, this rank's worker and its ranks: what a state is kept per (state_dict, checkpoints, resizes)."""
         return {"workers": self.worker_count, "worker": self.worker_index,
                 "ranks_per_worker": self.topology.group.size if self.islands else 1}

@@ -6,6 +6,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional
 
+from ..comm.islands import ISLAND
+
 __all__ = ["StepRecord", "record_step"]
 
 
@@ -27,6 +29,9 @@ class StepRecord:
         The algorithm's own computation: the step's wall time less the two above.
     skipped : bool
         The step was skipped because some rank's gradient was not finite.
+    island_bytes_sent, island_bytes_recv : int
+        Of ``bytes_sent`` and ``bytes_recv``, those within this rank's island (islands only: its mean gradient and the
+        reassembly of what its rails exchanged); the rest went between workers.
     """
 
     step: int
@@ -37,6 +42,8 @@ class StepRecord:
     wait_seconds: float
     algo_seconds: float
     skipped: bool = False
+    island_bytes_sent: int = 0
+    island_bytes_recv: int = 0
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -47,6 +54,7 @@ def record_step(ledger: Any, before: Any, started: float, step: int, loss: Optio
     elapsed = time.perf_counter() - started
     delta = ledger.since(before)
     comm, wait = delta.blocked_seconds()
+    island = delta.total(ISLAND)
     return StepRecord(
         step=step,
         loss=None if loss is None else float(loss),
@@ -56,4 +64,6 @@ def record_step(ledger: Any, before: Any, started: float, step: int, loss: Optio
         wait_seconds=wait,
         algo_seconds=max(0.0, elapsed - comm - wait),
         skipped=skipped,
+        island_bytes_sent=island.bytes_sent,
+        island_bytes_recv=island.bytes_recv,
     )

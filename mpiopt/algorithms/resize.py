@@ -76,10 +76,10 @@ def _reset_to(value: Any) -> Callable[[Sequence[Any], int, int], Any]:
     return reset
 
 
-COPY = Rule(_copied, "copied", "copied (the same on every rank)")
-FOLLOW = Rule(_follows, "redistributed", "new rank r takes old rank r % {old}'s")
-MEAN = Rule(_mean, "redistributed", "the mean over the old ranks on every new rank")
-RESCALE = Rule(_rescaled_sum, "redistributed", "the sum over the old ranks rescaled to the new world size")
+COPY = Rule(_copied, "copied", "copied (the same on every {unit})")
+FOLLOW = Rule(_follows, "redistributed", "new {unit} r takes old {unit} r % {old}'s")
+MEAN = Rule(_mean, "redistributed", "the mean over the old {unit}s on every new {unit}")
+RESCALE = Rule(_rescaled_sum, "redistributed", "the sum over the old {unit}s rescaled to the new number of them")
 ZERO = Rule(_reset_to(None), "reset", "reset to zeros")
 NO_HISTORY = Rule(_reset_to(False), "reset", "reset (the first step ranks as Top-k)")
 NO_LEADER = Rule(_reset_to(-1), "reset", "reset to -1 (they named ranks of the old world)")
@@ -113,13 +113,15 @@ def resize_states(
     hyperparameters: Mapping[str, Any],
     *,
     ranks: Optional[Sequence[int]] = None,
+    unit: str = "rank",
 ) -> Tuple[List[Dict[str, Any]], List[str]]:
     """Turn the ``state_dict`` of every old rank (in rank order) into one state per rank of a world of ``new_size``.
 
     ``hyperparameters`` (the new run's, checked beforehand with
     :func:`hyperparameter_differences`) go into each new state; ``ranks`` are
     the new ranks to build (default all).  Returns the states and one note per
-    entry redistributed or reset (for the caller's warning).  ResizeError for
+    entry redistributed or reset (for the caller's warning), in which a
+    state's holder is a ``unit`` ("rank"; islands: "worker", one state each).  ResizeError for
     an algorithm without rules, foreign states, or old ranks at different steps.
     """
     rules = rules_of(name)
@@ -165,7 +167,7 @@ def resize_states(
     ]
     present = {key for section in ("arrays", "scalars") for key, value in states[0][section].items() if value is not None}
     notes = [
-        f"{key}: {rule.kind}, {rule.how.format(old=len(states))}"
+        f"{key}: {rule.kind}, {rule.how.format(old=len(states), unit=unit)}"
         for key, rule in sorted(rules.items()) if rule.kind != "copied" and key in present
     ]
     return resized, notes

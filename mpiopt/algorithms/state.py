@@ -10,10 +10,17 @@ from ..arrays import array_module, empty_apart, to_numpy
 from ..comm.communicator import differing_lines, plain
 from .schema import Schema
 
-__all__ = ["StateDict", "hyperparameter_lines"]
+__all__ = ["StateDict", "hyperparameter_lines", "describe_layout"]
 
 #: The entries every state_dict has.
 STATE_KEYS = frozenset({"algorithm", "world_size", "steps", "lr", "hyperparameters", "arrays", "scalars"})
+
+
+def describe_layout(layout: Mapping[str, Any]) -> str:
+    """A state's :meth:`~mpiopt.algorithms.islands.IslandWorkers.worker_layout` in words: "worker 1 of 2 islands of 2 ranks"."""
+    size, count = int(layout["ranks_per_worker"]), int(layout["workers"])
+    kind = (f"island{'s' * (count != 1)} of {size} ranks") if size > 1 else f"rank{'s' * (count != 1)}"
+    return f"worker {layout['worker']} of {count} {kind}"
 
 
 def hyperparameter_lines(saved: Mapping[str, Any], here: Mapping[str, Any], *, skip: Any = ()) -> List[str]:
@@ -52,6 +59,7 @@ class StateDict:
             "hyperparameters": self.hyperparameters(),
             "arrays": arrays,
             "scalars": {key: getattr(self, key) for key in self.state_scalars},
+            "worker_layout": self.worker_layout(),  # the workers the state is kept per (islands: one state per island, on each of its ranks)
         }
 
     def load_state_dict(self, state: Mapping[str, Any], *, override_hyperparameters: bool = False) -> None:
@@ -91,6 +99,10 @@ class StateDict:
         lines = []
         if plain(state["world_size"]) != self.topology.size:
             lines.append(f"world_size: saved {state['world_size']!r}, here {self.topology.size!r}")
+        saved, here = plain(dict(state.get("worker_layout") or self.worker_layout())), self.worker_layout()  # states from before islands: this one
+        if any(saved[key] != here[key] for key in ("workers", "ranks_per_worker")):
+            lines.append(f"workers: saved {describe_layout(saved)}, here {describe_layout(here)} "
+                         "(a checkpoint's resume moves states between workers: mpiopt train --resume)")
         if not override_hyperparameters:
             # Execution knobs never refuse a resume (states saved before they were told apart carry them).
             lines += [f"hyperparameter {line}" for line in hyperparameter_lines(state["hyperparameters"], self.hyperparameters(), skip=self.schema.knobs())]

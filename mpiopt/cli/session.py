@@ -156,6 +156,12 @@ def start_session(config: TrainConfig, command: str, algorithms: List[str]) -> S
         else:  # a refused resume must leave the run's own settings file as it was
             when = " once the checkpoint is accepted"
         groups = f"{topology.num_groups} group{'s' if topology.num_groups > 1 else ''}"
+        if config.islands:
+            groups = f"{topology.num_groups} island{'s' if topology.num_groups > 1 else ''} (--islands: each group one worker)"
+            per_rank = [name for name in algorithms if not config.islands_for(name)]
+            if per_rank and len(algorithms) > 1:
+                verb = "takes" if len(per_rank) == 1 else "take"
+                groups += f"; {', '.join(per_rank)} {verb} no islands and run{'s' if len(per_rank) == 1 else ''} one worker per rank"
         print(f"mpiopt {command}: {world.size} rank{'s' if world.size > 1 else ''} in {groups}; settings (saved as {out}/config.toml{when}):")
         print(_settings_summary(settings), flush=True)
     session.dataset = load_data(config, world)

@@ -15,7 +15,10 @@ import numpy as np
 from ..arrays import array_module
 from .communicator import SUM, Comm, Request
 
-__all__ = ["Islands", "IslandRequest", "slice_bounds", "shard_counts"]
+__all__ = ["Islands", "IslandRequest", "slice_bounds", "shard_counts", "ISLAND", "RAIL"]
+
+#: The names of an island's communicator and of a rail's: the ledger's operations say which level moved the bytes.
+ISLAND, RAIL = "island", "rail"
 
 
 def slice_bounds(n: int, parts: int, part: int) -> Tuple[int, int]:

@@ -73,11 +73,12 @@ class Ledger:
     def __getitem__(self, op: str) -> OpStats:
         return self.ops.get(op, OpStats())
 
-    def total(self) -> OpStats:
-        """Totals over all operations."""
+    def total(self, comm: Optional[str] = None) -> OpStats:
+        """Totals over all operations, or over those of the communicator named ``comm`` (``"island"``)."""
         out = OpStats()
-        for stats in self.ops.values():
-            out = out + stats
+        for op, stats in self.ops.items():
+            if comm is None or op.startswith(comm + "."):
+                out = out + stats
         return out
 
     def blocked_seconds(self) -> "tuple[float, float]":

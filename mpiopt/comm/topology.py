@@ -16,7 +16,7 @@ from mpi4py import MPI
 from .abort import ABORT_ENV, abort_job, abort_on_exception
 from .buffers import _parse_flag
 from .communicator import Comm
-from .islands import Islands
+from .islands import ISLAND, RAIL, Islands
 from .launcher import check_world_size
 from .ledger import Ledger
 
@@ -156,8 +156,8 @@ class Topology:
             problem = self.islands_problem()
             if problem is not None:
                 raise ValueError(problem)
-            island = self.world.Split(self.group_index, self.world.rank, "island")
-            rail = self.world.Split(self.group.rank, self.group_index, "rail")
+            island = self.world.Split(self.group_index, self.world.rank, ISLAND)
+            rail = self.world.Split(self.group.rank, self.group_index, RAIL)
             self._islands = Islands(island, rail)
         return self._islands
 

@@ -66,6 +66,7 @@ def summarize(run: Run, *, target_accuracy: Optional[float] = None, target_loss:
         "bytes_to_target": None if reached is None else reached["bytes_sent_total"],
         "steps_to_target": None if reached is None else reached["step"],
         "bytes_sent_per_rank": _bytes_sent(run),
+        "island_bytes_sent_per_rank": _bytes_sent(run, "island_bytes_sent"),
         "budget_seconds": budget_seconds,
         "loss_at_budget": None,
     }
@@ -95,12 +96,13 @@ def add_speedups(summaries: Sequence[Dict[str, Any]], baseline: str) -> None:
         s["speedup"] = theirs / mine if mine and theirs else None
 
 
-def _bytes_sent(run: Run) -> int:
-    """Rank 0's bytes sent: the end record's total, else the last evaluation's, else the steps' sum."""
+def _bytes_sent(run: Run, field: str = "bytes_sent") -> int:
+    """Rank 0's bytes sent (``field``: those within its island): the end record's total, else the last evaluation's,
+    else the steps' sum (0 in records from before islands)."""
     for record in (run.end, run.evals[-1] if run.evals else None):
         if record is not None:
-            return int(record["bytes_sent_total"])
-    return sum(int(s["bytes_sent"]) for s in run.steps)
+            return int(record.get(f"{field}_total", 0))
+    return sum(int(s.get(field, 0)) for s in run.steps)
 
 
 def format_bytes(n: Optional[float]) -> str:
@@ -177,8 +179,13 @@ def _header(summaries: Sequence[Dict[str, Any]], *, repeats: bool) -> List[str]:
     return (["algorithm"] + (["repeats"] if repeats else []) + quality + budget
             + ["steps", "wall time", f"time to{target}"]
             + [f"speed-up over {b}" for b in {s["speedup_over"] for s in summaries if s.get("speedup_over")}]
-            + [f"sent to{target}", "sent per rank"]
+            + [f"sent to{target}", "sent per rank"] + (["of it within islands"] if _islands(summaries) else [])
             + [column for _, _, column in SPLITS])
+
+
+def _islands(summaries: Sequence[Dict[str, Any]]) -> bool:
+    """Whether some run had islands (its tables then show the bytes that stayed within them)."""
+    return any(s.get("island_bytes_sent_per_rank") for s in summaries)
 
 
 def markdown_table(summaries: Sequence[Dict[str, Any]]) -> str:
@@ -199,7 +206,7 @@ def markdown_table(summaries: Sequence[Dict[str, Any]]) -> str:
         ] + ([format_speedup(s.get("speedup"))] if faster else []) + [
             format_bytes(s["bytes_to_target"]),
             format_bytes(s["bytes_sent_per_rank"]),
-        ]
+        ] + ([format_bytes(s.get("island_bytes_sent_per_rank") or 0)] if _islands(summaries) else [])
         for key, _, _ in SPLITS:
             seconds, fraction = s[f"{key}_seconds"], s[f"{key}_fraction"]
             row.append(format_seconds(seconds) + ("" if fraction is None else f" ({100.0 * fraction:.0f} %)"))
@@ -246,7 +253,7 @@ def repeats_table(groups: Sequence[Sequence[Dict[str, Any]]]) -> str:
         ] + ([format_spread([s.get("speedup") for s in group], format_speedup)] if faster else []) + [
             format_spread(column("bytes_to_target"), format_bytes),
             format_spread(column("bytes_sent_per_rank"), format_bytes),
-        ]
+        ] + ([format_spread([s.get("island_bytes_sent_per_rank") or 0 for s in group], format_bytes)] if _islands(every) else [])
         for key, _, _ in SPLITS:
             fractions = [f for f in column(f"{key}_fraction") if f is not None]
             share = f", {100.0 * statistics.median(fractions):.0f} %" if fractions else ""

@@ -9,6 +9,7 @@ import torch
 
 from ..algorithms import StepRecord
 from ..comm import Ledger
+from ..comm.islands import ISLAND
 
 __all__ = ["Exchanged", "LOCAL", "loss_value", "add_cost", "mean_over_passes"]
 
@@ -23,10 +24,13 @@ def loss_value(loss: Any) -> Optional[float]:
 def add_cost(record: StepRecord, delta: Ledger) -> StepRecord:
     """``record`` with the bytes and blocked times of a ledger delta added."""
     comm, wait = delta.blocked_seconds()
+    island = delta.total(ISLAND)
     return dataclasses.replace(
         record,
         bytes_sent=record.bytes_sent + delta.bytes_sent,
         bytes_recv=record.bytes_recv + delta.bytes_recv,
+        island_bytes_sent=record.island_bytes_sent + island.bytes_sent,
+        island_bytes_recv=record.island_bytes_recv + island.bytes_recv,
         comm_seconds=record.comm_seconds + comm,
         wait_seconds=record.wait_seconds + wait,
     )

@@ -25,7 +25,7 @@ from ..metrics import versions
 from ..torch import DistributedOptimizer
 from .config import TrainConfig, UsageError
 from .optimizers import OptimizerSettings, inner_state, load_inner_state
-from .resume import rank_state
+from .resume import rank_state, workers_of
 
 __all__ = ["CheckpointPlan", "Checkpointer", "Interrupted", "EXIT_INTERRUPTED", "STOP_SIGNALS", "COUNTERS"]
 
@@ -34,7 +34,7 @@ EXIT_INTERRUPTED = 75
 #: Signals that make a run checkpoint and stop at the next step boundary.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 #: Running totals of the metrics saved as root attributes (rank 0's) and restored by a resume.
-COUNTERS = ("wall_seconds", "bytes_sent_total")
+COUNTERS = ("wall_seconds", "bytes_sent_total", "island_bytes_sent_total")
 
 
 class Interrupted(Exception):
@@ -106,7 +106,7 @@ class Checkpointer:
         self.directory = plan.directory
         self.enabled = bool(plan.every or plan.resume)
         #: The metrics' running totals (:data:`COUNTERS`) the resumed run starts from; zeros without a resume.
-        self.counters: Dict[str, float] = {"wall_seconds": 0.0, "bytes_sent_total": 0}
+        self.counters: Dict[str, float] = {"wall_seconds": 0.0, "bytes_sent_total": 0, "island_bytes_sent_total": 0}
         self._received: Optional[int] = None
         self._previous: Dict[int, Any] = {}
         self._vote = np.zeros(1, dtype=np.uint8)  # the stop-signal vote, on the topology's control communicator
@@ -136,6 +136,8 @@ class Checkpointer:
             "hyperparameters": {"lr": self._base_lr(), **self.opt.algorithm.hyperparameters(), **self.plan.optimizer.record()},
             "num_groups": self.topology.num_groups,
             "group_size": self.topology.group.size,
+            # Whom the algorithm's state is kept per (islands: one worker per group): a resume moves states between them.
+            **{key: value for key, value in self.opt.algorithm.worker_layout().items() if key != "worker"},
             "model_signature": model_signature(self.model),
             "precision": self.plan.settings.get("precision", "fp32"),
             "config": dict(self.plan.settings),
@@ -210,13 +212,14 @@ class Checkpointer:
             if world.rank == 0:
                 print(f"--resume auto: no checkpoint in {self.directory}; starting from step 0", flush=True)
             return 0
-        try:
-            ckpt = load_checkpoint(path, world, allow_world_size_change=True)
+        layout = self.opt.algorithm.worker_layout()
+        try:  # a checkpoint of other workers (islands on or off, of another size) is read whole, as one of another size
+            ckpt = load_checkpoint(path, world, allow_world_size_change=True, read_all=lambda attrs: workers_of(attrs) != workers_of(layout))
         except CheckpointError as err:
             raise UsageError(f"--resume: {err}") from None
         override = self.plan.override_hyperparameters
         state = rank_state(ckpt, self.attrs(0), self.algorithm, world, override_hyperparameters=override,
-                           hyperparameters=self.opt.algorithm.hyperparameters())
+                           hyperparameters=self.opt.algorithm.hyperparameters(), layout=layout)
         load = self.opt.algorithm.load_state_dict
         try:  # a state may fail on some ranks only (the asynchronous server's, a leader's): decide together
             self.topology.decide(lambda: load(state["algorithm"], override_hyperparameters=override), "resume", catch=(ValueError,))

@@ -85,6 +85,7 @@ class TrainConfig:
     hyperparameters: Dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     group_size: Optional[int] = None
+    islands: bool = False
     eval_every: Optional[int] = None
     target_accuracy: float = 0.9
     target_loss: Optional[float] = None
@@ -123,6 +124,11 @@ class TrainConfig:
             return self
         return dataclasses.replace(self, optimizer=None, no_decay_on=None)
 
+    def islands_for(self, algorithm: str) -> bool:
+        """Whether ``algorithm`` runs with each group one worker: ``--islands``, unless it refuses them (lsgd, the
+        asynchronous ones; ddp is data-parallel over every rank)."""
+        return self.islands and islands_refusal(algorithm) is None
+
     def given_hyperparameters(self, algorithm: str) -> Dict[str, Any]:
         """The hyperparameters the user gave ``algorithm``: the shared table, then its own (no defaults, no --lr)."""
         shared = {k: v for k, v in self.hyperparameters.items() if not isinstance(v, dict)}
@@ -157,6 +163,8 @@ class TrainConfig:
             if isinstance(value, dict) and name not in tables:
                 raise UsageError(f"hyperparameter table {name!r} names no algorithm or --optimizer; those: {', '.join(tables)}")
         self._check_optimizer(algorithms)
+        if self.islands and len(algorithms) == 1 and islands_refusal(algorithms[0]) is not None:
+            raise UsageError(f"{algorithms[0]} takes no --islands: {islands_refusal(algorithms[0])}")
         if self.seed < 0:
             raise UsageError(f"seed must be an integer >= 0, got {self.seed!r}")
         if self.override_hyperparameters and not self.resume:
@@ -287,6 +295,15 @@ class TrainConfig:
             schema.validate(values, what=name)
         except (TypeError, ValueError) as err:
             raise UsageError(f"{name}: {err}") from None
+
+
+def islands_refusal(name: str) -> Optional[str]:
+    """Why ``name`` takes no islands (its class's ``islands_refusal``; the ddp baseline's own reason); None: it takes them."""
+    if name == DDP:
+        return "the baseline is data-parallel over every rank already (sgd --islands is that, its exchange sharded between nodes)"
+    from ..algorithms import algorithm_class
+
+    return algorithm_class(name).islands_refusal
 
 
 def agree_or_fail(world: "Comm", what: Optional[str], fn: Callable[[], Any]) -> Any:

@@ -52,7 +52,10 @@ _HELP = {
     "warmup_steps": "a linear warm-up of the learning rate over N steps, then a cosine down to 0 at the last step "
     "(default: a constant rate)",
     "seed": "seed of the model's initialisation, the data order and augmentation",
-    "group_size": "ranks per group (LSGD's local leaders, signum's pre-vote); default: the real nodes",
+    "group_size": "ranks per group (LSGD's local leaders, signum's pre-vote, an island); default: the real nodes",
+    "islands": "each group (a node; --group-size emulates one) is one worker: data-parallel inside, the algorithm's "
+    "exchange between the groups, sliced over each group's ranks ({islands}; compare runs the others per rank; "
+    "docs/islands.md)",
     "eval_every": "evaluate on the test split every N steps (default: 10 times per run, and at the end)",
     "target_accuracy": "test accuracy for the time-to-target and bytes-to-target columns",
     "target_loss": "test loss for those columns instead of --target-accuracy: the first evaluation at or below it (for "
@@ -117,6 +120,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     starts = {cls.name: training_defaults(cls.name) for cls in algorithms()}
     roles = {key: ", ".join(cls.name for cls in algorithms() if cls.inner_role == role)
              for key, role in (("gradient_exchanging", "gradient"), ("model_averaging", "local"), ("no_inner", None))}
+    roles["islands"] = ", ".join(cls.name for cls in algorithms() if cls.islands_refusal is None) + " take them"
     parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (keys as below, with underscores); flags override it")
     for name in _FLAGS_BY_COMMAND[command]:
         f = next(x for x in dataclasses.fields(TrainConfig) if x.name == name)

@@ -178,7 +178,8 @@ def train(
     model.to(device)  # before the optimizers: their flat buffers and state are made where the parameters are
     hyper = config.algorithm_hyperparameters(algorithm)
     scaler = _scaler(algorithm, device) if uses_scaler(config.precision) else None
-    opt = _optimizer(algorithm, model, topology, hyper, inner_optimizer(OptimizerSettings.of(config), model), scaler)
+    inner = inner_optimizer(OptimizerSettings.of(config), model)
+    opt = _optimizer(algorithm, model, topology, hyper, inner, scaler, islands=config.islands_for(algorithm))
     broadcast_module(model, topology)
     torch.manual_seed(config.seed + 1 + world.rank)  # dropout differs between ranks, reproducibly
     if world.rank == 0:
@@ -199,12 +200,13 @@ def _scaler(algorithm: str, device: str) -> torch.amp.GradScaler:
     return GradScaler(torch.device(device).type)
 
 
-def _optimizer(algorithm: str, model: torch.nn.Module, topology: Topology, hyper: Dict[str, Any], inner: Any, scaler: Any) -> Any:
+def _optimizer(algorithm: str, model: torch.nn.Module, topology: Topology, hyper: Dict[str, Any], inner: Any, scaler: Any,
+               islands: bool = False) -> Any:
     """The run's optimizer (DDP's baseline or a :class:`DistributedOptimizer`, over ``inner`` if given), validated before any communication."""
     try:  # every rank fails alike
         if algorithm == DDP:
             return DDPBaseline(model, topology, optimizer=inner, scaler=scaler, **({} if inner is not None else hyper))
-        return DistributedOptimizer(model.parameters(), algorithm, topology=topology, inner=inner, **hyper)
+        return DistributedOptimizer(model.parameters(), algorithm, topology=topology, inner=inner, islands=islands, **hyper)
     except (TypeError, ValueError) as err:
         raise UsageError(f"{algorithm}: {err}") from None
 
@@ -249,6 +251,7 @@ class _Totals:
     def __init__(self, counters: Mapping[str, float]) -> None:
         self.wall_seconds = counters["wall_seconds"]
         self.bytes_sent_total = counters["bytes_sent_total"]
+        self.island_bytes_sent_total = counters["island_bytes_sent_total"]  # of it, within the rank's island
         self.losses: List[float] = []
 
     def counters(self) -> Dict[str, float]:
@@ -310,7 +313,7 @@ class _Run:
             "config": {**asdict(config), "algorithm": self.algorithm, "hyperparameters": hyper}, "world_size": self.topology.world.size,
             "versions": versions(), "steps": self.steps, "batches_per_epoch": self.batches_per_epoch,
             "parameters": sum(p.numel() for p in self.model.parameters()), "device": _device_name(self.device), **({"resumed_after_step": self.start} if self.start else {}),
-            **({"notes": NOTES} if self.algorithm == DDP else {}),
+            **({"notes": NOTES} if self.algorithm == DDP else {"worker_layout": self.opt.algorithm.worker_layout()}),
         }
 
     def close_records(self, end: Dict[str, Any]) -> Optional[str]:
@@ -330,6 +333,7 @@ class _Run:
     def _step_record(self, step: int, loss: float, compute: float, whole: float, record: Dict[str, Any]) -> Dict[str, Any]:
         """The record of one step; adds its bytes and loss to the totals."""
         self.totals.bytes_sent_total += record["bytes_sent"]
+        self.totals.island_bytes_sent_total += record.get("island_bytes_sent", 0)
         self.totals.losses.append(loss)
         return {
             "kind": "step", "step": step, "epoch": step / self.batches_per_epoch, "loss": loss, "lr": self.opt.algorithm.lr,
@@ -350,7 +354,8 @@ class _Run:
         if self.writer:
             self.writer.write({
                 "kind": "eval", "step": step, "epoch": step / self.batches_per_epoch, "wall_seconds": self.totals.wall_seconds,
-                "bytes_sent_total": self.totals.bytes_sent_total, "evaluated": self.evaluated_name,
+                "bytes_sent_total": self.totals.bytes_sent_total, "island_bytes_sent_total": self.totals.island_bytes_sent_total,
+                "evaluated": self.evaluated_name,
                 **result,
             })
 
