@@ -8,14 +8,16 @@ Why and what it costs: docs/islands.md.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..arrays import array_module
 from .communicator import SUM, Comm, Request
+from .ledger import Call
 
-__all__ = ["Islands", "IslandRequest", "slice_bounds", "shard_counts", "ISLAND", "RAIL"]
+__all__ = ["Islands", "IslandRequest", "slice_bounds", "shard_counts", "island_plan", "ISLAND", "RAIL"]
 
 #: The names of an island's communicator and of a rail's: the ledger's operations say which level moved the bytes.
 ISLAND, RAIL = "island", "rail"
@@ -40,6 +42,30 @@ def _bytes(buf: Any) -> Any:
 
 def _address(buf: Any) -> int:
     return buf.data.ptr if hasattr(buf.data, "ptr") else buf.ctypes.data
+
+
+def island_plan(calls: List[Call], d: int, ranks_per_island: int, workers: int, steps: int, itemsize: int = 4) -> List[Call]:
+    """The calls of an island run whose workers' plan is ``calls`` (``workers`` islands of ``ranks_per_island``).
+
+    Every step the island's mean gradient; each call of the plan along the rails (``ranks_per_island`` copies, a
+    slice each) and its reassembly in the islands (``workers`` copies), as :class:`Islands` makes them.
+    """
+    G = int(ranks_per_island)
+    out = [Call("allreduce", itemsize * d, G, steps, copies=workers, level="node")] if G > 1 else []
+    for call in calls:
+        if G == 1:
+            out.append(call)
+        elif call.op in ("allreduce", "iallreduce"):  # elements [j d / G, (j + 1) d / G): the slices add up
+            out.append(replace(call, nbytes=call.nbytes / G, copies=G, phase=2 * call.phase + 1))
+            out.append(Call("allgatherv", call.nbytes / G, G, call.count, phase=2 * call.phase + 2, copies=workers, level="node"))
+        elif call.op in ("allgather", "allgatherv", "twophase"):  # each block's bytes cut in slices of one width
+            width = -(-int(call.nbytes) // G)
+            rounds = 2 if call.op == "twophase" else 1  # the vote's Alltoall, then its Allgather, each reassembled
+            out.append(replace(call, nbytes=width, copies=G, phase=2 * call.phase + 1))
+            out.append(Call("allgather", workers * width, G, rounds * call.count, phase=2 * call.phase + 2, copies=workers, level="node"))
+        else:
+            raise ValueError(f"islands shard Allreduce, Allgather and Alltoall, not {call.op!r}")
+    return out
 
 
 class IslandRequest:

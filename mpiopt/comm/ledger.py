@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Callable, Dict, Iterable, Iterator, Mapping, Optional, Tuple
 
-__all__ = ["OpStats", "Ledger", "Call", "PLANNED_OPS", "call_bytes", "plan_bytes", "NONBLOCKING_OPS", "SPAN_KINDS"]
+__all__ = ["OpStats", "Ledger", "Call", "PLANNED_OPS", "LEVELS", "call_bytes", "plan_bytes", "NONBLOCKING_OPS", "SPAN_KINDS"]
 
 # Operations whose ``seconds`` run from posting to completion (overlapping
 # other work); only their ``wait_seconds`` is time this rank was blocked.
@@ -138,6 +138,8 @@ class Ledger:
 
 #: The collectives a :class:`Call` can name: ``twophase`` is the sign vote's Alltoall of chunks plus Allgather of one.
 PLANNED_OPS = ("allreduce", "iallreduce", "allgather", "allgatherv", "bcast", "twophase")
+#: Where a call's bytes travel: between workers (across the link), or within an island (the node's own links).
+LEVELS = ("link", "node")
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,8 @@ class Call:
     """One collective of an algorithm's plan: ``op`` with an ``nbytes`` message over ``ranks`` ranks, ``count`` times.
 
     ``phase``, ``overlap_steps`` and ``progress_rounds`` (calls beside each other or beside computation, and how
-    far MPI moves a call in flight): docs/internals-comm.md.
+    far MPI moves a call in flight): docs/internals-comm.md.  ``copies``: communicators of ``ranks`` that make the
+    call side by side (islands: one per rail, or one per island); ``level``: one of :data:`LEVELS`.
     """
 
     op: str
@@ -155,10 +158,14 @@ class Call:
     phase: int = 0
     overlap_steps: int = 0
     progress_rounds: Optional[int] = None
+    copies: int = 1
+    level: str = "link"
 
     def __post_init__(self) -> None:
         if self.op not in PLANNED_OPS:
             raise ValueError(f"op must be one of {', '.join(PLANNED_OPS)}, got {self.op!r}")
+        if self.level not in LEVELS:
+            raise ValueError(f"level must be one of {', '.join(LEVELS)}, got {self.level!r}")
 
 
 def call_bytes(op: str, ranks: int, nbytes: float) -> Tuple[float, float]:
@@ -177,11 +184,14 @@ def call_bytes(op: str, ranks: int, nbytes: float) -> Tuple[float, float]:
     return P * P * n, 2 * P * (P - 1) * n  # twophase: Alltoall of P chunks (one stays), then Allgather of one
 
 
-def plan_bytes(calls: Iterable[Call], ranks: int, steps: float = 1) -> Dict[str, float]:
-    """``{"sent", "recv"}``: bytes per step of the mean rank of a ``ranks``-rank world under ``calls`` over ``steps``."""
+def plan_bytes(calls: Iterable[Call], ranks: int, steps: float = 1, level: Optional[str] = None) -> Dict[str, float]:
+    """``{"sent", "recv"}``: bytes per step of the mean rank of a ``ranks``-rank world under ``calls`` over ``steps``
+    (``level``: of its calls at that level only)."""
     sent = recv = 0.0
     for call in calls:
+        if level is not None and call.level != level:
+            continue
         s, r = call_bytes(call.op, call.ranks, call.nbytes)
-        sent += call.count * s
-        recv += call.count * r
+        sent += call.count * call.copies * s
+        recv += call.count * call.copies * r
     return {"sent": sent / ranks / steps, "recv": recv / ranks / steps}

@@ -62,6 +62,8 @@ class Variant(NamedTuple):
     periods: Tuple[Optional[int], ...] = (None,)
     #: The hyperparameter the period axis sets (``lsgd``: its global pulls, the ones that cross the link).
     period_name: str = "period"
+    #: Each node one worker (``--islands``): 2 workers of 2 ranks instead of 4 (docs/islands.md).
+    islands: bool = False
 
 
 VARIANTS = (
@@ -75,6 +77,10 @@ VARIANTS = (
     Variant("sparseloco", "sparseloco", {}, ADAMW_RATES, (8, 16)),
     Variant("signum", "signum", {}, SIGNUM_RATES),
     Variant("topk", "topk", {}, ADAMW_RATES),
+    Variant("diloco-islands", "diloco", {}, ADAMW_RATES, (8, 16), islands=True),
+    Variant("streaming_diloco-islands", "streaming_diloco", {}, ADAMW_RATES, (8, 16), islands=True),
+    Variant("sparseloco-islands", "sparseloco", {}, ADAMW_RATES, (8, 16), islands=True),
+    Variant("signum-islands", "signum", {}, SIGNUM_RATES, islands=True),
 )
 #: The GPT text task: small enough that DDP's exchange is a visible share of a step even at 10 Gbit/s here.
 TASK = dict(dataset="text", model="gpt", n_layer=2, n_embd=192, n_head=4, block_size=32, batch_size=2,
@@ -82,7 +88,8 @@ TASK = dict(dataset="text", model="gpt", n_layer=2, n_embd=192, n_head=4, block_
 FULL = dict(rates=("10gbit", "1gbit", "100mbit"), seeds=(0, 1, 2), steps=200, tuning_steps=100, variants=VARIANTS, task=TASK,
             calibration_sizes="16k,128k,512k,1M", calibration_repeats=10)
 QUICK = dict(rates=("1gbit", "100mbit"), seeds=(0,), steps=6, tuning_steps=3,
-             variants=(Variant("sgd", "sgd", {}, (1e-3,)), Variant("diloco", "diloco", {}, (1e-3,), (3,))),
+             variants=(Variant("sgd", "sgd", {}, (1e-3,)), Variant("diloco", "diloco", {}, (1e-3,), (3,)),
+                       Variant("diloco-islands", "diloco", {}, (1e-3,), (3,), islands=True)),
              task=dict(TASK, n_layer=1, n_embd=32, n_head=2, eval_every=3, target_loss=5.4, log_every=3),
              calibration_sizes="16k,64k", calibration_repeats=3)
 
@@ -144,7 +151,7 @@ def run_entry(out: str, variant: Variant, point: Dict[str, Any], seed: int, step
     """One run of a job file; a timed run names its link's ``shaping``, a tuning run (its loss only counts) none."""
     return {"folder": os.path.join(out, folder), "label": variant.label, "algorithm": variant.algorithm,
             "hyperparameters": variant.hyperparameters, "point": point, "seed": seed, "steps": steps,
-            "tuning": shaping is None, **({} if shaping is None else {"link": shaping})}
+            "tuning": shaping is None, **({} if shaping is None else {"link": shaping}), **({"islands": True} if variant.islands else {})}
 
 
 class LoadSampler:
@@ -227,22 +234,26 @@ def tune(out: str, s: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
 
 #: The collectives timed at each rate for the model: mpiopt's (MPICH) and DDP's (torch's gloo Allreduce).
 LINK_OPERATIONS = f"allreduce,iallreduce,allgather-bits,vote-twophase,bcast,{GLOO_ALLREDUCE}"
-#: Between a node's two ranks, where a group's calls (``lsgd``'s local pulls) run.
-NODE_OPERATIONS = "allreduce,iallreduce,bcast"
+#: Between a node's two ranks, where a group's calls (``lsgd``'s local pulls) and an island's run (its mean gradient,
+#: the reassembly of what its rails exchanged).
+NODE_OPERATIONS = "allreduce,iallreduce,bcast,allgather-bits,allgatherv-sparse"
 
 
 def calibrate_link(path: str, rate: str, ranks: int, operations: str, s: Dict[str, Any], what: str) -> None:
-    """``bench collectives`` of ``operations`` at ``ranks`` on the link at ``rate`` into ``path``, unless done for this link."""
+    """``bench collectives`` of ``operations`` at ``ranks`` on the link at ``rate`` into ``path``, unless done for this
+    link (and these operations)."""
     if os.path.exists(path):
         with open(path) as handle:
-            if json.load(handle).get("shaping") == link(rate):
-                return
+            document = json.load(handle)
+        timed = document.get("operations", ",".join(sorted({r["op"] for r in document["results"]})))
+        if document.get("shaping") == link(rate) and set(operations.split(",")) <= set(timed.split(",")):
+            return
     launch(rate, [mpiexec_path("experiment crossover"), "-n", str(ranks), sys.executable, "-m", "mpiopt", "bench", "collectives",
                   "--sizes", s["calibration_sizes"], "--repeats", str(s["calibration_repeats"]), "--ops", operations,
                   "--json", path], what)
     with open(path) as handle:
         document = json.load(handle)
-    write_json(path, dict(document, shaping=link(rate)))
+    write_json(path, dict(document, shaping=link(rate), operations=operations))
 
 
 def main_runs(out: str, s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]]) -> None:

@@ -2,7 +2,7 @@
 
 ``python -m mpiopt.experiments.crossover_job JOB.json`` (under ``mpiexec``, inside the emulated cluster) reads
 ``{"task": {...}, "runs": [{"folder", "label", "algorithm", "hyperparameters", "point", "seed", "steps", "tuning"}]}``
-(``point``: the tuned values, as ``mpiopt compare --sweep`` applies them),
+(``point``: the tuned values, as ``mpiopt compare --sweep`` applies them; ``"islands": true``: each node one worker),
 skips every run whose ``complete.json`` exists (a restarted experiment goes on where it stopped), trains the
 others one after another with :func:`~mpiopt.training.loop.train`, and writes each one's ``complete.json`` (its
 :func:`~mpiopt.metrics.summarize` at the task's target loss) once its metrics are complete.
@@ -33,7 +33,7 @@ def run_config(task: Dict[str, Any], run: Dict[str, Any]) -> TrainConfig:
 
     algorithm = run["algorithm"]
     config = TrainConfig(**task, steps=run["steps"], seed=run["seed"], out=run["folder"], progress="lines",
-                         hyperparameters={algorithm: dict(run["hyperparameters"])})
+                         islands=run.get("islands", False), hyperparameters={algorithm: dict(run["hyperparameters"])})
     if run["tuning"]:  # a diverging candidate skips its non-finite steps and loses, as in compare --sweep
         return tuning_config(config, algorithm, run["point"], run["steps"])
     return with_point(config, algorithm, run["point"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..bench._common import markdown_table, parse_rate
@@ -32,8 +33,14 @@ GOAL_SLOW = 5.0
 #: The model's step time within this fraction of the measured one, every variant at every rate.
 GOAL_MODEL = 0.25
 PROJECTED_RATES = ("10gbit", "100gbit")
+#: Ranks per island in the projection: a node of 8 GPUs.
+PROJECTED_ISLAND = 8
 #: A fabric's per-hop latency for the projection (this machine's fitted alpha is its scheduling, not a network's).
 MODEL_ALPHA = 1e-5
+#: Island variants reach the target in at most this fraction of their per-rank twins' steps (median of the seeds' ratios).
+GOAL_ISLAND_STEPS = 0.9
+#: ... and island diloco at the slowest rate at least this many times sooner than per-rank diloco.
+GOAL_ISLAND_SPEEDUP = 1.2
 
 
 def _median(values: Sequence[Optional[float]]) -> Optional[float]:
@@ -55,11 +62,12 @@ def _local_step(summary: Dict[str, Any]) -> float:
     return _step(summary) - (summary["communication_seconds"] + summary["waiting_seconds"]) / summary["steps"]
 
 
-def _comm_plan(variant: Any, d: int, ranks: int, point: Dict[str, Any], groups: Optional[List[int]]) -> List[Any]:
-    """The variant's collectives per step; DDP's are those of the algorithm it is modelled as."""
+def _comm_plan(variant: Any, d: int, ranks: int, point: Dict[str, Any], groups: Optional[List[int]], island: int) -> List[Any]:
+    """The variant's collectives per step (an island variant's with islands of ``island`` ranks); DDP's are those of
+    the algorithm it is modelled as."""
     name = MODELLED_AS if variant.algorithm == DDP else variant.algorithm
     hyper = {**variant.hyperparameters, **{k: v for k, v in point.items() if k != "lr"}}
-    return plan(name, d, ranks, hyper, groups if name == "lsgd" else None)
+    return plan(name, d, ranks, hyper, groups if name == "lsgd" else None, island if variant.islands else 1)
 
 
 def _priced(variant: Any, model: Dict[str, Any]) -> Dict[str, Any]:
@@ -70,10 +78,10 @@ def _priced(variant: Any, model: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _comm(calls: List[Any], P: int, per_node: int, models: Dict[str, Dict[str, Any]], compute: float) -> float:
-    """Seconds per step of ``calls``: a call among a node's ranks (a group's) at shared-memory cost, the others on the link."""
-    inside = [c for c in calls if c.ranks <= per_node < P]
-    across = [c for c in calls if not (c.ranks <= per_node < P)]
-    return comm_seconds(across, models["link"], compute) + (comm_seconds(inside, models["node"], compute) if inside else 0.0)
+    """Seconds per step of ``calls``: a call among a node's ranks (a group's, an island's) at shared-memory cost, the
+    others on the link."""
+    placed = [replace(c, level="node") if c.ranks <= per_node < P else c for c in calls]
+    return comm_seconds(placed, models["link"], compute, node=models["node"])
 
 
 def _load(out: str, s: Dict[str, Any]) -> Dict[str, Dict[str, List[Dict[str, Any]]]]:
@@ -111,7 +119,7 @@ def _rows(runs: Dict[str, Dict[str, List[Dict[str, Any]]]], s: Dict[str, Any], c
             speedups = [base[r["seed"]] / t if t and base.get(r["seed"]) else None for r, t in zip(group, times)]
             at_budget = [summarize(r["metrics"], target_loss=target, budget_seconds=budget)["loss_at_budget"] for r in group]
             measured = _median([_step(r["summary"]) for r in group])
-            calls = _comm_plan(v, d, s["ranks"], chosen[v.label], [s["ranks_per_node"]] * s["nodes"])
+            calls = _comm_plan(v, d, s["ranks"], chosen[v.label], [s["ranks_per_node"]] * s["nodes"], s["ranks_per_node"])
             comm = _comm(calls, s["ranks"], s["ranks_per_node"], {"link": _priced(v, models[rate]), "node": models["node"]},
                          compute[v.label])
             predicted = compute[v.label] + comm
@@ -120,7 +128,11 @@ def _rows(runs: Dict[str, Dict[str, List[Dict[str, Any]]]], s: Dict[str, Any], c
                 "speedup": _median(speedups), "reached": sum(t is not None for t in times), "repeats": len(group),
                 "budget_seconds": budget, "loss_at_budget": at_budget, "final_loss": [r["summary"]["final_loss"] for r in group],
                 "steps_to_target": _median([r["summary"]["steps_to_target"] for r in group]),
+                "steps_to_target_seeds": [r["summary"]["steps_to_target"] for r in group],
                 "bytes_per_rank": _median([r["summary"]["bytes_sent_per_rank"] for r in group]),
+                # what crossed between workers (the link): all of it, but what stayed in an island
+                "link_bytes_per_rank": _median([r["summary"]["bytes_sent_per_rank"] - (r["summary"].get("island_bytes_sent_per_rank") or 0)
+                                                for r in group]),
                 "measured_step": measured, "compute_step": compute[v.label], "predicted_comm": comm, "predicted_step": predicted,
                 "model_error": predicted / measured - 1,
             })
@@ -133,8 +145,10 @@ def _rows(runs: Dict[str, Dict[str, List[Dict[str, Any]]]], s: Dict[str, Any], c
 
 
 def _projection(s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]], rows: List[Dict[str, Any]], model: Dict[str, Any],
-                baseline: str, d: int) -> List[Dict[str, Any]]:
-    """Predicted speed-up to the target at 64-1024 ranks: step time (switched network, alpha 10 us) x measured steps to it."""
+                baseline: str, d: int, node: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Predicted speed-up to the target at 64-1024 ranks: step time (switched network, alpha 10 us) x measured steps to it.
+
+    Island variants in islands of :data:`PROJECTED_ISLAND` ranks, their calls within an island at ``node``'s cost."""
     fastest = max(s["rates"], key=parse_rate)
     steps = {r["label"]: r["steps_to_target"] for r in rows if r["rate"] == fastest}
     compute = {r["label"]: r["compute_step"] for r in rows if r["rate"] == fastest}
@@ -142,8 +156,8 @@ def _projection(s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]], rows: List
     for rate in PROJECTED_RATES:
         moved = at_rate(model, parse_rate(rate), "switched", MODEL_ALPHA)
         for P in PROJECTED_RANKS:
-            seconds = {v.label: compute[v.label] + comm_seconds(_comm_plan(v, d, P, chosen[v.label], None), moved, compute[v.label])
-                       for v in s["variants"]}
+            seconds = {v.label: compute[v.label] + comm_seconds(_comm_plan(v, d, P, chosen[v.label], None, PROJECTED_ISLAND), moved,
+                                                                compute[v.label], node) for v in s["variants"]}
             for v in s["variants"]:
                 if steps.get(v.label) and steps.get(baseline):
                     out.append({"rate": rate, "P": P, "label": v.label, "step_seconds": seconds[v.label],
@@ -211,11 +225,52 @@ def _verdicts(s: Dict[str, Any], rows: List[Dict[str, Any]], baseline: str) -> D
             "measured": f"worst {worst['label']} at {worst['rate']}: {worst['model_error']:+.0%}",
             "met": all(abs(r["model_error"]) <= GOAL_MODEL for r in rows)},
     }
+    verdicts.update(_island_verdicts(s, rows))
     if sgd is not None and baseline != "sgd":
         verdicts[f"sgd at {fastest}: at most 1.0x {baseline}'s time"] = {
             "measured": "not reached" if sgd["speedup"] is None else f"{1 / sgd['speedup']:.2f}x",
             "met": sgd["speedup"] is not None and sgd["speedup"] >= 1.0}
     return verdicts
+
+
+def _paired(mine: Sequence[Optional[float]], theirs: Sequence[Optional[float]]) -> Optional[float]:
+    """The median over seeds of ``mine / theirs`` where both are known."""
+    return _median([a / b for a, b in zip(mine, theirs) if a and b])
+
+
+def _per_exchange(row: Dict[str, Any], steps: int) -> float:
+    """Bytes a rank sent across the link per exchange: per step, times the steps between exchanges (1 without a period)."""
+    period = next((v for k, v in row["point"].items() if k != "lr"), 1)
+    return row["link_bytes_per_rank"] * period / steps
+
+
+def _island_verdicts(s: Dict[str, Any], rows: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """The islands' goals: 1/G of the bytes across the link per exchange, fewer steps, and island diloco sooner."""
+    by = {(r["rate"], r["label"]): r for r in rows}
+    islands = [v for v in s["variants"] if v.islands and (s["rates"][0], v.algorithm) in by]
+    if not islands:
+        return {}
+    G, slowest = s["ranks_per_node"], min(s["rates"], key=parse_rate)
+    shares = {v.label: max(_per_exchange(by[(rate, v.label)], s["steps"]) / _per_exchange(by[(rate, v.algorithm)], s["steps"])
+                           for rate in s["rates"]) for v in islands}
+    worst = max(shares, key=shares.get)
+    out = {f"across the link an island variant sends at most 1/{G} of its per-rank twin's bytes per exchange": {
+        "measured": f"worst {worst}: {shares[worst]:.3f} of its twin's", "met": shares[worst] <= 1 / G + 1e-3}}
+    for v in islands:
+        if v.algorithm not in ("diloco", "sparseloco"):
+            continue
+        ratios = {rate: _paired(by[(rate, v.label)]["steps_to_target_seeds"], by[(rate, v.algorithm)]["steps_to_target_seeds"])
+                  for rate in s["rates"]}
+        known = [x for x in ratios.values() if x is not None]
+        out[f"{v.label} reaches the target in <= {GOAL_ISLAND_STEPS:g}x {v.algorithm}'s steps"] = {
+            "measured": ", ".join(f"{rate} {x:.2f}x" if x is not None else f"{rate} not reached" for rate, x in ratios.items()),
+            "met": bool(known) and len(known) == len(ratios) and max(known) <= GOAL_ISLAND_STEPS}
+        if v.algorithm == "diloco":
+            faster = _paired(by[(slowest, v.algorithm)]["times_to_target"], by[(slowest, v.label)]["times_to_target"])
+            out[f"{v.label} at {slowest}: >= {GOAL_ISLAND_SPEEDUP:g}x sooner than {v.algorithm}"] = {
+                "measured": "not reached" if faster is None else f"{faster:.2f}x",
+                "met": faster is not None and faster >= GOAL_ISLAND_SPEEDUP}
+    return out
 
 
 def _tables(s: Dict[str, Any], rows: List[Dict[str, Any]], baseline: str) -> str:
@@ -232,13 +287,15 @@ def _tables(s: Dict[str, Any], rows: List[Dict[str, Any]], baseline: str) -> str
         mine = [r for r in rows if r["rate"] == rate]
         parts.append(f"### {rate}: budget {mine[0]['budget_seconds']:.1f} s (half {baseline}'s median time to the target)")
         parts.append(markdown_table(
-            ["variant", "tuned", "time to target", "speed-up", "loss at budget", "final loss", "sent per rank",
-             "step (measured)", "step (model)", "model error"],
+            ["variant", "tuned", "time to target", "speed-up", "steps to target", "loss at budget", "final loss", "sent per rank",
+             "of it across the link", "step (measured)", "step (model)", "model error"],
             [[r["label"], ", ".join(f"{k} {v:g}" for k, v in r["point"].items()),
               format_spread(r["times_to_target"], format_seconds), format_spread(r["speedups"], format_speedup),
+              format_spread(r["steps_to_target_seeds"], lambda v: "—" if v is None else f"{v:g}"),
               format_spread(r["loss_at_budget"], _loss), format_spread(r["final_loss"], _loss), format_bytes(r["bytes_per_rank"]),
+              format_bytes(r["link_bytes_per_rank"]),
               f"{1000 * r['measured_step']:.1f} ms", f"{1000 * r['predicted_step']:.1f} ms", f"{r['model_error']:+.0%}"] for r in mine],
-            "llrrrrrrrr"))
+            "llrrrrrrrrrr"))
     return "\n\n".join(parts)
 
 
@@ -292,7 +349,7 @@ def report(out: str, s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]], quick
             buckets[rate] = document.get("shaping", {}).get("burst_bytes")
     rows = _rows(runs, s, chosen, models, baseline, d)
     reference = "1gbit" if "1gbit" in models else s["rates"][0]
-    projection = _projection(s, chosen, rows, models[reference], baseline, d)
+    projection = _projection(s, chosen, rows, models[reference], baseline, d, models["node"])
     figure = _figure(s, rows, projection, baseline, os.path.join(out, "results-crossover-map.png"))
     verdicts = _verdicts(s, rows, baseline)
     load = _load_samples(out)

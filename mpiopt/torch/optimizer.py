@@ -269,9 +269,10 @@ class DistributedOptimizer(GroupsMixin, torch.optim.Optimizer):
         if exchanged.kind == "local":
             self._mean_over_passes()
             return self.algorithm.step(self._params_array, self._grads_array, loss=loss)
-        if exchanged.kind == "reduced":
+        if exchanged.kind == "reduced":  # the buckets' cost up to here: the step records its own (islands: the rails')
+            cost = self.topology.ledger.since(exchanged.before)
             record = self.algorithm.step_reduced(self._params_array, self._grads_array, self._total_array, loss=loss)
-            return add_cost(record, self.topology.ledger.since(exchanged.before))
+            return add_cost(record, cost)
         if self.algorithm.inner_role != "gradient":  # islands: .grad holds the island's mean, which the local step reads
             record = self.algorithm.step(self._params_array, self._grads_array, loss=loss, island_mean=True)
             return add_cost(record, exchanged.cost)

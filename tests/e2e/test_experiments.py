@@ -169,7 +169,7 @@ CLUSTER_WHY_NOT = emulated_cluster_unavailable()
 
 @pytest.mark.skipif(bool(CLUSTER_WHY_NOT), reason=CLUSTER_WHY_NOT or "runs")
 def test_crossover_measures_each_rate_models_it_and_resumes(tmp_path):
-    """2 rates x 2 variants on the emulated cluster: tuned, trained, calibrated and reported; a rerun trains only what is missing."""
+    """2 rates x 3 variants on the emulated cluster: tuned, trained, calibrated and reported; a rerun trains only what is missing."""
     from mpiopt.experiments.crossover import QUICK
 
     out = tmp_path / "crossover"
@@ -188,12 +188,19 @@ def test_crossover_measures_each_rate_models_it_and_resumes(tmp_path):
     assert slow["final_loss"] == fast["final_loss"]  # the same seed trains the same steps at any rate
     assert (out / "results-crossover-map.png").stat().st_size > 0 and "Goals" in (out / "results.md").read_text()
     assert document["settings"]["burst_bytes"] == {"1gbit": 625_000, "100mbit": 62_500}  # 5 ms of each line
+    islands = {r["rate"]: r for r in rows if r["label"] == "diloco-islands"}
+    twin = {r["rate"]: r for r in rows if r["label"] == "diloco"}
+    for rate, r in islands.items():  # 2 workers of 2 ranks: half the bytes across the link per exchange, the rest within
+        assert r["link_bytes_per_rank"] == pytest.approx(twin[rate]["link_bytes_per_rank"] / 2, rel=0.02)
+        assert r["bytes_per_rank"] > r["link_bytes_per_rank"] > 0
+    assert any(goal.startswith("across the link an island variant") for goal in document["numbers"]["goals"])
     # Interrupted after all but one run: the same command trains that one and writes the same report around it.
     os.remove(out / "1gbit" / "diloco" / "seed0" / "complete.json")
     again = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300, cwd=ROOT, env=env)
     assert again.returncode == 0, again.stdout[-4000:]
-    assert "[main-1gbit]: 1 of 2 runs already done, 1 to go" in again.stdout
-    assert "[tuning-1]: all 2 runs already done" in again.stdout and "[main-100mbit]: all 2 runs already done" in again.stdout
+    n = len(QUICK["variants"])  # sgd, diloco, and diloco with islands
+    assert f"[main-1gbit]: {n - 1} of {n} runs already done, 1 to go" in again.stdout
+    assert f"[tuning-1]: all {n} runs already done" in again.stdout and f"[main-100mbit]: all {n} runs already done" in again.stdout
     rerun = {(r["rate"], r["label"]): r for r in json.loads((out / "results.json").read_text())["numbers"]["rows"]}
     assert rerun[("1gbit", "diloco")]["final_loss"] == next(r for r in rows if r["rate"] == "1gbit" and r["label"] == "diloco")["final_loss"]
 

@@ -238,7 +238,7 @@ def test_the_islands_ranks_together_send_one_workers_bytes_between_islands(world
 
     if world_size % G:
         pytest.skip(f"{world_size} ranks make no islands of {G}")
-    d, start, steps = 1001, 4, 12
+    d, start, steps = 1001, 1, 13  # from the first step to the last's Wait: every exchange starts and ends inside
     topo = Topology(group_size=G)
     W = world_size // G
     rng = np.random.default_rng([3, topo.group_index])  # the same gradients on an island's ranks: their mean is them
@@ -249,18 +249,24 @@ def test_the_islands_ranks_together_send_one_workers_bytes_between_islands(world
         if step == start:
             before = topo.ledger.snapshot()
         alg.step(params, rng.standard_normal(d).astype(np.float32))
+    alg.finish(params)  # an island reassembles what its rails exchanged in flight at the Wait: counted here
     delta = topo.ledger.since(before)
-    alg.finish(params)
     between = {op: s for op, s in delta.ops.items() if op.startswith("rail.")}
     within = {op: s for op, s in delta.ops.items() if op.startswith("island.")}
     assert set(delta.ops) == set(between) | set(within), sorted(delta.ops)
     island_sent = sum(topo.group.allgather_obj(sum(s.bytes_sent for s in between.values())))
     calls = sum(s.calls for s in between.values())
-    worker = expected_bytes(name, d, W, hyper, steps=steps, start=start)["sent"] * steps  # one worker's, over the steps
+    worker = round(expected_bytes(name, d, W, hyper, steps=steps, start=start)["sent"] * steps)  # one worker's, over the steps
     # Allreduce slices add up exactly; Allgather and Alltoall slices are padded to one width: < G bytes a block.
     assert worker <= island_sent <= worker + calls * W * (G - 1), (island_sent, worker)
+    # The plan of the island run, level by level: the padded slices across, the mean and the reassembly within.
+    island = dict(steps=steps, start=start, ranks_per_island=G)
+    across = expected_bytes(name, d, world_size, hyper, level="link", **island)["sent"] * steps * G  # per island
+    assert across == pytest.approx(island_sent, rel=1e-12), (across, island_sent)
+    within_sent = sum(topo.group.allgather_obj(sum(s.bytes_sent for s in within.values())))
+    assert expected_bytes(name, d, world_size, hyper, level="node", **island)["sent"] * steps * G == pytest.approx(within_sent)
     if G > 1 and W > 1:
-        assert sum(s.bytes_sent for s in within.values()) > 0
+        assert within_sent > 0
     topo.Free()
 
 

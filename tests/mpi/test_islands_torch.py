@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mpiopt import Topology
+from mpiopt.comm.islands import shard_counts
 
 torch = pytest.importorskip("torch")
 from mpiopt.torch import DistributedOptimizer  # noqa: E402
@@ -132,3 +133,25 @@ def _train_from(opt, model, batches, first):
         opt.step()
         seen.append(opt.flat_params.detach().clone().numpy())
     return seen
+
+
+@pytest.mark.parametrize("overlap", [None, False], ids=["buckets", "one-allreduce"])
+def test_a_steps_record_counts_each_byte_once_at_its_level(world_size, overlap):
+    """With islands of 2: every step the island's mean (4d) within; every period half the vector across the rails."""
+    if world_size % 2:
+        pytest.skip("islands of 2 need an even world")
+    topo = Topology(group_size=2)
+    model = _model()
+    opt = DistributedOptimizer(model.parameters(), "diloco", topology=topo, islands=True, overlap=overlap, **CASES["diloco"])
+    d, W = opt.flat_params.numel(), world_size // 2
+    for t in range(1, 4):  # period 3: the third step exchanges
+        x, y = _batch(topo.rank, t)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        record = opt.last
+        across = record.bytes_sent - record.island_bytes_sent
+        half = 8 * shard_counts(d, 2)[topo.group.rank]  # float64: this rank's slice of the elements
+        assert across == (half if t == 3 and W > 1 else 0), (t, across)
+        assert record.island_bytes_sent == 8 * d + (half if t == 3 and W > 1 else 0), (t, record.island_bytes_sent)
+    topo.Free()

@@ -18,7 +18,14 @@ def test_every_variant_is_tuned_over_the_same_grid_of_its_kind():
         if v.algorithm != "signum":  # AdamW's rate for everyone AdamW steps; signum's own update has its own scale
             assert v.rates == ADAMW_RATES, v
     periodic = {v.label: v.periods for v in variants if v.periods != (None,)}
-    assert set(periodic) == {"dasgd", "lsgd", "diloco", "diloco-int8", "streaming_diloco", "sparseloco"}
+    assert set(periodic) == {"dasgd", "lsgd", "diloco", "diloco-int8", "streaming_diloco", "sparseloco",
+                             "diloco-islands", "streaming_diloco-islands", "sparseloco-islands"}
+    # Each island variant is its per-rank twin with each node one worker, tuned over the same grid.
+    twins = {v.label: v for v in variants}
+    islands = [v for v in variants if v.islands]
+    assert {v.label for v in islands} == {"diloco-islands", "streaming_diloco-islands", "sparseloco-islands", "signum-islands"}
+    for v in islands:
+        assert v._replace(label=v.algorithm, islands=False) == twins[v.algorithm]
     lsgd = next(v for v in variants if v.label == "lsgd")  # its global pulls are the ones that cross the link
     assert grid(lsgd.rates, lsgd.periods, lsgd.period_name)[0] == {"lr": ADAMW_RATES[0], "global_period": lsgd.periods[0]}
 

@@ -259,3 +259,48 @@ def test_an_exchange_in_flight_names_how_far_mpi_moves_it(name, steps):
     assert {c.progress_rounds for c in M.plan(name, 1000, 4, {**hyper, "progress": "none"})} == {1}  # the start's
     assert {c.progress_rounds for c in M.plan(name, 1000, 4, {**hyper, "progress": "thread"})} == {None}  # throughout
     assert {c.overlap_steps for c in M.plan(name, 1000, 4, hyper)} == {2}
+
+
+# -- islands: the plan level by level, and the node's model for the calls within the islands ------------------------
+def test_island_plans_by_hand():
+    """d = 1000 float32 on 4 ranks in 2 islands of 2 (the ledger's convention, per rank and step)."""
+    d, P, island = 1000, 4, dict(ranks_per_island=2)
+    # sgd: the island's mean (4d) and the reassembly of the reduced half (2d) within; half the vector across.
+    assert expected_bytes("sgd", d, P, level="link", **island) == {"sent": 2000, "recv": 2000}
+    assert expected_bytes("sgd", d, P, level="node", **island) == {"sent": 6000, "recv": 6000}
+    # diloco every 4 steps: the mean every step, the exchange and its reassembly every fourth.
+    assert expected_bytes("diloco", d, P, {"period": 4}, steps=4, level="link", **island) == {"sent": 500, "recv": 500}
+    assert expected_bytes("diloco", d, P, {"period": 4}, steps=4, level="node", **island) == {"sent": 4500, "recv": 4500}
+    # signum: 125 packed bytes, slices of 63 along the rails; the island gathers both islands' slices (2 x 63).
+    assert expected_bytes("signum", d, P, {"exchange": "allgather"}, level="link", **island) == {"sent": 63, "recv": 63}
+    assert expected_bytes("signum", d, P, {"exchange": "allgather"}, level="node", **island) == {"sent": 4000 + 126, "recv": 4000 + 126}
+    # One island: only its mean; islands of one rank: the per-rank plan itself.
+    assert expected_bytes("diloco", d, 2, {"period": 4}, steps=4, ranks_per_island=2) == {"sent": 4000, "recv": 4000}
+    assert expected_bytes("diloco", d, P, {"period": 4}, steps=4, ranks_per_island=1) == expected_bytes("diloco", d, P, {"period": 4}, steps=4)
+    with pytest.raises(ValueError, match="6 ranks make no islands of 4"):
+        expected_bytes("sgd", d, 6, ranks_per_island=4)
+
+
+def test_island_step_seconds_by_hand():
+    """sgd in 2 islands of 2: the island's Allreduce and its reassembly at the node's cost, the rails' at the link's."""
+    link, node, d, c = _model("switched"), _model("switched", alpha=1e-6, beta=1e-10), 1000, 0.01
+    mean = 2 * 1e-6 + 4000 * 1e-10  # 2 log2 2 hops, 2 (1/2) 4d
+    gather = 1 * 1e-6 + 2000 * 1e-10  # Allgatherv of 2d bytes a rank: P - 1 hops, (P - 1) n
+    rail = 2 * ALPHA + 2000 * BETA  # each rail reduces its half: 2 (1/2) 2d bytes
+    got = M.step_seconds("sgd", d, 4, c, link, ranks_per_island=2, node=node)
+    assert got["comm"] == pytest.approx(mean + gather + rail)
+    # On a shared medium the two rails' slices travel one after the other.
+    shared = _model("shared")
+    assert M.comm_seconds(M.plan("sgd", d, 4, ranks_per_island=2), shared, c, node) == pytest.approx(
+        mean + gather + 2 * ALPHA + 2 * 4000 * BETA)
+    with pytest.raises(ValueError, match="need the node's model"):
+        M.step_seconds("sgd", d, 4, c, link, ranks_per_island=2)
+
+
+def test_projection_adds_island_runs():
+    rows = M.project(_model(), [("m", 1_000_000, 0.1)], ranks=[64], rates=["10gbit"], algorithms=["sgd", "diloco", "lsgd"],
+                     ranks_per_island=8, node=_model(alpha=1e-6, beta=1e-11))
+    names = {r["algorithm"] for r in rows}
+    assert names == {"sgd", "diloco", "lsgd", "sgd@islands", "diloco@islands"}  # lsgd takes no islands
+    by = {r["algorithm"]: r for r in rows}
+    assert by["diloco@islands"]["seconds"] < by["diloco"]["seconds"]  # an eighth of the bytes across, at 8 workers

@@ -56,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL.json")
     p.add_argument("measured", nargs="+", metavar="ALG.json")
     p.add_argument("--goal", type=float, default=0.25, help="relative error counted as a hit")
+    p.add_argument("--node", default=None, metavar="NODE.json",
+                   help="the node's model (calibrate bench collectives run inside one node), for island runs' calls within the islands")
     p.add_argument("--json", default=None, metavar="FILE")
     p.add_argument("--plot", default=None, metavar="PNG")
     p = sub.add_parser("project", help="step time and speed-up over sgd at many ranks and faster links")
@@ -68,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--algorithms", type=comma_list(str), default=None, metavar="A,B,...",
                    help="algorithms to project (default: every synchronous one, and the asynchronous ones with a server model)")
     p.add_argument("--alpha", type=float, default=None, metavar="SECONDS", help="latency per hop (default: the calibrated)")
+    p.add_argument("--ranks-per-island", type=int, default=1, metavar="G",
+                   help="also project each algorithm that takes islands with islands of G ranks (needs --node)")
+    p.add_argument("--node", default=None, metavar="NODE.json", help="the node's model, for the calls within islands")
     p.add_argument("--json", default=None, metavar="FILE")
     p.add_argument("--plot", default=None, metavar="PNG")
 
@@ -83,8 +88,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"\nwrote {args.out}")
             return 0
         (model,) = _load([args.model])
+        node = _load([args.node])[0] if getattr(args, "node", None) else None
         if args.action == "validate":
-            rows = validate(model, _load(args.measured))
+            rows = validate(model, _load(args.measured), node)
             print(validation_table(rows, args.goal))
             hits = sum(abs(r["error"]) <= args.goal for r in rows)
             print(f"\n{hits} of {len(rows)} points within {100 * args.goal:.0f} %")
@@ -93,7 +99,10 @@ def run(args: argparse.Namespace) -> int:
             check_choices("--algorithms", args.algorithms, projected())
             if not args.world_sizes or min(args.world_sizes) < 2:
                 raise UsageError(f"--ranks must be >= 2, got {args.world_sizes}")
-            rows = project(model, _parse_models(args.models), args.world_sizes, args.rates, args.algorithms, args.alpha)
+            if args.ranks_per_island < 1 or (args.ranks_per_island > 1 and node is None):
+                raise UsageError(f"--ranks-per-island must be >= 1, and above 1 it needs --node; got {args.ranks_per_island}")
+            rows = project(model, _parse_models(args.models), args.world_sizes, args.rates, args.algorithms, args.alpha,
+                           args.ranks_per_island, node)
             print(projection_table(rows))
         if args.json:
             write_json(args.json, {"benchmark": f"model-{args.action}", "rows": rows})

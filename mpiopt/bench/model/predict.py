@@ -14,7 +14,7 @@ from ...algorithms import algorithms as registered
 from ...comm.ledger import Call
 from ...training.config import training_defaults
 from .._common import parse_rate
-from .costs import collective_seconds, latency_terms
+from .costs import latency_terms, wire_bytes
 
 __all__ = [
     "RANKS", "RATES", "projected", "plan", "comm_seconds", "step_seconds", "async_seconds", "at_rate", "validate", "project",
@@ -34,9 +34,11 @@ def _hyper(name: str, hyper: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     return {**algorithm_class(name).default_hyperparameters(), **training_defaults(name), **(hyper or {})}
 
 
-def plan(name: str, d: int, P: int, hyper: Optional[Mapping[str, Any]] = None, groups: Optional[Sequence[int]] = None) -> List[Call]:
+def plan(name: str, d: int, P: int, hyper: Optional[Mapping[str, Any]] = None, groups: Optional[Sequence[int]] = None,
+         ranks_per_island: int = 1) -> List[Call]:
     """The calls of one step of synchronous ``name`` (d float32 parameters, P ranks), averaged over its cycle.
 
+    ``ranks_per_island`` > 1: an island run's, its calls within the islands at ``level="node"``.
     ``ValueError`` for an unknown or asynchronous algorithm, or groups that do not add up to ``P``.
     """
     cls = algorithm_class(name)
@@ -44,7 +46,7 @@ def plan(name: str, d: int, P: int, hyper: Optional[Mapping[str, Any]] = None, g
         raise ValueError(f"plan covers the synchronous algorithms {', '.join(available(SYNCHRONOUS))}; got {name!r}")
     h = _hyper(name, hyper)
     cycle = cls.plan_cycle(h)
-    calls = cls.communication(d, P, h, groups=groups, steps=range(1, cycle + 1))
+    calls = cls.communication(d, P, h, groups=groups, steps=range(1, cycle + 1), ranks_per_island=ranks_per_island)
     return [replace(call, count=call.count / cycle) for call in calls]
 
 
@@ -58,19 +60,31 @@ def _params(model: Mapping[str, Any], op: str) -> Tuple[float, float]:
     return float(entry["alpha"]), float(entry["beta"])
 
 
-def comm_seconds(calls: Iterable[Call], model: Mapping[str, Any], compute: float = 0.0) -> float:
+def comm_seconds(calls: Iterable[Call], model: Mapping[str, Any], compute: float = 0.0,
+                 node: Optional[Mapping[str, Any]] = None) -> float:
     """Communication seconds per step: phases one after the other; calls of a phase in parallel (switched) or one after the other (shared).
 
     A call in flight across ``overlap_steps`` steps of ``compute`` seconds
     (DaSGD's averaging) exposes only what outlasts them; one that MPI moves a
     round at a time (``progress_rounds``) hides those rounds, each behind at
-    most a step.
+    most a step.  A call's ``copies`` (an island run's rails) share a shared
+    medium and run side by side on a switched one.  Calls within islands
+    (``level="node"``) are priced by ``node``, the node's model, after the
+    link's (a node's copies are on other nodes: side by side).
     """
+    calls = list(calls)
+    inside = [c for c in calls if c.level == "node"]
+    if inside:
+        if node is None:
+            raise ValueError("the calls within islands need the node's model (node=...): bench collectives inside one node")
+        return comm_seconds([c for c in calls if c.level != "node"], model, compute) + comm_seconds(
+            [replace(c, level="link", copies=1) for c in inside], node, compute)
     medium = model["medium"]
     phases: Dict[int, List[float]] = {}
     for c in calls:
         alpha, beta = _params(model, c.op)
-        whole = collective_seconds(c.op, c.ranks, c.nbytes, alpha, beta, medium)
+        sharing = c.copies if medium == "shared" else 1
+        whole = latency_terms(c.op, c.ranks) * alpha + sharing * wire_bytes(c.op, c.ranks, c.nbytes, medium) * beta
         if c.progress_rounds is None:
             hidden = c.overlap_steps * compute
         else:
@@ -83,9 +97,13 @@ def comm_seconds(calls: Iterable[Call], model: Mapping[str, Any], compute: float
 def step_seconds(
     name: str, d: int, P: int, compute: float, model: Mapping[str, Any],
     hyper: Optional[Mapping[str, Any]] = None, groups: Optional[Sequence[int]] = None,
+    ranks_per_island: int = 1, node: Optional[Mapping[str, Any]] = None,
 ) -> Dict[str, float]:
-    """Predicted ``{"compute", "comm", "total"}`` seconds per step; ``dasgd``'s averaging exposes only what outlasts its delay."""
-    comm = comm_seconds(plan(name, d, P, hyper, groups), model, compute)
+    """Predicted ``{"compute", "comm", "total"}`` seconds per step; ``dasgd``'s averaging exposes only what outlasts its delay.
+
+    An island run (``ranks_per_island`` > 1) prices its calls within the islands by ``node``, the node's model.
+    """
+    comm = comm_seconds(plan(name, d, P, hyper, groups, ranks_per_island), model, compute, node)
     return {"compute": compute, "comm": comm, "total": compute + comm}
 
 
@@ -114,8 +132,10 @@ def at_rate(model: Mapping[str, Any], bits_per_second: float, medium: str = "swi
     return {**model, "medium": medium, "link_bits_per_second": bits_per_second, "collectives": collectives}
 
 
-def validate(model: Mapping[str, Any], measured: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
-    """Predicted (model communication on measured computation) against measured step time, per algorithm and document."""
+def validate(model: Mapping[str, Any], measured: Sequence[Mapping[str, Any]],
+             node: Optional[Mapping[str, Any]] = None) -> List[Dict[str, Any]]:
+    """Predicted (model communication on measured computation) against measured step time, per algorithm and document
+    (an island run's calls within the islands priced by ``node``, the node's model)."""
     rows = []
     for doc in measured:
         if doc.get("benchmark") != "algorithms":
@@ -125,9 +145,11 @@ def validate(model: Mapping[str, Any], measured: Sequence[Mapping[str, Any]]) ->
             t = r["seconds_per_step"]
             compute = t["compute"] + t["algorithm"]
             measured_total = sum(t.values())
-            predicted = step_seconds(r["algorithm"], d, P, compute, model, r["hyperparameters"], r["groups"])
+            G = int(doc.get("ranks_per_island", 1))
+            predicted = step_seconds(r["algorithm"], d, P, compute, model, r["hyperparameters"], r["groups"], G, node)
             rows.append({
-                "algorithm": r["algorithm"], "mode": r.get("mode"), "P": P, "d": d, "compute": compute,
+                "algorithm": r["algorithm"] + (f" (islands of {G})" if G > 1 else ""), "mode": r.get("mode"), "P": P, "d": d,
+                "compute": compute,
                 "measured_comm": t["communication"] + t["waiting"], "predicted_comm": predicted["comm"],
                 "measured": measured_total, "predicted": predicted["total"], "error": predicted["total"] / measured_total - 1,
             })
@@ -141,8 +163,12 @@ def project(
     rates: Sequence[str] = RATES,
     algorithms: Optional[Sequence[str]] = None,
     alpha: Optional[float] = None,
+    ranks_per_island: int = 1,
+    node: Optional[Mapping[str, Any]] = None,
 ) -> List[Dict[str, Any]]:
-    """Projected seconds per step and speed-up over ``sgd`` per (model, rate, ranks, algorithm) on a switched network."""
+    """Projected seconds per step and speed-up over per-rank ``sgd`` per (model, rate, ranks, algorithm) on a switched
+    network; ``ranks_per_island`` > 1 adds each synchronous algorithm's island run ("diloco@islands"), ``node`` its
+    calls within the islands."""
     baseline = next(cls.name for cls in registered() if cls.baseline)
     rows = []
     for rate in rates:
@@ -154,8 +180,10 @@ def project(
                     cls = algorithm_class(name)
                     if cls.protocol == ASYNCHRONOUS:
                         times[name] = async_seconds(d, P, compute, moved, cls.server_messages(d))["total"]
-                    else:
-                        times[name] = step_seconds(name, d, P, compute, moved)["total"]
+                        continue
+                    times[name] = step_seconds(name, d, P, compute, moved)["total"]
+                    if ranks_per_island > 1 and cls.islands_refusal is None and P % ranks_per_island == 0:
+                        times[f"{name}@islands"] = step_seconds(name, d, P, compute, moved, None, None, ranks_per_island, node)["total"]
                 base = times.get(baseline) or step_seconds(baseline, d, P, compute, moved)["total"]
                 for name, total in times.items():
                     rows.append({"model": label, "d": d, "compute": compute, "rate": rate, "P": P, "algorithm": name,
