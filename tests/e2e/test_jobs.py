@@ -214,3 +214,30 @@ def test_lsgd_example_settings_are_valid(tmp_path):
     config, algorithms = config_from_args(args, "train")
     assert algorithms == ["lsgd"] and config.group_size is None  # the groups are the nodes
     assert config.algorithm_hyperparameters()["global_period"] == 16
+
+
+@pytest.mark.parametrize("path", SBATCH, ids=lambda p: p.name)
+def test_islands_1_trains_each_node_as_one_worker_and_another_value_is_refused(path, job_env):
+    env, log = job_env
+    job = start_job(path, env, ISLANDS="1", FAKE_SRUN_EXIT="0")
+    output, _ = job.communicate(timeout=60)
+    assert job.returncode == 0, output
+    srun = (log / "srun").read_text()
+    assert "--islands" in srun, srun
+    (log / "srun").unlink()
+    job = start_job(path, env, FAKE_SRUN_EXIT="0")  # unset: the settings file's
+    job.communicate(timeout=60)
+    assert "--islands" not in (log / "srun").read_text()
+    refused = start_job(path, env, ISLANDS="yes")
+    output, _ = refused.communicate(timeout=60)
+    assert refused.returncode == 2 and "ISLANDS must be 1 or 0, got 'yes'" in output
+
+
+def test_diloco_islands_example_settings_are_valid():
+    from mpiopt.cli.main import build_parser
+    from mpiopt.training.flags import config_from_args
+
+    args = build_parser().parse_args(["train", "--config", str(JOBS / "diloco-islands.toml")])
+    config, algorithms = config_from_args(args, "train")
+    assert algorithms == ["diloco"] and config.islands and config.islands_for("diloco") and config.group_size is None
+    assert config.algorithm_hyperparameters()["period"] == 64
