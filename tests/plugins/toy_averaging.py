@@ -27,6 +27,7 @@ class ToyAveraging(SynchronousAlgorithm):
     state_scalars = ("averages",)
     resize_rules = {"averages": COPY}
     wire_summary = "4d every `period` steps"
+    islands_refusal = None  # it exchanges through self.workers only: with islands=True each node is one worker
     averages = 0  # averagings so far (state)
 
     def _allocate(self, params: Any) -> None:
@@ -35,6 +36,6 @@ class ToyAveraging(SynchronousAlgorithm):
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
         params -= self.lr * grad
         if (self.steps + 1) % self.period == 0:  # the base class counts the step after _step returns
-            self.topology.world.Allreduce(params, out=self._sum)
-            params[...] = self._sum / self.topology.world.size
+            self.workers.Allreduce(params, out=self._sum)
+            params[...] = self._sum / self.workers.size
             self.averages += 1
