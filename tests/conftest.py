@@ -132,9 +132,10 @@ def topology():
 
 def _check_bitwise_resume(topology, name, hyper, params0, grads, split, losses=None):
     """Run ``grads`` from ``params0``, saving state after ``split`` steps; a fresh instance restored
-    from that state must run the remaining steps to bitwise the same parameters and state.
+    from that state (set up from ``params0``, as a resumed job is, then given the saved parameters) must run
+    the remaining steps to bitwise the same parameters and state.
 
-    Returns ``(original, restored)`` for further checks.
+    Returns ``(original, restored)`` for further checks, their exchanges in flight completed.
     """
     import mpiopt
 
@@ -149,15 +150,19 @@ def _check_bitwise_resume(topology, name, hyper, params0, grads, split, losses=N
     state, saved = alg.state_dict(), params.copy()
     steps(alg, params, split, len(grads))
     fresh = mpiopt.create(name, topology, **hyper)
-    fresh.setup(saved)
+    resumed = params0.copy()
+    fresh.setup(resumed)  # a set-up that moves the parameters (diloco's common start) is undone by the saved ones
+    resumed[...] = saved
     fresh.load_state_dict(state)
-    steps(fresh, saved, split, len(grads))
-    assert np.array_equal(params, saved), "parameters differ after the resume"
+    steps(fresh, resumed, split, len(grads))
+    assert np.array_equal(params, resumed), "parameters differ after the resume"
     final, again = alg.state_dict(), fresh.state_dict()
     for key in alg.state_arrays:
         a, b = final["arrays"][key], again["arrays"][key]
         assert (a is None and b is None) or np.array_equal(a, b), f"state array {key!r} differs after the resume"
     assert final["scalars"] == again["scalars"] and fresh.steps == alg.steps == len(grads)
+    alg.finish(params)  # an exchange in flight completes before its buffers go
+    fresh.finish(resumed)
     return alg, fresh
 
 

@@ -309,30 +309,8 @@ def test_ranks_that_disagree_on_islands_are_told_at_setup(world_size):
 
 
 @pytest.mark.parametrize("case", ["dasgd", "diloco+int8", "streaming_diloco", "sparseloco", "signum", "regtopk"])
-def test_state_dict_resume_with_islands_is_bitwise(world_size, case):
-    G = 2 if world_size % 2 == 0 else 1
-    topo = Topology(group_size=G)
+def test_state_dict_resume_with_islands_is_bitwise(world_size, bitwise_resume, case):
+    topo = Topology(group_size=2 if world_size % 2 == 0 else 1)
     grads = [_grad(topo.rank, t) for t in range(1, 11)]
-    hyper = {**CASES[case], "islands": True}
-    alg = mpiopt.create(algorithm(case), topo, **hyper)
-    params = _start(topo.rank)
-    alg.setup(params)
-    for g in grads[:5]:
-        alg.step(params, g)
-    state, saved = alg.state_dict(), params.copy()
-    for g in grads[5:]:
-        alg.step(params, g)
-    alg.finish(params)
-    fresh = mpiopt.create(algorithm(case), topo, **hyper)
-    resumed = _start(topo.rank)
-    fresh.setup(resumed)  # the set-up's own start (a mean, a broadcast) is replaced by the saved parameters
-    resumed[...] = saved
-    fresh.load_state_dict(state)
-    for g in grads[5:]:
-        fresh.step(resumed, g)
-    fresh.finish(resumed)
-    assert np.array_equal(params, resumed)
-    for key, value in alg.state_dict()["arrays"].items():
-        again = fresh.state_dict()["arrays"][key]
-        assert (value is None and again is None) or np.array_equal(value, again), key
+    bitwise_resume(topo, algorithm(case), {**CASES[case], "islands": True}, _start(topo.rank), grads, split=5)
     topo.Free()
