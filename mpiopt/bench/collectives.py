@@ -6,7 +6,8 @@
 Operations: allreduce, allgather-bits, vote-twophase, allgatherv-sparse, bcast, iallreduce, each moving what
 an algorithm moves for ``d`` float32 parameters, and allreduce-gloo (not by default): torch.distributed's
 Allreduce on gloo, DDP's exchange, whose bytes bypass mpiopt's ledger.  Medians of the slowest rank's time, ledger bytes, and the
-rates against the link; ``--json`` feeds ``mpiopt bench model calibrate``.  Method: docs/internals-bench.md.
+rates against the link; ``--json`` feeds ``mpiopt bench model calibrate``.  ``--within-groups`` times them inside every
+group (node) at once, as an island run's mean gradient meets them.  Method: docs/internals-bench.md.
 """
 
 from __future__ import annotations
@@ -39,14 +40,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ops", type=comma_list(str), default=list(OPERATIONS), metavar="OP,OP,...", help=f"operations, among {','.join(OPERATIONS + GLOO_OPERATIONS)}")
     parser.add_argument("--repeats", type=positive_int, default=20, help="timed repetitions per operation and size (median reported)")
     parser.add_argument("--density", type=float, default=0.01, help="fraction of d sent as (index, value) pairs by allgatherv-sparse")
+    parser.add_argument("--within-groups", action="store_true",
+                        help="time each operation inside every group (a node, or --group-size K ranks) at once, as an island run's "
+                        "mean gradient and reassembly or lsgd's local pulls meet them; the JSON's world_size is then the group's")
+    parser.add_argument("--group-size", type=positive_int, default=None, help="ranks per emulated node (default: real nodes, or $MPIOPT_GROUP_SIZE)")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write every measurement to FILE")
 
 
 class _Operation:
     """One operation at one size: preallocated buffers and a call."""
 
-    def __init__(self, name: str, topology: Topology, d: int, density: float) -> None:
-        world, P = topology.world, topology.size
+    def __init__(self, name: str, topology: Topology, d: int, density: float, within_groups: bool = False) -> None:
+        world = topology.group if within_groups else topology.world
+        P = world.size
         self.call: Callable[[], None]
         self.ledgered = name not in GLOO_OPERATIONS
         if name == GLOO_ALLREDUCE:
@@ -93,15 +99,19 @@ class _Operation:
 
 def _check(args: argparse.Namespace) -> None:
     check_choices("--ops", args.ops, OPERATIONS + GLOO_OPERATIONS)
+    if args.within_groups and GLOO_ALLREDUCE in args.ops:
+        raise UsageError(f"--within-groups times mpiopt's collectives on each group; {GLOO_ALLREDUCE} runs on the world's gloo group")
     if not 0 < args.density <= 1:
         raise UsageError(f"--density must be in (0, 1], got {args.density}")
 
 
-def measure(topology: Topology, ops: Sequence[str], sizes: Sequence[int], repeats: int, density: float) -> List[Dict[str, Any]]:
-    """Time every operation at every size; one record per (operation, size) with seconds and ledger bytes per rank."""
+def measure(topology: Topology, ops: Sequence[str], sizes: Sequence[int], repeats: int, density: float,
+            within_groups: bool = False) -> List[Dict[str, Any]]:
+    """Time every operation at every size (``within_groups``: in every group at once, the slowest group's time); one
+    record per (operation, size) with seconds and ledger bytes per rank."""
     world, P = topology.world, topology.size
     cases = [(op, d) for d in sizes for op in ops]
-    operations = {case: _Operation(case[0], topology, case[1], density) for case in cases}
+    operations = {case: _Operation(case[0], topology, case[1], density, within_groups) for case in cases}
     calls = {case: operation.call for case, operation in operations.items()}
     bytes_per_call: Dict[tuple, tuple] = {}
     for case in cases:  # warm-up, and one call's bytes from the ledger (None for gloo's, which bypass it)
@@ -152,16 +162,22 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark (a collective call); rank 0 prints the table and writes the JSON."""
     _check(args)
     link = link_rate(getattr(args, "link", None))
-    topology = Topology()
+    topology = Topology(group_size=args.group_size)
     out = say(topology.rank)
     if topology.size < 2:
         out("warning: one rank: nothing crosses a link (every collective moves 0 bytes); run under mpiexec -n P", file=sys.stderr)
-    records = measure(topology, args.ops, args.sizes, args.repeats, args.density)
+    if args.within_groups and len(set(topology.group_sizes)) > 1:
+        raise UsageError(f"--within-groups needs groups of one size, got {topology.group_sizes}")
+    records = measure(topology, args.ops, args.sizes, args.repeats, args.density, args.within_groups)
     link_bytes = parse_rate(link) / 8 if link else None
-    out(f"## collectives: {topology.size} ranks, link {link or 'not given'}, median of {args.repeats} repetitions\n")
-    out(table(records, topology.size, link_bytes))
+    ranks = topology.group.size if args.within_groups else topology.size
+    where = f" in each of {topology.num_groups} groups at once" if args.within_groups else ""
+    out(f"## collectives: {ranks} ranks{where}, link {link or 'not given'}, median of {args.repeats} repetitions\n")
+    out(table(records, ranks, link_bytes))
     if args.json and topology.rank == 0:
-        write_json(args.json, {"benchmark": "collectives", **environment(topology, link), "repeats": args.repeats,
+        # world_size: the ranks of one collective, as the calibration reads it; groups: how many ran side by side.
+        inside = {"world_size": ranks, "groups": topology.num_groups, "within_groups": True} if args.within_groups else {}
+        write_json(args.json, {"benchmark": "collectives", **environment(topology, link), **inside, "repeats": args.repeats,
                                "density": args.density, "results": records})
         out(f"\nwrote {args.json}")
     topology.Free()

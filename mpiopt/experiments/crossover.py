@@ -32,7 +32,7 @@ from ..bench.collectives import GLOO_ALLREDUCE
 from ..training.config import UsageError
 from ..training.tuning import lowest
 from . import EXPERIMENTS
-from .crossover_job import COMPLETE, pending
+from .crossover_job import COMPLETE, GROUPS_CALIBRATION, pending
 
 RANKS = EXPERIMENTS["crossover"].ranks
 NODES, RANKS_PER_NODE = 2, 2
@@ -239,9 +239,10 @@ LINK_OPERATIONS = f"allreduce,iallreduce,allgather-bits,vote-twophase,bcast,{GLO
 NODE_OPERATIONS = "allreduce,iallreduce,bcast,allgather-bits,allgatherv-sparse"
 
 
-def calibrate_link(path: str, rate: str, ranks: int, operations: str, s: Dict[str, Any], what: str) -> None:
-    """``bench collectives`` of ``operations`` at ``ranks`` on the link at ``rate`` into ``path``, unless done for this
-    link (and these operations)."""
+def calibrate_link(path: str, rate: str, ranks: int, operations: str, s: Dict[str, Any], what: str,
+                   within_groups: bool = False) -> None:
+    """``bench collectives`` of ``operations`` at ``ranks`` on the link at ``rate`` into ``path`` (``within_groups``: in
+    every node at once), unless done for this link (and these operations)."""
     if os.path.exists(path):
         with open(path) as handle:
             document = json.load(handle)
@@ -250,16 +251,19 @@ def calibrate_link(path: str, rate: str, ranks: int, operations: str, s: Dict[st
             return
     launch(rate, [mpiexec_path("experiment crossover"), "-n", str(ranks), sys.executable, "-m", "mpiopt", "bench", "collectives",
                   "--sizes", s["calibration_sizes"], "--repeats", str(s["calibration_repeats"]), "--ops", operations,
-                  "--json", path], what)
+                  *(["--within-groups"] if within_groups else []), "--json", path], what)
     with open(path) as handle:
         document = json.load(handle)
     write_json(path, dict(document, shaping=link(rate), operations=operations))
 
 
 def main_runs(out: str, s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]]) -> None:
-    """Every variant at its chosen point, every seed, every rate; then the collectives at that rate, and in a node."""
+    """Every variant at its chosen point, every seed, every rate; then the collectives at that rate, and in a node: its
+    two ranks alone (the projection's node), and every node's at once (what the runs' groups and islands met)."""
     calibrate_link(os.path.join(out, "node-collectives.json"), s["rates"][0], RANKS_PER_NODE, NODE_OPERATIONS, s,
               "calibration of a node (bench collectives)")
+    calibrate_link(os.path.join(out, GROUPS_CALIBRATION), s["rates"][0], RANKS, NODE_OPERATIONS, s,
+                   "calibration within every node at once (bench collectives --within-groups)", within_groups=True)
     for rate in s["rates"]:
         runs = [run_entry(out, v, chosen[v.label], seed, s["steps"], os.path.join(rate, v.label, f"seed{seed}"), link(rate))
                 for seed in s["seeds"] for v in s["variants"]]

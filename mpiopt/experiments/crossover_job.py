@@ -21,10 +21,12 @@ from ..comm import Topology
 from ..metrics import read_metrics, summarize
 from ..training.config import TrainConfig
 
-__all__ = ["COMPLETE", "run_config", "done", "pending", "main"]
+__all__ = ["COMPLETE", "GROUPS_CALIBRATION", "run_config", "done", "pending", "main"]
 
 #: The file that marks a run as done; its folder's metrics are then whole.
 COMPLETE = "complete.json"
+#: The experiment's calibration of the collectives inside every node at once (its 2 cores shared, as in the runs).
+GROUPS_CALIBRATION = "groups-collectives.json"
 
 
 def run_config(task: Dict[str, Any], run: Dict[str, Any]) -> TrainConfig:

@@ -24,7 +24,7 @@ from ..metrics.summary import format_bytes, format_loss, format_seconds, format_
 from ..training.config import DDP
 from ..training.ddp import MODELLED_AS
 from ._common import new_figure, write_results
-from .crossover_job import COMPLETE
+from .crossover_job import COMPLETE, GROUPS_CALIBRATION
 
 __all__ = ["report", "GOAL_SLOW", "GOAL_MODEL", "PROJECTED_RATES", "MODEL_ALPHA"]
 
@@ -120,7 +120,9 @@ def _rows(runs: Dict[str, Dict[str, List[Dict[str, Any]]]], s: Dict[str, Any], c
             at_budget = [summarize(r["metrics"], target_loss=target, budget_seconds=budget)["loss_at_budget"] for r in group]
             measured = _median([_step(r["summary"]) for r in group])
             calls = _comm_plan(v, d, s["ranks"], chosen[v.label], [s["ranks_per_node"]] * s["nodes"], s["ranks_per_node"])
-            comm = _comm(calls, s["ranks"], s["ranks_per_node"], {"link": _priced(v, models[rate]), "node": models["node"]},
+            # A call within a node meets the other node's ranks on this machine's 2 cores: the calibration of every node at once.
+            node = models.get("groups", models["node"])
+            comm = _comm(calls, s["ranks"], s["ranks_per_node"], {"link": _priced(v, models[rate]), "node": node},
                          compute[v.label])
             predicted = compute[v.label] + comm
             rows.append({
@@ -171,26 +173,29 @@ def _figure(s: Dict[str, Any], rows: List[Dict[str, Any]], projection: List[Dict
     rates = sorted(s["rates"], key=parse_rate)
     x = [parse_rate(r) / 1e9 for r in rates]
     colors = {}
-    for v in s["variants"]:
+    for v in sorted(s["variants"], key=lambda v: v.islands):  # an island variant takes its per-rank twin's colour
         mine = {r["rate"]: r for r in rows if r["label"] == v.label}
         ups = [[u for u in mine[rate]["speedups"] if u is not None] for rate in rates]
         med = [statistics.median(u) if u else float("nan") for u in ups]
         low = [m - min(u) if u else 0 for m, u in zip(med, ups)]
         high = [max(u) - m if u else 0 for m, u in zip(med, ups)]
-        line = left.errorbar(x, med, yerr=[low, high], marker="o", capsize=3, label=v.label)
-        colors[v.label] = line[0].get_color()
-        middle.plot(x, [mine[rate]["step_speedup_measured"] for rate in rates], "o-", color=colors[v.label], label=v.label)
-        middle.plot(x, [mine[rate]["step_speedup_predicted"] for rate in rates], "x--", color=colors[v.label])
+        marker, width = ("s", 2.5) if v.islands else ("o", 1.5)
+        line = left.errorbar(x, med, yerr=[low, high], marker=marker, capsize=3, label=v.label, color=colors.get(v.algorithm) if v.islands else None,
+                             linewidth=width)
+        colors.setdefault(v.label, line[0].get_color())
+        middle.plot(x, [mine[rate]["step_speedup_measured"] for rate in rates], marker + "-", color=colors[v.label], label=v.label,
+                    linewidth=width)
+        middle.plot(x, [mine[rate]["step_speedup_predicted"] for rate in rates], "x--", color=colors[v.label], linewidth=width)
         for rate, style in zip(PROJECTED_RATES, ("-", ":")):
             pts = [p for p in projection if p["label"] == v.label and p["rate"] == rate]
             if pts:
-                right.plot([p["P"] for p in pts], [p["speedup"] for p in pts], style, color=colors[v.label],
+                right.plot([p["P"] for p in pts], [p["speedup"] for p in pts], style, color=colors[v.label], linewidth=width,
                            label=f"{v.label}, {rate}" if v.label == baseline or style == "-" else None)
     from matplotlib.ticker import FuncFormatter
 
-    left.set_title(f"(a) measured: to test loss {s['task']['target_loss']:g}, 4 ranks", fontsize=10)
+    left.set_title(f"(a) measured: to test loss {s['task']['target_loss']:g}, 4 ranks (islands: thick, squares)", fontsize=10)
     middle.set_title("(b) step time: measured (o), model (x, dashed)", fontsize=10)
-    right.set_title("(c) model to the loss: 10 Gbit/s solid, 100 dotted", fontsize=10)
+    right.set_title(f"(c) model to the loss: 10 Gbit/s solid, 100 dotted; islands of {PROJECTED_ISLAND}", fontsize=10)
     for ax in (left, middle):
         ax.set_xscale("log")
         ax.set_xticks(x, [f"{v:g}" for v in x])
@@ -341,11 +346,13 @@ def report(out: str, s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]], quick
     runs = _load(out, s)
     d = int(runs[s["rates"][0]][baseline][0]["metrics"].header["parameters"])
     models, buckets = {}, {}
-    for rate, path in [(rate, os.path.join(rate, "collectives.json")) for rate in s["rates"]] + [("node", "node-collectives.json")]:
+    files = [(rate, os.path.join(rate, "collectives.json")) for rate in s["rates"]] + [("node", "node-collectives.json")]
+    files += [("groups", GROUPS_CALIBRATION)] if os.path.exists(os.path.join(out, GROUPS_CALIBRATION)) else []
+    for rate, path in files:
         with open(os.path.join(out, path)) as handle:
             document = json.load(handle)
         models[rate] = calibrate([document], medium="switched")
-        if rate != "node":
+        if rate in s["rates"]:
             buckets[rate] = document.get("shaping", {}).get("burst_bytes")
     rows = _rows(runs, s, chosen, models, baseline, d)
     reference = "1gbit" if "1gbit" in models else s["rates"][0]
