@@ -103,7 +103,7 @@ class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice, IslandWork
         """Hyperparameters that may differ when resuming ``saved`` as ``here`` on another world size."""
         return ()
 
-    def __init__(self, topology: Topology, *, islands: bool = False, **hyperparameters: Any) -> None:
+    def __init__(self, topology: Topology, **hyperparameters: Any) -> None:
         """Check every keyword against :attr:`schema`, fill in its defaults and set each as an attribute.
 
         ``islands``: each group of the topology (a node) is one worker, data-parallel inside (docs/islands.md); a
@@ -116,7 +116,7 @@ class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice, IslandWork
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be an mpiopt.Topology, got {type(topology).__name__}")
         self.topology = topology
-        self.islands = check_bool("islands", islands)
+        self.islands = check_bool("islands", hyperparameters.pop("islands", False))
         self._values = self.schema.complete(hyperparameters, what=self.name or type(self).__name__)
         for name, value in self._values.items():
             if not isinstance(getattr(type(self), name, None), property):
