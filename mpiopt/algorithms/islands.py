@@ -81,12 +81,14 @@ class IslandWorkers:
             islands.broadcast(params)
             self._island_grad = empty_apart(params)
 
-    def worker_gradient(self, grad: Any, reduced: Optional[Any] = None) -> Any:
+    def worker_gradient(self, grad: Any, reduced: Optional[Any] = None, out: Optional[Any] = None) -> Any:
         """The gradient this rank's worker steps on: ``grad``, or with islands the island's mean (a collective over
-        the island; from ``reduced``, the island's sum of ``grad``, where the caller made it)."""
+        the island; from ``reduced``, the island's sum of ``grad``, where the caller made it) in ``out`` (default: a
+        buffer of the algorithm's; ``grad`` itself is allowed, as the torch front end's ``.grad``)."""
         if self._island_grad is None:
             return grad
+        out = self._island_grad if out is None else out
         if reduced is None:
-            return self.topology.islands().mean(grad, self._island_grad)
-        array_module(reduced).divide(reduced, self.topology.group.size, out=self._island_grad)
-        return self._island_grad
+            return self.topology.islands().mean(grad, out)
+        array_module(reduced).divide(reduced, self.topology.group.size, out=out)
+        return out

@@ -135,8 +135,9 @@ class Islands:
         return self.island.size == 1 or self.rail.size == 1
 
     def mean(self, grad: Any, out: Any) -> Any:
-        """The island's mean of ``grad`` into ``out``: one Allreduce over the island, then one division."""
-        self.island.Allreduce(grad, out=out)
+        """The island's mean of ``grad`` into ``out`` (``grad`` itself: in place): one Allreduce over the island, then one
+        division."""
+        self.island.Allreduce(grad, out=None if out is grad else out)
         out /= self.island.size
         return out
 

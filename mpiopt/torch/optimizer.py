@@ -204,7 +204,7 @@ class DistributedOptimizer(GroupsMixin, torch.optim.Optimizer):
                 self._own_finite = all_finite(self._grads_array)  # (a pass on this path only) whose it was, for step()
                 self._flat_grads.fill_(math.nan)  # so every rank's GradScaler finds the overflow, as under DDP
         else:  # islands: the island's mean, which the worker's local step reads
-            exchanged = alg.worker_gradient(self._grads_array, reduced=total)
+            exchanged = alg.worker_gradient(self._grads_array, reduced=total, out=self._grads_array)
         if exchanged is not None and exchanged is not self._grads_array:
             self._grads_array[...] = exchanged
         self._synchronized = Exchanged("synchronized", exchanged is not None, cost=ledger.since(before))
@@ -266,10 +266,19 @@ class DistributedOptimizer(GroupsMixin, torch.optim.Optimizer):
 
     def _apply(self, exchanged: Exchanged, loss: Optional[float]) -> StepRecord:
         """The algorithm's step on what the exchange left: its whole step, or its update after the exchange."""
+        if exchanged.kind in ("local", "reduced") and self.algorithm.islands:
+            # .grad takes the island's mean, as DDP leaves its mean there: the local step reads it without a copy
+            before = exchanged.before or self.topology.ledger.snapshot()
+            if exchanged.kind == "local":
+                self._mean_over_passes()
+            total = self._total_array if exchanged.kind == "reduced" else None
+            self.algorithm.worker_gradient(self._grads_array, reduced=total, out=self._grads_array)
+            cost = self.topology.ledger.since(before)
+            return add_cost(self.algorithm.step(self._params_array, self._grads_array, loss=loss, island_mean=True), cost)
         if exchanged.kind == "local":
             self._mean_over_passes()
             return self.algorithm.step(self._params_array, self._grads_array, loss=loss)
-        if exchanged.kind == "reduced":  # the buckets' cost up to here: the step records its own (islands: the rails')
+        if exchanged.kind == "reduced":  # the buckets' cost up to here: the step records its own
             cost = self.topology.ledger.since(exchanged.before)
             record = self.algorithm.step_reduced(self._params_array, self._grads_array, self._total_array, loss=loss)
             return add_cost(record, cost)
