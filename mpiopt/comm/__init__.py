@@ -1,7 +1,8 @@
 """Communication layer: every byte mpiopt sends goes through here.
 
 :class:`Comm` records every call in a :class:`Ledger`; :class:`Topology` holds the world, group (node) and
-leaders communicators; :func:`abort_on_exception` makes an exception on one rank end the job.
+leaders communicators; :func:`abort_on_exception` makes an exception on one rank end the job; with
+``Topology(on_failure="shrink")`` a lost rank raises :class:`RankLost` on the survivors, who go on (docs/failures.md).
 Conventions and environment variables: docs/internals-comm.md.
 """
 
@@ -10,12 +11,15 @@ from .buffers import gpu_aware_mpi, is_gpu_array, nbytes
 from .communicator import ANY_SOURCE, ANY_TAG, MAX, MIN, SUM, Comm, Request, SetupMismatchError
 from .ledger import Ledger, OpStats
 from .staging import CHUNK_ENV as STAGING_CHUNK_ENV, GpuPath
-from .topology import GROUP_SIZE_ENV, Topology
+from .survival import RankLost
+from .topology import GROUP_SIZE_ENV, Recovery, Topology
 
 __all__ = [
     "Comm",
     "Request",
     "Topology",
+    "RankLost",
+    "Recovery",
     "Ledger",
     "OpStats",
     "SetupMismatchError",

@@ -8,7 +8,6 @@ torch or cupy (:mod:`.buffers`); collective decisions: :mod:`.decisions`.
 from __future__ import annotations
 
 import os
-import pickle
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -19,6 +18,8 @@ from .decisions import MISSING, Decisions, Failure, first_failure, SetupMismatch
 from .buffers import HostStaging, as_mpi_buffer, check_buffer, copy_bytes, gpu_aware_mpi, nbytes
 from .staging import CHUNK_ENV, GpuPath, gpu_path, staged, staged_call, staging_chunk_bytes
 from .ledger import Ledger
+from .objects import ObjectCalls
+from .survival import INJECTION, Survivable
 from .waiting import Backoff, check_wait_policy, wait_policy_here
 
 __all__ = ["Comm", "Request", "SetupMismatchError", "Failure", "ELECTION_BYTES", "raise_own_or_name_them", "MISSING", "plain", "differing_lines", "SUM", "MAX", "MIN", "ANY_SOURCE", "ANY_TAG"]
@@ -50,8 +51,10 @@ class Request:
         started: float,
         release: Callable[[], None],
         passive: bool = False,
+        faults: Optional[Survivable] = None,
     ):
         self._ledger = ledger
+        self._faults = faults or Survivable()
         self._passive = passive
         self._op = op
         self._request = request
@@ -75,8 +78,9 @@ class Request:
 
     def Test(self) -> bool:
         """Advance the operation; True once it has completed."""
-        if not self.done and self._request.Test():
-            self._complete(0.0)
+        with self._faults.guard(self._op):
+            if not self.done and self._request.Test():
+                self._complete(0.0)
         return self.done
 
     def Wait(self) -> None:
@@ -84,16 +88,17 @@ class Request:
         if self.done:
             return
         t0 = time.perf_counter()
-        if self._passive:
-            backoff = Backoff()
-            while not self._request.Test():
-                backoff.pause()
-        else:
-            self._request.Wait()
+        with self._faults.guard(self._op):
+            if self._passive:
+                backoff = Backoff()
+                while not self._request.Test():
+                    backoff.pause()
+            else:
+                self._request.Wait()
         self._complete(time.perf_counter() - t0)
 
 
-class Comm(Decisions):
+class Comm(ObjectCalls, Decisions):
     """An MPI intracommunicator with a byte/time ledger.
 
     Parameters
@@ -144,7 +149,9 @@ class Comm(Decisions):
         wait_policy: Optional[str] = None,
         staging_chunk: Any = None,
         stage_host: bool = False,
+        faults: Optional[Survivable] = None,
     ) -> None:
+        self.faults = faults or Survivable()  # a topology's: where ULFM's news of a lost rank goes (comm/survival.py)
         base = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(base, MPI.Intracomm):
             raise TypeError(f"comm must be an mpi4py Intracomm, got {type(base).__name__}")
@@ -217,7 +224,7 @@ class Comm(Decisions):
         """A new communicator of some of our ranks, sharing our ledger and settings."""
         return Comm(
             raw, name=name, ledger=self.ledger, gpu_aware=self.gpu_aware, dup=False, wait_policy=self.wait_policy,
-            staging_chunk=self.staging_chunk, stage_host=self._stage_host,
+            staging_chunk=self.staging_chunk, stage_host=self._stage_host, faults=self.faults,
         )
 
     def gpu_path(self) -> GpuPath:
@@ -255,30 +262,32 @@ class Comm(Decisions):
             local(*(buf for buf, _, _ in buffers))
             result = MPI.REQUEST_NULL if nonblocking else None
         else:
+            INJECTION.reached("exchange", MPI.COMM_WORLD.Get_rank())
             busy = self._busy_lanes.setdefault(op, set())
             lane = min(set(range(len(busy) + 1)) - busy) if nonblocking else 0
             if nonblocking:
                 busy.add(lane)
                 release = lambda: busy.discard(lane)  # noqa: E731
             slots = [f"{op}:{lane}:{i}" for i in range(len(buffers))]
-            if chunked is not None and staged(buffers, self.gpu_aware, self._stage_host):
-                result = staged_call(buffers, chunked, self._staging, slots, self.staging_chunk)
-                if not nonblocking:
-                    result = result.Wait()
-            else:
-                mpi_bufs = []
-                for slot, (buf, read, write) in zip(slots, buffers):
-                    mpi_buf, writeback = as_mpi_buffer(
-                        buf, gpu_aware=self.gpu_aware, staging=self._staging, slot=slot, read=read, write=write
-                    )
-                    mpi_bufs.append(mpi_buf)
-                    if writeback is not None:
-                        writebacks.append(writeback)
-                result = call(*mpi_bufs)
+            with self.faults.guard(self.name):
+                if chunked is not None and staged(buffers, self.gpu_aware, self._stage_host):
+                    result = staged_call(buffers, chunked, self._staging, slots, self.staging_chunk)
+                    if not nonblocking:
+                        result = result.Wait()
+                else:
+                    mpi_bufs = []
+                    for slot, (buf, read, write) in zip(slots, buffers):
+                        mpi_buf, writeback = as_mpi_buffer(
+                            buf, gpu_aware=self.gpu_aware, staging=self._staging, slot=slot, read=read, write=write
+                        )
+                        mpi_bufs.append(mpi_buf)
+                        if writeback is not None:
+                            writebacks.append(writeback)
+                    result = call(*mpi_bufs)
         name = f"{self.name}.{op}"
         if nonblocking:
             self.ledger.record(name, sent, recv)
-            return Request(self.ledger, name, result, writebacks, started, release, passive=self._passive)
+            return Request(self.ledger, name, result, writebacks, started, release, passive=self._passive, faults=self.faults)
         for writeback in writebacks:
             writeback()
         ended = time.perf_counter()
@@ -454,41 +463,6 @@ class Comm(Decisions):
         """Status of a pending message matching ``source`` and ``tag``, or None."""
         status = MPI.Status()
         return status if self._comm.Iprobe(source, tag, status) else None
-
-    # -- small control data (pickled objects) ---------------------------------------------
-    def allreduce_obj(self, obj: Any, op: MPI.Op = SUM) -> Any:
-        """Reduce a small Python object (a number, a tuple) over all ranks."""
-        n = self._others(len(pickle.dumps(obj)))
-        return self._run("allreduce_obj", n, n, lambda: self._comm.allreduce(obj, op), [])
-
-    def allgather_obj(self, obj: Any) -> List[Any]:
-        """Every rank's small Python object, in rank order."""
-        n = len(pickle.dumps(obj))
-        result = self._run("allgather_obj", self._others(n), 0, lambda: self._comm.allgather(obj), [])
-        self.ledger.record(f"{self.name}.allgather_obj", 0, sum(len(pickle.dumps(o)) for o in result) - n, calls=0)
-        return result
-
-    def bcast_obj(self, obj: Any, root: int = 0) -> Any:
-        """The root's small Python object on every rank."""
-        self._check_rank(root, "root")
-        is_root = self.rank == root
-        n = len(pickle.dumps(obj)) if is_root else 0
-        result = self._run("bcast_obj", self._others(n), 0, lambda: self._comm.bcast(obj, root), [])
-        if not is_root:
-            self.ledger.record(f"{self.name}.bcast_obj", 0, len(pickle.dumps(result)), calls=0)
-        return result
-
-    # -- agreement and totals --------------------------------------------------------------
-    def ledger_totals(self) -> Ledger:
-        """The ledger summed over the ranks of this communicator (a collective call; not itself recorded)."""
-        ops = sorted(set().union(*self._comm.allgather(sorted(self.ledger.ops))))
-        table = np.array([self.ledger[op].as_tuple() for op in ops], dtype=np.float64).reshape(len(ops), -1)
-        self._comm.Allreduce(MPI.IN_PLACE, table, MPI.SUM)
-        out = Ledger()
-        for op, row in zip(ops, table):
-            out.record(op, int(row[1]), int(row[2]), float(row[3]), calls=int(row[0]))
-            out.ops[op].wait_seconds = float(row[4])
-        return out
 
     def _check_rank(self, value: int, name: str) -> None:
         if not (0 <= value < self.size):

@@ -59,6 +59,7 @@ class Decisions:
     _comm: MPI.Intracomm
     size: int
     name: str
+    faults: Any  # the communicator's Survivable: where a lost rank's news goes (comm/survival.py)
 
     def decide(
         self,
@@ -115,10 +116,13 @@ class Decisions:
         if not self.vote(vote, patience=stuck_after if own is not None and on_stuck is not None else None):
             on_stuck(own)
         if agree_on is not None and not np.array_equal(vote[1:33], 255 - vote[33:]):
-            self._mismatch(self._comm.allgather(json.loads(text)), what)
+            with self.faults.guard(self.name):
+                everyone = self._comm.allgather(json.loads(text))
+            self._mismatch(everyone, what)
         if not vote[0]:
             return value
-        reports = self._comm.allgather(None if own is None else (type(own).__name__, str(own)))
+        with self.faults.guard(self.name):
+            reports = self._comm.allgather(None if own is None else (type(own).__name__, str(own)))
         failures = [Failure(rank, *report) for rank, report in enumerate(reports) if report is not None]
         raise (error or raise_own_or_name_them(what))(failures, own)
 
@@ -132,15 +136,16 @@ class Decisions:
         """
         if self.size == 1:
             return True
-        request = self._comm.Iallreduce(MPI.IN_PLACE, values, MPI.MAX)
-        if patience is None:
-            request.Wait()
-            return True
-        deadline = time.monotonic() + patience
-        while not request.Test():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.001)
+        with self.faults.guard(self.name):
+            request = self._comm.Iallreduce(MPI.IN_PLACE, values, MPI.MAX)
+            if patience is None:
+                request.Wait()
+                return True
+            deadline = time.monotonic() + patience
+            while not request.Test():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.001)
         return True
 
     def _mismatch(self, everyone: List[Mapping[str, Any]], what: str) -> NoReturn:

@@ -6,8 +6,13 @@ Groups and opting out: docs/internals-comm.md.
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
+import sys
+import threading
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
 import numpy as np
@@ -17,10 +22,11 @@ from .abort import ABORT_ENV, abort_job, abort_on_exception
 from .buffers import _parse_flag
 from .communicator import Comm
 from .islands import ISLAND, RAIL, Islands
+from .survival import ON_FAILURE, ON_FAILURE_ENV, Survivable, revoke_quietly, ulfm_problem
 from .launcher import check_world_size
 from .ledger import Ledger
 
-__all__ = ["Topology", "GROUP_SIZE_ENV"]
+__all__ = ["Topology", "Recovery", "GROUP_SIZE_ENV"]
 
 GROUP_SIZE_ENV = "MPIOPT_GROUP_SIZE"
 #: How long a rank whose check failed waits for the others to join the vote
@@ -55,6 +61,66 @@ def _abort_setting(value: Optional[bool]) -> bool:
     return _parse_flag(env, ABORT_ENV) if env.strip() else True
 
 
+def _on_failure_setting(value: Optional[str]) -> str:
+    """``on_failure``, else ``MPIOPT_ON_FAILURE``, else abort; ValueError for another value, or one this MPI cannot keep."""
+    chosen = value if value is not None else (os.environ.get(ON_FAILURE_ENV, "").strip() or "abort")
+    if chosen not in ON_FAILURE:
+        raise ValueError(f"on_failure must be one of {', '.join(ON_FAILURE)}, got {chosen!r}")
+    problem = ulfm_problem() if chosen != "abort" else None
+    if problem is not None:
+        raise ValueError(f"on_failure={chosen!r}: {problem}")
+    return chosen
+
+
+#: How long a survivor of a lost rank lets MPI_Finalize take before it leaves without it.
+FINALIZE_SECONDS = float(os.environ.get("MPIOPT_FINALIZE_SECONDS", "10"))
+
+
+def _finalize() -> None:
+    """Finalize MPI, leaving the process after :data:`FINALIZE_SECONDS` if that has not returned: after a rank was
+    lost, Open MPI's finalize at times waits for good in a fence that counts the dead rank (open-mpi/ompi#11404).
+
+    The call goes through ctypes, which lets go of the interpreter lock that mpi4py's ``Finalize`` holds, so that
+    the watchdog thread can run.
+    """
+    if MPI.Is_finalized():
+        return
+
+    def leave() -> None:
+        print(f"mpiopt: MPI_Finalize has not returned in {FINALIZE_SECONDS:g} s after a lost rank: leaving without it",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0)
+
+    watchdog = threading.Timer(FINALIZE_SECONDS, leave)
+    watchdog.daemon = True
+    watchdog.start()
+    with open("/proc/self/maps") as maps:
+        library = next((p for p in maps.read().split() if os.path.basename(p).startswith("libmpi.so")), None)
+    if library is None:
+        MPI.Finalize()
+    else:
+        ctypes.CDLL(library, mode=os.RTLD_NOLOAD).MPI_Finalize()
+    watchdog.cancel()
+
+
+def _finalize_at_exit() -> None:
+    """Finalize MPI with a watchdog (:func:`_finalize`) while Python runs its exit handlers, before mpi4py's own."""
+    if not getattr(_finalize_at_exit, "registered", False):
+        atexit.register(_finalize)
+        _finalize_at_exit.registered = True  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What :meth:`Topology.recover` did: the lost ranks (numbered as in the job's first world), the world's new size,
+    and whether this rank left with them (a group that lost a rank, where groups must stay whole)."""
+
+    lost: List[int]
+    size: int
+    left: bool = False
+
+
 def _outcome(parse: Callable[[], Any]) -> Tuple[Any, Optional[Exception]]:
     """``(value, None)``, or ``(error text, error)`` when ``parse`` rejects its input."""
     try:
@@ -74,6 +140,9 @@ class Topology:
         Override the detection of GPU-aware MPI.
     abort_on_error : bool, optional
         Install the abort hooks and let :meth:`raise_or_abort` abort.  Default: ``MPIOPT_ABORT_ON_ERROR``, on.
+    on_failure : {"abort", "shrink", "respawn"}, optional
+        What a lost rank does: end the job (MPI's default), or raise :class:`~mpiopt.comm.survival.RankLost` on the
+        survivors, who :meth:`recover` (needs Open MPI's ULFM: docs/failures.md).  Default: ``MPIOPT_ON_FAILURE``, abort.
 
     Raises
     ------
@@ -88,22 +157,24 @@ class Topology:
         group_size: Optional[int] = None,
         gpu_aware: Optional[bool] = None,
         abort_on_error: Optional[bool] = None,
+        on_failure: Optional[str] = None,
     ) -> None:
         # Before any communication, each process alone: a launcher that started another number of
         # processes than MPI's world holds (LauncherMismatchError, mpiopt.comm.launcher).
         check_world_size(MPI.COMM_WORLD.Get_size())
         self.ledger = Ledger()
-        self.world = Comm(comm, name="world", ledger=self.ledger, gpu_aware=gpu_aware)
-        self._rank, self._size = self.world.rank, self.world.size  # still known after Free()
+        self.faults = Survivable()  # every communicator's: a lost rank revokes them all (on_failure other than abort)
+        self.world = Comm(comm, name="world", ledger=self.ledger, gpu_aware=gpu_aware, faults=self.faults)
         abort, abort_problem = _outcome(lambda: _abort_setting(abort_on_error))
         if abort is True:
             abort_on_exception(override=False)
         size, size_problem = _outcome(lambda: _group_size_setting(group_size))
+        survive, survive_problem = _outcome(lambda: _on_failure_setting(on_failure))
         try:
             # What each rank made of its settings is agreed before any error is
             # raised: a bad value on one rank must not leave the others below.
-            self.world.agree({"abort_on_error": abort, "group_size": size}, what="topology settings")
-            for problem in (abort_problem, size_problem):
+            self.world.agree({"abort_on_error": abort, "group_size": size, "on_failure": survive}, what="topology settings")
+            for problem in (abort_problem, size_problem, survive_problem):
                 if problem is not None:
                     raise problem
         except Exception:
@@ -111,10 +182,21 @@ class Topology:
             raise
         self.abort_on_error: bool = abort
         self.group_size_setting = size
-        if size is None:
+        #: What a lost rank does (:data:`~mpiopt.comm.survival.ON_FAILURE`).
+        self.on_failure: str = survive
+        #: The job's first world rank of each of this world's ranks (a recovery renumbers the survivors).
+        self.first_ranks: List[int] = self.world.allgather_obj(MPI.COMM_WORLD.Get_rank()) if survive != "abort" else []
+        self._build(comm, None if size is None else self.world.rank // size)
+        if survive != "abort":
+            self.faults.on_fault = self._revoke_all
+
+    def _build(self, comm: Optional[MPI.Intracomm], group_color: Optional[int]) -> None:
+        """Groups (the nodes, or ``group_color``'s), leaders, the control communicator, from :attr:`world` (collective)."""
+        self._rank, self._size = self.world.rank, self.world.size  # still known after Free()
+        if group_color is None:
             self.group = self.world.Split_shared("group")
         else:
-            self.group = self.world.Split(self.world.rank // size, self.world.rank, "group")
+            self.group = self.world.Split(group_color, self.world.rank, "group")
         is_leader = self.group.rank == 0
         self.leaders = self.world.Split(0 if is_leader else -1, self.world.rank, "leaders")
         # Group index = the leader's rank among the leaders, told to the group.
@@ -127,8 +209,64 @@ class Topology:
         # Votes on errors go through their own communicator, so that one never
         # matches a collective that an algorithm left half done; its traffic is
         # not the algorithms' (a ledger of its own).
-        self._control = Comm(comm, name="control", ledger=Ledger(), gpu_aware=False)
+        self._control = Comm(comm, name="control", ledger=Ledger(), gpu_aware=False, faults=self.faults)
         self.ledger.reset()  # set-up traffic is not the algorithms'
+
+    # -- a lost rank (comm/survival.py) ----------------------------------------------------------------------------
+    def _communicators(self) -> List[Comm]:
+        islands = [] if self._islands is None else [self._islands.rail, self._islands.island]
+        return [c for c in (*islands, self._control, self.leaders, self.group, self.world) if c is not None]
+
+    def _revoke_all(self) -> None:
+        """Revoke every communicator of this topology: the survivors blocked in any of them learn of the loss."""
+        for comm in self._communicators():
+            revoke_quietly(comm._comm)
+
+    def all_ok(self, ok: bool) -> bool:
+        """Whether every survivor passes ``ok`` (ULFM's fault-tolerant agreement on the world: it completes on a
+        revoked communicator and despite failures, the same answer on every survivor)."""
+        comm = self.world._comm
+        while True:
+            comm.Ack_failed()  # an agreement refuses failures some survivor has not acknowledged: acknowledge, retry
+            try:
+                return bool(comm.Agree(int(ok)))
+            except MPI.Exception as error:
+                if error.Get_error_class() != MPI.ERR_PROC_FAILED:
+                    raise
+
+    def recover(self, whole_groups: bool = False) -> Recovery:
+        """After :class:`~mpiopt.comm.survival.RankLost`, on every survivor together: shrink the world to the survivors
+        and rebuild the groups (each rank in its old group), leaders, control and islands from it.
+
+        ``whole_groups`` (islands): the other ranks of a group that lost one leave too (they get ``left=True`` and
+        must stop, their communicators gone), so that the groups stay of one size.
+        """
+        if self.on_failure == "abort":
+            raise RuntimeError("recover() needs Topology(on_failure='shrink' or 'respawn')")
+        self._revoke_all()
+        _finalize_at_exit()
+        old, color = self.world._comm, self.group_index
+        shrunk = old.Shrink()
+        members = MPI.Group.Translate_ranks(shrunk.Get_group(), list(range(shrunk.Get_size())), old.Get_group())
+        lost = [self.first_ranks[r] for r in sorted(set(range(old.Get_size())) - set(members))]
+        first_ranks = [self.first_ranks[r] for r in members]
+        left = False
+        if whole_groups:  # keep the groups that lost no rank
+            colors = shrunk.allgather(color)
+            intact = {g for g in set(colors) if colors.count(g) == self.group.size}
+            left = color not in intact
+            kept = shrunk.Split(MPI.UNDEFINED if left else 0, shrunk.Get_rank())
+            first_ranks = [r for r, g in zip(first_ranks, colors) if g in intact]
+            shrunk.Free()
+            shrunk = kept
+        self._islands = None
+        if left:
+            return Recovery(lost, len(first_ranks), left=True)
+        self.world = Comm(shrunk, name="world", ledger=self.ledger, gpu_aware=self.world.gpu_aware, faults=self.faults)
+        shrunk.Free()
+        self.first_ranks = first_ranks
+        self._build(self.world._comm, color)
+        return Recovery(lost, self.size)
 
     @property
     def control(self) -> Comm:

