@@ -18,6 +18,7 @@ from ..arrays import array_module, keep_apart
 from ..comm import Topology
 from .inner import LocalStepChoice
 from .islands import IslandWorkers
+from .survival import Survival
 from .local import LOCAL_SGD
 from .nonfinite import NonFinitePolicy
 from .plan import Planned, due_steps
@@ -32,7 +33,7 @@ __all__ = [
 ]
 
 
-class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice, IslandWorkers):
+class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice, IslandWorkers, Survival):
     """Base class of every distributed optimizer: derive from :class:`SynchronousAlgorithm` or :class:`AsynchronousAlgorithm`.
 
     A subclass sets :attr:`name` and :attr:`schema`, allocates state in
@@ -117,6 +118,7 @@ class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice, IslandWork
             raise TypeError(f"topology must be an mpiopt.Topology, got {type(topology).__name__}")
         self.topology = topology
         self.islands = check_bool("islands", hyperparameters.pop("islands", False))
+        self._given = {**hyperparameters, "islands": self.islands}  # to make it again on the survivors of a lost rank
         self._values = self.schema.complete(hyperparameters, what=self.name or type(self).__name__)
         for name, value in self._values.items():
             if not isinstance(getattr(type(self), name, None), property):
@@ -215,12 +217,13 @@ class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice, IslandWork
         self._check_flat("grad", grad)
         before = self.ledger.snapshot()
         started = time.perf_counter()
-        if not island_mean:
-            grad = self.worker_gradient(grad, reduced)
-        skipped = False if self._checks_in_step() else not self._gradient_ok(grad)
-        if not skipped:
-            self._step(params, grad, loss)
-            self.steps += 1
+        with self._rollback_point(params):
+            if not island_mean:
+                grad = self.worker_gradient(grad, reduced)
+            skipped = False if self._checks_in_step() else not self._gradient_ok(grad)
+            if not skipped:
+                self._step(params, grad, loss)
+                self.steps += 1
         self.last = record_step(self.ledger, before, started, self.steps, loss, skipped)
         return self.last
 
@@ -306,10 +309,11 @@ class SynchronousAlgorithm(Algorithm):
             raise RuntimeError(f"{type(self).__name__}.setup(params) must be called before exchange()")
         self._check_flat("params", params)
         self._check_flat("grad", grad)
-        grad = self.worker_gradient(grad, reduced)
-        if not self._gradient_ok(grad, skip=skip_non_finite):
-            return None
-        return self._exchange(params, grad)
+        with self._rollback_point(params):
+            grad = self.worker_gradient(grad, reduced)
+            if not self._gradient_ok(grad, skip=skip_non_finite):
+                return None
+            return self._exchange(params, grad)
 
     def step_exchanged(self, params: Any, exchanged: Optional[Any], loss: Optional[float] = None) -> StepRecord:
         """The local update with what :meth:`exchange` returned (perhaps changed since): the rest of a :meth:`step`."""

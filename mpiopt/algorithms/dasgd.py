@@ -55,6 +55,8 @@ class DaSGD(Compressed, LocalStepState, SynchronousAlgorithm):
     islands_refusal = None
     state_arrays = ("momentum_buffer", "pending_snapshot", "pending_sum", "last_average", "codec_residual")
     state_scalars = ("merge_step",)
+    # A survivor of a lost rank drops the averaging in flight (it died with the rank); each keeps its own progress.
+    survival_resets = {"merge_step": 0, "pending_snapshot": None, "pending_sum": None}
     # The merge divides pending_sum by M and must find the old ranks' average; an averaging in flight is merged at
     # its step, each new rank adding its own progress since its snapshot.  A codec's pending_sum is the sum of the
     # decoded differences (rescaled alike), last_average the same on every rank, the residuals owed to the mean.

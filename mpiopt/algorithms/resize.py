@@ -37,6 +37,9 @@ class Rule:
     kind: str  # "copied", "redistributed" or "reset"
     how: str
     optional: bool = False  # states saved before the entry existed lack it: None there
+    #: What a survivor of a lost rank does with its own entry: keep it (``apply`` on it alone), take the survivors'
+    #: ``"mean"``, or ``"rescale"`` a sum over the old workers to the survivors (:mod:`.survival`).
+    survivors: str = "own"
 
 
 def absent_before(rule: Rule) -> Rule:
@@ -78,8 +81,8 @@ def _reset_to(value: Any) -> Callable[[Sequence[Any], int, int], Any]:
 
 COPY = Rule(_copied, "copied", "copied (the same on every {unit})")
 FOLLOW = Rule(_follows, "redistributed", "new {unit} r takes old {unit} r % {old}'s")
-MEAN = Rule(_mean, "redistributed", "the mean over the old {unit}s on every new {unit}")
-RESCALE = Rule(_rescaled_sum, "redistributed", "the sum over the old {unit}s rescaled to the new number of them")
+MEAN = Rule(_mean, "redistributed", "the mean over the old {unit}s on every new {unit}", survivors="mean")
+RESCALE = Rule(_rescaled_sum, "redistributed", "the sum over the old {unit}s rescaled to the new number of them", survivors="rescale")
 ZERO = Rule(_reset_to(None), "reset", "reset to zeros")
 NO_HISTORY = Rule(_reset_to(False), "reset", "reset (the first step ranks as Top-k)")
 NO_LEADER = Rule(_reset_to(-1), "reset", "reset to -1 (they named ranks of the old world)")

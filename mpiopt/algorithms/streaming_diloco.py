@@ -93,6 +93,8 @@ class StreamingDiLoCo(Compressed, LocalStepState, SynchronousAlgorithm):
     fused_gradient_check = True
     islands_refusal = None
     state_arrays = ("theta_start", "outer_momentum_buffer", "momentum_buffer", "pending_sum", "merge_steps", "codec_residual")
+    # A survivor of a lost rank drops the fragments' exchanges in flight (they died with the rank).
+    survival_resets = {"merge_steps": 0, "pending_sum": None}
     # A codec's pending_sum is the sum of the decoded pseudo-gradients (rescaled alike); residuals are owed to the mean.
     resize_rules = {
         "theta_start": COPY, "outer_momentum_buffer": COPY, "momentum_buffer": FOLLOW, "pending_sum": RESCALE, "merge_steps": COPY,

@@ -1,0 +1,147 @@
+"""Going on without a lost rank: the state at a step's start, and its move to the survivors (docs/failures.md).
+
+With ``Topology(on_failure="shrink")`` every step (and exchange) first keeps a copy of the parameters and the state;
+a :class:`~mpiopt.comm.survival.RankLost` during it puts the parameters back and passes on, so that the survivors,
+once :meth:`Topology.recover` shrank the world, redo the step from where it started with :meth:`Survival.recovered`.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from typing import Any, Callable, ClassVar, Dict, Iterator, Mapping, Optional, Tuple
+
+import numpy as np
+
+from ..arrays import array_module, to_numpy
+from ..comm.survival import RankLost
+__all__ = ["Snapshot", "Survival", "survivors_state"]
+
+
+def survivors_state(rules: Mapping[str, Any], state: Mapping[str, Any], workers: Any, old_workers: int) -> Dict[str, Any]:
+    """This survivor's ``state`` after other workers were lost, each entry by its resize rule (:mod:`.resize`) over the
+    survivors (collective on ``workers``, their communicator or islands): kept, their mean, or a sum over the old
+    workers rescaled to them."""
+
+    def moved(key: str, value: Any) -> Any:
+        rule = rules[key]
+        if value is None or rule.survivors == "own":
+            return rule.apply([value], workers.rank, workers.size)
+        if rule.survivors == "rescale":
+            return (np.asarray(value, np.float64) * (workers.size / old_workers)).astype(np.asarray(value).dtype)
+        total = np.array(value, dtype=np.float64)  # the mean of float32 entries rounds once, as a resize's does
+        workers.Allreduce(total)
+        return (total / workers.size).astype(np.asarray(value).dtype)
+
+    return {**state, "arrays": {k: moved(k, v) for k, v in sorted(state["arrays"].items())},
+            "scalars": {k: moved(k, v) for k, v in sorted(state["scalars"].items())}}
+
+
+class Snapshot:
+    """Copies of the parameters, state arrays, scalars and step count at a step's start (buffers kept for the next)."""
+
+    def __init__(self) -> None:
+        self.params: Optional[Any] = None
+        self.arrays: Dict[str, Optional[Any]] = {}
+        self.scalars: Dict[str, Any] = {}
+        self.steps = 0
+        self.workers = 0  # how many workers there were: a sum over them is rescaled to the survivors
+        self.pending = False  # within a step that the survivors have not yet agreed they all completed
+
+    @staticmethod
+    def _into(buffer: Optional[Any], value: Any) -> Any:
+        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+            buffer = array_module(value).empty_like(value)
+        buffer[...] = value
+        return buffer
+
+    def save(self, alg: Any, params: Any) -> None:
+        """Keep ``params`` and ``alg``'s state but the entries it resets on a recovery (``survival_resets``)."""
+        self.params = self._into(self.params, params)
+        for key in alg.state_arrays:
+            value = None if key in alg.survival_resets else getattr(alg, key)
+            self.arrays[key] = None if value is None else self._into(self.arrays.get(key), value)
+        self.scalars = {key: copy.deepcopy(getattr(alg, key)) for key in alg.state_scalars}
+        self.steps, self.workers = alg.steps, alg.worker_count
+
+    def state(self, alg: Any) -> Dict[str, Any]:
+        """The kept state as ``state_dict()`` gives it (host copies), the resets applied."""
+        arrays = {key: None if value is None else to_numpy(value).copy() for key, value in self.arrays.items()}
+        scalars = dict(self.scalars)
+        for key, reset in alg.survival_resets.items():
+            if key in scalars:
+                scalars[key] = reset
+            elif reset is not None:  # an array reset to a value: its shape is the live one's
+                arrays[key] = np.full_like(to_numpy(getattr(alg, key)), reset)
+        return {"algorithm": alg.name, "world_size": alg.topology.size, "steps": self.steps, "lr": alg.lr,
+                "hyperparameters": alg.hyperparameters(), "arrays": arrays, "scalars": scalars}
+
+
+class Survival:
+    """Mixin of :class:`~mpiopt.algorithms.base.Algorithm`: the step's rollback point and the recovery."""
+
+    #: State entries in flight or pending across a step boundary, set to this value on a recovery (the exchange they
+    #: await died with the lost rank): DaSGD's averaging, Streaming DiLoCo's fragments.
+    survival_resets: ClassVar[Mapping[str, Any]] = {}
+    name: ClassVar[str]
+    state_arrays: ClassVar[Tuple[str, ...]]
+    state_scalars: ClassVar[Tuple[str, ...]]
+    resize_rules: ClassVar[Optional[Mapping[str, Any]]]
+    resize_refusal: ClassVar[str]
+    topology: Any
+    steps: int
+    _given: Dict[str, Any]
+    _rollback: Optional[Snapshot] = None
+
+    @contextmanager
+    def _rollback_point(self, params: Any) -> Iterator[None]:
+        """Around a step or an exchange: with survival on, keep its start; at its end the survivors agree whether
+        every one of them completed it, and where some did not, all put the parameters back and raise RankLost.
+
+        Agreeing matters: a collective that a dead rank breaks may still complete on some survivors, which would
+        otherwise go on a step ahead of the others.
+        """
+        if self.topology.on_failure == "abort":
+            yield
+            return
+        if self._rollback is None:
+            self._rollback = Snapshot()
+        self._rollback.save(self, params)
+        self._rollback.pending = True
+        try:
+            yield
+            completed = True
+        except RankLost:
+            completed = False
+        if not self.topology.all_ok(completed):
+            params[...] = self._rollback.params
+            raise RankLost(f"{self.name}: a rank was lost during step {self.steps + 1}; every survivor goes back to its start")
+        self._rollback.pending = False
+
+    def recovered(self, params: Any, prepare: Optional[Callable[[Any], None]] = None) -> Any:
+        """This algorithm again, on its topology after :meth:`Topology.recover` (collective on the survivors).
+
+        A fresh instance of the same settings is set up on ``params`` (the parameters at the failed step's start),
+        and takes this one's state from that start, each entry moved by its resize rule over the survivors
+        (:func:`~mpiopt.algorithms.resize.survivors_state`).  ``prepare(fresh)`` runs before its set-up (an inner
+        optimizer, parameter groups).  The failed step is then redone by the caller.
+        """
+        if self.topology.on_failure == "abort":
+            raise RuntimeError(f"{self.name}: recovered() needs a Topology(on_failure='shrink' or 'respawn')")
+        if self._rollback is None or not self._rollback.pending:  # lost between steps: the state as it stands
+            self._rollback = self._rollback or Snapshot()
+            self._rollback.save(self, params)
+        state = self._rollback.state(self)
+        fresh = type(self)(self.topology, **self._given)
+        if prepare is not None:
+            prepare(fresh)
+        start = params.copy()
+        fresh.setup(params)
+        params[...] = start  # the set-up's own start (a mean, a broadcast) gives way to the step's start
+        if self.resize_rules is None:
+            raise RuntimeError(f"{self.name} cannot go on without a lost rank: {self.resize_refusal}")
+        moved = survivors_state(self.resize_rules, state, fresh.workers, self._rollback.workers)
+        # Its own hyperparameters: those derived from the number of workers (EASGD's alpha) follow the survivors'.
+        fresh.load_state_dict({**moved, "hyperparameters": fresh.hyperparameters(), "world_size": fresh.topology.size,
+                               "worker_layout": fresh.worker_layout()})
+        return fresh

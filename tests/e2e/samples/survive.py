@@ -1,0 +1,45 @@
+"""A flat-API run that goes on without a lost rank: ``survive.py NAME HYPER_JSON STEPS OUT``.
+
+Each rank steps on a gradient of its first world rank and the step alone; a RankLost is answered by shrinking the
+topology, moving the algorithm to the survivors and redoing the step.  Each survivor prints one line per loss and
+saves its parameters after every step and, at the end, the model the algorithm evaluates, to OUT/<first rank>.npz.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+import mpiopt
+from mpiopt.comm import RankLost
+from mpiopt.comm.survival import INJECTION
+
+name, hyper, steps, out = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+D = 40
+topo = mpiopt.Topology(on_failure="shrink")
+me = topo.first_ranks[topo.rank]
+params = np.random.default_rng(5).standard_normal(D).astype(np.float32)
+alg = mpiopt.create(name, topo, **hyper)
+alg.setup(params)
+history, t = [], 1
+while t <= steps:
+    INJECTION.current = t
+    INJECTION.reached("step", me)
+    grad = np.random.default_rng([11, me, t]).standard_normal(D).astype(np.float32)
+    try:
+        alg.step(params, grad, loss=float(np.linalg.norm(params - 1.0)))
+    except RankLost:
+        recovery = topo.recover()
+        print(f"rank {me}: lost ranks {recovery.lost} at step {t}; the world is now {recovery.size}", flush=True)
+        alg = alg.recovered(params)
+        continue
+    history.append(params.copy())
+    t += 1
+alg.finish(params)
+evaluated = params.astype(np.float64)
+if alg.evaluates == "average":
+    topo.world.Allreduce(evaluated)
+    evaluated /= topo.size
+np.savez(os.path.join(out, f"{me}.npz"), history=np.array(history), evaluated=evaluated, size=topo.size)
+print(f"rank {me}: done at world size {topo.size}", flush=True)

@@ -1,0 +1,177 @@
+"""A rank killed from outside (SIGKILL, as a node failure would be) while the others train on (docs/failures.md).
+
+Under Open MPI's ULFM only (`mpiexec --with-ft ulfm --mca btl tcp,self`, the Open MPI phase of tools/test.sh);
+elsewhere skipped with the reason.  Each run is tests/e2e/samples/survive.py at 4 ranks: the hook of
+``MPIOPT_TEST_PAUSE_AT`` stops the chosen rank at the chosen step (at its start, or inside its exchange) and the
+test kills it there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from mpiopt.algorithms import algorithm_class
+
+from .launch import ROOT, mpiexec
+
+pytestmark = pytest.mark.timeout(300)
+
+SAMPLE = os.path.join(ROOT, "tests", "e2e", "samples", "survive.py")
+D = 40
+# Periods that put an exchange at step 6 (the kill inside an exchange) and every 3 steps.
+SYNCHRONOUS = {
+    "sgd": {"lr": 0.1}, "easgd": {"lr": 0.05, "period": 3}, "lsgd": {"lr": 0.05, "period": 3, "global_period": 6},
+    "dasgd": {"lr": 0.05, "period": 3}, "diloco": {"lr": 0.05, "period": 3},
+    "streaming_diloco": {"lr": 0.05, "period": 6, "fragments": 2}, "sparseloco": {"lr": 0.05, "period": 3},
+    "signum": {"lr": 0.01}, "topk": {"lr": 0.05}, "regtopk": {"lr": 0.05},
+}
+
+
+def _open_mpi() -> bool:
+    import mpi4py
+
+    mpi4py.rc.initialize = False
+    from mpi4py import MPI
+
+    return "Open MPI" in MPI.Get_library_version()
+
+
+needs_ulfm = pytest.mark.skipif(not _open_mpi(), reason="surviving a lost rank needs Open MPI's ULFM (MPIOPT_MPI=openmpi)")
+
+
+def survive(tmp_path, name, hyper, steps, kills, ranks=4, timeout=120):
+    """Run the sample with ``kills`` (``"RANK@STEP[:exchange]"`` each, in order); SIGKILL each paused rank.
+
+    Returns (launcher's exit code, output, {first rank: its npz}).
+    """
+    pause = tmp_path / "pause"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MPIOPT_TEST_PAUSE_AT=",".join(kills), MPIOPT_TEST_PAUSE_FILE=str(pause),
+               MPIOPT_FINALIZE_SECONDS="3")
+    command = [mpiexec(), "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
+               "-n", str(ranks), sys.executable, SAMPLE, name, json.dumps(hyper), str(steps), str(tmp_path)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+    deadline = time.monotonic() + timeout
+    try:
+        for _ in kills:
+            while not (pause.exists() and pause.read_text().endswith("\n")):
+                assert proc.poll() is None and time.monotonic() < deadline, "no rank paused at the injected point"
+                time.sleep(0.05)
+            os.kill(int(pause.read_text()), signal.SIGKILL)
+            pause.unlink()
+        output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        print(proc.communicate()[0] if proc.stdout and not proc.stdout.closed else "")
+    saved = {int(f.name[:-4]): dict(np.load(f)) for f in tmp_path.glob("*.npz")}
+    return proc.returncode, output, saved
+
+
+def losses(output):
+    """{first rank: [(lost ranks, step, new size), ...]} from the survivors' lines."""
+    found = {}
+    for rank, lost, step, size in re.findall(r"rank (\d+): lost ranks \[([\d, ]*)\] at step (\d+); the world is now (\d+)", output):
+        found.setdefault(int(rank), []).append(([int(r) for r in lost.split(",")], int(step), int(size)))
+    return found
+
+
+def check_survivors(output, saved, code, expected_survivors, lost_sets):
+    assert code == 0, output
+    assert sorted(saved) == expected_survivors, output
+    told = losses(output)
+    for rank in expected_survivors:  # the one line on every survivor, once per loss
+        assert [sorted(lost) for lost, _, _ in told[rank]] == lost_sets, output
+    evaluated = [saved[r]["evaluated"] for r in expected_survivors]
+    assert np.all(np.isfinite(evaluated[0]))
+    for other in evaluated[1:]:
+        np.testing.assert_array_equal(other, evaluated[0])  # the model evaluated, bitwise the same on every survivor
+    return told
+
+
+@needs_ulfm
+@pytest.mark.parametrize("kill", ["2@6:exchange", "2@5"])
+@pytest.mark.parametrize("name", sorted(SYNCHRONOUS))
+def test_every_synchronous_algorithm_survives_a_kill(tmp_path, name, kill):
+    """Inside an exchange, and at a step's start (the others find out in their next collective)."""
+    code, output, saved = survive(tmp_path, name, SYNCHRONOUS[name], 9, [kill])
+    told = check_survivors(output, saved, code, [0, 1, 3], [[2]])
+    assert {size for rank in told for _, _, size in told[rank]} == {3}
+    if algorithm_class(name).evaluates == "identical":
+        histories = [saved[r]["history"] for r in (0, 1, 3)]
+        for other in histories[1:]:
+            np.testing.assert_array_equal(other, histories[0])  # after every step, before the loss and after
+
+
+def _grad(rank, step):
+    return np.random.default_rng([11, rank, step]).standard_normal(D).astype(np.float32).astype(np.float64)
+
+
+def _start():
+    return np.random.default_rng(5).standard_normal(D).astype(np.float32).astype(np.float64)
+
+
+def _alive(step, detected, lost, ranks=4):
+    return [r for r in range(ranks) if step < detected or r not in lost]
+
+
+@needs_ulfm
+@pytest.mark.parametrize("kill", ["2@5:exchange", "2@5"])
+def test_sgd_equals_float64_that_drops_the_worker_at_its_step(tmp_path, kill):
+    code, output, saved = survive(tmp_path, "sgd", {"lr": 0.1}, 9, [kill])
+    told = check_survivors(output, saved, code, [0, 1, 3], [[2]])
+    detected = told[0][0][1]
+    assert detected == 5  # every step exchanges: the step the rank died in is redone by the survivors
+    x = _start()
+    for t in range(1, 10):
+        x = x - 0.1 * np.mean([_grad(r, t) for r in _alive(t, detected, {2})], axis=0)
+        np.testing.assert_allclose(saved[0]["history"][t - 1], x, rtol=0, atol=1e-5)
+
+
+@needs_ulfm
+@pytest.mark.parametrize("kill", ["1@4", "1@6:exchange", "0@5"])
+def test_diloco_equals_float64_that_drops_the_worker_at_the_next_exchange(tmp_path, kill):
+    """A rank lost between two outer steps is found at the next (period 3: step 6); its local model since the last
+    outer step is lost with it and the outer step averages the survivors'.  Rank 0's loss included."""
+    lr, mom, olr, omom, H = 0.05, 0.9, 0.7, 0.9, 3
+    code, output, saved = survive(tmp_path, "diloco", {"lr": lr, "momentum": mom, "period": H, "outer_lr": olr, "outer_momentum": omom}, 9, [kill])
+    lost = int(kill.split("@")[0])
+    survivors = [r for r in range(4) if r != lost]
+    told = check_survivors(output, saved, code, survivors, [[lost]])
+    detected = told[survivors[0]][0][1]
+    assert detected == 6
+    x = [_start() for _ in range(4)]
+    buf, start, ob = [None] * 4, _start(), None
+    for t in range(1, 10):
+        alive = _alive(t, detected, {lost})
+        for r in alive:
+            g = _grad(r, t)
+            buf[r] = g if buf[r] is None else mom * buf[r] + g
+            x[r] = x[r] - lr * buf[r]
+        if t % H == 0:
+            delta = start - np.mean([x[r] for r in alive], axis=0)
+            ob = delta if ob is None else omom * ob + delta
+            start = start - olr * (delta + omom * ob)
+            x = [start.copy() for _ in range(4)]
+        for r in survivors:
+            np.testing.assert_allclose(saved[r]["history"][t - 1], x[r], rtol=0, atol=1e-5)
+
+
+@needs_ulfm
+def test_two_failures_in_one_run(tmp_path):
+    code, output, saved = survive(tmp_path, "sgd", {"lr": 0.1}, 10, ["1@3:exchange", "3@7:exchange"])
+    told = check_survivors(output, saved, code, [0, 2], [[1], [3]])
+    assert [(step, size) for _, step, size in told[0]] == [(3, 3), (7, 2)]
+    x = _start()
+    for t in range(1, 11):
+        alive = [r for r in range(4) if not (r == 1 and t >= 3) and not (r == 3 and t >= 7)]
+        x = x - 0.1 * np.mean([_grad(r, t) for r in alive], axis=0)
+    np.testing.assert_allclose(saved[0]["history"][-1], x, rtol=0, atol=1e-5)
