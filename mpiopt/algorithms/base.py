@@ -124,6 +124,7 @@ class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice, IslandWork
             if not isinstance(getattr(type(self), name, None), property):
                 setattr(self, name, value)
         self._check_islands()
+        self._check_survival()
         if self.islands:  # the island's mean gradient is a sum the torch front end can make during backward
             self.overlaps_backward = True
         self.steps = 0
@@ -341,6 +342,9 @@ class AsynchronousAlgorithm(Algorithm):
     evaluates: ClassVar[str] = "server"
     inner_refusal: ClassVar[str] = "a server applies its workers' gradients with its own update rule"
     resize_refusal: ClassVar[str] = "the server's and the leaders' state belong to one layout of server and workers"
+    survival_refusal: ClassVar[Optional[str]] = (
+        "a lost worker or server is not yet dropped by the asynchronous runtime: run it with on_failure='abort'"
+    )
     islands_refusal: ClassVar[Optional[str]] = (
         "its workers trade whole vectors with a server rank at their own pace, while an island's ranks must step together"
     )

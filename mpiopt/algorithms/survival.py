@@ -83,6 +83,9 @@ class Survival:
     #: State entries in flight or pending across a step boundary, set to this value on a recovery (the exchange they
     #: await died with the lost rank): DaSGD's averaging, Streaming DiLoCo's fragments.
     survival_resets: ClassVar[Mapping[str, Any]] = {}
+    #: Why this algorithm cannot go on without a lost rank (None: it can).
+    survival_refusal: ClassVar[Optional[str]] = None
+    islands: bool
     name: ClassVar[str]
     state_arrays: ClassVar[Tuple[str, ...]]
     state_scalars: ClassVar[Tuple[str, ...]]
@@ -92,6 +95,16 @@ class Survival:
     steps: int
     _given: Dict[str, Any]
     _rollback: Optional[Snapshot] = None
+
+    def _check_survival(self) -> None:
+        """ValueError, before any communication, for a topology that survives lost ranks where this cannot (the
+        setting is agreed by every rank, so every rank refuses)."""
+        if self.topology.on_failure == "abort":
+            return
+        why = self.survival_refusal or ("islands do not yet survive a lost rank: a group that lost a rank must leave "
+                                        "whole, which recovered() does not do" if self.islands else None)
+        if why is not None:
+            raise ValueError(f"{self.name}: on_failure={self.topology.on_failure!r} is refused: {why} (docs/failures.md)")
 
     @contextmanager
     def _rollback_point(self, params: Any) -> Iterator[None]:
@@ -127,7 +140,7 @@ class Survival:
         optimizer, parameter groups).  The failed step is then redone by the caller.
         """
         if self.topology.on_failure == "abort":
-            raise RuntimeError(f"{self.name}: recovered() needs a Topology(on_failure='shrink' or 'respawn')")
+            raise RuntimeError(f"{self.name}: recovered() needs a Topology(on_failure='shrink')")
         if self._rollback is None or not self._rollback.pending:  # lost between steps: the state as it stands
             self._rollback = self._rollback or Snapshot()
             self._rollback.save(self, params)

@@ -18,8 +18,8 @@ from mpi4py import MPI
 __all__ = ["ON_FAILURE", "ON_FAILURE_ENV", "LAUNCH", "RankLost", "Survivable", "is_fault", "ulfm_problem", "FaultInjection",
            "INJECT_ENV", "INJECTION", "revoke_quietly"]
 
-#: What a lost rank does to the job: end it (MPI's default), or go on without it, or with a replacement.
-ON_FAILURE = ("abort", "shrink", "respawn")
+#: What a lost rank does to the job: end it (MPI's default), or go on without it.
+ON_FAILURE = ("abort", "shrink")
 ON_FAILURE_ENV = "MPIOPT_ON_FAILURE"
 #: How to launch a job that survives a lost rank (the shared-memory transport hangs on a dead peer: tcp and self).
 LAUNCH = "mpiexec --with-ft ulfm --mca btl tcp,self -n P python -m mpiopt train ... --on-failure shrink"

@@ -113,12 +113,10 @@ def _finalize_at_exit() -> None:
 
 @dataclass(frozen=True)
 class Recovery:
-    """What :meth:`Topology.recover` did: the lost ranks (numbered as in the job's first world), the world's new size,
-    and whether this rank left with them (a group that lost a rank, where groups must stay whole)."""
+    """What :meth:`Topology.recover` did: the lost ranks (numbered as in the job's first world) and the world's new size."""
 
     lost: List[int]
     size: int
-    left: bool = False
 
 
 def _outcome(parse: Callable[[], Any]) -> Tuple[Any, Optional[Exception]]:
@@ -140,7 +138,7 @@ class Topology:
         Override the detection of GPU-aware MPI.
     abort_on_error : bool, optional
         Install the abort hooks and let :meth:`raise_or_abort` abort.  Default: ``MPIOPT_ABORT_ON_ERROR``, on.
-    on_failure : {"abort", "shrink", "respawn"}, optional
+    on_failure : {"abort", "shrink"}, optional
         What a lost rank does: end the job (MPI's default), or raise :class:`~mpiopt.comm.survival.RankLost` on the
         survivors, who :meth:`recover` (needs Open MPI's ULFM: docs/failures.md).  Default: ``MPIOPT_ON_FAILURE``, abort.
 
@@ -234,37 +232,21 @@ class Topology:
                 if error.Get_error_class() != MPI.ERR_PROC_FAILED:
                     raise
 
-    def recover(self, whole_groups: bool = False) -> Recovery:
+    def recover(self) -> Recovery:
         """After :class:`~mpiopt.comm.survival.RankLost`, on every survivor together: shrink the world to the survivors
-        and rebuild the groups (each rank in its old group), leaders, control and islands from it.
-
-        ``whole_groups`` (islands): the other ranks of a group that lost one leave too (they get ``left=True`` and
-        must stop, their communicators gone), so that the groups stay of one size.
-        """
+        and rebuild the groups (each rank in its old group), leaders and control from it."""
         if self.on_failure == "abort":
-            raise RuntimeError("recover() needs Topology(on_failure='shrink' or 'respawn')")
+            raise RuntimeError("recover() needs Topology(on_failure='shrink')")
         self._revoke_all()
         _finalize_at_exit()
         old, color = self.world._comm, self.group_index
         shrunk = old.Shrink()
         members = MPI.Group.Translate_ranks(shrunk.Get_group(), list(range(shrunk.Get_size())), old.Get_group())
         lost = [self.first_ranks[r] for r in sorted(set(range(old.Get_size())) - set(members))]
-        first_ranks = [self.first_ranks[r] for r in members]
-        left = False
-        if whole_groups:  # keep the groups that lost no rank
-            colors = shrunk.allgather(color)
-            intact = {g for g in set(colors) if colors.count(g) == self.group.size}
-            left = color not in intact
-            kept = shrunk.Split(MPI.UNDEFINED if left else 0, shrunk.Get_rank())
-            first_ranks = [r for r, g in zip(first_ranks, colors) if g in intact]
-            shrunk.Free()
-            shrunk = kept
         self._islands = None
-        if left:
-            return Recovery(lost, len(first_ranks), left=True)
         self.world = Comm(shrunk, name="world", ledger=self.ledger, gpu_aware=self.world.gpu_aware, faults=self.faults)
         shrunk.Free()
-        self.first_ranks = first_ranks
+        self.first_ranks = [self.first_ranks[r] for r in members]
         self._build(self.world._comm, color)
         return Recovery(lost, self.size)
 

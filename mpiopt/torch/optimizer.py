@@ -88,6 +88,9 @@ class DistributedOptimizer(GroupsMixin, torch.optim.Optimizer):
             raise TypeError(f"overlap must be a bool, got {overlap!r}")
         check_positive("bucket_cap_mb", bucket_cap_mb)
         self.topology = Topology() if topology is None else topology
+        if self.topology.on_failure != "abort":  # agreed on every rank: every rank refuses
+            raise ValueError(f"on_failure={self.topology.on_failure!r}: the torch front end does not yet survive a lost rank "
+                             f"(its inner optimizer, buckets and scaler are not rolled back); the flat API does (docs/failures.md)")
         self.inner = check_inner(inner, algorithm, hyperparameters)
         self.algorithm: Algorithm = create(algorithm, self.topology, **hyperparameters)
         self.algorithm.loss_call = "opt.step(loss=loss)"  # what a message asking for the loss tells this API's user

@@ -175,3 +175,32 @@ def test_two_failures_in_one_run(tmp_path):
         alive = [r for r in range(4) if not (r == 1 and t >= 3) and not (r == 3 and t >= 7)]
         x = x - 0.1 * np.mean([_grad(r, t) for r in alive], axis=0)
     np.testing.assert_allclose(saved[0]["history"][-1], x, rtol=0, atol=1e-5)
+
+
+REFUSALS = """
+import mpiopt, torch
+from mpiopt.torch import DistributedOptimizer
+topo = mpiopt.Topology(on_failure="shrink", group_size=2)
+for make in (lambda: mpiopt.create("async_msgd", topo, lr=0.1), lambda: mpiopt.create("diloco", topo, islands=True),
+             lambda: DistributedOptimizer(torch.nn.Linear(2, 1).parameters(), "sgd", topology=topo, lr=0.1)):
+    try:
+        make()
+    except ValueError as error:
+        print(f"rank {topo.rank} refused: {error}", flush=True)
+topo.world.Barrier()
+"""
+
+
+@needs_ulfm
+def test_what_cannot_survive_yet_is_refused_on_every_rank_before_communicating(tmp_path):
+    """The asynchronous algorithms, islands and the torch front end (each named with why), then the world still works."""
+    command = [mpiexec(), "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
+               "-n", "4", sys.executable, "-c", REFUSALS]
+    proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    for rank in range(4):
+        lines = [line for line in proc.stdout.splitlines() if line.startswith(f"rank {rank} refused:")]
+        assert len(lines) == 3, proc.stdout
+        assert "async_msgd: on_failure='shrink' is refused: a lost worker or server" in lines[0]
+        assert "diloco: on_failure='shrink' is refused: islands do not yet survive" in lines[1]
+        assert "the torch front end does not yet survive a lost rank" in lines[2]
