@@ -48,8 +48,9 @@ def _open_mpi() -> bool:
 needs_ulfm = pytest.mark.skipif(not _open_mpi(), reason="surviving a lost rank needs Open MPI's ULFM (MPIOPT_MPI=openmpi)")
 
 
-def survive(tmp_path, name, hyper, steps, kills, ranks=4, timeout=120):
-    """Run the sample with ``kills`` (``"RANK@STEP[:exchange]"`` each, in order); SIGKILL each paused rank.
+def survive(tmp_path, name, hyper, steps, kills, ranks=4, timeout=120, on_kill=lambda: None):
+    """Run the sample with ``kills`` (``"RANK@STEP[:exchange]"`` each, in order); SIGKILL each paused rank, then call
+    ``on_kill()``.
 
     Returns (launcher's exit code, output, {first rank: its npz}).
     """
@@ -66,12 +67,13 @@ def survive(tmp_path, name, hyper, steps, kills, ranks=4, timeout=120):
                 assert proc.poll() is None and time.monotonic() < deadline, "no rank paused at the injected point"
                 time.sleep(0.05)
             os.kill(int(pause.read_text()), signal.SIGKILL)
+            on_kill()
             pause.unlink()
         output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # the run's output, for the failure's report
             proc.kill()
-        print(proc.communicate()[0] if proc.stdout and not proc.stdout.closed else "")
+            print(proc.communicate()[0])
     saved = {int(f.name[:-4]): dict(np.load(f)) for f in tmp_path.glob("*.npz")}
     return proc.returncode, output, saved
 

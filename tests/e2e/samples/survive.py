@@ -8,6 +8,7 @@ saves its parameters after every step and, at the end, the model the algorithm e
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -22,7 +23,7 @@ me = topo.first_ranks[topo.rank]
 params = np.random.default_rng(5).standard_normal(D).astype(np.float32)
 alg = mpiopt.create(name, topo, **hyper)
 alg.setup(params)
-history, t = [], 1
+history, t, recovered_at = [], 1, None
 while t <= steps:
     INJECTION.current = t
     INJECTION.reached("step", me)
@@ -33,7 +34,10 @@ while t <= steps:
         recovery = topo.recover()
         print(f"rank {me}: lost ranks {recovery.lost} at step {t}; the world is now {recovery.size}", flush=True)
         alg = alg.recovered(params)
+        recovered_at = t
         continue
+    if recovered_at == t:  # the wall clock when the redone step completed (tools/survival_latency.py)
+        print(f"rank {me}: step {t} completed again at {time.time():.6f}", flush=True)
     history.append(params.copy())
     t += 1
 alg.finish(params)
