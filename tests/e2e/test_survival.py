@@ -92,6 +92,7 @@ def check_survivors(output, saved, code, expected_survivors, lost_sets):
     told = losses(output)
     for rank in expected_survivors:  # the one line on every survivor, once per loss
         assert [sorted(lost) for lost, _, _ in told[rank]] == lost_sets, output
+    assert all(bool(saved[r]["resumed"]) for r in expected_survivors)  # state_dict() after the loss resumes bitwise
     evaluated = [saved[r]["evaluated"] for r in expected_survivors]
     assert np.all(np.isfinite(evaluated[0]))
     for other in evaluated[1:]:

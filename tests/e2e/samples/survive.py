@@ -2,7 +2,8 @@
 
 Each rank steps on a gradient of its first world rank and the step alone; a RankLost is answered by shrinking the
 topology, moving the algorithm to the survivors and redoing the step.  Each survivor prints one line per loss and
-saves its parameters after every step and, at the end, the model the algorithm evaluates, to OUT/<first rank>.npz.
+saves its parameters after every step, whether its state resumed bitwise on a fresh instance, and the model the
+algorithm evaluates, to OUT/<first rank>.npz.
 """
 
 import json
@@ -40,10 +41,21 @@ while t <= steps:
         print(f"rank {me}: step {t} completed again at {time.time():.6f}", flush=True)
     history.append(params.copy())
     t += 1
-alg.finish(params)
+# The state after the loss resumes bitwise at the shrunk size: a fresh instance loaded from state_dict() takes one
+# more step as this one does.
+state, twin = alg.state_dict(), params.copy()
+fresh = mpiopt.create(name, topo, **hyper)
+fresh.setup(twin)
+twin[...] = params  # the set-up's own start (a mean, a broadcast) gives way to the state's
+fresh.load_state_dict(state)
+extra = np.random.default_rng([12, me]).standard_normal(D).astype(np.float32)
+for instance, values in ((alg, params), (fresh, twin)):
+    instance.step(values, extra, loss=float(np.linalg.norm(values - 1.0)))
+    instance.finish(values)
+resumed = bool(np.array_equal(params, twin))
 evaluated = params.astype(np.float64)
 if alg.evaluates == "average":
     topo.world.Allreduce(evaluated)
     evaluated /= topo.size
-np.savez(os.path.join(out, f"{me}.npz"), history=np.array(history), evaluated=evaluated, size=topo.size)
+np.savez(os.path.join(out, f"{me}.npz"), history=np.array(history), evaluated=evaluated, size=topo.size, resumed=resumed)
 print(f"rank {me}: done at world size {topo.size}", flush=True)
