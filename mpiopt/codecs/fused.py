@@ -1,4 +1,4 @@
-"""The codecs' optional fused C loops (``mpiopt/kernels/_codecsc.c``): the array code's bits, one visit per chunk.
+"""The codecs' optional fused C loops (``mpiopt/kernels/_codecsc.c`` and its ``_codecs_*.c``): the array code's bits, one visit per chunk.
 
 Each function returns whether the C loop did the work (C-contiguous numpy float32 and a chunk it takes); the
 caller runs its array code otherwise.  Tests set :data:`enabled` to False to compare the two.
