@@ -37,16 +37,17 @@ setup(
             **{**_COMMON, "depends": _COMMON["depends"] + ["mpiopt/kernels/_sparsec.h"]},
         ),
         Extension("mpiopt.kernels._updatec", ["mpiopt/kernels/_updatec.c"], **_COMMON),
-        # The same for the codecs' loops; _codecsc.h declares what the files share.
+        # The same for the codecs' loops; _codecs_shared.h declares what the files share.
         Extension(
             "mpiopt.kernels._codecsc",
             [
                 "mpiopt/kernels/_codecsc.c",
+                "mpiopt/kernels/_codecs_args.c",
                 "mpiopt/kernels/_codecs_dense_encode.c",
                 "mpiopt/kernels/_codecs_dense_decode.c",
                 "mpiopt/kernels/_codecs_topk.c",
             ],
-            **{**_COMMON, "depends": _COMMON["depends"] + ["mpiopt/kernels/_codecsc.h"]},
+            **{**_COMMON, "depends": _COMMON["depends"] + ["mpiopt/kernels/_codecs_shared.h"]},
         ),
     ]
 )

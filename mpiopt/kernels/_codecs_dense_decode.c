@@ -3,7 +3,7 @@
  * division of the mean, in one pass over the output; sign's table of a byte's 8 signs as +-1.0f.  Chunks go
  * to threads whole (_parallel.h).
  */
-#include "_codecsc.h"
+#include "_codecs_shared.h"
 
 typedef struct {
     int kind, add;

@@ -3,7 +3,7 @@
  * float64 sum), the codes and the residual's update (e = e - decoded) in one visit; bf16's round to nearest
  * even.  Chunks go to threads whole (_parallel.h).
  */
-#include "_codecsc.h"
+#include "_codecs_shared.h"
 
 /* numpy's pairwise float64 sum of |a| (pairwise_sum in its loops_utils), as add.reduce does a row. */
 WIDE static double pairwise_abs(const float *a, Py_ssize_t n) {

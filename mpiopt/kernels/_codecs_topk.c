@@ -3,7 +3,7 @@
  * chunk's threshold (SSE2, or AVX-512 where the CPU has it), their b-bit levels of the mean |value| and the
  * payload's bit fields, with encode's fold and feedback; and the decode-sum of topk payloads in row order.
  */
-#include "_codecsc.h"
+#include "_codecs_shared.h"
 
 #include <stdlib.h>
 #if defined(__SSE2__)
