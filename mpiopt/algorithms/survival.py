@@ -14,7 +14,6 @@ from typing import Any, Callable, ClassVar, Dict, Iterator, Mapping, Optional, T
 import numpy as np
 
 from ..arrays import array_module, to_numpy
-from ..comm.survival import RankLost
 __all__ = ["Snapshot", "Survival", "survivors_state"]
 
 
@@ -108,28 +107,19 @@ class Survival:
 
     @contextmanager
     def _rollback_point(self, params: Any) -> Iterator[None]:
-        """Around a step or an exchange: with survival on, keep its start; at its end the survivors agree whether
-        every one of them completed it, and where some did not, all put the parameters back and raise RankLost.
-
-        Agreeing matters: a collective that a dead rank breaks may still complete on some survivors, which would
-        otherwise go on a step ahead of the others.
-        """
+        """Around a step or an exchange: with survival on, keep its start; where a survivor did not complete it
+        (:meth:`Topology.agreed`), every survivor puts the parameters back and raises RankLost."""
         if self.topology.on_failure == "abort":
             yield
             return
         if self._rollback is None:
             self._rollback = Snapshot()
-        self._rollback.save(self, params)
-        self._rollback.pending = True
-        try:
+        kept = self._rollback
+        kept.save(self, params)
+        kept.pending = True
+        with self.topology.agreed(f"{self.name}'s step {self.steps + 1}", undo=lambda: params.__setitem__(Ellipsis, kept.params)):
             yield
-            completed = True
-        except RankLost:
-            completed = False
-        if not self.topology.all_ok(completed):
-            params[...] = self._rollback.params
-            raise RankLost(f"{self.name}: a rank was lost during step {self.steps + 1}; every survivor goes back to its start")
-        self._rollback.pending = False
+        kept.pending = False
 
     def recovered(self, params: Any, prepare: Optional[Callable[[Any], None]] = None) -> Any:
         """This algorithm again, on its topology after :meth:`Topology.recover` (collective on the survivors).

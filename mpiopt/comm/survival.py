@@ -88,6 +88,11 @@ class FaultInjection:
             self.points.add((int(who), int(step), where or "step"))
         self.current = -1  # the step this process is in (the training loop's count)
 
+    def at(self, step: int) -> None:
+        """This process starts ``step`` (the training loop's count, from 1): pause here if this is an injected point."""
+        self.current = step
+        self.reached("step", MPI.COMM_WORLD.Get_rank())
+
     def reached(self, where: str, rank: int) -> None:
         """Pause here for good if this is an injected point."""
         if (rank, self.current, where) not in self.points:

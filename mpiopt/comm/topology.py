@@ -12,8 +12,9 @@ import os
 import sys
 import threading
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -22,7 +23,7 @@ from .abort import ABORT_ENV, abort_job, abort_on_exception
 from .buffers import _parse_flag
 from .communicator import Comm
 from .islands import ISLAND, RAIL, Islands
-from .survival import ON_FAILURE, ON_FAILURE_ENV, Survivable, revoke_quietly, ulfm_problem
+from .survival import ON_FAILURE, ON_FAILURE_ENV, RankLost, Survivable, revoke_quietly, ulfm_problem
 from .launcher import check_world_size
 from .ledger import Ledger
 
@@ -231,6 +232,25 @@ class Topology:
             except MPI.Exception as error:
                 if error.Get_error_class() != MPI.ERR_PROC_FAILED:
                     raise
+
+    @contextmanager
+    def agreed(self, what: str, undo: Optional[Callable[[], None]] = None) -> Iterator[None]:
+        """Around a phase (``what``) that the survivors of a lost rank must leave alike: with survival on, they agree
+        at its end whether every one of them completed it, and where one did not, all ``undo()`` and raise
+        :class:`~mpiopt.comm.survival.RankLost`.  A collective that a dead rank breaks may still complete on some
+        survivors, which would otherwise go on a phase ahead of the others.  Nothing under ``abort``."""
+        if self.on_failure == "abort":
+            yield
+            return
+        try:
+            yield
+            completed = True
+        except RankLost:
+            completed = False
+        if not self.all_ok(completed):
+            if undo is not None:
+                undo()
+            raise RankLost(f"a rank was lost during {what}; every survivor leaves it")
 
     def recover(self) -> Recovery:
         """After :class:`~mpiopt.comm.survival.RankLost`, on every survivor together: shrink the world to the survivors
