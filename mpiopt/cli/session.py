@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..comm import Comm, Topology
-from ..training.config import TrainConfig, agree_or_fail
+from ..training.config import TrainConfig, UsageError, agree_or_fail
 from ..training.flags import command_settings, config_from_args, dump_toml
 
 
@@ -138,7 +138,10 @@ def start_session(config: TrainConfig, command: str, algorithms: List[str]) -> S
     from ..training.loop import load_data
 
     started = time.perf_counter()
-    topology = Topology(group_size=config.group_size)
+    try:  # the settings are agreed: every rank refuses alike
+        topology = Topology(group_size=config.group_size, on_failure=config.on_failure)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     world = topology.world
     out = config.out or world.bcast_obj(os.path.join("runs", time.strftime(f"{command}-%Y%m%d-%H%M%S")) if world.rank == 0 else None)
     config.out = out

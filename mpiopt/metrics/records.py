@@ -36,12 +36,14 @@ EVAL_FIELDS: Tuple[str, ...] = (
     "step", "epoch", "wall_seconds", "bytes_sent_total", "test_loss", "test_accuracy", "train_loss", "evaluated",
 )
 END_FIELDS: Tuple[str, ...] = ("step", "wall_seconds", "bytes_sent_total")
+#: A lost rank's survivors going on (``--on-failure shrink``): the step redone, the lost ranks, the new world size.
+LOST_FIELDS: Tuple[str, ...] = ("step", "lost", "world_size", "wall_seconds")
 #: Required fields of each record kind.
-KINDS: Dict[str, Tuple[str, ...]] = {"run": RUN_FIELDS, "step": STEP_FIELDS, "eval": EVAL_FIELDS, "end": END_FIELDS}
+KINDS: Dict[str, Tuple[str, ...]] = {"run": RUN_FIELDS, "step": STEP_FIELDS, "eval": EVAL_FIELDS, "end": END_FIELDS, "lost": LOST_FIELDS}
 #: Values of an eval record's ``evaluated`` field.
 EVALUATED: Tuple[str, ...] = ("average", "leader", "rank0")
 # Kinds after which the file is synced to disk, not only flushed.
-_SYNC_KINDS = frozenset({"eval", "end"})
+_SYNC_KINDS = frozenset({"eval", "end", "lost"})
 
 
 def versions() -> Dict[str, str]:

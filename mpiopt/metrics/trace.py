@@ -97,6 +97,12 @@ class Tracer:
             if self.recording:
                 self._add(name, _PHASE, start, time.perf_counter())
 
+    def survivors(self, comm: Comm, note: str) -> None:
+        """After a lost rank: mark ``note`` in the phases' lane now, and gather over ``comm`` (the survivors') later."""
+        now = time.perf_counter()
+        self._add(note, _PHASE, now, now)
+        self.comm = comm
+
     def close(self) -> None:
         """Stop listening (the events recorded so far stay, for :meth:`write`)."""
         if self.recording:

@@ -17,10 +17,20 @@ import torch
 from ..algorithms import Algorithm
 from ..algorithms.local import LOCAL_SGD
 
-__all__ = ["GroupsMixin", "check_inner"]
+__all__ = ["GroupsMixin", "check_inner", "check_survivable"]
 
 #: Keys any group may carry: ours, and what schedulers add.
 _GROUP_KEYS = {"params", "lr", "initial_lr"}
+
+
+def check_survivable(inner: Any, overlap: Optional[bool]) -> None:
+    """ValueError where this optimizer cannot yet go on without a lost rank (``on_failure="shrink"``): what a failed
+    step leaves changed must be what the algorithm rolls back (docs/failures.md)."""
+    if inner is not None:
+        raise ValueError(f"on_failure='shrink' takes no inner optimizer yet ({type(inner).__name__}): its state is not "
+                         "rolled back with a failed step")
+    if overlap:
+        raise ValueError("on_failure='shrink' takes overlap=False: the buckets summed during backward are not rolled back")
 
 
 def check_inner(inner: Optional[torch.optim.Optimizer], algorithm: str, hyperparameters: Dict[str, Any]) -> Optional[torch.optim.Optimizer]:

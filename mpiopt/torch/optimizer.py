@@ -20,7 +20,7 @@ from ..comm import Topology
 from ..comm.buffers import tensor_array
 from ..kernels.update import all_finite
 from .flat import FlatBuffers, flat_buffer
-from .groups import GroupsMixin, check_inner
+from .groups import GroupsMixin, check_inner, check_survivable
 from .overlap import BucketExchange
 from .pipeline import LOCAL, Exchanged, add_cost, loss_value, mean_over_passes
 from .scaler import ScalerVote, Verdict
@@ -88,9 +88,9 @@ class DistributedOptimizer(GroupsMixin, torch.optim.Optimizer):
             raise TypeError(f"overlap must be a bool, got {overlap!r}")
         check_positive("bucket_cap_mb", bucket_cap_mb)
         self.topology = Topology() if topology is None else topology
-        if self.topology.on_failure != "abort":  # agreed on every rank: every rank refuses
-            raise ValueError(f"on_failure={self.topology.on_failure!r}: the torch front end does not yet survive a lost rank "
-                             f"(its inner optimizer, buckets and scaler are not rolled back); the flat API does (docs/failures.md)")
+        if self.topology.on_failure != "abort":  # agreed on every rank: every rank refuses alike
+            check_survivable(inner, overlap)
+            overlap = False
         self.inner = check_inner(inner, algorithm, hyperparameters)
         self.algorithm: Algorithm = create(algorithm, self.topology, **hyperparameters)
         self.algorithm.loss_call = "opt.step(loss=loss)"  # what a message asking for the loss tells this API's user
@@ -142,6 +142,19 @@ class DistributedOptimizer(GroupsMixin, torch.optim.Optimizer):
                 self._params, self._grad_views, self._flat_grads, self._total_array, alg.reduced_over, backward_passes_per_step,
                 bucket_cap_mb * 2**20, functools.partial(mean_over_passes, self._flat_grads, backward_passes_per_step),
             )
+
+    def recover(self) -> None:
+        """After ``topology.recover()``, on every survivor of a lost rank: the algorithm moved to the survivors from
+        the failed step's start (:meth:`~mpiopt.algorithms.base.Algorithm.recovered`); then redo the step."""
+
+        def prepare(fresh: Algorithm) -> None:
+            fresh.loss_call = self.algorithm.loss_call
+            if self._local_keys:
+                fresh.use_groups(self._group_slices())
+
+        self.algorithm = self.algorithm.recovered(self._params_array, prepare)
+        self._vote = ScalerVote(self.topology.control)
+        self._hand_groups()
 
     @property
     def flat_params(self) -> torch.Tensor:

@@ -86,6 +86,7 @@ class TrainConfig:
     seed: int = 0
     group_size: Optional[int] = None
     islands: bool = False
+    on_failure: str = "abort"
     eval_every: Optional[int] = None
     target_accuracy: float = 0.9
     target_loss: Optional[float] = None
@@ -123,6 +124,23 @@ class TrainConfig:
         if not self.optimizer or algorithm == DDP or algorithm_class(algorithm).inner_role is not None:
             return self
         return dataclasses.replace(self, optimizer=None, no_decay_on=None)
+
+    def _check_survival(self, algorithms: Sequence[str]) -> None:
+        """``--on-failure shrink``: what the survivors cannot yet roll back is refused (docs/failures.md)."""
+        from ..comm.survival import ON_FAILURE
+
+        if self.on_failure not in ON_FAILURE:
+            raise UsageError(f"on_failure must be one of {', '.join(ON_FAILURE)}, got {self.on_failure!r}")
+        if self.on_failure == "abort":
+            return
+        for name in algorithms:
+            if survival_refusal(name) is not None:
+                raise UsageError(f"{name} takes no --on-failure {self.on_failure}: {survival_refusal(name)}")
+        for flag, value, why in (("--islands", self.islands, "a group that lost a rank would have to leave whole"),
+                                 ("--optimizer", self.optimizer, "its state is not rolled back with a failed step"),
+                                 ("--precision fp16", self.precision == "fp16", "the scaler's vote is not rolled back")):
+            if value:
+                raise UsageError(f"--on-failure {self.on_failure} takes no {flag} yet: {why}")
 
     def islands_for(self, algorithm: str) -> bool:
         """Whether ``algorithm`` runs with each group one worker: ``--islands``, unless it refuses them (lsgd, the
@@ -165,6 +183,7 @@ class TrainConfig:
         self._check_optimizer(algorithms)
         if self.islands and len(algorithms) == 1 and islands_refusal(algorithms[0]) is not None:
             raise UsageError(f"{algorithms[0]} takes no --islands: {islands_refusal(algorithms[0])}")
+        self._check_survival(algorithms)
         if self.seed < 0:
             raise UsageError(f"seed must be an integer >= 0, got {self.seed!r}")
         if self.override_hyperparameters and not self.resume:
@@ -295,6 +314,15 @@ class TrainConfig:
             schema.validate(values, what=name)
         except (TypeError, ValueError) as err:
             raise UsageError(f"{name}: {err}") from None
+
+
+def survival_refusal(name: str) -> Optional[str]:
+    """Why ``name`` cannot go on without a lost rank (its class's ``survival_refusal``; the ddp baseline's own); None: it can."""
+    if name == DDP:
+        return "torch DDP's gloo process group ends with a lost rank"
+    from ..algorithms import algorithm_class
+
+    return algorithm_class(name).survival_refusal
 
 
 def islands_refusal(name: str) -> Optional[str]:

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from ..algorithms import ASYNCHRONOUS, algorithm_class
-from ..comm import Comm, Topology
+from ..comm import Comm, RankLost, Topology
+from ..comm.survival import INJECTION
 from ..metrics import MetricsWriter, Tracer, versions
 from ..tasks.images import ImageDataset, ShardSampler, augment_cifar, batch_rng, load_dataset
 from ..tasks.models import build_model
@@ -35,6 +36,7 @@ from .ddp import NOTES, DDPBaseline
 from .device import autocast, choose_device, use_device, uses_scaler
 from .optimizers import OptimizerSettings, clip, inner_optimizer, schedule
 from .progress import Progress
+from .survival import go_on_without_lost_ranks
 
 __all__ = ["train", "load_data"]
 
@@ -271,6 +273,7 @@ class _Run:
         scaler: Optional[torch.amp.GradScaler],
     ) -> None:
         self.config, self.algorithm, self.topology, self.model, self.opt, self.out_dir = config, algorithm, topology, model, opt, out_dir
+        self.dataset, self.stream, self.cleanup = dataset, stream, cleanup  # a lost rank's survivors re-shard and report
         self.device, self.scaler = next(model.parameters()).device, scaler
         world = topology.world
         self.is_asynchronous = algorithm != DDP and algorithm_class(algorithm).protocol == ASYNCHRONOUS
@@ -281,7 +284,7 @@ class _Run:
         self.eval_every = config.eval_every or max(1, self.steps // 10)
         self.checkpoints = Checkpointer(CheckpointPlan.of(config, out_dir), algorithm, topology, model, opt, self.batches_per_epoch, scaler)
         cleanup.callback(self.checkpoints.close)  # signal handlers restored however the run ends
-        self.start = self.checkpoints.resume()
+        self.start = self.applied = self.checkpoints.resume()
         if on_start is not None:
             on_start()
         reporter = world.rank == (1 if self.is_asynchronous and world.size > 1 else 0)
@@ -361,35 +364,50 @@ class _Run:
 
     # -- the synchronous protocol ----------------------------------------------------------------
     def synchronous(self) -> Dict[str, Any]:
-        """Every rank steps together: forward, backward, the algorithm's step; evaluations every ``eval_every`` steps."""
-        opt, steps = self.opt, self.steps
+        """Every rank steps together: forward, backward, the algorithm's step; evaluations every ``eval_every`` steps.
+
+        With ``--on-failure shrink`` a lost rank's survivors go on from the step it broke (:mod:`.survival`)."""
         with _written_on_stop(self.tracer, self.trace_path):
-            for step in range(self.start, steps):
-                started = time.perf_counter()
-                x, y = self.batches(step)
-                with self._phase("compute"):
-                    opt.zero_grad()
-                    with autocast(self.device, self.config.precision):
-                        loss = _loss(self.network(x), y)
-                    (loss if self.scaler is None else self.scaler.scale(loss)).backward()
-                computed = time.perf_counter()
-                with self._phase("algorithm"):
-                    self._apply(loss)
-                    if self.scheduler is not None:
-                        self.scheduler.step()
-                whole = time.perf_counter() - started
-                self.totals.wall_seconds += whole
-                record = opt.last.as_dict()
-                record.pop("step")
-                line = self._step_record(step + 1, record.pop("loss"), computed - started, whole, record)
-                if self.writer:
-                    self.writer.write(line)
-                if (step + 1) % self.eval_every == 0 or step + 1 == steps:
-                    self._evaluate(step + 1)
-                self.progress.update(step + 1, line["loss"], whole, self.totals.bytes_sent_total / 1e6)
-                self.checkpoints.after_step(step + 1, last=step + 1 == steps, counters=self.totals.counters())
-        opt.finish()
-        return {}
+            step = self.start
+            while step < self.steps:
+                try:
+                    self._synchronous_step(step)
+                except RankLost:
+                    step = go_on_without_lost_ranks(self, step)
+                    continue
+                step += 1
+        self.opt.finish()
+        return {"world_size": self.topology.size}
+
+    def _synchronous_step(self, step: int) -> None:
+        """Step ``step + 1``: compute, apply, record; evaluate and checkpoint when due."""
+        opt, steps = self.opt, self.steps
+        INJECTION.at(step + 1)
+        started = time.perf_counter()
+        x, y = self.batches(step)
+        with self._phase("compute"):
+            opt.zero_grad()
+            with autocast(self.device, self.config.precision):
+                loss = _loss(self.network(x), y)
+            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+        computed = time.perf_counter()
+        with self._phase("algorithm"):
+            self._apply(loss)
+            self.applied = step + 1
+            if self.scheduler is not None:
+                self.scheduler.step()
+        whole = time.perf_counter() - started
+        self.totals.wall_seconds += whole
+        record = opt.last.as_dict()
+        record.pop("step")
+        line = self._step_record(step + 1, record.pop("loss"), computed - started, whole, record)
+        if self.writer:
+            self.writer.write(line)
+        with self.topology.agreed(f"the evaluation and checkpoint after step {step + 1}"):
+            if (step + 1) % self.eval_every == 0 or step + 1 == steps:
+                self._evaluate(step + 1)
+            self.progress.update(step + 1, line["loss"], whole, self.totals.bytes_sent_total / 1e6)
+            self.checkpoints.after_step(step + 1, last=step + 1 == steps, counters=self.totals.counters())
 
     def _apply(self, loss: torch.Tensor) -> None:
         """Clip and step; with a scaler (``--precision fp16``) unscaled first, the step skipped on every rank after an overflow."""

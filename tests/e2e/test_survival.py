@@ -48,23 +48,20 @@ def _open_mpi() -> bool:
 needs_ulfm = pytest.mark.skipif(not _open_mpi(), reason="surviving a lost rank needs Open MPI's ULFM (MPIOPT_MPI=openmpi)")
 
 
-def survive(tmp_path, name, hyper, steps, kills, ranks=4, timeout=120, on_kill=lambda: None):
-    """Run the sample with ``kills`` (``"RANK@STEP[:exchange]"`` each, in order); SIGKILL each paused rank, then call
-    ``on_kill()``.
-
-    Returns (launcher's exit code, output, {first rank: its npz}).
-    """
+def run_killing(tmp_path, args, kills, ranks=4, timeout=120, on_kill=lambda: None):
+    """``mpiexec --with-ft ulfm ... python ARGS`` with ``kills`` (``"RANK@STEP[:exchange]"`` each, in order): SIGKILL
+    each rank as it pauses there, then call ``on_kill()``.  Returns (the launcher's exit code, its output)."""
     pause = tmp_path / "pause"
     env = dict(os.environ, PYTHONUNBUFFERED="1", MPIOPT_TEST_PAUSE_AT=",".join(kills), MPIOPT_TEST_PAUSE_FILE=str(pause),
                MPIOPT_FINALIZE_SECONDS="3")
     command = [mpiexec(), "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
-               "-n", str(ranks), sys.executable, SAMPLE, name, json.dumps(hyper), str(steps), str(tmp_path)]
+               "-n", str(ranks), sys.executable, *args]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
     deadline = time.monotonic() + timeout
     try:
         for _ in kills:
             while not (pause.exists() and pause.read_text().endswith("\n")):
-                assert proc.poll() is None and time.monotonic() < deadline, "no rank paused at the injected point"
+                assert proc.poll() is None and time.monotonic() < deadline, f"no rank paused at the injected point: {proc.communicate()[0]}"
                 time.sleep(0.05)
             os.kill(int(pause.read_text()), signal.SIGKILL)
             on_kill()
@@ -74,8 +71,14 @@ def survive(tmp_path, name, hyper, steps, kills, ranks=4, timeout=120, on_kill=l
         if proc.poll() is None:  # the run's output, for the failure's report
             proc.kill()
             print(proc.communicate()[0])
+    return proc.returncode, output
+
+
+def survive(tmp_path, name, hyper, steps, kills, on_kill=lambda: None):
+    """The sample at 4 ranks with ``kills``: (the launcher's exit code, output, {first rank: its npz})."""
+    code, output = run_killing(tmp_path, [SAMPLE, name, json.dumps(hyper), str(steps), str(tmp_path)], kills, on_kill=on_kill)
     saved = {int(f.name[:-4]): dict(np.load(f)) for f in tmp_path.glob("*.npz")}
-    return proc.returncode, output, saved
+    return code, output, saved
 
 
 def losses(output):
@@ -184,8 +187,9 @@ REFUSALS = """
 import mpiopt, torch
 from mpiopt.torch import DistributedOptimizer
 topo = mpiopt.Topology(on_failure="shrink", group_size=2)
+model = torch.nn.Linear(2, 1)
 for make in (lambda: mpiopt.create("async_msgd", topo, lr=0.1), lambda: mpiopt.create("diloco", topo, islands=True),
-             lambda: DistributedOptimizer(torch.nn.Linear(2, 1).parameters(), "sgd", topology=topo, lr=0.1)):
+             lambda: DistributedOptimizer(model.parameters(), "diloco", topology=topo, inner=torch.optim.AdamW(model.parameters()))):
     try:
         make()
     except ValueError as error:
@@ -196,7 +200,7 @@ topo.world.Barrier()
 
 @needs_ulfm
 def test_what_cannot_survive_yet_is_refused_on_every_rank_before_communicating(tmp_path):
-    """The asynchronous algorithms, islands and the torch front end (each named with why), then the world still works."""
+    """The asynchronous algorithms, islands and an inner torch optimizer (each named with why); the world still works."""
     command = [mpiexec(), "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
                "-n", "4", sys.executable, "-c", REFUSALS]
     proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=120)
@@ -206,4 +210,47 @@ def test_what_cannot_survive_yet_is_refused_on_every_rank_before_communicating(t
         assert len(lines) == 3, proc.stdout
         assert "async_msgd: on_failure='shrink' is refused: a lost worker or server" in lines[0]
         assert "diloco: on_failure='shrink' is refused: islands do not yet survive" in lines[1]
-        assert "the torch front end does not yet survive a lost rank" in lines[2]
+        assert "on_failure='shrink' takes no inner optimizer yet (AdamW)" in lines[2]
+
+
+@needs_ulfm
+@pytest.mark.parametrize("algorithm, kill", [("sgd", "2@7:exchange"), ("diloco", "0@7")])
+def test_train_goes_on_without_a_killed_rank(tmp_path, algorithm, kill):
+    """`mpiopt train --on-failure shrink`: the line on every survivor, the metrics' lost record, the trace's mark, the end at 3 ranks
+    (rank 0's loss included: the new rank 0 writes on), a finite final test loss, exit code 0.  A rank lost inside
+    an exchange breaks that step, redone; one lost at a step's start is found by the others after their step (DiLoCo's
+    inner steps are local; the stop-signal vote between steps finds it), which stands."""
+    out = tmp_path / "run"
+    args = ["-m", "mpiopt", "train", "--algorithm", algorithm, "--steps", "16", "--eval-every", "8", "--batch-size", "16",
+            "--on-failure", "shrink", "--progress", "lines", "--out", str(out), "--checkpoint-every", "5",
+            "--trace", str(tmp_path / "trace.json"), *(["--hp", "diloco.period=4"] if algorithm == "diloco" else [])]
+    code, output = run_killing(tmp_path, args, [kill], timeout=240)
+    assert code == 0, output
+    lost = int(kill.split("@")[0])
+    survivors = [r for r in range(4) if r != lost]
+    for rank in survivors:
+        assert re.search(rf"mpiopt: rank {rank}: lost rank {lost} at step \d+ \(the step (redone|kept; going on from the "
+                         rf"next)\); the world is now 3 ranks", output), output
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    kinds = [r["kind"] for r in records]
+    assert kinds.count("lost") == 1 and kinds[-1] == "end", kinds
+    event = next(r for r in records if r["kind"] == "lost")
+    assert event["lost"] == [lost] and event["world_size"] == 3
+    assert records[-1]["world_size"] == 3 and records[-1]["step"] == 16
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    # Every step recorded but, where rank 0 was lost, the one it died after: its record died with it.
+    assert steps[-1] == 16 and set(range(1, 17)) - set(steps) <= ({event["step"]} if lost == 0 else set()), steps
+    final = [r for r in records if r["kind"] == "eval"][-1]
+    assert final["step"] == 16 and np.isfinite(final["test_loss"])
+    marks = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["name"].startswith("lost rank")]
+    assert len(marks) == 3 and {m["name"] for m in marks} == {f"lost rank {lost} at step {event['step']}"}  # one per survivor
+
+
+def test_train_refuses_shrink_where_the_mpi_cannot_keep_it(tmp_path):
+    """Under MPICH, or Open MPI without --with-ft ulfm: exit 2 on every rank, the launch line named."""
+    from .launch import run_mpi
+
+    code, output, _ = run_mpi(2, ["-m", "mpiopt", "train", "--steps", "2", "--on-failure", "shrink", "--out", str(tmp_path / "r")],
+                              timeout=120)
+    assert code == 2, output
+    assert "mpiexec --with-ft ulfm --mca btl tcp,self" in output, output

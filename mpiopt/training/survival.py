@@ -1,0 +1,44 @@
+"""Training on after a lost rank (``--on-failure shrink``, docs/failures.md).
+
+A :class:`~mpiopt.comm.RankLost` reaches the training loop on every survivor alike: from a step (the algorithm put
+the parameters back to its start) or from the evaluation and checkpoint after it (the step stands).  The survivors
+shrink the topology, move the optimizer to themselves, re-shard the data, say so on every rank and in the metrics,
+and go on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from ..metrics import MetricsWriter
+
+__all__ = ["go_on_without_lost_ranks"]
+
+
+def go_on_without_lost_ranks(run: Any, step: int) -> int:
+    """On every survivor after a RankLost in step ``step + 1`` of ``run`` (a training loop's run): recover; returns
+    the step to go on from (the failed one again, or the next where the loss came after the step was applied)."""
+    recovery = run.topology.recover()
+    run.opt.recover()
+    world, config = run.topology.world, run.config
+    applied = run.applied == step + 1
+    resume = step + 1 if applied else step
+    # The data re-sharded over the survivors, the test set too; rank 0 of the new world reports and writes.
+    run.batches = type(run.batches)(run.dataset, config.batch_size, config.seed, config.augment, world, False, run.device)
+    run.evaluator = type(run.evaluator)(run.model, run.dataset, world, run.source, config.precision)
+    if world.rank == 0 and run.writer is None:
+        run.writer = MetricsWriter(os.path.join(run.out_dir, "metrics.jsonl"))
+        run.cleanup.callback(run.writer.close)
+        run.progress = type(run.progress)(run.algorithm, run.steps, run.progress.every, run.stream, config.progress)
+    first = run.topology.first_ranks[world.rank]
+    lost = f"lost rank{'s' if len(recovery.lost) > 1 else ''} {', '.join(map(str, recovery.lost))} at step {step + 1}"
+    if run.tracer:
+        run.tracer.survivors(world, lost)
+    redone = "kept; going on from the next" if applied else "redone"
+    print(f"mpiopt: rank {first}: {lost} (the step {redone}); the world is now {recovery.size} ranks", file=sys.stderr, flush=True)
+    if run.writer:
+        run.writer.write({"kind": "lost", "step": step + 1, "lost": recovery.lost, "world_size": recovery.size,
+                          "wall_seconds": run.totals.wall_seconds, "redone": not applied})
+    return resume
