@@ -26,8 +26,8 @@ def survivors_state(rules: Mapping[str, Any], state: Mapping[str, Any], workers:
         rule = rules[key]
         if value is None or rule.survivors == "own":
             return rule.apply([value], workers.rank, workers.size)
-        if rule.survivors == "rescale":
-            return (np.asarray(value, np.float64) * (workers.size / old_workers)).astype(np.asarray(value).dtype)
+        if rule.survivors == "rescale":  # the resize's own rescaling, from the old number of workers to the survivors
+            return rule.apply([value] * old_workers, workers.rank, workers.size)
         total = np.array(value, dtype=np.float64)  # the mean of float32 entries rounds once, as a resize's does
         workers.Allreduce(total)
         return (total / workers.size).astype(np.asarray(value).dtype)

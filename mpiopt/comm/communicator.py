@@ -262,7 +262,7 @@ class Comm(ObjectCalls, Decisions):
             local(*(buf for buf, _, _ in buffers))
             result = MPI.REQUEST_NULL if nonblocking else None
         else:
-            INJECTION.reached("exchange", MPI.COMM_WORLD.Get_rank())
+            INJECTION.reached("exchange")
             busy = self._busy_lanes.setdefault(op, set())
             lane = min(set(range(len(busy) + 1)) - busy) if nonblocking else 0
             if nonblocking:

@@ -91,11 +91,14 @@ class FaultInjection:
     def at(self, step: int) -> None:
         """This process starts ``step`` (the training loop's count, from 1): pause here if this is an injected point."""
         self.current = step
-        self.reached("step", MPI.COMM_WORLD.Get_rank())
+        self.reached("step")
 
-    def reached(self, where: str, rank: int) -> None:
-        """Pause here for good if this is an injected point."""
-        if (rank, self.current, where) not in self.points:
+    def reached(self, where: str, rank: Optional[int] = None) -> None:
+        """Pause here for good if this is an injected point (``rank``: in the job's first world, this process's by
+        default, asked of MPI only where a point is set: this sits on every collective's path)."""
+        if not self.points:
+            return
+        if (MPI.COMM_WORLD.Get_rank() if rank is None else rank, self.current, where) not in self.points:
             return
         path = os.environ.get("MPIOPT_TEST_PAUSE_FILE")
         if path:
