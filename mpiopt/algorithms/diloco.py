@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from typing import Any, List, Mapping, Optional
 
-import numpy as np
 
-from ..arrays import empty_apart
+from ..arrays import array_module, empty_apart
 from ..comm import Topology
-from ..kernels.update import sgd_update
+from ..kernels.update import mix_into, outer_sgd, sgd_update
 from ..comm.ledger import Call
 from .base import BASE, SynchronousAlgorithm, due_steps
 from .compressed import CODEC, FEEDBACK, RESIDUAL, Compressed
@@ -27,29 +26,24 @@ __all__ = ["DiLoCo", "outer_step", "outer_update"]
 
 def outer_step(
     theta_start: Any, total: Any, size: int, *, lr: float, momentum: float, nesterov: bool, buffer: Optional[Any],
-    out: Optional[Any] = None, work: Optional[List[Any]] = None,
+    out: Optional[Any] = None, alpha: float = 0.0, work: Optional[List[Any]] = None,
 ) -> None:
-    """The outer step from ``theta_start`` (in place) given ``total = sum_i theta_i`` over ``size`` ranks.
+    """The outer step from ``theta_start`` (in place) given ``total = sum_i theta_i`` over ``size`` ranks (scratch).
 
-    ``Delta = theta_start - total / size`` (``total`` becomes Delta: no
-    allocation), then :func:`outer_update`.  ``lr = 1, momentum = 0`` is the
-    mean itself, computed as such (exact).  Shared by ``diloco`` and
-    ``streaming_diloco`` (there on one fragment's slices).
+    ``Delta = theta_start - total / size``, then torch's SGD rule, in one fused pass
+    (:func:`~mpiopt.kernels.update.outer_sgd`).  ``lr = 1, momentum = 0`` is the
+    mean itself, computed as such (exact).  ``out`` gets the result (``alpha = 0``)
+    or ``out * alpha + result * (1 - alpha)``.  Shared by ``diloco`` and
+    ``streaming_diloco`` (there on one fragment's slices, mixed by its ``alpha``).
     """
     if lr == 1.0 and momentum == 0.0:
-        if isinstance(total, np.ndarray):
-            np.divide(total, size, out=theta_start)
-        else:
-            theta_start[...] = total / size
-        if out is not None:
+        array_module(total).divide(total, size, out=theta_start)
+        if out is not None and alpha:  # total is scratch
+            mix_into(out, theta_start, alpha, total)
+        elif out is not None:
             out[...] = theta_start
         return
-    total /= size
-    if isinstance(total, np.ndarray):
-        np.subtract(theta_start, total, out=total)  # Delta, in place
-    else:
-        total[...] = theta_start - total
-    outer_update(theta_start, total, lr=lr, momentum=momentum, nesterov=nesterov, buffer=buffer, out=out, work=work)
+    outer_sgd(theta_start, total, size, buffer, lr=lr, momentum=momentum, nesterov=nesterov, out=out, alpha=alpha, work=work)
 
 
 def outer_update(
@@ -60,9 +54,7 @@ def outer_update(
 
     ``buffer`` (the momentum) starts as zeros: ``b = mu 0 + Delta`` is bitwise torch's first ``b = Delta``.
     """
-    sgd_update(theta_start, delta, buffer, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0, work=work)
-    if out is not None:
-        out[...] = theta_start
+    sgd_update(theta_start, delta, buffer, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0, work=work, copy_to=out)
 
 
 @register

@@ -11,10 +11,11 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ..arrays import array_module, empty_apart
+from ..arrays import empty_apart
 from ..comm import Topology
 from ..comm.ledger import Call
 from ..kernels._backend import take_rows
+from ..kernels.update import mix_into
 from .base import BASE, SynchronousAlgorithm, due_steps
 from .compressed import CODEC, FEEDBACK, RESIDUAL, Compressed
 from .diloco import outer_step, outer_update
@@ -261,16 +262,14 @@ class StreamingDiLoCo(Compressed, LocalStepState, SynchronousAlgorithm):
                 take_rows(self.outer_momentum_buffer, index, moment)
                 buffer = moment
         options = dict(lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_nesterov, buffer=buffer,
-                       out=local if self.alpha == 0.0 else None, work=self._outer_work[f])
+                       work=self._outer_work[f])
         if self._wires:  # the decoded sum of the pseudo-gradients, the same on every rank
             total /= self.workers.size
-            outer_update(start, total, **options)
-        else:
-            outer_step(start, total, self.workers.size, **options)
-        if self.alpha != 0.0:  # total is scratch now
-            array_module(total).multiply(start, 1.0 - self.alpha, out=total)
-            local *= self.alpha
-            local += total
+            outer_update(start, total, out=local if self.alpha == 0.0 else None, **options)
+            if self.alpha != 0.0:  # total is scratch now
+                mix_into(local, start, self.alpha, total)
+        else:  # the outer step and the mix in one pass
+            outer_step(start, total, self.workers.size, out=local, alpha=self.alpha, **options)
         if index is not None:
             self.theta_start[index] = start
             params[index] = local

@@ -14,7 +14,7 @@ import numpy as np
 from ..arrays import array_module
 from ._backend import C_FLOATS
 
-__all__ = ["takes", "sgd", "merge_average", "elastic_pull", "all_finite", "pack_signs", "momentum_signs", "apply_signs"]
+__all__ = ["takes", "sgd", "outer_sgd", "merge_average", "elastic_pull", "all_finite", "pack_signs", "momentum_signs", "apply_signs"]
 
 # Threads per block; a grid of at most _BLOCKS_PER_SM blocks per multiprocessor strides over longer arrays.
 _THREADS = 256
@@ -157,6 +157,55 @@ __global__ void elastic_pull(long long n, T *x, T *c, const T *sum, T p, T alpha
     }
 }
 
+/* _updatec.c's outer_sgd for element i: d = x - sum / P, torch.optim.SGD's momentum and Nesterov on d. */
+template <typename T>
+__device__ __forceinline__ T outer_one(T xi, T si, T &bi, T p, T lr, T mom, int momentum, int nesterov) {
+    const T d = sub_(xi, div_(si, p));
+    T s = d;
+    if (momentum) {
+        bi = add_(mul_(bi, mom), d);
+        s = nesterov ? add_(d, mul_(bi, mom)) : bi;
+    }
+    return sub_(xi, mul_(s, lr));
+}
+
+enum { NO_COPY, COPY, MIX };
+
+/* DiLoCo's outer step in one pass over (x, sum, b), as sgd's kernel: whole 16-byte vectors with wide; c gets
+ * nothing, a copy of x, or Streaming DiLoCo's mix c * keep + x * take. */
+template <typename T>
+__global__ void outer_sgd(long long n, T *x, const T *sum, T *b, T *c, T p, T lr, T mom, T keep, T take, int momentum,
+                          int nesterov, int copy, int wide) {
+    typedef typename Wide<T>::type V;
+    const long long done = in_vectors<T>(n, wide, [&](long long k) {
+        V xv = ((const V *)x)[k], sv = ((const V *)sum)[k], bv = xv;
+        if (momentum) bv = ((const V *)b)[k];
+        T *xe = (T *)&xv, *se = (T *)&sv, *be = (T *)&bv;
+#pragma unroll
+        for (int j = 0; j < (int)(sizeof(V) / sizeof(T)); ++j) xe[j] = outer_one(xe[j], se[j], be[j], p, lr, mom, momentum, nesterov);
+        ((V *)x)[k] = xv;
+        if (momentum) ((V *)b)[k] = bv;
+        if (copy == MIX) {
+            V cv = ((const V *)c)[k];
+            T *ce = (T *)&cv;
+#pragma unroll
+            for (int j = 0; j < (int)(sizeof(V) / sizeof(T)); ++j) ce[j] = add_(mul_(ce[j], keep), mul_(xe[j], take));
+            ((V *)c)[k] = cv;
+        } else if (copy == COPY) {
+            ((V *)c)[k] = xv;
+        }
+    });
+    FOR_EACH(t, n - done) {
+        const long long i = done + t;
+        T bi = momentum ? b[i] : (T)0;
+        const T y = outer_one(x[i], sum[i], bi, p, lr, mom, momentum, nesterov);
+        x[i] = y;
+        if (momentum) b[i] = bi;
+        if (copy == MIX) c[i] = add_(mul_(c[i], keep), mul_(y, take));
+        else if (copy == COPY) c[i] = y;
+    }
+}
+
 /* With wide (x 16-byte aligned) whole 16-byte vectors first, as sgd's kernel reads them. */
 template <typename T>
 __global__ void all_finite(long long n, const T *x, int wide, int *bad) {
@@ -205,7 +254,7 @@ __global__ void apply_signs(long long n, const unsigned char *packed, T *x, T lr
 }
 """
 
-_KERNELS = ("sgd", "merge_average", "elastic_pull", "all_finite", "pack_signs", "apply_signs")
+_KERNELS = ("sgd", "outer_sgd", "merge_average", "elastic_pull", "all_finite", "pack_signs", "apply_signs")
 _TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
 
@@ -284,6 +333,21 @@ def sgd(
     args += (np.int32(wide),)
     bad = _launch("sgd", x.dtype, _items(x, wide), args, flag=check)
     return None if bad is None else not bad
+
+
+def outer_sgd(
+    x: Any, total: Any, b: Optional[Any], out: Optional[Any], world_size: int, lr: float, mom: float, alpha: float, nesterov: bool,
+) -> None:
+    """``_updatec.outer_sgd`` on the GPU (``b`` None without momentum, ``out`` None for no copy or mix)."""
+    T = x.dtype.type
+    used = [x, total] + ([b] if mom else []) + ([out] if out is not None else [])
+    wide = all(arr.data.ptr % _WIDE == 0 for arr in used)
+    copy = 0 if out is None else 2 if alpha != 0.0 else 1
+    args = (
+        np.int64(x.shape[0]), x, total, x if b is None else b, x if out is None else out, T(world_size), T(lr), T(mom),
+        T(alpha), T(1.0 - alpha), *(np.int32(v) for v in (mom != 0, nesterov and mom != 0, copy, wide)),
+    )
+    _launch("outer_sgd", x.dtype, _items(x, wide), args)
 
 
 def merge_average(x: Any, snapshot: Optional[Any], total: Any, world_size: int, proportion: Optional[float]) -> None:

@@ -32,6 +32,12 @@
  *   a = sum / P;  x = x - snapshot;  x = x + a             (delayed rule)
  *   a = sum / P;  a = a * (1 - p);   x = x * p;  x = x + a (proportion rule)
  *
+ * outer_sgd is DiLoCo's outer step from a received sum of P models, in one
+ * pass over (x, sum, b) instead of numpy's four (x is the outer parameters):
+ *
+ *   a = sum / P;  d = x - a;  b = b * m + d;  s = d + b * m (Nesterov) or b;  x = x - s * lr;
+ *   c = x   or   c = c * alpha + x * (1 - alpha)             (a copy, or Streaming DiLoCo's mix, when asked for)
+ *
  * Long vectors are split across threads (_parallel.h): element by element,
  * so the bits do not depend on the split.
  */
@@ -554,6 +560,112 @@ done:
     return result;
 }
 
+/* outer_sgd's outputs beside x: none, a copy, or a mix into c. */
+enum { NO_COPY, COPY, MIX };
+
+/* outer_sgd's loop, one per dtype; the flags are constants at every call site (OUTER_CASE). */
+#define DEFINE_OUTER(T, NAME)                                                                                  \
+    ALWAYS_INLINE void NAME(Py_ssize_t n, T *restrict x, const T *restrict sum, T *restrict b, T *restrict c,   \
+                            T p, T lr, T mom, T keep, T take, int momentum, int nesterov, int copy) {          \
+        for (Py_ssize_t i = 0; i < n; ++i) {                                                                   \
+            const T a = sum[i] / p;                                                                            \
+            const T d = x[i] - a;                                                                              \
+            T s = d;                                                                                           \
+            if (momentum) {                                                                                    \
+                T bi = b[i] * mom;                                                                             \
+                bi = bi + d;                                                                                   \
+                b[i] = bi;                                                                                     \
+                if (nesterov) {                                                                                \
+                    const T t = bi * mom;                                                                      \
+                    s = d + t;                                                                                 \
+                } else {                                                                                       \
+                    s = bi;                                                                                    \
+                }                                                                                              \
+            }                                                                                                  \
+            const T u = s * lr;                                                                                \
+            const T y = x[i] - u;                                                                              \
+            x[i] = y;                                                                                          \
+            if (copy == MIX) {                                                                                 \
+                const T l = c[i] * keep;                                                                       \
+                const T t = y * take;                                                                          \
+                c[i] = l + t;                                                                                  \
+            } else if (copy == COPY) {                                                                         \
+                c[i] = y;                                                                                      \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+DEFINE_OUTER(float, outer_f32)
+DEFINE_OUTER(double, outer_f64)
+
+typedef struct {
+    int itemsize, momentum, nesterov, copy;
+    char *x, *b, *c;
+    const char *sum;
+    double divisor, lr, mom, keep, take;
+} outer_job;
+
+#define OUTER_CASE(LOOP, T, MOM, NEST, COPY)                                                                  \
+    LOOP(n, (T *)(j->x + at), (const T *)(j->sum + at), j->b ? (T *)(j->b + at) : NULL,                       \
+         j->c ? (T *)(j->c + at) : NULL, (T)j->divisor, (T)j->lr, (T)j->mom, (T)j->keep, (T)j->take, MOM, NEST,  \
+         COPY)
+#define OUTER_OUTPUTS(LOOP, T, MOM, NEST)                                                   \
+    do {                                                                                    \
+        if (j->copy == MIX) OUTER_CASE(LOOP, T, MOM, NEST, MIX);                            \
+        else if (j->copy == COPY) OUTER_CASE(LOOP, T, MOM, NEST, COPY);                     \
+        else OUTER_CASE(LOOP, T, MOM, NEST, NO_COPY);                                       \
+    } while (0)
+#define OUTER_CASES(LOOP, T)                                                                \
+    do {                                                                                    \
+        if (!j->momentum) OUTER_OUTPUTS(LOOP, T, 0, 0);                                     \
+        else if (j->nesterov) OUTER_OUTPUTS(LOOP, T, 1, 1);                                 \
+        else OUTER_OUTPUTS(LOOP, T, 1, 0);                                                  \
+    } while (0)
+
+static void outer_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
+    const outer_job *j = (const outer_job *)ctx;
+    const Py_ssize_t n = hi - lo, at = lo * j->itemsize;
+    (void)part;
+    if (j->itemsize == 4) OUTER_CASES(outer_f32, float);
+    else OUTER_CASES(outer_f64, double);
+}
+
+static PyObject *py_outer(PyObject *self, PyObject *args) {
+    PyObject *xo, *so, *bo, *co;
+    double divisor, lr, mom, alpha;
+    int nesterov, threads;
+    Py_buffer x = {0}, sum = {0}, b = {0}, c = {0};
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOOddddpi", &xo, &so, &bo, &co, &divisor, &lr, &mom, &alpha, &nesterov, &threads))
+        return NULL;
+    const int itemsize = get_params(xo, &x, "outer_sgd");
+    if (!itemsize) return NULL;
+    PyObject *result = NULL;
+    if (get_like(so, &sum, 0, &x, itemsize, "outer_sgd: total") < 0) goto done;
+    if (mom != 0.0) {
+        if (bo == Py_None) {
+            PyErr_SetString(PyExc_ValueError, "outer_sgd: momentum != 0 needs a buffer");
+            goto done;
+        }
+        if (get_like(bo, &b, 1, &x, itemsize, "outer_sgd: buffer") < 0) goto done;
+    }
+    if (co != Py_None && get_like(co, &c, 1, &x, itemsize, "outer_sgd: out") < 0) goto done;
+    const int copy = co == Py_None ? NO_COPY : alpha != 0.0 ? MIX : COPY;
+    /* 1 - alpha in double first, then rounded to the dtype: numpy's `x * (1.0 - alpha)` */
+    outer_job job = {itemsize, mom != 0.0, nesterov && mom != 0.0, copy, (char *)x.buf, (char *)b.buf, (char *)c.buf,
+                     (const char *)sum.buf, divisor, lr, mom, alpha, 1.0 - alpha};
+    Py_BEGIN_ALLOW_THREADS
+    mpiopt_parallel_for(threads, x.len / itemsize, 1, outer_part, &job);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    PyBuffer_Release(&x);
+    if (sum.obj) PyBuffer_Release(&sum);
+    if (b.obj) PyBuffer_Release(&b);
+    if (c.obj) PyBuffer_Release(&c);
+    return result;
+}
+
 /* all_finite(buffer, threads, out=None, divisor=1.0): with out, also out = buffer / divisor in the same pass. */
 static PyObject *py_all_finite(PyObject *self, PyObject *args) {
     PyObject *go, *oo = Py_None;
@@ -601,6 +713,13 @@ static PyMethodDef methods[] = {
      "EASGD's pull in place, in one pass: params -= alpha * (params - center), then center += beta *\n"
      "(total / divisor - center) from the same params; contiguous, non-overlapping float32 or float64\n"
      "buffers of equal length (total, the sum of divisor workers' params, is left unchanged)."},
+    {"outer_sgd", py_outer, METH_VARARGS,
+     "outer_sgd(params, total, buffer, out, divisor, lr, momentum, alpha, nesterov, threads) -> None\n\n"
+     "DiLoCo's outer SGD step in place, in one pass, on the pseudo-gradient params - total / divisor:\n"
+     "torch.optim.SGD's momentum (buffer None when momentum == 0; never a first step: a zero buffer\n"
+     "gives its bits) and Nesterov; unless out is None, the new params are copied into out (alpha 0)\n"
+     "or mixed into it, out = out * alpha + params * (1 - alpha); contiguous, non-overlapping float32\n"
+     "or float64 buffers of equal length (total is left unchanged)."},
     {"all_finite", py_all_finite, METH_VARARGS,
      "all_finite(buffer, threads, out=None, divisor=1.0) -> bool\n\nWhether every element of a contiguous float32 or float64\n"
      "buffer is finite; with out (a buffer of its dtype and length, perhaps the buffer itself), also\n"
@@ -609,12 +728,12 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_updatec", "Fused CPU torch.optim.SGD update, DaSGD merge and EASGD pull.", -1, methods, NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT, "_updatec", "Fused CPU torch.optim.SGD update, DaSGD merge, EASGD pull and DiLoCo outer step.", -1, methods, NULL, NULL, NULL, NULL,
 };
 
 /* VERSION changes with the functions' arguments, so that update.py can refuse a stale build. */
 PyMODINIT_FUNC PyInit__updatec(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "VERSION", 4) < 0) Py_CLEAR(m);
+    if (m && PyModule_AddIntConstant(m, "VERSION", 5) < 0) Py_CLEAR(m);
     return m;
 }

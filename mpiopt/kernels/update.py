@@ -1,4 +1,4 @@
-"""torch.optim.SGD's local update, DaSGD's merge and EASGD's pull as one function each: a fused pass, or array code.
+"""torch.optim.SGD's local update, DaSGD's merge, EASGD's pull and DiLoCo's outer step as one function each: a fused pass, or array code.
 
 Every backend rounds each product and sum to the parameters' dtype on its own, in the same order, so all give
 the same bits (not quite torch's: its CPU kernels use FMA).  Formulas and rounding: docs/internals-kernels.md.
@@ -17,9 +17,9 @@ from ._backend import c_loop_takes, check_array, check_count, load_extension
 from .threads import get_num_threads
 
 # The optional fused C loop (setup.py); without it the array code below runs, with the same bits.
-_updatec = load_extension("_updatec", 4)
+_updatec = load_extension("_updatec", 5)
 
-__all__ = ["Merge", "all_finite", "divide_finite", "elastic_pull", "fused_update_available", "merge_average", "reads_support", "sgd_update"]
+__all__ = ["Merge", "all_finite", "divide_finite", "elastic_pull", "fused_update_available", "merge_average", "mix_into", "outer_sgd", "reads_support", "sgd_update"]
 
 #: How many arrays :func:`sgd_update`'s ``copy_to`` may name.
 MAX_COPIES = 2
@@ -322,3 +322,57 @@ def elastic_pull(params: Any, center: Any, total: Any, world_size: int, alpha: f
         total -= center
         total *= beta
         center += total
+
+
+def outer_sgd(
+    params: Any, total: Any, world_size: int, buffer: Optional[Any], *, lr: float, momentum: float, nesterov: bool,
+    out: Optional[Any] = None, alpha: float = 0.0, work: Optional[List[Any]] = None,
+) -> None:
+    """DiLoCo's outer step in place: :func:`sgd_update` on the pseudo-gradient ``params - total / world_size``.
+
+    Parameters
+    ----------
+    params, total
+        The outer model, updated in place, and the sum of ``world_size`` models (scratch: unchanged by the
+        fused pass, overwritten by the array code).
+    buffer : array, optional
+        The momentum, needed when ``momentum != 0``; never a first step (a zero buffer gives torch's first
+        ``b = d`` bitwise).
+    out : array, optional
+        Receives the new ``params`` (``alpha = 0``) or Streaming DiLoCo's mix ``out * alpha + params * (1 - alpha)``.
+    work : list of array, optional
+        Scratch for the array code, as :func:`sgd_update`'s.
+
+    One pass over ``(params, total, buffer, out)`` where the fused loops take them, else array code with the
+    same bits.  ``TypeError``/``ValueError`` for mismatched or overlapping arrays or a bad scalar, naming it.
+    """
+    xp = check_array("params", params, ndim=1, kinds="f")
+    world_size = check_count("world_size", world_size, 1)
+    lr, momentum, alpha = _real("lr", lr), _real("momentum", momentum), _real("alpha", alpha)
+    if momentum and buffer is None:
+        raise ValueError(f"momentum={momentum} needs a buffer, got buffer=None")
+    if alpha and out is None:
+        raise ValueError(f"alpha={alpha} mixes into out, got out=None")
+    arrays = [("total", total)] + ([("buffer", buffer)] if momentum else []) + _copies(out)
+    _check_like(xp, params, arrays)
+    nesterov = bool(nesterov) and momentum != 0.0
+    buffer = buffer if momentum else None
+    if _fused(params, arrays):
+        if xp is np:
+            _updatec.outer_sgd(params, total, buffer, out, float(world_size), lr, momentum, alpha, nesterov, get_num_threads())
+        else:
+            _cuda.outer_sgd(params, total, buffer, out, world_size, lr, momentum, alpha, nesterov)
+        return
+    with np.errstate(all="ignore"):  # inf - inf is NaN here as in the C loop, silently in both
+        total /= world_size
+        xp.subtract(params, total, out=total)
+        sgd_update(params, total, buffer, lr=lr, momentum=momentum, nesterov=nesterov, work=work, copy_to=None if alpha else out)
+        if alpha:  # total is scratch again
+            mix_into(out, params, alpha, total)
+
+
+def mix_into(out: Any, result: Any, alpha: float, scratch: Any) -> None:
+    """Streaming DiLoCo's ``out = out * alpha + result * (1 - alpha)`` as array passes (``scratch`` overwritten)."""
+    array_module(out).multiply(result, 1.0 - alpha, out=scratch)
+    out *= alpha
+    out += scratch
