@@ -14,7 +14,7 @@ import numpy as np
 from ..arrays import array_module
 from ._backend import C_FLOATS
 
-__all__ = ["takes", "sgd", "outer_sgd", "merge_average", "elastic_pull", "all_finite", "pack_signs", "momentum_signs", "apply_signs"]
+__all__ = ["takes", "takes_bytes", "sgd", "outer_sgd", "merge_average", "elastic_pull", "all_finite", "pack_signs", "momentum_signs", "apply_signs", "vote"]
 
 # Threads per block; a grid of at most _BLOCKS_PER_SM blocks per multiprocessor strides over longer arrays.
 _THREADS = 256
@@ -252,10 +252,56 @@ __global__ void apply_signs(long long n, const unsigned char *packed, T *x, T lr
         x[i] = (packed[i >> 3] >> (i & 7)) & 1 ? sub_(y, lr) : add_(y, lr); /* y - (-lr) without a negation */
     }
 }
+
+/* Word w (8 bytes from byte 8w) of a packed row of nbytes bytes: one load where aligned and whole, else bytewise
+ * with the bytes past the end as zeros. */
+__device__ __forceinline__ unsigned long long word_(const unsigned char *row, long long at, long long nbytes, int aligned) {
+    if (aligned && nbytes - at >= 8) return *(const unsigned long long *)(row + at);
+    unsigned long long v = 0;
+    for (int j = 0; j < 8 && at + j < nbytes; ++j) v |= (unsigned long long)row[at + j] << (8 * j);
+    return v;
+}
+
+/* _signsc.c's vote: bit i of out is whether at least threshold of the voters' rows (stride bytes apart) have
+ * bit i set.  One 64-bit word per thread, its count kept in bit planes (levels = bit_length(voters) <= 32) to
+ * which each row is added with a ripple carry; then count >= threshold, compared from the top plane down. */
+__global__ void vote(long long voters, long long stride, long long nbytes, long long threshold, int levels,
+                     int aligned, const unsigned char *rows, unsigned char *out) {
+    FOR_EACH(w, (nbytes + 7) / 8) {
+        const long long at = 8 * w;
+        unsigned long long count[32];
+#pragma unroll
+        for (int b = 0; b < 32; ++b) count[b] = 0;
+        for (long long r = 0; r < voters; ++r) {
+            unsigned long long carry = word_(rows + r * stride, at, nbytes, aligned);
+#pragma unroll
+            for (int b = 0; b < 32; ++b) {
+                if (b < levels) {
+                    const unsigned long long sum = count[b] ^ carry;
+                    carry &= count[b];
+                    count[b] = sum;
+                }
+            }
+        }
+        unsigned long long greater = 0, equal = ~0ull;
+#pragma unroll
+        for (int b = 31; b >= 0; --b) {
+            if (b < levels) {
+                if ((threshold >> b) & 1) equal &= count[b];
+                else greater |= equal & count[b];
+            }
+        }
+        const unsigned long long voted = greater | equal;
+        if (aligned && nbytes - at >= 8) *(unsigned long long *)(out + at) = voted;
+        else for (int j = 0; j < 8 && at + j < nbytes; ++j) out[at + j] = (unsigned char)(voted >> (8 * j));
+    }
+}
 """
 
 _KERNELS = ("sgd", "outer_sgd", "merge_average", "elastic_pull", "all_finite", "pack_signs", "apply_signs")
 _TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+# Kernels on bytes, not templated on a float type.
+_PLAIN_KERNELS = ("vote",)
 
 
 class _Compiled(NamedTuple):
@@ -276,13 +322,18 @@ def takes(x: Any) -> bool:
     return array_module(x) is not np and x.dtype in C_FLOATS and x.flags.c_contiguous and _device() is not None
 
 
+def takes_bytes(x: Any) -> bool:
+    """Whether :func:`vote` reads ``x``: cupy uint8, its bytes (of each row) adjacent, where the kernels compiled."""
+    return array_module(x) is not np and x.dtype == np.uint8 and x.strides[-1] == 1 and _device() is not None
+
+
 def _device() -> Optional[_Compiled]:
     """The current device's kernels, compiled on first use; None (with a warning, once) where that failed."""
     import cupy
 
     device = cupy.cuda.Device()
     if device.id not in _MODULES:
-        names = [f"{k}<{t}>" for k in _KERNELS for t in _TYPES.values()]
+        names = [f"{k}<{t}>" for k in _KERNELS for t in _TYPES.values()] + list(_PLAIN_KERNELS)
         try:
             module = cupy.RawModule(code=_SOURCE, options=("-std=c++17",), name_expressions=names)
             module.get_function(names[0])  # compiles now, not inside a step
@@ -295,8 +346,9 @@ def _device() -> Optional[_Compiled]:
     return _MODULES[device.id]
 
 
-def _launch(name: str, dtype: np.dtype, items: int, args: Tuple[Any, ...], flag: Optional[bool] = None) -> Optional[bool]:
-    """Run kernel ``name<dtype>`` on ``args``; ``flag=True`` passes a reset flag and returns whether it was raised (syncs)."""
+def _launch(name: str, dtype: Optional[np.dtype], items: int, args: Tuple[Any, ...], flag: Optional[bool] = None) -> Optional[bool]:
+    """Run kernel ``name<dtype>`` (``dtype`` None: plain ``name``) on ``args``; ``flag=True`` passes a reset flag and returns
+    whether it was raised (syncs)."""
     compiled = _device()
     if flag is not None:
         if flag:
@@ -304,7 +356,7 @@ def _launch(name: str, dtype: np.dtype, items: int, args: Tuple[Any, ...], flag:
         args += (compiled.flag if flag else compiled.scratch,)
     if items:  # an empty grid is a launch error
         blocks = min(-(-items // _THREADS), compiled.multiprocessors * _BLOCKS_PER_SM)
-        compiled.module.get_function(f"{name}<{_TYPES[dtype]}>")((blocks,), (_THREADS,), args)
+        compiled.module.get_function(name if dtype is None else f"{name}<{_TYPES[dtype]}>")((blocks,), (_THREADS,), args)
     return bool(compiled.flag.get()[0]) if flag else None
 
 
@@ -388,3 +440,12 @@ def apply_signs(packed: Any, x: Any, lr: float, decay: float) -> None:
     """``x = x * decay - lr * sign`` from the packed signs, in one pass."""
     T = x.dtype.type
     _launch("apply_signs", x.dtype, x.shape[0], (np.int64(x.shape[0]), packed, x, T(lr), T(decay), np.int32(decay != 1.0)))
+
+
+def vote(rows: Any, voters: int, nbytes: int, threshold: int, out: Any) -> None:
+    """``_signsc.vote`` on the GPU: bytes ``[0, nbytes)`` of ``out`` get the bitwise ``count >= threshold`` over the rows."""
+    stride = rows.strides[0]
+    aligned = rows.data.ptr % 8 == 0 and stride % 8 == 0 and out.data.ptr % 8 == 0
+    levels = int(voters).bit_length()
+    args = (np.int64(voters), np.int64(stride), np.int64(nbytes), np.int64(threshold), np.int32(levels), np.int32(aligned), rows, out)
+    _launch("vote", None, -(-nbytes // 8), args)

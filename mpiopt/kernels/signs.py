@@ -292,6 +292,8 @@ def majority_vote(packed_stack: Any, d: int, out: Any = None) -> Any:
     if xp is np and _signsc is not None and packed_stack.flags.c_contiguous:
         # Rows read in place at any alignment, the result written straight into out.
         _signsc.vote(packed_stack, voters, width, nbytes, threshold, out)
+    elif _cuda.takes_bytes(packed_stack) and out.flags.c_contiguous:
+        _cuda.vote(packed_stack, voters, nbytes, threshold, out)  # one kernel, the C loop's bits
     else:
         whole = nbytes // 8
         _vote_words(xp, _as_words(xp, packed_stack[:, : 8 * whole], 8 * whole), threshold, out[: 8 * whole].view(xp.uint64))
