@@ -75,7 +75,7 @@ if [[ -z $MPIEXEC ]]; then
 fi
 
 # ---- The suite's GPU tests, then the benchmarks: most wanted first, should the run be cut short ----
-part "unit GPU tests" 150 "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_cuda_kernels.py tests/unit/test_buffers.py \
+part "unit GPU tests" 150 "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_cuda_kernels.py tests/unit/test_buffers.py tests/unit/test_outer_step.py \
     tests/unit/test_codecs.py tests/unit/test_signs.py
 part "bench update --device cuda --d 100M" 150 "$PY" -m mpiopt bench update --device cuda --d 100M --json "$OUT_DIR/bench-update-cuda.json"
 
