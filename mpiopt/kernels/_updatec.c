@@ -350,6 +350,19 @@ static int get_like(PyObject *o, Py_buffer *view, int writable, const Py_buffer 
     return 0;
 }
 
+/* The momentum buffer where momentum != 0 (writable, like x); 0, or -1 with an exception set where it is
+ * missing or unlike x. */
+static int get_buffer(PyObject *o, Py_buffer *view, double momentum, const Py_buffer *x, int itemsize, const char *what) {
+    if (momentum == 0.0) return 0;
+    if (o == Py_None) {
+        PyErr_Format(PyExc_ValueError, "%s: momentum != 0 needs a buffer", what);
+        return -1;
+    }
+    char name[64];
+    snprintf(name, sizeof name, "%s: buffer", what);
+    return get_like(o, view, 1, x, itemsize, name);
+}
+
 /* A merge's operands: total (the sum of `divisor` models), the snapshot (unread by the proportion rule) and
  * the proportion (None: the delayed rule).  0, or -1 with an exception set. */
 static int get_merge(PyObject *so, PyObject *to, double divisor, PyObject *po, const Py_buffer *x, int itemsize,
@@ -397,13 +410,7 @@ static PyObject *py_sgd(PyObject *self, PyObject *args) {
     if (!itemsize) return NULL;
     PyObject *result = NULL;
     if (get_like(go, &g, 0, &x, itemsize, "sgd: grad") < 0) goto done;
-    if (mom != 0.0) {
-        if (bo == Py_None) {
-            PyErr_SetString(PyExc_ValueError, "sgd: momentum != 0 needs a buffer");
-            goto done;
-        }
-        if (get_like(bo, &b, 1, &x, itemsize, "sgd: buffer") < 0) goto done;
-    }
+    if (get_buffer(bo, &b, mom, &x, itemsize, "sgd") < 0) goto done;
     if ((co == Py_None && co2 != Py_None) || (co != Py_None && mo != Py_None)) {
         PyErr_SetString(PyExc_ValueError, "sgd: a second copy needs a first, and copies exclude a merge");
         goto done;
@@ -641,13 +648,7 @@ static PyObject *py_outer(PyObject *self, PyObject *args) {
     if (!itemsize) return NULL;
     PyObject *result = NULL;
     if (get_like(so, &sum, 0, &x, itemsize, "outer_sgd: total") < 0) goto done;
-    if (mom != 0.0) {
-        if (bo == Py_None) {
-            PyErr_SetString(PyExc_ValueError, "outer_sgd: momentum != 0 needs a buffer");
-            goto done;
-        }
-        if (get_like(bo, &b, 1, &x, itemsize, "outer_sgd: buffer") < 0) goto done;
-    }
+    if (get_buffer(bo, &b, mom, &x, itemsize, "outer_sgd") < 0) goto done;
     if (co != Py_None && get_like(co, &c, 1, &x, itemsize, "outer_sgd: out") < 0) goto done;
     const int copy = co == Py_None ? NO_COPY : alpha != 0.0 ? MIX : COPY;
     /* 1 - alpha in double first, then rounded to the dtype: numpy's `x * (1.0 - alpha)` */
