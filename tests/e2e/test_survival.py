@@ -246,6 +246,48 @@ def test_train_goes_on_without_a_killed_rank(tmp_path, algorithm, kill):
     assert len(marks) == 3 and {m["name"] for m in marks} == {f"lost rank {lost} at step {event['step']}"}  # one per survivor
 
 
+def checkpoint_state(path):
+    """A checkpoint's model and every rank's state, for a bitwise comparison."""
+    import h5py
+
+    from mpiopt.checkpoint.layout import read_group
+
+    with h5py.File(path, "r") as f:
+        return {"model": read_group(f["model"]), "ranks": read_group(f["ranks"]), "ranks_written": int(f.attrs["world_size"])}
+
+
+@needs_ulfm
+def test_a_checkpoint_after_the_loss_resumes_at_the_shrunk_and_at_the_original_size(tmp_path):
+    """The survivors' checkpoint of step 15 (3 ranks) resumes at 3 ranks bitwise (its step 16 is the survived run's), and at
+    the original 4 ranks by the resize rules, to the end.  The resume keeps --on-failure shrink: shrink sends the gradient in
+    one Allreduce rather than overlapped buckets, which MPI may sum in another order."""
+    from mpiopt.checkpoint import first_difference
+
+    common = ["-m", "mpiopt", "train", "--algorithm", "sgd", "--steps", "16", "--eval-every", "8", "--batch-size", "16",
+              "--on-failure", "shrink", "--progress", "lines", "--checkpoint-every", "5"]
+    code, output = run_killing(tmp_path, [*common, "--out", str(tmp_path / "run")], ["2@7:exchange"], timeout=240)
+    assert code == 0, output
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert checkpoint_state(checkpoints / "ckpt-000000015.h5")["ranks_written"] == 3
+    survived = checkpoint_state(checkpoints / "ckpt-000000016.h5")
+    for ranks in (3, 4):
+        out = tmp_path / f"resumed-{ranks}"
+        command = [mpiexec(), "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
+                   "-n", str(ranks), sys.executable, *common, "--out", str(out), "--resume", str(checkpoints / "ckpt-000000015.h5")]
+        proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=180,
+                              env=dict(os.environ, MPIOPT_FINALIZE_SECONDS="3"))
+        assert proc.returncode == 0, proc.stdout
+        assert "resuming from" in proc.stdout and "after step 15" in proc.stdout, proc.stdout
+        resumed = checkpoint_state(out / "checkpoints" / "ckpt-000000016.h5")
+        end = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+        assert end["kind"] == "end" and end["step"] == 16 and end["world_size"] == ranks, end
+        if ranks == 3:
+            assert first_difference(survived, resumed) is None
+        else:
+            assert "written by 3 ranks, resuming on 4" in proc.stdout, proc.stdout
+            assert resumed["ranks_written"] == 4 and np.all([np.isfinite(v).all() for v in resumed["model"].values()])
+
+
 def test_train_refuses_shrink_where_the_mpi_cannot_keep_it(tmp_path):
     """Under MPICH, or Open MPI without --with-ft ulfm: exit 2 on every rank, the launch line named."""
     from .launch import run_mpi
