@@ -14,12 +14,13 @@ from .layout import attr_decoded
 
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "InvalidFile", "checkpoint_path", "list_checkpoints", "open_readonly", "check_format",
-    "validate_checkpoint", "find_latest", "temporary_path", "publish", "discard", "prune",
+    "validate_checkpoint", "find_latest", "temporary_path", "publish", "discard", "prune", "remove_abandoned",
 ]
 
 FORMAT = "mpiopt-checkpoint"
 FORMAT_VERSION = 1
 _NAME = re.compile(r"ckpt-(\d+)\.h5")
+_TEMPORARY = re.compile(r"\.ckpt-(\d+)\.h5\.tmp-\d+")  # temporary_path's names
 
 
 def checkpoint_path(directory: str, step: int) -> str:
@@ -152,3 +153,24 @@ def prune(path: str, keep: int) -> None:
             pass
         except OSError as err:
             warnings.warn(f"could not delete old checkpoint {old}: {err}", stacklevel=3)
+
+
+def remove_abandoned(path: str) -> None:
+    """Rank 0, after publishing ``path``: delete the temporary files next to it of its step or older.
+
+    Saves are collective and one at a time, so their writer is gone: a rank lost in the middle of a write (its
+    process, or the node under it) leaves one behind, which :func:`find_latest` never reads but which holds a
+    checkpoint's size of disk.
+    """
+    directory, published = os.path.split(os.path.abspath(path))
+    named = _NAME.fullmatch(published)
+    if named is None:  # not a checkpoint_path name: its step is unknown
+        return
+    step = int(named.group(1))
+    for name in os.listdir(directory):
+        match = _TEMPORARY.fullmatch(name)
+        if match and int(match.group(1)) <= step:
+            try:
+                os.remove(os.path.join(directory, name))
+            except OSError as err:
+                warnings.warn(f"could not delete an abandoned temporary checkpoint {name}: {err}", stacklevel=3)

@@ -15,7 +15,7 @@ from mpi4py import MPI
 from .._version import __version__
 from ..comm import Comm
 from .agreement import CheckpointError, agree
-from .files import FORMAT, FORMAT_VERSION, prune, temporary_path
+from .files import FORMAT, FORMAT_VERSION, prune, remove_abandoned, temporary_path
 from .layout import JSON_ATTRS, encode_root_attrs, flatten
 from .writers import DRIVER_ENV, choose_writer, hand_over, write_parallel, write_serial
 
@@ -119,8 +119,10 @@ def save_checkpoint(
             message = f"cannot save checkpoint {path}: writing on rank 0 failed: {type(failure).__name__}: {failure}"
     else:
         hand_over(world, entries, arrays)
-    if world.rank == 0 and message is None and keep is not None:
-        prune(path, int(keep))
+    if world.rank == 0 and message is None:
+        remove_abandoned(path)
+        if keep is not None:
+            prune(path, int(keep))
     message = world.bcast_obj(message, root=0)
     if message is not None:
         raise CheckpointError(message) from failure

@@ -13,6 +13,7 @@ import h5py
 import numpy as np
 
 from ..comm import Comm
+from ..comm.survival import INJECTION
 from .agreement import on_all_ranks
 from .files import discard, publish, temporary_path
 from .layout import DATASET, Entry, write_entry
@@ -83,6 +84,7 @@ def _receive_rank(world: Comm, source: int, ranks: Optional[h5py.Group], failure
 
 def hand_over(world: Comm, entries: List[Entry], arrays: List[np.ndarray]) -> None:
     """A rank other than 0: wait for rank 0's go, then send the header and each array's raw bytes."""
+    INJECTION.reached("checkpoint")
     go = np.zeros(1, dtype=np.uint8)
     world.Recv(go, source=0, tag=_TAG)
     if not go[0]:
@@ -111,8 +113,13 @@ def write_serial(world: Comm, path: str, root_attrs, model, entries, arrays) -> 
         failure = _write_state(ranks.create_group("0"), entries, iter(arrays), failure)
     except Exception as err:
         failure = err
-    for source in range(1, world.size):
-        failure = _receive_rank(world, source, ranks, failure)
+    INJECTION.reached("checkpoint")
+    try:
+        for source in range(1, world.size):
+            failure = _receive_rank(world, source, ranks, failure)
+    except BaseException:  # a rank lost in the hand-over (RankLost), or an interrupt: nothing half-written is left
+        discard(f, tmp)
+        raise
     if failure is None:
         try:
             f.attrs["complete"] = True  # last: a file without it never finished

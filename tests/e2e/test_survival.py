@@ -246,6 +246,29 @@ def test_train_goes_on_without_a_killed_rank(tmp_path, algorithm, kill):
     assert len(marks) == 3 and {m["name"] for m in marks} == {f"lost rank {lost} at step {event['step']}"}  # one per survivor
 
 
+@needs_ulfm
+@pytest.mark.parametrize("kill", ["2@10:checkpoint", "0@10:checkpoint"])
+def test_a_rank_lost_while_a_checkpoint_is_written(tmp_path, kill):
+    """Rank 2 dies handing its state over, or rank 0 (the writer) dies with the file half written: the save of step 10
+    fails on every survivor, who go on; that checkpoint never appears under its name, the half-written temporary is
+    deleted (by rank 0 at once, or by the next save where rank 0 itself was lost), and every checkpoint left loads."""
+    from mpiopt.checkpoint import find_latest, validate_checkpoint
+
+    out = tmp_path / "run"
+    args = ["-m", "mpiopt", "train", "--algorithm", "sgd", "--steps", "16", "--eval-every", "8", "--batch-size", "16",
+            "--on-failure", "shrink", "--progress", "lines", "--out", str(out), "--checkpoint-every", "5"]
+    code, output = run_killing(tmp_path, args, [kill], timeout=240)
+    assert code == 0, output
+    lost = int(kill.split("@")[0])
+    for rank in (r for r in range(4) if r != lost):
+        assert f"mpiopt: rank {rank}: lost rank {lost} at step 10 (the step kept; going on from the next)" in output, output
+    checkpoints = out / "checkpoints"
+    assert sorted(os.listdir(checkpoints)) == ["ckpt-000000005.h5", "ckpt-000000015.h5", "ckpt-000000016.h5"], output
+    for name in os.listdir(checkpoints):
+        assert validate_checkpoint(str(checkpoints / name)) is None, name
+    assert find_latest(str(checkpoints)).endswith("ckpt-000000016.h5")
+
+
 def checkpoint_state(path):
     """A checkpoint's model and every rank's state, for a bitwise comparison."""
     import h5py

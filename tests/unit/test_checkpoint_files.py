@@ -273,6 +273,17 @@ def test_keep_prunes_all_but_the_newest_k(tmp_path, comm):
     assert sorted(os.listdir(tmp_path)) == ["ckpt-000000003.h5", "ckpt-000000005.h5", "ckpt-final.h5", "notes.txt"]
 
 
+def test_a_publish_removes_the_temporaries_a_lost_writer_left_of_its_step_or_older(tmp_path, comm):
+    """A rank lost in the middle of a save leaves its temporary file; the next save deletes it, never a newer one."""
+    left = [".ckpt-000000002.h5.tmp-4242", ".ckpt-000000004.h5.tmp-17", ".ckpt-000000009.h5.tmp-5", ".ckpt-notes.tmp-1"]
+    for name in left:
+        (tmp_path / name).write_text("half a checkpoint")
+    save_one(checkpoint_path(tmp_path, 4), comm)
+    assert sorted(os.listdir(tmp_path)) == [".ckpt-000000009.h5.tmp-5", ".ckpt-notes.tmp-1", "ckpt-000000004.h5"]
+    save_one(tmp_path / "elsewhere.h5", comm)  # a name without a step removes nothing
+    assert ".ckpt-000000009.h5.tmp-5" in os.listdir(tmp_path)
+
+
 @pytest.mark.parametrize("keep", [0, -1, 1.5, True])
 def test_keep_must_be_a_positive_integer(tmp_path, comm, keep):
     with pytest.raises(CheckpointError, match=f"keep must be a positive integer or None, got {keep!r}"):
