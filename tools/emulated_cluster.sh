@@ -19,7 +19,9 @@ usage: tools/emulated_cluster.sh [--nodes N] [--ranks-per-node K] [--rate RATE] 
 Builds N emulated nodes on this machine and runs COMMAND on the first of them (node0), like a user logged
 into a cluster's first node.  Inside COMMAND a plain `mpiexec -n P PROGRAM` starts K ranks per node,
 node0 first, over all N nodes: the script exports HYDRA_HOST_FILE (node0:K, node1:K, ...),
-HYDRA_LAUNCHER=ssh and HYDRA_LAUNCHER_EXEC (a helper that enters the node's namespaces instead of ssh).
+HYDRA_LAUNCHER=ssh and HYDRA_LAUNCHER_EXEC (a helper that enters the node's namespaces instead of ssh) for
+MPICH's mpiexec, and the same nodes and helper for Open MPI 5's (PRTE_MCA_prte_default_hostfile,
+PRTE_MCA_plm_ssh_agent; its TCP transport and daemons on eth0).
 Example:
 
   tools/emulated_cluster.sh --nodes 2 --ranks-per-node 2 --rate 1gbit --delay 1ms -- \
@@ -40,6 +42,8 @@ Options:
 
 Environment set for COMMAND: HYDRA_HOST_FILE, HYDRA_LAUNCHER, HYDRA_LAUNCHER_EXEC,
 MPIR_CVAR_CH4_NETMOD=ofi, FI_PROVIDER=tcp, FI_TCP_IFACE=eth0, GLOO_SOCKET_IFNAME=eth0,
+PRTE_MCA_prte_default_hostfile, PRTE_MCA_plm_ssh_agent, OMPI_MCA_btl_tcp_if_include=eth0,
+PRTE_MCA_oob_tcp_if_include=eth0, PRTE_MCA_rmaps_default_mapping_policy=slot,
 EMULATED_CLUSTER_NODES, EMULATED_CLUSTER_RANKS_PER_NODE, EMULATED_LINK_RATE.
 Shaping: rate only is tc tbf (BURST, default 1mb, and LATENCY, default 10ms, from the environment, as in
 tools/emulated_link.sh); with --delay or --loss it is tc netem, which the kernel must have.
@@ -152,6 +156,13 @@ EOF
 chmod +x "$WORK/nodeexec"
 
 export HYDRA_HOST_FILE="$WORK/hostfile" HYDRA_LAUNCHER=ssh HYDRA_LAUNCHER_EXEC="$WORK/nodeexec"
+# Open MPI 5's mpiexec (PRRTE) takes the same nodes from its own hostfile and starts its daemons through the same helper.
+for ((i = 0; i < NODES; i++)); do echo "node$i slots=$RPN"; done >"$WORK/hostfile-openmpi"
+export PRTE_MCA_prte_default_hostfile="$WORK/hostfile-openmpi" PRTE_MCA_plm_ssh_agent="$WORK/nodeexec"
+export OMPI_MCA_btl_tcp_if_include=eth0 PRTE_MCA_oob_tcp_if_include=eth0
+# K ranks a node, node0 first, as Hydra places them (a mapping policy from outside, such as tools/setup.sh's
+# ":oversubscribe", would keep every rank on node0).
+export PRTE_MCA_rmaps_default_mapping_policy=slot
 export MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=eth0 GLOO_SOCKET_IFNAME=eth0
 export EMULATED_CLUSTER_NODES="$NODES" EMULATED_CLUSTER_RANKS_PER_NODE="$RPN" EMULATED_LINK_RATE="$RATE"
 

@@ -8,6 +8,7 @@ algorithm evaluates, to OUT/<first rank>.npz.
 
 import json
 import os
+import socket
 import sys
 import time
 
@@ -21,6 +22,7 @@ name, hyper, steps, out = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 D = 40
 topo = mpiopt.Topology(on_failure="shrink")
 me = topo.first_ranks[topo.rank]
+print(f"rank {me}: on {socket.gethostname()}", flush=True)
 params = np.random.default_rng(5).standard_normal(D).astype(np.float32)
 alg = mpiopt.create(name, topo, **hyper)
 alg.setup(params)
