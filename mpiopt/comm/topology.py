@@ -222,13 +222,16 @@ class Topology:
             revoke_quietly(comm._comm)
 
     def all_ok(self, ok: bool) -> bool:
-        """Whether every survivor passes ``ok`` (ULFM's fault-tolerant agreement on the world: it completes on a
-        revoked communicator and despite failures, the same answer on every survivor)."""
+        """Whether every survivor passes ``ok`` and no rank of the world is known to be lost (ULFM's fault-tolerant
+        agreement on the world: it completes on a revoked communicator and despite failures, the same answer on
+        every survivor).  A collective that a rank's death broke may still return success with a wrong result (seen
+        across nodes), so any loss fails the phase on every survivor, whether or not an error reached it."""
         comm = self.world._comm
         while True:
-            comm.Ack_failed()  # an agreement refuses failures some survivor has not acknowledged: acknowledge, retry
+            # An agreement refuses failures some survivor has not acknowledged: acknowledge (and count them), retry.
+            lost = comm.Ack_failed()
             try:
-                return bool(comm.Agree(int(ok)))
+                return bool(comm.Agree(int(ok and lost == 0)))
             except MPI.Exception as error:
                 if error.Get_error_class() != MPI.ERR_PROC_FAILED:
                     raise
