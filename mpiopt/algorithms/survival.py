@@ -105,6 +105,12 @@ class Survival:
         if why is not None:
             raise ValueError(f"{self.name}: on_failure={self.topology.on_failure!r} is refused: {why} (docs/failures.md)")
 
+    @property
+    def step_unfinished(self) -> bool:
+        """Whether a step started and its survivors have not agreed that they all completed it (a lost rank broke it:
+        :meth:`recovered` then starts from the step's start)."""
+        return self._rollback is not None and self._rollback.pending
+
     @contextmanager
     def _rollback_point(self, params: Any) -> Iterator[None]:
         """Around a step or an exchange: with survival on, keep its start; where a survivor did not complete it

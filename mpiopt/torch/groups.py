@@ -23,12 +23,9 @@ __all__ = ["GroupsMixin", "check_inner", "check_survivable"]
 _GROUP_KEYS = {"params", "lr", "initial_lr"}
 
 
-def check_survivable(inner: Any, overlap: Optional[bool]) -> None:
+def check_survivable(overlap: Optional[bool]) -> None:
     """ValueError where this optimizer cannot yet go on without a lost rank (``on_failure="shrink"``): what a failed
     step leaves changed must be what the algorithm rolls back (docs/failures.md)."""
-    if inner is not None:
-        raise ValueError(f"on_failure='shrink' takes no inner optimizer yet ({type(inner).__name__}): its state is not "
-                         "rolled back with a failed step")
     if overlap:
         raise ValueError("on_failure='shrink' takes overlap=False: the buckets summed during backward are not rolled back")
 

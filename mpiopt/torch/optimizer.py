@@ -21,6 +21,7 @@ from ..comm.buffers import tensor_array
 from ..kernels.update import all_finite
 from .flat import FlatBuffers, flat_buffer
 from .groups import GroupsMixin, check_inner, check_survivable
+from .survival import InnerRollback, RecoveryMixin
 from .overlap import BucketExchange
 from .pipeline import LOCAL, Exchanged, add_cost, loss_value, mean_over_passes
 from .scaler import ScalerVote, Verdict
@@ -33,7 +34,7 @@ def _address(array: Any) -> int:
     return array.data.ptr if hasattr(array.data, "ptr") else array.ctypes.data
 
 
-class DistributedOptimizer(GroupsMixin, torch.optim.Optimizer):
+class DistributedOptimizer(RecoveryMixin, GroupsMixin, torch.optim.Optimizer):
     """An mpiopt algorithm as a ``torch.optim.Optimizer`` over flat parameter and gradient buffers.
 
     Parameters
@@ -89,9 +90,11 @@ class DistributedOptimizer(GroupsMixin, torch.optim.Optimizer):
         check_positive("bucket_cap_mb", bucket_cap_mb)
         self.topology = Topology() if topology is None else topology
         if self.topology.on_failure != "abort":  # agreed on every rank: every rank refuses alike
-            check_survivable(inner, overlap)
+            check_survivable(overlap)
             overlap = False
         self.inner = check_inner(inner, algorithm, hyperparameters)
+        # A failed step's inner update is undone with it (survival only: a copy of its state each step).
+        self._inner_rollback = InnerRollback() if self.inner is not None and self.topology.on_failure != "abort" else None
         self.algorithm: Algorithm = create(algorithm, self.topology, **hyperparameters)
         self.algorithm.loss_call = "opt.step(loss=loss)"  # what a message asking for the loss tells this API's user
         if self.inner is not None:  # before anything changes: an algorithm without an inner role refuses here
@@ -143,19 +146,6 @@ class DistributedOptimizer(GroupsMixin, torch.optim.Optimizer):
                 bucket_cap_mb * 2**20, functools.partial(mean_over_passes, self._flat_grads, backward_passes_per_step),
             )
 
-    def recover(self) -> None:
-        """After ``topology.recover()``, on every survivor of a lost rank: the algorithm moved to the survivors from
-        the failed step's start (:meth:`~mpiopt.algorithms.base.Algorithm.recovered`); then redo the step."""
-
-        def prepare(fresh: Algorithm) -> None:
-            fresh.loss_call = self.algorithm.loss_call
-            if self._local_keys:
-                fresh.use_groups(self._group_slices())
-
-        self.algorithm = self.algorithm.recovered(self._params_array, prepare)
-        self._vote = ScalerVote(self.topology.control)
-        self._hand_groups()
-
     @property
     def flat_params(self) -> torch.Tensor:
         """The flat parameter buffer every parameter is a view into (its values may be set in place, not the attribute)."""
@@ -169,6 +159,8 @@ class DistributedOptimizer(GroupsMixin, torch.optim.Optimizer):
 
     def _inner_step(self, params: Any, grad: Any) -> None:
         """The inner optimizer's step: ``grad`` is the parameters' ``.grad`` buffer (the algorithm wrote it there)."""
+        if self._inner_rollback is not None:
+            self._inner_rollback.save(self.inner, self.algorithm.steps + 1)  # the step may yet be undone (survival)
         self.inner.step()
 
     # -- torch.optim interface ------------------------------------------------------------------

@@ -137,7 +137,6 @@ class TrainConfig:
             if survival_refusal(name) is not None:
                 raise UsageError(f"{name} takes no --on-failure {self.on_failure}: {survival_refusal(name)}")
         for flag, value, why in (("--islands", self.islands, "a group that lost a rank would have to leave whole"),
-                                 ("--optimizer", self.optimizer, "its state is not rolled back with a failed step"),
                                  ("--precision fp16", self.precision == "fp16", "the scaler's vote is not rolled back")):
             if value:
                 raise UsageError(f"--on-failure {self.on_failure} takes no {flag} yet: {why}")

@@ -58,7 +58,7 @@ _HELP = {
     "docs/islands.md)",
     "on_failure": "what a lost rank (its process killed, its node gone) does: abort (end the job, MPI's default) or "
     "shrink (the survivors redo the step without it and train on; needs Open MPI launched as `mpiexec --with-ft ulfm "
-    "--mca btl tcp,self`, a synchronous algorithm, no --islands, --optimizer or fp16 yet; docs/failures.md)",
+    "--mca btl tcp,self`, a synchronous algorithm, no --islands or fp16 yet; docs/failures.md)",
     "eval_every": "evaluate on the test split every N steps (default: 10 times per run, and at the end)",
     "target_accuracy": "test accuracy for the time-to-target and bytes-to-target columns",
     "target_loss": "test loss for those columns instead of --target-accuracy: the first evaluation at or below it (for "

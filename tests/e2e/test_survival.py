@@ -190,7 +190,7 @@ from mpiopt.torch import DistributedOptimizer
 topo = mpiopt.Topology(on_failure="shrink", group_size=2)
 model = torch.nn.Linear(2, 1)
 for make in (lambda: mpiopt.create("async_msgd", topo, lr=0.1), lambda: mpiopt.create("diloco", topo, islands=True),
-             lambda: DistributedOptimizer(model.parameters(), "diloco", topology=topo, inner=torch.optim.AdamW(model.parameters()))):
+             lambda: DistributedOptimizer(model.parameters(), "sgd", topology=topo, overlap=True)):
     try:
         make()
     except ValueError as error:
@@ -201,7 +201,7 @@ topo.world.Barrier()
 
 @needs_ulfm
 def test_what_cannot_survive_yet_is_refused_on_every_rank_before_communicating(tmp_path):
-    """The asynchronous algorithms, islands and an inner torch optimizer (each named with why); the world still works."""
+    """The asynchronous algorithms, islands and the torch front end's overlap (each named with why); the world still works."""
     command = [mpiexec(), "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
                "-n", "4", sys.executable, "-c", REFUSALS]
     proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=120)
@@ -211,7 +211,7 @@ def test_what_cannot_survive_yet_is_refused_on_every_rank_before_communicating(t
         assert len(lines) == 3, proc.stdout
         assert "async_msgd: on_failure='shrink' is refused: a lost worker or server" in lines[0]
         assert "diloco: on_failure='shrink' is refused: islands do not yet survive" in lines[1]
-        assert "on_failure='shrink' takes no inner optimizer yet (AdamW)" in lines[2]
+        assert "on_failure='shrink' takes overlap=False: the buckets summed during backward are not rolled back" in lines[2]
 
 
 @needs_ulfm
@@ -334,6 +334,26 @@ def test_a_checkpoint_after_the_loss_resumes_at_the_shrunk_and_at_the_original_s
         else:
             assert "written by 3 ranks, resuming on 4" in proc.stdout, proc.stdout
             assert resumed["ranks_written"] == 4 and np.all([np.isfinite(v).all() for v in resumed["model"].values()])
+
+
+@needs_ulfm
+def test_train_with_adamw_undoes_the_inner_step_of_the_failed_step(tmp_path):
+    """diloco with AdamW as its inner optimizer, rank 2 killed inside the outer exchange of step 8: the survivors put
+    AdamW's state back with the parameters and redo step 8, so at the end every survivor's AdamW has taken exactly 16
+    steps (17, had the failed step's update stayed), and the run ends: exit 0, a finite final loss."""
+    out = tmp_path / "run"
+    args = ["-m", "mpiopt", "train", "--algorithm", "diloco", "--optimizer", "adamw", "--hp", "diloco.period=4",
+            "--steps", "16", "--eval-every", "8", "--batch-size", "16", "--on-failure", "shrink", "--progress", "lines",
+            "--out", str(out), "--checkpoint-every", "16"]
+    code, output = run_killing(tmp_path, args, ["2@8:exchange"], timeout=240)
+    assert code == 0, output
+    for rank in (0, 1, 3):
+        assert f"mpiopt: rank {rank}: lost rank 2 at step 8 (the step redone); the world is now 3 ranks" in output, output
+    ranks = checkpoint_state(out / "checkpoints" / "ckpt-000000016.h5")["ranks"]
+    counts = {(r, p): float(inner["step"]) for r, state in ranks.items() for p, inner in state["inner"].items()}
+    assert len(ranks) == 3 and counts and set(counts.values()) == {16.0}, counts
+    final = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in line][-1]
+    assert final["step"] == 16 and np.isfinite(final["test_loss"])
 
 
 def test_train_refuses_shrink_where_the_mpi_cannot_keep_it(tmp_path):
