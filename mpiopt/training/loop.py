@@ -383,7 +383,7 @@ class _Run:
         """Step ``step + 1``: compute, apply, record; evaluate and checkpoint when due."""
         opt, steps = self.opt, self.steps
         INJECTION.at(step + 1)
-        started = time.perf_counter()
+        started = self.uncounted_since = time.perf_counter()  # a lost rank's recovery counts from here (survival)
         x, y = self.batches(step)
         with self._phase("compute"):
             opt.zero_grad()
@@ -398,6 +398,7 @@ class _Run:
                 self.scheduler.step()
         whole = time.perf_counter() - started
         self.totals.wall_seconds += whole
+        self.uncounted_since = started + whole
         record = opt.last.as_dict()
         record.pop("step")
         line = self._step_record(step + 1, record.pop("loss"), computed - started, whole, record)

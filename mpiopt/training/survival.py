@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 from ..metrics import MetricsWriter
@@ -37,6 +38,8 @@ def go_on_without_lost_ranks(run: Any, step: int) -> int:
     if run.tracer:
         run.tracer.survivors(world, lost)
     redone = "kept; going on from the next" if applied else "redone"
+    # The run's wall time counts the broken step (or phase after it) and the recovery: the price of the loss.
+    run.totals.wall_seconds += time.perf_counter() - run.uncounted_since
     print(f"mpiopt: rank {first}: {lost} (the step {redone}); the world is now {recovery.size} ranks", file=sys.stderr, flush=True)
     if run.writer:
         run.writer.write({"kind": "lost", "step": step + 1, "lost": recovery.lost, "world_size": recovery.size,

@@ -1,0 +1,87 @@
+"""What one lost rank costs a training run: wall time to the unbroken run's final test loss, with a kill at the midpoint.
+
+    MPIOPT_MPI=openmpi source tools/setup.sh && python tools/survival_cost.py [--algorithm sgd] [--steps 400]
+    tools/emulated_cluster.sh --nodes 2 --ranks-per-node 2 --rate 1gbit -- python tools/survival_cost.py  # across nodes
+
+``mpiopt train`` on the text task's GPT at 4 ranks with ``--on-failure shrink``, twice: unbroken for ``--steps``
+steps, and with rank 2 killed (SIGKILL) at the start of the middle step, allowed 1.5 times the steps.  The target is
+the unbroken run's final test loss; each run's time to it is the ``wall_seconds`` of its first evaluation at or
+below it (the training's wall time: the broken step and the recovery included, the evaluations not).  Prints both,
+their ratio, and the median ratio over ``--repeats`` (docs/failures.md, "Measured"; issue 38's goal: at most 1.1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.e2e.test_survival import run_killing  # noqa: E402  (the tests' launcher and kill)
+
+GPT = ["--dataset", "text", "--model", "gpt", "--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--block-size", "64",
+       "--batch-size", "8"]
+
+
+def evaluations(out: Path) -> List[Tuple[int, float, float]]:
+    """(step, wall_seconds, test_loss) of every evaluation in a run's metrics."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["wall_seconds"], r["test_loss"]) for r in records if r["kind"] == "eval"]
+
+
+def time_to(evals: List[Tuple[int, float, float]], target: float) -> Optional[Tuple[int, float]]:
+    """The step and wall time of the first evaluation at or below ``target``; None where none is."""
+    return next(((step, wall) for step, wall, loss in evals if loss <= target), None)
+
+
+def train(folder: Path, name: str, algorithm: str, steps: int, every: int, kills: List[str]) -> List[Tuple[int, float, float]]:
+    out = folder / name
+    args = ["-m", "mpiopt", "train", "--algorithm", algorithm, *GPT, "--steps", str(steps), "--eval-every", str(every),
+            "--on-failure", "shrink", "--progress", "lines", "--out", str(out)]
+    if algorithm == "diloco":
+        args += ["--hp", "diloco.period=20"]
+    code, output = run_killing(folder, args, kills, timeout=900)
+    if code != 0:
+        print(output)
+        raise SystemExit(f"the {name} run failed (exit {code})")
+    return evaluations(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--algorithm", default="sgd", choices=["sgd", "diloco"], help="the algorithm (default sgd)")
+    parser.add_argument("--steps", type=int, default=400, help="the unbroken run's steps (default 400)")
+    parser.add_argument("--eval-every", type=int, default=10, help="steps between evaluations (default 10)")
+    parser.add_argument("--repeats", type=int, default=1, help="pairs of runs (default 1)")
+    args = parser.parse_args()
+    if args.steps < 4 or args.eval_every < 1 or args.repeats < 1:
+        parser.error(f"--steps must be >= 4, --eval-every and --repeats >= 1; got {args.steps}, {args.eval_every}, {args.repeats}")
+    ratios = []
+    for repeat in range(args.repeats):
+        with tempfile.TemporaryDirectory() as folder:
+            unbroken = train(Path(folder), "unbroken", args.algorithm, args.steps, args.eval_every, [])
+            killed = train(Path(folder), "killed", args.algorithm, args.steps * 3 // 2, args.eval_every,
+                           [f"2@{args.steps // 2}"])
+        target = unbroken[-1][2]
+        step0, wall0 = time_to(unbroken, target)
+        reached = time_to(killed, target)
+        if reached is None:
+            print(f"run {repeat + 1}: the killed run did not reach the target loss {target:.4f} in {args.steps * 3 // 2} steps "
+                  f"(its best {min(loss for _, _, loss in killed):.4f})", flush=True)
+            continue
+        step1, wall1 = reached
+        ratios.append(wall1 / wall0)
+        print(f"run {repeat + 1}: target test loss {target:.4f}: unbroken {wall0:.2f} s (step {step0}), rank 2 killed at "
+              f"step {args.steps // 2}: {wall1:.2f} s (step {step1}); ratio {ratios[-1]:.3f}", flush=True)
+    if ratios:
+        print(f"median ratio of {len(ratios)}: {statistics.median(ratios):.3f} ({args.algorithm}, 4 ranks then 3, "
+              f"GPT on the text task, {args.steps} steps unbroken)")
+    return 0 if len(ratios) == args.repeats else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
