@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any, List, Mapping, Optional
 
-
 from ..arrays import array_module, empty_apart
 from ..comm import Topology
 from ..kernels.update import mix_into, outer_sgd, sgd_update
