@@ -70,9 +70,21 @@ enum { NO_MERGE, DELAYED, PROPORTION };
 DEFINE_MERGE_ONE(float, merge_one_f32)
 DEFINE_MERGE_ONE(double, merge_one_f64)
 
+/* The step's direction from d and the new momentum b: d + b * m (Nesterov) or b. */
+#define DEFINE_DIRECTION(T, NAME)                                             \
+    ALWAYS_INLINE T NAME(T d, T bi, T mom, int nesterov) {                    \
+        if (nesterov) {                                                       \
+            const T t = bi * mom;                                             \
+            return d + t;                                                     \
+        }                                                                     \
+        return bi;                                                            \
+    }
+DEFINE_DIRECTION(float, direction_f32)
+DEFINE_DIRECTION(double, direction_f64)
+
 /* The loop for one dtype; the int flags are constants at every call site, so
  * each case below compiles into its own branch-free (vectorized) loop. */
-#define DEFINE_LOOP(T, NAME, ABS, MAX, MERGE_ONE)                                                                \
+#define DEFINE_LOOP(T, NAME, ABS, MAX, MERGE_ONE, DIRECTION)                                                                \
     ALWAYS_INLINE int NAME(Py_ssize_t n, T *restrict x, const T *restrict g, T *restrict b, T *restrict c,       \
                            T *restrict c2, const T *restrict snapshot, const T *restrict sum, T lr, T wd, T mom, \
                            T scale, T div, T mdiv, T mp, T mq, int divide, int copies, int merge, int decay,      \
@@ -102,12 +114,7 @@ DEFINE_MERGE_ONE(double, merge_one_f64)
                     }                                                                                            \
                 }                                                                                                \
                 b[i] = bi;                                                                                       \
-                if (nesterov) {                                                                                  \
-                    const T t = bi * mom;                                                                        \
-                    s = d + t;                                                                                   \
-                } else {                                                                                         \
-                    s = bi;                                                                                      \
-                }                                                                                                \
+                s = DIRECTION(d, bi, mom, nesterov);                                                             \
             }                                                                                                    \
             const T u = s * lr;                                                                                  \
             T y = x[i] - u;                                                                                      \
@@ -119,8 +126,8 @@ DEFINE_MERGE_ONE(double, merge_one_f64)
         return finite;                                                                                           \
     }
 
-DEFINE_LOOP(float, loop_f32, fabsf, FLT_MAX, merge_one_f32)
-DEFINE_LOOP(double, loop_f64, fabs, DBL_MAX, merge_one_f64)
+DEFINE_LOOP(float, loop_f32, fabsf, FLT_MAX, merge_one_f32, direction_f32)
+DEFINE_LOOP(double, loop_f64, fabs, DBL_MAX, merge_one_f64, direction_f64)
 
 /* One specialized loop per case: (divide) x (0, 1 or 2 copies | delayed/proportion merge) x (decay) x
  * (no momentum | first/later x plain/dampened/Nesterov). */
@@ -317,6 +324,14 @@ static PyObject *finite_in_parallel(int threads, Py_ssize_t n, mpiopt_part_fn pa
     return PyBool_FromLong(all_parts(finite, parts));
 }
 
+/* A job's part over n elements in up to `threads` threads, without the GIL; returns None (a new reference). */
+static PyObject *none_in_parallel(int threads, Py_ssize_t n, mpiopt_part_fn part, void *job) {
+    Py_BEGIN_ALLOW_THREADS
+    mpiopt_parallel_for(threads, n, 1, part, job);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* 4 for float32, 8 for float64 (native byte order), 0 for anything else. */
 static int float_itemsize(const Py_buffer *view) {
     const char *f = view->format ? view->format : "B";
@@ -494,11 +509,7 @@ static PyObject *py_merge(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     merge_job job = {itemsize, (char *)x.buf, {NO_MERGE, NULL, NULL, 1.0, 0.0, 1.0}};
     if (get_merge(so, to, divisor, po, &x, itemsize, "merge_average", &snapshot, &sum, &job.merge) < 0) goto done;
-    Py_BEGIN_ALLOW_THREADS
-    mpiopt_parallel_for(threads, x.len / itemsize, 1, merge_part, &job);
-    Py_END_ALLOW_THREADS
-    Py_INCREF(Py_None);
-    result = Py_None;
+    result = none_in_parallel(threads, x.len / itemsize, merge_part, &job);
 done:
     PyBuffer_Release(&x);
     if (sum.obj) PyBuffer_Release(&sum);
@@ -555,11 +566,7 @@ static PyObject *py_pull(PyObject *self, PyObject *args) {
     if (get_like(co, &c, 1, &x, itemsize, "elastic_pull: center") < 0) goto done;
     if (get_like(so, &sum, 0, &x, itemsize, "elastic_pull: total") < 0) goto done;
     pull_job job = {itemsize, (char *)x.buf, (char *)c.buf, (const char *)sum.buf, divisor, alpha, beta};
-    Py_BEGIN_ALLOW_THREADS
-    mpiopt_parallel_for(threads, x.len / itemsize, 1, pull_part, &job);
-    Py_END_ALLOW_THREADS
-    Py_INCREF(Py_None);
-    result = Py_None;
+    result = none_in_parallel(threads, x.len / itemsize, pull_part, &job);
 done:
     PyBuffer_Release(&x);
     if (c.obj) PyBuffer_Release(&c);
@@ -571,7 +578,7 @@ done:
 enum { NO_COPY, COPY, MIX };
 
 /* outer_sgd's loop, one per dtype; the flags are constants at every call site (OUTER_CASE). */
-#define DEFINE_OUTER(T, NAME)                                                                                  \
+#define DEFINE_OUTER(T, NAME, DIRECTION)                                                                                  \
     ALWAYS_INLINE void NAME(Py_ssize_t n, T *restrict x, const T *restrict sum, T *restrict b, T *restrict c,   \
                             T p, T lr, T mom, T keep, T take, int momentum, int nesterov, int copy) {          \
         for (Py_ssize_t i = 0; i < n; ++i) {                                                                   \
@@ -582,12 +589,7 @@ enum { NO_COPY, COPY, MIX };
                 T bi = b[i] * mom;                                                                             \
                 bi = bi + d;                                                                                   \
                 b[i] = bi;                                                                                     \
-                if (nesterov) {                                                                                \
-                    const T t = bi * mom;                                                                      \
-                    s = d + t;                                                                                 \
-                } else {                                                                                       \
-                    s = bi;                                                                                    \
-                }                                                                                              \
+                s = DIRECTION(d, bi, mom, nesterov);                                                           \
             }                                                                                                  \
             const T u = s * lr;                                                                                \
             const T y = x[i] - u;                                                                              \
@@ -601,8 +603,8 @@ enum { NO_COPY, COPY, MIX };
             }                                                                                                  \
         }                                                                                                      \
     }
-DEFINE_OUTER(float, outer_f32)
-DEFINE_OUTER(double, outer_f64)
+DEFINE_OUTER(float, outer_f32, direction_f32)
+DEFINE_OUTER(double, outer_f64, direction_f64)
 
 typedef struct {
     int itemsize, momentum, nesterov, copy;
@@ -654,11 +656,7 @@ static PyObject *py_outer(PyObject *self, PyObject *args) {
     /* 1 - alpha in double first, then rounded to the dtype: numpy's `x * (1.0 - alpha)` */
     outer_job job = {itemsize, mom != 0.0, nesterov && mom != 0.0, copy, (char *)x.buf, (char *)b.buf, (char *)c.buf,
                      (const char *)sum.buf, divisor, lr, mom, alpha, 1.0 - alpha};
-    Py_BEGIN_ALLOW_THREADS
-    mpiopt_parallel_for(threads, x.len / itemsize, 1, outer_part, &job);
-    Py_END_ALLOW_THREADS
-    Py_INCREF(Py_None);
-    result = Py_None;
+    result = none_in_parallel(threads, x.len / itemsize, outer_part, &job);
 done:
     PyBuffer_Release(&x);
     if (sum.obj) PyBuffer_Release(&sum);
