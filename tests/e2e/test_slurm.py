@@ -214,3 +214,16 @@ def test_without_a_pmi_the_job_fails_with_the_message_instead_of_training_four_c
     assert log.count(message) == 4, log  # every task says it
     assert "srun --mpi=pmi2" in log and "1 rank in 1 group" not in log, log
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+
+
+def test_a_lost_rank_is_survived_by_open_mpis_mpiexec_inside_an_allocation(slurm):
+    """Open MPI only: in a Slurm allocation, `mpiexec --with-ft ulfm --mca btl tcp,self` (tools/survival_latency.py's
+    launch) goes on without a rank killed with SIGKILL.  Not `srun --mpi=pmix`: Slurm's PMIx plugin cancels the whole
+    step when a task dies (docs/failures.md)."""
+    if library_pmi() != "pmix":
+        pytest.skip("surviving a lost rank needs Open MPI's ULFM (MPIOPT_MPI=openmpi)")
+    result = subprocess.run(["salloc", "-n", "4", sys.executable, os.path.join(ROOT, "tools", "survival_latency.py"), "--kills", "1"],
+                            env=slurm, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Granted job allocation" in result.stderr, result.stderr
+    assert re.search(r"median of 1: [\d.]+ s", result.stdout), result.stdout
