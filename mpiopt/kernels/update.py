@@ -353,7 +353,7 @@ def outer_sgd(
         raise ValueError(f"momentum={momentum} needs a buffer, got buffer=None")
     if alpha and out is None:
         raise ValueError(f"alpha={alpha} mixes into out, got out=None")
-    arrays = [("total", total)] + ([("buffer", buffer)] if momentum else []) + _copies(out)
+    arrays = [("total", total)] + ([("buffer", buffer)] if momentum else []) + ([("out", out)] if out is not None else [])
     _check_like(xp, params, arrays)
     nesterov = bool(nesterov) and momentum != 0.0
     buffer = buffer if momentum else None
