@@ -25,6 +25,8 @@ class Session:
     started: float
     #: The settings to save as ``OUT/config.toml`` once a resumed run has started (rank 0; None: saved already).
     pending_settings: Optional[str] = None
+    #: The ranks the session started with (``--on-failure shrink`` may end it with fewer).
+    ranks_at_start: int = 0
 
     @property
     def rank(self) -> int:
@@ -58,7 +60,9 @@ class Session:
 
             read = {p: read_metrics(p) for p in paths if p}
             runs = list(read.values())
-            heading = f"# mpiopt {self.command}: {config.dataset}/{config.model}, {self.topology.size} ranks"
+            heading = f"# mpiopt {self.command}: {config.dataset}/{config.model}, {self.ranks_at_start} ranks"
+            if self.topology.size != self.ranks_at_start:
+                heading += f" ({self.topology.size} after a lost rank: each run's metrics say when)"
             repeated = None
             if groups is not None:
                 repeated = [[read[p] for p in g if p] for g in groups]
@@ -145,7 +149,7 @@ def start_session(config: TrainConfig, command: str, algorithms: List[str]) -> S
     world = topology.world
     out = config.out or world.bcast_obj(os.path.join("runs", time.strftime(f"{command}-%Y%m%d-%H%M%S")) if world.rank == 0 else None)
     config.out = out
-    session = Session(topology, None, out, command, started)
+    session = Session(topology, None, out, command, started, ranks_at_start=topology.size)
     if world.rank == 0:
         os.makedirs(out, exist_ok=True)
         settings = {k: v for k, v in dataclasses.asdict(config).items() if k in command_settings(command)}

@@ -88,7 +88,7 @@ _FLAGS_BY_COMMAND = {
     "compare": [
         f.name for f in dataclasses.fields(TrainConfig)
         if f.name not in ("hyperparameters", "algorithm", "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "resume",
-                          "override_hyperparameters", "trace", "on_failure")
+                          "override_hyperparameters", "trace")
     ],
 }
 

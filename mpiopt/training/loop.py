@@ -161,13 +161,14 @@ def train(
     stream: Optional[Any] = sys.stdout,
     on_start: Optional[Callable[[], None]] = None,
     device: Optional[str] = None,
-) -> Optional[str]:
+) -> str:
     """Train ``algorithm`` on ``dataset`` (from :func:`load_data`) as ``config`` says, writing to ``out_dir`` (collective).
 
     ``on_start`` is called once a resume was accepted (``train`` saves its
     settings then, so a refused resume leaves ``config.toml`` as it was).
     ``device``: this rank's (``"cuda:1"``); default: ``config.device`` resolved here.
-    Returns the metrics file's path on rank 0, None elsewhere.
+    Returns the metrics file's path, on every rank (where rank 0 is lost, the survivor that takes its place reports
+    every run, those before the loss too); rank 0 writes it.
     """
     world = topology.world
     config = config.for_algorithm(algorithm)
@@ -319,15 +320,13 @@ class _Run:
             **({"notes": NOTES} if self.algorithm == DDP else {"worker_layout": self.opt.algorithm.worker_layout()}),
         }
 
-    def close_records(self, end: Dict[str, Any]) -> Optional[str]:
-        """The end record (rank 0) and the trace; returns the metrics file's path on rank 0."""
+    def close_records(self, end: Dict[str, Any]) -> str:
+        """The end record (rank 0) and the trace; returns the metrics file's path."""
         if self.writer:
             self.writer.write({"kind": "end", "step": self.steps, **self.totals.counters(), **end})
         if self.tracer:
             self.tracer.write(self.trace_path)
-        if self.writer:
-            return os.path.join(self.out_dir, "metrics.jsonl")
-        return None
+        return os.path.join(self.out_dir, "metrics.jsonl")
 
     def _phase(self, name: str) -> ContextManager[Any]:
         """The trace's span of phase ``name``; nothing without ``--trace``."""

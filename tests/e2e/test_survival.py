@@ -294,6 +294,28 @@ def test_a_rank_lost_on_the_other_emulated_node():
     assert seconds < 5, proc.stdout
 
 
+@needs_ulfm
+@pytest.mark.parametrize("kill", ["2@5:exchange", "0@5:exchange"])
+def test_compare_goes_on_without_a_killed_rank(tmp_path, kill):
+    """`mpiopt compare --on-failure shrink`: a rank lost in the first algorithm's run; that run ends at 3 ranks, the next
+    runs there, and rank 0 of the survivors (the one that took rank 0's place where rank 0 was lost) writes the table
+    of both, whose heading says the world shrank."""
+    out = tmp_path / "cmp"
+    args = ["-m", "mpiopt", "compare", "--algorithms", "sgd,diloco", "--hp", "diloco.period=4", "--steps", "12",
+            "--eval-every", "6", "--batch-size", "16", "--on-failure", "shrink", "--progress", "lines", "--out", str(out)]
+    code, output = run_killing(tmp_path, args, [kill], timeout=240)
+    assert code == 0, output
+    lost = int(kill.split("@")[0])
+    for rank in (r for r in range(4) if r != lost):
+        assert f"mpiopt: rank {rank}: lost rank {lost} at step 5 (the step redone); the world is now 3 ranks" in output, output
+    ends = {name: json.loads((out / name / "metrics.jsonl").read_text().splitlines()[-1]) for name in ("sgd", "diloco")}
+    assert {name: (end["kind"], end["step"], end["world_size"]) for name, end in ends.items()} == {
+        "sgd": ("end", 12, 3), "diloco": ("end", 12, 3)}, ends
+    results = (out / "results.md").read_text()
+    assert "4 ranks (3 after a lost rank" in results, results
+    assert re.search(r"^\| sgd \|", results, re.M) and re.search(r"^\| diloco \|", results, re.M), results
+
+
 def checkpoint_state(path):
     """A checkpoint's model and every rank's state, for a bitwise comparison."""
     import h5py
