@@ -106,10 +106,11 @@ class Survival:
             raise ValueError(f"{self.name}: on_failure={self.topology.on_failure!r} is refused: {why} (docs/failures.md)")
 
     @property
-    def step_unfinished(self) -> bool:
-        """Whether a step started and its survivors have not agreed that they all completed it (a lost rank broke it:
-        :meth:`recovered` then starts from the step's start)."""
-        return self._rollback is not None and self._rollback.pending
+    def unfinished_step(self) -> Optional[int]:
+        """The step (counted from 1) that started and that its survivors have not agreed they all completed (a lost
+        rank broke it: :meth:`recovered` then starts from its start), or None.  Counted from the step's start: a
+        survivor that finished it locally has counted it already."""
+        return self._rollback.steps + 1 if self._rollback is not None and self._rollback.pending else None
 
     @contextmanager
     def _rollback_point(self, params: Any) -> Iterator[None]:

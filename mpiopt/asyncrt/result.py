@@ -21,6 +21,8 @@ __all__ = [
     "check_count",
     "check_run_arguments",
     "agree_on_arguments",
+    "PER_RUN_SUMS",
+    "job_fields",
 ]
 
 
@@ -144,3 +146,23 @@ def agree_on_arguments(world: Any, what: str, check: Callable[[], None]) -> None
         return kinds[failures[0].kind](f"{what}: " + "; ".join(lines))
 
     world.decide(check, what, catch=tuple(kinds.values()), error=error)
+
+
+#: Fields of an asynchronous run's result that count that run only; the others run on from run to run.
+PER_RUN_SUMS = ("sent", "seconds", "idle_seconds")
+
+
+def job_fields(results: List[Any]) -> Dict[str, Any]:
+    """The scalar fields of a job's asynchronous runs (its segments, in order) as those of one run.
+
+    Running counts are the last run's; per-run ones (:data:`PER_RUN_SUMS`) are summed.
+    """
+    merged = {k: v for k, v in vars(results[-1]).items() if isinstance(v, (int, float, str, bool))}
+    for key in PER_RUN_SUMS:
+        if key in merged:
+            merged[key] = sum(getattr(r, key) for r in results)
+    if "start_version" in merged:
+        merged["start_version"] = results[0].start_version
+    if "stopped_early" in merged:
+        merged["stopped_early"] = any(r.stopped_early for r in results)
+    return merged

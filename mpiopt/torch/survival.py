@@ -94,8 +94,8 @@ class RecoveryMixin:
             if self._local_keys:
                 fresh.use_groups(self._group_slices())
 
-        rollback = self._inner_rollback
-        if rollback is not None and self.algorithm.step_unfinished and rollback.step == self.algorithm.steps + 1:
+        rollback, failed = self._inner_rollback, self.algorithm.unfinished_step
+        if rollback is not None and failed is not None and rollback.step == failed:
             rollback.restore(self.inner)  # the failed step's inner update, undone as its parameters were
         self.algorithm = self.algorithm.recovered(self._params_array, prepare)
         if self.inner is not None:

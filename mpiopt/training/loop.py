@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..algorithms import ASYNCHRONOUS, algorithm_class
+from ..asyncrt.result import job_fields
 from ..comm import Comm, RankLost, Topology
 from ..comm.survival import INJECTION
 from ..metrics import MetricsWriter, Tracer, versions
@@ -118,26 +119,6 @@ class _Evaluator:
             result["bits_per_byte"] = result["test_loss"] / math.log(2)
             result["perplexity"] = math.exp(min(result["test_loss"], 700.0))  # exp(700) still a float
         return result
-
-
-#: Fields of an asynchronous run's result that count that run only; the others run on from run to run.
-_PER_RUN_SUMS = ("sent", "seconds", "idle_seconds")
-
-
-def _job_result(results: List[Any]) -> Dict[str, Any]:
-    """The scalar fields of a job's asynchronous runs (its segments, in order) as those of one run.
-
-    Running counts are the last run's; per-run ones (:data:`_PER_RUN_SUMS`) are summed.
-    """
-    merged = {k: v for k, v in vars(results[-1]).items() if isinstance(v, (int, float, str, bool))}
-    for key in _PER_RUN_SUMS:
-        if key in merged:
-            merged[key] = sum(getattr(r, key) for r in results)
-    if "start_version" in merged:
-        merged["start_version"] = results[0].start_version
-    if "stopped_early" in merged:
-        merged["stopped_early"] = any(r.stopped_early for r in results)
-    return merged
 
 
 @contextmanager
@@ -367,20 +348,23 @@ class _Run:
 
         With ``--on-failure shrink`` a lost rank's survivors go on from the step it broke (:mod:`.survival`)."""
         with _written_on_stop(self.tracer, self.trace_path):
-            step = self.start
-            while step < self.steps:
+            step, closing = self.start, False
+            while step < self.steps or closing:
                 try:
-                    self._synchronous_step(step)
+                    if closing:  # the last step stood, but a lost rank broke its evaluation and checkpoint: redo them
+                        closing = self._evaluate_and_checkpoint(step)
+                    else:
+                        self._synchronous_step(step)
+                        step += 1
                 except RankLost:
-                    step = go_on_without_lost_ranks(self, step)
-                    continue
-                step += 1
+                    step = go_on_without_lost_ranks(self, step - 1 if closing else step)
+                    closing = step == self.steps
         self.opt.finish()
         return {"world_size": self.topology.size}
 
     def _synchronous_step(self, step: int) -> None:
         """Step ``step + 1``: compute, apply, record; evaluate and checkpoint when due."""
-        opt, steps = self.opt, self.steps
+        opt = self.opt
         INJECTION.at(step + 1)
         started = self.uncounted_since = time.perf_counter()  # a lost rank's recovery counts from here (survival)
         x, y = self.batches(step)
@@ -403,11 +387,16 @@ class _Run:
         line = self._step_record(step + 1, record.pop("loss"), computed - started, whole, record)
         if self.writer:
             self.writer.write(line)
-        with self.topology.agreed(f"the evaluation and checkpoint after step {step + 1}"):
-            if (step + 1) % self.eval_every == 0 or step + 1 == steps:
-                self._evaluate(step + 1)
-            self.progress.update(step + 1, line["loss"], whole, self.totals.bytes_sent_total / 1e6)
-            self.checkpoints.after_step(step + 1, last=step + 1 == steps, counters=self.totals.counters())
+        self._evaluate_and_checkpoint(step + 1, lambda: self.progress.update(step + 1, line["loss"], whole, self.totals.bytes_sent_total / 1e6))
+
+    def _evaluate_and_checkpoint(self, done: int, report: Callable[[], None] = lambda: None) -> bool:
+        """After step ``done``: evaluate when due, ``report()``, checkpoint; agreed by a lost rank's survivors.  False."""
+        with self.topology.agreed(f"the evaluation and checkpoint after step {done}"):
+            if done % self.eval_every == 0 or done == self.steps:
+                self._evaluate(done)
+            report()
+            self.checkpoints.after_step(done, last=done == self.steps, counters=self.totals.counters())
+        return False
 
     def _apply(self, loss: torch.Tensor) -> None:
         """Clip and step; with a scaler (``--precision fp16``) unscaled first, the step skipped on every rank after an overflow."""
@@ -462,7 +451,7 @@ class _Run:
                 self.checkpoints.after_step(done, last=done == steps, counters=self.totals.counters())
         self.totals.losses = tail
         self._evaluate(steps)
-        return {"result": _job_result(results)} if results else {}
+        return {"result": job_fields(results)} if results else {}
 
     def _segment_end(self, done: int, every: int) -> int:
         """Where the asynchronous segment that starts at ``done`` ends: the next checkpoint or evaluation step, or the last."""

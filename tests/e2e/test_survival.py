@@ -248,11 +248,12 @@ def test_train_goes_on_without_a_killed_rank(tmp_path, algorithm, kill):
 
 
 @needs_ulfm
-@pytest.mark.parametrize("kill", ["2@10:checkpoint", "0@10:checkpoint"])
+@pytest.mark.parametrize("kill", ["2@10:checkpoint", "0@10:checkpoint", "2@16:checkpoint"])
 def test_a_rank_lost_while_a_checkpoint_is_written(tmp_path, kill):
-    """Rank 2 dies handing its state over, or rank 0 (the writer) dies with the file half written: the save of step 10
-    fails on every survivor, who go on; that checkpoint never appears under its name, the half-written temporary is
-    deleted (by rank 0 at once, or by the next save where rank 0 itself was lost), and every checkpoint left loads."""
+    """Rank 2 dies handing its state over, or rank 0 (the writer) dies with the file half written: the save fails on every
+    survivor, who go on; at step 10 that checkpoint never appears under its name, at the last step (16) the survivors
+    evaluate and save again.  The half-written temporary is deleted (by rank 0 at once, or by the next save where rank
+    0 itself was lost), and every checkpoint left loads."""
     from mpiopt.checkpoint import find_latest, validate_checkpoint
 
     out = tmp_path / "run"
@@ -260,14 +261,17 @@ def test_a_rank_lost_while_a_checkpoint_is_written(tmp_path, kill):
             "--on-failure", "shrink", "--progress", "lines", "--out", str(out), "--checkpoint-every", "5"]
     code, output = run_killing(tmp_path, args, [kill], timeout=240)
     assert code == 0, output
-    lost = int(kill.split("@")[0])
+    lost, step = int(kill.split("@")[0]), int(kill.split("@")[1].split(":")[0])
     for rank in (r for r in range(4) if r != lost):
-        assert f"mpiopt: rank {rank}: lost rank {lost} at step 10 (the step kept; going on from the next)" in output, output
+        assert f"mpiopt: rank {rank}: lost rank {lost} at step {step} (the step kept; going on from the next)" in output, output
     checkpoints = out / "checkpoints"
-    assert sorted(os.listdir(checkpoints)) == ["ckpt-000000005.h5", "ckpt-000000015.h5", "ckpt-000000016.h5"], output
+    kept = [5, 15, 16] if step == 10 else [10, 15, 16]  # the newest 3 (--keep-checkpoints)
+    assert sorted(os.listdir(checkpoints)) == [f"ckpt-{s:09d}.h5" for s in kept], output
     for name in os.listdir(checkpoints):
         assert validate_checkpoint(str(checkpoints / name)) is None, name
     assert find_latest(str(checkpoints)).endswith("ckpt-000000016.h5")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "eval"][-1] == 16 and records[-1]["kind"] == "end", records[-3:]
 
 
 @needs_ulfm
@@ -359,18 +363,21 @@ def test_a_checkpoint_after_the_loss_resumes_at_the_shrunk_and_at_the_original_s
 
 
 @needs_ulfm
-def test_train_with_adamw_undoes_the_inner_step_of_the_failed_step(tmp_path):
-    """diloco with AdamW as its inner optimizer, rank 2 killed inside the outer exchange of step 8: the survivors put
-    AdamW's state back with the parameters and redo step 8, so at the end every survivor's AdamW has taken exactly 16
-    steps (17, had the failed step's update stayed), and the run ends: exit 0, a finite final loss."""
+@pytest.mark.parametrize("kill", ["2@8:exchange", "2@6"])
+def test_train_with_adamw_undoes_the_inner_step_of_the_failed_step(tmp_path, kill):
+    """diloco with AdamW as its inner optimizer, rank 2 killed inside the outer exchange of step 8, or at the start of
+    step 6, which the survivors complete on their own (no exchange) before the step's agreement fails: they put AdamW's
+    state back with the parameters and redo the step, so at the end every survivor's AdamW has taken exactly 16 steps
+    (17, had the failed step's update stayed), and the run ends: exit 0, a finite final loss."""
     out = tmp_path / "run"
     args = ["-m", "mpiopt", "train", "--algorithm", "diloco", "--optimizer", "adamw", "--hp", "diloco.period=4",
             "--steps", "16", "--eval-every", "8", "--batch-size", "16", "--on-failure", "shrink", "--progress", "lines",
             "--out", str(out), "--checkpoint-every", "16"]
-    code, output = run_killing(tmp_path, args, ["2@8:exchange"], timeout=240)
+    code, output = run_killing(tmp_path, args, [kill], timeout=240)
     assert code == 0, output
+    step = kill.split("@")[1].split(":")[0]
     for rank in (0, 1, 3):
-        assert f"mpiopt: rank {rank}: lost rank 2 at step 8 (the step redone); the world is now 3 ranks" in output, output
+        assert f"mpiopt: rank {rank}: lost rank 2 at step {step} (the step redone); the world is now 3 ranks" in output, output
     ranks = checkpoint_state(out / "checkpoints" / "ckpt-000000016.h5")["ranks"]
     counts = {(r, p): float(inner["step"]) for r, state in ranks.items() for p, inner in state["inner"].items()}
     assert len(ranks) == 3 and counts and set(counts.values()) == {16.0}, counts
