@@ -14,6 +14,9 @@
 # first into /tmp/site: the mpich wheel (libmpi and mpiexec), mpi4py and pytest-mpi, e.g. fetched with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64 \
 #       -d .whl mpich mpi4py pytest-mpi
+# GPU_CHECKS_MPI=system takes the machine's own MPI instead (its mpiexec and the mpi4py that loads it; with
+# Open MPI, run as root and oversubscribed), and installs only pytest-mpi from .whl/: the CUDA-aware path
+# where that MPI is CUDA-aware, detected by mpiopt as a user's run would.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,7 +29,17 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 MPIOPT_WAIT_POLICY=${MPIOPT_WAIT_POLICY:-passive}
 
 # ---- Environment ------------------------------------------------------------------------------
-if compgen -G ".whl/*.whl" >/dev/null; then
+MPI_FROM=${GPU_CHECKS_MPI:-wheel}
+if [[ $MPI_FROM == system ]]; then
+    echo "== the machine's own MPI"
+    if compgen -G ".whl/pytest_mpi-*.whl" >/dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-system .whl/pytest_mpi-*.whl || exit 1
+        export PYTHONPATH=/tmp/site-system${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
+    "$PY" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])' || exit 1
+    command -v ompi_info >/dev/null && ompi_info --parsable --all | grep -E 'mpi_built_with_cuda_support|accelerator' | head -5
+elif compgen -G ".whl/*.whl" >/dev/null; then
     echo "== installing .whl/*.whl into /tmp/site"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

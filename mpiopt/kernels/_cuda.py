@@ -14,15 +14,16 @@ import numpy as np
 from ..arrays import array_module
 from ._backend import C_FLOATS
 
-__all__ = ["takes", "takes_bytes", "sgd", "outer_sgd", "merge_average", "elastic_pull", "all_finite", "pack_signs", "momentum_signs", "apply_signs", "vote"]
+__all__ = ["Program", "HELPERS", "THREADS", "compiled", "launch", "takes", "takes_bytes", "sgd", "outer_sgd", "merge_average", "elastic_pull", "all_finite", "pack_signs", "momentum_signs", "apply_signs", "vote"]
 
 # Threads per block; a grid of at most _BLOCKS_PER_SM blocks per multiprocessor strides over longer arrays.
-_THREADS = 256
+THREADS = 256
 _BLOCKS_PER_SM = 16
 # Bytes one wide access moves (sgd's and all_finite's kernels, where every array they touch is aligned to them).
 _WIDE = 16
 
-_SOURCE = r"""
+# What every program's kernels share: rounding float helpers, IEEE tests, the grid-strided loop.
+HELPERS = r"""
 __device__ __forceinline__ float add_(float a, float b) { float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 __device__ __forceinline__ float sub_(float a, float b) { float r; asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 __device__ __forceinline__ float mul_(float a, float b) { float r; asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
@@ -56,6 +57,9 @@ template <typename T> __device__ __forceinline__ bool nonnegative_(T v) {
 
 #define FOR_EACH(i, n) for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n); \
                             i += (long long)blockDim.x * gridDim.x)
+"""
+
+_SOURCE = HELPERS + r"""
 
 enum { NO_MERGE, DELAYED, PROPORTION };
 
@@ -304,6 +308,17 @@ _TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 _PLAIN_KERNELS = ("vote",)
 
 
+class Program(NamedTuple):
+    """CUDA source and the kernels to instantiate: ``templated`` ones for float and double, ``plain`` ones as named."""
+
+    source: str
+    templated: Tuple[str, ...]
+    plain: Tuple[str, ...] = ()
+
+    def names(self) -> list:
+        return [f"{k}<{t}>" for k in self.templated for t in _TYPES.values()] + list(self.plain)
+
+
 class _Compiled(NamedTuple):
     """One device's kernels, its multiprocessor count, the flag a checking kernel raises, and a flag nobody reads."""
 
@@ -313,51 +328,68 @@ class _Compiled(NamedTuple):
     scratch: Any
 
 
-# Per device: its kernels, or None where they did not compile (the array code runs there instead).
-_MODULES: Dict[int, Optional[_Compiled]] = {}
+UPDATE = Program(_SOURCE, _KERNELS, _PLAIN_KERNELS)
+# Per device and program: its kernels, or None where they did not compile (the array code runs there instead).
+_MODULES: Dict[Tuple[int, Program], Optional[_Compiled]] = {}
 
 
 def takes(x: Any) -> bool:
     """Whether these kernels compute on arrays like ``x``: C-contiguous cupy float32/float64 arrays, where they compiled."""
-    return array_module(x) is not np and x.dtype in C_FLOATS and x.flags.c_contiguous and _device() is not None
+    return array_module(x) is not np and x.dtype in C_FLOATS and x.flags.c_contiguous and compiled(UPDATE)
 
 
 def takes_bytes(x: Any) -> bool:
     """Whether :func:`vote` reads ``x``: cupy uint8, its bytes (of each row) adjacent, where the kernels compiled."""
-    return array_module(x) is not np and x.dtype == np.uint8 and x.strides[-1] == 1 and _device() is not None
+    return array_module(x) is not np and x.dtype == np.uint8 and x.strides[-1] == 1 and compiled(UPDATE)
 
 
-def _device() -> Optional[_Compiled]:
-    """The current device's kernels, compiled on first use; None (with a warning, once) where that failed."""
+def _device(program: Program = UPDATE) -> Optional[_Compiled]:
+    """The current device's kernels of ``program``, compiled on first use; None (with a warning, once) where that failed."""
     import cupy
 
     device = cupy.cuda.Device()
-    if device.id not in _MODULES:
-        names = [f"{k}<{t}>" for k in _KERNELS for t in _TYPES.values()] + list(_PLAIN_KERNELS)
+    key = (device.id, program)
+    if key not in _MODULES:
+        names = program.names()
         try:
-            module = cupy.RawModule(code=_SOURCE, options=("-std=c++17",), name_expressions=names)
+            module = cupy.RawModule(code=program.source, options=("-std=c++17",), name_expressions=names)
             module.get_function(names[0])  # compiles now, not inside a step
         except Exception as err:  # noqa: BLE001 - any compiler or driver failure: fall back, say why
             warnings.warn(f"mpiopt's CUDA kernels did not compile on device {device.id} ({err}); cupy arrays take the array code", RuntimeWarning)
-            _MODULES[device.id] = None
+            _MODULES[key] = None
         else:
             flags = cupy.zeros(2, dtype=np.int32)
-            _MODULES[device.id] = _Compiled(module, device.attributes["MultiProcessorCount"], flags[:1], flags[1:])
-    return _MODULES[device.id]
+            _MODULES[key] = _Compiled(module, device.attributes["MultiProcessorCount"], flags[:1], flags[1:])
+    return _MODULES[key]
 
 
-def _launch(name: str, dtype: Optional[np.dtype], items: int, args: Tuple[Any, ...], flag: Optional[bool] = None) -> Optional[bool]:
-    """Run kernel ``name<dtype>`` (``dtype`` None: plain ``name``) on ``args``; ``flag=True`` passes a reset flag and returns
-    whether it was raised (syncs)."""
-    compiled = _device()
+def compiled(program: Program) -> bool:
+    """Whether ``program``'s kernels run on the current device (compiling them on first use)."""
+    return _device(program) is not None
+
+
+def _launch(
+    name: str, dtype: Optional[np.dtype], items: int, args: Tuple[Any, ...], flag: Optional[bool] = None,
+    program: Program = UPDATE, blocks: Optional[int] = None,
+) -> Optional[bool]:
+    """Run kernel ``name<dtype>`` (``dtype`` None: plain ``name``) of ``program`` on ``args``; ``flag=True`` passes a reset flag
+    and returns whether it was raised (syncs).  ``blocks`` fixes the grid; else enough for ``items`` threads, at most
+    ``_BLOCKS_PER_SM`` per multiprocessor (the kernels stride over the rest)."""
+    kernels = _device(program)
     if flag is not None:
         if flag:
-            compiled.flag.fill(0)
-        args += (compiled.flag if flag else compiled.scratch,)
-    if items:  # an empty grid is a launch error
-        blocks = min(-(-items // _THREADS), compiled.multiprocessors * _BLOCKS_PER_SM)
-        compiled.module.get_function(name if dtype is None else f"{name}<{_TYPES[dtype]}>")((blocks,), (_THREADS,), args)
-    return bool(compiled.flag.get()[0]) if flag else None
+            kernels.flag.fill(0)
+        args += (kernels.flag if flag else kernels.scratch,)
+    if blocks is None:
+        blocks = min(-(-items // THREADS), kernels.multiprocessors * _BLOCKS_PER_SM)
+    if items and blocks:  # an empty grid is a launch error
+        kernels.module.get_function(name if dtype is None else f"{name}<{_TYPES[dtype]}>")((blocks,), (THREADS,), args)
+    return bool(kernels.flag.get()[0]) if flag else None
+
+
+def launch(program: Program, name: str, dtype: np.dtype, blocks: int, args: Tuple[Any, ...], flag: Optional[bool] = None) -> Optional[bool]:
+    """Kernel ``name<dtype>`` of ``program`` on a grid of ``blocks`` blocks of ``THREADS`` threads (see ``_launch``'s ``flag``)."""
+    return _launch(name, dtype, blocks, args, flag, program, blocks)
 
 
 def _items(x: Any, wide: bool) -> int:

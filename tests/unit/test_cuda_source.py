@@ -9,6 +9,7 @@ import os
 import pytest
 
 from mpiopt.kernels import _cuda
+from mpiopt.kernels.sparse.device import SCAN
 
 # The GPUs users train on: A100 (sm_80), H100 and H200 (sm_90).
 ARCHITECTURES = ("compute_80", "compute_90")
@@ -47,11 +48,12 @@ def compile_kernels(lib, source, names, architecture):
         lib.nvrtcDestroyProgram(ctypes.byref(program))
 
 
+@pytest.mark.parametrize("program", [_cuda.UPDATE, SCAN], ids=["update", "scan"])
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_every_kernel_compiles_for_every_dtype(architecture):
+def test_every_kernel_compiles_for_every_dtype(architecture, program):
     lib = nvrtc()
-    names = [f"{kernel}<{t}>" for kernel in _cuda._KERNELS for t in _cuda._TYPES.values()] + list(_cuda._PLAIN_KERNELS)
-    result, log, ptx = compile_kernels(lib, _cuda._SOURCE, names, architecture)
+    names = program.names()
+    result, log, ptx = compile_kernels(lib, program.source, names, architecture)
     assert result == 0, f"the CUDA kernels do not compile for {architecture}:\n{log}"
     assert ptx > 1000 * len(names), f"PTX of {ptx} bytes for {len(names)} kernels"
 

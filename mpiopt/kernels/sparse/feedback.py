@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Tuple
 
 import numpy as np
 
+from ...arrays import array_module
 from .._backend import check_array
 from .index_sets import _TAKE_ZERO, _check_indices, _indexed, _sparsec
-from .selection import FeedbackSelection, TopkWorkspace, _sample_plan, _sample_threshold, _scan_select
+from .selection import FeedbackSelection, _sample_plan, _sample_threshold
 
 __all__ = ["error_feedback", "take_and_zero", "fused_feedback_available", "feedback_select"]
 
@@ -39,17 +40,18 @@ def take_and_zero(error: Any, indices: Any, values_out: Any = None) -> Any:
     return values
 
 
-def fused_feedback_available(grad: Any, error: Any, workspace: Optional[TopkWorkspace]) -> bool:
-    """Whether :func:`feedback_select` can run: numpy arrays fitting ``workspace``, contiguous, disjoint, C loops built."""
+def fused_feedback_available(grad: Any, error: Any, workspace: Any) -> bool:
+    """Whether :func:`feedback_select` can run: arrays fitting ``workspace`` (a :class:`TopkWorkspace` with the C loops
+    built, or its cupy twin), contiguous and disjoint."""
     return (
-        workspace is not None and workspace.fits(error, workspace.k) and isinstance(grad, np.ndarray)
+        workspace is not None and workspace.fits(error, workspace.k) and type(grad) is type(error)
         and grad.dtype == error.dtype and grad.shape == error.shape and grad.flags.c_contiguous
-        and not np.may_share_memory(grad, error)
+        and not array_module(error).may_share_memory(grad, error)
     )
 
 
 def feedback_select(
-    grad: Any, error: Any, k: int, workspace: TopkWorkspace, *, sent_indices: Any = None, sent_factors: Any = None,
+    grad: Any, error: Any, k: int, workspace: Any, *, sent_indices: Any = None, sent_factors: Any = None,
 ) -> FeedbackSelection:
     """``error += grad`` and the top-k (or RegTop-k) selection of it, in one pass over memory; a :class:`FeedbackSelection`.
 
@@ -58,20 +60,23 @@ def feedback_select(
     workspace (the caller selects with the general code) or ``grad`` is not finite.
     """
     if not fused_feedback_available(grad, error, workspace):
-        raise ValueError("feedback_select needs numpy arrays of the workspace's length and dtype and the C loops (fused_feedback_available)")
+        raise ValueError("feedback_select needs arrays of the workspace's length and dtype and its loops (fused_feedback_available)")
     if k != workspace.k or not 0 < k <= error.shape[0]:
         raise ValueError(f"k must be the workspace's k ({workspace.k}) and in [1, {error.shape[0]}], got {k!r}")
     if (sent_indices is None) != (sent_factors is None) or (sent_indices is not None and sent_indices.shape != sent_factors.shape):
         raise ValueError("give sent_indices and sent_factors together, of one length")
+    if sent_indices is not None and not workspace.takes_factors:
+        raise ValueError(f"{type(workspace).__name__} takes no sent_factors (RegTop-k's fused pass is the C loops')")
     if sent_indices is not None:
         check_array("sent_indices", sent_indices, ndim=1, kinds="i", dtype=np.int32)
         check_array("sent_factors", sent_factors, ndim=1, kinds="f", dtype=error.dtype)
         if not (sent_indices.flags.c_contiguous and sent_factors.flags.c_contiguous):
             raise ValueError("sent_indices and sent_factors must be contiguous")
+    xp = array_module(error)
     stride, _, rank = _sample_plan(error.shape[0], k)
-    sample = np.add(error[::stride], grad[::stride], out=workspace.sample)
-    np.abs(sample, out=sample)
+    sample = xp.add(error[::stride], grad[::stride], out=workspace.sample)
+    xp.abs(sample, out=sample)
     if sent_indices is not None and sent_indices.shape[0]:  # the sampled entries that were sent score their factor times |a|
         _sparsec.scale_sampled(sample, sent_indices, sent_factors, sent_indices.shape[0], sample.dtype.itemsize, stride)
-    threshold = _sample_threshold(np, sample, rank, False, sample)
-    return _scan_select(error, grad, threshold, True, k, workspace, sent_indices, sent_factors)
+    threshold = _sample_threshold(xp, sample, rank, False, sample)
+    return workspace.scan_select(error, grad, threshold, True, k, sent_indices, sent_factors)

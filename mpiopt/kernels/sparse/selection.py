@@ -75,7 +75,11 @@ class TopkWorkspace:
     """Buffers that let :func:`topk_indices` select ``k`` of ``d`` numpy values without allocating (needs the C loops).
 
     Sized for twice the expected candidates; more fall back to the allocating code with the same result.
+    (:class:`~mpiopt.kernels.sparse.device.DeviceTopkWorkspace` is its twin for cupy arrays.)
     """
+
+    #: Whether :meth:`scan_select` applies RegTop-k's factors at last step's entries (``over``).
+    takes_factors = True
 
     def __init__(self, d: int, k: int, dtype: Any) -> None:
         d, k = check_count("d", d, 1, _MAX_LENGTH), check_count("k", k, 0, d)
@@ -99,6 +103,12 @@ class TopkWorkspace:
             _sparsec is not None and isinstance(values, np.ndarray) and values.dtype == self.dtype
             and values.shape == (self.d,) and k == self.k and values.flags.c_contiguous
         )
+
+    def scan_select(
+        self, values: Any, grad: Any, threshold: Any, absolute: bool, k: int, over: Any = None, over_factors: Any = None,
+    ) -> FeedbackSelection:
+        """One C scan (``values += grad`` first, when given) and the k best of its candidates (see ``_scan_select``)."""
+        return _scan_select(values, grad, threshold, absolute, k, self, over, over_factors)
 
 
 def _candidates(xp: ModuleType, values: Any, threshold: Any, absolute: bool) -> Tuple[Any, Any]:
@@ -162,11 +172,12 @@ def _scan_select(
     return FeedbackSelection(None, finite)
 
 
-def topk_indices(values: Any, k: int, *, absolute: bool = True, workspace: Optional[TopkWorkspace] = None) -> Any:
+def topk_indices(values: Any, k: int, *, absolute: bool = True, workspace: Any = None) -> Any:
     """Indices of the ``k`` largest ``|values|`` (or ``values`` with ``absolute=False``), int32 sorted ascending.
 
     Exact, in about one pass.  Ties at the k-th place take the lowest indices; NaN ranks below every number.
-    With a ``workspace`` nothing is allocated and the result is ``workspace.selected`` (overwritten next call).
+    With a ``workspace`` (a :class:`TopkWorkspace`, or its cupy twin) that fits, the result is ``workspace.selected``
+    (overwritten next call); the numpy one allocates nothing.
     """
     xp = check_array("values", values, ndim=1, kinds="f")
     d = values.shape[0]
@@ -177,8 +188,8 @@ def topk_indices(values: Any, k: int, *, absolute: bool = True, workspace: Optio
         return xp.arange(k, dtype=xp.int32)
     if workspace is not None and workspace.fits(values, k):
         threshold = _threshold(xp, values, k, absolute, workspace.sample)
-        # One C scan into the workspace; more candidates than it holds take the code below.
-        selected = _scan_select(values, None, threshold, absolute, k, workspace).indices
+        # One scan into the workspace; more candidates than it holds take the code below.
+        selected = workspace.scan_select(values, None, threshold, absolute, k).indices
         if selected is not None:
             return selected
     # Comparisons are false for NaN: candidates are numbers only.

@@ -19,6 +19,7 @@ from .aggregation import divide_at, merge_sorted_rows, scatter_add, settle_aggre
 from .feedback import error_feedback, feedback_select, fused_feedback_available, take_and_zero
 from .payload import decode, encode, encoded_nbytes
 from .regtopk import regtopk_scores, regtopk_sent_factors, unsent_factor
+from .device import DeviceTopkWorkspace
 from .selection import TopkWorkspace, topk_indices
 
 __all__ = ["SparseWorker", "SparseAggregate", "aggregate_payloads"]
@@ -70,14 +71,16 @@ class SparseWorker:
         self.has_history = False
         self._scores = empty_apart(like) if regularized else None
         # Selection and the sent values in buffers made once: a step allocates nothing k- or d-sized.
-        self._workspace = TopkWorkspace(self.num_params, self.k, like.dtype) if xp is np else None
+        workspace = TopkWorkspace if xp is np else DeviceTopkWorkspace.create
+        self._workspace = workspace(self.num_params, self.k, like.dtype)
         self._values = xp.empty(self.k, dtype=like.dtype)
         # The fused pass scores unsent entries |a_j|: RegTop-k only where their factor is exactly 1 (the paper's q).
         self._fusable = not regularized or unsent_factor(sparsifier.mu, sparsifier.q) == 1.0
         #: Whether :meth:`compress` reads the dense G_prev every step (RegTop-k where the fused pass cannot
         #: run); otherwise G_prev comes by its non-zero entries, and the dense one only on a rare fallback.
         self.reads_dense_aggregate = regularized and not (
-            self._fusable and self._workspace is not None and self._workspace.fits(self.error, self.k)
+            self._fusable and self._workspace is not None and self._workspace.takes_factors
+            and self._workspace.fits(self.error, self.k)
         )
 
     def compress(
@@ -121,12 +124,14 @@ class SparseWorker:
         fused = self._fusable and fused_feedback_available(grad, self.error, self._workspace)
         sent_indices = sent_factors = None
         if fused and sparsifier.regularized and self.has_history:
-            sent_indices = self.sent_indices
-            sent_factors = regtopk_sent_factors(
-                sent_indices, self.sent_values, None if prev_support is not None else _dense(prev_aggregate),
-                self.n_workers, sparsifier.mu, sparsifier.q, self._workspace, prev_support=prev_support,
-            )
-            fused = sent_factors is not None
+            fused = self._workspace.takes_factors  # cupy's scan takes none: the general selection reads the dense G_prev
+            if fused:
+                sent_indices = self.sent_indices
+                sent_factors = regtopk_sent_factors(
+                    sent_indices, self.sent_values, None if prev_support is not None else _dense(prev_aggregate),
+                    self.n_workers, sparsifier.mu, sparsifier.q, self._workspace, prev_support=prev_support,
+                )
+                fused = sent_factors is not None
         if check_finite and not fused and not all_finite(grad):  # before error changes
             return None
         if fused:

@@ -1,0 +1,88 @@
+"""The GPU's top-k selection (mpiopt.kernels.sparse.device) against the numpy path's bits; on a lent GPU only.
+
+The CUDA source compiles on CPU too (tests/unit/test_cuda_source.py); its twin, the C scan, is tested in test_sparse.py.
+"""
+
+import numpy as np
+import pytest
+
+from mpiopt.kernels import sparse
+from mpiopt.kernels._backend import array_modules
+from mpiopt.kernels.sparse.device import DeviceTopkWorkspace
+
+cupy = next((xp for xp in array_modules() if xp is not np), None)
+pytestmark = pytest.mark.skipif(cupy is None, reason="no GPU: cupy and a device are needed")
+
+
+def awkward(rng, d, kind, dtype):
+    """Random, heavily tied (small integers with +-0.0), or all negative; with a NaN in every 500 entries."""
+    if kind == "normal":
+        x = rng.standard_normal(d)
+    elif kind == "ties":
+        x = rng.integers(-3, 4, d) * np.where(rng.random(d) < 0.5, -1.0, 1.0)
+    else:
+        x = -rng.uniform(0.5, 1.0, d)
+    x = x.astype(dtype)
+    x[rng.integers(0, d, max(1, d // 500))] = np.nan
+    return x
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kind", ["normal", "ties", "negative"])
+@pytest.mark.parametrize("d, k", [(1, 1), (9, 3), (4095, 1), (4097, 41), (100_003, 1), (100_003, 100), (1_000_003, 10_007), (100_003, 30_001)])
+def test_device_topk_is_the_numpy_topk(dtype, kind, d, k):
+    rng = np.random.default_rng([d, k])
+    x = awkward(rng, d, kind, dtype)
+    workspace = DeviceTopkWorkspace.create(d, k, dtype)
+    assert workspace is not None, "the scan kernels did not compile"
+    for absolute in (True, False):
+        expect = sparse.topk_indices(x, k, absolute=absolute)
+        got = sparse.topk_indices(cupy.asarray(x), k, absolute=absolute, workspace=workspace)
+        if kind == "normal" and d > 10_000:  # the sample's threshold held: the kernels' own result
+            assert got is workspace.selected
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(cupy.asnumpy(got), expect)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("d, k", [(4097, 1), (100_003, 997), (1_000_003, 10_000)])
+def test_device_feedback_select_is_the_c_scan(dtype, d, k):
+    """error += grad and its top k in the kernels' pass: the C loops' error bits and indices (subnormals included)."""
+    rng = np.random.default_rng(d)
+    error = rng.standard_normal(d).astype(dtype)
+    grad = rng.standard_normal(d).astype(dtype)
+    error[:8] = np.finfo(dtype).tiny * np.array([0.5, -0.25, 1, -1, 3, 0.125, -0.0, 0.0], dtype)  # subnormal sums
+    grad[:8] = np.finfo(dtype).tiny * np.array([0.25, 0.5, -0.5, 0.75, 0, 0.0, -0.0, -0.0], dtype)
+    expect_error = error + grad
+    expect = sparse.topk_indices(expect_error, k)
+    on_device, workspace = cupy.asarray(error), DeviceTopkWorkspace.create(d, k, dtype)
+    selection = sparse.feedback_select(cupy.asarray(grad), on_device, k, workspace)
+    assert selection.finite
+    np.testing.assert_array_equal(cupy.asnumpy(on_device).view(np.uint8), expect_error.view(np.uint8))
+    np.testing.assert_array_equal(cupy.asnumpy(selection.indices), expect)
+
+
+def test_device_feedback_select_flags_a_non_finite_gradient():
+    d, k = 100_003, 100
+    grad = np.ones(d, np.float32)
+    grad[77_777] = np.inf
+    workspace = DeviceTopkWorkspace.create(d, k, np.float32)
+    selection = sparse.feedback_select(cupy.asarray(grad), cupy.zeros(d, np.float32), k, workspace)
+    assert not selection.finite and selection.indices is None
+
+
+def test_too_many_candidates_fall_back_to_the_general_selection():
+    """Every entry tied: more candidates than the workspace holds, the numpy answer all the same."""
+    d = 100_003
+    workspace = DeviceTopkWorkspace.create(d, 10, np.float32)
+    got = sparse.topk_indices(cupy.ones(d, np.float32), 10, workspace=workspace)
+    assert got is not workspace.selected
+    np.testing.assert_array_equal(cupy.asnumpy(got), np.arange(10))
+
+
+def test_the_sparse_worker_selects_on_the_device():
+    from mpiopt.algorithms.topk import Sparsifier
+    from mpiopt.kernels.sparse.worker import SparseWorker
+
+    worker = SparseWorker(Sparsifier(density=0.01), cupy.zeros(100_003, np.float32), 2)
+    assert isinstance(worker._workspace, DeviceTopkWorkspace)
