@@ -25,7 +25,7 @@ mkdir -p "$OUT_DIR"
 LOG=$OUT_DIR/gpu_checks.log
 WORK=$(mktemp -d /tmp/gpu-checks.XXXXXX)   # run folders and checkpoints (large: kept out of OUT)
 exec > >(tee "$LOG") 2>&1
-PY=${PYTHON:-python3}
+PY=$(command -v "${PYTHON:-python3}")   # a path: an mpiexec may start ranks with another PATH
 export PYTHONUNBUFFERED=1 MPIOPT_WAIT_POLICY=${MPIOPT_WAIT_POLICY:-passive}
 
 # ---- Environment ------------------------------------------------------------------------------
@@ -89,7 +89,7 @@ fi
 
 # ---- The suite's GPU tests, then the benchmarks: most wanted first, should the run be cut short ----
 part "unit GPU tests" 150 "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_cuda_kernels.py tests/unit/test_buffers.py tests/unit/test_outer_step.py \
-    tests/unit/test_codecs.py tests/unit/test_signs.py
+    tests/unit/test_codecs.py tests/unit/test_signs.py tests/unit/test_sparse.py tests/unit/test_sparse_device.py
 part "bench update --device cuda --d 100M" 150 "$PY" -m mpiopt bench update --device cuda --d 100M --json "$OUT_DIR/bench-update-cuda.json"
 
 # ---- Training on the GPU, checkpointed and resumed bitwise ------------------------------------
@@ -118,6 +118,8 @@ train_and_resume() {  # train_and_resume NAME FLAGS...: 40 steps whole, and from
     same_checkpoints "$dir/whole/checkpoints/ckpt-000000040.h5" "$dir/resumed/checkpoints/ckpt-000000040.h5"
 }
 part "train bf16 sparseloco+adamw, 2 ranks, resume" 120 train_and_resume bf16-sparseloco --precision bf16 --algorithm sparseloco --optimizer adamw --hp period=8
+part "train topk, 2 ranks, resume" 120 train_and_resume topk --algorithm topk
+part "train regtopk, 2 ranks, resume" 120 train_and_resume regtopk --algorithm regtopk
 part "train bf16 sgd+adamw, 2 ranks, resume" 120 train_and_resume bf16-sgd --precision bf16 --algorithm sgd --optimizer adamw --clip-grad-norm 1.0
 part "MPI GPU tests, 2 ranks" 150 mpi 2 "$PY" tools/run_mpi_pytest.py -q tests/mpi/test_comm_gpu.py tests/mpi/test_algorithms_gpu.py tests/mpi/test_staging.py
 part "bench staging, 2 ranks on one GPU" 60 mpi 2 "$PY" -m mpiopt bench staging --json "$OUT_DIR/bench-staging.json"

@@ -47,6 +47,7 @@ class SparseLoCo(DiLoCo):
     # are owed to the mean: each new rank takes their mean, which keeps it (docs/codecs.md).
     resize_rules = {"theta_start": COPY, "momentum_buffer": FOLLOW, "codec_residual": RESIDUAL, "outer_steps": COPY}
     training_defaults = {"lr": 0.05, "momentum": 0.9, "period": 8}
+    update_goal = 1.5  # a step in fused-SGD units (bench update): DiLoCo's outer step plus the codec's selection and scatter
     wire_summary = "the codec's payload (topk: 0.23 bits per parameter) every `period` steps, all-gathered"
 
     def _codec_exchange(self, like: Any, residual: Optional[Any] = None) -> CodecExchange:

@@ -1,12 +1,13 @@
-"""Benchmark: a staged Allreduce of GPU memory against the pinned host copies alone (MPI not CUDA-aware).
+"""Benchmark: a staged Allreduce of GPU memory against MPI's Allreduce of the same host buffer (MPI not CUDA-aware).
 
 ``mpiopt bench staging [--size 400M] [--chunk 8M] [--repeats 5] [--device auto|cuda|cpu] [--backend torch|cupy] [--json FILE]``
 (under ``mpiexec -n 2``; the ranks may share one GPU).
 
 Times, on the slowest rank, the pipelined staged Allreduce of a ``--size``-byte float32 buffer, the same staged
 in one piece (``--chunk`` = the whole buffer), one device-to-host and one host-to-device copy of the whole buffer
-through pinned memory, and MPI's Allreduce of the host buffer alone.  Ratio: the copies' time over the pipelined
-Allreduce's (goal, issue 30: >= 0.70).  Without a GPU (or ``--device cpu``) it runs the same pipeline on host
+through pinned memory, and MPI's Allreduce of the host buffer alone.  Ratio: the pipelined staged Allreduce's time
+over MPI's Allreduce of the host buffer (goal, issue 39: <= 1.2, what staging adds to the transfer it cannot avoid);
+the copies' time over the staged call's is printed beside it.  Without a GPU (or ``--device cpu``) it runs the same pipeline on host
 arrays as a dry run (copies are host memory copies) and says so.  Settings: docs/internals-comm.md.
 """
 
@@ -26,8 +27,8 @@ from ._common import count, environment, markdown_table, median, module_main, po
 
 __all__ = ["GOAL", "add_arguments", "measure", "run", "main"]
 
-#: The pipelined staged Allreduce's speed in units of the pinned copies alone (issue 30).
-GOAL = 0.70
+#: The pipelined staged Allreduce's time in units of MPI's Allreduce of the same host buffer (issue 39).
+GOAL = 1.2
 CASES = ("pinned copies", "staged allreduce", "staged in one piece", "host allreduce")
 
 
@@ -127,16 +128,18 @@ def run(args: argparse.Namespace) -> int:
         out("one rank: Allreduce is a world of one (no staging, no MPI); run under mpiexec -n 2 for the staged figures", file=sys.stderr)
     nbytes = args.size // 4 * 4
     seconds = measure(topology, nbytes, chunk, args.repeats, device, args.backend)
-    ratio = median(seconds["pinned copies"]) / median(seconds["staged allreduce"])
+    ratio = median(seconds["staged allreduce"]) / median(seconds["host allreduce"])
+    copies = median(seconds["pinned copies"]) / median(seconds["staged allreduce"])
     out(f"## staging: {topology.size} ranks, {nbytes:,} bytes, {device} ({args.backend if device == 'cuda' else 'numpy'}), "
         f"chunk {chunk:,} bytes ({chunk_source}), median of {args.repeats}\n")
     out(table(seconds, nbytes))
-    verdict = "dry run, no goal" if device == "cpu" or topology.size < 2 else ("goal met" if ratio >= GOAL else "goal missed")
-    out(f"\nstaged allreduce / pinned copies alone: {ratio:.2f} (goal >= {GOAL:.2f}: {verdict})")
+    verdict = "dry run, no goal" if device == "cpu" or topology.size < 2 else ("goal met" if ratio <= GOAL else "goal missed")
+    out(f"\nstaged allreduce / host allreduce: {ratio:.2f} (goal <= {GOAL:.2f}: {verdict}); pinned copies / staged allreduce: {copies:.2f}")
     if args.json and topology.rank == 0:
         write_json(args.json, {
             "benchmark": "staging", **environment(topology, None), "bytes": nbytes, "chunk_bytes": chunk, "device": device,
             "backend": args.backend, "repeats": args.repeats, "seconds": seconds, "ratio": ratio, "goal": GOAL, "verdict": verdict,
+            "copies_ratio": copies,
         })
         out(f"\nwrote {args.json}")
     topology.Free()

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..kernels._backend import check_count
 from ..kernels.sparse import scatter_add, topk_indices
+from ..kernels.sparse.device import chunk_topk
 from .base import SCALE_BYTES, Chunked
 from .bitfields import fields_nbytes, pack_fields, unpack_fields
 
@@ -80,6 +81,9 @@ class TopkCodec(Chunked):
         """Top ``k`` of every row by ``|x|``, all rows at once: the k-th largest by a partition, ties to the lowest index."""
         n, chunk = rows.shape
         k = self.k
+        flat = self._buffer(xp, "flat", n * k, np.int64)
+        if chunk_topk(rows, k, flat):  # cupy: one kernel, the same indices
+            return flat
         scores = self._buffer(xp, "scores", n * chunk, rows.dtype).reshape(n, chunk)
         xp.abs(rows, out=scores)
         xp.fmax(scores, -np.inf, out=scores)  # NaN -> -inf: below every number, as the kernels rank it

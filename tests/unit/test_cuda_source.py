@@ -9,7 +9,7 @@ import os
 import pytest
 
 from mpiopt.kernels import _cuda
-from mpiopt.kernels.sparse.device import SCAN
+from mpiopt.kernels.sparse.device import SELECT
 
 # The GPUs users train on: A100 (sm_80), H100 and H200 (sm_90).
 ARCHITECTURES = ("compute_80", "compute_90")
@@ -48,7 +48,7 @@ def compile_kernels(lib, source, names, architecture):
         lib.nvrtcDestroyProgram(ctypes.byref(program))
 
 
-@pytest.mark.parametrize("program", [_cuda.UPDATE, SCAN], ids=["update", "scan"])
+@pytest.mark.parametrize("program", [_cuda.UPDATE, SELECT], ids=["update", "select"])
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_every_kernel_compiles_for_every_dtype(architecture, program):
     lib = nvrtc()

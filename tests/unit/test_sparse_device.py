@@ -86,3 +86,23 @@ def test_the_sparse_worker_selects_on_the_device():
 
     worker = SparseWorker(Sparsifier(density=0.01), cupy.zeros(100_003, np.float32), 2)
     assert isinstance(worker._workspace, DeviceTopkWorkspace)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kind", ["normal", "ties", "negative"])
+@pytest.mark.parametrize("chunk, k", [(8, 1), (8, 8), (64, 1), (64, 64), (100, 7), (4096, 1), (4096, 64), (4096, 4096), (3000, 64)])
+def test_chunk_topk_is_the_array_codes(dtype, kind, chunk, k):
+    """The codec's per-chunk selection (whole chunks by the kernel, a ragged last one by topk_indices): numpy's indices."""
+    from mpiopt.codecs.topk import TopkCodec
+    from mpiopt.kernels.sparse.device import chunk_topk
+
+    d = 5 * chunk + chunk // 3
+    x = awkward(np.random.default_rng([chunk, k]), d, kind, dtype)
+    x[: min(chunk, 8)] = np.array([0.0, -0.0, 0.0, -0.0, 1.0, -1.0, np.nan, 1.0], dtype)[: min(chunk, 8)]
+    codec = TopkCodec(chunk=chunk, k=k)
+    expect = codec.select(np, x)
+    rows = cupy.asarray(x[: 5 * chunk]).reshape(5, chunk)
+    flat = cupy.empty(5 * k, np.int64)
+    assert chunk_topk(rows, k, flat), "the kernel did not run"
+    np.testing.assert_array_equal(cupy.asnumpy(flat), expect[: 5 * k])
+    np.testing.assert_array_equal(cupy.asnumpy(codec.select(cupy, cupy.asarray(x))), expect)

@@ -1,4 +1,5 @@
-"""Top-k selection on the GPU: ``_sparsec.scan`` as two CUDA kernels, and the k best of its candidates in CuPy.
+"""Top-k selection on the GPU: ``_sparsec.scan`` as two CUDA kernels, the k best of its candidates in CuPy, and the
+``topk`` codec's per-chunk selection as one kernel.
 
 The same result as the numpy path's (:func:`~mpiopt.kernels.sparse.topk_indices`, the C scan): the candidates
 are the entries whose score reaches a sampled threshold, ascending, with ``x += g`` done on the way; the k of
@@ -17,7 +18,7 @@ from .._backend import C_FLOATS, check_count
 from .index_sets import _MAX_LENGTH
 from .selection import FeedbackSelection, _sample_plan
 
-__all__ = ["DeviceTopkWorkspace", "SCAN"]
+__all__ = ["DeviceTopkWorkspace", "SELECT", "MAX_CHUNK", "chunk_topk"]
 
 # Entries per thread: one block scans THREADS * _ITEMS adjacent entries, its candidates counted, then written in order.
 _ITEMS = 16
@@ -27,18 +28,44 @@ _SOURCE = _cuda.HELPERS + r"""
 
 template <typename T> __device__ __forceinline__ T score_(T v, int absolute) { return absolute ? fabs(v) : v; }
 
-/* Pass 1 over tile b (blockDim.x * ITEMS entries from b * blockDim.x * ITEMS): x += g first where add (bad
- * flags a NaN or +-inf in g), then counts[b] = the tile's entries whose score, |x| (absolute) or x, is >= *t
- * (never NaN). */
+/* An exclusive sum over the block's threads of v (blockDim.x a multiple of 32, at most 1024); *total gets the whole sum. */
+__device__ __forceinline__ int block_scan_(int v, int *total) {
+    __shared__ int warp_sums[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) warp_sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < warps ? warp_sums[lane] : 0;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += y;
+        }
+        warp_sums[lane] = w;
+    }
+    __syncthreads();
+    const int before = warp ? warp_sums[warp - 1] : 0;
+    *total = warp_sums[warps - 1];
+    __syncthreads(); /* warp_sums is written again by the next call */
+    return before + x - v;
+}
+
+/* A tile is blockDim.x * ITEMS adjacent entries, one block a tile.  Pass 1 over tile b (read coalesced, entry
+ * q * blockDim.x + t by thread t): x += g first where add (bad flags a NaN or +-inf in g), then counts[b] = the
+ * tile's entries whose score, |x| (absolute) or x, is >= *t (never NaN). */
 template <typename T>
 __global__ void scan_count(long long n, T *x, const T *g, const T *t, int absolute, int add, int *counts, int *bad) {
     const long long base = (long long)blockIdx.x * blockDim.x * ITEMS + threadIdx.x;
     const T threshold = *t;
     int count = 0;
     bool ok = true;
+#pragma unroll
     for (int q = 0; q < ITEMS; ++q) {
         const long long i = base + (long long)q * blockDim.x;
-        bool hit = false;
         if (i < n) {
             T v = x[i];
             if (add) {
@@ -47,55 +74,127 @@ __global__ void scan_count(long long n, T *x, const T *g, const T *t, int absolu
                 v = add_(v, gi);
                 x[i] = v;
             }
-            hit = score_(v, absolute) >= threshold;
+            count += score_(v, absolute) >= threshold;
         }
-        count += __syncthreads_count(hit);
     }
-    if (threadIdx.x == 0) counts[blockIdx.x] = count;
+    int total;
+    block_scan_(count, &total);
+    if (threadIdx.x == 0) counts[blockIdx.x] = total;
     if (!ok) *bad = 1;
 }
 
-/* Pass 2: tile b's candidates (index, score), ascending, from ends[b] - counts[b] on (those below capacity):
- * a warp's place from its ballot, a thread's from the lanes below it. */
+/* Pass 2: tile b's candidates (index, score), ascending, from ends[b] - counts[b] on (those below capacity),
+ * thread t's from entry t * ITEMS of the tile: its place from the candidates of the threads before it. */
 template <typename T>
 __global__ void scan_write(long long n, const T *x, const T *t, int absolute, const int *counts, const int *ends,
                            long long capacity, int *idx, T *scores) {
-    __shared__ int warp_counts[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const long long base = (long long)blockIdx.x * blockDim.x * ITEMS + threadIdx.x;
+    const long long first = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * ITEMS;
     const T threshold = *t;
-    long long at = (long long)ends[blockIdx.x] - counts[blockIdx.x];
+    if (counts[blockIdx.x] == 0) return; /* the whole block: nothing to write */
+    T s[ITEMS];
+    unsigned hits = 0;
+#pragma unroll
     for (int q = 0; q < ITEMS; ++q) {
-        const long long i = base + (long long)q * blockDim.x;
-        T s = 0;
-        bool hit = false;
-        if (i < n) {
-            s = score_(x[i], absolute);
-            hit = s >= threshold;
-        }
-        const unsigned ballot = __ballot_sync(0xffffffffu, hit);
-        if (lane == 0) warp_counts[warp] = __popc(ballot);
-        __syncthreads();
-        int before = 0, total = 0;
-        for (int w = 0; w < warps; ++w) {
-            const int c = warp_counts[w];
-            before += w < warp ? c : 0;
-            total += c;
-        }
-        if (hit) {
-            const long long k = at + before + __popc(ballot & ((1u << lane) - 1u));
-            if (k < capacity) {
-                idx[k] = (int)i;
-                scores[k] = s;
-            }
-        }
-        at += total;
-        __syncthreads(); /* warp_counts is written again next round */
+        s[q] = first + q < n ? score_(x[first + q], absolute) : (T)0;
+        hits |= (unsigned)(first + q < n && s[q] >= threshold) << q;
     }
+    int total;
+    long long at = (long long)ends[blockIdx.x] - counts[blockIdx.x] + block_scan_(__popc(hits), &total);
+#pragma unroll
+    for (int q = 0; q < ITEMS; ++q) {
+        if ((hits >> q) & 1) {
+            if (at < capacity) {
+                idx[at] = (int)(first + q);
+                scores[at] = s[q];
+            }
+            ++at;
+        }
+    }
+}
+
+/* The rank key of |v|: magnitudes in order, NaN below them all (as -inf in the array code), +-0.0 equal. */
+template <typename T> struct Key;
+template <> struct Key<float> { typedef unsigned type; };
+template <> struct Key<double> { typedef unsigned long long type; };
+template <typename T> __device__ __forceinline__ typename Key<T>::type key_(T v) {
+    typedef typename Key<T>::type K;
+    const K u = bits_(v) & ~ieee<K>::sign;
+    return u > ieee<K>::inf ? (K)0 : u + 1;
+}
+
+/* The top k of |x| in each row of chunk (<= blockDim.x * ITEMS) entries, one block a row: flat[row * k + j], the j-th
+ * selected flat index, ascending; of equal magnitudes at the k-th place the lowest indices.  The k-th largest key by a
+ * radix select (a byte a round, from the top), then each thread's run of adjacent entries kept in order. */
+template <typename T>
+__global__ void chunk_topk(long long rows, int chunk, int k, const T *x, long long *flat) {
+    typedef typename Key<T>::type K;
+    __shared__ int bins[256];
+    __shared__ K chosen;
+    __shared__ int still;
+    const long long row = blockIdx.x;
+    const int per = (chunk + blockDim.x - 1) / blockDim.x, first = threadIdx.x * per;
+    const int mine = max(0, min(per, chunk - first));
+    K keys[ITEMS];
+#pragma unroll
+    for (int q = 0; q < ITEMS; ++q) keys[q] = q < mine ? key_(x[row * chunk + first + q]) : (K)0;
+    K prefix = 0, mask = 0;
+    int remaining = k, total;
+    for (int shift = 8 * (int)sizeof(K) - 8; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) bins[b] = 0;
+        __syncthreads();
+#pragma unroll
+        for (int q = 0; q < ITEMS; ++q)
+            if (q < mine && (keys[q] & mask) == prefix) atomicAdd(&bins[(keys[q] >> shift) & 255], 1);
+        __syncthreads();
+        /* bin 255 - threadIdx.x: the entries in higher bins, and whether the remaining-th largest is in this one */
+        const int bin = 255 - (int)threadIdx.x, count = threadIdx.x < 256 ? bins[bin & 255] : 0;
+        const int above = block_scan_(count, &total);
+        if (threadIdx.x < 256 && above < remaining && remaining <= above + count) {
+            chosen = prefix | ((K)bin << shift);
+            still = remaining - above;
+        }
+        __syncthreads();
+        prefix = chosen;
+        remaining = still;
+        mask |= (K)255 << shift;
+        __syncthreads();
+    }
+    /* kept: keys above the k-th, and the first `remaining` equal to it, in index order */
+    int ties = 0;
+#pragma unroll
+    for (int q = 0; q < ITEMS; ++q) ties += q < mine && keys[q] == prefix;
+    int tie = block_scan_(ties, &total), kept = 0;
+    bool keep[ITEMS];
+#pragma unroll
+    for (int q = 0; q < ITEMS; ++q) {
+        const bool at_kth = q < mine && keys[q] == prefix;
+        keep[q] = q < mine && (keys[q] > prefix || (at_kth && tie < remaining));
+        tie += at_kth;
+        kept += keep[q];
+    }
+    int at = block_scan_(kept, &total);
+#pragma unroll
+    for (int q = 0; q < ITEMS; ++q)
+        if (keep[q]) flat[row * k + at++] = row * chunk + first + q;
 }
 """
 
-SCAN = _cuda.Program(_SOURCE, ("scan_count", "scan_write"))
+SELECT = _cuda.Program(_SOURCE, ("scan_count", "scan_write", "chunk_topk"))
+#: The longest row :func:`chunk_topk` selects in (one block of THREADS threads, ITEMS entries each).
+MAX_CHUNK = _cuda.THREADS * _ITEMS
+
+
+def chunk_topk(rows: Any, k: int, out: Any) -> bool:
+    """The top ``k`` ``|rows|`` of every row into ``out`` (int64, ``rows.shape[0] * k``): flat indices, ascending; lowest
+    index first among ties, NaN below every number.  False (nothing written) where the kernel cannot run: numpy or
+    non-contiguous rows, rows longer than :data:`MAX_CHUNK`, or kernels that do not compile."""
+    n, chunk = rows.shape
+    if type(rows) is np.ndarray or rows.dtype not in C_FLOATS or not rows.flags.c_contiguous or chunk > MAX_CHUNK:
+        return False
+    if not _cuda.compiled(SELECT):
+        return False
+    _cuda.launch(SELECT, "chunk_topk", rows.dtype, n, (np.int64(n), np.int32(chunk), np.int32(k), rows, out))
+    return True
 
 
 class DeviceTopkWorkspace:
@@ -128,7 +227,7 @@ class DeviceTopkWorkspace:
     @classmethod
     def create(cls, d: int, k: int, dtype: Any) -> Optional["DeviceTopkWorkspace"]:
         """A workspace on the current device, or None where the scan kernels do not compile (or the dtype is not theirs)."""
-        if np.dtype(dtype) not in C_FLOATS or not _cuda.compiled(SCAN):
+        if np.dtype(dtype) not in C_FLOATS or not _cuda.compiled(SELECT):
             return None
         return cls(d, k, dtype)
 
@@ -152,7 +251,7 @@ class DeviceTopkWorkspace:
         d, dtype, add = values.shape[0], values.dtype, grad is not None
         tiles = self.counts.shape[0]
         bad = _cuda.launch(
-            SCAN, "scan_count", dtype, tiles,
+            SELECT, "scan_count", dtype, tiles,
             (np.int64(d), values, grad if add else values, threshold, np.int32(absolute), np.int32(add), self.counts), flag=add,
         )
         if bad:
@@ -163,7 +262,7 @@ class DeviceTopkWorkspace:
         if not k <= n <= capacity:
             return FeedbackSelection(None, True)
         _cuda.launch(
-            SCAN, "scan_write", dtype, tiles,
+            SELECT, "scan_write", dtype, tiles,
             (np.int64(d), values, threshold, np.int32(absolute), self.counts, self.ends, np.int64(capacity), self.candidates, self.scores),
         )
         return FeedbackSelection(self._best(n, k), True)
