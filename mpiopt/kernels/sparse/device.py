@@ -14,9 +14,8 @@ from typing import Any, Optional
 import numpy as np
 
 from .. import _cuda
-from .._backend import C_FLOATS, check_count
-from .index_sets import _MAX_LENGTH
-from .selection import FeedbackSelection, _sample_plan
+from .._backend import C_FLOATS
+from .selection import FeedbackSelection, _workspace_plan
 
 __all__ = ["DeviceTopkWorkspace", "SELECT", "MAX_CHUNK", "chunk_topk"]
 
@@ -210,10 +209,7 @@ class DeviceTopkWorkspace:
     def __init__(self, d: int, k: int, dtype: Any) -> None:
         import cupy
 
-        d, k = check_count("d", d, 1, _MAX_LENGTH), check_count("k", k, 0, d)
-        dtype = np.dtype(dtype)
-        stride, n, rank = _sample_plan(d, max(k, 1))
-        capacity = min(d, 2 * (rank * stride + k) + 64)
+        d, k, dtype, n, capacity = _workspace_plan(d, k, dtype)
         tiles = -(-d // (_cuda.THREADS * _ITEMS))
         self.d, self.k, self.dtype = d, k, dtype
         self.sample = cupy.empty(n, dtype)

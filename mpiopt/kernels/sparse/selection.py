@@ -71,6 +71,13 @@ def _sample_threshold(xp: ModuleType, sample: Any, rank: int, absolute: bool, sc
     return scratch[n - rank]  # the rank-th largest
 
 
+def _workspace_plan(d: int, k: int, dtype: Any) -> Tuple[int, int, np.dtype, int, int]:
+    """A workspace's ``(d, k, dtype, sample size, candidate capacity)``: room for twice the expected candidates."""
+    d, k = check_count("d", d, 1, _MAX_LENGTH), check_count("k", k, 0, d)
+    stride, n, rank = _sample_plan(d, max(k, 1))
+    return d, k, np.dtype(dtype), n, min(d, 2 * (rank * stride + k) + 64)
+
+
 class TopkWorkspace:
     """Buffers that let :func:`topk_indices` select ``k`` of ``d`` numpy values without allocating (needs the C loops).
 
@@ -82,10 +89,7 @@ class TopkWorkspace:
     takes_factors = True
 
     def __init__(self, d: int, k: int, dtype: Any) -> None:
-        d, k = check_count("d", d, 1, _MAX_LENGTH), check_count("k", k, 0, d)
-        dtype = np.dtype(dtype)
-        stride, n, rank = _sample_plan(d, max(k, 1))
-        capacity = min(d, 2 * (rank * stride + k) + 64)
+        d, k, dtype, n, capacity = _workspace_plan(d, k, dtype)
         self.d, self.k, self.dtype = d, k, dtype
         self.sample = np.empty(n, dtype)
         self.candidates = np.empty(capacity, np.int32)
