@@ -142,6 +142,9 @@ class Topology:
     on_failure : {"abort", "shrink"}, optional
         What a lost rank does: end the job (MPI's default), or raise :class:`~mpiopt.comm.survival.RankLost` on the
         survivors, who :meth:`recover` (needs Open MPI's ULFM: docs/failures.md).  Default: ``MPIOPT_ON_FAILURE``, abort.
+    job_rank : int, optional
+        This process's rank in the job's first world (:attr:`first_ranks`): a replacement's is the lost rank's.
+        Default: its rank in ``MPI.COMM_WORLD``.
 
     Raises
     ------
@@ -157,6 +160,7 @@ class Topology:
         gpu_aware: Optional[bool] = None,
         abort_on_error: Optional[bool] = None,
         on_failure: Optional[str] = None,
+        job_rank: Optional[int] = None,
     ) -> None:
         # Before any communication, each process alone: a launcher that started another number of
         # processes than MPI's world holds (LauncherMismatchError, mpiopt.comm.launcher).
@@ -184,7 +188,8 @@ class Topology:
         #: What a lost rank does (:data:`~mpiopt.comm.survival.ON_FAILURE`).
         self.on_failure: str = survive
         #: The job's first world rank of each of this world's ranks (a recovery renumbers the survivors).
-        self.first_ranks: List[int] = self.world.allgather_obj(MPI.COMM_WORLD.Get_rank()) if survive != "abort" else []
+        first = MPI.COMM_WORLD.Get_rank() if job_rank is None else job_rank
+        self.first_ranks: List[int] = self.world.allgather_obj(first) if survive != "abort" else []
         self._build(comm, None if size is None else self.world.rank // size)
         if survive != "abort":
             self.faults.on_fault = self._revoke_all
@@ -272,6 +277,15 @@ class Topology:
         self.first_ranks = [self.first_ranks[r] for r in members]
         self._build(self.world._comm, color)
         return Recovery(lost, self.size)
+
+    def spawn(self, count: int, args: List[str]) -> "tuple[Optional[MPI.Intercomm], str]":
+        """Start ``count`` processes of ``python ARGS`` to take lost ranks' places (collective, after :meth:`recover`):
+        the intercommunicator to them, or None and MPI's reason where none could start (no free slot, a launcher that
+        refuses).  They and this world merge with ``Merge`` (this world's ranks first)."""
+        try:
+            return self.world._comm.Spawn(sys.executable, args=args, maxprocs=count, root=0), ""
+        except MPI.Exception as error:
+            return None, error.Get_error_string()
 
     @property
     def control(self) -> Comm:
