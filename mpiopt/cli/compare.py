@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     if repeats < 1:
         raise UsageError(f"--repeats must be an integer >= 1, got {repeats}")
     config, algorithms = read_settings(args, "compare")
+    if config.on_failure == "respawn":  # agreed settings: every rank refuses alike
+        raise UsageError("--on-failure respawn is mpiopt train's (its replacements resume one run); compare takes abort or shrink")
     axes = sweep.parse_sweeps(getattr(args, "sweep", []) or [])
     sweep_steps = getattr(args, "sweep_steps", None)
     if sweep_steps is not None and not axes:

@@ -27,6 +27,8 @@ class Session:
     pending_settings: Optional[str] = None
     #: The ranks the session started with (``--on-failure shrink`` may end it with fewer).
     ranks_at_start: int = 0
+    #: The intercommunicators to the jobs a respawn joined (:mod:`.respawn`), disconnected at the end.
+    links: List[Any] = dataclasses.field(default_factory=list)
 
     @property
     def rank(self) -> int:
@@ -143,7 +145,7 @@ def start_session(config: TrainConfig, command: str, algorithms: List[str]) -> S
 
     started = time.perf_counter()
     try:  # the settings are agreed: every rank refuses alike
-        topology = Topology(group_size=config.group_size, on_failure=config.on_failure)
+        topology = Topology(group_size=config.group_size, on_failure=config.topology_on_failure)
     except ValueError as error:
         raise UsageError(str(error)) from None
     world = topology.world

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 
+from ..training.config import TrainConfig
 from ..training.flags import add_config_arguments, evaluated_help
-from .session import read_settings, start_session
+from .respawn import disconnect, replace_lost
+from .session import Session, read_settings, start_session
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,14 +40,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config, algorithms = read_settings(args, "train")
-    session = start_session(config, "train", algorithms)
+    return train_to_the_end(config, start_session(config, "train", algorithms))
+
+
+def train_to_the_end(config: TrainConfig, session: Session) -> int:
+    """Train the session's run to its last step, then the report; with ``--on-failure respawn`` through every loss
+    (the survivors and the processes started in the lost ranks' places resume together).  The exit code."""
     from ..training.checkpointing import EXIT_INTERRUPTED, Interrupted
     from ..training.loop import train
+    from ..training.survival import Respawn
 
     try:
-        path = train(config, config.algorithm, session.topology, session.dataset, session.out, on_start=session.save_settings)
-    except Interrupted as stop:
-        session.say(f"\n{stop}; continue with --resume {stop.path} (or --resume auto)")
-        return EXIT_INTERRUPTED
-    session.finish([path], config)
+        while True:
+            try:
+                path = train(config, config.algorithm, session.topology, session.dataset, session.out, on_start=session.save_settings)
+                break
+            except Respawn as respawn:
+                replace_lost(session, config, respawn)
+            except Interrupted as stop:
+                session.say(f"\n{stop}; continue with --resume {stop.path} (or --resume auto)")
+                return EXIT_INTERRUPTED
+        session.finish([path], config)
+    finally:
+        disconnect(session)
     return 0

@@ -54,6 +54,8 @@ DEFAULT_EPOCHS = 20
 #: The text task's default ``--target-loss`` (nats, 3.6 bits per byte): the headline comparison's target (docs/headline.md).
 TEXT_TARGET_LOSS = 2.5
 PROGRESS_MODES = ("auto", "bar", "lines")
+#: What a lost rank does to a training run: the topology's answers, and respawn (shrink, then replacements join).
+ON_FAILURE = ("abort", "shrink", "respawn")
 #: ``--optimizer`` choices (:mod:`.optimizers` makes them) and ``--no-decay-on`` kinds.
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
 NO_DECAY_KINDS = ("bias", "norm")
@@ -127,8 +129,6 @@ class TrainConfig:
 
     def _check_survival(self, algorithms: Sequence[str]) -> None:
         """``--on-failure shrink``: what the survivors cannot yet roll back is refused (docs/failures.md)."""
-        from ..comm.survival import ON_FAILURE
-
         if self.on_failure not in ON_FAILURE:
             raise UsageError(f"on_failure must be one of {', '.join(ON_FAILURE)}, got {self.on_failure!r}")
         if self.on_failure == "abort":
@@ -140,6 +140,11 @@ class TrainConfig:
                                  ("--precision fp16", self.precision == "fp16", "the scaler's vote is not rolled back")):
             if value:
                 raise UsageError(f"--on-failure {self.on_failure} takes no {flag} yet: {why}")
+
+    @property
+    def topology_on_failure(self) -> str:
+        """What the topology does with a lost rank: respawn is the training's (shrink, then replacements join)."""
+        return "shrink" if self.on_failure == "respawn" else self.on_failure
 
     def islands_for(self, algorithm: str) -> bool:
         """Whether ``algorithm`` runs with each group one worker: ``--islands``, unless it refuses them (lsgd, the

@@ -11,16 +11,28 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
+from ..comm import RankLost
 from ..metrics import MetricsWriter
 
-__all__ = ["go_on_without_lost_ranks"]
+__all__ = ["go_on_without_lost_ranks", "Respawn"]
 
 
-def go_on_without_lost_ranks(run: Any, step: int) -> int:
+class Respawn(Exception):
+    """Out of :func:`~mpiopt.training.loop.train` on every survivor (``--on-failure respawn``): the survivors saved
+    ``checkpoint`` after ``step``; processes started for the ``lost`` ranks resume from it with them."""
+
+    def __init__(self, checkpoint: str, step: int, lost: list) -> None:
+        super().__init__(f"lost ranks {lost}: replacements to resume from {checkpoint}")
+        self.checkpoint, self.step, self.lost = checkpoint, step, lost
+
+
+def go_on_without_lost_ranks(run: Any, step: int, replacing: Sequence[int] = ()) -> int:
     """On every survivor after a RankLost in step ``step + 1`` of ``run`` (a training loop's run): recover; returns
-    the step to go on from (the failed one again, or the next where the loss came after the step was applied)."""
+    the step to go on from (the failed one again, or the next where the loss came after the step was applied).
+    ``--on-failure respawn`` raises :class:`Respawn` instead, for these lost ranks and ``replacing`` (lost before,
+    while the survivors saved for their replacements)."""
     recovery = run.topology.recover()
     run.opt.recover()
     world, config = run.topology.world, run.config
@@ -44,4 +56,12 @@ def go_on_without_lost_ranks(run: Any, step: int) -> int:
     if run.writer:
         run.writer.write({"kind": "lost", "step": step + 1, "lost": recovery.lost, "world_size": recovery.size,
                           "wall_seconds": run.totals.wall_seconds, "redone": not applied})
+    if config.on_failure == "respawn":  # the state the replacements take, saved by the survivors at the shrunk size
+        lost = [*replacing, *recovery.lost]
+        try:
+            with run.topology.agreed("the checkpoint for the replacements"):  # saved on every survivor, or on none
+                path = run.checkpoints.save(resume, counters=run.totals.counters())
+        except RankLost:  # another loss while saving: recover again, then replace them all
+            return go_on_without_lost_ranks(run, resume - 1, lost)
+        raise Respawn(path, resume, lost)
     return resume

@@ -385,11 +385,62 @@ def test_train_with_adamw_undoes_the_inner_step_of_the_failed_step(tmp_path, kil
     assert final["step"] == 16 and np.isfinite(final["test_loss"])
 
 
-def test_train_refuses_shrink_where_the_mpi_cannot_keep_it(tmp_path):
+@pytest.mark.parametrize("on_failure", ["shrink", "respawn"])
+def test_train_refuses_shrink_where_the_mpi_cannot_keep_it(tmp_path, on_failure):
     """Under MPICH, or Open MPI without --with-ft ulfm: exit 2 on every rank, the launch line named."""
     from .launch import run_mpi
 
-    code, output, _ = run_mpi(2, ["-m", "mpiopt", "train", "--steps", "2", "--on-failure", "shrink", "--out", str(tmp_path / "r")],
+    code, output, _ = run_mpi(2, ["-m", "mpiopt", "train", "--steps", "2", "--on-failure", on_failure, "--out", str(tmp_path / "r")],
                               timeout=120)
     assert code == 2, output
     assert "mpiexec --with-ft ulfm --mca btl tcp,self" in output, output
+
+
+def test_compare_refuses_respawn_on_every_rank(tmp_path):
+    """Respawn resumes one run: compare says so, exit 2, before any rank waits (any MPI)."""
+    from .launch import run_mpi
+
+    code, output, _ = run_mpi(2, ["-m", "mpiopt", "compare", "--algorithms", "sgd,diloco", "--steps", "2", "--on-failure", "respawn", "--out", str(tmp_path / "r")],
+                              timeout=120)
+    assert code == 2, output
+    assert "--on-failure respawn is mpiopt train's" in output, output
+
+
+@needs_ulfm
+@pytest.mark.parametrize("algorithm, kill", [("sgd", "2@7:exchange"), ("diloco", "0@6")])
+def test_train_respawns_a_killed_rank(tmp_path, algorithm, kill):
+    """`mpiopt train --on-failure respawn`: the survivors save at 3 ranks, a process started for the lost rank joins, and
+    the run ends at 4 ranks.  Every rank, the replacement too, resumes from the survivors' checkpoint, which holds one
+    model: the run from there equals the same checkpoint resumed by hand at 4 ranks, its first step's loss and its
+    last checkpoint (every rank's state) bitwise."""
+    from mpiopt.checkpoint import first_difference
+
+    out = tmp_path / "run"
+    common = ["-m", "mpiopt", "train", "--algorithm", algorithm, "--steps", "16", "--eval-every", "8", "--batch-size", "16",
+              "--progress", "lines", "--checkpoint-every", "5", "--keep-checkpoints", "20",
+              *(["--hp", "diloco.period=4"] if algorithm == "diloco" else [])]
+    code, output = run_killing(tmp_path, [*common, "--on-failure", "respawn", "--out", str(out)], [kill], timeout=240)
+    assert code == 0, output
+    lost = int(kill.split("@")[0])
+    joined = re.findall(r"mpiopt: rank (\d+): (a replacement for|replacements joined for) lost rank\(s\) \[(\d+)\]; the world is 4 "
+                        r"ranks again, resuming after step (\d+)", output)
+    assert sorted(int(r) for r, _, _, _ in joined) == [0, 1, 2, 3] and {int(l) for _, _, l, _ in joined} == {lost}, output
+    assert [int(r) for r, who, _, _ in joined if who == "a replacement for"] == [lost], output
+    step = int(joined[0][3])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["kind"] == "end" and records[-1]["world_size"] == 4 and records[-1]["step"] == 16, records[-1]
+    final = [r for r in records if r["kind"] == "eval"][-1]
+    assert final["step"] == 16 and np.isfinite(final["test_loss"])
+    handed = out / "checkpoints" / f"ckpt-{step:09d}.h5"
+    assert checkpoint_state(handed)["ranks_written"] == 3
+    again = tmp_path / "again"
+    command = [mpiexec(), "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self", "-n", "4",
+               sys.executable, *common, "--on-failure", "shrink", "--out", str(again), "--resume", str(handed)]
+    proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=180,
+                          env=dict(os.environ, MPIOPT_FINALIZE_SECONDS="3"))
+    assert proc.returncode == 0, proc.stdout
+    first_after = [r for r in records if r["kind"] == "step" and r["step"] == step + 1][-1]
+    by_hand = [json.loads(line) for line in (again / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in by_hand if r["kind"] == "step"][0]["loss"] == first_after["loss"]
+    last = "checkpoints/ckpt-000000016.h5"
+    assert first_difference(checkpoint_state(out / last), checkpoint_state(again / last)) is None
