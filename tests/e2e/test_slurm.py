@@ -227,3 +227,15 @@ def test_a_lost_rank_is_survived_by_open_mpis_mpiexec_inside_an_allocation(slurm
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Granted job allocation" in result.stderr, result.stderr
     assert re.search(r"median of 1: [\d.]+ s", result.stdout), result.stdout
+
+
+def test_a_lost_rank_is_replaced_inside_an_allocation(slurm):
+    """Open MPI only: `mpiopt train --on-failure respawn` under Open MPI's mpiexec in a Slurm allocation of 5 tasks for
+    4 ranks: the process started for the killed rank joins (tools/respawn_latency.py checks the join and the step)."""
+    if library_pmi() != "pmix":
+        pytest.skip("surviving a lost rank needs Open MPI's ULFM (MPIOPT_MPI=openmpi)")
+    result = subprocess.run(["salloc", "-n", "5", sys.executable, os.path.join(ROOT, "tools", "respawn_latency.py"), "--kills", "1"],
+                            env=slurm, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Granted job allocation" in result.stderr, result.stderr
+    assert re.search(r"median of 1: join [\d.]+ s, step [\d.]+ s", result.stdout), result.stdout
