@@ -52,9 +52,11 @@ class Request:
         release: Callable[[], None],
         passive: bool = False,
         faults: Optional[Survivable] = None,
+        peer: Optional[int] = None,
     ):
         self._ledger = ledger
         self._faults = faults or Survivable()
+        self.peer = peer  # a point-to-point call's other rank, None for a collective
         self._passive = passive
         self._op = op
         self._request = request
@@ -78,7 +80,7 @@ class Request:
 
     def Test(self) -> bool:
         """Advance the operation; True once it has completed."""
-        with self._faults.guard(self._op):
+        with self._faults.guard(self._op, self.peer):
             if not self.done and self._request.Test():
                 self._complete(0.0)
         return self.done
@@ -88,7 +90,7 @@ class Request:
         if self.done:
             return
         t0 = time.perf_counter()
-        with self._faults.guard(self._op):
+        with self._faults.guard(self._op, self.peer):
             if self._passive:
                 backoff = Backoff()
                 while not self._request.Test():
@@ -243,6 +245,7 @@ class Comm(ObjectCalls, Decisions):
         *,
         local: Optional[Callable[..., None]] = None,
         chunked: Optional[Callable[..., MPI.Request]] = None,
+        peer: Optional[int] = None,
     ) -> Any:
         """Stage ``buffers`` (``(buf, read, write)`` triples), run ``call`` on them, record.
 
@@ -251,7 +254,8 @@ class Comm(ObjectCalls, Decisions):
         world of one, ``local(*buffers)`` does a collective's work instead (a
         copy on the buffers' device, or nothing): no MPI call, no staging.
         ``chunked(*host_chunks)`` starts the call on one chunk (a nonblocking
-        MPI call): staged buffers then go in pipelined chunks (:mod:`.staging`).
+        MPI call): staged buffers then go in pipelined chunks (:mod:`.staging`).  ``peer``: a point-to-point call's
+        other rank (:meth:`Survivable.guard`).
         """
         started = time.perf_counter()
         writebacks: List[Callable[[], None]] = []
@@ -269,7 +273,7 @@ class Comm(ObjectCalls, Decisions):
                 busy.add(lane)
                 release = lambda: busy.discard(lane)  # noqa: E731
             slots = [f"{op}:{lane}:{i}" for i in range(len(buffers))]
-            with self.faults.guard(self.name):
+            with self.faults.guard(self.name, peer):
                 if chunked is not None and staged(buffers, self.gpu_aware, self._stage_host):
                     result = staged_call(buffers, chunked, self._staging, slots, self.staging_chunk)
                     if not nonblocking:
@@ -287,7 +291,8 @@ class Comm(ObjectCalls, Decisions):
         name = f"{self.name}.{op}"
         if nonblocking:
             self.ledger.record(name, sent, recv)
-            return Request(self.ledger, name, result, writebacks, started, release, passive=self._passive, faults=self.faults)
+            return Request(self.ledger, name, result, writebacks, started, release, passive=self._passive, faults=self.faults,
+                           peer=peer)
         for writeback in writebacks:
             writeback()
         ended = time.perf_counter()
@@ -442,31 +447,39 @@ class Comm(ObjectCalls, Decisions):
     def Send(self, buf: Any, dest: int, tag: int = 0) -> None:
         """Blocking send of ``buf`` to ``dest``."""
         self._check_rank(dest, "dest")
-        self._run("Send", nbytes(buf), 0, lambda b: self._comm.Send(b, dest, tag), [(buf, True, False)])
+        self._run("Send", nbytes(buf), 0, lambda b: self._comm.Send(b, dest, tag), [(buf, True, False)], peer=dest)
 
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> Request:
         """Nonblocking send; ``buf`` must not change until the request completes."""
         self._check_rank(dest, "dest")
-        return self._run("Isend", nbytes(buf), 0, lambda b: self._comm.Isend(b, dest, tag), [(buf, True, False)], True)
+        return self._run("Isend", nbytes(buf), 0, lambda b: self._comm.Isend(b, dest, tag), [(buf, True, False)], True, peer=dest)
 
     def Recv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> MPI.Status:
         """Blocking receive into ``buf``; returns the status (source, tag)."""
         status = MPI.Status()
-        self._run("Recv", 0, nbytes(buf), lambda b: self._comm.Recv(b, source, tag, status), [(buf, False, True)])
+        self._run("Recv", 0, nbytes(buf), lambda b: self._comm.Recv(b, source, tag, status), [(buf, False, True)],
+                  peer=_specific(source))
         return status
 
     def Irecv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
         """Nonblocking receive into ``buf``."""
-        return self._run("Irecv", 0, nbytes(buf), lambda b: self._comm.Irecv(b, source, tag), [(buf, False, True)], True)
+        return self._run("Irecv", 0, nbytes(buf), lambda b: self._comm.Irecv(b, source, tag), [(buf, False, True)], True,
+                         peer=_specific(source))
 
     def Iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Optional[MPI.Status]:
         """Status of a pending message matching ``source`` and ``tag``, or None."""
         status = MPI.Status()
-        return status if self._comm.Iprobe(source, tag, status) else None
+        with self.faults.guard(f"{self.name}.Iprobe", _specific(source)):
+            return status if self._comm.Iprobe(source, tag, status) else None
 
     def _check_rank(self, value: int, name: str) -> None:
         if not (0 <= value < self.size):
             raise ValueError(f"{name} must be a rank in [0, {self.size}), got {value}")
+
+
+def _specific(source: int) -> Optional[int]:
+    """A receive's one peer, or None for any source."""
+    return None if source == ANY_SOURCE else source
 
 
 def _numel(buf: Any) -> int:

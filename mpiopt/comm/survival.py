@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 from mpi4py import MPI
 
-__all__ = ["ON_FAILURE", "ON_FAILURE_ENV", "LAUNCH", "RankLost", "Survivable", "is_fault", "ulfm_problem", "FaultInjection",
+__all__ = ["ON_FAILURE", "ON_FAILURE_ENV", "LAUNCH", "RankLost", "PeerLost", "Survivable", "is_fault", "ulfm_problem", "FaultInjection",
            "INJECT_ENV", "INJECTION", "revoke_quietly"]
 
 #: What a lost rank does to the job: end it (MPI's default), or go on without it.
@@ -33,6 +33,15 @@ class RankLost(RuntimeError):
     """A peer rank is gone: raised on every survivor by the call that found out (``Topology.recover`` goes on)."""
 
 
+class PeerLost(RankLost):
+    """The one peer of a point-to-point call is gone, raised inside :meth:`Survivable.tolerating` only: nothing was
+    revoked, and the caller goes on with the other peers (the asynchronous server drops a lost worker)."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
 class Survivable:
     """Where a topology's communicators send ULFM's news of a lost peer: ``on_fault`` (the topology revokes every
     communicator, so the survivors in other collectives learn of it), then :class:`RankLost`.  Without an
@@ -40,15 +49,32 @@ class Survivable:
 
     def __init__(self) -> None:
         self.on_fault: Optional[Callable[[], None]] = None
+        self._tolerating = 0
+
+    @property
+    def survives(self) -> bool:
+        """Whether a lost peer raises :class:`RankLost` here (``on_failure`` other than abort)."""
+        return self.on_fault is not None
 
     @contextmanager
-    def guard(self, what: str) -> Iterator[None]:
-        """Around an MPI call on ``what`` (a communicator's name)."""
+    def tolerating(self) -> Iterator[None]:
+        """Within it, a point-to-point call whose peer is gone raises :class:`PeerLost` without revoking anything."""
+        self._tolerating += 1
+        try:
+            yield
+        finally:
+            self._tolerating -= 1
+
+    @contextmanager
+    def guard(self, what: str, peer: Optional[int] = None) -> Iterator[None]:
+        """Around an MPI call on ``what`` (a communicator's name); ``peer``: the one rank a point-to-point call names."""
         try:
             yield
         except MPI.Exception as error:
             if self.on_fault is None or not is_fault(error):
                 raise
+            if peer is not None and self._tolerating and error.Get_error_class() == MPI.ERR_PROC_FAILED:
+                raise PeerLost(f"rank {peer} is gone: {what} says {error.Get_error_string()}", peer) from None
             self.on_fault()
             raise RankLost(f"a rank is gone: {what} says {error.Get_error_string()}") from None
 
@@ -87,11 +113,17 @@ class FaultInjection:
             step, _, where = rest.partition(":")
             self.points.add((int(who), int(step), where or "step"))
         self.current = -1  # the step this process is in (the training loop's count)
+        self.messages = 0  # an asynchronous server's messages handled, over its runs
 
     def at(self, step: int) -> None:
         """This process starts ``step`` (the training loop's count, from 1): pause here if this is an injected point."""
         self.current = step
         self.reached("step")
+
+    def served(self) -> None:
+        """An asynchronous server handled one more message: their count (over this process's runs) is its step."""
+        self.messages += 1
+        self.at(self.messages)
 
     def reached(self, where: str, rank: Optional[int] = None) -> None:
         """Pause here for good if this is an injected point (``rank``: in the job's first world, this process's by

@@ -1,10 +1,12 @@
-"""Survival settings without MPI: which launches can survive a lost rank, and the test hook's spec."""
+"""Survival without communication: which launches can survive a lost rank, where ULFM's news of one goes, and the
+test hook's spec."""
 
 from __future__ import annotations
 
 import pytest
+from mpi4py import MPI
 
-from mpiopt.comm.survival import LAUNCH, FaultInjection, INJECT_ENV, ulfm_problem
+from mpiopt.comm.survival import LAUNCH, FaultInjection, INJECT_ENV, PeerLost, RankLost, Survivable, ulfm_problem
 
 OPEN_MPI = "Open MPI v5.0.11, package: Open MPI ..."
 ULFM = {"OMPI_MCA_mpi_ft_enable": "true", "OMPI_MCA_btl": "tcp,self"}
@@ -39,3 +41,52 @@ def test_injection_spec(monkeypatch, spec, expected):
     assert hook.points == expected
     hook.current = 7
     hook.reached("exchange", 2)  # not an injected point: returns at once
+
+
+def _guarded(faults, error_class, peer=None):
+    with faults.guard("world", peer):
+        raise MPI.Exception(error_class)
+
+
+def test_a_lost_peer_is_only_tolerated_where_asked_for_and_named():
+    revoked = []
+    faults = Survivable()
+    faults.on_fault = lambda: revoked.append(True)
+    with faults.tolerating():
+        with pytest.raises(PeerLost) as lost:
+            _guarded(faults, MPI.ERR_PROC_FAILED, peer=3)
+        assert lost.value.rank == 3 and not revoked  # the caller goes on with the other peers
+        with pytest.raises(RankLost) as collective:
+            _guarded(faults, MPI.ERR_PROC_FAILED)  # no one peer: every communicator revoked
+        assert not isinstance(collective.value, PeerLost) and revoked == [True]
+    with pytest.raises(RankLost) as outside:
+        _guarded(faults, MPI.ERR_PROC_FAILED, peer=3)
+    assert not isinstance(outside.value, PeerLost) and revoked == [True, True]
+    with pytest.raises(MPI.Exception):
+        _guarded(faults, MPI.ERR_TRUNCATE, peer=3)  # not a fault: as MPI raised it
+    assert len(revoked) == 2
+
+
+@pytest.mark.skipif(MPI.ERR_REVOKED == MPI.ERR_PROC_FAILED, reason="this MPI has no error class of its own for a revoked communicator")
+def test_a_revoked_communicator_is_never_a_lost_peer():
+    revoked = []
+    faults = Survivable()
+    faults.on_fault = lambda: revoked.append(True)
+    with faults.tolerating(), pytest.raises(RankLost) as lost:
+        _guarded(faults, MPI.ERR_REVOKED, peer=2)
+    assert not isinstance(lost.value, PeerLost) and revoked == [True]
+
+
+def test_without_survival_the_error_passes_as_mpi_raised_it():
+    faults = Survivable()
+    assert not faults.survives
+    with faults.tolerating(), pytest.raises(MPI.Exception):
+        _guarded(faults, MPI.ERR_PROC_FAILED, peer=1)
+
+
+def test_a_server_kill_point_counts_its_messages_over_runs():
+    hook = FaultInjection()
+    hook.points = {(MPI.COMM_WORLD.Get_rank() + 1, 5, "step")}  # another rank's point: never pauses here
+    for _ in range(7):
+        hook.served()
+    assert hook.messages == 7 and hook.current == 7
