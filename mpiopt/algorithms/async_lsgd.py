@@ -58,6 +58,8 @@ class AsyncLSGD(ServerStateMixin, LSGDState, AsynchronousAlgorithm):
 
     name = "async_lsgd"
     listing_order = 80
+    survival_refusal = ("its leader book does not yet drop a lost worker, which may lead a group or hold the copy the "
+                        "others pull towards (async_msgd's server drops one): run it with on_failure='abort'")
     schema = BASE.with_defaults(lr=0.1) + Schema(
         Hyperparameter("report_every", 1, positive(integer=True), "a worker's steps between reports of its running loss"),
     ) + LSGD_RULE

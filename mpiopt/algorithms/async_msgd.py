@@ -6,7 +6,7 @@ single-process twin (``simulate``) that gives the same bits for the same arrival
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from .base import BASE, AsynchronousAlgorithm, StepRecord
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .schema import Schema
 from .registry import register
+from .survival import ServerSurvival
 
 __all__ = ["AsyncMSGD", "AsyncMSGDRule"]
 
@@ -54,8 +55,11 @@ class AsyncMSGDRule:
 
 
 @register
-class AsyncMSGD(ServerStateMixin, LocalStepState, AsynchronousAlgorithm):
+class AsyncMSGD(ServerSurvival, ServerStateMixin, LocalStepState, AsynchronousAlgorithm):
     """Asynchronous momentum SGD on a parameter server.
+
+    With ``Topology(on_failure="shrink")`` the server drops a lost worker and the others go on (a lost server ends
+    the run: :class:`~mpiopt.asyncrt.ServerLost`); :attr:`applied` then counts for the survivors only.
 
     Attributes
     ----------
@@ -76,6 +80,7 @@ class AsyncMSGD(ServerStateMixin, LocalStepState, AsynchronousAlgorithm):
     schema = BASE.with_defaults(lr=0.01) + Schema(LOCAL_SGD.with_defaults(momentum=0.9)["momentum"])
     state_arrays = ("momentum_buffer",)
     training_defaults = {"lr": 0.05, "momentum": 0.5}
+    survival_refusal = None  # a lost worker is dropped (ServerSurvival)
 
     @classmethod
     def server_messages(cls, d: int, itemsize: int = 4) -> Optional[Tuple[float, ...]]:
@@ -92,6 +97,7 @@ class AsyncMSGD(ServerStateMixin, LocalStepState, AsynchronousAlgorithm):
         self.staleness = np.zeros(0, dtype=np.int64)
         self.applied = np.zeros(topology.size, dtype=np.int64)
         self.recent = RecentIterates()
+        self.dropped = []  # the losses its runs survived (ServerSurvival)
 
     # One learning rate for the rule and for schedulers that set ``alg.lr``.
     @property
@@ -121,11 +127,16 @@ class AsyncMSGD(ServerStateMixin, LocalStepState, AsynchronousAlgorithm):
         # Through the base class's step for the NaN check and the per-update record (``alg.last``).
         self._apply_step(params, grad, loss=arrival.loss)
 
-    def _count(self, result: AsyncResult) -> None:
-        """Add a run's counts to the state (the result is the same on every rank)."""
+    def _count(self, result: AsyncResult, kept: Optional[Sequence[int]] = None) -> None:
+        """Add a run's counts to the state (the result is the same on every rank); ``kept``: the survivors' ranks in
+        the run's world, where ranks were lost during it."""
         self.version = result.version
         self.staleness = add_counts(self.staleness, result.staleness)
-        self.applied[: result.applied.size] += result.applied
+        applied = result.applied if kept is None else result.applied[list(kept)]
+        self.applied[: applied.size] += applied
+
+    def _keep_ranks(self, kept: Sequence[int]) -> None:
+        self.applied = self.applied[kept]
 
     # -- the server's state, beside the base class's -----------------------------------------
     def _server_state(self) -> Dict[str, Any]:
@@ -175,16 +186,22 @@ class AsyncMSGD(ServerStateMixin, LocalStepState, AsynchronousAlgorithm):
         continues the state (:attr:`version`, :attr:`applied`) and returns its
         staleness histogram and counts, the same on every rank; bad arguments on
         any rank raise on every rank (``until``, ``max_sleep``: :func:`mpiopt.asyncrt.run_async`).
+        With ``on_failure="shrink"`` a lost worker is dropped and the run goes on
+        without it (the world shrinks: :attr:`dropped`); a lost server raises
+        :class:`~mpiopt.asyncrt.ServerLost` on every survivor.
         """
+
+        def launch(survivors: Any) -> AsyncResult:
+            world = self.topology.world
+            agree_on_arguments(world, "async_msgd.run", lambda: (self._check_ready(params), check_run_arguments(params, steps)))
+            return run_async(world, params, self._apply, worker_fn, steps, until=until, max_sleep=max_sleep,
+                             version=self.version, applied_before=self.applied.tolist(), survivors=survivors)
+
+        result = self._run_surviving(launch)
         world = self.topology.world
-        agree_on_arguments(world, "async_msgd.run", lambda: (self._check_ready(params), check_run_arguments(params, steps)))
-        result = run_async(
-            world, params, self._apply, worker_fn, steps, until=until, max_sleep=max_sleep,
-            version=self.version, applied_before=self.applied.tolist(),
-        )
         if world.size > 1 and world.rank != SERVER:
             self.steps += result.version - result.start_version  # the server counted them in ``step``
-        self._count(result)
+        self._count(result, self._kept_since_run)
         return result
 
     def simulate(

@@ -343,7 +343,7 @@ class AsynchronousAlgorithm(Algorithm):
     inner_refusal: ClassVar[str] = "a server applies its workers' gradients with its own update rule"
     resize_refusal: ClassVar[str] = "the server's and the leaders' state belong to one layout of server and workers"
     survival_refusal: ClassVar[Optional[str]] = (
-        "a lost worker or server is not yet dropped by the asynchronous runtime: run it with on_failure='abort'"
+        "its server does not drop a lost worker (one that does mixes in ServerSurvival): run it with on_failure='abort'"
     )
     islands_refusal: ClassVar[Optional[str]] = (
         "its workers trade whole vectors with a server rank at their own pace, while an island's ranks must step together"

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
-from typing import Any, Callable, ClassVar, Dict, Iterator, Mapping, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..arrays import array_module, to_numpy
-__all__ = ["Snapshot", "Survival", "survivors_state"]
+from ..asyncrt import SERVER, ServerLost
+from ..comm import RankLost
+
+__all__ = ["Snapshot", "Survival", "ServerSurvival", "survivors_state"]
 
 
 def survivors_state(rules: Mapping[str, Any], state: Mapping[str, Any], workers: Any, old_workers: int) -> Dict[str, Any]:
@@ -155,3 +158,67 @@ class Survival:
         fresh.load_state_dict({**moved, "hyperparameters": fresh.hyperparameters(), "world_size": fresh.topology.size,
                                "worker_layout": fresh.worker_layout()})
         return fresh
+
+
+class ServerSurvival:
+    """Mixin of an asynchronous algorithm: a lost worker dropped by the server, the others going on (docs/failures.md).
+
+    The server serves the surviving workers to the end of the run; then every survivor shrinks the world
+    (:meth:`_survivors`, the runtime's ``survivors``).  A loss in a collective before the serving starts (the run's
+    agreement and broadcast) breaks the run: the survivors shrink and run it again from the server's parameters.  A
+    lost server raises :class:`~mpiopt.asyncrt.ServerLost` on every survivor: its state existed nowhere else.
+
+    Attributes
+    ----------
+    dropped : list of Recovery
+        The losses the runs survived, oldest first (the training loop takes them to report).
+    """
+
+    topology: Any
+    name: ClassVar[str]
+    dropped: List[Any]
+    _kept_since_run: Optional[List[int]] = None
+
+    @contextmanager
+    def _rollback_point(self, params: Any) -> Iterator[None]:
+        """Nothing: the server applies each gradient alone, and a lost worker leaves what it sent applied."""
+        yield
+
+    def _keep_ranks(self, kept: Sequence[int]) -> None:
+        """The per-rank state renumbered for the survivors: ``kept`` are their ranks in the old world, in order."""
+        raise NotImplementedError
+
+    def _survivors(self) -> Optional[Any]:
+        """Where the survivors agree that a rank was lost: the world shrunk to them, the state renumbered; else None."""
+        if self.topology.all_ok(True):
+            return None
+        self.shrink()
+        return self.topology.world
+
+    def shrink(self) -> None:
+        """After a :class:`~mpiopt.comm.RankLost` outside a run, on every survivor: shrink the world and renumber the
+        state (``dropped`` records it); :class:`~mpiopt.asyncrt.ServerLost` where the server was lost."""
+        before = list(self.topology.first_ranks)
+        recovery = self.topology.recover()
+        self.dropped.append(recovery)
+        if before[SERVER] in recovery.lost:
+            raise ServerLost(f"{self.name}: the server (rank {before[SERVER]}) is lost, and its state with it")
+        kept = [before.index(first) for first in self.topology.first_ranks]
+        self._keep_ranks(kept)
+        self._kept_since_run = kept if self._kept_since_run is None else [self._kept_since_run[k] for k in kept]
+
+    def _run_surviving(self, launch: Callable[[Any], Any]) -> Any:
+        """``launch(survivors)`` (the runtime's run), again on the survivors where a loss broke it before the serving;
+        returns its result.  ``_kept_since_run`` then maps the world of the run that returned to the survivors
+        (None: unchanged)."""
+        self._kept_since_run = None
+        if self.topology.on_failure == "abort":
+            return launch(None)
+        while True:
+            self._kept_since_run = None
+            try:
+                return launch(self._survivors)
+            except ServerLost:
+                raise
+            except RankLost:  # the server is gone (a worker's loss never reaches a worker), or a collective broke
+                self.shrink()

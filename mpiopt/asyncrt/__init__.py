@@ -10,7 +10,7 @@ Design: docs/async.md; adding an algorithm, wire format, state between runs: doc
 from .apply import ApplyPolicy, run_async
 from .messages import GRADIENT, LAST, PARAMS, SERVER, STOP, UPLOAD, Message, Reply
 from .result import ApplyFn, Arrival, AsyncResult, UntilFn, WorkerFn, agree_on_arguments, check_run_arguments
-from .runtime import DEFAULT_MAX_SLEEP, Link, LocalLink, MPILink, Outcome, Policy, Poller, run_policy
+from .runtime import DEFAULT_MAX_SLEEP, Link, LocalLink, MPILink, Outcome, Policy, Poller, ServerLost, Survivors, run_policy
 
 __all__ = [
     "run_async",
@@ -29,6 +29,8 @@ __all__ = [
     "WorkerFn",
     "UntilFn",
     "Poller",
+    "ServerLost",
+    "Survivors",
     "SERVER",
     "GRADIENT",
     "LAST",

@@ -21,7 +21,7 @@ from .result import (
     check_run_arguments,
     staleness_counts,
 )
-from .runtime import DEFAULT_MAX_SLEEP, Link, Policy, run_policy
+from .runtime import DEFAULT_MAX_SLEEP, Link, Policy, Survivors, run_policy
 
 __all__ = ["run_async", "ApplyPolicy"]
 
@@ -103,6 +103,7 @@ def run_async(
     max_sleep: float = DEFAULT_MAX_SLEEP,
     version: int = 0,
     applied_before: Optional[Sequence[int]] = None,
+    survivors: Optional[Survivors] = None,
 ) -> AsyncResult:
     """Train asynchronously (collective): rank 0 serves ``apply(params, payload, arrival)``, the others compute payloads.
 
@@ -118,6 +119,9 @@ def run_async(
         ``until(params, version) -> bool`` after each update; True stops every worker after its message in flight.
     version, applied_before
         To continue earlier runs (docs/internals-asyncrt.md); every rank passes the same.
+    survivors : callable, optional
+        With survival on: the server drops a lost worker, and ``survivors()`` shrinks the world at the end
+        (:func:`~mpiopt.asyncrt.runtime.run_policy`).  The counts stay numbered as the run's world.
 
     Raises
     ------
@@ -138,7 +142,7 @@ def run_async(
         world.Bcast(params, root=SERVER)
     policy = ApplyPolicy(params, apply, until, world.size, int(version), before)
     work = partial(_compute, params, worker_fn, steps, before[world.rank], int(version))
-    outcome = run_policy(world, policy, work, params, max_sleep=max_sleep)
+    outcome = run_policy(world, policy, work, params, max_sleep=max_sleep, survivors=survivors)
     final, counts, applied = outcome.record
     return AsyncResult(
         version=final,

@@ -10,11 +10,13 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import numpy as np
 
-from ..comm import ANY_TAG, Comm, Request
+from ..comm import ANY_TAG, Comm, PeerLost, Request
+from ..comm.survival import INJECTION
 from ..comm.waiting import Backoff
 from .messages import DOWN, LAST, SERVER, TAG_DOWN, TAG_UP, UP, Message, Reply
 
-__all__ = ["Poller", "Policy", "Link", "MPILink", "LocalLink", "Outcome", "run_policy", "DEFAULT_MAX_SLEEP"]
+__all__ = ["Poller", "Policy", "Link", "MPILink", "LocalLink", "Outcome", "run_policy", "DEFAULT_MAX_SLEEP", "Survivors",
+           "ServerLost"]
 
 #: Longest pause between two polls of an idle rank (seconds).
 DEFAULT_MAX_SLEEP = 1e-3
@@ -83,6 +85,18 @@ class Policy:
         """The run's outcome as plain data (picklable): sent from the server to every rank at the end."""
         raise NotImplementedError
 
+    def drop(self, worker: int) -> None:
+        """World rank ``worker`` is lost (survival on): it sends nothing more; the run goes on with the others."""
+
+
+class ServerLost(RuntimeError):
+    """The server of an asynchronous run is lost: the only copy of its state went with it (docs/failures.md)."""
+
+
+#: ``survivors()``, on every rank at the end of a run with survival on: None where no rank was lost, else the world
+#: shrunk to the survivors (:class:`ServerLost` where the server was one of the lost).
+Survivors = Callable[[], Optional[Comm]]
+
 
 class _Dispatch:
     """The server's handling of one message, without transport: sequence check, policy, end of a worker's run."""
@@ -95,6 +109,7 @@ class _Dispatch:
     def handle(self, worker: int, message: Message) -> Tuple[Optional[Reply], bool]:
         """``(reply to send now or None, whether the worker's run has ended)``."""
         self.received[worker] += 1
+        INJECTION.served()  # the tests' kill point of a server
         if message.sequence != self.received[worker]:
             raise RuntimeError(
                 f"asynchronous server: message {message.sequence} from rank {worker}, expected {self.received[worker]}"
@@ -296,7 +311,8 @@ def _serve(world: Comm, policy: Policy, like: np.ndarray, poller: Poller) -> boo
     """The server loop: deliver each message to the policy, send its reply; at the end, STOP to every worker.
 
     Each worker's slot is polled round robin: a probe, then an ``Irecv`` of the size the tag announces (a large
-    payload may need the sender's progress).  Returns whether ``policy.stopping`` ended some worker's run.
+    payload may need the sender's progress).  With survival on, a worker found lost is dropped (``policy.drop``) and
+    the others go on.  Returns whether ``policy.stopping`` ended some worker's run.
     """
     n, dtype = like.size, like.dtype
     workers = list(range(1, world.size))
@@ -309,8 +325,9 @@ def _serve(world: Comm, policy: Policy, like: np.ndarray, poller: Poller) -> boo
     probes = [_Probe(world, w) for w in workers]
     slots: List[Any] = list(probes)  # None once the worker's run has ended
     arriving: List[Optional[Message]] = [None] * len(workers)
-    while any(slot is not None for slot in slots):
-        i = poller.wait_any(slots)
+    lost: List[int] = []
+
+    def serve(i: int) -> None:
         w = workers[i]
         if slots[i] is probes[i]:
             copies = probes[i].copies(TAG_UP, _MAX_UP_COPIES)
@@ -319,7 +336,7 @@ def _serve(world: Comm, policy: Policy, like: np.ndarray, poller: Poller) -> boo
             arriving[i] = message
             slots[i] = world.Irecv(message.wire(copies), w, TAG_UP + copies)
             if not slots[i].Test():
-                continue
+                return
         message = arriving[i]
         if message.carried:
             payloads[w].reverse()  # the spare now holds the latest
@@ -330,12 +347,40 @@ def _serve(world: Comm, policy: Policy, like: np.ndarray, poller: Poller) -> boo
                 sends[w].Wait()  # complete already: the worker has sent a message after receiving it
             copies = outbox[w].write_reply(reply)
             sends[w] = world.Isend(outbox[w].wire(copies), w, TAG_DOWN + copies)
-    # Every worker's run has ended: one STOP buffer for all (concurrent sends of one buffer are allowed since MPI-3).
-    stop = policy.stop()
-    final = Message(n, dtype, DOWN, len(stop.copies))
-    copies = final.write_reply(stop)
-    poller.wait_all(list(sends.values()) + [world.Isend(final.wire(copies), w, TAG_DOWN + copies) for w in workers])
+
+    with world.faults.tolerating():
+        while any(slot is not None for slot in slots):
+            try:
+                serve(poller.wait_any(slots))
+            except PeerLost as gone:  # only with survival on: the others go on
+                lost.append(gone.rank)
+                slots[gone.rank - 1] = sends[gone.rank] = None
+                policy.drop(gone.rank)
+        live = [w for w in workers if w not in lost]
+        _stop(world, policy, like, [sends[w] for w in live], live, poller)
     return dispatch.cut_short
+
+
+def _stop(world: Comm, policy: Policy, like: np.ndarray, replies: List[Optional[Request]], live: List[int],
+          poller: Poller) -> None:
+    """Every worker's run has ended: STOP to each live one once its replies are out.  One STOP buffer for all
+    (concurrent sends of one buffer are allowed since MPI-3); a worker found lost now is skipped (the survivors'
+    agreement at the end finds it)."""
+    stop = policy.stop()
+    final = Message(like.size, like.dtype, DOWN, len(stop.copies))
+    copies = final.write_reply(stop)
+    pending = list(replies)
+    for w in live:
+        try:
+            pending.append(world.Isend(final.wire(copies), w, TAG_DOWN + copies))
+        except PeerLost:
+            pass
+    while True:
+        try:
+            poller.wait_all(pending)
+            return
+        except PeerLost as gone:
+            pending = [r for r in pending if r is not None and not r.done and r.peer != gone.rank]
 
 
 class Outcome(NamedTuple):
@@ -354,12 +399,17 @@ def run_policy(
     like: np.ndarray,
     *,
     max_sleep: float = DEFAULT_MAX_SLEEP,
+    survivors: Optional[Survivors] = None,
 ) -> Outcome:
     """Run an asynchronous algorithm (collective): rank 0 serves with ``policy``, every other rank runs ``work(link)``.
 
     No argument checks (callers agree first).  At world size 1 the rank runs ``work`` with a :class:`LocalLink`.
+    With survival on (the world's ``faults.survives``), the server drops a lost worker and serves the others to the
+    end, and ``survivors()`` (required then) moves every rank to the shrunk world before the record is shared.
     Contract: docs/internals-asyncrt.md.
     """
+    if world.faults.survives and survivors is None:  # the setting is agreed: every rank raises
+        raise ValueError("run_policy on a world that survives lost ranks needs survivors()")
     poller = Poller(max_sleep)
     if world.size == 1:
         link = LocalLink(policy, like)
@@ -372,5 +422,7 @@ def run_policy(
     else:
         local = work(MPILink(world, like, policy.reply_copies, poller))
         summary = None
+    if world.faults.survives:
+        world = survivors() or world
     record, stopped = world.bcast_obj(summary, root=SERVER)
     return Outcome(record, stopped, poller.idle_seconds, local)

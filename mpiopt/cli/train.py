@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
 def train_to_the_end(config: TrainConfig, session: Session) -> int:
     """Train the session's run to its last step, then the report; with ``--on-failure respawn`` through every loss
     (the survivors and the processes started in the lost ranks' places resume together).  The exit code."""
+    from ..asyncrt import ServerLost
     from ..training.checkpointing import EXIT_INTERRUPTED, Interrupted
     from ..training.loop import train
     from ..training.survival import Respawn
@@ -60,6 +61,8 @@ def train_to_the_end(config: TrainConfig, session: Session) -> int:
             except Interrupted as stop:
                 session.say(f"\n{stop}; continue with --resume {stop.path} (or --resume auto)")
                 return EXIT_INTERRUPTED
+            except ServerLost:  # every survivor said so (training/survival.py): an error's exit, no traceback
+                return 1
         session.finish([path], config)
     finally:
         disconnect(session)

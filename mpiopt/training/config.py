@@ -133,9 +133,14 @@ class TrainConfig:
             raise UsageError(f"on_failure must be one of {', '.join(ON_FAILURE)}, got {self.on_failure!r}")
         if self.on_failure == "abort":
             return
+        from ..algorithms import ASYNCHRONOUS, algorithm_class
+
         for name in algorithms:
             if survival_refusal(name) is not None:
                 raise UsageError(f"{name} takes no --on-failure {self.on_failure}: {survival_refusal(name)}")
+            if self.on_failure == "respawn" and name != DDP and algorithm_class(name).protocol == ASYNCHRONOUS:
+                raise UsageError(f"{name} takes no --on-failure respawn: the replacements resume at the original size, "
+                                 f"and {algorithm_class(name).resize_refusal}; --on-failure shrink drops a lost worker")
         for flag, value, why in (("--islands", self.islands, "a group that lost a rank would have to leave whole"),
                                  ("--precision fp16", self.precision == "fp16", "the scaler's vote is not rolled back")):
             if value:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..algorithms import ASYNCHRONOUS, algorithm_class
+from ..asyncrt import ServerLost
 from ..asyncrt.result import job_fields
 from ..comm import Comm, RankLost, Topology
 from ..comm.survival import INJECTION
@@ -37,7 +38,7 @@ from .ddp import NOTES, DDPBaseline
 from .device import autocast, choose_device, use_device, uses_scaler
 from .optimizers import OptimizerSettings, clip, inner_optimizer, schedule
 from .progress import Progress
-from .survival import go_on_without_lost_ranks
+from .survival import go_on_without_lost_ranks, report_dropped_workers
 
 __all__ = ["train", "load_data"]
 
@@ -267,6 +268,7 @@ class _Run:
         self.checkpoints = Checkpointer(CheckpointPlan.of(config, out_dir), algorithm, topology, model, opt, self.batches_per_epoch, scaler)
         cleanup.callback(self.checkpoints.close)  # signal handlers restored however the run ends
         self.start = self.applied = self.checkpoints.resume()
+        self.dropped_told = 0  # the asynchronous algorithm's losses reported (survival)
         if on_start is not None:
             on_start()
         reporter = world.rank == (1 if self.is_asynchronous and world.size > 1 else 0)
@@ -422,36 +424,49 @@ class _Run:
     def asynchronous(self) -> Dict[str, Any]:
         """Segments of runs that end quiescent, each until the next multiple of ``--checkpoint-every`` or ``eval_every``.
 
-        Between segments: records, evaluation, checkpoint and the stop-signal
-        vote (docs/training-internals.md).
-        """
-        world, steps = self.topology.world, self.steps
-        every = self.config.checkpoint_every or steps
+        Between segments: records, evaluation, checkpoint and the stop-signal vote (docs/training-internals.md)."""
+        steps, every = self.steps, self.config.checkpoint_every or self.steps
         self._log: List[Dict[str, Any]] = []  # the reporter's step records of the current segment
-        tail: List[float] = []  # the latest losses, for the train loss of the final evaluation
-        results = []
-        done = self.start
+        self._tail: List[float] = []  # the latest losses, for the train loss of the final evaluation
+        results, done = [], self.start
         with _written_on_stop(self.tracer, self.trace_path):
             while done < steps:
                 count = self._segment_end(done, every) - done
                 self._last, self._ledger = time.perf_counter(), self.topology.ledger.snapshot()  # the checkpoint's time excluded
                 self._log.clear()
-                results.append(self.opt.run(self._compute, count))
-                done += count
-                # The reporter's records and totals, on every rank: rank 0 writes them, every rank checkpoints the totals.
+                try:  # with --on-failure shrink a lost worker is dropped, and the phase after the segment redone
+                    results.append(self.opt.run(self._compute, count))
+                    report_dropped_workers(self, done + 1, done + count)
+                    done += count
+                    while not self._after_segment(done):
+                        report_dropped_workers(self, done - count + 1, done)
+                except ServerLost:
+                    report_dropped_workers(self, done + 1, done + count, server_lost=True)
+                    raise
+        self.totals.losses = self._tail
+        self._evaluate(steps)
+        return {"world_size": self.topology.size, **({"result": job_fields(results)} if results else {})}
+
+    def _after_segment(self, done: int) -> bool:
+        """The segment's records on every rank (rank 0 writes them, every rank checkpoints the totals), evaluation and
+        checkpoint; False where a lost rank broke them (the survivors shrank: redo)."""
+        world = self.topology.world
+        try:
+            with self.topology.agreed(f"the records, evaluation and checkpoint after step {done}"):
                 records, self.totals.wall_seconds, self.totals.bytes_sent_total = world.bcast_obj(
                     (self._log, self.totals.wall_seconds, self.totals.bytes_sent_total), root=1 if world.size > 1 else 0)
                 if self.writer:
                     for record in records:
                         self.writer.write(record)
-                tail = (tail + [r["loss"] for r in records])[-max(1, steps // 10):]
-                if done % self.eval_every == 0 and done < steps:
-                    self.totals.losses = tail
+                self._tail = (self._tail + [r["loss"] for r in records])[-max(1, self.steps // 10):]
+                if done % self.eval_every == 0 and done < self.steps:
+                    self.totals.losses = self._tail
                     self._evaluate(done)
-                self.checkpoints.after_step(done, last=done == steps, counters=self.totals.counters())
-        self.totals.losses = tail
-        self._evaluate(steps)
-        return {"result": job_fields(results)} if results else {}
+                self.checkpoints.after_step(done, last=done == self.steps, counters=self.totals.counters())
+            return True
+        except RankLost:
+            self.opt.algorithm.shrink()
+            return False
 
     def _segment_end(self, done: int, every: int) -> int:
         """Where the asynchronous segment that starts at ``done`` ends: the next checkpoint or evaluation step, or the last."""
@@ -459,6 +474,7 @@ class _Run:
 
     def _compute(self, step: int) -> torch.Tensor:
         """A worker's forward and backward at ``step`` (the runtime's ``compute_fn``), recorded as a step."""
+        INJECTION.at(step + 1)
         started = time.perf_counter()
         with self._phase("compute"):
             x, y = self.batches(step)

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from ..comm import RankLost
 from ..metrics import MetricsWriter
 
-__all__ = ["go_on_without_lost_ranks", "Respawn"]
+__all__ = ["go_on_without_lost_ranks", "Respawn", "report_dropped_workers"]
 
 
 class Respawn(Exception):
@@ -35,20 +35,14 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Sequence[int] = ())
     while the survivors saved for their replacements)."""
     recovery = run.topology.recover()
     run.opt.recover()
-    world, config = run.topology.world, run.config
+    config = run.config
     applied = run.applied == step + 1
     resume = step + 1 if applied else step
-    # The data re-sharded over the survivors, the test set too; rank 0 of the new world reports and writes.
-    run.batches = type(run.batches)(run.dataset, config.batch_size, config.seed, config.augment, world, False, run.device)
-    run.evaluator = type(run.evaluator)(run.model, run.dataset, world, run.source, config.precision)
-    if world.rank == 0 and run.writer is None:
-        run.writer = MetricsWriter(os.path.join(run.out_dir, "metrics.jsonl"))
-        run.cleanup.callback(run.writer.close)
-        run.progress = type(run.progress)(run.algorithm, run.steps, run.progress.every, run.stream, config.progress)
-    first = run.topology.first_ranks[world.rank]
-    lost = f"lost rank{'s' if len(recovery.lost) > 1 else ''} {', '.join(map(str, recovery.lost))} at step {step + 1}"
+    _reshard(run, reporter=0)
+    first = run.topology.first_ranks[run.topology.rank]
+    lost = f"{_lost(recovery.lost)} at step {step + 1}"
     if run.tracer:
-        run.tracer.survivors(world, lost)
+        run.tracer.survivors(run.topology.world, lost)
     redone = "kept; going on from the next" if applied else "redone"
     # The run's wall time counts the broken step (or phase after it) and the recovery: the price of the loss.
     run.totals.wall_seconds += time.perf_counter() - run.uncounted_since
@@ -65,3 +59,42 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Sequence[int] = ())
             return go_on_without_lost_ranks(run, resume - 1, lost)
         raise Respawn(path, resume, lost)
     return resume
+
+
+def _lost(ranks: Sequence[int]) -> str:
+    return f"lost rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _reshard(run: Any, reporter: int) -> None:
+    """The data re-sharded over the survivors, the test set too; rank 0 of the new world writes, ``reporter`` reports."""
+    world, config = run.topology.world, run.config
+    run.batches = type(run.batches)(run.dataset, config.batch_size, config.seed, config.augment, world, run.is_asynchronous, run.device)
+    run.evaluator = type(run.evaluator)(run.model, run.dataset, world, run.source, config.precision)
+    if world.rank == 0 and run.writer is None:
+        run.writer = MetricsWriter(os.path.join(run.out_dir, "metrics.jsonl"))
+        run.cleanup.callback(run.writer.close)
+    if world.rank == reporter and run.progress.stream is None:
+        run.progress = type(run.progress)(run.algorithm, run.steps, run.progress.every, run.stream, config.progress)
+
+
+def report_dropped_workers(run: Any, first: int, last: int, server_lost: bool = False) -> None:
+    """After an asynchronous segment of steps ``first``..``last`` (or the phase after it) that lost ranks, on every
+    survivor: the losses the algorithm survived (its ``dropped``) said on every rank and in the metrics, the data
+    re-sharded.  ``server_lost``: the latest loss took the server (:class:`~mpiopt.asyncrt.ServerLost`), and the run
+    cannot go on: its parameters and state existed nowhere else."""
+    dropped = run.opt.algorithm.dropped
+    for i, recovery in enumerate(dropped[run.dropped_told:], start=run.dropped_told):
+        server = server_lost and i == len(dropped) - 1
+        _reshard(run, reporter=min(1, run.topology.size - 1))
+        me = run.topology.first_ranks[run.topology.rank]
+        lost = f"{_lost(recovery.lost)} in steps {first}-{last}"
+        if run.tracer:
+            run.tracer.survivors(run.topology.world, lost)
+        went_on = ("the server among them, whose parameters and state existed nowhere else: the run ends; resume it "
+                   "from its newest checkpoint with --resume auto)" if server else
+                   f"the server dropped it; the others went on); the world is now {recovery.size} ranks")
+        print(f"mpiopt: rank {me}: {lost} ({went_on}", file=sys.stderr, flush=True)
+        if run.writer:
+            run.writer.write({"kind": "lost", "step": last, "lost": recovery.lost, "world_size": recovery.size,
+                              "wall_seconds": run.totals.wall_seconds, "redone": False, "server": server})
+    run.dropped_told = len(dropped)

@@ -189,7 +189,7 @@ import mpiopt, torch
 from mpiopt.torch import DistributedOptimizer
 topo = mpiopt.Topology(on_failure="shrink", group_size=2)
 model = torch.nn.Linear(2, 1)
-for make in (lambda: mpiopt.create("async_msgd", topo, lr=0.1), lambda: mpiopt.create("diloco", topo, islands=True),
+for make in (lambda: mpiopt.create("async_lsgd", topo, lr=0.1), lambda: mpiopt.create("diloco", topo, islands=True),
              lambda: DistributedOptimizer(model.parameters(), "sgd", topology=topo, overlap=True)):
     try:
         make()
@@ -201,7 +201,7 @@ topo.world.Barrier()
 
 @needs_ulfm
 def test_what_cannot_survive_yet_is_refused_on_every_rank_before_communicating(tmp_path):
-    """The asynchronous algorithms, islands and the torch front end's overlap (each named with why); the world still works."""
+    """async_lsgd, islands and the torch front end's overlap (each named with why); the world still works."""
     command = [mpiexec(), "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
                "-n", "4", sys.executable, "-c", REFUSALS]
     proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=120)
@@ -209,7 +209,7 @@ def test_what_cannot_survive_yet_is_refused_on_every_rank_before_communicating(t
     for rank in range(4):
         lines = [line for line in proc.stdout.splitlines() if line.startswith(f"rank {rank} refused:")]
         assert len(lines) == 3, proc.stdout
-        assert "async_msgd: on_failure='shrink' is refused: a lost worker or server" in lines[0]
+        assert "async_lsgd: on_failure='shrink' is refused: its leader book does not yet drop a lost worker" in lines[0]
         assert "diloco: on_failure='shrink' is refused: islands do not yet survive" in lines[1]
         assert "on_failure='shrink' takes overlap=False: the buckets summed during backward are not rolled back" in lines[2]
 
@@ -444,3 +444,88 @@ def test_train_respawns_a_killed_rank(tmp_path, algorithm, kill):
     assert [r for r in by_hand if r["kind"] == "step"][0]["loss"] == first_after["loss"]
     last = "checkpoints/ckpt-000000016.h5"
     assert first_difference(checkpoint_state(out / last), checkpoint_state(again / last)) is None
+
+
+ASYNC_SAMPLE = os.path.join(ROOT, "tests", "e2e", "samples", "survive_async.py")
+
+
+@needs_ulfm
+@pytest.mark.parametrize("kill", ["2@15", "1@4"])
+def test_async_msgd_drops_a_killed_worker_and_the_others_go_on(tmp_path, kill):
+    """3 runs of 10 gradients a worker; the worker killed at its gradient 15 (in the second run) or 4 (the first).
+    The server applied every gradient that worker sent before (its count leaves the survivors' books), serves the
+    others to the end of every run, and the survivors end with the same parameters and counts."""
+    lost, at = map(int, kill.split("@"))
+    code, output = run_killing(tmp_path, [ASYNC_SAMPLE, "async_msgd", json.dumps({"lr": 0.05}), "10", "3", str(tmp_path)], [kill])
+    assert code == 0, output
+    survivors = [r for r in range(4) if r != lost]
+    saved = {int(f.name[:-4]): dict(np.load(f)) for f in tmp_path.glob("*.npz")}
+    assert sorted(saved) == survivors, output
+    for rank in survivors:
+        assert re.findall(rf"rank {rank}: lost ranks \[{lost}\] in run (\d) ; the world is now 3".replace(" ;", ";"), output) == \
+            [str((at - 1) // 10 + 1)], output
+    first = saved[0]
+    assert int(first["size"]) == 3 and np.all(np.isfinite(first["params"]))
+    for rank in survivors:
+        np.testing.assert_array_equal(saved[rank]["params"], first["params"])
+        np.testing.assert_array_equal(saved[rank]["applied"], first["applied"])
+        assert int(saved[rank]["version"]) == int(first["version"]) and bool(saved[rank]["loaded"])
+    # Per survivor (server first, its own row 0): every gradient of its 3 runs applied; the lost worker's at-1 too.
+    np.testing.assert_array_equal(first["applied"], [0, 30, 30])
+    assert int(first["version"]) == 60 + at - 1
+
+
+@needs_ulfm
+def test_a_lost_async_server_ends_the_run_on_every_survivor(tmp_path):
+    code, output = run_killing(tmp_path, [ASYNC_SAMPLE, "async_msgd", json.dumps({"lr": 0.05}), "10", "3", str(tmp_path)], ["0@5"])
+    assert code != 0, output
+    for rank in (1, 2, 3):
+        assert re.search(rf"rank {rank}: async_msgd: the server \(rank 0\) is lost, and its state with it; lost ranks \[0\]",
+                         output), output
+    assert not list(tmp_path.glob("*.npz"))
+
+
+@needs_ulfm
+@pytest.mark.parametrize("kill", ["2@9", "1@3"])
+def test_train_async_msgd_drops_a_killed_worker(tmp_path, kill):
+    """`mpiopt train --algorithm async_msgd --on-failure shrink`: the worker killed at one of its steps; the line on
+    every survivor, the lost record, the end at 3 ranks with every segment's evaluation and a finite final test loss.
+    Rank 1 (the reporter, killed at its step 3) hands its records to the next worker."""
+    out = tmp_path / "run"
+    args = ["-m", "mpiopt", "train", "--algorithm", "async_msgd", "--steps", "16", "--eval-every", "8", "--batch-size", "16",
+            "--on-failure", "shrink", "--progress", "lines", "--out", str(out), "--checkpoint-every", "4"]
+    code, output = run_killing(tmp_path, args, [kill], timeout=240)
+    assert code == 0, output
+    lost = int(kill.split("@")[0])
+    for rank in [r for r in range(4) if r != lost]:
+        assert re.search(rf"mpiopt: rank {rank}: lost rank {lost} in steps \d+-\d+ \(the server dropped it; the others "
+                         rf"went on\); the world is now 3 ranks", output), output
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    kinds = [r["kind"] for r in records]
+    assert kinds.count("lost") == 1 and kinds[-1] == "end", kinds
+    event = next(r for r in records if r["kind"] == "lost")
+    assert event["lost"] == [lost] and event["world_size"] == 3 and event["server"] is False
+    assert records[-1]["world_size"] == 3 and records[-1]["step"] == 16
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [8, 16] and np.isfinite(evals[-1]["test_loss"])
+    # The newest checkpoint resumes at the shrunk size (the asynchronous state takes no other).
+    resumed = subprocess.run([mpiexec(), "--allow-run-as-root", "--oversubscribe", "-n", "3", sys.executable, "-m", "mpiopt",
+                              "train", "--algorithm", "async_msgd", "--steps", "20", "--batch-size", "16", "--out", str(out),
+                              "--resume", "auto"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=240)
+    assert resumed.returncode == 0, resumed.stdout
+
+
+@needs_ulfm
+def test_train_ends_on_every_survivor_when_the_async_server_is_lost(tmp_path):
+    out = tmp_path / "run"
+    args = ["-m", "mpiopt", "train", "--algorithm", "async_msgd", "--steps", "16", "--batch-size", "16",
+            "--on-failure", "shrink", "--progress", "lines", "--out", str(out), "--checkpoint-every", "4"]
+    code, output = run_killing(tmp_path, args, ["0@6"], timeout=240)
+    assert code != 0, output
+    for rank in (1, 2, 3):
+        assert re.search(rf"mpiopt: rank {rank}: lost rank 0 in steps \d+-\d+ \(the server among them, whose parameters "
+                         rf"and state existed nowhere else: the run ends; resume it from its newest checkpoint", output), output
+    assert "Traceback" not in output, output
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["kind"] == "lost" and records[-1]["server"] is True and records[-1]["lost"] == [0]
