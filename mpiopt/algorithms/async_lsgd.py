@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -33,13 +33,17 @@ from .base import BASE, AsynchronousAlgorithm
 from .lsgd_rule import LSGD_RULE, LSGDRule, LSGDState, Pull
 from .schema import Hyperparameter, Schema, check_positive, positive
 from .registry import register
+from .survival import ServerSurvival
 
 __all__ = ["AsyncLSGD", "AsyncLSGDResult"]
 
 
 @register
-class AsyncLSGD(ServerStateMixin, LSGDState, AsynchronousAlgorithm):
+class AsyncLSGD(ServerSurvival, ServerStateMixin, LSGDState, AsynchronousAlgorithm):
     """Asynchronous LSGD (Teng et al. 2019): a server keeps the leaders, workers never wait for each other.
+
+    With ``Topology(on_failure="shrink")`` the server drops a lost worker (its scopes elect again) and the others go
+    on; a lost server ends the run (:class:`~mpiopt.asyncrt.ServerLost`).
 
     Attributes
     ----------
@@ -58,8 +62,6 @@ class AsyncLSGD(ServerStateMixin, LSGDState, AsynchronousAlgorithm):
 
     name = "async_lsgd"
     listing_order = 80
-    survival_refusal = ("its leader book does not yet drop a lost worker, which may lead a group or hold the copy the "
-                        "others pull towards (async_msgd's server drops one): run it with on_failure='abort'")
     schema = BASE.with_defaults(lr=0.1) + Schema(
         Hyperparameter("report_every", 1, positive(integer=True), "a worker's steps between reports of its running loss"),
     ) + LSGD_RULE
@@ -82,6 +84,7 @@ class AsyncLSGD(ServerStateMixin, LSGDState, AsynchronousAlgorithm):
         self._leader: Optional[np.ndarray] = None  # the latest leader copy received: the proximal pull's target
         self._link: Optional[Link] = None  # while run() drives this worker
         self._reported = 0  # self.steps at the latest report (or LAST)
+        self.dropped = []  # the losses its runs survived (ServerSurvival)
 
     def hyperparameters(self) -> Dict[str, Any]:
         return {**self.rule.hyperparameters(), "report_every": self.report_every}
@@ -91,10 +94,19 @@ class AsyncLSGD(ServerStateMixin, LSGDState, AsynchronousAlgorithm):
             raise TypeError(f"async_lsgd keeps the parameters in host memory: params must be a numpy array, got {type(params).__name__}")
         self.rule.allocate(params)
         self._leader = empty_apart(params, zero=True)
+        self._book = LeaderBook(self._workers(), self.period, self.global_period, (self.pull_local > 0, self.pull_global > 0))
+
+    def _workers(self) -> Dict[int, int]:
+        """Each worker's world rank -> its group index (collective)."""
         groups = self.topology.world.allgather_obj(self.topology.group_index)
         size = self.topology.size
-        workers = {w: groups[w] for w in (range(1, size) if size > 1 else [0])}
-        self._book = LeaderBook(workers, self.period, self.global_period, (self.pull_local > 0, self.pull_global > 0))
+        return {w: groups[w] for w in (range(1, size) if size > 1 else [0])}
+
+    def _keep_ranks(self, kept: Sequence[int]) -> None:
+        new = {old: i for i, old in enumerate(kept)}
+        self.last_local_leader = new.get(self.last_local_leader, -1)
+        self.last_global_leader = new.get(self.last_global_leader, -1)
+        self._book = self._book.renumbered(list(kept), self._workers(), self.period, self.global_period)
 
     # -- the server's book, beside the base class's state -----------------------------------------
     def _server_state(self) -> Optional[Dict[str, Any]]:
@@ -170,14 +182,21 @@ class AsyncLSGD(ServerStateMixin, LSGDState, AsynchronousAlgorithm):
         worker runs ``steps`` local steps or until ``seconds`` (at least one);
         on the server ``params`` end as the final global leader's.  The run
         continues the server's book and each worker's state (docs/algorithm-notes.md);
-        bad arguments on any rank raise on every rank.
+        bad arguments on any rank raise on every rank.  With ``on_failure="shrink"``
+        a lost worker is dropped (:attr:`dropped`; the record stays numbered as
+        the run's world); a lost server raises :class:`~mpiopt.asyncrt.ServerLost`.
         """
-        world = self.topology.world
-        agree_on_arguments(world, "async_lsgd.run", lambda: self._check_run(params, steps, seconds))
         started = time.perf_counter()
-        book = self._book
-        book.begin()
-        outcome = run_policy(world, book, partial(self._work, params, worker_fn, steps, seconds), params, max_sleep=max_sleep)
+
+        def launch(survivors: Any) -> Any:
+            world = self.topology.world
+            agree_on_arguments(world, "async_lsgd.run", lambda: self._check_run(params, steps, seconds))
+            self._book.begin()
+            work = partial(self._work, params, worker_fn, steps, seconds)
+            return run_policy(world, self._book, work, params, max_sleep=max_sleep, survivors=survivors)
+
+        outcome = self._run_surviving(launch)
+        world, book = self.topology.world, self._book
         if world.size > 1 and world.rank == SERVER and book.global_leader >= 0:
             params[...] = book.latest[book.global_leader]
         return AsyncLSGDResult.from_record(outcome.record, time.perf_counter() - started, outcome.idle_seconds)

@@ -190,6 +190,40 @@ class LeaderBook(Policy):
             if self.leader[scope] == w and self._shared(scope):
                 self.source[scope] = w
 
+    def drop(self, w: int) -> None:
+        """Worker ``w`` is lost (survival on): it runs no more, leaves its scopes (each re-elects its leader, who is
+        asked for a copy), owes and is owed nothing; its latest upload serves the pulls its scopes owe until the new
+        leader's arrives (its parameters stay a valid target)."""
+        self.finished[w], self.want_upload[w] = True, False
+        self.requested.pop(w, None)
+        self.owed[w] = -1
+        for scope in (self.group[w], _WORLD):
+            self.members[scope].remove(w)
+            if self.leader[scope] == w:
+                self.leader[scope] = -1
+            self._elect(scope)
+
+    def renumbered(self, kept: List[int], groups: Mapping[int, int], period: int, global_period: int) -> "LeaderBook":
+        """This book for the survivors of a lost worker, between runs: ``kept`` their ranks here, in the order of
+        their new ranks, ``groups`` the new worker ranks' group indices.  Tables, leaders, sources and copies follow
+        them; a lost rank's leadership or copy is forgotten (its scope elects again at the next report)."""
+        book = LeaderBook(groups, period, global_period, self.pulls_on)
+        new = {old: i for i, old in enumerate(kept)}
+        # Rounds go on at the smaller world's cadence from its next multiple: no burst of rounds opened at once.
+        book.total = self.total
+        book.rounds = [max(r, self.total // every) for r, every in zip(self.rounds, book.every)]
+        for key in self._TABLES:
+            setattr(book, key, getattr(self, key)[kept].copy())
+        book.latest = {new[w]: copy for w, copy in self.latest.items() if w in new}
+        for scope in book.members:
+            leader = new.get(self.leader.get(scope, -1), -1)
+            if leader < 0:  # a lost leader: the survivors elect one, whose last upload (its LAST) serves its scope
+                leader = elect((m, book.loss[m]) for m in book.members[scope])
+            source = new.get(self.source.get(scope, -1), -1)
+            book.leader[scope] = leader
+            book.source[scope] = leader if source < 0 and leader in book.latest else source
+        return book
+
     # -- from run to run ---------------------------------------------------------------------------
     def begin(self) -> None:
         """A run starts: every worker runs again; the rest of the book carries on."""

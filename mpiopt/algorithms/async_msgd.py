@@ -80,7 +80,6 @@ class AsyncMSGD(ServerSurvival, ServerStateMixin, LocalStepState, AsynchronousAl
     schema = BASE.with_defaults(lr=0.01) + Schema(LOCAL_SGD.with_defaults(momentum=0.9)["momentum"])
     state_arrays = ("momentum_buffer",)
     training_defaults = {"lr": 0.05, "momentum": 0.5}
-    survival_refusal = None  # a lost worker is dropped (ServerSurvival)
 
     @classmethod
     def server_messages(cls, d: int, itemsize: int = 4) -> Optional[Tuple[float, ...]]:

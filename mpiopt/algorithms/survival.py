@@ -174,6 +174,7 @@ class ServerSurvival:
         The losses the runs survived, oldest first (the training loop takes them to report).
     """
 
+    survival_refusal: ClassVar[Optional[str]] = None  # a lost worker is dropped
     topology: Any
     name: ClassVar[str]
     dropped: List[Any]

@@ -189,7 +189,7 @@ import mpiopt, torch
 from mpiopt.torch import DistributedOptimizer
 topo = mpiopt.Topology(on_failure="shrink", group_size=2)
 model = torch.nn.Linear(2, 1)
-for make in (lambda: mpiopt.create("async_lsgd", topo, lr=0.1), lambda: mpiopt.create("diloco", topo, islands=True),
+for make in (lambda: mpiopt.create("diloco", topo, islands=True),
              lambda: DistributedOptimizer(model.parameters(), "sgd", topology=topo, overlap=True)):
     try:
         make()
@@ -201,17 +201,16 @@ topo.world.Barrier()
 
 @needs_ulfm
 def test_what_cannot_survive_yet_is_refused_on_every_rank_before_communicating(tmp_path):
-    """async_lsgd, islands and the torch front end's overlap (each named with why); the world still works."""
+    """Islands and the torch front end's overlap (each named with why); the world still works."""
     command = [mpiexec(), "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
                "-n", "4", sys.executable, "-c", REFUSALS]
     proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stdout
     for rank in range(4):
         lines = [line for line in proc.stdout.splitlines() if line.startswith(f"rank {rank} refused:")]
-        assert len(lines) == 3, proc.stdout
-        assert "async_lsgd: on_failure='shrink' is refused: its leader book does not yet drop a lost worker" in lines[0]
-        assert "diloco: on_failure='shrink' is refused: islands do not yet survive" in lines[1]
-        assert "on_failure='shrink' takes overlap=False: the buckets summed during backward are not rolled back" in lines[2]
+        assert len(lines) == 2, proc.stdout
+        assert "diloco: on_failure='shrink' is refused: islands do not yet survive" in lines[0]
+        assert "on_failure='shrink' takes overlap=False: the buckets summed during backward are not rolled back" in lines[1]
 
 
 @needs_ulfm
@@ -468,11 +467,33 @@ def test_async_msgd_drops_a_killed_worker_and_the_others_go_on(tmp_path, kill):
     assert int(first["size"]) == 3 and np.all(np.isfinite(first["params"]))
     for rank in survivors:
         np.testing.assert_array_equal(saved[rank]["params"], first["params"])
-        np.testing.assert_array_equal(saved[rank]["applied"], first["applied"])
+        np.testing.assert_array_equal(saved[rank]["counts"], first["counts"])
         assert int(saved[rank]["version"]) == int(first["version"]) and bool(saved[rank]["loaded"])
     # Per survivor (server first, its own row 0): every gradient of its 3 runs applied; the lost worker's at-1 too.
-    np.testing.assert_array_equal(first["applied"], [0, 30, 30])
+    np.testing.assert_array_equal(first["counts"], [0, 30, 30])
     assert int(first["version"]) == 60 + at - 1
+
+
+@needs_ulfm
+@pytest.mark.parametrize("kill", ["2@15", "1@4"])
+def test_async_lsgd_drops_a_killed_worker_and_its_scopes_elect_again(tmp_path, kill):
+    """As for async_msgd, with leaders: the lost worker leaves the book (a leader it was is elected again), the
+    others run all their steps, and the server ends with the final global leader's parameters, bitwise, a survivor."""
+    lost = int(kill.split("@")[0])
+    hyper = {"lr": 0.05, "period": 2, "global_period": 4}
+    code, output = run_killing(tmp_path, [ASYNC_SAMPLE, "async_lsgd", json.dumps(hyper), "10", "3", str(tmp_path)], [kill])
+    assert code == 0, output
+    survivors = [r for r in range(4) if r != lost]
+    saved = {int(f.name[:-4]): dict(np.load(f)) for f in tmp_path.glob("*.npz")}
+    assert sorted(saved) == survivors, output
+    for rank in survivors:
+        assert len(re.findall(rf"rank {rank}: lost ranks \[{lost}\] in run \d; the world is now 3", output)) == 1, output
+        assert int(saved[rank]["size"]) == 3 and bool(saved[rank]["loaded"]) and np.all(np.isfinite(saved[rank]["params"]))
+    server = saved[0]
+    np.testing.assert_array_equal(server["steps"], [0, 30, 30])  # the last run's book, at the shrunk size
+    leader = int(server["global_leader"])
+    assert leader in (1, 2)
+    np.testing.assert_array_equal(server["params"], saved[survivors[leader]]["params"])
 
 
 @needs_ulfm
@@ -486,13 +507,13 @@ def test_a_lost_async_server_ends_the_run_on_every_survivor(tmp_path):
 
 
 @needs_ulfm
-@pytest.mark.parametrize("kill", ["2@9", "1@3"])
-def test_train_async_msgd_drops_a_killed_worker(tmp_path, kill):
+@pytest.mark.parametrize("algorithm, kill", [("async_msgd", "2@9"), ("async_msgd", "1@3"), ("async_lsgd", "2@6")])
+def test_train_async_drops_a_killed_worker(tmp_path, algorithm, kill):
     """`mpiopt train --algorithm async_msgd --on-failure shrink`: the worker killed at one of its steps; the line on
     every survivor, the lost record, the end at 3 ranks with every segment's evaluation and a finite final test loss.
     Rank 1 (the reporter, killed at its step 3) hands its records to the next worker."""
     out = tmp_path / "run"
-    args = ["-m", "mpiopt", "train", "--algorithm", "async_msgd", "--steps", "16", "--eval-every", "8", "--batch-size", "16",
+    args = ["-m", "mpiopt", "train", "--algorithm", algorithm, "--steps", "16", "--eval-every", "8", "--batch-size", "16",
             "--on-failure", "shrink", "--progress", "lines", "--out", str(out), "--checkpoint-every", "4"]
     code, output = run_killing(tmp_path, args, [kill], timeout=240)
     assert code == 0, output
@@ -510,7 +531,7 @@ def test_train_async_msgd_drops_a_killed_worker(tmp_path, kill):
     assert [e["step"] for e in evals] == [8, 16] and np.isfinite(evals[-1]["test_loss"])
     # The newest checkpoint resumes at the shrunk size (the asynchronous state takes no other).
     resumed = subprocess.run([mpiexec(), "--allow-run-as-root", "--oversubscribe", "-n", "3", sys.executable, "-m", "mpiopt",
-                              "train", "--algorithm", "async_msgd", "--steps", "20", "--batch-size", "16", "--out", str(out),
+                              "train", "--algorithm", algorithm, "--steps", "20", "--batch-size", "16", "--out", str(out),
                               "--resume", "auto"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=240)
     assert resumed.returncode == 0, resumed.stdout

@@ -4,7 +4,7 @@
 A worker's injection point is its gradient (counted from 1 over the runs), the server's the messages it handled.
 The server drops a lost worker and serves the others; a lost server raises ServerLost on every survivor, which
 prints it and exits 3.  Each survivor prints one line per loss and saves, to OUT/<first rank>.npz, the final
-parameters, the version, its per-rank counts and whether a fresh instance loads its state at the shrunk size.
+parameters, the last run's record and whether a fresh instance loads its state at the shrunk size.
 """
 
 import json
@@ -36,7 +36,7 @@ def gradient(current, step, grad_out):
 told = 0
 for run in range(runs):
     try:
-        alg.run(params, gradient, steps)
+        result = alg.run(params, gradient, steps)
     except ServerLost as lost:
         print(f"rank {me}: {lost}; lost ranks {alg.dropped[-1].lost}", flush=True)
         sys.exit(3)
@@ -48,5 +48,6 @@ fresh = mpiopt.create(name, topo, **hyper)
 fresh.setup(params.copy())
 fresh.load_state_dict(state)
 loaded = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(fresh.state_dict()["arrays"].values(), state["arrays"].values()))
-np.savez(os.path.join(out, f"{me}.npz"), params=params, version=alg.version, applied=alg.applied, size=topo.size, loaded=loaded)
+record = {key: np.asarray(value) for key, value in vars(result).items() if key in ("version", "applied", "steps", "global_leader")}
+np.savez(os.path.join(out, f"{me}.npz"), params=params, size=topo.size, loaded=loaded, counts=getattr(alg, "applied", 0), **record)
 print(f"rank {me}: done at world size {topo.size}", flush=True)
