@@ -514,7 +514,8 @@ def test_train_async_drops_a_killed_worker(tmp_path, algorithm, kill):
     Rank 1 (the reporter, killed at its step 3) hands its records to the next worker."""
     out = tmp_path / "run"
     args = ["-m", "mpiopt", "train", "--algorithm", algorithm, "--steps", "16", "--eval-every", "8", "--batch-size", "16",
-            "--on-failure", "shrink", "--progress", "lines", "--out", str(out), "--checkpoint-every", "4"]
+            "--on-failure", "shrink", "--progress", "lines", "--trace", str(tmp_path / "trace.json"), "--out", str(out),
+            "--checkpoint-every", "4"]
     code, output = run_killing(tmp_path, args, [kill], timeout=240)
     assert code == 0, output
     lost = int(kill.split("@")[0])
@@ -529,6 +530,8 @@ def test_train_async_drops_a_killed_worker(tmp_path, algorithm, kill):
     assert records[-1]["world_size"] == 3 and records[-1]["step"] == 16
     evals = [r for r in records if r["kind"] == "eval"]
     assert [e["step"] for e in evals] == [8, 16] and np.isfinite(evals[-1]["test_loss"])
+    marks = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["name"].startswith("lost rank")]
+    assert len(marks) == 3 and len({m["name"] for m in marks}) == 1  # one per survivor, the same words
     # The newest checkpoint resumes at the shrunk size (the asynchronous state takes no other).
     resumed = subprocess.run([mpiexec(), "--allow-run-as-root", "--oversubscribe", "-n", "3", sys.executable, "-m", "mpiopt",
                               "train", "--algorithm", algorithm, "--steps", "20", "--batch-size", "16", "--out", str(out),
