@@ -10,7 +10,7 @@ per-round ratio torch / flat.  Method: docs/internals-bench.md; results: docs/be
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -19,6 +19,9 @@ from ..algorithms import create
 from ..comm import abort_on_exception
 from mpiopt.bench._common import count, markdown_table, median, module_main, positive_int, rotated, say, slowest_seconds
 from mpiopt.comm import Topology
+
+if TYPE_CHECKING:
+    import torch
 
 #: The 5 % goal of the torch front end's overhead on a step.
 GOAL = 1.05

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from mpiopt.torch import DistributedOptimizer
-from test_checkpoint import shared_dir  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.mpi
 STEPS = 4

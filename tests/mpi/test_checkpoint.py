@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import tempfile
 
 import h5py
 import numpy as np
@@ -20,17 +18,6 @@ from mpiopt.algorithms.registry import algorithm_class
 from mpiopt.checkpoint import CheckpointError, checkpoint_path, first_difference, load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.mpi
-
-
-@pytest.fixture
-def shared_dir():
-    """A directory every rank sees (rank 0 makes it and tells the others)."""
-    world = MPI.COMM_WORLD
-    path = world.bcast(tempfile.mkdtemp(prefix="mpiopt-ckpt-") if world.rank == 0 else None)
-    yield path
-    world.Barrier()
-    if world.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def everyone(value):

@@ -12,7 +12,7 @@ import os
 import h5py
 import numpy as np
 import pytest
-from test_checkpoint import raised_alike, rank_state, shared_dir  # noqa: F401  (shared_dir is a fixture)
+from test_checkpoint import raised_alike, rank_state
 
 from mpiopt.checkpoint import checkpoint_path, first_difference, load_checkpoint, save_checkpoint, validate_checkpoint
 from mpiopt.checkpoint.writers import DRIVER_ENV
