@@ -49,7 +49,14 @@ def _auto_log(ax: Any, axis: str, values: Sequence[np.ndarray]) -> None:
 
 
 def _figure(curves: Sequence[Tuple[str, Sequence[np.ndarray], np.ndarray]], ylabel: str, title: str, path: str) -> str:
-    """Three panels (steps, wall time, bytes) with one line per curve ``(label, (x1, x2, x3), y)``."""
+    """Three panels (steps, wall time, bytes) with one line per curve ``(label, (x1, x2, x3), y)``, saved to ``path``."""
+    fig = _draw(curves, ylabel, title)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def _draw(curves: Sequence[Tuple[str, Sequence[np.ndarray], np.ndarray]], ylabel: str, title: str) -> Any:
+    """:func:`_figure`'s figure."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(15, 4.5), layout="constrained")
@@ -68,11 +75,10 @@ def _figure(curves: Sequence[Tuple[str, Sequence[np.ndarray], np.ndarray]], ylab
             _auto_log(ax, "x", [c[1][2] for c in curves])
     axes[0].set_ylabel(ylabel)
     _auto_log(axes[0], "y", [c[2] for c in curves])
-    if curves:
-        axes[0].legend()
+    if curves:  # beside the panels, where it covers no curve (a dozen algorithms fill a corner of any panel)
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper")
     fig.suptitle(title)
-    fig.savefig(path, dpi=100)
-    return path
+    return fig
 
 
 def plot_runs(

@@ -471,3 +471,21 @@ def test_overlap_fraction_by_hand():
     assert overlap_fraction(events, 0) == pytest.approx(5 / 15)
     assert overlap_fraction(events, 0, phases=["forward/backward"]) == pytest.approx(2 / 15)
     assert math.isnan(overlap_fraction(events, 1))
+
+
+def test_the_legend_of_a_dozen_curves_sits_beside_the_panels_not_on_them():
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from mpiopt.metrics.plots import _draw
+
+    x = np.arange(1.0, 11.0)
+    curves = [(f"algorithm {i}", (x, x, x), 100 - 10 / x - i) for i in range(12)]
+    fig = _draw(curves, "test accuracy (%)", "Test accuracy")
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()  # the constrained layout places the legend
+    renderer = canvas.get_renderer()
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [f"algorithm {i}" for i in range(12)]
+    right_of_panels = max(ax.get_window_extent(renderer).x1 for ax in fig.axes)
+    assert legend.get_window_extent(renderer).x0 >= right_of_panels
