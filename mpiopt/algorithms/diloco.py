@@ -19,6 +19,7 @@ from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .registry import register
 from .resize import COPY, FOLLOW
 from .schema import Hyperparameter, Schema, boolean, in_range, positive
+from .survival import PeriodicExchange
 
 __all__ = ["DiLoCo", "outer_step", "outer_update"]
 
@@ -57,7 +58,7 @@ def outer_update(
 
 
 @register
-class DiLoCo(Compressed, LocalStepState, SynchronousAlgorithm):
+class DiLoCo(PeriodicExchange, Compressed, LocalStepState, SynchronousAlgorithm):
     """DiLoCo (Douillard et al. 2023): ``period`` local steps, then an outer Nesterov step on the mean pseudo-gradient.
 
     Attributes

@@ -20,6 +20,7 @@ from .local import LOCAL_SGD, LocalSGD, LocalStepState
 from .schema import Hyperparameter, Schema, check_positive, optional, positive
 from .registry import register
 from .resize import COPY, FOLLOW
+from .survival import PeriodicExchange
 
 __all__ = ["EASGD", "DEFAULT_BETA", "moving_rates"]
 
@@ -60,7 +61,7 @@ def moving_rates(alpha: Optional[float], beta: Optional[float], workers: int) ->
 
 
 @register
-class EASGD(Compressed, LocalStepState, SynchronousAlgorithm):
+class EASGD(PeriodicExchange, Compressed, LocalStepState, SynchronousAlgorithm):
     """Synchronous elastic averaging SGD (EASGD; EAMSGD with Nesterov momentum).
 
     Attributes

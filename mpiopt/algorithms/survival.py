@@ -17,7 +17,7 @@ from ..arrays import array_module, to_numpy
 from ..asyncrt import SERVER, ServerLost
 from ..comm import RankLost
 
-__all__ = ["Snapshot", "Survival", "ServerSurvival", "survivors_state"]
+__all__ = ["Snapshot", "Survival", "PeriodicExchange", "ServerSurvival", "survivors_state"]
 
 
 def survivors_state(rules: Mapping[str, Any], state: Mapping[str, Any], workers: Any, old_workers: int) -> Dict[str, Any]:
@@ -115,12 +115,23 @@ class Survival:
         survivor that finished it locally has counted it already."""
         return self._rollback.steps + 1 if self._rollback is not None and self._rollback.pending else None
 
+    def _communicates(self) -> bool:
+        """Whether the coming step may make an MPI call (by default it may).  One that cannot needs no rollback point:
+        nothing in it can break, and a rank lost meanwhile is found by the next call (DiLoCo's inner steps)."""
+        return True
+
     @contextmanager
     def _rollback_point(self, params: Any) -> Iterator[None]:
         """Around a step or an exchange: with survival on, keep its start; where a survivor did not complete it
         (:meth:`Topology.agreed`), every survivor puts the parameters back and raises RankLost."""
         if self.topology.on_failure == "abort":
             yield
+            return
+        if not self._communicates():
+            calls = self.topology.faults.calls
+            yield
+            if self.topology.faults.calls != calls:
+                raise RuntimeError(f"{self.name}: step {self.steps} made an MPI call where _communicates() said none")
             return
         if self._rollback is None:
             self._rollback = Snapshot()
@@ -158,6 +169,18 @@ class Survival:
         fresh.load_state_dict({**moved, "hyperparameters": fresh.hyperparameters(), "world_size": fresh.topology.size,
                                "worker_layout": fresh.worker_layout()})
         return fresh
+
+
+class PeriodicExchange:
+    """Mixin of an algorithm whose steps make no MPI call but every ``period``-th (its exchange, blocking) and, under
+    ``nan_policy="skip"``, each step's vote: the steps between keep no rollback copy (:meth:`Survival._communicates`)."""
+
+    nan_policy: str
+    period: int
+    steps: int
+
+    def _communicates(self) -> bool:
+        return self.nan_policy == "skip" or (self.steps + 1) % self.period == 0  # steps counted after _step
 
 
 class ServerSurvival:

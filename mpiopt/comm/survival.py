@@ -50,6 +50,7 @@ class Survivable:
     def __init__(self) -> None:
         self.on_fault: Optional[Callable[[], None]] = None
         self._tolerating = 0
+        self.calls = 0  # the MPI calls guarded so far (a phase said to make none is checked against it)
 
     @property
     def survives(self) -> bool:
@@ -68,6 +69,7 @@ class Survivable:
     @contextmanager
     def guard(self, what: str, peer: Optional[int] = None) -> Iterator[None]:
         """Around an MPI call on ``what`` (a communicator's name); ``peer``: the one rank a point-to-point call names."""
+        self.calls += 1
         try:
             yield
         except MPI.Exception as error:
