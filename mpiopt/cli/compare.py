@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         if sweep_steps is None or sweep_steps < 1:
             raise UsageError("--sweep needs --sweep-steps N >= 1 (or --steps, to take a quarter of)")
     session = start_session(config, "compare", algorithms)
+    from ..asyncrt import ServerLost
     from ..training.loop import train
 
     own_update = [name for name in algorithms if config.for_algorithm(name) is not config]
@@ -117,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
         for number, name in enumerate(algorithms, 1):
             session.say(f"== {f'repeat {k}/{repeats} (seed {seed}), ' if repeats > 1 else ''}{number}/{len(algorithms)}: {name}")
             folder = os.path.join(session.out, name, f"run{k}") if repeats > 1 else os.path.join(session.out, name)
-            groups[number - 1].append(train(dataclasses.replace(configs[name], seed=seed), name, session.topology, session.dataset, folder))
+            try:
+                groups[number - 1].append(train(dataclasses.replace(configs[name], seed=seed), name, session.topology, session.dataset, folder))
+            except ServerLost:  # every survivor said so (training/survival.py): an error's exit, no traceback
+                return 1
     session.finish([p for g in groups for p in g], config, groups=groups if repeats > 1 else None, extra=section)
     return 0

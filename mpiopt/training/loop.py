@@ -431,17 +431,17 @@ class _Run:
         results, done = [], self.start
         with _written_on_stop(self.tracer, self.trace_path):
             while done < steps:
-                count = self._segment_end(done, every) - done
+                first, last = done + 1, self._segment_end(done, every)
                 self._last, self._ledger = time.perf_counter(), self.topology.ledger.snapshot()  # the checkpoint's time excluded
                 self._log.clear()
                 try:  # with --on-failure shrink a lost worker is dropped, and the phase after the segment redone
-                    results.append(self.opt.run(self._compute, count))
-                    report_dropped_workers(self, done + 1, done + count)
-                    done += count
+                    results.append(self.opt.run(self._compute, last - done))
+                    report_dropped_workers(self, first, last)
+                    done = last
                     while not self._after_segment(done):
-                        report_dropped_workers(self, done - count + 1, done)
+                        report_dropped_workers(self, first, last)
                 except ServerLost:
-                    report_dropped_workers(self, done + 1, done + count, server_lost=True)
+                    report_dropped_workers(self, first, last, server_lost=True)
                     raise
         self.totals.losses = self._tail
         self._evaluate(steps)

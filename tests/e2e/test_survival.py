@@ -591,3 +591,14 @@ def test_only_steps_that_communicate_keep_a_rollback_copy(tmp_path):
         assert f"rank {rank}: after 3 inner steps a copy: False" in proc.stdout, proc.stdout
         assert f"rank {rank}: after the outer step a copy: True" in proc.stdout, proc.stdout
         assert f"rank {rank}: sgd: step 1 made an MPI call where _communicates() said none" in proc.stdout, proc.stdout
+
+
+@needs_ulfm
+def test_compare_ends_on_every_survivor_when_an_async_server_is_lost(tmp_path):
+    args = ["-m", "mpiopt", "compare", "--algorithms", "async_msgd,sgd", "--steps", "12", "--batch-size", "16",
+            "--on-failure", "shrink", "--progress", "lines", "--out", str(tmp_path / "run")]
+    code, output = run_killing(tmp_path, args, ["0@6"], timeout=240)
+    assert code != 0, output
+    for rank in (1, 2, 3):
+        assert re.search(rf"mpiopt: rank {rank}: lost rank 0 in steps \d+-\d+ \(the server among them", output), output
+    assert "Traceback" not in output and "== 2/2: sgd" not in output, output
