@@ -115,9 +115,10 @@ class Survival:
         survivor that finished it locally has counted it already."""
         return self._rollback.steps + 1 if self._rollback is not None and self._rollback.pending else None
 
-    def _communicates(self) -> bool:
-        """Whether the coming step may make an MPI call (by default it may).  One that cannot needs no rollback point:
-        nothing in it can break, and a rank lost meanwhile is found by the next call (DiLoCo's inner steps)."""
+    def may_communicate(self) -> bool:
+        """Whether the coming step (or the one under way) may make an MPI call; by default it may.  One that cannot
+        needs no rollback point, here or in an inner optimizer: nothing in it can break, and a rank lost meanwhile is
+        found by the next call (DiLoCo's inner steps)."""
         return True
 
     @contextmanager
@@ -127,11 +128,11 @@ class Survival:
         if self.topology.on_failure == "abort":
             yield
             return
-        if not self._communicates():
+        if not self.may_communicate():
             calls = self.topology.faults.calls
             yield
             if self.topology.faults.calls != calls:
-                raise RuntimeError(f"{self.name}: step {self.steps} made an MPI call where _communicates() said none")
+                raise RuntimeError(f"{self.name}: step {self.steps} made an MPI call where may_communicate() said none")
             return
         if self._rollback is None:
             self._rollback = Snapshot()
@@ -173,13 +174,13 @@ class Survival:
 
 class PeriodicExchange:
     """Mixin of an algorithm whose steps make no MPI call but every ``period``-th (its exchange, blocking) and, under
-    ``nan_policy="skip"``, each step's vote: the steps between keep no rollback copy (:meth:`Survival._communicates`)."""
+    ``nan_policy="skip"``, each step's vote: the steps between keep no rollback copy (:meth:`Survival.may_communicate`)."""
 
     nan_policy: str
     period: int
     steps: int
 
-    def _communicates(self) -> bool:
+    def may_communicate(self) -> bool:
         return self.nan_policy == "skip" or (self.steps + 1) % self.period == 0  # steps counted after _step
 
 

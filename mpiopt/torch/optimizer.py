@@ -159,7 +159,7 @@ class DistributedOptimizer(RecoveryMixin, GroupsMixin, torch.optim.Optimizer):
 
     def _inner_step(self, params: Any, grad: Any) -> None:
         """The inner optimizer's step: ``grad`` is the parameters' ``.grad`` buffer (the algorithm wrote it there)."""
-        if self._inner_rollback is not None:
+        if self._inner_rollback is not None and self.algorithm.may_communicate():
             self._inner_rollback.save(self.inner, self.algorithm.steps + 1)  # the step may yet be undone (survival)
         self.inner.step()
 

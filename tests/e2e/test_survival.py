@@ -569,9 +569,18 @@ for _ in range(3):
 print(f"rank {topo.rank}: after 3 inner steps a copy: {alg._rollback is not None}", flush=True)
 alg.step(p, g)
 print(f"rank {topo.rank}: after the outer step a copy: {alg._rollback is not None}", flush=True)
+import torch
+from mpiopt.torch import DistributedOptimizer
+model = torch.nn.Linear(4, 1)
+opt = DistributedOptimizer(model.parameters(), "diloco", topology=topo, inner=torch.optim.AdamW(model.parameters()), period=4)
+for _ in range(4):
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    print(f"rank {topo.rank}: AdamW's state kept before step {opt._inner_rollback.step}", flush=True)
 sgd = mpiopt.create("sgd", topo, lr=0.1)
 sgd.setup(p)
-sgd._communicates = lambda: False  # a wrong prediction is caught, not left without a rollback point
+sgd.may_communicate = lambda: False  # a wrong prediction is caught, not left without a rollback point
 try:
     sgd.step(p, g)
 except RuntimeError as error:
@@ -581,8 +590,9 @@ except RuntimeError as error:
 
 @needs_ulfm
 def test_only_steps_that_communicate_keep_a_rollback_copy(tmp_path):
-    """DiLoCo's inner steps make no MPI call: no copy of the parameters and state (survival's price, measured by
-    tools/survival_overhead.py); its outer step keeps one; a step said to make no call that makes one is an error."""
+    """DiLoCo's inner steps make no MPI call: no copy of the parameters and state, nor of an inner AdamW's (survival's
+    price, measured by tools/survival_overhead.py); its outer step keeps one; a step said to make no call that makes
+    one is an error."""
     command = [mpiexec(), "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
                "-n", "2", sys.executable, "-c", ROLLBACK_POINTS]
     proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=120)
@@ -590,7 +600,9 @@ def test_only_steps_that_communicate_keep_a_rollback_copy(tmp_path):
     for rank in range(2):
         assert f"rank {rank}: after 3 inner steps a copy: False" in proc.stdout, proc.stdout
         assert f"rank {rank}: after the outer step a copy: True" in proc.stdout, proc.stdout
-        assert f"rank {rank}: sgd: step 1 made an MPI call where _communicates() said none" in proc.stdout, proc.stdout
+        kept = re.findall(rf"rank {rank}: AdamW's state kept before step (\w+)", proc.stdout)
+        assert kept == ["None", "None", "None", "4"], proc.stdout  # the inner optimizer's copy too: the outer step's only
+        assert f"rank {rank}: sgd: step 1 made an MPI call where may_communicate() said none" in proc.stdout, proc.stdout
 
 
 @needs_ulfm
