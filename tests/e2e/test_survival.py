@@ -214,6 +214,17 @@ def test_what_cannot_survive_yet_is_refused_on_every_rank_before_communicating(t
         assert "on_failure='shrink' takes overlap=False: the buckets summed during backward are not rolled back" in lines[1]
 
 
+def the_one_loss(out, lost):
+    """A 16-step train run's metrics that lost rank ``lost`` and ended at 3 ranks: (its records, the lost record)."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    kinds = [r["kind"] for r in records]
+    assert kinds.count("lost") == 1 and kinds[-1] == "end", kinds
+    event = next(r for r in records if r["kind"] == "lost")
+    assert event["lost"] == [lost] and event["world_size"] == 3
+    assert records[-1]["world_size"] == 3 and records[-1]["step"] == 16
+    return records, event
+
+
 @needs_ulfm
 @pytest.mark.parametrize("algorithm, kill", [("sgd", "2@7:exchange"), ("diloco", "0@7")])
 def test_train_goes_on_without_a_killed_rank(tmp_path, algorithm, kill):
@@ -232,12 +243,7 @@ def test_train_goes_on_without_a_killed_rank(tmp_path, algorithm, kill):
     for rank in survivors:
         assert re.search(rf"mpiopt: rank {rank}: lost rank {lost} at step \d+ \(the step (redone|kept; going on from the "
                          rf"next)\); the world is now 3 ranks", output), output
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    kinds = [r["kind"] for r in records]
-    assert kinds.count("lost") == 1 and kinds[-1] == "end", kinds
-    event = next(r for r in records if r["kind"] == "lost")
-    assert event["lost"] == [lost] and event["world_size"] == 3
-    assert records[-1]["world_size"] == 3 and records[-1]["step"] == 16
+    records, event = the_one_loss(out, lost)
     steps = [r["step"] for r in records if r["kind"] == "step"]
     # Every step recorded but, where rank 0 was lost, the one it died after: its record died with it.
     assert steps[-1] == 16 and set(range(1, 17)) - set(steps) <= ({event["step"]} if lost == 0 else set()), steps
@@ -525,12 +531,8 @@ def test_train_async_drops_a_killed_worker(tmp_path, algorithm, kill):
     for rank in [r for r in range(4) if r != lost]:
         assert re.search(rf"mpiopt: rank {rank}: lost rank {lost} in steps \d+-\d+ \(the server dropped it; the others "
                          rf"went on\); the world is now 3 ranks", output), output
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    kinds = [r["kind"] for r in records]
-    assert kinds.count("lost") == 1 and kinds[-1] == "end", kinds
-    event = next(r for r in records if r["kind"] == "lost")
-    assert event["lost"] == [lost] and event["world_size"] == 3 and event["server"] is False
-    assert records[-1]["world_size"] == 3 and records[-1]["step"] == 16
+    records, event = the_one_loss(out, lost)
+    assert event["server"] is False
     evals = [r for r in records if r["kind"] == "eval"]
     assert [e["step"] for e in evals] == [8, 16] and np.isfinite(evals[-1]["test_loss"])
     marks = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["name"].startswith("lost rank")]
