@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Dict, Sequence
 
 from ..comm import RankLost
 from ..metrics import MetricsWriter
@@ -39,17 +39,11 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Sequence[int] = ())
     applied = run.applied == step + 1
     resume = step + 1 if applied else step
     _reshard(run, reporter=0)
-    first = run.topology.first_ranks[run.topology.rank]
-    lost = f"{_lost(recovery.lost)} at step {step + 1}"
-    if run.tracer:
-        run.tracer.survivors(run.topology.world, lost)
     redone = "kept; going on from the next" if applied else "redone"
     # The run's wall time counts the broken step (or phase after it) and the recovery: the price of the loss.
     run.totals.wall_seconds += time.perf_counter() - run.uncounted_since
-    print(f"mpiopt: rank {first}: {lost} (the step {redone}); the world is now {recovery.size} ranks", file=sys.stderr, flush=True)
-    if run.writer:
-        run.writer.write({"kind": "lost", "step": step + 1, "lost": recovery.lost, "world_size": recovery.size,
-                          "wall_seconds": run.totals.wall_seconds, "redone": not applied})
+    _tell(run, f"{_lost(recovery.lost)} at step {step + 1}", f"the step {redone}); the world is now {recovery.size} ranks",
+          {"step": step + 1, "lost": recovery.lost, "world_size": recovery.size, "redone": not applied})
     if config.on_failure == "respawn":  # the state the replacements take, saved by the survivors at the shrunk size
         lost = [*replacing, *recovery.lost]
         try:
@@ -63,6 +57,16 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Sequence[int] = ())
 
 def _lost(ranks: Sequence[int]) -> str:
     return f"lost rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _tell(run: Any, lost: str, how: str, record: Dict[str, Any]) -> None:
+    """Say a loss on this survivor: the trace's mark ``lost``, the line ``mpiopt: rank R: LOST (HOW`` on stderr, and
+    where it writes the metrics, their ``"lost"`` record (``record`` and the run's wall time so far)."""
+    if run.tracer:
+        run.tracer.survivors(run.topology.world, lost)
+    print(f"mpiopt: rank {run.topology.first_ranks[run.topology.rank]}: {lost} ({how}", file=sys.stderr, flush=True)
+    if run.writer:
+        run.writer.write({"kind": "lost", **record, "wall_seconds": run.totals.wall_seconds})
 
 
 def _reshard(run: Any, reporter: int) -> None:
@@ -83,18 +87,14 @@ def report_dropped_workers(run: Any, first: int, last: int, server_lost: bool = 
     re-sharded.  ``server_lost``: the latest loss took the server (:class:`~mpiopt.asyncrt.ServerLost`), and the run
     cannot go on: its parameters and state existed nowhere else."""
     dropped = run.opt.algorithm.dropped
+    if len(dropped) == run.dropped_told:
+        return
+    _reshard(run, reporter=min(1, run.topology.size - 1))  # once, over the survivors of them all
     for i, recovery in enumerate(dropped[run.dropped_told:], start=run.dropped_told):
         server = server_lost and i == len(dropped) - 1
-        _reshard(run, reporter=min(1, run.topology.size - 1))
-        me = run.topology.first_ranks[run.topology.rank]
-        lost = f"{_lost(recovery.lost)} in steps {first}-{last}"
-        if run.tracer:
-            run.tracer.survivors(run.topology.world, lost)
         went_on = ("the server among them, whose parameters and state existed nowhere else: the run ends; resume it "
                    "from its newest checkpoint with --resume auto)" if server else
                    f"the server dropped it; the others went on); the world is now {recovery.size} ranks")
-        print(f"mpiopt: rank {me}: {lost} ({went_on}", file=sys.stderr, flush=True)
-        if run.writer:
-            run.writer.write({"kind": "lost", "step": last, "lost": recovery.lost, "world_size": recovery.size,
-                              "wall_seconds": run.totals.wall_seconds, "redone": False, "server": server})
+        _tell(run, f"{_lost(recovery.lost)} in steps {first}-{last}", went_on,
+              {"step": last, "lost": recovery.lost, "world_size": recovery.size, "redone": False, "server": server})
     run.dropped_told = len(dropped)
