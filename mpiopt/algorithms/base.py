@@ -218,9 +218,9 @@ class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice, IslandWork
         self._check_flat("grad", grad)
         before = self.ledger.snapshot()
         started = time.perf_counter()
+        if not island_mean:
+            grad = self.worker_gradient(grad, reduced)
         with self._rollback_point(params):
-            if not island_mean:
-                grad = self.worker_gradient(grad, reduced)
             skipped = False if self._checks_in_step() else not self._gradient_ok(grad)
             if not skipped:
                 self._step(params, grad, loss)
@@ -310,8 +310,8 @@ class SynchronousAlgorithm(Algorithm):
             raise RuntimeError(f"{type(self).__name__}.setup(params) must be called before exchange()")
         self._check_flat("params", params)
         self._check_flat("grad", grad)
+        grad = self.worker_gradient(grad, reduced)
         with self._rollback_point(params):
-            grad = self.worker_gradient(grad, reduced)
             if not self._gradient_ok(grad, skip=skip_non_finite):
                 return None
             return self._exchange(params, grad)

@@ -88,7 +88,10 @@ class IslandWorkers:
         if self._island_grad is None:
             return grad
         out = self._island_grad if out is None else out
-        if reduced is None:
+        if reduced is not None:
+            array_module(reduced).divide(reduced, self.topology.group.size, out=out)
+            return out
+        # A phase of its own, before the step's rollback point: a loss found here is found by the lost rank's island
+        # alone, whose other ranks leave with it (Topology.recover); the survivors agree before any of them recovers.
+        with self.topology.agreed("the island's mean gradient"):
             return self.topology.islands().mean(grad, out)
-        array_module(reduced).divide(reduced, self.topology.group.size, out=out)
-        return out

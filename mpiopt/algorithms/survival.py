@@ -87,7 +87,6 @@ class Survival:
     survival_resets: ClassVar[Mapping[str, Any]] = {}
     #: Why this algorithm cannot go on without a lost rank (None: it can).
     survival_refusal: ClassVar[Optional[str]] = None
-    islands: bool
     name: ClassVar[str]
     state_arrays: ClassVar[Tuple[str, ...]]
     state_scalars: ClassVar[Tuple[str, ...]]
@@ -103,10 +102,9 @@ class Survival:
         setting is agreed by every rank, so every rank refuses)."""
         if self.topology.on_failure == "abort":
             return
-        why = self.survival_refusal or ("islands do not yet survive a lost rank: a group that lost a rank must leave "
-                                        "whole, which recovered() does not do" if self.islands else None)
-        if why is not None:
-            raise ValueError(f"{self.name}: on_failure={self.topology.on_failure!r} is refused: {why} (docs/failures.md)")
+        if self.survival_refusal is not None:
+            raise ValueError(f"{self.name}: on_failure={self.topology.on_failure!r} is refused: {self.survival_refusal} "
+                             "(docs/failures.md)")
 
     @property
     def unfinished_step(self) -> Optional[int]:

@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--sweep needs --sweep-steps N >= 1 (or --steps, to take a quarter of)")
     session = start_session(config, "compare", algorithms)
     from ..asyncrt import ServerLost
+    from ..comm import IslandLeft
     from ..training.loop import train
 
     own_update = [name for name in algorithms if config.for_algorithm(name) is not config]
@@ -122,5 +123,7 @@ def run(args: argparse.Namespace) -> int:
                 groups[number - 1].append(train(dataclasses.replace(configs[name], seed=seed), name, session.topology, session.dataset, folder))
             except ServerLost:  # every survivor said so (training/survival.py): an error's exit, no traceback
                 return 1
+            except IslandLeft as left:  # said on this rank: its island's part ended; an error's exit if no island goes on
+                return 0 if left.size else 1
     session.finish([p for g in groups for p in g], config, groups=groups if repeats > 1 else None, extra=section)
     return 0

@@ -47,6 +47,7 @@ def train_to_the_end(config: TrainConfig, session: Session) -> int:
     """Train the session's run to its last step, then the report; with ``--on-failure respawn`` through every loss
     (the survivors and the processes started in the lost ranks' places resume together).  The exit code."""
     from ..asyncrt import ServerLost
+    from ..comm import IslandLeft
     from ..training.checkpointing import EXIT_INTERRUPTED, Interrupted
     from ..training.loop import train
     from ..training.survival import Respawn
@@ -63,6 +64,8 @@ def train_to_the_end(config: TrainConfig, session: Session) -> int:
                 return EXIT_INTERRUPTED
             except ServerLost:  # every survivor said so (training/survival.py): an error's exit, no traceback
                 return 1
+            except IslandLeft as left:  # said on this rank: its island's part ended; an error's exit if no island goes on
+                return 0 if left.size else 1
         session.finish([path], config)
     finally:
         disconnect(session)

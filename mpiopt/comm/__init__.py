@@ -11,7 +11,7 @@ from .buffers import gpu_aware_mpi, is_gpu_array, nbytes
 from .communicator import ANY_SOURCE, ANY_TAG, MAX, MIN, SUM, Comm, Request, SetupMismatchError
 from .ledger import Ledger, OpStats
 from .staging import CHUNK_ENV as STAGING_CHUNK_ENV, GpuPath
-from .survival import PeerLost, RankLost
+from .survival import IslandLeft, PeerLost, RankLost
 from .topology import GROUP_SIZE_ENV, Recovery, Topology
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "Request",
     "Topology",
     "RankLost",
+    "IslandLeft",
     "PeerLost",
     "Recovery",
     "Ledger",

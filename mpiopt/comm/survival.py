@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 from mpi4py import MPI
 
-__all__ = ["ON_FAILURE", "ON_FAILURE_ENV", "LAUNCH", "RankLost", "PeerLost", "Survivable", "is_fault", "ulfm_problem", "FaultInjection",
+__all__ = ["ON_FAILURE", "ON_FAILURE_ENV", "LAUNCH", "RankLost", "PeerLost", "IslandLeft", "Survivable", "is_fault", "ulfm_problem", "FaultInjection",
            "INJECT_ENV", "INJECTION", "revoke_quietly"]
 
 #: What a lost rank does to the job: end it (MPI's default), or go on without it.
@@ -40,6 +40,24 @@ class PeerLost(RankLost):
     def __init__(self, message: str, rank: int) -> None:
         super().__init__(message)
         self.rank = rank
+
+
+class IslandLeft(RuntimeError):
+    """Out of :meth:`Topology.recover` on a survivor whose group (an island) lost a rank: islands stay of one size, so
+    the island's other ranks leave the world with it and this process has no more part in the run.
+
+    Attributes
+    ----------
+    lost, left : list of int
+        The lost ranks, and every survivor that left with its island (numbered as in the job's first world).
+    size : int
+        The world that goes on, in whole islands: 0 where no island survived whole (the run cannot go on).
+    """
+
+    def __init__(self, lost: list, left: list, size: int) -> None:
+        goes_on = f"the other islands go on at {size} ranks" if size else "no island survived whole: the run cannot go on"
+        super().__init__(f"lost rank(s) {lost} broke this rank's island: ranks {left} leave with it; {goes_on}")
+        self.lost, self.left, self.size = lost, left, size
 
 
 class Survivable:

@@ -13,7 +13,7 @@ import sys
 import threading
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Tuple
 
 import numpy as np
@@ -23,7 +23,7 @@ from .abort import ABORT_ENV, abort_job, abort_on_exception
 from .buffers import _parse_flag
 from .communicator import Comm
 from .islands import ISLAND, RAIL, Islands
-from .survival import ON_FAILURE, ON_FAILURE_ENV, RankLost, Survivable, revoke_quietly, ulfm_problem
+from .survival import ON_FAILURE, ON_FAILURE_ENV, IslandLeft, RankLost, Survivable, revoke_quietly, ulfm_problem
 from .launcher import check_world_size
 from .ledger import Ledger
 
@@ -114,10 +114,12 @@ def _finalize_at_exit() -> None:
 
 @dataclass(frozen=True)
 class Recovery:
-    """What :meth:`Topology.recover` did: the lost ranks (numbered as in the job's first world) and the world's new size."""
+    """What :meth:`Topology.recover` did: the lost ranks (numbered as in the job's first world), the world's new size,
+    and the survivors that left with an island that lost a rank (:meth:`Topology.recover`'s ``whole_groups``)."""
 
     lost: List[int]
     size: int
+    left: List[int] = field(default_factory=list)
 
 
 def _outcome(parse: Callable[[], Any]) -> Tuple[Any, Optional[Exception]]:
@@ -260,23 +262,41 @@ class Topology:
                 undo()
             raise RankLost(f"a rank was lost during {what}; every survivor leaves it")
 
-    def recover(self) -> Recovery:
+    def recover(self, whole_groups: Optional[bool] = None) -> Recovery:
         """After :class:`~mpiopt.comm.survival.RankLost`, on every survivor together: shrink the world to the survivors
-        and rebuild the groups (each rank in its old group), leaders and control from it."""
+        and rebuild the groups (each rank in its old group), leaders and control from it.
+
+        ``whole_groups`` (default: whether :meth:`islands` were made here) keeps islands of one size: a group that lost
+        a rank leaves whole, and its other ranks raise :class:`~mpiopt.comm.survival.IslandLeft` (every survivor does
+        where no group is whole).
+        """
         if self.on_failure == "abort":
             raise RuntimeError("recover() needs Topology(on_failure='shrink')")
+        whole_groups = self._islands is not None if whole_groups is None else whole_groups
         self._revoke_all()
         _finalize_at_exit()
-        old, color = self.world._comm, self.group_index
+        old, color, sizes = self.world._comm, self.group_index, self.group_sizes
         shrunk = old.Shrink()
         members = MPI.Group.Translate_ranks(shrunk.Get_group(), list(range(shrunk.Get_size())), old.Get_group())
         lost = [self.first_ranks[r] for r in sorted(set(range(old.Get_size())) - set(members))]
+        first_ranks = [self.first_ranks[r] for r in members]
         self._islands = None
+        left: List[int] = []
+        if whole_groups:  # each survivor's group: those with fewer survivors than ranks leave
+            colors = shrunk.allgather(color)
+            broken = {c for c in colors if colors.count(c) != sizes[c]}
+            left = [first for first, c in zip(first_ranks, colors) if c in broken]
+            first_ranks = [first for first, c in zip(first_ranks, colors) if c not in broken]
+            kept = shrunk.Split(MPI.UNDEFINED if color in broken else 0, shrunk.Get_rank())
+            shrunk.Free()
+            if color in broken or not first_ranks:
+                raise IslandLeft(lost, left, len(first_ranks))
+            shrunk = kept
         self.world = Comm(shrunk, name="world", ledger=self.ledger, gpu_aware=self.world.gpu_aware, faults=self.faults)
         shrunk.Free()
-        self.first_ranks = [self.first_ranks[r] for r in members]
+        self.first_ranks = first_ranks
         self._build(self.world._comm, color)
-        return Recovery(lost, self.size)
+        return Recovery(lost, self.size, left)
 
     def spawn(self, count: int, args: List[str]) -> "tuple[Optional[MPI.Intercomm], str]":
         """Start ``count`` processes of ``python ARGS`` to take lost ranks' places (collective, after :meth:`recover`):

@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, Optional, Sequence
 
-from ..comm import RankLost
+from ..comm import IslandLeft, RankLost
 from ..metrics import MetricsWriter
 
 __all__ = ["go_on_without_lost_ranks", "Respawn", "report_dropped_workers"]
@@ -33,7 +33,13 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Sequence[int] = ())
     the step to go on from (the failed one again, or the next where the loss came after the step was applied).
     ``--on-failure respawn`` raises :class:`Respawn` instead, for these lost ranks and ``replacing`` (lost before,
     while the survivors saved for their replacements)."""
-    recovery = run.topology.recover()
+    try:
+        recovery = run.topology.recover(whole_groups=run.config.islands_for(run.algorithm))
+    except IslandLeft as left:  # this rank's island lost a rank: the others' run goes on without it
+        ends = ("the other islands go on; this rank's part ends" if left.size else
+                "no island survived whole: the run ends; resume it from its newest checkpoint with --resume auto")
+        _tell(run, f"{_lost(left.lost)} at step {step + 1}", f"its island with it: ranks {left.left} leave; {ends})", None)
+        raise
     run.opt.recover()
     config = run.config
     applied = run.applied == step + 1
@@ -42,8 +48,9 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Sequence[int] = ())
     redone = "kept; going on from the next" if applied else "redone"
     # The run's wall time counts the broken step (or phase after it) and the recovery: the price of the loss.
     run.totals.wall_seconds += time.perf_counter() - run.uncounted_since
-    _tell(run, f"{_lost(recovery.lost)} at step {step + 1}", f"the step {redone}); the world is now {recovery.size} ranks",
-          {"step": step + 1, "lost": recovery.lost, "world_size": recovery.size, "redone": not applied})
+    left = f"ranks {recovery.left} left with their island; " if recovery.left else ""
+    _tell(run, f"{_lost(recovery.lost)} at step {step + 1}", f"{left}the step {redone}); the world is now {recovery.size} ranks",
+          {"step": step + 1, "lost": recovery.lost, "left": recovery.left, "world_size": recovery.size, "redone": not applied})
     if config.on_failure == "respawn":  # the state the replacements take, saved by the survivors at the shrunk size
         lost = [*replacing, *recovery.lost]
         try:
@@ -59,12 +66,15 @@ def _lost(ranks: Sequence[int]) -> str:
     return f"lost rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
-def _tell(run: Any, lost: str, how: str, record: Dict[str, Any]) -> None:
+def _tell(run: Any, lost: str, how: str, record: Optional[Dict[str, Any]]) -> None:
     """Say a loss on this survivor: the trace's mark ``lost``, the line ``mpiopt: rank R: LOST (HOW`` on stderr, and
-    where it writes the metrics, their ``"lost"`` record (``record`` and the run's wall time so far)."""
+    where it writes the metrics, their ``"lost"`` record (``record`` and the run's wall time so far).  A rank that
+    leaves the world (``record`` None) says the line only: the survivors keep the trace and the metrics."""
+    print(f"mpiopt: rank {run.topology.first_ranks[run.topology.rank]}: {lost} ({how}", file=sys.stderr, flush=True)
+    if record is None:
+        return
     if run.tracer:
         run.tracer.survivors(run.topology.world, lost)
-    print(f"mpiopt: rank {run.topology.first_ranks[run.topology.rank]}: {lost} ({how}", file=sys.stderr, flush=True)
     if run.writer:
         run.writer.write({"kind": "lost", **record, "wall_seconds": run.totals.wall_seconds})
 

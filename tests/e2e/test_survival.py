@@ -74,9 +74,10 @@ def run_killing(tmp_path, args, kills, ranks=4, timeout=120, on_kill=lambda: Non
     return proc.returncode, output
 
 
-def survive(tmp_path, name, hyper, steps, kills, on_kill=lambda: None):
-    """The sample at 4 ranks with ``kills``: (the launcher's exit code, output, {first rank: its npz})."""
-    code, output = run_killing(tmp_path, [SAMPLE, name, json.dumps(hyper), str(steps), str(tmp_path)], kills, on_kill=on_kill)
+def survive(tmp_path, name, hyper, steps, kills, on_kill=lambda: None, ranks=4):
+    """The sample at ``ranks`` with ``kills``: (the launcher's exit code, output, {first rank: its npz})."""
+    code, output = run_killing(tmp_path, [SAMPLE, name, json.dumps(hyper), str(steps), str(tmp_path)], kills,
+                               ranks=ranks, on_kill=on_kill)
     saved = {int(f.name[:-4]): dict(np.load(f)) for f in tmp_path.glob("*.npz")}
     return code, output, saved
 
@@ -173,6 +174,65 @@ def test_diloco_equals_float64_that_drops_the_worker_at_its_step(tmp_path, kill)
             np.testing.assert_allclose(saved[r]["history"][t - 1], x[r], rtol=0, atol=1e-5)
 
 
+ISLANDS = sorted(name for name in SYNCHRONOUS if algorithm_class(name).islands_refusal is None)
+
+
+def left_with_their_island(output):
+    """{first rank: the world's size it said goes on} from the lines of the ranks that left with their island."""
+    return {int(rank): int(size) for rank, size in
+            re.findall(r"rank (\d+): left with its island at step \d+; the world is now (\d+)", output)}
+
+
+@needs_ulfm
+@pytest.mark.parametrize("name", ISLANDS)
+def test_every_island_algorithm_goes_on_with_the_whole_islands(tmp_path, name):
+    """3 islands of 2 ranks, rank 2 killed inside an exchange: rank 3, its island's other rank, leaves with it (exit
+    0), and the two whole islands go on as two workers; every rank of an island holds the same parameters after
+    every step, and for the algorithms whose workers agree, every survivor."""
+    hyper = {**SYNCHRONOUS[name], "islands": True, "group_size": 2}
+    code, output, saved = survive(tmp_path, name, hyper, 9, ["2@6:exchange"], ranks=6)
+    told = check_survivors(output, saved, code, [0, 1, 4, 5], [[2]])
+    assert {size for rank in told for _, _, size in told[rank]} == {4}
+    assert left_with_their_island(output) == {3: 4}, output
+    for island in ((0, 1), (4, 5)):
+        np.testing.assert_array_equal(saved[island[0]]["history"], saved[island[1]]["history"])
+    if algorithm_class(name).evaluates == "identical":
+        np.testing.assert_array_equal(saved[0]["history"], saved[4]["history"])
+
+
+@needs_ulfm
+@pytest.mark.parametrize("kill", ["3@4", "0@6:exchange"])
+def test_island_diloco_matches_a_float64_run_that_drops_the_island(tmp_path, kill):
+    """Each island one worker whose gradient is its ranks' mean; the island of the lost rank is dropped at the step
+    that finds the loss (every step's island mean is agreed by the world: the step the rank died in), its local model
+    since the last outer step lost with it, as a float64 run of three workers that drops one there."""
+    lr, mom, olr, omom, H = 0.05, 0.9, 0.7, 0.9, 3
+    hyper = {"lr": lr, "momentum": mom, "period": H, "outer_lr": olr, "outer_momentum": omom, "islands": True, "group_size": 2}
+    code, output, saved = survive(tmp_path, "diloco", hyper, 9, [kill], ranks=6)
+    lost = int(kill.split("@")[0])
+    gone = lost // 2  # the lost rank's island
+    survivors = [r for r in range(6) if r // 2 != gone]
+    told = check_survivors(output, saved, code, survivors, [[lost]])
+    assert left_with_their_island(output) == {lost ^ 1: 4}, output
+    detected = told[survivors[0]][0][1]
+    assert detected == int(kill.split("@")[1].split(":")[0])
+    x = [_start() for _ in range(3)]
+    buf, start, ob = [None] * 3, _start(), None
+    for t in range(1, 10):
+        alive = [w for w in range(3) if t < detected or w != gone]
+        for w in alive:
+            g = (_grad(2 * w, t) + _grad(2 * w + 1, t)) / 2
+            buf[w] = g if buf[w] is None else mom * buf[w] + g
+            x[w] = x[w] - lr * buf[w]
+        if t % H == 0:
+            delta = start - np.mean([x[w] for w in alive], axis=0)
+            ob = delta if ob is None else omom * ob + delta
+            start = start - olr * (delta + omom * ob)
+            x = [start.copy() for _ in range(3)]
+        for r in survivors:
+            np.testing.assert_allclose(saved[r]["history"][t - 1], x[r // 2], rtol=0, atol=1e-5)
+
+
 @needs_ulfm
 def test_two_failures_in_one_run(tmp_path):
     code, output, saved = survive(tmp_path, "sgd", {"lr": 0.1}, 10, ["1@3:exchange", "3@7:exchange"])
@@ -190,8 +250,7 @@ import mpiopt, torch
 from mpiopt.torch import DistributedOptimizer
 topo = mpiopt.Topology(on_failure="shrink", group_size=2)
 model = torch.nn.Linear(2, 1)
-for make in (lambda: mpiopt.create("diloco", topo, islands=True),
-             lambda: DistributedOptimizer(model.parameters(), "sgd", topology=topo, overlap=True)):
+for make in (lambda: DistributedOptimizer(model.parameters(), "sgd", topology=topo, overlap=True),):
     try:
         make()
     except ValueError as error:
@@ -202,16 +261,15 @@ topo.world.Barrier()
 
 @needs_ulfm
 def test_what_cannot_survive_yet_is_refused_on_every_rank_before_communicating(tmp_path):
-    """Islands and the torch front end's overlap (each named with why); the world still works."""
+    """The torch front end's overlap (named with why); the world still works."""
     command = [mpiexec(), "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
                "-n", "4", sys.executable, "-c", REFUSALS]
     proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stdout
     for rank in range(4):
         lines = [line for line in proc.stdout.splitlines() if line.startswith(f"rank {rank} refused:")]
-        assert len(lines) == 2, proc.stdout
-        assert "diloco: on_failure='shrink' is refused: islands do not yet survive" in lines[0]
-        assert "on_failure='shrink' takes overlap=False: the buckets summed during backward are not rolled back" in lines[1]
+        assert len(lines) == 1, proc.stdout
+        assert "on_failure='shrink' takes overlap=False: the buckets summed during backward are not rolled back" in lines[0]
 
 
 def the_one_loss(out, lost):
@@ -366,6 +424,47 @@ def test_a_checkpoint_after_the_loss_resumes_at_the_shrunk_and_at_the_original_s
         else:
             assert "written by 3 ranks, resuming on 4" in proc.stdout, proc.stdout
             assert resumed["ranks_written"] == 4 and np.all([np.isfinite(v).all() for v in resumed["model"].values()])
+
+
+@needs_ulfm
+def test_train_with_islands_goes_on_with_the_whole_island(tmp_path):
+    """`mpiopt train --islands --on-failure shrink`, 2 islands of 2: rank 0 (the writer) killed at step 7's start; rank 1
+    says it leaves with its island and exits 0; ranks 2 and 3, one island, redo the step and train to the end (the new
+    rank 0 writes on).  Their checkpoint of step 15 resumes at 2 ranks bitwise (its step 16 is the survived run's), and
+    at 2 islands of 2 by the resize rules, to the end."""
+    from mpiopt.checkpoint import first_difference
+
+    common = ["-m", "mpiopt", "train", "--algorithm", "diloco", "--hp", "diloco.period=4", "--islands", "--group-size",
+              "2", "--steps", "16", "--eval-every", "8", "--batch-size", "16", "--on-failure", "shrink", "--progress",
+              "lines", "--checkpoint-every", "5"]
+    code, output = run_killing(tmp_path, [*common, "--out", str(tmp_path / "run")], ["0@7"], timeout=240)
+    assert code == 0, output
+    assert ("mpiopt: rank 1: lost rank 0 at step 7 (its island with it: ranks [1] leave; the other islands go on; "
+            "this rank's part ends)") in output, output
+    for rank in (2, 3):
+        assert (f"mpiopt: rank {rank}: lost rank 0 at step 7 (ranks [1] left with their island; the step redone); the "
+                "world is now 2 ranks") in output, output
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    event = next(r for r in records if r["kind"] == "lost")
+    assert (event["lost"], event["left"], event["world_size"]) == ([0], [1], 2)
+    assert records[-1]["kind"] == "end" and records[-1]["world_size"] == 2 and records[-1]["step"] == 16
+    assert np.isfinite([r for r in records if r["kind"] == "eval"][-1]["test_loss"])
+    checkpoints = tmp_path / "run" / "checkpoints"
+    survived = checkpoint_state(checkpoints / "ckpt-000000016.h5")
+    for ranks in (2, 4):
+        out = tmp_path / f"resumed-{ranks}"
+        command = [mpiexec(), "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
+                   "-n", str(ranks), sys.executable, *common, "--out", str(out), "--resume", str(checkpoints / "ckpt-000000015.h5")]
+        proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=180,
+                              env=dict(os.environ, MPIOPT_FINALIZE_SECONDS="3"))
+        assert proc.returncode == 0, proc.stdout
+        resumed = checkpoint_state(out / "checkpoints" / "ckpt-000000016.h5")
+        end = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+        assert end["kind"] == "end" and end["step"] == 16 and end["world_size"] == ranks, end
+        if ranks == 2:
+            assert first_difference(survived, resumed) is None
+        else:
+            assert np.all([np.isfinite(v).all() for v in resumed["model"].values()])
 
 
 @needs_ulfm

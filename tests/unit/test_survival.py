@@ -90,3 +90,14 @@ def test_a_server_kill_point_counts_its_messages_over_runs():
     for _ in range(7):
         hook.served()
     assert hook.messages == 7 and hook.current == 7
+
+
+def test_islands_take_shrink_and_refuse_respawn_naming_shrink():
+    """An island that lost a rank leaves whole (Topology.recover): shrink goes on with the whole ones; respawn would
+    have to start a whole island, which it does not."""
+    from mpiopt.training.config import TrainConfig, UsageError
+
+    TrainConfig(algorithm="diloco", islands=True, on_failure="shrink").validate(["diloco"])
+    with pytest.raises(UsageError, match=r"--on-failure respawn takes no --islands yet: an island that lost a rank "
+                                         r"leaves whole.*--on-failure shrink goes on with the whole ones"):
+        TrainConfig(algorithm="diloco", islands=True, on_failure="respawn").validate(["diloco"])

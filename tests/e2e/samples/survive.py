@@ -1,7 +1,8 @@
 """A flat-API run that goes on without a lost rank: ``survive.py NAME HYPER_JSON STEPS OUT``.
 
 Each rank steps on a gradient of its first world rank and the step alone; a RankLost is answered by shrinking the
-topology, moving the algorithm to the survivors and redoing the step.  Each survivor prints one line per loss and
+topology, moving the algorithm to the survivors and redoing the step (with islands, the other ranks of an island that
+lost a rank leave with it).  Each survivor prints one line per loss and
 saves its parameters after every step, whether its state resumed bitwise on a fresh instance, and the model the
 algorithm evaluates, to OUT/<first rank>.npz.
 """
@@ -15,12 +16,12 @@ import time
 import numpy as np
 
 import mpiopt
-from mpiopt.comm import RankLost
+from mpiopt.comm import IslandLeft, RankLost
 from mpiopt.comm.survival import INJECTION
 
 name, hyper, steps, out = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 D = 40
-topo = mpiopt.Topology(on_failure="shrink")
+topo = mpiopt.Topology(on_failure="shrink", group_size=hyper.pop("group_size", None))
 me = topo.first_ranks[topo.rank]
 print(f"rank {me}: on {socket.gethostname()}", flush=True)
 params = np.random.default_rng(5).standard_normal(D).astype(np.float32)
@@ -34,7 +35,11 @@ while t <= steps:
     try:
         alg.step(params, grad, loss=float(np.linalg.norm(params - 1.0)))
     except RankLost:
-        recovery = topo.recover()
+        try:
+            recovery = topo.recover()
+        except IslandLeft as left:  # islands: this rank's island lost a rank, and its part ends
+            print(f"rank {me}: left with its island at step {t}; the world is now {left.size}", flush=True)
+            sys.exit(0)
         print(f"rank {me}: lost ranks {recovery.lost} at step {t}; the world is now {recovery.size}", flush=True)
         alg = alg.recovered(params)
         recovered_at = t
