@@ -130,6 +130,28 @@ def _alive(step, detected, lost, ranks=4):
     return [r for r in range(ranks) if step < detected or r not in lost]
 
 
+DILOCO = {"lr": 0.05, "momentum": 0.9, "period": 3, "outer_lr": 0.7, "outer_momentum": 0.9}
+
+
+def diloco_in_float64(workers, gradient, alive, hyper, steps=9):
+    """DiLoCo of ``workers`` in float64 (``hyper``: :data:`DILOCO`'s keys): worker w steps on ``gradient(w, t)``
+    while ``w in alive(t)``, and each outer step averages those alive.  Yields every worker's model after each step."""
+    lr, mom, H, olr, omom = (hyper[k] for k in ("lr", "momentum", "period", "outer_lr", "outer_momentum"))
+    x = [_start() for _ in range(workers)]
+    buf, start, ob = [None] * workers, _start(), None
+    for t in range(1, steps + 1):
+        for w in alive(t):
+            g = gradient(w, t)
+            buf[w] = g if buf[w] is None else mom * buf[w] + g
+            x[w] = x[w] - lr * buf[w]
+        if t % H == 0:
+            delta = start - np.mean([x[w] for w in alive(t)], axis=0)
+            ob = delta if ob is None else omom * ob + delta
+            start = start - olr * (delta + omom * ob)
+            x = [start.copy() for _ in range(workers)]
+        yield x
+
+
 @needs_ulfm
 @pytest.mark.parametrize("kill", ["2@5:exchange", "2@5"])
 def test_sgd_equals_float64_that_drops_the_worker_at_its_step(tmp_path, kill):
@@ -149,27 +171,15 @@ def test_diloco_equals_float64_that_drops_the_worker_at_its_step(tmp_path, kill)
     """A rank lost between two outer steps is found by the next outer step's exchange (an inner step makes no MPI
     call, and keeps no rollback copy); that step is redone on the survivors: the lost rank's local model since the
     last outer step is lost with it and the outer step averages the survivors'.  Rank 0's loss included."""
-    lr, mom, olr, omom, H = 0.05, 0.9, 0.7, 0.9, 3
-    code, output, saved = survive(tmp_path, "diloco", {"lr": lr, "momentum": mom, "period": H, "outer_lr": olr, "outer_momentum": omom}, 9, [kill])
+    H = DILOCO["period"]
+    code, output, saved = survive(tmp_path, "diloco", DILOCO, 9, [kill])
     lost = int(kill.split("@")[0])
     survivors = [r for r in range(4) if r != lost]
     told = check_survivors(output, saved, code, survivors, [[lost]])
     detected = told[survivors[0]][0][1]
     killed = int(kill.split("@")[1].split(":")[0])
     assert detected == -(-killed // H) * H  # the first outer step from the kill on
-    x = [_start() for _ in range(4)]
-    buf, start, ob = [None] * 4, _start(), None
-    for t in range(1, 10):
-        alive = _alive(t, detected, {lost})
-        for r in alive:
-            g = _grad(r, t)
-            buf[r] = g if buf[r] is None else mom * buf[r] + g
-            x[r] = x[r] - lr * buf[r]
-        if t % H == 0:
-            delta = start - np.mean([x[r] for r in alive], axis=0)
-            ob = delta if ob is None else omom * ob + delta
-            start = start - olr * (delta + omom * ob)
-            x = [start.copy() for _ in range(4)]
+    for t, x in enumerate(diloco_in_float64(4, _grad, lambda t: _alive(t, detected, {lost}), DILOCO), start=1):
         for r in survivors:
             np.testing.assert_allclose(saved[r]["history"][t - 1], x[r], rtol=0, atol=1e-5)
 
@@ -206,8 +216,7 @@ def test_island_diloco_matches_a_float64_run_that_drops_the_island(tmp_path, kil
     """Each island one worker whose gradient is its ranks' mean; the island of the lost rank is dropped at the step
     that finds the loss (every step's island mean is agreed by the world: the step the rank died in), its local model
     since the last outer step lost with it, as a float64 run of three workers that drops one there."""
-    lr, mom, olr, omom, H = 0.05, 0.9, 0.7, 0.9, 3
-    hyper = {"lr": lr, "momentum": mom, "period": H, "outer_lr": olr, "outer_momentum": omom, "islands": True, "group_size": 2}
+    hyper = {**DILOCO, "islands": True, "group_size": 2}
     code, output, saved = survive(tmp_path, "diloco", hyper, 9, [kill], ranks=6)
     lost = int(kill.split("@")[0])
     gone = lost // 2  # the lost rank's island
@@ -216,19 +225,14 @@ def test_island_diloco_matches_a_float64_run_that_drops_the_island(tmp_path, kil
     assert left_with_their_island(output) == {lost ^ 1: 4}, output
     detected = told[survivors[0]][0][1]
     assert detected == int(kill.split("@")[1].split(":")[0])
-    x = [_start() for _ in range(3)]
-    buf, start, ob = [None] * 3, _start(), None
-    for t in range(1, 10):
-        alive = [w for w in range(3) if t < detected or w != gone]
-        for w in alive:
-            g = (_grad(2 * w, t) + _grad(2 * w + 1, t)) / 2
-            buf[w] = g if buf[w] is None else mom * buf[w] + g
-            x[w] = x[w] - lr * buf[w]
-        if t % H == 0:
-            delta = start - np.mean([x[w] for w in alive], axis=0)
-            ob = delta if ob is None else omom * ob + delta
-            start = start - olr * (delta + omom * ob)
-            x = [start.copy() for _ in range(3)]
+
+    def island_grad(w, t):
+        return (_grad(2 * w, t) + _grad(2 * w + 1, t)) / 2
+
+    def alive(t):
+        return [w for w in range(3) if t < detected or w != gone]
+
+    for t, x in enumerate(diloco_in_float64(3, island_grad, alive, DILOCO), start=1):
         for r in survivors:
             np.testing.assert_allclose(saved[r]["history"][t - 1], x[r // 2], rtol=0, atol=1e-5)
 
@@ -394,6 +398,20 @@ def checkpoint_state(path):
         return {"model": read_group(f["model"]), "ranks": read_group(f["ranks"]), "ranks_written": int(f.attrs["world_size"])}
 
 
+def resume_to_step_16(tmp_path, common, checkpoint, ranks):
+    """``mpiopt train COMMON --resume CHECKPOINT`` at ``ranks`` under ULFM, which must end at step 16 at that size:
+    (its output, its checkpoint of step 16)."""
+    out = tmp_path / f"resumed-{ranks}"
+    command = [mpiexec(), "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
+               "-n", str(ranks), sys.executable, *common, "--out", str(out), "--resume", str(checkpoint)]
+    proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=180,
+                          env=dict(os.environ, MPIOPT_FINALIZE_SECONDS="3"))
+    assert proc.returncode == 0, proc.stdout
+    end = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert end["kind"] == "end" and end["step"] == 16 and end["world_size"] == ranks, end
+    return proc.stdout, checkpoint_state(out / "checkpoints" / "ckpt-000000016.h5")
+
+
 @needs_ulfm
 def test_a_checkpoint_after_the_loss_resumes_at_the_shrunk_and_at_the_original_size(tmp_path):
     """The survivors' checkpoint of step 15 (3 ranks) resumes at 3 ranks bitwise (its step 16 is the survived run's), and at
@@ -409,20 +427,12 @@ def test_a_checkpoint_after_the_loss_resumes_at_the_shrunk_and_at_the_original_s
     assert checkpoint_state(checkpoints / "ckpt-000000015.h5")["ranks_written"] == 3
     survived = checkpoint_state(checkpoints / "ckpt-000000016.h5")
     for ranks in (3, 4):
-        out = tmp_path / f"resumed-{ranks}"
-        command = [mpiexec(), "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
-                   "-n", str(ranks), sys.executable, *common, "--out", str(out), "--resume", str(checkpoints / "ckpt-000000015.h5")]
-        proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=180,
-                              env=dict(os.environ, MPIOPT_FINALIZE_SECONDS="3"))
-        assert proc.returncode == 0, proc.stdout
-        assert "resuming from" in proc.stdout and "after step 15" in proc.stdout, proc.stdout
-        resumed = checkpoint_state(out / "checkpoints" / "ckpt-000000016.h5")
-        end = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-        assert end["kind"] == "end" and end["step"] == 16 and end["world_size"] == ranks, end
+        stdout, resumed = resume_to_step_16(tmp_path, common, checkpoints / "ckpt-000000015.h5", ranks)
+        assert "resuming from" in stdout and "after step 15" in stdout, stdout
         if ranks == 3:
             assert first_difference(survived, resumed) is None
         else:
-            assert "written by 3 ranks, resuming on 4" in proc.stdout, proc.stdout
+            assert "written by 3 ranks, resuming on 4" in stdout, stdout
             assert resumed["ranks_written"] == 4 and np.all([np.isfinite(v).all() for v in resumed["model"].values()])
 
 
@@ -452,15 +462,7 @@ def test_train_with_islands_goes_on_with_the_whole_island(tmp_path):
     checkpoints = tmp_path / "run" / "checkpoints"
     survived = checkpoint_state(checkpoints / "ckpt-000000016.h5")
     for ranks in (2, 4):
-        out = tmp_path / f"resumed-{ranks}"
-        command = [mpiexec(), "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
-                   "-n", str(ranks), sys.executable, *common, "--out", str(out), "--resume", str(checkpoints / "ckpt-000000015.h5")]
-        proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=180,
-                              env=dict(os.environ, MPIOPT_FINALIZE_SECONDS="3"))
-        assert proc.returncode == 0, proc.stdout
-        resumed = checkpoint_state(out / "checkpoints" / "ckpt-000000016.h5")
-        end = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-        assert end["kind"] == "end" and end["step"] == 16 and end["world_size"] == ranks, end
+        _, resumed = resume_to_step_16(tmp_path, common, checkpoints / "ckpt-000000015.h5", ranks)
         if ranks == 2:
             assert first_difference(survived, resumed) is None
         else:
