@@ -58,13 +58,17 @@ class Session:
         """
         if self.rank == 0:
             from ..metrics import read_metrics
+            from ..metrics.summary import world_over_time
             from .plot import write_report
 
             read = {p: read_metrics(p) for p in paths if p}
             runs = list(read.values())
             heading = f"# mpiopt {self.command}: {config.dataset}/{config.model}, {self.ranks_at_start} ranks"
             if self.topology.size != self.ranks_at_start:
-                heading += f" ({self.topology.size} after a lost rank: each run's metrics say when)"
+                heading += f" ({self.topology.size} after a lost rank: 'World size over time' says when)"
+            changed = [f"- {run.algorithm}: {world_over_time(run)}" for run in runs if world_over_time(run)]
+            if changed:  # lost ranks, replacements, resumes at another size
+                extra = "World size over time:\n" + "\n".join(changed) + "\n" + (f"\n{extra}" if extra else "")
             repeated = None
             if groups is not None:
                 repeated = [[read[p] for p in g if p] for g in groups]

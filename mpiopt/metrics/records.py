@@ -144,13 +144,15 @@ class MetricsWriter:
 
 @dataclass
 class Run:
-    """The records of one metrics file: ``header``, ``steps``, ``evals`` (superseded ones left out), ``end``, ``resumes``."""
+    """The records of one metrics file: ``header``, ``steps``, ``evals`` (superseded ones left out), ``end``, ``resumes``,
+    ``lost`` (the ranks lost and the world that went on, in the order they came)."""
 
     header: Dict[str, Any]
     steps: List[Dict[str, Any]] = field(default_factory=list)
     evals: List[Dict[str, Any]] = field(default_factory=list)
     end: Optional[Dict[str, Any]] = None
     resumes: List[Dict[str, Any]] = field(default_factory=list)
+    lost: List[Dict[str, Any]] = field(default_factory=list)
     path: str = ""
 
     @property
@@ -192,6 +194,8 @@ def read_metrics(path: "str | os.PathLike[str]") -> Run:
             run.end = None
         elif kind == "end":
             run.end = record
+        elif kind == "lost":
+            run.lost.append(record)
         else:
             _append_in_step_order(run.steps if kind == "step" else run.evals, record)
     if partial.strip():

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .records import Run
 
-__all__ = ["summarize", "add_speedups", "markdown_table", "repeats_table", "format_spread", "format_bytes", "format_seconds",
+__all__ = ["summarize", "world_over_time", "add_speedups", "markdown_table", "repeats_table", "format_spread", "format_bytes", "format_seconds",
            "format_speedup", "format_loss", "SPLITS"]
 
 #: (summary key prefix, step record field, table column) of the time split.
@@ -80,6 +80,22 @@ def summarize(run: Run, *, target_accuracy: Optional[float] = None, target_loss:
         summary[f"{key}_seconds"] = seconds
         summary[f"{key}_fraction"] = seconds / step_total if step_total > 0 else None
     return summary
+
+
+def world_over_time(run: Run) -> str:
+    """The run's world size over time, e.g. ``"4 ranks; 3 from step 7 (lost rank 2); 4 from step 11 (resumed)"``, from
+    its header, its lost ranks and its resumes; "" where the size never changed."""
+    events = []
+    for record in run.lost:  # from the step redone, or the next where the step the rank was lost after stood
+        ranks = ", ".join(map(str, record["lost"]))
+        events.append((record["step"] + (0 if record.get("redone", True) else 1), record["world_size"], f"lost rank{'s' if len(record['lost']) > 1 else ''} {ranks}"))
+    events += [(r.get("resumed_after_step", 0) + 1, r["world_size"], "resumed") for r in run.resumes]
+    size = run.header["world_size"]
+    text = f"{size} ranks"
+    for step, new, why in sorted(events, key=lambda e: e[0]):
+        if new != size:
+            text, size = f"{text}; {new} from step {step} ({why})", new
+    return text if ";" in text else ""
 
 
 def add_speedups(summaries: Sequence[Dict[str, Any]], baseline: str) -> None:

@@ -49,7 +49,7 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Sequence[int] = ())
     # The run's wall time counts the broken step (or phase after it) and the recovery: the price of the loss.
     run.totals.wall_seconds += time.perf_counter() - run.uncounted_since
     left = f"ranks {recovery.left} left with their island; " if recovery.left else ""
-    _tell(run, f"{_lost(recovery.lost)} at step {step + 1}", f"{left}the step {redone}); the world is now {recovery.size} ranks",
+    _tell(run, f"{_lost(recovery.lost)} at step {step + 1}", f"{left}the step {redone}); the world is now {_ranks(recovery.size)}",
           {"step": step + 1, "lost": recovery.lost, "left": recovery.left, "world_size": recovery.size, "redone": not applied})
     if config.on_failure == "respawn":  # the state the replacements take, saved by the survivors at the shrunk size
         lost = [*replacing, *recovery.lost]
@@ -60,6 +60,10 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Sequence[int] = ())
             return go_on_without_lost_ranks(run, resume - 1, lost)
         raise Respawn(path, resume, lost)
     return resume
+
+
+def _ranks(count: int) -> str:
+    return f"{count} rank{'s' if count != 1 else ''}"
 
 
 def _lost(ranks: Sequence[int]) -> str:
@@ -104,7 +108,7 @@ def report_dropped_workers(run: Any, first: int, last: int, server_lost: bool = 
         server = server_lost and i == len(dropped) - 1
         went_on = ("the server among them, whose parameters and state existed nowhere else: the run ends; resume it "
                    "from its newest checkpoint with --resume auto)" if server else
-                   f"the server dropped it; the others went on); the world is now {recovery.size} ranks")
+                   f"the server dropped it; the others went on); the world is now {_ranks(recovery.size)}")
         _tell(run, f"{_lost(recovery.lost)} in steps {first}-{last}", went_on,
               {"step": last, "lost": recovery.lost, "world_size": recovery.size, "redone": False, "server": server})
     run.dropped_told = len(dropped)

@@ -306,6 +306,8 @@ def test_train_goes_on_without_a_killed_rank(tmp_path, algorithm, kill):
         assert re.search(rf"mpiopt: rank {rank}: lost rank {lost} at step \d+ \(the step (redone|kept; going on from the "
                          rf"next)\); the world is now 3 ranks", output), output
     records, event = the_one_loss(out, lost)
+    resized = event["step"] + (0 if event["redone"] else 1)
+    assert re.search(rf"^- {algorithm}: 4 ranks; 3 from step {resized} \(lost rank {lost}\)$", output, re.M), output
     steps = [r["step"] for r in records if r["kind"] == "step"]
     # Every step recorded but, where rank 0 was lost, the one it died after: its record died with it.
     assert steps[-1] == 16 and set(range(1, 17)) - set(steps) <= ({event["step"]} if lost == 0 else set()), steps
@@ -536,6 +538,8 @@ def test_train_respawns_a_killed_rank(tmp_path, algorithm, kill):
     assert sorted(int(r) for r, _, _, _ in joined) == [0, 1, 2, 3] and {int(l) for _, _, l, _ in joined} == {lost}, output
     assert [int(r) for r, who, _, _ in joined if who == "a replacement for"] == [lost], output
     step = int(joined[0][3])
+    assert re.search(rf"^- {algorithm}: 4 ranks; 3 from step \d+ \(lost rank {lost}\); 4 from step {step + 1} \(resumed\)$",
+                     output, re.M), output
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["kind"] == "end" and records[-1]["world_size"] == 4 and records[-1]["step"] == 16, records[-1]
     final = [r for r in records if r["kind"] == "eval"][-1]

@@ -489,3 +489,24 @@ def test_the_legend_of_a_dozen_curves_sits_beside_the_panels_not_on_them():
     assert [t.get_text() for t in legend.get_texts()] == [f"algorithm {i}" for i in range(12)]
     right_of_panels = max(ax.get_window_extent(renderer).x1 for ax in fig.axes)
     assert legend.get_window_extent(renderer).x0 >= right_of_panels
+
+
+def test_lost_ranks_are_the_runs_own_record_and_give_its_world_size_over_time(tmp_path):
+    """A "lost" record is neither a step nor an evaluation; the world's size over the run follows the losses (from
+    the step redone, or the next where the step stood) and the resumes (from the step after the checkpoint's)."""
+    from mpiopt.metrics.summary import world_over_time
+
+    path = tmp_path / "metrics.jsonl"
+    with MetricsWriter(str(path)) as w:
+        w.write({"kind": "run", "algorithm": "sgd", "task": "t", "config": {}, "world_size": 4, "versions": {}})
+        w.write(evaluation(4, 1.0, 10, 0.5))
+        w.write({"kind": "lost", "step": 7, "lost": [2], "world_size": 3, "wall_seconds": 2.0, "redone": True})
+        w.write({"kind": "lost", "step": 9, "lost": [0, 3], "world_size": 1, "wall_seconds": 3.0, "redone": False})
+        w.write({"kind": "run", "algorithm": "sgd", "task": "t", "config": {}, "world_size": 4, "versions": {},
+                 "resumed_after_step": 11})
+        w.write(evaluation(12, 4.0, 20, 0.6))
+    run = read_metrics(str(path))
+    assert [e["kind"] for e in run.evals] == ["eval", "eval"] and [r["step"] for r in run.lost] == [7, 9]
+    assert world_over_time(run) == "4 ranks; 3 from step 7 (lost rank 2); 1 from step 10 (lost ranks 0, 3); 4 from step 12 (resumed)"
+    run.lost, run.resumes = [], []
+    assert world_over_time(run) == ""
