@@ -1,6 +1,11 @@
 """From a rank's death to the replacement's join and to the first step after it, ``mpiopt train --on-failure respawn``.
 
     MPIOPT_MPI=openmpi source tools/setup.sh && python tools/respawn_latency.py [--kills 3] [--algorithm sgd]
+    PRTE_MCA_hwloc_default_binding_policy=none tools/emulated_cluster.sh --nodes 2 --ranks-per-node 3 --rate 1gbit -- \
+        python tools/respawn_latency.py --map-by ppr:2:node
+
+(Across emulated nodes each node needs a free slot for the replacement: 3 slots a node, 2 ranks on each; and the
+emulated nodes share this machine's cores, so Open MPI must not bind a rank to a core of its own.)
 
 Runs ``mpiopt train`` (the digits MLP, 12 steps) at 4 ranks under ``mpiexec --with-ft ulfm`` ``--kills`` times; each
 time rank 2 stops inside the exchange of step 7 and is killed with SIGKILL.  Two times from the kill, read off the
@@ -27,12 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.e2e.launch import ROOT, mpiexec  # noqa: E402  (the tests' launcher)
 
 
-def one(folder: Path, algorithm: str) -> Tuple[float, float]:
+def one(folder: Path, algorithm: str, map_by: str) -> Tuple[float, float]:
     """(seconds to the join line, seconds to step 7's progress line) of one run with one kill."""
     pause = folder / "pause"
     env = dict(os.environ, PYTHONUNBUFFERED="1", MPIOPT_TEST_PAUSE_AT="2@7:exchange", MPIOPT_TEST_PAUSE_FILE=str(pause),
                MPIOPT_FINALIZE_SECONDS="3")
-    command = [mpiexec(), "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self", "-n", "4",
+    placing = ["--map-by", map_by] if map_by else ["--oversubscribe"]
+    command = [mpiexec(), "--allow-run-as-root", *placing, "--with-ft", "ulfm", "--mca", "btl", "tcp,self", "-n", "4",
                sys.executable, "-m", "mpiopt", "train", "--algorithm", algorithm, "--steps", "12", "--batch-size", "16",
                "--progress", "lines", "--on-failure", "respawn", "--out", str(folder / "run")]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
@@ -54,8 +60,11 @@ def one(folder: Path, algorithm: str) -> Tuple[float, float]:
             joined = now
         if joined is not None and stepped is None and re.search(rf"{algorithm} step +7/12", line):
             stepped = now
-    if proc.wait() != 0 or joined is None or stepped is None:
-        raise SystemExit(f"the run did not join and step (exit {proc.returncode}):\n{''.join(lines[-30:])}")
+    code = proc.wait()
+    if joined is None or stepped is None:
+        raise SystemExit(f"the run did not join and step (exit {code}):\n{''.join(lines[-30:])}")
+    if code != 0:  # the launcher's own end after a kill (docs/failures.md): the run itself joined and stepped
+        print(f"(the launcher exited {code} after the run)", flush=True)
     return joined - killed["at"], stepped - killed["at"]
 
 
@@ -63,11 +72,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=3, help="runs, one kill each (default 3)")
     parser.add_argument("--algorithm", default="sgd", help="a synchronous algorithm (default sgd)")
+    parser.add_argument("--map-by", default="", help="Open MPI's --map-by for the 4 ranks, leaving slots free for the "
+                        "replacement (default: --oversubscribe on this host)")
     args = parser.parse_args()
     times = []
     for _ in range(args.kills):
         with tempfile.TemporaryDirectory() as folder:
-            times.append(one(Path(folder), args.algorithm))
+            times.append(one(Path(folder), args.algorithm, args.map_by))
             print(f"kill to join {times[-1][0]:.2f} s, to step 7 redone at 4 ranks {times[-1][1]:.2f} s", flush=True)
     print(f"median of {len(times)}: join {statistics.median(t for t, _ in times):.2f} s, "
           f"step {statistics.median(s for _, s in times):.2f} s")
