@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from functools import partial
 import os
 
 from ..training.flags import add_config_arguments
@@ -88,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from ..asyncrt import ServerLost
     from ..comm import IslandLeft
     from ..training.loop import train
+    from ..training.survival import surviving_the_start
 
     own_update = [name for name in algorithms if config.for_algorithm(name) is not config]
     if own_update:
@@ -120,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
             session.say(f"== {f'repeat {k}/{repeats} (seed {seed}), ' if repeats > 1 else ''}{number}/{len(algorithms)}: {name}")
             folder = os.path.join(session.out, name, f"run{k}") if repeats > 1 else os.path.join(session.out, name)
             try:
-                groups[number - 1].append(train(dataclasses.replace(configs[name], seed=seed), name, session.topology, session.dataset, folder))
+                run = dataclasses.replace(configs[name], seed=seed)
+                groups[number - 1].append(surviving_the_start(partial(train, run, name, session.topology, session.dataset, folder),
+                                                              session.topology, run.islands_for(name)))
             except ServerLost:  # every survivor said so (training/survival.py): an error's exit, no traceback
                 return 1
             except IslandLeft as left:  # said on this rank: its island's part ended; an error's exit if no island goes on

@@ -50,12 +50,14 @@ def train_to_the_end(config: TrainConfig, session: Session) -> int:
     from ..comm import IslandLeft
     from ..training.checkpointing import EXIT_INTERRUPTED, Interrupted
     from ..training.loop import train
-    from ..training.survival import Respawn
+    from ..training.survival import Respawn, surviving_the_start
 
     try:
         while True:
             try:
-                path = train(config, config.algorithm, session.topology, session.dataset, session.out, on_start=session.save_settings)
+                path = surviving_the_start(lambda: train(config, config.algorithm, session.topology, session.dataset, session.out,
+                                                         on_start=session.save_settings),
+                                           session.topology, config.islands_for(config.algorithm))
                 break
             except Respawn as respawn:
                 replace_lost(session, config, respawn)

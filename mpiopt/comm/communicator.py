@@ -212,14 +212,16 @@ class Comm(ObjectCalls, Decisions):
 
     def Split(self, color: int, key: int, name: str) -> Optional["Comm"]:
         """Sub-communicator of ranks with the same ``color``; None where ``color`` is negative."""
-        raw = self._comm.Split(MPI.UNDEFINED if color < 0 else color, key)
+        with self.faults.guard(self.name):
+            raw = self._comm.Split(MPI.UNDEFINED if color < 0 else color, key)
         if raw == MPI.COMM_NULL:
             return None
         return self._sub(raw, name)
 
     def Split_shared(self, name: str) -> "Comm":
         """Sub-communicator of the ranks that share memory (one node)."""
-        raw = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        with self.faults.guard(self.name):
+            raw = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         return self._sub(raw, name)
 
     def _sub(self, raw: MPI.Intracomm, name: str) -> "Comm":

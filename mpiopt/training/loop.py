@@ -38,7 +38,7 @@ from .ddp import NOTES, DDPBaseline
 from .device import autocast, choose_device, use_device, uses_scaler
 from .optimizers import OptimizerSettings, clip, inner_optimizer, schedule
 from .progress import Progress
-from .survival import go_on_without_lost_ranks, report_dropped_workers
+from .survival import go_on_without_lost_ranks, report_dropped_workers, starting
 
 __all__ = ["train", "load_data"]
 
@@ -152,26 +152,26 @@ def train(
     Returns the metrics file's path, on every rank (where rank 0 is lost, the survivor that takes its place reports
     every run, those before the loss too); rank 0 writes it.
     """
-    world = topology.world
-    config = config.for_algorithm(algorithm)
-    device = device or choose_device(config.device, config.precision, config.share_gpus, world)
-    use_device(device)
-    _set_threads(config, world)
-    torch.manual_seed(config.seed)
-    sizes = {k: v for k, v in config.gpt_sizes().items() if k != "block_size"}  # the block size is the dataset's windows'
-    model = build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, width=config.width, dropout=config.dropout, **sizes)
-    model.to(device)  # before the optimizers: their flat buffers and state are made where the parameters are
-    hyper = config.algorithm_hyperparameters(algorithm)
-    scaler = _scaler(algorithm, device) if uses_scaler(config.precision) else None
-    inner = inner_optimizer(OptimizerSettings.of(config), model)
-    opt = _optimizer(algorithm, model, topology, hyper, inner, scaler, islands=config.islands_for(algorithm))
-    broadcast_module(model, topology)
-    torch.manual_seed(config.seed + 1 + world.rank)  # dropout differs between ranks, reproducibly
-    if world.rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-    world.Barrier()
+    world, config = topology.world, config.for_algorithm(algorithm)
     with ExitStack() as cleanup:
-        run = _Run(config, algorithm, topology, dataset, model, opt, hyper, out_dir, stream, cleanup, on_start, scaler)
+        with starting(topology):  # a rank lost before the first step: every survivor leaves here alike
+            device = device or choose_device(config.device, config.precision, config.share_gpus, world)
+            use_device(device)
+            _set_threads(config, world)
+            torch.manual_seed(config.seed)
+            sizes = {k: v for k, v in config.gpt_sizes().items() if k != "block_size"}  # the block size is the dataset's windows'
+            model = build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes, width=config.width, dropout=config.dropout, **sizes)
+            model.to(device)  # before the optimizers: their flat buffers and state are made where the parameters are
+            hyper = config.algorithm_hyperparameters(algorithm)
+            scaler = _scaler(algorithm, device) if uses_scaler(config.precision) else None
+            inner = inner_optimizer(OptimizerSettings.of(config), model)
+            opt = _optimizer(algorithm, model, topology, hyper, inner, scaler, islands=config.islands_for(algorithm))
+            broadcast_module(model, topology)
+            torch.manual_seed(config.seed + 1 + world.rank)  # dropout differs between ranks, reproducibly
+            if world.rank == 0:
+                os.makedirs(out_dir, exist_ok=True)
+            world.Barrier()
+            run = _Run(config, algorithm, topology, dataset, model, opt, hyper, out_dir, stream, cleanup, on_start, scaler)
         end = run.asynchronous() if run.is_asynchronous else run.synchronous()
         return run.close_records(end)
 

@@ -11,12 +11,57 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Dict, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, TypeVar
 
-from ..comm import IslandLeft, RankLost
+from ..comm import IslandLeft, RankLost, Topology
+from ..comm.survival import INJECTION
 from ..metrics import MetricsWriter
 
-__all__ = ["go_on_without_lost_ranks", "Respawn", "report_dropped_workers"]
+__all__ = ["go_on_without_lost_ranks", "Respawn", "report_dropped_workers", "starting", "StartLost", "surviving_the_start"]
+
+T = TypeVar("T")
+
+
+class StartLost(RankLost):
+    """A rank was lost while a run started (its set-up, its resume), before its first step: every survivor raises it
+    (:func:`starting`), and :func:`surviving_the_start` starts the run again on them."""
+
+
+@contextmanager
+def starting(topology: Topology) -> Iterator[None]:
+    """Around a run's start, whose collectives are the set-up's and the resume's: with survival on, the survivors of a
+    rank lost in it agree at its end, and every one raises :class:`StartLost`.  The test hook's ``RANK@0:start``
+    pauses a rank as the job's first run starts."""
+    INJECTION.current = max(INJECTION.current, 0)
+    INJECTION.reached("start")
+    try:
+        with topology.agreed("the run's start"):
+            yield
+    except StartLost:
+        raise
+    except RankLost as lost:
+        raise StartLost(str(lost)) from None
+
+
+def surviving_the_start(run: Callable[[], T], topology: Topology, islands: bool) -> T:
+    """``run()`` (a training run on ``topology``), started again on the survivors each time a rank is lost before its
+    first step (:class:`StartLost`; from the same start: its resume, or step 0).  ``islands``: the run's workers are
+    islands, and an island that lost a rank leaves whole (:class:`~mpiopt.comm.IslandLeft` on its other ranks)."""
+    while True:
+        try:
+            return run()
+        except StartLost:
+            rank = topology.first_ranks[topology.rank]
+            try:
+                recovery = topology.recover(whole_groups=islands)
+            except IslandLeft as left:
+                print(f"mpiopt: rank {rank}: {_lost(left.lost)} as the run started (its island with it: ranks {left.left} "
+                      "leave)", file=sys.stderr, flush=True)
+                raise
+            left = f"ranks {recovery.left} left with their island; " if recovery.left else ""
+            print(f"mpiopt: rank {rank}: {_lost(recovery.lost)} as the run started ({left}starting it again); the world "
+                  f"is now {_ranks(recovery.size)}", file=sys.stderr, flush=True)
 
 
 class Respawn(Exception):

@@ -318,6 +318,25 @@ def test_train_goes_on_without_a_killed_rank(tmp_path, algorithm, kill):
 
 
 @needs_ulfm
+@pytest.mark.parametrize("kill", ["2@0:start", "0@0:start"])
+def test_train_starts_again_without_a_rank_lost_as_it_starts(tmp_path, kill):
+    """A rank lost during the run's set-up (before its first step, the other ranks in its collectives): every survivor
+    says so and starts the run again at 3 ranks, to the end; rank 0's loss included."""
+    out = tmp_path / "run"
+    args = ["-m", "mpiopt", "train", "--algorithm", "sgd", "--steps", "8", "--batch-size", "16", "--on-failure", "shrink",
+            "--progress", "lines", "--out", str(out)]
+    code, output = run_killing(tmp_path, args, [kill], timeout=240)
+    assert code == 0, output
+    lost = int(kill.split("@")[0])
+    for rank in (r for r in range(4) if r != lost):
+        assert (f"mpiopt: rank {rank}: lost rank {lost} as the run started (starting it again); the world is now 3 ranks"
+                in output), output
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["kind"] == "run" and records[0]["world_size"] == 3
+    assert records[-1]["kind"] == "end" and records[-1]["step"] == 8 and records[-1]["world_size"] == 3
+
+
+@needs_ulfm
 @pytest.mark.parametrize("kill", ["2@10:checkpoint", "0@10:checkpoint", "2@16:checkpoint"])
 def test_a_rank_lost_while_a_checkpoint_is_written(tmp_path, kill):
     """Rank 2 dies handing its state over, or rank 0 (the writer) dies with the file half written: the save fails on every
