@@ -3,7 +3,7 @@
 A :class:`~mpiopt.comm.RankLost` reaches the training loop on every survivor alike: from a step (the algorithm put
 the parameters back to its start) or from the evaluation and checkpoint after it (the step stands).  The survivors
 shrink the topology, move the optimizer to themselves, re-shard the data, say so on every rank and in the metrics,
-and go on.
+and go on.  One lost as a run starts (:class:`StartLost`) has the run start again on the survivors.
 """
 
 from __future__ import annotations
@@ -56,12 +56,10 @@ def surviving_the_start(run: Callable[[], T], topology: Topology, islands: bool)
             try:
                 recovery = topology.recover(whole_groups=islands)
             except IslandLeft as left:
-                print(f"mpiopt: rank {rank}: {_lost(left.lost)} as the run started (its island with it: ranks {left.left} "
-                      "leave)", file=sys.stderr, flush=True)
+                print(f"mpiopt: rank {rank}: {_lost(left.lost)} as the run started ({_leaving(left)})", file=sys.stderr, flush=True)
                 raise
-            left = f"ranks {recovery.left} left with their island; " if recovery.left else ""
-            print(f"mpiopt: rank {rank}: {_lost(recovery.lost)} as the run started ({left}starting it again); the world "
-                  f"is now {_ranks(recovery.size)}", file=sys.stderr, flush=True)
+            print(f"mpiopt: rank {rank}: {_lost(recovery.lost)} as the run started ({_left(recovery)}starting it again); "
+                  f"the world is now {_ranks(recovery.size)}", file=sys.stderr, flush=True)
 
 
 class Respawn(Exception):
@@ -81,9 +79,7 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Sequence[int] = ())
     try:
         recovery = run.topology.recover(whole_groups=run.config.islands_for(run.algorithm))
     except IslandLeft as left:  # this rank's island lost a rank: the others' run goes on without it
-        ends = ("the other islands go on; this rank's part ends" if left.size else
-                "no island survived whole: the run ends; resume it from its newest checkpoint with --resume auto")
-        _tell(run, f"{_lost(left.lost)} at step {step + 1}", f"its island with it: ranks {left.left} leave; {ends})", None)
+        _tell(run, f"{_lost(left.lost)} at step {step + 1}", f"{_leaving(left)})", None)
         raise
     run.opt.recover()
     config = run.config
@@ -93,8 +89,7 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Sequence[int] = ())
     redone = "kept; going on from the next" if applied else "redone"
     # The run's wall time counts the broken step (or phase after it) and the recovery: the price of the loss.
     run.totals.wall_seconds += time.perf_counter() - run.uncounted_since
-    left = f"ranks {recovery.left} left with their island; " if recovery.left else ""
-    _tell(run, f"{_lost(recovery.lost)} at step {step + 1}", f"{left}the step {redone}); the world is now {_ranks(recovery.size)}",
+    _tell(run, f"{_lost(recovery.lost)} at step {step + 1}", f"{_left(recovery)}the step {redone}); the world is now {_ranks(recovery.size)}",
           {"step": step + 1, "lost": recovery.lost, "left": recovery.left, "world_size": recovery.size, "redone": not applied})
     if config.on_failure == "respawn":  # the state the replacements take, saved by the survivors at the shrunk size
         lost = [*replacing, *recovery.lost]
@@ -105,6 +100,18 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Sequence[int] = ())
             return go_on_without_lost_ranks(run, resume - 1, lost)
         raise Respawn(path, resume, lost)
     return resume
+
+
+def _leaving(left: IslandLeft) -> str:
+    """What a rank that leaves with its island says (:class:`~mpiopt.comm.IslandLeft`)."""
+    ends = ("the other islands go on; this rank's part ends" if left.size else
+            "no island survived whole: the run ends; resume it from its newest checkpoint with --resume auto")
+    return f"its island with it: ranks {left.left} leave; {ends}"
+
+
+def _left(recovery: Any) -> str:
+    """What the survivors of a recovery say of the ranks that left with their island, if any."""
+    return f"ranks {recovery.left} left with their island; " if recovery.left else ""
 
 
 def _ranks(count: int) -> str:
