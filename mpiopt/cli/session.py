@@ -66,7 +66,7 @@ class Session:
             heading = f"# mpiopt {self.command}: {config.dataset}/{config.model}, {self.ranks_at_start} ranks"
             if self.topology.size != self.ranks_at_start:
                 heading += f" ({self.topology.size} after a lost rank: 'World size over time' says when)"
-            changed = [f"- {run.algorithm}: {world_over_time(run)}" for run in runs if world_over_time(run)]
+            changed = [f"- {run.algorithm}: {sizes}" for run in runs for sizes in [world_over_time(run)] if sizes]
             if changed:  # lost ranks, replacements, resumes at another size
                 extra = "World size over time:\n" + "\n".join(changed) + "\n" + (f"\n{extra}" if extra else "")
             repeated = None

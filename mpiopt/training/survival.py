@@ -38,9 +38,7 @@ def starting(topology: Topology) -> Iterator[None]:
     try:
         with topology.agreed("the run's start"):
             yield
-    except StartLost:
-        raise
-    except RankLost as lost:
+    except RankLost as lost:  # the agreement's, on every survivor alike
         raise StartLost(str(lost)) from None
 
 
