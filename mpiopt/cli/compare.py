@@ -39,13 +39,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import dataclass, field
 from functools import partial
 import os
+from typing import Any, Dict, List, Optional
 
+from ..training.config import TrainConfig, UsageError
 from ..training.flags import add_config_arguments
-from ..training.config import UsageError
 from . import sweep
-from .session import read_settings, start_session
+from .respawn import disconnect, replace_lost
+from .session import Session, read_settings, start_session
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,8 +76,6 @@ def run(args: argparse.Namespace) -> int:
     if repeats < 1:
         raise UsageError(f"--repeats must be an integer >= 1, got {repeats}")
     config, algorithms = read_settings(args, "compare")
-    if config.on_failure == "respawn":  # agreed settings: every rank refuses alike
-        raise UsageError("--on-failure respawn is mpiopt train's (its replacements resume one run); compare takes abort or shrink")
     axes = sweep.parse_sweeps(getattr(args, "sweep", []) or [])
     sweep_steps = getattr(args, "sweep_steps", None)
     if sweep_steps is not None and not axes:
@@ -86,48 +87,98 @@ def run(args: argparse.Namespace) -> int:
         if sweep_steps is None or sweep_steps < 1:
             raise UsageError("--sweep needs --sweep-steps N >= 1 (or --steps, to take a quarter of)")
     session = start_session(config, "compare", algorithms)
-    from ..asyncrt import ServerLost
-    from ..comm import IslandLeft
-    from ..training.loop import train
-    from ..training.survival import surviving_the_start
-
     own_update = [name for name in algorithms if config.for_algorithm(name) is not config]
     if own_update:
         session.say(f"--optimizer {config.optimizer} steps every algorithm but {', '.join(own_update)}: "
                     "they keep their own update (see each one's help)")
+    return Comparison(config, algorithms, repeats, axes, sweep_steps).go_on(session)
 
-    configs = {name: config for name in algorithms}  # each algorithm's, its sweep's choice in it
-    section = ""
-    if axes:
-        chosen: dict = {}
-        tried: dict = {}
-        for name in algorithms:
-            tried[name] = []
-            for k, point in enumerate(sweep.grid(axes, name), 1):
-                session.say(f"== sweep {name}: " + ", ".join(f"{key}={value}" for key, value in point.items()))
-                short = sweep.tuning_config(config, name, point, sweep_steps)
-                path = train(short, name, session.topology, session.dataset, os.path.join(session.out, "sweep", name, str(k)))
-                tried[name].append({"values": point, "score": sweep.score(path) if session.rank == 0 else None, "metrics": path})
-            chosen[name] = sweep.choose(tried[name])["values"]  # rank 0's is the one that counts: it read the scores
-        chosen = session.topology.world.bcast_obj(chosen if session.rank == 0 else None)
-        configs = {name: sweep.with_point(config, name, chosen[name]) for name in algorithms}
+
+@dataclass
+class Comparison:
+    """``compare``'s runs in order, the tuning runs of ``--sweep`` first, and what they found so far: its plan
+    (:class:`~mpiopt.cli.respawn.Plan`).  With ``--on-failure respawn`` the survivors hand it, as it stands, to the
+    processes started for the lost ranks, and every rank goes on from the run the loss broke, resumed."""
+
+    config: TrainConfig
+    algorithms: List[str]
+    repeats: int
+    axes: List[sweep.Axis]
+    sweep_steps: Optional[int]
+    #: Runs finished, the tuning runs first.
+    done: int = 0
+    #: The survivors' checkpoint that the run after ``done`` resumes from (a respawn's), else None.
+    resume: Optional[str] = None
+    #: Each algorithm's tuning runs: its grid points' values and metrics files.
+    tried: Dict[str, List[Dict[str, Any]]] = field(default_factory=dict)
+    #: Each algorithm's grid point, once the tuning runs ended (rank 0's choice).
+    chosen: Optional[Dict[str, Dict[str, Any]]] = None
+    #: results.md's section on the sweep (rank 0).
+    section: str = ""
+    #: Per algorithm, its main runs' metrics files, one per repeat.
+    groups: List[List[str]] = field(default_factory=list)
+
+    def go_on(self, session: Session) -> int:
+        from ..asyncrt import ServerLost
+        from ..comm import IslandLeft
+
+        try:
+            self._runs(session)
+        except ServerLost:  # every survivor said so (training/survival.py): an error's exit, no traceback
+            return 1
+        except IslandLeft as left:  # said on this rank: its island's part ended; an error's exit if no island goes on
+            return 0 if left.size else 1
+        finally:
+            disconnect(session)
+        return 0
+
+    def _runs(self, session: Session) -> None:
+        # An algorithm no --sweep key applies to keeps its settings, untried.
+        tuning = [(name, k, point) for name in self.algorithms for k, point in enumerate(sweep.grid(self.axes, name), 1) if point]
+        for name, k, point in tuning[self.done:]:
+            session.say(f"== sweep {name}: " + ", ".join(f"{key}={value}" for key, value in point.items()))
+            short = sweep.tuning_config(self.config, name, point, self.sweep_steps)
+            path = self._train(session, short, name, os.path.join(session.out, "sweep", name, str(k)))
+            self.tried.setdefault(name, []).append({"values": point, "metrics": path})
+        if self.axes and self.chosen is None:
+            self._choose(session)
+        configs = {name: sweep.with_point(self.config, name, self.chosen[name]) if self.chosen else self.config for name in self.algorithms}
+        if not self.groups:
+            self.groups = [[] for _ in self.algorithms]
+        # Round by round (every algorithm once per repeat), so that a change in the machine's load hits them all alike.
+        main = [(k, number, name) for k in range(1, self.repeats + 1) for number, name in enumerate(self.algorithms, 1)]
+        for k, number, name in main[self.done - len(tuning):]:
+            seed = self.config.seed + k - 1
+            session.say(f"== {f'repeat {k}/{self.repeats} (seed {seed}), ' if self.repeats > 1 else ''}{number}/{len(self.algorithms)}: {name}")
+            folder = os.path.join(session.out, name, f"run{k}") if self.repeats > 1 else os.path.join(session.out, name)
+            self.groups[number - 1].append(self._train(session, dataclasses.replace(configs[name], seed=seed), name, folder))
+        session.finish([p for g in self.groups for p in g], self.config, groups=self.groups if self.repeats > 1 else None, extra=self.section)
+
+    def _choose(self, session: Session) -> None:
+        """Each algorithm's best grid point, scored by rank 0 (the survivor in its place if it was lost) and shared."""
         if session.rank == 0:
-            section = sweep.report(session.out, chosen, tried, sweep_steps)
+            for candidates in self.tried.values():
+                for candidate in candidates:
+                    candidate["score"] = sweep.score(candidate["metrics"])
+            chosen = {name: sweep.choose(self.tried[name])["values"] if name in self.tried else {} for name in self.algorithms}
+            self.section = sweep.report(session.out, chosen, self.tried, self.sweep_steps)
+        self.chosen = session.topology.world.bcast_obj(chosen if session.rank == 0 else None)
 
-    # Round by round (every algorithm once per repeat), so that a change in the machine's load hits them all alike.
-    groups: list = [[] for _ in algorithms]
-    for k in range(1, repeats + 1):
-        seed = config.seed + k - 1
-        for number, name in enumerate(algorithms, 1):
-            session.say(f"== {f'repeat {k}/{repeats} (seed {seed}), ' if repeats > 1 else ''}{number}/{len(algorithms)}: {name}")
-            folder = os.path.join(session.out, name, f"run{k}") if repeats > 1 else os.path.join(session.out, name)
+    def _train(self, session: Session, config: TrainConfig, name: str, folder: str) -> str:
+        """One run into ``folder`` (collective), started again on the survivors of a rank lost as it starts, and with
+        ``--on-failure respawn`` resumed with the replacements of every rank lost in it; its metrics file."""
+        from ..training.loop import train
+        from ..training.survival import Respawn, surviving_the_start
+
+        while True:
+            run = dataclasses.replace(config, resume=self.resume, on_failure=self.config.on_failure)
             try:
-                run = dataclasses.replace(configs[name], seed=seed)
-                groups[number - 1].append(surviving_the_start(partial(train, run, name, session.topology, session.dataset, folder),
-                                                              session.topology, run.islands_for(name)))
-            except ServerLost:  # every survivor said so (training/survival.py): an error's exit, no traceback
-                return 1
-            except IslandLeft as left:  # said on this rank: its island's part ended; an error's exit if no island goes on
-                return 0 if left.size else 1
-    session.finish([p for g in groups for p in g], config, groups=groups if repeats > 1 else None, extra=section)
-    return 0
+                path = surviving_the_start(partial(train, run, name, session.topology, session.dataset, folder),
+                                           session.topology, run.islands_for(name))
+            except Respawn as respawn:
+                self.resume = respawn.checkpoint
+                if not replace_lost(session, respawn, self):
+                    self.config.on_failure = "shrink"  # said once: later losses shrink too
+                continue
+            self.done, self.resume = self.done + 1, None
+            return path

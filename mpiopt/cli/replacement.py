@@ -10,13 +10,12 @@ from mpi4py import MPI
 
 def main() -> int:
     if MPI.Comm.Get_parent() == MPI.COMM_NULL:
-        print("mpiopt.cli.replacement is started by mpiopt train's survivors (--on-failure respawn), not by hand", file=sys.stderr)
+        print("mpiopt.cli.replacement is started by the survivors of mpiopt train or compare (--on-failure respawn), not by hand", file=sys.stderr)
         return 2
     from .respawn import join_survivors
-    from .train import train_to_the_end
 
-    config, session = join_survivors()
-    return train_to_the_end(config, session)
+    plan, session = join_survivors()
+    return plan.go_on(session)
 
 
 if __name__ == "__main__":

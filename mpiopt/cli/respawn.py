@@ -1,10 +1,12 @@
 """``--on-failure respawn``: a process for each lost rank joins the survivors, and all resume from their checkpoint.
 
 The survivors of a lost rank recover as under ``shrink``, save a checkpoint at the shrunk size and leave the run
-(:class:`~mpiopt.training.survival.Respawn`).  Here they start one process per lost rank (``MPI_Comm_spawn``, this
-module as its program), merge with them into a world of the original size, hand them the settings, and every rank
+(:class:`~mpiopt.training.survival.Respawn`).  Here they start one process per lost rank (``MPI_Comm_spawn``, running
+:mod:`mpiopt.cli.replacement`), merge with them into a world of the original size, hand them the settings, and every rank
 resumes from that checkpoint as a resume on another rank count does (the resize rules): the replacements start with
 the survivors' parameters, bitwise.  Where no process can start, the survivors resume at their own size and say so.
+What every rank does next is the command's :class:`Plan` (``train``: the one run; ``compare``: its runs from the
+broken one on), handed to the replacements as it stands on the survivors.
 
 ``python -m mpiopt.cli.replacement`` is the replacements' program: started by the survivors, never by hand.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Tuple
+from typing import Any, Protocol, Tuple
 
 from mpi4py import MPI
 
@@ -21,45 +23,56 @@ from ..comm import Topology
 from ..training.config import TrainConfig
 from .session import Session
 
-__all__ = ["replace_lost", "join_survivors", "disconnect"]
+__all__ = ["Plan", "replace_lost", "join_survivors", "disconnect"]
+
+
+class Plan(Protocol):
+    """What a command's ranks do from a respawn on (picklable: the survivors hand it to the replacements)."""
+
+    #: The settings the topology is rebuilt with (its group size, what it does with a lost rank).
+    config: TrainConfig
+
+    def go_on(self, session: Session) -> int:
+        """Run the rest on ``session``, its report included; the exit code."""
+
 
 PROGRAM = ["-m", "mpiopt.cli.replacement"]
 
 
-def replace_lost(session: Session, config: TrainConfig, respawn: Any) -> None:
-    """On every survivor after a :class:`~mpiopt.training.survival.Respawn`: start the replacements and rebuild the
-    session's topology and data with them (collective); ``config`` then resumes from the survivors' checkpoint."""
+def replace_lost(session: Session, respawn: Any, plan: Plan) -> bool:
+    """On every survivor after a :class:`~mpiopt.training.survival.Respawn`: start the replacements, hand them
+    ``plan`` (which resumes from the survivors' checkpoint) and rebuild the session's topology and data with them
+    (collective).  False where no process could start: said once, and the caller's later losses shrink."""
     topology = session.topology
-    config.resume = respawn.checkpoint
     inter, why = topology.spawn(len(respawn.lost), PROGRAM)
     if inter is None:
-        config.on_failure = "shrink"  # said once: later losses shrink too
         if topology.rank == 0:
             print(f"mpiopt: --on-failure respawn: no process could start for lost rank(s) {respawn.lost} ({why}); "
                   f"going on with {topology.size} ranks, as --on-failure shrink would", file=sys.stderr, flush=True)
-        return
+        return False
     merged = inter.Merge(high=False)  # the survivors first, in their order
-    merged.bcast((config, respawn.lost, respawn.step, session.out, session.command, session.ranks_at_start), root=0)
+    merged.bcast((plan, respawn.lost, respawn.step, session.out, session.command, session.ranks_at_start), root=0)
     session.links.append(inter)
     job_rank = topology.first_ranks[topology.rank]  # a replacement of an earlier loss may be among the survivors
     topology.Free()
-    _rejoin(session, config, merged, job_rank, respawn.lost, respawn.step, joined=False)
+    _rejoin(session, plan.config, merged, job_rank, respawn.lost, respawn.step, joined=False)
+    return True
 
 
-def join_survivors() -> Tuple[TrainConfig, Session]:
-    """In a replacement: merge with the survivors who started it, take the settings they hand over, and build the
-    topology and data with them (collective).  The config resumes from their checkpoint."""
+def join_survivors() -> Tuple[Plan, Session]:
+    """In a replacement: merge with the survivors who started it, take the plan they hand over, and build the
+    topology and data with them (collective).  The plan resumes from their checkpoint."""
     from ..comm.survival import INJECTION
 
     INJECTION.points.clear()  # the test hook's points name the first world's processes, not this one
     parent = MPI.Comm.Get_parent()
     merged = parent.Merge(high=True)
-    config, lost, step, out, command, ranks_at_start = merged.bcast(None, root=0)
+    plan, lost, step, out, command, ranks_at_start = merged.bcast(None, root=0)
     job_rank = lost[merged.Get_rank() - (merged.Get_size() - len(lost))]
     session = Session(None, None, out, command, time.perf_counter(), ranks_at_start=ranks_at_start)
     session.links.append(parent)
-    _rejoin(session, config, merged, job_rank, lost, step, joined=True)
-    return config, session
+    _rejoin(session, plan.config, merged, job_rank, lost, step, joined=True)
+    return plan, session
 
 
 def _rejoin(session: Session, config: TrainConfig, merged: MPI.Intracomm, job_rank: int, lost: list, step: int, joined: bool) -> None:

@@ -89,6 +89,8 @@ def report(out: str, chosen: Dict[str, Dict[str, Any]], tried: Dict[str, List[Di
     with open(os.path.join(out, "sweep.json"), "w") as handle:
         json.dump({"metric": "test_loss (last evaluation; lower is better)", "steps": steps, "chosen": chosen, "candidates": tried}, handle, indent=2)
     lines = [f"## sweep: {steps} steps per candidate, chosen by the last test loss (OUT/sweep.json)", ""]
+    for algorithm in (name for name in chosen if name not in tried):
+        lines.append(f"- {algorithm}: no --sweep key applies; its settings as given")
     for algorithm, candidates in tried.items():
         shown = "; ".join(
             ", ".join(f"{k}={v}" for k, v in c["values"].items()) + f": {'—' if c['score'] is None else format(c['score'], '.4g')}"

@@ -25,6 +25,7 @@ model: each algorithm's ``evaluates`` (``--help`` lists them, from the classes):
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from ..training.config import TrainConfig
 from ..training.flags import add_config_arguments, evaluated_help
@@ -40,7 +41,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config, algorithms = read_settings(args, "train")
-    return train_to_the_end(config, start_session(config, "train", algorithms))
+    return OneRun(config).go_on(start_session(config, "train", algorithms))
+
+
+@dataclass
+class OneRun:
+    """``train``'s plan (:class:`~mpiopt.cli.respawn.Plan`): its one run, which a respawn resumes."""
+
+    config: TrainConfig
+
+    def go_on(self, session: Session) -> int:
+        return train_to_the_end(self.config, session)
 
 
 def train_to_the_end(config: TrainConfig, session: Session) -> int:
@@ -60,7 +71,9 @@ def train_to_the_end(config: TrainConfig, session: Session) -> int:
                                            session.topology, config.islands_for(config.algorithm))
                 break
             except Respawn as respawn:
-                replace_lost(session, config, respawn)
+                config.resume = respawn.checkpoint
+                if not replace_lost(session, respawn, OneRun(config)):
+                    config.on_failure = "shrink"  # said once: later losses shrink too
             except Interrupted as stop:
                 session.say(f"\n{stop}; continue with --resume {stop.path} (or --resume auto)")
                 return EXIT_INTERRUPTED

@@ -526,14 +526,34 @@ def test_train_refuses_shrink_where_the_mpi_cannot_keep_it(tmp_path, on_failure)
     assert "mpiexec --with-ft ulfm --mca btl tcp,self" in output, output
 
 
-def test_compare_refuses_respawn_on_every_rank(tmp_path):
-    """Respawn resumes one run: compare says so, exit 2, before any rank waits (any MPI)."""
-    from .launch import run_mpi
-
-    code, output, _ = run_mpi(2, ["-m", "mpiopt", "compare", "--algorithms", "sgd,diloco", "--steps", "2", "--on-failure", "respawn", "--out", str(tmp_path / "r")],
-                              timeout=120)
-    assert code == 2, output
-    assert "--on-failure respawn is mpiopt train's" in output, output
+@needs_ulfm
+def test_compare_respawns_killed_ranks_in_a_sweep_and_in_a_main_run(tmp_path):
+    """`mpiopt compare --on-failure respawn`: rank 0 killed in the first tuning run of --sweep, rank 2 in the first main
+    run.  Each time a process started in the lost rank's place takes the comparison as the survivors hold it (the
+    tuning runs done, the choice made) and every rank resumes the broken run with it; every later run is at 4 ranks,
+    and the new rank 0 scores every candidate, those run before it took rank 0's place too."""
+    out = tmp_path / "cmp"
+    args = ["-m", "mpiopt", "compare", "--algorithms", "sgd,diloco", "--hp", "diloco.period=4", "--steps", "12",
+            "--eval-every", "6", "--batch-size", "16", "--sweep", "sgd.lr=0.05,0.1", "--sweep-steps", "3",
+            "--on-failure", "respawn", "--progress", "lines", "--out", str(out)]
+    code, output = run_killing(tmp_path, args, ["0@2:exchange", "2@5:exchange"], timeout=280)
+    assert code == 0, output
+    joined = re.findall(r"mpiopt: rank (\d+): (a replacement for|replacements joined for) lost rank\(s\) \[(\d+)\]; the world is 4 "
+                        r"ranks again, resuming after step (\d+)", output)
+    by_loss = {lost: sorted(int(r) for r, _, l, _ in joined if l == lost) for lost in ("0", "2")}
+    assert by_loss == {"0": [0, 1, 2, 3], "2": [0, 1, 2, 3]}, output
+    assert sorted((l, r) for r, who, l, _ in joined if who == "a replacement for") == [("0", "0"), ("2", "2")], output
+    ends = {path.relative_to(out).parent.as_posix(): json.loads(path.read_text().splitlines()[-1]) for path in out.rglob("metrics.jsonl")}
+    assert {run: (end["kind"], end["step"], end["world_size"]) for run, end in ends.items()} == {
+        "sweep/sgd/1": ("end", 3, 4), "sweep/sgd/2": ("end", 3, 4),
+        "sgd": ("end", 12, 4), "diloco": ("end", 12, 4)}, ends
+    candidates = json.loads((out / "sweep.json").read_text())["candidates"]
+    assert [c["values"] for c in candidates["sgd"]] == [{"lr": 0.05}, {"lr": 0.1}], candidates
+    assert all(np.isfinite(c["score"]) for cs in candidates.values() for c in cs), candidates
+    results = (out / "results.md").read_text()
+    assert "- diloco: no --sweep key applies; its settings as given" in results, results
+    assert re.search(r"^- sgd: 4 ranks; 3 from step \d+ \(lost rank 2\); 4 from step \d+ \(resumed\)$", results, re.M), results
+    assert re.search(r"^\| sgd \|", results, re.M) and re.search(r"^\| diloco \|", results, re.M), results
 
 
 @needs_ulfm

@@ -46,3 +46,32 @@ def test_a_tuning_run_is_short_skips_non_finite_steps_and_puts_the_rate_where_th
         assert "nan_policy" not in tuning_config(config, name, {"lr": 0.01}, 40).algorithm_hyperparameters(name)
     for name in ("sgd", "signum", "lsgd", "ddp", "async_msgd"):
         tuning_config(config, name, {"lr": 0.01}, 40).validate([name])
+
+
+def test_the_choice_is_scored_when_made_from_every_tuning_runs_metrics(tmp_path):
+    """Rank 0 scores every candidate as it chooses, from the metrics files: a rank that took rank 0's place after a lost
+    rank (compare --on-failure shrink or respawn) scores the runs before the loss too.  An algorithm that no --sweep
+    key applies to is not tried and keeps its settings."""
+    import json
+    from types import SimpleNamespace
+
+    from mpiopt.cli.compare import Comparison
+    from mpiopt.training.config import TrainConfig
+
+    def metrics(name, loss):
+        path = tmp_path / name
+        records = [{"kind": "run", "algorithm": "sgd", "task": "digits", "config": {}, "world_size": 2, "versions": {}},
+                   {"kind": "eval", "step": 3, "wall_seconds": 0.1, "bytes_sent_total": 0, "test_loss": loss, "test_accuracy": 0.5}]
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        return str(path)
+
+    comparison = Comparison(TrainConfig(), ["sgd", "diloco"], 1, parse_sweeps(["sgd.lr=0.05,0.1"]), 3,
+                            tried={"sgd": [{"values": {"lr": 0.05}, "metrics": metrics("a", 2.5)},
+                                           {"values": {"lr": 0.1}, "metrics": metrics("b", 2.25)}]})
+    world = SimpleNamespace(bcast_obj=lambda value: value)
+    comparison._choose(SimpleNamespace(rank=0, out=str(tmp_path), topology=SimpleNamespace(world=world)))
+    assert comparison.chosen == {"sgd": {"lr": 0.1}, "diloco": {}}
+    assert [c["score"] for c in comparison.tried["sgd"]] == [2.5, 2.25]
+    assert "- sgd: chose lr=0.1 (lr=0.05: 2.5; lr=0.1: 2.25)" in comparison.section, comparison.section
+    assert "- diloco: no --sweep key applies; its settings as given" in comparison.section, comparison.section
+    assert json.loads((tmp_path / "sweep.json").read_text())["chosen"] == {"sgd": {"lr": 0.1}, "diloco": {}}
