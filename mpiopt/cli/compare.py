@@ -174,9 +174,9 @@ class Comparison:
             run = dataclasses.replace(config, resume=self.resume, on_failure=self.config.on_failure)
             try:
                 path = surviving_the_start(partial(train, run, name, session.topology, session.dataset, folder),
-                                           session.topology, run.islands_for(name))
+                                           session.topology, run.islands_for(name), run.on_failure == "respawn")
             except Respawn as respawn:
-                self.resume = respawn.checkpoint
+                self.resume = respawn.checkpoint or self.resume  # none: lost as the run started, which starts again
                 if not replace_lost(session, respawn, self):
                     self.config.on_failure = "shrink"  # said once: later losses shrink too
                 continue

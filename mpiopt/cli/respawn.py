@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Protocol, Tuple
+from typing import Any, Optional, Protocol, Tuple
 
 from mpi4py import MPI
 
@@ -75,7 +75,8 @@ def join_survivors() -> Tuple[Plan, Session]:
     return plan, session
 
 
-def _rejoin(session: Session, config: TrainConfig, merged: MPI.Intracomm, job_rank: int, lost: list, step: int, joined: bool) -> None:
+def _rejoin(session: Session, config: TrainConfig, merged: MPI.Intracomm, job_rank: int, lost: list, step: Optional[int],
+            joined: bool) -> None:
     """The session's topology on ``merged`` and its data re-read (collective on the survivors and the replacements;
     ``joined``: this process is a replacement)."""
     from ..training.loop import load_data
@@ -86,8 +87,9 @@ def _rejoin(session: Session, config: TrainConfig, merged: MPI.Intracomm, job_ra
     topology = session.topology
     first = topology.first_ranks[topology.rank]
     what = "a replacement for" if joined else "replacements joined for"
-    print(f"mpiopt: rank {first}: {what} lost rank(s) {lost}; the world is {topology.size} ranks again, resuming "
-          f"after step {step}", file=sys.stderr, flush=True)
+    going_on = "starting the run again" if step is None else f"resuming after step {step}"
+    print(f"mpiopt: rank {first}: {what} lost rank(s) {lost}; the world is {topology.size} ranks again, {going_on}",
+          file=sys.stderr, flush=True)
 
 
 def disconnect(session: Session) -> None:

@@ -42,10 +42,12 @@ def starting(topology: Topology) -> Iterator[None]:
         raise StartLost(str(lost)) from None
 
 
-def surviving_the_start(run: Callable[[], T], topology: Topology, islands: bool) -> T:
+def surviving_the_start(run: Callable[[], T], topology: Topology, islands: bool, respawn: bool = False) -> T:
     """``run()`` (a training run on ``topology``), started again on the survivors each time a rank is lost before its
     first step (:class:`StartLost`; from the same start: its resume, or step 0).  ``islands``: the run's workers are
-    islands, and an island that lost a rank leaves whole (:class:`~mpiopt.comm.IslandLeft` on its other ranks)."""
+    islands, and an island that lost a rank leaves whole (:class:`~mpiopt.comm.IslandLeft` on its other ranks).
+    ``respawn`` (``--on-failure respawn``): :class:`Respawn` instead, without a checkpoint: the replacements start the
+    run with the survivors from where it was starting."""
     while True:
         try:
             return run()
@@ -56,16 +58,21 @@ def surviving_the_start(run: Callable[[], T], topology: Topology, islands: bool)
             except IslandLeft as left:
                 print(f"mpiopt: rank {rank}: {_lost(left.lost)} as the run started ({_leaving(left)})", file=sys.stderr, flush=True)
                 raise
-            print(f"mpiopt: rank {rank}: {_lost(recovery.lost)} as the run started ({_left(recovery)}starting it again); "
+            again = "starting it again with a process in each lost rank's place" if respawn else "starting it again"
+            print(f"mpiopt: rank {rank}: {_lost(recovery.lost)} as the run started ({_left(recovery)}{again}); "
                   f"the world is now {_ranks(recovery.size)}", file=sys.stderr, flush=True)
+            if respawn:
+                raise Respawn(None, None, recovery.lost)
 
 
 class Respawn(Exception):
     """Out of :func:`~mpiopt.training.loop.train` on every survivor (``--on-failure respawn``): the survivors saved
-    ``checkpoint`` after ``step``; processes started for the ``lost`` ranks resume from it with them."""
+    ``checkpoint`` after ``step``; processes started for the ``lost`` ranks resume from it with them.  Both None
+    where the run had not begun (:func:`surviving_the_start`): it starts again as it was starting, the
+    replacements with it."""
 
-    def __init__(self, checkpoint: str, step: int, lost: list) -> None:
-        super().__init__(f"lost ranks {lost}: replacements to resume from {checkpoint}")
+    def __init__(self, checkpoint: Optional[str], step: Optional[int], lost: list) -> None:
+        super().__init__(f"lost ranks {lost}: replacements to {f'resume from {checkpoint}' if checkpoint else 'start the run with'}")
         self.checkpoint, self.step, self.lost = checkpoint, step, lost
 
 

@@ -318,22 +318,28 @@ def test_train_goes_on_without_a_killed_rank(tmp_path, algorithm, kill):
 
 
 @needs_ulfm
-@pytest.mark.parametrize("kill", ["2@0:start", "0@0:start"])
-def test_train_starts_again_without_a_rank_lost_as_it_starts(tmp_path, kill):
+@pytest.mark.parametrize("on_failure, kill", [("shrink", "2@0:start"), ("shrink", "0@0:start"), ("respawn", "0@0:start")])
+def test_train_starts_again_without_a_rank_lost_as_it_starts(tmp_path, on_failure, kill):
     """A rank lost during the run's set-up (before its first step, the other ranks in its collectives): every survivor
-    says so and starts the run again at 3 ranks, to the end; rank 0's loss included."""
+    says so and starts the run again at 3 ranks, to the end; rank 0's loss included.  Under respawn a process started
+    in its place joins, and the run starts again at 4 ranks."""
     out = tmp_path / "run"
-    args = ["-m", "mpiopt", "train", "--algorithm", "sgd", "--steps", "8", "--batch-size", "16", "--on-failure", "shrink",
+    args = ["-m", "mpiopt", "train", "--algorithm", "sgd", "--steps", "8", "--batch-size", "16", "--on-failure", on_failure,
             "--progress", "lines", "--out", str(out)]
     code, output = run_killing(tmp_path, args, [kill], timeout=240)
     assert code == 0, output
     lost = int(kill.split("@")[0])
+    again, size = ("starting it again with a process in each lost rank's place", 4) if on_failure == "respawn" else ("starting it again", 3)
     for rank in (r for r in range(4) if r != lost):
-        assert (f"mpiopt: rank {rank}: lost rank {lost} as the run started (starting it again); the world is now 3 ranks"
+        assert (f"mpiopt: rank {rank}: lost rank {lost} as the run started ({again}); the world is now 3 ranks"
                 in output), output
+    if on_failure == "respawn":
+        joined = re.findall(rf"mpiopt: rank (\d+): (?:a replacement for|replacements joined for) lost rank\(s\) \[{lost}\]; the world "
+                            r"is 4 ranks again, starting the run again", output)
+        assert sorted(map(int, joined)) == [0, 1, 2, 3], output
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert records[0]["kind"] == "run" and records[0]["world_size"] == 3
-    assert records[-1]["kind"] == "end" and records[-1]["step"] == 8 and records[-1]["world_size"] == 3
+    assert records[0]["kind"] == "run" and records[0]["world_size"] == size
+    assert records[-1]["kind"] == "end" and records[-1]["step"] == 8 and records[-1]["world_size"] == size
 
 
 @needs_ulfm
