@@ -11,7 +11,7 @@ docs/training-internals.md.
 
 from __future__ import annotations
 
-import warnings
+import sys
 from typing import Any, Dict, List, Mapping, Tuple
 
 from ..algorithms.resize import hyperparameter_differences, resize_states, source_rank
@@ -99,11 +99,9 @@ def _resized(ckpt: Checkpoint, algorithm: str, world: Comm, hyperparameters: Map
         else:
             moves = (f"written by {old} ranks as {_workers_in_words(old_layout)}, resuming on {world.size} as "
                      f"{_workers_in_words(layout)}. Parameters and model buffers: new worker w takes old worker w % {len(workers)}'s")
-        warnings.warn(
-            f"--resume {ckpt.path}: {moves}. {algorithm} state, per worker:{lines}\n"
-            "The data order continues at the next step of this world's sampler (its epochs differ).",
-            stacklevel=3,
-        )
+        # Said as a line of the run's output, not a Python warning: the user reads it, with no source line under it.
+        print(f"--resume {ckpt.path}: {moves}. {algorithm} state, per worker:{lines}\n"
+              "The data order continues at the next step of this world's sampler (its epochs differ).", file=sys.stderr, flush=True)
     rng = states[world.rank]["rng"] if world.rank < old else None  # a new rank keeps its fresh seed
     # The inner optimizer's state follows the parameters it moved.
     return {"algorithm": moved, "params": mine["params"], "buffers": mine["buffers"], "rng": rng, "inner": mine.get("inner"),
