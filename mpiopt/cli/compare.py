@@ -119,6 +119,7 @@ class Comparison:
     groups: List[List[str]] = field(default_factory=list)
 
     def go_on(self, session: Session) -> int:
+        """The runs not done yet, then the report; the exit code."""
         from ..asyncrt import ServerLost
         from ..comm import IslandLeft
 

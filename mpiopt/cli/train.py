@@ -51,6 +51,7 @@ class OneRun:
     config: TrainConfig
 
     def go_on(self, session: Session) -> int:
+        """The run to its end (resumed where ``config.resume`` says), then the report; the exit code."""
         return train_to_the_end(self.config, session)
 
 

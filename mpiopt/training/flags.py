@@ -58,7 +58,8 @@ _HELP = {
     "docs/islands.md)",
     "on_failure": "what a lost rank (its process killed, its node gone) does: abort (end the job, MPI's default), "
     "shrink (the survivors redo the step without it and train on) or respawn (as shrink, then the survivors "
-    "checkpoint, start a process for each lost one and all go on at the original size, compare from the run the loss broke; shrink where none can start); "
+    "checkpoint, start a process for each lost one and all go on at the original size, compare from the run the loss "
+    "broke; shrink where none can start); "
     "needs Open MPI launched as `mpiexec --with-ft ulfm --mca btl tcp,self`, any algorithm (the asynchronous "
     "ones shrink only: their server drops a lost worker; a lost server ends the run), with --islands shrink only (an island "
     "that lost a rank leaves whole: its other ranks end, exit 0), no fp16 yet; docs/failures.md",
