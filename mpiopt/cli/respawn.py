@@ -79,7 +79,7 @@ def _rejoin(session: Session, config: TrainConfig, merged: MPI.Intracomm, job_ra
             joined: bool) -> None:
     """The session's topology on ``merged`` and its data re-read (collective on the survivors and the replacements;
     ``joined``: this process is a replacement)."""
-    from ..training.loop import load_data
+    from ..training.data import load_data
 
     session.topology = Topology(merged, group_size=config.group_size, on_failure=config.topology_on_failure, job_rank=job_rank)
     merged.Free()  # the topology's communicators are its own duplicates

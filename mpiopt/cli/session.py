@@ -145,7 +145,7 @@ def read_settings(args: Any, command: str) -> "tuple[TrainConfig, List[str]]":
 
 def start_session(config: TrainConfig, command: str, algorithms: List[str]) -> Session:
     """Create the topology, agree on the output folder, print and save the settings, load the data."""
-    from ..training.loop import load_data
+    from ..training.data import load_data
 
     started = time.perf_counter()
     try:  # the settings are agreed: every rank refuses alike

@@ -47,7 +47,8 @@ def train_images(topology: Topology, config: TrainConfig, algorithms: Sequence[s
     ``<prefix>loss.png``: against steps, wall time and bytes) and the
     summaries' Markdown table; elsewhere ``([], [], [], "")``.
     """
-    from ..training.loop import load_data, train
+    from ..training.data import load_data
+    from ..training.loop import train
 
     config.validate(algorithms)
     dataset = load_data(config, topology.world)

@@ -137,7 +137,7 @@ def _plot_straggler(results: Dict[str, Dict[str, Any]], budget: float, path: str
 
 def run(out: str, quick: bool) -> Dict[str, Any]:
     """Both parts (a collective call at :data:`RANKS` ranks); the numbers on rank 0."""
-    from ..training.loop import load_data
+    from ..training.data import load_data
 
     topology = Topology()
     world = topology.world

@@ -103,7 +103,8 @@ def _verdicts(rows: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
 
 def run(out: str, quick: bool) -> Dict[str, Any]:
     """Every run (a collective call at :data:`RANKS` ranks); the numbers on rank 0."""
-    from ..training.loop import load_data, train
+    from ..training.data import load_data
+    from ..training.loop import train
 
     topology = Topology()
     steps, period = (QUICK_STEPS, QUICK_PERIOD) if quick else (STEPS, PERIOD)

@@ -58,7 +58,8 @@ def pending(runs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
 def main(argv: Sequence[str]) -> int:
     """Train the job's pending runs (a collective call); rank 0 prints a line per run."""
     from ..comm import abort_on_exception
-    from ..training.loop import load_data, train
+    from ..training.data import load_data
+    from ..training.loop import train
 
     abort_on_exception()
     if len(argv) != 1:

@@ -92,7 +92,8 @@ def wait_without_spinning(world: Comm) -> None:
 
 def train_specs(topology: Topology, specs: Sequence[Spec], out: str, steps: int) -> List[str]:
     """Train each of ``specs`` at ``topology``'s size (a collective call on it); the metrics files on rank 0."""
-    from ..training.loop import load_data, train
+    from ..training.data import load_data
+    from ..training.loop import train
 
     dataset = load_data(image_config(out, steps, optimizer="adamw"), topology.world)
     stream = sys.stdout if topology.rank == 0 else None

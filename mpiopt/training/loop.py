@@ -14,7 +14,7 @@ import sys
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional
 
 import numpy as np
 import torch
@@ -26,32 +26,26 @@ from ..asyncrt.result import job_fields
 from ..comm import Comm, RankLost, Topology
 from ..comm.survival import INJECTION
 from ..metrics import MetricsWriter, Tracer, versions
-from ..tasks.images import ImageDataset, ShardSampler, augment_cifar, batch_rng, load_dataset
+from ..tasks.images import ImageDataset
 from ..tasks.models import build_model
-from ..tasks.text import TextDataset, load_text
+from ..tasks.text import TextDataset
 from ..torch import DistributedOptimizer, average_buffers, broadcast_module
 from ..torch.optimizer import loss_value
 from ..torch.threads import set_threads
 from .checkpointing import COUNTERS, CheckpointPlan, Checkpointer, Interrupted
-from .config import DDP, DEFAULT_EPOCHS, TrainConfig, UsageError, agree_or_fail
+from .config import DDP, DEFAULT_EPOCHS, TrainConfig, UsageError
+from .data import Batches
 from .ddp import NOTES, DDPBaseline
 from .device import autocast, choose_device, use_device, uses_scaler
 from .optimizers import OptimizerSettings, clip, inner_optimizer, schedule
 from .progress import Progress
 from .survival import go_on_without_lost_ranks, report_dropped_workers, starting
 
-__all__ = ["train", "load_data"]
+__all__ = ["train"]
 
 EVAL_BATCH = 1000
 #: Per evaluated model (``Algorithm.evaluates``): whose parameters the evaluator reads, and the records' name for them.
 _EVALUATED = {"identical": ("own", "rank0"), "average": ("average", "average"), "server": ("root", "rank0"), "leader": ("root", "leader")}
-
-
-def load_data(config: TrainConfig, world: Comm) -> ImageDataset | TextDataset:
-    """The dataset of ``config``, loaded on every rank (a collective call: one rank's failure fails all)."""
-    if config.dataset == "text":
-        return agree_or_fail(world, "cannot load the dataset", lambda: load_text(config.data_dir, block_size=config.gpt_sizes()["block_size"]))
-    return agree_or_fail(world, "cannot load the dataset", lambda: load_dataset(config.dataset, data_dir=config.data_dir, seed=config.seed))
 
 
 def _loss(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -144,7 +138,7 @@ def train(
     on_start: Optional[Callable[[], None]] = None,
     device: Optional[str] = None,
 ) -> str:
-    """Train ``algorithm`` on ``dataset`` (from :func:`load_data`) as ``config`` says, writing to ``out_dir`` (collective).
+    """Train ``algorithm`` on ``dataset`` (from :func:`~mpiopt.training.data.load_data`) as ``config`` says, writing to ``out_dir`` (collective).
 
     ``on_start`` is called once a resume was accepted (``train`` saves its
     settings then, so a refused resume leaves ``config.toml`` as it was).
@@ -196,40 +190,6 @@ def _optimizer(algorithm: str, model: torch.nn.Module, topology: Topology, hyper
         raise UsageError(f"{algorithm}: {err}") from None
 
 
-class _Batches:
-    """This rank's shard of the training set and the batch of each step (a function of the step: nothing to checkpoint).
-
-    An asynchronous run's shards are the workers' (world ranks 1..P-1).
-    """
-
-    def __init__(self, dataset: ImageDataset | TextDataset, batch_size: int, seed: int, augment: bool, world: Comm, asynchronous: bool,
-                 device: torch.device) -> None:
-        self.device = device
-        workers = max(1, world.size - 1) if asynchronous else world.size
-        self.worker_rank = max(0, world.rank - 1) if asynchronous else world.rank
-        self.windows = None
-        if isinstance(dataset, TextDataset):
-            self.sampler = self.windows = dataset.sampler(rank=self.worker_rank, world_size=workers, batch_size=batch_size, seed=seed)
-            return
-        self.sampler = ShardSampler(len(dataset.y_train), rank=self.worker_rank, world_size=workers, batch_size=batch_size, seed=seed)
-        self.dataset, self.seed, self.augment = dataset, seed, augment
-        self.x, self.y = torch.from_numpy(dataset.x_train), torch.from_numpy(dataset.y_train)
-
-    def __call__(self, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        x, y = self._host(step)
-        return x.to(self.device), y.to(self.device)
-
-    def _host(self, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        if self.windows is not None:
-            return self.windows(step)
-        index = self.sampler.indices(step)
-        if self.augment:
-            x = torch.from_numpy(augment_cifar(self.dataset.x_train[index], batch_rng(self.seed, self.worker_rank, step)))
-        else:
-            x = self.x[index]
-        return x, self.y[index]
-
-
 class _Totals:
     """A run's running totals (:data:`COUNTERS`: a resumed run continues the checkpoint's) and the training losses since the last evaluation."""
 
@@ -261,7 +221,7 @@ class _Run:
         world = topology.world
         self.is_asynchronous = algorithm != DDP and algorithm_class(algorithm).protocol == ASYNCHRONOUS
         self.network = opt.network if algorithm == DDP else model  # the forward pass through DDP: its hooks average the gradient
-        self.batches = _Batches(dataset, config.batch_size, config.seed, config.augment, world, self.is_asynchronous, self.device)
+        self.batches = Batches(dataset, config.batch_size, config.seed, config.augment, world, self.is_asynchronous, self.device)
         self.batches_per_epoch = self.batches.sampler.batches_per_epoch
         self.steps = config.steps or max(1, math.ceil((config.epochs or DEFAULT_EPOCHS) * self.batches_per_epoch))
         self.eval_every = config.eval_every or max(1, self.steps // 10)

@@ -78,7 +78,8 @@ FP16 = """
 import sys
 from mpiopt.comm import Topology
 from mpiopt.training.config import TrainConfig
-from mpiopt.training.loop import load_data, train
+from mpiopt.training.data import load_data
+from mpiopt.training.loop import train
 out, algorithm = sys.argv[1], sys.argv[2]
 topology = Topology()
 parts = [("whole", None)] + ([] if algorithm == "ddp" else [("resumed", f"{out}/whole/checkpoints/ckpt-000000002.h5")])
