@@ -174,12 +174,14 @@ class Comparison:
         while True:
             run = dataclasses.replace(config, resume=self.resume, on_failure=self.config.on_failure)
             try:
-                path = surviving_the_start(partial(train, run, name, session.topology, session.dataset, folder),
+                path = surviving_the_start(partial(train, run, name, session.topology, session.dataset, folder,
+                                                   counted_since=session.counted_since),
                                            session.topology, run.islands_for(name), run.on_failure == "respawn")
             except Respawn as respawn:
                 self.resume = respawn.checkpoint or self.resume  # none: lost as the run started, which starts again
+                session.counted_since = respawn.since
                 if not replace_lost(session, respawn, self):
                     self.config.on_failure = "shrink"  # said once: later losses shrink too
                 continue
-            self.done, self.resume = self.done + 1, None
+            self.done, self.resume, session.counted_since = self.done + 1, None, None
             return path

@@ -69,7 +69,8 @@ def join_survivors() -> Tuple[Plan, Session]:
     merged = parent.Merge(high=True)
     plan, lost, step, out, command, ranks_at_start = merged.bcast(None, root=0)
     job_rank = lost[merged.Get_rank() - (merged.Get_size() - len(lost))]
-    session = Session(None, None, out, command, time.perf_counter(), ranks_at_start=ranks_at_start)
+    started = time.perf_counter()
+    session = Session(None, None, out, command, started, ranks_at_start=ranks_at_start, counted_since=started)
     session.links.append(parent)
     _rejoin(session, plan.config, merged, job_rank, lost, step, joined=True)
     return plan, session

@@ -29,6 +29,9 @@ class Session:
     ranks_at_start: int = 0
     #: The intercommunicators to the jobs a respawn joined (:mod:`.respawn`), disconnected at the end.
     links: List[Any] = dataclasses.field(default_factory=list)
+    #: Where the next run's wall time counts from (``time.perf_counter()``; None: its first step): after a respawn,
+    #: the survivors' checkpoint (a replacement: its join), so that the join is counted as the loss's price.
+    counted_since: Optional[float] = None
 
     @property
     def rank(self) -> int:

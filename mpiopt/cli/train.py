@@ -68,11 +68,12 @@ def train_to_the_end(config: TrainConfig, session: Session) -> int:
         while True:
             try:
                 path = surviving_the_start(lambda: train(config, config.algorithm, session.topology, session.dataset, session.out,
-                                                         on_start=session.save_settings),
+                                                         on_start=session.save_settings, counted_since=session.counted_since),
                                            session.topology, config.islands_for(config.algorithm), config.on_failure == "respawn")
                 break
             except Respawn as respawn:
                 config.resume = respawn.checkpoint or config.resume  # none: lost as the run started, which starts again
+                session.counted_since = respawn.since
                 if not replace_lost(session, respawn, OneRun(config)):
                     config.on_failure = "shrink"  # said once: later losses shrink too
             except Interrupted as stop:

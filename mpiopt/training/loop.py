@@ -137,12 +137,15 @@ def train(
     stream: Optional[Any] = sys.stdout,
     on_start: Optional[Callable[[], None]] = None,
     device: Optional[str] = None,
+    counted_since: Optional[float] = None,
 ) -> str:
     """Train ``algorithm`` on ``dataset`` (from :func:`~mpiopt.training.data.load_data`) as ``config`` says, writing to ``out_dir`` (collective).
 
     ``on_start`` is called once a resume was accepted (``train`` saves its
     settings then, so a refused resume leaves ``config.toml`` as it was).
     ``device``: this rank's (``"cuda:1"``); default: ``config.device`` resolved here.
+    ``counted_since``: a ``time.perf_counter()`` that the run's wall time counts from, its start included (a respawn's
+    resume: the replacements' join is the loss's price too); default: its first step.
     Returns the metrics file's path, on every rank (where rank 0 is lost, the survivor that takes its place reports
     every run, those before the loss too); rank 0 writes it.
     """
@@ -165,7 +168,7 @@ def train(
             if world.rank == 0:
                 os.makedirs(out_dir, exist_ok=True)
             world.Barrier()
-            run = _Run(config, algorithm, topology, dataset, model, opt, hyper, out_dir, stream, cleanup, on_start, scaler)
+            run = _Run(config, algorithm, topology, dataset, model, opt, hyper, out_dir, stream, cleanup, on_start, scaler, counted_since)
         end = run.asynchronous() if run.is_asynchronous else run.synchronous()
         return run.close_records(end)
 
@@ -213,7 +216,7 @@ class _Run:
     def __init__(
         self, config: TrainConfig, algorithm: str, topology: Topology, dataset: ImageDataset | TextDataset, model: torch.nn.Module, opt: Any,
         hyper: Dict[str, Any], out_dir: str, stream: Optional[Any], cleanup: ExitStack, on_start: Optional[Callable[[], None]],
-        scaler: Optional[torch.amp.GradScaler],
+        scaler: Optional[torch.amp.GradScaler], counted_since: Optional[float],
     ) -> None:
         self.config, self.algorithm, self.topology, self.model, self.opt, self.out_dir = config, algorithm, topology, model, opt, out_dir
         self.dataset, self.stream, self.cleanup = dataset, stream, cleanup  # a lost rank's survivors re-shard and report
@@ -247,6 +250,7 @@ class _Run:
         self.source, self.evaluated_name = _EVALUATED[evaluates]
         self.evaluator = _Evaluator(model, dataset, world, self.source, config.precision)
         self.totals = _Totals(self.checkpoints.counters)
+        self.totals.wall_seconds += 0.0 if counted_since is None else time.perf_counter() - counted_since
         # The rate schedule acts on the groups the algorithm reads (the inner optimizer's, or DDP's optimizer's).
         groups = opt.optimizer if algorithm == DDP else opt
         self.scheduler = None if self.is_asynchronous else schedule(config.warmup_steps, groups, self.steps, self.start)

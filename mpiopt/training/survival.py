@@ -62,7 +62,7 @@ def surviving_the_start(run: Callable[[], T], topology: Topology, islands: bool,
             print(f"mpiopt: rank {rank}: {_lost(recovery.lost)} as the run started ({_left(recovery)}{again}); "
                   f"the world is now {_ranks(recovery.size)}", file=sys.stderr, flush=True)
             if respawn:
-                raise Respawn(None, None, recovery.lost)
+                raise Respawn(None, None, recovery.lost, time.perf_counter())
 
 
 class Respawn(Exception):
@@ -71,9 +71,11 @@ class Respawn(Exception):
     where the run had not begun (:func:`surviving_the_start`): it starts again as it was starting, the
     replacements with it."""
 
-    def __init__(self, checkpoint: Optional[str], step: Optional[int], lost: list) -> None:
+    def __init__(self, checkpoint: Optional[str], step: Optional[int], lost: list, since: float) -> None:
         super().__init__(f"lost ranks {lost}: replacements to {f'resume from {checkpoint}' if checkpoint else 'start the run with'}")
         self.checkpoint, self.step, self.lost = checkpoint, step, lost
+        #: When the survivors' wall time stopped counting (``time.perf_counter()``): the resumed run counts on from it.
+        self.since = since
 
 
 def go_on_without_lost_ranks(run: Any, step: int, replacing: Sequence[int] = ()) -> int:
@@ -100,10 +102,11 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Sequence[int] = ())
         lost = [*replacing, *recovery.lost]
         try:
             with run.topology.agreed("the checkpoint for the replacements"):  # saved on every survivor, or on none
-                path = run.checkpoints.save(resume, counters=run.totals.counters())
+                counters, since = run.totals.counters(), time.perf_counter()
+                path = run.checkpoints.save(resume, counters=counters)
         except RankLost:  # another loss while saving: recover again, then replace them all
             return go_on_without_lost_ranks(run, resume - 1, lost)
-        raise Respawn(path, resume, lost)
+        raise Respawn(path, resume, lost, since)
     return resume
 
 

@@ -598,6 +598,10 @@ def test_train_respawns_a_killed_rank(tmp_path, algorithm, kill):
                           env=dict(os.environ, MPIOPT_FINALIZE_SECONDS="3"))
     assert proc.returncode == 0, proc.stdout
     first_after = [r for r in records if r["kind"] == "step" and r["step"] == step + 1][-1]
+    # The run's wall time counts the replacement's join (a new process starting Python and torch: well over half a
+    # second), not only the steps: the loss's whole price.
+    lost_at = [r for r in records if r["kind"] == "lost"][-1]["wall_seconds"]
+    assert first_after["wall_seconds"] - lost_at > 0.5, (lost_at, first_after)
     by_hand = [json.loads(line) for line in (again / "metrics.jsonl").read_text().splitlines()]
     assert [r for r in by_hand if r["kind"] == "step"][0]["loss"] == first_after["loss"]
     last = "checkpoints/ckpt-000000016.h5"
