@@ -104,6 +104,8 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Sequence[int] = ())
             with run.topology.agreed("the checkpoint for the replacements"):  # saved on every survivor, or on none
                 counters, since = run.totals.counters(), time.perf_counter()
                 path = run.checkpoints.save(resume, counters=counters)
+                if run.tracer:  # the steps so far, in a file of their own: the resumed run writes the trace anew
+                    run.tracer.write(f"{os.path.splitext(run.trace_path)[0]}.until-step-{resume}.json")
         except RankLost:  # another loss while saving: recover again, then replace them all
             return go_on_without_lost_ranks(run, resume - 1, lost)
         raise Respawn(path, resume, lost, since)

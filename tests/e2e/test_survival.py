@@ -575,7 +575,8 @@ def test_train_respawns_a_killed_rank(tmp_path, algorithm, kill):
     common = ["-m", "mpiopt", "train", "--algorithm", algorithm, "--steps", "16", "--eval-every", "8", "--batch-size", "16",
               "--progress", "lines", "--checkpoint-every", "5", "--keep-checkpoints", "20",
               *(["--hp", "diloco.period=4"] if algorithm == "diloco" else [])]
-    code, output = run_killing(tmp_path, [*common, "--on-failure", "respawn", "--out", str(out)], [kill], timeout=240)
+    code, output = run_killing(tmp_path, [*common, "--on-failure", "respawn", "--out", str(out), "--trace", str(out / "trace.json")],
+                               [kill], timeout=240)
     assert code == 0, output
     lost = int(kill.split("@")[0])
     joined = re.findall(r"mpiopt: rank (\d+): (a replacement for|replacements joined for) lost rank\(s\) \[(\d+)\]; the world is 4 "
@@ -591,6 +592,11 @@ def test_train_respawns_a_killed_rank(tmp_path, algorithm, kill):
     assert final["step"] == 16 and np.isfinite(final["test_loss"])
     handed = out / "checkpoints" / f"ckpt-{step:09d}.h5"
     assert checkpoint_state(handed)["ranks_written"] == 3
+    # The trace of the steps before the join, the loss marked, is kept beside the resumed run's.
+    before = json.loads((out / f"trace.until-step-{step}.json").read_text())["traceEvents"]
+    after = json.loads((out / "trace.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in before} == {0, 1, 2} and {e["pid"] for e in after} == {0, 1, 2, 3}
+    assert any(e["name"].startswith(f"lost rank {lost} at step") for e in before), before
     again = tmp_path / "again"
     command = [mpiexec(), "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self", "-n", "4",
                sys.executable, *common, "--on-failure", "shrink", "--out", str(again), "--resume", str(handed)]
