@@ -47,7 +47,7 @@ from typing import Any, Dict, List, Optional
 from ..training.config import TrainConfig, UsageError
 from ..training.flags import add_config_arguments
 from . import sweep
-from .respawn import disconnect, replace_lost
+from .respawn import disconnect, go_on_with_replacements
 from .session import Session, read_settings, start_session
 
 
@@ -113,7 +113,7 @@ class Comparison:
     tried: Dict[str, List[Dict[str, Any]]] = field(default_factory=dict)
     #: Each algorithm's grid point, once the tuning runs ended (rank 0's choice).
     chosen: Optional[Dict[str, Dict[str, Any]]] = None
-    #: results.md's section on the sweep (rank 0).
+    #: results.md's section on the sweep (on every rank: a survivor may take rank 0's place and write it).
     section: str = ""
     #: Per algorithm, its main runs' metrics files, one per repeat.
     groups: List[List[str]] = field(default_factory=list)
@@ -122,9 +122,13 @@ class Comparison:
         """The runs not done yet, then the report; the exit code."""
         from ..asyncrt import ServerLost
         from ..comm import IslandLeft
+        from ..training.checkpointing import EXIT_INTERRUPTED, Interrupted
 
         try:
             self._runs(session)
+        except Interrupted as stop:  # a run resumed by a respawn stops on a signal, as train's do
+            session.say(f"\n{stop}; compare starts its runs afresh: run it again")
+            return EXIT_INTERRUPTED
         except ServerLost:  # every survivor said so (training/survival.py): an error's exit, no traceback
             return 1
         except IslandLeft as left:  # said on this rank: its island's part ended; an error's exit if no island goes on
@@ -162,8 +166,9 @@ class Comparison:
                 for candidate in candidates:
                     candidate["score"] = sweep.score(candidate["metrics"])
             chosen = {name: sweep.choose(self.tried[name])["values"] if name in self.tried else {} for name in self.algorithms}
-            self.section = sweep.report(session.out, chosen, self.tried, self.sweep_steps)
-        self.chosen = session.topology.world.bcast_obj(chosen if session.rank == 0 else None)
+            section = sweep.report(session.out, chosen, self.tried, self.sweep_steps)
+        # The section too: a rank that takes rank 0's place later (a lost rank 0) writes results.md.
+        self.chosen, self.section = session.topology.world.bcast_obj((chosen, section) if session.rank == 0 else None)
 
     def _train(self, session: Session, config: TrainConfig, name: str, folder: str) -> str:
         """One run into ``folder`` (collective), started again on the survivors of a rank lost as it starts, and with
@@ -178,10 +183,7 @@ class Comparison:
                                                    counted_since=session.counted_since),
                                            session.topology, run.islands_for(name), run.on_failure == "respawn")
             except Respawn as respawn:
-                self.resume = respawn.checkpoint or self.resume  # none: lost as the run started, which starts again
-                session.counted_since = respawn.since
-                if not replace_lost(session, respawn, self):
-                    self.config.on_failure = "shrink"  # said once: later losses shrink too
+                go_on_with_replacements(session, respawn, self)
                 continue
             self.done, self.resume, session.counted_since = self.done + 1, None, None
             return path

@@ -23,7 +23,7 @@ from ..comm import Topology
 from ..training.config import TrainConfig
 from .session import Session
 
-__all__ = ["Plan", "replace_lost", "join_survivors", "disconnect"]
+__all__ = ["Plan", "go_on_with_replacements", "join_survivors", "disconnect"]
 
 
 class Plan(Protocol):
@@ -31,6 +31,8 @@ class Plan(Protocol):
 
     #: The settings the topology is rebuilt with (its group size, what it does with a lost rank).
     config: TrainConfig
+    #: The checkpoint the broken run resumes from (None: it starts from step 0).
+    resume: Optional[str]
 
     def go_on(self, session: Session) -> int:
         """Run the rest on ``session``, its report included; the exit code."""
@@ -39,10 +41,21 @@ class Plan(Protocol):
 PROGRAM = ["-m", "mpiopt.cli.replacement"]
 
 
-def replace_lost(session: Session, respawn: Any, plan: Plan) -> bool:
-    """On every survivor after a :class:`~mpiopt.training.survival.Respawn`: start the replacements, hand them
-    ``plan`` (which resumes from the survivors' checkpoint) and rebuild the session's topology and data with them
-    (collective).  False where no process could start: said once, and the caller's later losses shrink."""
+def go_on_with_replacements(session: Session, respawn: Any, plan: Plan) -> None:
+    """On every survivor after a :class:`~mpiopt.training.survival.Respawn` (collective): the broken run of ``plan``
+    resumes from the survivors' checkpoint (lost as it started: starts again as it was starting) with processes started
+    for the lost ranks, handed ``plan``; where none can start, the survivors go on alone and later losses shrink.  The
+    run's wall time counts on from the loss (:attr:`Session.counted_since`)."""
+    plan.resume = respawn.checkpoint or plan.resume
+    if respawn.checkpoint or session.counted_since is None:  # lost again as the resumed run started: from the first loss
+        session.counted_since = respawn.since
+    if not _replace_lost(session, respawn, plan):
+        plan.config.on_failure = "shrink"  # said once: later losses shrink too
+
+
+def _replace_lost(session: Session, respawn: Any, plan: Plan) -> bool:
+    """Start the replacements, hand them ``plan`` and rebuild the session's topology and data with them (collective);
+    False where no process could start (said once)."""
     topology = session.topology
     inter, why = topology.spawn(len(respawn.lost), PROGRAM)
     if inter is None:
@@ -51,7 +64,8 @@ def replace_lost(session: Session, respawn: Any, plan: Plan) -> bool:
                   f"going on with {topology.size} ranks, as --on-failure shrink would", file=sys.stderr, flush=True)
         return False
     merged = inter.Merge(high=False)  # the survivors first, in their order
-    merged.bcast((plan, respawn.lost, respawn.step, session.out, session.command, session.ranks_at_start), root=0)
+    counted = time.perf_counter() - session.counted_since  # the loss's price so far, for the replacements' clocks
+    merged.bcast((plan, respawn.lost, respawn.step, session.out, session.command, session.ranks_at_start, counted), root=0)
     session.links.append(inter)
     job_rank = topology.first_ranks[topology.rank]  # a replacement of an earlier loss may be among the survivors
     topology.Free()
@@ -67,10 +81,10 @@ def join_survivors() -> Tuple[Plan, Session]:
     INJECTION.points.clear()  # the test hook's points name the first world's processes, not this one
     parent = MPI.Comm.Get_parent()
     merged = parent.Merge(high=True)
-    plan, lost, step, out, command, ranks_at_start = merged.bcast(None, root=0)
+    plan, lost, step, out, command, ranks_at_start, counted = merged.bcast(None, root=0)
     job_rank = lost[merged.Get_rank() - (merged.Get_size() - len(lost))]
     started = time.perf_counter()
-    session = Session(None, None, out, command, started, ranks_at_start=ranks_at_start, counted_since=started)
+    session = Session(None, None, out, command, started, ranks_at_start=ranks_at_start, counted_since=started - counted)
     session.links.append(parent)
     _rejoin(session, plan.config, merged, job_rank, lost, step, joined=True)
     return plan, session

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Optional
 
 from ..training.config import TrainConfig
 from ..training.flags import add_config_arguments, evaluated_help
-from .respawn import disconnect, replace_lost
+from .respawn import disconnect, go_on_with_replacements
 from .session import Session, read_settings, start_session
 
 
@@ -49,6 +50,14 @@ class OneRun:
     """``train``'s plan (:class:`~mpiopt.cli.respawn.Plan`): its one run, which a respawn resumes."""
 
     config: TrainConfig
+
+    @property
+    def resume(self) -> Optional[str]:
+        return self.config.resume
+
+    @resume.setter
+    def resume(self, path: Optional[str]) -> None:
+        self.config.resume = path
 
     def go_on(self, session: Session) -> int:
         """The run to its end (resumed where ``config.resume`` says), then the report; the exit code."""
@@ -72,10 +81,7 @@ def train_to_the_end(config: TrainConfig, session: Session) -> int:
                                            session.topology, config.islands_for(config.algorithm), config.on_failure == "respawn")
                 break
             except Respawn as respawn:
-                config.resume = respawn.checkpoint or config.resume  # none: lost as the run started, which starts again
-                session.counted_since = respawn.since
-                if not replace_lost(session, respawn, OneRun(config)):
-                    config.on_failure = "shrink"  # said once: later losses shrink too
+                go_on_with_replacements(session, respawn, OneRun(config))
             except Interrupted as stop:
                 session.say(f"\n{stop}; continue with --resume {stop.path} (or --resume auto)")
                 return EXIT_INTERRUPTED

@@ -79,7 +79,7 @@ def _workers(states: List[Mapping[str, Any]]) -> List[int]:
 
 def _resized(ckpt: Checkpoint, algorithm: str, world: Comm, hyperparameters: Mapping[str, Any], layout: Mapping[str, int]) -> Dict[str, Any]:
     """This rank's state from a checkpoint of other workers (another world size, islands on or off or resized):
-    each old worker's state moves by the algorithm's rules to this rank's worker; rank 0 warns what moved and how."""
+    each old worker's state moves by the algorithm's rules to this rank's worker; rank 0 says what moved and how."""
     old, states = ckpt.world_size, ckpt.rank_states
     workers = _workers(states)
     worker, count = int(layout["worker"]), int(layout["workers"])

@@ -96,6 +96,7 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Sequence[int] = ())
     redone = "kept; going on from the next" if applied else "redone"
     # The run's wall time counts the broken step (or phase after it) and the recovery: the price of the loss.
     run.totals.wall_seconds += time.perf_counter() - run.uncounted_since
+    run.uncounted_since = time.perf_counter()  # a second loss while saving for the replacements counts on from here
     _tell(run, f"{_lost(recovery.lost)} at step {step + 1}", f"{_left(recovery)}the step {redone}); the world is now {_ranks(recovery.size)}",
           {"step": step + 1, "lost": recovery.lost, "left": recovery.left, "world_size": recovery.size, "redone": not applied})
     if config.on_failure == "respawn":  # the state the replacements take, saved by the survivors at the shrunk size

@@ -534,21 +534,23 @@ def test_train_refuses_shrink_where_the_mpi_cannot_keep_it(tmp_path, on_failure)
 
 @needs_ulfm
 def test_compare_respawns_killed_ranks_in_a_sweep_and_in_a_main_run(tmp_path):
-    """`mpiopt compare --on-failure respawn`: rank 0 killed in the first tuning run of --sweep, rank 2 in the first main
+    """`mpiopt compare --on-failure respawn`: rank 2 killed in the first tuning run of --sweep, rank 0 in the first main
     run.  Each time a process started in the lost rank's place takes the comparison as the survivors hold it (the
-    tuning runs done, the choice made) and every rank resumes the broken run with it; every later run is at 4 ranks,
-    and the new rank 0 scores every candidate, those run before it took rank 0's place too."""
+    tuning runs done, the choice and its report made) and every rank resumes the broken run with it; every later run
+    is at 4 ranks, and the survivor in rank 0's place writes the whole report, the sweep's section included."""
     out = tmp_path / "cmp"
     args = ["-m", "mpiopt", "compare", "--algorithms", "sgd,diloco", "--hp", "diloco.period=4", "--steps", "12",
             "--eval-every", "6", "--batch-size", "16", "--sweep", "sgd.lr=0.05,0.1", "--sweep-steps", "3",
             "--on-failure", "respawn", "--progress", "lines", "--out", str(out)]
-    code, output = run_killing(tmp_path, args, ["0@2:exchange", "2@5:exchange"], timeout=280)
+    code, output = run_killing(tmp_path, args, ["2@2:exchange", "0@5:exchange"], timeout=280)
     assert code == 0, output
     joined = re.findall(r"mpiopt: rank (\d+): (a replacement for|replacements joined for) lost rank\(s\) \[(\d+)\]; the world is 4 "
                         r"ranks again, resuming after step (\d+)", output)
     by_loss = {lost: sorted(int(r) for r, _, l, _ in joined if l == lost) for lost in ("0", "2")}
     assert by_loss == {"0": [0, 1, 2, 3], "2": [0, 1, 2, 3]}, output
     assert sorted((l, r) for r, who, l, _ in joined if who == "a replacement for") == [("0", "0"), ("2", "2")], output
+    lost_at = {lost: int(step) for _, who, lost, step in joined if who == "a replacement for"}
+    assert lost_at == {"2": 1, "0": 4}, output  # the tuning run resumed after step 1, the main run after step 4
     ends = {path.relative_to(out).parent.as_posix(): json.loads(path.read_text().splitlines()[-1]) for path in out.rglob("metrics.jsonl")}
     assert {run: (end["kind"], end["step"], end["world_size"]) for run, end in ends.items()} == {
         "sweep/sgd/1": ("end", 3, 4), "sweep/sgd/2": ("end", 3, 4),
@@ -558,7 +560,8 @@ def test_compare_respawns_killed_ranks_in_a_sweep_and_in_a_main_run(tmp_path):
     assert all(np.isfinite(c["score"]) for cs in candidates.values() for c in cs), candidates
     results = (out / "results.md").read_text()
     assert "- diloco: no --sweep key applies; its settings as given" in results, results
-    assert re.search(r"^- sgd: 4 ranks; 3 from step \d+ \(lost rank 2\); 4 from step \d+ \(resumed\)$", results, re.M), results
+    assert re.search(r"^- sgd: chose lr=0\.(05|1) \(lr=0\.05: [\d.]+; lr=0\.1: [\d.]+\)$", results, re.M), results
+    assert re.search(r"^- sgd: 4 ranks; 3 from step 5 \(lost rank 0\); 4 from step 5 \(resumed\)$", results, re.M), results
     assert re.search(r"^\| sgd \|", results, re.M) and re.search(r"^\| diloco \|", results, re.M), results
 
 
