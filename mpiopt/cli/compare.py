@@ -47,7 +47,7 @@ from typing import Any, Dict, List, Optional
 from ..training.config import TrainConfig, UsageError
 from ..training.flags import add_config_arguments
 from . import sweep
-from .respawn import disconnect, go_on_with_replacements
+from .respawn import go_on_with_replacements
 from .session import Session, read_settings, start_session
 
 
@@ -120,22 +120,8 @@ class Comparison:
 
     def go_on(self, session: Session) -> int:
         """The runs not done yet, then the report; the exit code."""
-        from ..asyncrt import ServerLost
-        from ..comm import IslandLeft
-        from ..training.checkpointing import EXIT_INTERRUPTED, Interrupted
-
-        try:
-            self._runs(session)
-        except Interrupted as stop:  # a run resumed by a respawn stops on a signal, as train's do
-            session.say(f"\n{stop}; compare starts its runs afresh: run it again")
-            return EXIT_INTERRUPTED
-        except ServerLost:  # every survivor said so (training/survival.py): an error's exit, no traceback
-            return 1
-        except IslandLeft as left:  # said on this rank: its island's part ended; an error's exit if no island goes on
-            return 0 if left.size else 1
-        finally:
-            disconnect(session)
-        return 0
+        # A run resumed by a respawn has checkpoints, and so stops on a signal as train's do.
+        return session.to_the_end(lambda: self._runs(session), lambda stop: "compare starts its runs afresh: run it again")
 
     def _runs(self, session: Session) -> None:
         # An algorithm no --sweep key applies to keeps its settings, untried.

@@ -23,7 +23,7 @@ from ..comm import Topology
 from ..training.config import TrainConfig
 from .session import Session
 
-__all__ = ["Plan", "go_on_with_replacements", "join_survivors", "disconnect"]
+__all__ = ["Plan", "go_on_with_replacements", "join_survivors"]
 
 
 class Plan(Protocol):
@@ -105,13 +105,3 @@ def _rejoin(session: Session, config: TrainConfig, merged: MPI.Intracomm, job_ra
     going_on = "starting the run again" if step is None else f"resuming after step {step}"
     print(f"mpiopt: rank {first}: {what} lost rank(s) {lost}; the world is {topology.size} ranks again, {going_on}",
           file=sys.stderr, flush=True)
-
-
-def disconnect(session: Session) -> None:
-    """At the end of a run that respawned: free the topology and disconnect from the other jobs (before MPI finalizes)."""
-    if not session.links:
-        return
-    session.topology.Free()
-    for link in session.links:
-        link.Disconnect()
-    session.links.clear()

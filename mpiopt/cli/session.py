@@ -7,7 +7,7 @@ import os
 import textwrap
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..comm import Comm, Topology
 from ..training.config import TrainConfig, UsageError, agree_or_fail
@@ -36,6 +36,32 @@ class Session:
     @property
     def rank(self) -> int:
         return self.topology.rank
+
+    def to_the_end(self, body: Callable[[], None], interrupted: Callable[[Any], str]) -> int:
+        """``body()`` (the command's runs and its report) on every rank, its endings as the command's exit code: 0; after a
+        stop signal ``EXIT_INTERRUPTED``, ``interrupted(stop)`` said after it; 1 where an asynchronous server was lost
+        (every survivor said so); on a rank whose island left the run, 0 (1 where no island went on).  At the end, the
+        links to a respawn's jobs are closed (before MPI finalizes)."""
+        from ..asyncrt import ServerLost
+        from ..comm import IslandLeft
+        from ..training.checkpointing import EXIT_INTERRUPTED, Interrupted
+
+        try:
+            body()
+        except Interrupted as stop:
+            self.say(f"\n{stop}; {interrupted(stop)}")
+            return EXIT_INTERRUPTED
+        except ServerLost:
+            return 1
+        except IslandLeft as left:
+            return 0 if left.size else 1
+        finally:
+            if self.links:
+                self.topology.Free()
+                for link in self.links:
+                    link.Disconnect()
+                self.links.clear()
+        return 0
 
     def save_settings(self) -> None:
         """Write the settings held back for a resume, now that it was accepted (rank 0)."""

@@ -30,7 +30,7 @@ from typing import Optional
 
 from ..training.config import TrainConfig
 from ..training.flags import add_config_arguments, evaluated_help
-from .respawn import disconnect, go_on_with_replacements
+from .respawn import go_on_with_replacements
 from .session import Session, read_settings, start_session
 
 
@@ -67,13 +67,10 @@ class OneRun:
 def train_to_the_end(config: TrainConfig, session: Session) -> int:
     """Train the session's run to its last step, then the report; with ``--on-failure respawn`` through every loss
     (the survivors and the processes started in the lost ranks' places resume together).  The exit code."""
-    from ..asyncrt import ServerLost
-    from ..comm import IslandLeft
-    from ..training.checkpointing import EXIT_INTERRUPTED, Interrupted
     from ..training.loop import train
     from ..training.survival import Respawn, surviving_the_start
 
-    try:
+    def run() -> None:
         while True:
             try:
                 path = surviving_the_start(lambda: train(config, config.algorithm, session.topology, session.dataset, session.out,
@@ -82,14 +79,6 @@ def train_to_the_end(config: TrainConfig, session: Session) -> int:
                 break
             except Respawn as respawn:
                 go_on_with_replacements(session, respawn, OneRun(config))
-            except Interrupted as stop:
-                session.say(f"\n{stop}; continue with --resume {stop.path} (or --resume auto)")
-                return EXIT_INTERRUPTED
-            except ServerLost:  # every survivor said so (training/survival.py): an error's exit, no traceback
-                return 1
-            except IslandLeft as left:  # said on this rank: its island's part ended; an error's exit if no island goes on
-                return 0 if left.size else 1
         session.finish([path], config)
-    finally:
-        disconnect(session)
-    return 0
+
+    return session.to_the_end(run, lambda stop: f"continue with --resume {stop.path} (or --resume auto)")
