@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Optional, Protocol, Tuple
+from typing import Any, List, Optional, Protocol, Tuple
 
 from mpi4py import MPI
 
@@ -57,19 +57,22 @@ def _replace_lost(session: Session, respawn: Any, plan: Plan) -> bool:
     """Start the replacements, hand them ``plan`` and rebuild the session's topology and data with them (collective);
     False where no process could start (said once)."""
     topology = session.topology
-    inter, why = topology.spawn(len(respawn.lost), PROGRAM)
+    inter, why = topology.spawn(len(respawn.replaced), PROGRAM)
     if inter is None:
         if topology.rank == 0:
-            print(f"mpiopt: --on-failure respawn: no process could start for lost rank(s) {respawn.lost} ({why}); "
+            print(f"mpiopt: --on-failure respawn: no process could start for {_whose(respawn.lost, respawn.left)} ({why}); "
                   f"going on with {topology.size} ranks, as --on-failure shrink would", file=sys.stderr, flush=True)
         return False
-    merged = inter.Merge(high=False)  # the survivors first, in their order
+    # The survivors first, in their order, then the replacements in the order of the ranks they replace: a broken
+    # island's replacements follow the whole islands as one block, so a --group-size island forms again whole.
+    merged = inter.Merge(high=False)
     counted = time.perf_counter() - session.counted_since  # the loss's price so far, for the replacements' clocks
-    merged.bcast((plan, respawn.lost, respawn.step, session.out, session.command, session.ranks_at_start, counted), root=0)
+    merged.bcast((plan, respawn.lost, respawn.left, respawn.step, session.out, session.command, session.ranks_at_start, counted),
+                 root=0)
     session.links.append(inter)
     job_rank = topology.first_ranks[topology.rank]  # a replacement of an earlier loss may be among the survivors
     topology.Free()
-    _rejoin(session, plan.config, merged, job_rank, respawn.lost, respawn.step, joined=False)
+    _rejoin(session, plan.config, merged, job_rank, _whose(respawn.lost, respawn.left), respawn.step, joined=False)
     return True
 
 
@@ -81,19 +84,25 @@ def join_survivors() -> Tuple[Plan, Session]:
     INJECTION.points.clear()  # the test hook's points name the first world's processes, not this one
     parent = MPI.Comm.Get_parent()
     merged = parent.Merge(high=True)
-    plan, lost, step, out, command, ranks_at_start, counted = merged.bcast(None, root=0)
-    job_rank = lost[merged.Get_rank() - (merged.Get_size() - len(lost))]
+    plan, lost, left, step, out, command, ranks_at_start, counted = merged.bcast(None, root=0)
+    replaced = sorted([*lost, *left])
+    job_rank = replaced[merged.Get_rank() - (merged.Get_size() - len(replaced))]
     started = time.perf_counter()
     session = Session(None, None, out, command, started, ranks_at_start=ranks_at_start, counted_since=started - counted)
     session.links.append(parent)
-    _rejoin(session, plan.config, merged, job_rank, lost, step, joined=True)
+    _rejoin(session, plan.config, merged, job_rank, _whose(lost, left), step, joined=True)
     return plan, session
 
 
-def _rejoin(session: Session, config: TrainConfig, merged: MPI.Intracomm, job_rank: int, lost: list, step: Optional[int],
+def _whose(lost: List[int], left: List[int]) -> str:
+    """The ranks the replacements take the places of, as the lines say them."""
+    return f"lost rank(s) {lost}" + (f" and rank(s) {left} that left with their island" if left else "")
+
+
+def _rejoin(session: Session, config: TrainConfig, merged: MPI.Intracomm, job_rank: int, whose: str, step: Optional[int],
             joined: bool) -> None:
     """The session's topology on ``merged`` and its data re-read (collective on the survivors and the replacements;
-    ``joined``: this process is a replacement)."""
+    ``joined``: this process is a replacement; ``whose``: the ranks replaced, as :func:`_whose` says them)."""
     from ..training.data import load_data
 
     session.topology = Topology(merged, group_size=config.group_size, on_failure=config.topology_on_failure, job_rank=job_rank)
@@ -103,5 +112,5 @@ def _rejoin(session: Session, config: TrainConfig, merged: MPI.Intracomm, job_ra
     first = topology.first_ranks[topology.rank]
     what = "a replacement for" if joined else "replacements joined for"
     going_on = "starting the run again" if step is None else f"resuming after step {step}"
-    print(f"mpiopt: rank {first}: {what} lost rank(s) {lost}; the world is {topology.size} ranks again, {going_on}",
+    print(f"mpiopt: rank {first}: {what} {whose}; the world is {topology.size} ranks again, {going_on}",
           file=sys.stderr, flush=True)

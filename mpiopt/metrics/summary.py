@@ -87,8 +87,10 @@ def world_over_time(run: Run) -> str:
     its header, its lost ranks and its resumes; "" where the size never changed."""
     events = []
     for record in run.lost:  # from the step redone, or the next where the step the rank was lost after stood
-        ranks = ", ".join(map(str, record["lost"]))
-        events.append((record["step"] + (0 if record.get("redone", True) else 1), record["world_size"], f"lost rank{'s' if len(record['lost']) > 1 else ''} {ranks}"))
+        why = _ranks("lost rank", record["lost"])
+        if record.get("left"):
+            why += f"; {_ranks('rank', record['left'])} left with {'its island' if len(record['left']) == 1 else 'their island'}"
+        events.append((record["step"] + (0 if record.get("redone", True) else 1), record["world_size"], why))
     events += [(r.get("resumed_after_step", 0) + 1, r["world_size"], "resumed") for r in run.resumes]
     size = run.header["world_size"]
     text = f"{size} ranks"
@@ -96,6 +98,10 @@ def world_over_time(run: Run) -> str:
         if new != size:
             text, size = f"{text}; {new} from step {step} ({why})", new
     return text if ";" in text else ""
+
+
+def _ranks(what: str, ranks: Sequence[int]) -> str:
+    return f"{what}{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def add_speedups(summaries: Sequence[Dict[str, Any]], baseline: str) -> None:

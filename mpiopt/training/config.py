@@ -141,12 +141,8 @@ class TrainConfig:
             if self.on_failure == "respawn" and name != DDP and algorithm_class(name).protocol == ASYNCHRONOUS:
                 raise UsageError(f"{name} takes no --on-failure respawn: the replacements resume at the original size, "
                                  f"and {algorithm_class(name).resize_refusal}; --on-failure shrink drops a lost worker")
-        for flag, value, why in (("--islands", self.islands and self.on_failure == "respawn",
-                                  "an island that lost a rank leaves whole, and no island is started in its place; "
-                                  "--on-failure shrink goes on with the whole ones"),
-                                 ("--precision fp16", self.precision == "fp16", "the scaler's vote is not rolled back")):
-            if value:
-                raise UsageError(f"--on-failure {self.on_failure} takes no {flag} yet: {why}")
+        if self.precision == "fp16":
+            raise UsageError(f"--on-failure {self.on_failure} takes no --precision fp16 yet: the scaler's vote is not rolled back")
 
     @property
     def topology_on_failure(self) -> str:

@@ -61,8 +61,9 @@ _HELP = {
     "checkpoint, start a process for each lost one and all go on at the original size, compare from the run the loss "
     "broke; shrink where none can start); "
     "needs Open MPI launched as `mpiexec --with-ft ulfm --mca btl tcp,self`, any algorithm (the asynchronous "
-    "ones shrink only: their server drops a lost worker; a lost server ends the run), with --islands shrink only (an island "
-    "that lost a rank leaves whole: its other ranks end, exit 0), no fp16 yet; docs/failures.md",
+    "ones shrink only: their server drops a lost worker; a lost server ends the run), with --islands an island "
+    "that lost a rank leaves whole (its other ranks end, exit 0; under respawn a new island takes its place), no fp16 "
+    "yet; docs/failures.md",
     "eval_every": "evaluate on the test split every N steps (default: 10 times per run, and at the end)",
     "target_accuracy": "test accuracy for the time-to-target and bytes-to-target columns",
     "target_loss": "test loss for those columns instead of --target-accuracy: the first evaluation at or below it (for "

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 from ..comm import IslandLeft, RankLost, Topology
 from ..comm.survival import INJECTION
@@ -56,40 +56,45 @@ def surviving_the_start(run: Callable[[], T], topology: Topology, islands: bool,
             try:
                 recovery = topology.recover(whole_groups=islands)
             except IslandLeft as left:
-                print(f"mpiopt: rank {rank}: {_lost(left.lost)} as the run started ({_leaving(left)})", file=sys.stderr, flush=True)
+                print(f"mpiopt: rank {rank}: {_lost(left.lost)} as the run started ({_leaving(left, respawn)})", file=sys.stderr, flush=True)
                 raise
             again = "starting it again with a process in each lost rank's place" if respawn else "starting it again"
             print(f"mpiopt: rank {rank}: {_lost(recovery.lost)} as the run started ({_left(recovery)}{again}); "
                   f"the world is now {_ranks(recovery.size)}", file=sys.stderr, flush=True)
             if respawn:
-                raise Respawn(None, None, recovery.lost, time.perf_counter())
+                raise Respawn(None, None, recovery.lost, time.perf_counter(), recovery.left)
 
 
 class Respawn(Exception):
     """Out of :func:`~mpiopt.training.loop.train` on every survivor (``--on-failure respawn``): the survivors saved
-    ``checkpoint`` after ``step``; processes started for the ``lost`` ranks resume from it with them.  Both None
-    where the run had not begun (:func:`surviving_the_start`): it starts again as it was starting, the
-    replacements with it."""
+    ``checkpoint`` after ``step``; processes started for the ``lost`` ranks and for those that ``left`` with their
+    island (islands stay whole: a new one takes a broken one's place) resume from it with them.  Both None where the
+    run had not begun (:func:`surviving_the_start`): it starts again as it was starting, the replacements with it."""
 
-    def __init__(self, checkpoint: Optional[str], step: Optional[int], lost: list, since: float) -> None:
+    def __init__(self, checkpoint: Optional[str], step: Optional[int], lost: list, since: float, left: Sequence[int] = ()) -> None:
         super().__init__(f"lost ranks {lost}: replacements to {f'resume from {checkpoint}' if checkpoint else 'start the run with'}")
-        self.checkpoint, self.step, self.lost = checkpoint, step, lost
+        self.checkpoint, self.step, self.lost, self.left = checkpoint, step, lost, list(left)
         #: When the survivors' wall time stopped counting (``time.perf_counter()``): the resumed run counts on from it.
         self.since = since
 
+    @property
+    def replaced(self) -> List[int]:
+        """The ranks (numbered as in the job's first world) whose places the replacements take, in order."""
+        return sorted([*self.lost, *self.left])
 
-def go_on_without_lost_ranks(run: Any, step: int, replacing: Sequence[int] = ()) -> int:
+
+def go_on_without_lost_ranks(run: Any, step: int, replacing: Tuple[Sequence[int], Sequence[int]] = ((), ())) -> int:
     """On every survivor after a RankLost in step ``step + 1`` of ``run`` (a training loop's run): recover; returns
     the step to go on from (the failed one again, or the next where the loss came after the step was applied).
-    ``--on-failure respawn`` raises :class:`Respawn` instead, for these lost ranks and ``replacing`` (lost before,
-    while the survivors saved for their replacements)."""
+    ``--on-failure respawn`` raises :class:`Respawn` instead, for these lost ranks and ``replacing`` (the ranks lost,
+    and those that left with their island, before: while the survivors saved for their replacements)."""
+    respawn = run.config.on_failure == "respawn"
     try:
         recovery = run.topology.recover(whole_groups=run.config.islands_for(run.algorithm))
     except IslandLeft as left:  # this rank's island lost a rank: the others' run goes on without it
-        _tell(run, f"{_lost(left.lost)} at step {step + 1}", f"{_leaving(left)})", None)
+        _tell(run, f"{_lost(left.lost)} at step {step + 1}", f"{_leaving(left, respawn)})", None)
         raise
     run.opt.recover()
-    config = run.config
     applied = run.applied == step + 1
     resume = step + 1 if applied else step
     _reshard(run, reporter=0)
@@ -99,8 +104,8 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Sequence[int] = ())
     run.uncounted_since = time.perf_counter()  # a second loss while saving for the replacements counts on from here
     _tell(run, f"{_lost(recovery.lost)} at step {step + 1}", f"{_left(recovery)}the step {redone}); the world is now {_ranks(recovery.size)}",
           {"step": step + 1, "lost": recovery.lost, "left": recovery.left, "world_size": recovery.size, "redone": not applied})
-    if config.on_failure == "respawn":  # the state the replacements take, saved by the survivors at the shrunk size
-        lost = [*replacing, *recovery.lost]
+    if respawn:  # the state the replacements take, saved by the survivors at the shrunk size
+        lost, left = [*replacing[0], *recovery.lost], [*replacing[1], *recovery.left]
         try:
             with run.topology.agreed("the checkpoint for the replacements"):  # saved on every survivor, or on none
                 counters, since = run.totals.counters(), time.perf_counter()
@@ -108,14 +113,16 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Sequence[int] = ())
                 if run.tracer:  # the steps so far, in a file of their own: the resumed run writes the trace anew
                     run.tracer.write(f"{os.path.splitext(run.trace_path)[0]}.until-step-{resume}.json")
         except RankLost:  # another loss while saving: recover again, then replace them all
-            return go_on_without_lost_ranks(run, resume - 1, lost)
-        raise Respawn(path, resume, lost, since)
+            return go_on_without_lost_ranks(run, resume - 1, (lost, left))
+        raise Respawn(path, resume, lost, since, left)
     return resume
 
 
-def _leaving(left: IslandLeft) -> str:
-    """What a rank that leaves with its island says (:class:`~mpiopt.comm.IslandLeft`)."""
-    ends = ("the other islands go on; this rank's part ends" if left.size else
+def _leaving(left: IslandLeft, respawn: bool) -> str:
+    """What a rank that leaves with its island says (:class:`~mpiopt.comm.IslandLeft`); ``respawn``: processes start
+    in the island's places."""
+    goes_on = "the other islands go on, with processes started in its ranks' places" if respawn else "the other islands go on"
+    ends = (f"{goes_on}; this rank's part ends" if left.size else
             "no island survived whole: the run ends; resume it from its newest checkpoint with --resume auto")
     return f"its island with it: ranks {left.left} leave; {ends}"
 

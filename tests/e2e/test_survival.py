@@ -617,6 +617,63 @@ def test_train_respawns_a_killed_rank(tmp_path, algorithm, kill):
     assert first_difference(checkpoint_state(out / last), checkpoint_state(again / last)) is None
 
 
+@needs_ulfm
+@pytest.mark.parametrize("kill", ["1@8:exchange", "2@6"])
+def test_train_respawns_a_whole_island(tmp_path, kill):
+    """`mpiopt train --islands --group-size 2 --on-failure respawn`, 2 islands of 2 running diloco: a rank killed (inside
+    the outer exchange, or at an inner step's start).  Its island's other rank leaves, the whole island saves at 2 ranks,
+    and processes started in both places form a new island: the run ends at 2 islands of 2, and equals the survivors'
+    checkpoint resumed by hand at 4 ranks with islands (its last checkpoint, every rank's state, bitwise)."""
+    from mpiopt.checkpoint import first_difference
+
+    out = tmp_path / "run"
+    common = ["-m", "mpiopt", "train", "--algorithm", "diloco", "--hp", "diloco.period=4", "--islands", "--group-size", "2",
+              "--steps", "16", "--eval-every", "8", "--batch-size", "16", "--progress", "lines", "--checkpoint-every", "5",
+              "--keep-checkpoints", "20"]
+    code, output = run_killing(tmp_path, [*common, "--on-failure", "respawn", "--out", str(out)], [kill], timeout=240)
+    assert code == 0, output
+    lost = int(kill.split("@")[0])
+    partner, island = lost ^ 1, sorted({0, 1, 2, 3} - {lost, lost ^ 1})
+    assert re.search(rf"mpiopt: rank {partner}: lost rank {lost} at step \d+ \(its island with it: ranks \[{partner}\] leave; "
+                     r"the other islands go on, with processes started in its ranks' places; this rank's part ends\)", output), output
+    joined = re.findall(rf"mpiopt: rank (\d+): (a replacement for|replacements joined for) lost rank\(s\) \[{lost}\] and "
+                        rf"rank\(s\) \[{partner}\] that left with their island; the world is 4 ranks again, resuming after step (\d+)",
+                        output)
+    assert sorted((int(r), who) for r, who, _ in joined) == sorted(
+        [(r, "replacements joined for") for r in island] + [(r, "a replacement for") for r in (lost, partner)]), output
+    step = int(joined[0][2])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    event = next(r for r in records if r["kind"] == "lost")
+    assert (event["lost"], event["left"], event["world_size"]) == ([lost], [partner], 2)
+    assert records[-1]["kind"] == "end" and records[-1]["world_size"] == 4 and records[-1]["step"] == 16, records[-1]
+    assert np.isfinite([r for r in records if r["kind"] == "eval"][-1]["test_loss"])
+    handed = out / "checkpoints" / f"ckpt-{step:09d}.h5"
+    assert checkpoint_state(handed)["ranks_written"] == 2
+    _, by_hand = resume_to_step_16(tmp_path, [*common, "--on-failure", "shrink"], handed, 4)
+    assert first_difference(checkpoint_state(out / "checkpoints" / "ckpt-000000016.h5"), by_hand) is None
+
+
+@needs_ulfm
+def test_respawn_starts_a_whole_island_again_when_a_rank_is_lost_as_the_run_starts(tmp_path):
+    """Rank 2 of 2 islands of 2 lost during the run's set-up under respawn: rank 3 leaves with its island, and the run
+    starts again at 4 ranks with processes in both places (no checkpoint: nothing had been trained)."""
+    out = tmp_path / "run"
+    args = ["-m", "mpiopt", "train", "--algorithm", "diloco", "--hp", "diloco.period=4", "--islands", "--group-size", "2",
+            "--steps", "8", "--batch-size", "16", "--on-failure", "respawn", "--progress", "lines", "--out", str(out)]
+    code, output = run_killing(tmp_path, args, ["2@0:start"], timeout=240)
+    assert code == 0, output
+    assert "mpiopt: rank 3: lost rank 2 as the run started (its island with it: ranks [3] leave;" in output, output
+    for rank in (0, 1):
+        assert (f"mpiopt: rank {rank}: lost rank 2 as the run started (ranks [3] left with their island; starting it again "
+                "with a process in each lost rank's place); the world is now 2 ranks") in output, output
+    joined = re.findall(r"mpiopt: rank (\d+): (?:a replacement for|replacements joined for) lost rank\(s\) \[2\] and rank\(s\) "
+                        r"\[3\] that left with their island; the world is 4 ranks again, starting the run again", output)
+    assert sorted(map(int, joined)) == [0, 1, 2, 3], output
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["kind"] == "run" and records[0]["world_size"] == 4
+    assert records[-1]["kind"] == "end" and records[-1]["step"] == 8 and records[-1]["world_size"] == 4
+
+
 ASYNC_SAMPLE = os.path.join(ROOT, "tests", "e2e", "samples", "survive_async.py")
 
 

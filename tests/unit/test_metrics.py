@@ -508,5 +508,7 @@ def test_lost_ranks_are_the_runs_own_record_and_give_its_world_size_over_time(tm
     run = read_metrics(str(path))
     assert [e["kind"] for e in run.evals] == ["eval", "eval"] and [r["step"] for r in run.lost] == [7, 9]
     assert world_over_time(run) == "4 ranks; 3 from step 7 (lost rank 2); 1 from step 10 (lost ranks 0, 3); 4 from step 12 (resumed)"
+    run.lost = [{"kind": "lost", "step": 6, "lost": [0], "left": [1], "world_size": 2, "redone": True}]
+    assert world_over_time(run) == "4 ranks; 2 from step 6 (lost rank 0; rank 1 left with its island); 4 from step 12 (resumed)"
     run.lost, run.resumes = [], []
     assert world_over_time(run) == ""

@@ -92,12 +92,12 @@ def test_a_server_kill_point_counts_its_messages_over_runs():
     assert hook.messages == 7 and hook.current == 7
 
 
-def test_islands_take_shrink_and_refuse_respawn_naming_shrink():
-    """An island that lost a rank leaves whole (Topology.recover): shrink goes on with the whole ones; respawn would
-    have to start a whole island, which it does not."""
+def test_islands_take_shrink_and_respawn_and_fp16_is_refused_naming_why():
+    """An island that lost a rank leaves whole (Topology.recover): shrink goes on with the whole ones, respawn starts
+    processes in the whole island's places.  fp16's loss scaler votes outside the rollback: refused, named."""
     from mpiopt.training.config import TrainConfig, UsageError
 
-    TrainConfig(algorithm="diloco", islands=True, on_failure="shrink").validate(["diloco"])
-    with pytest.raises(UsageError, match=r"--on-failure respawn takes no --islands yet: an island that lost a rank "
-                                         r"leaves whole.*--on-failure shrink goes on with the whole ones"):
-        TrainConfig(algorithm="diloco", islands=True, on_failure="respawn").validate(["diloco"])
+    for on_failure in ("shrink", "respawn"):
+        TrainConfig(algorithm="diloco", islands=True, on_failure=on_failure).validate(["diloco"])
+    with pytest.raises(UsageError, match=r"--on-failure respawn takes no --precision fp16 yet: the scaler's vote is not rolled back"):
+        TrainConfig(algorithm="diloco", precision="fp16", on_failure="respawn").validate(["diloco"])
