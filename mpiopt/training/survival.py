@@ -14,6 +14,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
+from ..checkpoint import CheckpointError
 from ..comm import IslandLeft, RankLost, Topology
 from ..comm.survival import INJECTION
 from ..metrics import MetricsWriter
@@ -111,11 +112,24 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Tuple[Sequence[int]
                 counters, since = run.totals.counters(), time.perf_counter()
                 path = run.checkpoints.save(resume, counters=counters)
                 if run.tracer:  # the steps so far, in a file of their own: the resumed run writes the trace anew
-                    run.tracer.write(f"{os.path.splitext(run.trace_path)[0]}.until-step-{resume}.json")
+                    _keep_trace(run, f"{os.path.splitext(run.trace_path)[0]}.until-step-{resume}.json")
         except RankLost:  # another loss while saving: recover again, then replace them all
             return go_on_without_lost_ranks(run, resume - 1, (lost, left))
+        except CheckpointError as error:  # on every survivor alike (a full disk, a quota): no hand-over, train on
+            if run.topology.rank == 0:
+                print(f"mpiopt: --on-failure respawn: the checkpoint for the replacements could not be saved ({error}); "
+                      f"going on with {_ranks(recovery.size)}, as --on-failure shrink would", file=sys.stderr, flush=True)
+            return resume
         raise Respawn(path, resume, lost, since, left)
     return resume
+
+
+def _keep_trace(run: Any, path: str) -> None:
+    """The trace so far written to ``path`` (collective), or said why not: a trace is not worth the run."""
+    try:
+        run.tracer.write(path)
+    except OSError as error:  # rank 0's file alone
+        print(f"mpiopt: the trace of the steps before the join is lost: {error}", file=sys.stderr, flush=True)
 
 
 def _leaving(left: IslandLeft, respawn: bool) -> str:

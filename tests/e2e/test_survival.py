@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -651,6 +652,30 @@ def test_train_respawns_a_whole_island(tmp_path, kill):
     assert checkpoint_state(handed)["ranks_written"] == 2
     _, by_hand = resume_to_step_16(tmp_path, [*common, "--on-failure", "shrink"], handed, 4)
     assert first_difference(checkpoint_state(out / "checkpoints" / "ckpt-000000016.h5"), by_hand) is None
+
+
+@needs_ulfm
+def test_respawn_goes_on_as_shrink_where_the_checkpoint_for_the_replacements_cannot_be_saved(tmp_path):
+    """The checkpoint folder turned into a file as rank 2 dies inside step 5's exchange (a full disk, a quota): the
+    survivors' save for the replacements fails on every one of them, rank 0 says why once, no process starts, and the
+    run goes on at 3 ranks to its end, as under shrink."""
+    out = tmp_path / "run"
+    args = ["-m", "mpiopt", "train", "--algorithm", "sgd", "--steps", "10", "--batch-size", "16", "--on-failure", "respawn",
+            "--progress", "lines", "--out", str(out)]
+
+    def unwritable():
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        (out / "checkpoints").write_text("not a folder")
+
+    code, output = run_killing(tmp_path, args, ["2@5:exchange"], timeout=240, on_kill=unwritable)
+    assert code == 0, output
+    said = re.findall(r"mpiopt: --on-failure respawn: the checkpoint for the replacements could not be saved \(cannot save "
+                      r"checkpoint \S+ckpt-000000004\.h5: writing on rank 0 failed: [^)]*\); going on with 3 ranks, as "
+                      r"--on-failure shrink would", output)
+    assert len(said) == 1 and "replacement" not in output.replace(said[0], ""), output
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["world_size"] for r in records if r["kind"] == "lost"] == [3]
+    assert records[-1]["kind"] == "end" and records[-1]["step"] == 10 and records[-1]["world_size"] == 3
 
 
 @needs_ulfm
