@@ -96,7 +96,7 @@ def join_survivors() -> Tuple[Plan, Session]:
 
 def _whose(lost: List[int], left: List[int]) -> str:
     """The ranks the replacements take the places of, as the lines say them."""
-    return f"lost rank(s) {lost}" + (f" and rank(s) {left} that left with their island" if left else "")
+    return f"lost rank(s) {lost}" + (f" and rank(s) {left} of the same island{'s' if len(lost) > 1 else ''}" if left else "")
 
 
 def _rejoin(session: Session, config: TrainConfig, merged: MPI.Intracomm, job_rank: int, whose: str, step: Optional[int],

@@ -89,7 +89,7 @@ def world_over_time(run: Run) -> str:
     for record in run.lost:  # from the step redone, or the next where the step the rank was lost after stood
         why = _ranks("lost rank", record["lost"])
         if record.get("left"):
-            why += f"; {_ranks('rank', record['left'])} left with {'its island' if len(record['left']) == 1 else 'their island'}"
+            why += f"; {_ranks('rank', record['left'])} left with {'its island' if len(record['left']) == 1 else 'their island' if len(record['lost']) == 1 else 'their islands'}"
         events.append((record["step"] + (0 if record.get("redone", True) else 1), record["world_size"], why))
     events += [(r.get("resumed_after_step", 0) + 1, r["world_size"], "resumed") for r in run.resumes]
     size = run.header["world_size"]

@@ -14,7 +14,7 @@ import sys
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -232,6 +232,8 @@ class _Run:
         cleanup.callback(self.checkpoints.close)  # signal handlers restored however the run ends
         self.start = self.applied = self.checkpoints.resume()
         self.dropped_told = 0  # the asynchronous algorithm's losses reported (survival)
+        #: The ranks lost, and those that left with their island, that no process has replaced yet (respawn).
+        self.unreplaced: Tuple[List[int], List[int]] = ([], [])
         if on_start is not None:
             on_start()
         reporter = world.rank == (1 if self.is_asynchronous and world.size > 1 else 0)

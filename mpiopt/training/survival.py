@@ -59,7 +59,8 @@ def surviving_the_start(run: Callable[[], T], topology: Topology, islands: bool,
             except IslandLeft as left:
                 print(f"mpiopt: rank {rank}: {_lost(left.lost)} as the run started ({_leaving(left, respawn)})", file=sys.stderr, flush=True)
                 raise
-            again = "starting it again with a process in each lost rank's place" if respawn else "starting it again"
+            again = ("starting it again with a process in each lost rank's place" + (" and each that left" if recovery.left else "")
+                     if respawn else "starting it again")
             print(f"mpiopt: rank {rank}: {_lost(recovery.lost)} as the run started ({_left(recovery)}{again}); "
                   f"the world is now {_ranks(recovery.size)}", file=sys.stderr, flush=True)
             if respawn:
@@ -84,11 +85,11 @@ class Respawn(Exception):
         return sorted([*self.lost, *self.left])
 
 
-def go_on_without_lost_ranks(run: Any, step: int, replacing: Tuple[Sequence[int], Sequence[int]] = ((), ())) -> int:
+def go_on_without_lost_ranks(run: Any, step: int, replacing: Optional[Tuple[Sequence[int], Sequence[int]]] = None) -> int:
     """On every survivor after a RankLost in step ``step + 1`` of ``run`` (a training loop's run): recover; returns
     the step to go on from (the failed one again, or the next where the loss came after the step was applied).
     ``--on-failure respawn`` raises :class:`Respawn` instead, for these lost ranks and ``replacing`` (the ranks lost,
-    and those that left with their island, before: while the survivors saved for their replacements)."""
+    and those that left with their island, before and not yet replaced; default: ``run.unreplaced``)."""
     respawn = run.config.on_failure == "respawn"
     try:
         recovery = run.topology.recover(whole_groups=run.config.islands_for(run.algorithm))
@@ -101,27 +102,42 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Tuple[Sequence[int]
     _reshard(run, reporter=0)
     redone = "kept; going on from the next" if applied else "redone"
     # The run's wall time counts the broken step (or phase after it) and the recovery: the price of the loss.
-    run.totals.wall_seconds += time.perf_counter() - run.uncounted_since
-    run.uncounted_since = time.perf_counter()  # a second loss while saving for the replacements counts on from here
+    _count_wall_time(run)
     _tell(run, f"{_lost(recovery.lost)} at step {step + 1}", f"{_left(recovery)}the step {redone}); the world is now {_ranks(recovery.size)}",
           {"step": step + 1, "lost": recovery.lost, "left": recovery.left, "world_size": recovery.size, "redone": not applied})
-    if respawn:  # the state the replacements take, saved by the survivors at the shrunk size
-        lost, left = [*replacing[0], *recovery.lost], [*replacing[1], *recovery.left]
-        try:
-            with run.topology.agreed("the checkpoint for the replacements"):  # saved on every survivor, or on none
-                counters, since = run.totals.counters(), time.perf_counter()
+    if not respawn:
+        return resume
+    # The state the replacements take, saved by the survivors at the shrunk size.
+    before = run.unreplaced if replacing is None else replacing
+    lost, left = [*before[0], *recovery.lost], [*before[1], *recovery.left]
+    failed = None
+    try:
+        with run.topology.agreed("the checkpoint for the replacements"):  # saved on every survivor, or on none
+            counters, since = run.totals.counters(), time.perf_counter()
+            try:
                 path = run.checkpoints.save(resume, counters=counters)
-                if run.tracer:  # the steps so far, in a file of their own: the resumed run writes the trace anew
-                    _keep_trace(run, f"{os.path.splitext(run.trace_path)[0]}.until-step-{resume}.json")
-        except RankLost:  # another loss while saving: recover again, then replace them all
-            return go_on_without_lost_ranks(run, resume - 1, (lost, left))
-        except CheckpointError as error:  # on every survivor alike (a full disk, a quota): no hand-over, train on
-            if run.topology.rank == 0:
-                print(f"mpiopt: --on-failure respawn: the checkpoint for the replacements could not be saved ({error}); "
-                      f"going on with {_ranks(recovery.size)}, as --on-failure shrink would", file=sys.stderr, flush=True)
-            return resume
-        raise Respawn(path, resume, lost, since, left)
-    return resume
+            except CheckpointError as error:  # on every survivor alike (a full disk, a quota); agreed on below
+                failed = error
+            if run.tracer and failed is None:  # the steps so far, in a file of their own: the resumed run writes anew
+                _keep_trace(run, f"{os.path.splitext(run.trace_path)[0]}.until-step-{resume}.json")
+    except RankLost:  # another loss while saving: recover again, then replace them all
+        return go_on_without_lost_ranks(run, resume - 1, (lost, left))
+    if failed is not None:  # no hand-over: train on, and replace these with those of a later loss
+        run.unreplaced = (lost, left)
+        _count_wall_time(run)
+        if run.topology.rank == 0:
+            print(f"mpiopt: --on-failure respawn: the checkpoint for the replacements could not be saved ({failed}); "
+                  f"going on with {_ranks(recovery.size)}, as --on-failure shrink would, until a later loss",
+                  file=sys.stderr, flush=True)
+        return resume
+    raise Respawn(path, resume, lost, since, left)
+
+
+def _count_wall_time(run: Any) -> None:
+    """The run's wall time since ``run.uncounted_since`` added to its totals; a second loss counts on from now."""
+    now = time.perf_counter()
+    run.totals.wall_seconds += now - run.uncounted_since
+    run.uncounted_since = now
 
 
 def _keep_trace(run: Any, path: str) -> None:
@@ -135,7 +151,7 @@ def _keep_trace(run: Any, path: str) -> None:
 def _leaving(left: IslandLeft, respawn: bool) -> str:
     """What a rank that leaves with its island says (:class:`~mpiopt.comm.IslandLeft`); ``respawn``: processes start
     in the island's places."""
-    goes_on = "the other islands go on, with processes started in its ranks' places" if respawn else "the other islands go on"
+    goes_on = "the other islands go on and try to start processes in its ranks' places" if respawn else "the other islands go on"
     ends = (f"{goes_on}; this rank's part ends" if left.size else
             "no island survived whole: the run ends; resume it from its newest checkpoint with --resume auto")
     return f"its island with it: ranks {left.left} leave; {ends}"

@@ -636,9 +636,9 @@ def test_train_respawns_a_whole_island(tmp_path, kill):
     lost = int(kill.split("@")[0])
     partner, island = lost ^ 1, sorted({0, 1, 2, 3} - {lost, lost ^ 1})
     assert re.search(rf"mpiopt: rank {partner}: lost rank {lost} at step \d+ \(its island with it: ranks \[{partner}\] leave; "
-                     r"the other islands go on, with processes started in its ranks' places; this rank's part ends\)", output), output
+                     r"the other islands go on and try to start processes in its ranks' places; this rank's part ends\)", output), output
     joined = re.findall(rf"mpiopt: rank (\d+): (a replacement for|replacements joined for) lost rank\(s\) \[{lost}\] and "
-                        rf"rank\(s\) \[{partner}\] that left with their island; the world is 4 ranks again, resuming after step (\d+)",
+                        rf"rank\(s\) \[{partner}\] of the same island; the world is 4 ranks again, resuming after step (\d+)",
                         output)
     assert sorted((int(r), who) for r, who, _ in joined) == sorted(
         [(r, "replacements joined for") for r in island] + [(r, "a replacement for") for r in (lost, partner)]), output
@@ -655,27 +655,59 @@ def test_train_respawns_a_whole_island(tmp_path, kill):
 
 
 @needs_ulfm
+def test_two_islands_respawned_in_one_run(tmp_path):
+    """2 islands of 2 under respawn, rank 1 killed in step 8's exchange, then rank 2 in step 12's: the second loss
+    breaks the island of the first respawn's survivors, whose rank 3 (linked to the first replacements) leaves at once,
+    and the first replacements start the second ones.  The run ends at 2 islands of 2, both losses on record."""
+    out = tmp_path / "run"
+    args = ["-m", "mpiopt", "train", "--algorithm", "diloco", "--hp", "diloco.period=4", "--islands", "--group-size", "2",
+            "--steps", "16", "--eval-every", "8", "--batch-size", "16", "--progress", "lines", "--on-failure", "respawn",
+            "--out", str(out)]
+    code, output = run_killing(tmp_path, args, ["1@8:exchange", "2@12:exchange"], timeout=280)
+    assert code == 0, output
+    for lost, partner in ((1, 0), (2, 3)):
+        assert f"mpiopt: rank {partner}: lost rank {lost} at step " in output and f"ranks [{partner}] leave;" in output, output
+        joined = re.findall(rf"mpiopt: rank (\d+): (?:a replacement for|replacements joined for) lost rank\(s\) \[{lost}\] and "
+                            rf"rank\(s\) \[{partner}\] of the same island; the world is 4 ranks again", output)
+        assert sorted(map(int, joined)) == [0, 1, 2, 3], output
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["lost"], r["left"], r["world_size"]) for r in records if r["kind"] == "lost"] == [([1], [0], 2), ([2], [3], 2)]
+    assert records[-1]["kind"] == "end" and records[-1]["world_size"] == 4 and records[-1]["step"] == 16, records[-1]
+    assert np.isfinite([r for r in records if r["kind"] == "eval"][-1]["test_loss"])
+    assert re.search(r"^- diloco: 4 ranks; 2 from step 8 \(lost rank 1; rank 0 left with its island\); 4 from step 8 "
+                     r"\(resumed\); 2 from step 12 \(lost rank 2; rank 3 left with its island\); 4 from step 12 \(resumed\)$",
+                     output, re.M), output
+
+
+@needs_ulfm
 def test_respawn_goes_on_as_shrink_where_the_checkpoint_for_the_replacements_cannot_be_saved(tmp_path):
     """The checkpoint folder turned into a file as rank 2 dies inside step 5's exchange (a full disk, a quota): the
     survivors' save for the replacements fails on every one of them, rank 0 says why once, no process starts, and the
-    run goes on at 3 ranks to its end, as under shrink."""
+    run goes on at 3 ranks, as under shrink.  The folder back, rank 1 killed in step 8: processes start for both."""
     out = tmp_path / "run"
     args = ["-m", "mpiopt", "train", "--algorithm", "sgd", "--steps", "10", "--batch-size", "16", "--on-failure", "respawn",
             "--progress", "lines", "--out", str(out)]
+    kills = iter(range(2))
 
-    def unwritable():
+    def unwritable_then_back():
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
-        (out / "checkpoints").write_text("not a folder")
+        if next(kills) == 0:
+            (out / "checkpoints").write_text("not a folder")
+        else:
+            (out / "checkpoints").unlink()
 
-    code, output = run_killing(tmp_path, args, ["2@5:exchange"], timeout=240, on_kill=unwritable)
+    code, output = run_killing(tmp_path, args, ["2@5:exchange", "1@8:exchange"], timeout=240, on_kill=unwritable_then_back)
     assert code == 0, output
     said = re.findall(r"mpiopt: --on-failure respawn: the checkpoint for the replacements could not be saved \(cannot save "
                       r"checkpoint \S+ckpt-000000004\.h5: writing on rank 0 failed: [^)]*\); going on with 3 ranks, as "
-                      r"--on-failure shrink would", output)
-    assert len(said) == 1 and "replacement" not in output.replace(said[0], ""), output
+                      r"--on-failure shrink would, until a later loss", output)
+    assert len(said) == 1, output
+    joined = re.findall(r"mpiopt: rank (\d+): (?:a replacement for|replacements joined for) lost rank\(s\) \[2, 1\]; the world "
+                        r"is 4 ranks again, resuming after step 7", output)
+    assert sorted(map(int, joined)) == [0, 1, 2, 3], output
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["world_size"] for r in records if r["kind"] == "lost"] == [3]
-    assert records[-1]["kind"] == "end" and records[-1]["step"] == 10 and records[-1]["world_size"] == 3
+    assert [r["world_size"] for r in records if r["kind"] == "lost"] == [3, 2]
+    assert records[-1]["kind"] == "end" and records[-1]["step"] == 10 and records[-1]["world_size"] == 4
 
 
 @needs_ulfm
@@ -690,9 +722,9 @@ def test_respawn_starts_a_whole_island_again_when_a_rank_is_lost_as_the_run_star
     assert "mpiopt: rank 3: lost rank 2 as the run started (its island with it: ranks [3] leave;" in output, output
     for rank in (0, 1):
         assert (f"mpiopt: rank {rank}: lost rank 2 as the run started (ranks [3] left with their island; starting it again "
-                "with a process in each lost rank's place); the world is now 2 ranks") in output, output
+                "with a process in each lost rank's place and each that left); the world is now 2 ranks") in output, output
     joined = re.findall(r"mpiopt: rank (\d+): (?:a replacement for|replacements joined for) lost rank\(s\) \[2\] and rank\(s\) "
-                        r"\[3\] that left with their island; the world is 4 ranks again, starting the run again", output)
+                        r"\[3\] of the same island; the world is 4 ranks again, starting the run again", output)
     assert sorted(map(int, joined)) == [0, 1, 2, 3], output
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["kind"] == "run" and records[0]["world_size"] == 4
