@@ -63,16 +63,20 @@ def _replace_lost(session: Session, respawn: Any, plan: Plan) -> bool:
             print(f"mpiopt: --on-failure respawn: no process could start for {_whose(respawn.lost, respawn.left)} ({why}); "
                   f"going on with {topology.size} ranks, as --on-failure shrink would", file=sys.stderr, flush=True)
         return False
-    # The survivors first, in their order, then the replacements in the order of the ranks they replace: a broken
-    # island's replacements follow the whole islands as one block, so a --group-size island forms again whole.
-    merged = inter.Merge(high=False)
+    merged = inter.Merge(high=False)  # the survivors first, in their order
     counted = time.perf_counter() - session.counted_since  # the loss's price so far, for the replacements' clocks
-    merged.bcast((plan, respawn.lost, respawn.left, respawn.step, session.out, session.command, session.ranks_at_start, counted),
-                 root=0)
+    # With islands, their one size (only whole ones survived; a run without them, lsgd's in compare, may leave a group
+    # short: None then, and the replacements follow the survivors as they are).
+    sizes = set(topology.group_sizes)
+    size = sizes.pop() if plan.config.islands and len(sizes) == 1 else None
+    merged.bcast((plan, respawn.lost, respawn.left, respawn.step, session.out, session.command, session.ranks_at_start, counted,
+                  size), root=0)
     session.links.append(inter)
     job_rank = topology.first_ranks[topology.rank]  # a replacement of an earlier loss may be among the survivors
+    place = topology.group_index * (size or 0) + topology.group.rank
     topology.Free()
-    _rejoin(session, plan.config, merged, job_rank, _whose(respawn.lost, respawn.left), respawn.step, joined=False)
+    _rejoin(session, plan.config, merged, job_rank, _whose(respawn.lost, respawn.left), respawn.step, joined=False,
+            islands=(place, size))
     return True
 
 
@@ -84,13 +88,15 @@ def join_survivors() -> Tuple[Plan, Session]:
     INJECTION.points.clear()  # the test hook's points name the first world's processes, not this one
     parent = MPI.Comm.Get_parent()
     merged = parent.Merge(high=True)
-    plan, lost, left, step, out, command, ranks_at_start, counted = merged.bcast(None, root=0)
+    plan, lost, left, step, out, command, ranks_at_start, counted, size = merged.bcast(None, root=0)
     replaced = sorted([*lost, *left])
-    job_rank = replaced[merged.Get_rank() - (merged.Get_size() - len(replaced))]
+    index = merged.Get_rank() - (merged.Get_size() - len(replaced))  # among the replacements
+    job_rank = replaced[index]
     started = time.perf_counter()
     session = Session(None, None, out, command, started, ranks_at_start=ranks_at_start, counted_since=started - counted)
     session.links.append(parent)
-    _rejoin(session, plan.config, merged, job_rank, _whose(lost, left), step, joined=True)
+    _rejoin(session, plan.config, merged, job_rank, _whose(lost, left), step, joined=True,
+            islands=(merged.Get_size() - len(replaced) + index, size))
     return plan, session
 
 
@@ -100,12 +106,23 @@ def _whose(lost: List[int], left: List[int]) -> str:
 
 
 def _rejoin(session: Session, config: TrainConfig, merged: MPI.Intracomm, job_rank: int, whose: str, step: Optional[int],
-            joined: bool) -> None:
+            joined: bool, islands: Tuple[int, Optional[int]]) -> None:
     """The session's topology on ``merged`` and its data re-read (collective on the survivors and the replacements;
-    ``joined``: this process is a replacement; ``whose``: the ranks replaced, as :func:`_whose` says them)."""
+    ``joined``: this process is a replacement; ``whose``: the ranks replaced, as :func:`_whose` says them).
+
+    With islands (``islands``: this rank's place and the islands' size; None: none to keep) the islands are the
+    survivors' whole ones, then the replacements in blocks of that size, in the order of the ranks they replace,
+    wherever the launcher put them: grouping by node would make other islands where a node now holds more ranks."""
     from ..training.data import load_data
 
-    session.topology = Topology(merged, group_size=config.group_size, on_failure=config.topology_on_failure, job_rank=job_rank)
+    place, size = islands
+    group_size = config.group_size
+    if size is not None:
+        group_size = size
+        ordered = merged.Split(0, place)
+        merged.Free()
+        merged = ordered
+    session.topology = Topology(merged, group_size=group_size, on_failure=config.topology_on_failure, job_rank=job_rank)
     merged.Free()  # the topology's communicators are its own duplicates
     session.dataset = load_data(config, session.topology.world)
     topology = session.topology
