@@ -65,10 +65,9 @@ def _replace_lost(session: Session, respawn: Any, plan: Plan) -> bool:
         return False
     merged = inter.Merge(high=False)  # the survivors first, in their order
     counted = time.perf_counter() - session.counted_since  # the loss's price so far, for the replacements' clocks
-    # With islands, their one size (only whole ones survived; a run without them, lsgd's in compare, may leave a group
-    # short: None then, and the replacements follow the survivors as they are).
-    sizes = set(topology.group_sizes)
-    size = sizes.pop() if plan.config.islands and len(sizes) == 1 else None
+    # Where the broken run's workers were islands, their one size (only whole ones survived); else None, and the
+    # replacements follow the survivors as they are (a run without islands, lsgd's in compare, may leave a group short).
+    size = topology.group_sizes[0] if respawn.islands else None
     merged.bcast((plan, respawn.lost, respawn.left, respawn.step, session.out, session.command, session.ranks_at_start, counted,
                   size), root=0)
     session.links.append(inter)
@@ -102,7 +101,7 @@ def join_survivors() -> Tuple[Plan, Session]:
 
 def _whose(lost: List[int], left: List[int]) -> str:
     """The ranks the replacements take the places of, as the lines say them."""
-    return f"lost rank(s) {lost}" + (f" and rank(s) {left} of the same island{'s' if len(lost) > 1 else ''}" if left else "")
+    return f"lost rank(s) {lost}" + (f" and rank(s) {left} of {'the same island' if len(lost) == 1 else 'their islands'}" if left else "")
 
 
 def _rejoin(session: Session, config: TrainConfig, merged: MPI.Intracomm, job_rank: int, whose: str, step: Optional[int],

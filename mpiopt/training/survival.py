@@ -64,7 +64,7 @@ def surviving_the_start(run: Callable[[], T], topology: Topology, islands: bool,
             print(f"mpiopt: rank {rank}: {_lost(recovery.lost)} as the run started ({_left(recovery)}{again}); "
                   f"the world is now {_ranks(recovery.size)}", file=sys.stderr, flush=True)
             if respawn:
-                raise Respawn(None, None, recovery.lost, time.perf_counter(), recovery.left)
+                raise Respawn(None, None, recovery.lost, time.perf_counter(), recovery.left, islands)
 
 
 class Respawn(Exception):
@@ -73,9 +73,12 @@ class Respawn(Exception):
     island (islands stay whole: a new one takes a broken one's place) resume from it with them.  Both None where the
     run had not begun (:func:`surviving_the_start`): it starts again as it was starting, the replacements with it."""
 
-    def __init__(self, checkpoint: Optional[str], step: Optional[int], lost: list, since: float, left: Sequence[int] = ()) -> None:
+    def __init__(self, checkpoint: Optional[str], step: Optional[int], lost: list, since: float, left: Sequence[int] = (),
+                 islands: bool = False) -> None:
         super().__init__(f"lost ranks {lost}: replacements to {f'resume from {checkpoint}' if checkpoint else 'start the run with'}")
         self.checkpoint, self.step, self.lost, self.left = checkpoint, step, lost, list(left)
+        #: Whether the broken run's workers were islands (only whole ones survived): the replacements form new ones.
+        self.islands = islands
         #: When the survivors' wall time stopped counting (``time.perf_counter()``): the resumed run counts on from it.
         self.since = since
 
@@ -90,9 +93,9 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Optional[Tuple[Sequ
     the step to go on from (the failed one again, or the next where the loss came after the step was applied).
     ``--on-failure respawn`` raises :class:`Respawn` instead, for these lost ranks and ``replacing`` (the ranks lost,
     and those that left with their island, before and not yet replaced; default: ``run.unreplaced``)."""
-    respawn = run.config.on_failure == "respawn"
+    respawn, islands = run.config.on_failure == "respawn", run.config.islands_for(run.algorithm)
     try:
-        recovery = run.topology.recover(whole_groups=run.config.islands_for(run.algorithm))
+        recovery = run.topology.recover(whole_groups=islands)
     except IslandLeft as left:  # this rank's island lost a rank: the others' run goes on without it
         _tell(run, f"{_lost(left.lost)} at step {step + 1}", f"{_leaving(left, respawn)})", None)
         raise
@@ -130,7 +133,7 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Optional[Tuple[Sequ
                   f"going on with {_ranks(recovery.size)}, as --on-failure shrink would, until a later loss",
                   file=sys.stderr, flush=True)
         return resume
-    raise Respawn(path, resume, lost, since, left)
+    raise Respawn(path, resume, lost, since, left, islands)
 
 
 def _count_wall_time(run: Any) -> None:
