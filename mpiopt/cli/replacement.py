@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import sys
 
-from mpi4py import MPI
+from ..comm.joining import started_by_survivors
 
 
 def main() -> int:
-    if MPI.Comm.Get_parent() == MPI.COMM_NULL:
+    if not started_by_survivors():
         print("mpiopt.cli.replacement is started by the survivors of mpiopt train or compare (--on-failure respawn), not by hand", file=sys.stderr)
         return 2
     from .respawn import join_survivors

@@ -17,9 +17,8 @@ import sys
 import time
 from typing import Any, List, Optional, Protocol, Tuple
 
-from mpi4py import MPI
-
 from ..comm import Topology
+from ..comm.joining import in_order, merge_with_replacements, merge_with_survivors
 from ..training.config import TrainConfig
 from .session import Session
 
@@ -63,13 +62,12 @@ def _replace_lost(session: Session, respawn: Any, plan: Plan) -> bool:
             print(f"mpiopt: --on-failure respawn: no process could start for {_whose(respawn.lost, respawn.left)} ({why}); "
                   f"going on with {topology.size} ranks, as --on-failure shrink would", file=sys.stderr, flush=True)
         return False
-    merged = inter.Merge(high=False)  # the survivors first, in their order
     counted = time.perf_counter() - session.counted_since  # the loss's price so far, for the replacements' clocks
     # Where the broken run's workers were islands, their one size (only whole ones survived); else None, and the
     # replacements follow the survivors as they are (a run without islands, lsgd's in compare, may leave a group short).
     size = topology.group_sizes[0] if respawn.islands else None
-    merged.bcast((plan, respawn.lost, respawn.left, respawn.step, session.out, session.command, session.ranks_at_start, counted,
-                  size), root=0)
+    merged = merge_with_replacements(inter, (plan, respawn.lost, respawn.left, respawn.step, session.out, session.command,
+                                             session.ranks_at_start, counted, size))
     session.links.append(inter)
     job_rank = topology.first_ranks[topology.rank]  # a replacement of an earlier loss may be among the survivors
     place = topology.group_index * (size or 0) + topology.group.rank
@@ -85,9 +83,8 @@ def join_survivors() -> Tuple[Plan, Session]:
     from ..comm.survival import INJECTION
 
     INJECTION.points.clear()  # the test hook's points name the first world's processes, not this one
-    parent = MPI.Comm.Get_parent()
-    merged = parent.Merge(high=True)
-    plan, lost, left, step, out, command, ranks_at_start, counted, size = merged.bcast(None, root=0)
+    parent, merged, handed = merge_with_survivors()
+    plan, lost, left, step, out, command, ranks_at_start, counted, size = handed
     replaced = sorted([*lost, *left])
     index = merged.Get_rank() - (merged.Get_size() - len(replaced))  # among the replacements
     job_rank = replaced[index]
@@ -104,7 +101,7 @@ def _whose(lost: List[int], left: List[int]) -> str:
     return f"lost rank(s) {lost}" + (f" and rank(s) {left} of {'the same island' if len(lost) == 1 else 'their islands'}" if left else "")
 
 
-def _rejoin(session: Session, config: TrainConfig, merged: MPI.Intracomm, job_rank: int, whose: str, step: Optional[int],
+def _rejoin(session: Session, config: TrainConfig, merged: Any, job_rank: int, whose: str, step: Optional[int],
             joined: bool, islands: Tuple[int, Optional[int]]) -> None:
     """The session's topology on ``merged`` and its data re-read (collective on the survivors and the replacements;
     ``joined``: this process is a replacement; ``whose``: the ranks replaced, as :func:`_whose` says them).
@@ -115,13 +112,9 @@ def _rejoin(session: Session, config: TrainConfig, merged: MPI.Intracomm, job_ra
     from ..training.data import load_data
 
     place, size = islands
-    group_size = config.group_size
-    if size is not None:
-        group_size = size
-        ordered = merged.Split(0, place)
-        merged.Free()
-        merged = ordered
-    session.topology = Topology(merged, group_size=group_size, on_failure=config.topology_on_failure, job_rank=job_rank)
+    merged = in_order(merged, None if size is None else place)
+    session.topology = Topology(merged, group_size=config.group_size if size is None else size,
+                                on_failure=config.topology_on_failure, job_rank=job_rank)
     merged.Free()  # the topology's communicators are its own duplicates
     session.dataset = load_data(config, session.topology.world)
     topology = session.topology

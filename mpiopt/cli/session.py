@@ -57,9 +57,10 @@ class Session:
             return 0 if left.size else 1
         finally:
             if self.links:
+                from ..comm.joining import disconnect
+
                 self.topology.Free()
-                for link in self.links:
-                    link.Disconnect()
+                disconnect(self.links)
                 self.links.clear()
         return 0
 

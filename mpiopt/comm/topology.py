@@ -301,7 +301,7 @@ class Topology:
     def spawn(self, count: int, args: List[str]) -> "tuple[Optional[MPI.Intercomm], str]":
         """Start ``count`` processes of ``python ARGS`` to take lost ranks' places (collective, after :meth:`recover`):
         the intercommunicator to them, or None and MPI's reason where none could start (no free slot, a launcher that
-        refuses).  They and this world merge with ``Merge`` (this world's ranks first)."""
+        refuses).  Both sides then merge into one world (:mod:`.joining`)."""
         try:
             return self.world._comm.Spawn(sys.executable, args=args, maxprocs=count, root=0), ""
         except MPI.Exception as error:
