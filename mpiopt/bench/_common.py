@@ -178,7 +178,7 @@ def environment(topology: Any, link: Optional[str]) -> Dict[str, Any]:
     import datetime
     import platform
 
-    from mpi4py import MPI
+    from ..comm.process import host, library_version
 
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -186,8 +186,8 @@ def environment(topology: Any, link: Optional[str]) -> Dict[str, Any]:
         "link_rate": link,
         "link_bits_per_second": parse_rate(link) if link else None,
         "emulated_link": bool(os.environ.get("EMULATED_LINK_RATE")),
-        "host": MPI.Get_processor_name(),
-        "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+        "host": host(),
+        "mpi": library_version(),
         "python": platform.python_version(),
         "numpy": np.__version__,
         "cores": os.cpu_count(),

@@ -21,13 +21,13 @@ import time
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
-from mpi4py import MPI
 
 from ..algorithms import create
 from mpiopt.algorithms.local import LocalSGD
 from mpiopt.algorithms.streaming_diloco import fragment_offsets
 from mpiopt.bench._common import check_choices, comma_list, markdown_table, median, module_main, positive_int, rotated, say, slowest_seconds
 from mpiopt.comm import MAX, Topology
+from mpiopt.comm.process import thread_level
 from mpiopt.training.config import UsageError
 
 DEFAULT_MODES = ("compute", "sgd", "localsgd", "dasgd", "dasgd+hook", "dasgd+thread", "dasgd/no-test")
@@ -141,7 +141,7 @@ class _Mode:
                 self.hook = alg.progress_hook
             elif mode == "streaming_diloco+probe":
                 probes = range(args.tests_per_poke)
-                self.hook = lambda: [MPI.COMM_WORLD.Iprobe() for _ in probes]
+                self.hook = lambda: [topology.world.Iprobe() for _ in probes]
         self.run(warmup)
 
     def run(self, steps: int) -> None:
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
     out(f"## Averaging benchmark, {datetime.date.today().isoformat()}\n")
     out(
         f"- {topology.size} ranks, link rate {os.environ.get('EMULATED_LINK_RATE', 'not emulated')}, "
-        f"MPICH_ASYNC_PROGRESS={async_progress}, thread level {MPI.Query_thread()} (3 = MULTIPLE), {os.cpu_count()} cores\n"
+        f"MPICH_ASYNC_PROGRESS={async_progress}, thread level {thread_level()} (3 = MULTIPLE), {os.cpu_count()} cores\n"
         f"- {args.params} float32 parameters ({4 * args.params / 1e6:.1f} MB); blocking Allreduce {1e3 * allreduce_s:.1f} ms "
         f"= {allreduce_s / compute_s:.2f} compute steps of {1e3 * compute_s:.1f} ms "
         f"({args.layers} layers x {compute.per_layer} matmuls of {args.matrix}^2)\n"

@@ -13,10 +13,10 @@ import argparse
 from typing import Dict, List, Optional
 
 import numpy as np
-from mpi4py import MPI
 
 from ..algorithms import available, create
 from ..comm import abort_on_exception
+from ..comm.process import host
 from mpiopt.bench._common import count, markdown_table, median, module_main, positive_int, rotated, slowest_seconds
 from mpiopt.comm import Topology
 
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         if rank == 0:
             print(f"repetition {rep + 1}/{args.reps} done", flush=True)
     if rank == 0:
-        link = MPI.Get_processor_name()
+        link = host()
         print(f"\n{size} ranks, d = {args.d}, {args.steps} steps x {args.reps} repetitions, host {link}")
         auto = algorithms["vote/auto"][0]
         print(f"algorithm modes: auto chose {auto.mode!r} in {auto.chunks} pipeline chunks\n")

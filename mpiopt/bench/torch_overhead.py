@@ -13,10 +13,10 @@ import argparse
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
-from mpi4py import MPI
 
 from ..algorithms import create
 from ..comm import abort_on_exception
+from ..comm.process import host
 from mpiopt.bench._common import count, markdown_table, median, module_main, positive_int, rotated, say, slowest_seconds
 from mpiopt.comm import Topology
 
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     flat, torch_step, ratio = median(times["flat"]), median(times["torch"]), median(ratios)
     out(
         f"\n{topo.size} ranks, d = {args.params} float32 in {len(model)} parameter tensors, "
-        f"{args.steps} steps x {args.rounds} rounds, torch {torch.__version__}, host {MPI.Get_processor_name()}\n"
+        f"{args.steps} steps x {args.rounds} rounds, torch {torch.__version__}, host {host()}\n"
     )
     rows = [
         [label, *(f"{1e3 * stat(seconds):.2f}" for stat in (median, min, max))]

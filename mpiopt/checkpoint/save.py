@@ -10,10 +10,10 @@ from typing import Any, Dict, Mapping, Optional
 import h5py
 import mpi4py
 import numpy as np
-from mpi4py import MPI
 
 from .._version import __version__
 from ..comm import Comm
+from ..comm.process import library_version
 from .agreement import CheckpointError, agree
 from .files import FORMAT, FORMAT_VERSION, prune, remove_abandoned, temporary_path
 from .layout import JSON_ATTRS, encode_root_attrs, flatten
@@ -35,8 +35,7 @@ def _own_attrs(world_size: int) -> Dict[str, Any]:
         "h5py_version": h5py.__version__,
         "hdf5_version": h5py.version.hdf5_version,
         "mpi4py_version": mpi4py.__version__,
-        # Open MPI's ends in a NUL character (else the attribute would be stored as JSON text).
-        "mpi_library_version": " ".join(MPI.Get_library_version().replace("\0", " ").splitlines()[0].split()),
+        "mpi_library_version": library_version(),
     }
 
 

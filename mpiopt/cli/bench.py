@@ -88,9 +88,9 @@ def _this_program() -> List[str]:
 
 def launch(args: argparse.Namespace) -> int:
     """Run this very command again as ``[tools/emulated_link.sh] mpiexec -n N python -m mpiopt ...`` and return its exit code."""
-    from mpi4py import MPI
+    from ..comm.process import world_size
 
-    if MPI.COMM_WORLD.Get_size() > 1:
+    if world_size() > 1:
         raise UsageError("--ranks starts the MPI job itself: leave it out under mpiexec")
     argv = sys.argv[1:]
     if "bench" not in argv:

@@ -49,11 +49,10 @@ def _launch(name: str, experiment: "Experiment") -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mpi4py import MPI
-
+    from ..comm import Comm
     from ..experiments import EXPERIMENTS, experiment_module
 
-    world = MPI.COMM_WORLD
+    world = Comm(name="experiment")
     if args.list:
         if world.rank == 0:
             print(listing())
@@ -67,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"experiment {args.name} starts its own MPI jobs: run it with plain python -m mpiopt experiment {args.name}, not under mpiexec")
     if world.size != ranks:
         raise UsageError(f"experiment {args.name} needs {ranks} ranks, got {world.size}: mpiexec -n {ranks} python -m mpiopt experiment {args.name}")
-    out = args.out or world.bcast(time.strftime(f"runs/experiment-{args.name}-%Y%m%d-%H%M%S") if world.rank == 0 else None)
+    out = args.out or world.bcast_obj(time.strftime(f"runs/experiment-{args.name}-%Y%m%d-%H%M%S") if world.rank == 0 else None)
     if world.rank == 0:
         os.makedirs(out, exist_ok=True)
     world.Barrier()

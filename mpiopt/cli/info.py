@@ -13,10 +13,10 @@ import argparse
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 from ..comm import Topology
 from ..comm.launcher import SIZE_VARIABLES, launcher_view
+from ..comm.process import library_version
 from ..comm.waiting import WAIT_POLICIES, WAIT_POLICY_ENV
 
 
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     totals = world.ledger_totals()
     if world.rank == 0:
-        print(f"mpiopt info: {world.size} rank(s), MPI: {MPI.Get_library_version().splitlines()[0].strip()}")
+        print(f"mpiopt info: {world.size} rank(s), MPI: {library_version()}")
         print(f"launcher: {describe_launcher()}")
         print(f"GPU-aware MPI: {'yes' if topo.gpu_aware else 'no'} ({world.gpu_aware_reason})")
         print(f"GPU buffers: {describe_staging(topo.gpu_aware, world.gpu_aware_reason)}")

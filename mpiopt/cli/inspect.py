@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from mpi4py import MPI
+from ..comm.process import world_rank
 
 
 
@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..checkpoint import CheckpointError, describe, format_description  # h5py: only when inspecting
 
-    if MPI.COMM_WORLD.Get_rank() != 0:
+    if world_rank() != 0:
         return 0
     try:
         desc = describe(args.path)

@@ -46,9 +46,9 @@ def _rank() -> int:
         rank = None
     if rank is not None:
         return rank
-    from mpi4py import MPI
+    from ..comm.process import world_rank
 
-    return MPI.COMM_WORLD.Get_rank()
+    return world_rank()
 
 
 class Parser(argparse.ArgumentParser):

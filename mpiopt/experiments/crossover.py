@@ -273,9 +273,9 @@ def main_runs(out: str, s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]]) ->
 
 def check_can_run() -> None:
     """``UsageError`` unless this process can build the emulated cluster: root, outside mpiexec, the tools there."""
-    from mpi4py import MPI
+    from ..comm.process import world_size
 
-    if MPI.COMM_WORLD.Get_size() > 1:
+    if world_size() > 1:
         raise UsageError("experiment crossover starts its own MPI jobs: run it with plain python, not under mpiexec")
     if os.geteuid() != 0:
         raise UsageError("experiment crossover builds the emulated cluster (network namespaces, tc): run it as root")

@@ -48,16 +48,15 @@ _SYNC_KINDS = frozenset({"eval", "end", "lost"})
 
 def versions() -> Dict[str, str]:
     """Versions of what a run depends on, for the ``"run"`` header."""
-    from mpi4py import MPI
-
     from .._version import __version__
+    from ..comm.process import library_version
 
     found = {
         "mpiopt": __version__,
         "python": platform.python_version(),
         "numpy": np.__version__,
         "mpi4py": __import__("mpi4py").__version__,
-        "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+        "mpi": library_version(),
     }
     try:
         import torch

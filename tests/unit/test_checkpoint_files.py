@@ -17,7 +17,6 @@ from mpi4py import MPI
 
 import mpiopt.checkpoint.summary as summary_module
 import mpiopt.checkpoint.files as files_module
-import mpiopt.checkpoint.save as save_module
 import mpiopt.checkpoint.writers as writers_module
 from mpiopt import Comm
 from mpiopt.checkpoint import (
@@ -140,7 +139,7 @@ def test_without_a_model_there_is_no_model_group(tmp_path, comm):
 def test_json_attrs_survive_a_library_version_with_a_nul(tmp_path, comm, monkeypatch):
     # Open MPI 4.1's version string ends in a NUL character; it once made the library's own
     # attributes a second JSON list that replaced the caller's, so JSON attrs read back as text.
-    monkeypatch.setattr(save_module.MPI, "Get_library_version", lambda: "Open MPI v4.1.6, package: Debian OpenMPI\0")
+    monkeypatch.setattr(MPI, "Get_library_version", lambda: "Open MPI v4.1.6, package: Debian OpenMPI\0")
     attrs = {"hyperparameters": {"period": 4}, "shapes": [[3, 4]]}
     got = load_checkpoint(save_one(tmp_path / "v.h5", comm, attrs=attrs), comm).attrs
     assert got["hyperparameters"] == {"period": 4} and got["shapes"] == [[3, 4]]
