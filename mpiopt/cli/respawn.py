@@ -66,14 +66,14 @@ def _replace_lost(session: Session, respawn: Any, plan: Plan) -> bool:
     # Where the broken run's workers were islands, their one size (only whole ones survived); else None, and the
     # replacements follow the survivors as they are (a run without islands, lsgd's in compare, may leave a group short).
     size = topology.group_sizes[0] if respawn.islands else None
-    merged = merge_with_replacements(inter, (plan, respawn.lost, respawn.left, respawn.step, session.out, session.command,
-                                             session.ranks_at_start, counted, size))
+    merged = merge_with_replacements(inter, (plan, respawn.lost, respawn.left, respawn.replaced, respawn.step, session.out,
+                                             session.command, session.ranks_at_start, counted, size))
     session.links.append(inter)
     job_rank = topology.first_ranks[topology.rank]  # a replacement of an earlier loss may be among the survivors
-    place = topology.group_index * (size or 0) + topology.group.rank
+    islands = None if size is None else (topology.group_index * size + topology.group.rank, size)
     topology.Free()
     _rejoin(session, plan.config, merged, job_rank, _whose(respawn.lost, respawn.left), respawn.step, joined=False,
-            islands=(place, size))
+            islands=islands)
     return True
 
 
@@ -84,15 +84,14 @@ def join_survivors() -> Tuple[Plan, Session]:
 
     INJECTION.points.clear()  # the test hook's points name the first world's processes, not this one
     parent, merged, handed = merge_with_survivors()
-    plan, lost, left, step, out, command, ranks_at_start, counted, size = handed
-    replaced = sorted([*lost, *left])
+    plan, lost, left, replaced, step, out, command, ranks_at_start, counted, size = handed
     index = merged.Get_rank() - (merged.Get_size() - len(replaced))  # among the replacements
     job_rank = replaced[index]
     started = time.perf_counter()
     session = Session(None, None, out, command, started, ranks_at_start=ranks_at_start, counted_since=started - counted)
     session.links.append(parent)
     _rejoin(session, plan.config, merged, job_rank, _whose(lost, left), step, joined=True,
-            islands=(merged.Get_size() - len(replaced) + index, size))
+            islands=None if size is None else (merged.Get_size() - len(replaced) + index, size))
     return plan, session
 
 
@@ -102,7 +101,7 @@ def _whose(lost: List[int], left: List[int]) -> str:
 
 
 def _rejoin(session: Session, config: TrainConfig, merged: Any, job_rank: int, whose: str, step: Optional[int],
-            joined: bool, islands: Tuple[int, Optional[int]]) -> None:
+            joined: bool, islands: Optional[Tuple[int, int]]) -> None:
     """The session's topology on ``merged`` and its data re-read (collective on the survivors and the replacements;
     ``joined``: this process is a replacement; ``whose``: the ranks replaced, as :func:`_whose` says them).
 
@@ -111,9 +110,9 @@ def _rejoin(session: Session, config: TrainConfig, merged: Any, job_rank: int, w
     wherever the launcher put them: grouping by node would make other islands where a node now holds more ranks."""
     from ..training.data import load_data
 
-    place, size = islands
-    merged = in_order(merged, None if size is None else place)
-    session.topology = Topology(merged, group_size=config.group_size if size is None else size,
+    if islands is not None:
+        merged = in_order(merged, islands[0])
+    session.topology = Topology(merged, group_size=config.group_size if islands is None else islands[1],
                                 on_failure=config.topology_on_failure, job_rank=job_rank)
     merged.Free()  # the topology's communicators are its own duplicates
     session.dataset = load_data(config, session.topology.world)

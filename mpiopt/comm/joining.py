@@ -8,7 +8,7 @@ collective over both sides of each.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Tuple
+from typing import Any, Iterable, Tuple
 
 from mpi4py import MPI
 
@@ -36,11 +36,8 @@ def merge_with_survivors() -> Tuple[MPI.Intercomm, MPI.Intracomm, Any]:
     return link, merged, merged.bcast(None, root=0)
 
 
-def in_order(merged: MPI.Intracomm, place: Optional[int]) -> MPI.Intracomm:
-    """``merged`` with its ranks in the order of each one's ``place`` (collective; None on every rank: as it is).  The
-    communicator given is freed where a new one is made."""
-    if place is None:
-        return merged
+def in_order(merged: MPI.Intracomm, place: int) -> MPI.Intracomm:
+    """``merged`` with its ranks in the order of each one's ``place`` (collective); ``merged`` is freed."""
     ordered = merged.Split(0, place)
     merged.Free()
     return ordered

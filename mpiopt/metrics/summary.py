@@ -87,9 +87,9 @@ def world_over_time(run: Run) -> str:
     its header, its lost ranks and its resumes; "" where the size never changed."""
     events = []
     for record in run.lost:  # from the step redone, or the next where the step the rank was lost after stood
-        why = _ranks("lost rank", record["lost"])
+        why = named_ranks("lost rank", record["lost"])
         if record.get("left"):
-            why += f"; {_ranks('rank', record['left'])} left with {'its island' if len(record['left']) == 1 else 'their island' if len(record['lost']) == 1 else 'their islands'}"
+            why += f"; {named_ranks('rank', record['left'])} left with {_their_islands(record)}"
         events.append((record["step"] + (0 if record.get("redone", True) else 1), record["world_size"], why))
     events += [(r.get("resumed_after_step", 0) + 1, r["world_size"], "resumed") for r in run.resumes]
     size = run.header["world_size"]
@@ -100,8 +100,16 @@ def world_over_time(run: Run) -> str:
     return text if ";" in text else ""
 
 
-def _ranks(what: str, ranks: Sequence[int]) -> str:
+def named_ranks(what: str, ranks: Sequence[int]) -> str:
+    """``ranks`` after ``what``, plural where there are several: ``"lost ranks 1, 3"``."""
     return f"{what}{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _their_islands(lost: Dict[str, Any]) -> str:
+    """Whose island the ranks that left with a loss (a ``"lost"`` record) left with."""
+    if len(lost["left"]) == 1:
+        return "its island"
+    return "their island" if len(lost["lost"]) == 1 else "their islands"
 
 
 def add_speedups(summaries: Sequence[Dict[str, Any]], baseline: str) -> None:

@@ -18,6 +18,7 @@ from ..checkpoint import CheckpointError
 from ..comm import IslandLeft, RankLost, Topology
 from ..comm.survival import INJECTION
 from ..metrics import MetricsWriter
+from ..metrics.summary import named_ranks
 
 __all__ = ["go_on_without_lost_ranks", "Respawn", "report_dropped_workers", "starting", "StartLost", "surviving_the_start"]
 
@@ -170,7 +171,7 @@ def _ranks(count: int) -> str:
 
 
 def _lost(ranks: Sequence[int]) -> str:
-    return f"lost rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    return named_ranks("lost rank", ranks)
 
 
 def _tell(run: Any, lost: str, how: str, record: Optional[Dict[str, Any]]) -> None:
