@@ -50,11 +50,12 @@ def _launch(name: str, experiment: "Experiment") -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ..comm import Comm
+    from ..comm.process import world_rank, world_size
     from ..experiments import EXPERIMENTS, experiment_module
 
-    world = Comm(name="experiment")
+    rank, size = world_rank(), world_size()
     if args.list:
-        if world.rank == 0:
+        if rank == 0:
             print(listing())
         return 0
     if args.name is None:
@@ -62,16 +63,18 @@ def run(args: argparse.Namespace) -> int:
     if args.name not in EXPERIMENTS:
         raise UsageError(f"unknown experiment {args.name!r}; choose from {', '.join(EXPERIMENTS)}")
     ranks = 1 if EXPERIMENTS[args.name].launches else EXPERIMENTS[args.name].ranks
-    if world.size != ranks and ranks == 1:
+    if size != ranks and ranks == 1:
         raise UsageError(f"experiment {args.name} starts its own MPI jobs: run it with plain python -m mpiopt experiment {args.name}, not under mpiexec")
-    if world.size != ranks:
-        raise UsageError(f"experiment {args.name} needs {ranks} ranks, got {world.size}: mpiexec -n {ranks} python -m mpiopt experiment {args.name}")
-    out = args.out or world.bcast_obj(time.strftime(f"runs/experiment-{args.name}-%Y%m%d-%H%M%S") if world.rank == 0 else None)
-    if world.rank == 0:
+    if size != ranks:
+        raise UsageError(f"experiment {args.name} needs {ranks} ranks, got {size}: mpiexec -n {ranks} python -m mpiopt experiment {args.name}")
+    world = Comm(name="experiment")
+    out = args.out or world.bcast_obj(time.strftime(f"runs/experiment-{args.name}-%Y%m%d-%H%M%S") if rank == 0 else None)
+    if rank == 0:
         os.makedirs(out, exist_ok=True)
     world.Barrier()
+    world.Free()
     started = time.perf_counter()
     experiment_module(args.name).run(out, args.quick)
-    if world.rank == 0:
+    if rank == 0:
         print(f"experiment {args.name} done in {time.perf_counter() - started:.1f} s", flush=True)
     return 0
