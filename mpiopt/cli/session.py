@@ -40,29 +40,30 @@ class Session:
     def to_the_end(self, body: Callable[[], None], interrupted: Callable[[Any], str]) -> int:
         """``body()`` (the command's runs and its report) on every rank, its endings as the command's exit code: 0; after a
         stop signal ``EXIT_INTERRUPTED``, ``interrupted(stop)`` said after it; 1 where an asynchronous server was lost
-        (every survivor said so); on a rank whose island left the run, 0 (1 where no island went on).  At the end, the
-        links to a respawn's jobs are closed (before MPI finalizes)."""
+        (every survivor said so); on a rank whose island left the run, 0 (1 where no island went on).  After these
+        endings, the links to a respawn's jobs are closed (before MPI finalizes); any other exception goes on up
+        without closing them, to the abort hook: closing is collective, and the other ranks would never reach it."""
         from ..asyncrt import ServerLost
         from ..comm import IslandLeft
         from ..training.checkpointing import EXIT_INTERRUPTED, Interrupted
 
+        code = 0
         try:
             body()
         except Interrupted as stop:
             self.say(f"\n{stop}; {interrupted(stop)}")
-            return EXIT_INTERRUPTED
+            code = EXIT_INTERRUPTED
         except ServerLost:
-            return 1
+            code = 1
         except IslandLeft as left:
-            return 0 if left.size else 1
-        finally:
-            if self.links:
-                from ..comm.joining import disconnect
+            code = 0 if left.size else 1
+        if self.links:
+            from ..comm.joining import disconnect
 
-                self.topology.Free()
-                disconnect(self.links)
-                self.links.clear()
-        return 0
+            self.topology.Free()
+            disconnect(self.links)
+            self.links.clear()
+        return code
 
     def save_settings(self) -> None:
         """Write the settings held back for a resume, now that it was accepted (rank 0)."""

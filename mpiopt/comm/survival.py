@@ -124,7 +124,8 @@ def ulfm_problem(library: Optional[str] = None, environ: Optional[Mapping[str, s
 class FaultInjection:
     """The test hook of :data:`INJECT_ENV`: at its rank (in the job's first world) and step (at the step's start, or
     inside the first exchange of that step) this process writes ``MPIOPT_TEST_PAUSE_FILE`` and sleeps until it is
-    killed from outside, as a node that stops answering would.  Points are separated by commas."""
+    killed from outside, as a node that stops answering would; at a point ``RANK@STEP:error`` it raises instead, as a
+    bug would.  Points are separated by commas."""
 
     def __init__(self) -> None:
         self.points = set()
@@ -138,6 +139,8 @@ class FaultInjection:
     def at(self, step: int) -> None:
         """This process starts ``step`` (the training loop's count, from 1): pause here if this is an injected point."""
         self.current = step
+        if self.points and (MPI.COMM_WORLD.Get_rank(), step, "error") in self.points:
+            raise RuntimeError(f"the test's error at step {step} ({INJECT_ENV})")
         self.reached("step")
 
     def served(self) -> None:

@@ -49,11 +49,12 @@ def _open_mpi() -> bool:
 needs_ulfm = pytest.mark.skipif(not _open_mpi(), reason="surviving a lost rank needs Open MPI's ULFM (MPIOPT_MPI=openmpi)")
 
 
-def run_killing(tmp_path, args, kills, ranks=4, timeout=120, on_kill=lambda: None):
+def run_killing(tmp_path, args, kills, ranks=4, timeout=120, on_kill=lambda: None, errors=()):
     """``mpiexec --with-ft ulfm ... python ARGS`` with ``kills`` (``"RANK@STEP[:exchange]"`` each, in order): SIGKILL
-    each rank as it pauses there, then call ``on_kill()``.  Returns (the launcher's exit code, its output)."""
+    each rank as it pauses there, then call ``on_kill()``; ``errors`` (``"RANK@STEP:error"``): that rank raises there.
+    Returns (the launcher's exit code, its output)."""
     pause = tmp_path / "pause"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", MPIOPT_TEST_PAUSE_AT=",".join(kills), MPIOPT_TEST_PAUSE_FILE=str(pause),
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MPIOPT_TEST_PAUSE_AT=",".join([*kills, *errors]), MPIOPT_TEST_PAUSE_FILE=str(pause),
                MPIOPT_FINALIZE_SECONDS="3")
     command = [mpiexec(), "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
                "-n", str(ranks), sys.executable, *args]
@@ -616,6 +617,21 @@ def test_train_respawns_a_killed_rank(tmp_path, algorithm, kill):
     assert [r for r in by_hand if r["kind"] == "step"][0]["loss"] == first_after["loss"]
     last = "checkpoints/ckpt-000000016.h5"
     assert first_difference(checkpoint_state(out / last), checkpoint_state(again / last)) is None
+
+
+@needs_ulfm
+def test_an_error_on_one_rank_under_shrink_ends_the_job(tmp_path):
+    """Rank 0 raises in step 9 of a run with --on-failure shrink: its traceback is printed and the job ends non-zero,
+    promptly.  MPI_Abort ends every process of the job under ULFM too; until it lands, the others may take the rank
+    for lost and go on (docs/failures.md), but none waits for it."""
+    args = ["-m", "mpiopt", "train", "--algorithm", "sgd", "--steps", "12", "--batch-size", "16", "--on-failure", "shrink",
+            "--progress", "lines", "--out", str(tmp_path / "run")]
+    started = time.monotonic()
+    code, output = run_killing(tmp_path, args, [], errors=["0@9:error"], timeout=150)
+    assert code != 0, output
+    assert re.search(r"mpiopt: uncaught exception on rank 0 of 4; aborting the job", output), output
+    assert "RuntimeError: the test's error at step 9" in output, output
+    assert time.monotonic() - started < 120, output
 
 
 @needs_ulfm

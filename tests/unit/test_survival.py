@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from mpi4py import MPI
 
-from mpiopt.comm.survival import LAUNCH, FaultInjection, INJECT_ENV, PeerLost, RankLost, Survivable, ulfm_problem
+from mpiopt.comm.survival import LAUNCH, FaultInjection, INJECT_ENV, IslandLeft, PeerLost, RankLost, Survivable, ulfm_problem
 
 OPEN_MPI = "Open MPI v5.0.11, package: Open MPI ..."
 ULFM = {"OMPI_MCA_mpi_ft_enable": "true", "OMPI_MCA_btl": "tcp,self"}
@@ -101,3 +101,50 @@ def test_islands_take_shrink_and_respawn_and_fp16_is_refused_naming_why():
         TrainConfig(algorithm="diloco", islands=True, on_failure=on_failure).validate(["diloco"])
     with pytest.raises(UsageError, match=r"--on-failure respawn takes no --precision fp16 yet: the scaler's vote is not rolled back"):
         TrainConfig(algorithm="diloco", precision="fp16", on_failure="respawn").validate(["diloco"])
+
+
+def test_an_error_point_raises_at_its_step_only(monkeypatch):
+    monkeypatch.setenv(INJECT_ENV, f"{MPI.COMM_WORLD.Get_rank()}@3:error")
+    hook = FaultInjection()
+    hook.at(2)
+    with pytest.raises(RuntimeError, match="the test's error at step 3"):
+        hook.at(3)
+    hook.at(4)
+
+
+class _Links:
+    """A session's topology and links that record what is done to them."""
+
+    def __init__(self):
+        self.done = []
+
+    def Free(self):
+        self.done.append("free")
+
+
+def _raising(error):
+    def body():
+        raise error
+    return body
+
+
+@pytest.mark.parametrize("body, code, closed", [
+    (lambda: None, 0, True),
+    (_raising(IslandLeft([1], [0], 2)), 0, True),
+    (_raising(ValueError("a bug on this rank")), None, False),
+])
+def test_a_session_closes_its_respawn_links_only_where_every_rank_ends_alike(monkeypatch, body, code, closed):
+    """The links to a respawn's jobs are closed collectively: after the endings every rank shares, never on the way of
+    an error of this rank to the abort hook (the others would never reach the close)."""
+    import mpiopt.comm.joining as joining
+    from mpiopt.cli.session import Session
+
+    topology = _Links()
+    monkeypatch.setattr(joining, "disconnect", lambda links: topology.done.append(("disconnect", list(links))))
+    session = Session(topology, None, "out", "train", 0.0, links=["link"])
+    if code is None:
+        with pytest.raises(ValueError, match="a bug on this rank"):
+            session.to_the_end(body, lambda stop: "")
+    else:
+        assert session.to_the_end(body, lambda stop: "") == code
+    assert topology.done == (["free", ("disconnect", ["link"])] if closed else [])
