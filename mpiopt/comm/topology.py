@@ -289,7 +289,7 @@ class Topology:
             first_ranks = [first for first, c in zip(first_ranks, colors) if c not in broken]
             kept = shrunk.Split(MPI.UNDEFINED if color in broken else 0, shrunk.Get_rank())
             shrunk.Free()
-            if color in broken or not first_ranks:
+            if color in broken:  # every survivor where no group survived whole (IslandLeft.size 0)
                 raise IslandLeft(lost, left, len(first_ranks))
             shrunk = kept
         self.world = Comm(shrunk, name="world", ledger=self.ledger, gpu_aware=self.world.gpu_aware, faults=self.faults)
