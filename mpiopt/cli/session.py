@@ -23,7 +23,7 @@ class Session:
     out: str
     command: str
     started: float
-    #: The settings to save as ``OUT/config.toml`` once a resumed run has started (rank 0; None: saved already).
+    #: The settings to save as ``OUT/config.toml`` once a resumed run has started (by rank 0; None: saved already).
     pending_settings: Optional[str] = None
     #: The ranks the session started with (``--on-failure shrink`` may end it with fewer).
     ranks_at_start: int = 0
@@ -66,11 +66,11 @@ class Session:
         return code
 
     def save_settings(self) -> None:
-        """Write the settings held back for a resume, now that it was accepted (rank 0)."""
-        if self.pending_settings is not None:
+        """Write the settings held back for a resume, now that it was accepted (on every rank; rank 0 writes)."""
+        if self.pending_settings is not None and self.rank == 0:
             with open(os.path.join(self.out, "config.toml"), "w") as handle:
                 handle.write(self.pending_settings)
-            self.pending_settings = None
+        self.pending_settings = None
 
     def say(self, text: str = "") -> None:
         """Print on rank 0 only."""
@@ -189,16 +189,16 @@ def start_session(config: TrainConfig, command: str, algorithms: List[str]) -> S
     session = Session(topology, None, out, command, started, ranks_at_start=topology.size)
     if world.rank == 0:
         os.makedirs(out, exist_ok=True)
-        settings = {k: v for k, v in dataclasses.asdict(config).items() if k in command_settings(command)}
-        if command == "compare":
-            settings["algorithms"] = algorithms
-        settings["hyperparameters"] = _hyperparameter_tables(config, algorithms)
-        session.pending_settings = dump_toml(settings)
-        when = ""
-        if config.resume is None:
-            session.save_settings()
-        else:  # a refused resume must leave the run's own settings file as it was
-            when = " once the checkpoint is accepted"
+    # Held on every rank: whichever is rank 0 once a resume is accepted (rank 0 may be lost first) writes them.
+    settings = {k: v for k, v in dataclasses.asdict(config).items() if k in command_settings(command)}
+    if command == "compare":
+        settings["algorithms"] = algorithms
+    settings["hyperparameters"] = _hyperparameter_tables(config, algorithms)
+    session.pending_settings = dump_toml(settings)
+    if config.resume is None:  # a refused resume must leave the run's own settings file as it was
+        session.save_settings()
+    if world.rank == 0:
+        when = "" if config.resume is None else " once the checkpoint is accepted"
         groups = f"{topology.num_groups} group{'s' if topology.num_groups > 1 else ''}"
         if config.islands:
             groups = f"{topology.num_groups} island{'s' if topology.num_groups > 1 else ''} (--islands: each group one worker)"

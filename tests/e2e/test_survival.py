@@ -345,6 +345,20 @@ def test_train_starts_again_without_a_rank_lost_as_it_starts(tmp_path, on_failur
 
 
 @needs_ulfm
+def test_a_resume_that_loses_rank_0_as_it_starts_still_saves_its_settings(tmp_path):
+    """Rank 0 holds a resume's settings until the checkpoint is accepted; lost before, its successor writes them."""
+    common = ["-m", "mpiopt", "train", "--algorithm", "sgd", "--batch-size", "16", "--on-failure", "shrink", "--progress", "lines"]
+    code, output = run_killing(tmp_path, [*common, "--steps", "4", "--checkpoint-every", "4", "--out", str(tmp_path / "a")], [])
+    assert code == 0, output
+    out = tmp_path / "b"
+    code, output = run_killing(tmp_path, [*common, "--steps", "8", "--out", str(out), "--resume",
+                                          str(tmp_path / "a" / "checkpoints" / "ckpt-000000004.h5")], ["0@0:start"])
+    assert code == 0, output
+    assert "lost rank 0 as the run started (starting it again); the world is now 3 ranks" in output, output
+    assert 'algorithm = "sgd"' in (out / "config.toml").read_text() and "steps = 8" in (out / "config.toml").read_text()
+
+
+@needs_ulfm
 @pytest.mark.parametrize("kill", ["2@10:checkpoint", "0@10:checkpoint", "2@16:checkpoint"])
 def test_a_rank_lost_while_a_checkpoint_is_written(tmp_path, kill):
     """Rank 2 dies handing its state over, or rank 0 (the writer) dies with the file half written: the save fails on every
