@@ -91,7 +91,7 @@ def join_survivors() -> Tuple[Plan, Session]:
     session = Session(None, None, out, command, started, ranks_at_start=ranks_at_start, counted_since=started - counted)
     session.links.append(parent)
     _rejoin(session, plan.config, merged, job_rank, _whose(lost, left), step, joined=True,
-            islands=None if size is None else (merged.Get_size() - len(replaced) + index, size))
+            islands=None if size is None else (merged.Get_rank(), size))  # after the survivors: its place
     return plan, session
 
 

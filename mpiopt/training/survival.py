@@ -58,11 +58,11 @@ def surviving_the_start(run: Callable[[], T], topology: Topology, islands: bool,
             try:
                 recovery = topology.recover(whole_groups=islands)
             except IslandLeft as left:
-                print(f"mpiopt: rank {rank}: {_lost(left.lost)} as the run started ({_leaving(left, respawn)})", file=sys.stderr, flush=True)
+                print(f"mpiopt: rank {rank}: {named_ranks('lost rank', left.lost)} as the run started ({_leaving(left, respawn)})", file=sys.stderr, flush=True)
                 raise
             again = ("starting it again with a process in each lost rank's place" + (" and each that left" if recovery.left else "")
                      if respawn else "starting it again")
-            print(f"mpiopt: rank {rank}: {_lost(recovery.lost)} as the run started ({_left(recovery)}{again}); "
+            print(f"mpiopt: rank {rank}: {named_ranks('lost rank', recovery.lost)} as the run started ({_left(recovery)}{again}); "
                   f"the world is now {_ranks(recovery.size)}", file=sys.stderr, flush=True)
             if respawn:
                 raise Respawn(None, None, recovery.lost, time.perf_counter(), recovery.left, islands)
@@ -98,7 +98,7 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Optional[Tuple[Sequ
     try:
         recovery = run.topology.recover(whole_groups=islands)
     except IslandLeft as left:  # this rank's island lost a rank: the others' run goes on without it
-        _tell(run, f"{_lost(left.lost)} at step {step + 1}", f"{_leaving(left, respawn)})", None)
+        _tell(run, f"{named_ranks('lost rank', left.lost)} at step {step + 1}", f"{_leaving(left, respawn)})", None)
         raise
     run.opt.recover()
     applied = run.applied == step + 1
@@ -107,7 +107,7 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Optional[Tuple[Sequ
     redone = "kept; going on from the next" if applied else "redone"
     # The run's wall time counts the broken step (or phase after it) and the recovery: the price of the loss.
     _count_wall_time(run)
-    _tell(run, f"{_lost(recovery.lost)} at step {step + 1}", f"{_left(recovery)}the step {redone}); the world is now {_ranks(recovery.size)}",
+    _tell(run, f"{named_ranks('lost rank', recovery.lost)} at step {step + 1}", f"{_left(recovery)}the step {redone}); the world is now {_ranks(recovery.size)}",
           {"step": step + 1, "lost": recovery.lost, "left": recovery.left, "world_size": recovery.size, "redone": not applied})
     if not respawn:
         return resume
@@ -170,10 +170,6 @@ def _ranks(count: int) -> str:
     return f"{count} rank{'s' if count != 1 else ''}"
 
 
-def _lost(ranks: Sequence[int]) -> str:
-    return named_ranks("lost rank", ranks)
-
-
 def _tell(run: Any, lost: str, how: str, record: Optional[Dict[str, Any]]) -> None:
     """Say a loss on this survivor: the trace's mark ``lost``, the line ``mpiopt: rank R: LOST (HOW`` on stderr, and
     where it writes the metrics, their ``"lost"`` record (``record`` and the run's wall time so far).  A rank that
@@ -213,6 +209,6 @@ def report_dropped_workers(run: Any, first: int, last: int, server_lost: bool = 
         went_on = ("the server among them, whose parameters and state existed nowhere else: the run ends; resume it "
                    "from its newest checkpoint with --resume auto)" if server else
                    f"the server dropped it; the others went on); the world is now {_ranks(recovery.size)}")
-        _tell(run, f"{_lost(recovery.lost)} in steps {first}-{last}", went_on,
+        _tell(run, f"{named_ranks('lost rank', recovery.lost)} in steps {first}-{last}", went_on,
               {"step": last, "lost": recovery.lost, "world_size": recovery.size, "redone": False, "server": server})
     run.dropped_told = len(dropped)
