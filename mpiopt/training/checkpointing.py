@@ -107,6 +107,8 @@ class Checkpointer:
         self.enabled = bool(plan.every or plan.resume)
         #: The metrics' running totals (:data:`COUNTERS`) the resumed run starts from; zeros without a resume.
         self.counters: Dict[str, float] = {"wall_seconds": 0.0, "bytes_sent_total": 0, "island_bytes_sent_total": 0}
+        #: Whether :meth:`resume` restored a checkpoint (one after step 0 too: a respawn's hand-over after a loss in step 1).
+        self.resumed = False
         self._received: Optional[int] = None
         self._previous: Dict[int, Any] = {}
         self._vote = np.zeros(1, dtype=np.uint8)  # the stop-signal vote, on the topology's control communicator
@@ -238,6 +240,7 @@ class Checkpointer:
             self.scaler.load_state_dict({key: np.asarray(value).item() for key, value in state["scaler"].items()})
         step = int(ckpt.attrs["step"])
         self.counters = {name: ckpt.attrs.get(name, self.counters[name]) for name in COUNTERS}
+        self.resumed = True
         if world.rank == 0:
             print(f"resuming from {path} after step {step}", flush=True)
         return step

@@ -239,7 +239,7 @@ class _Run:
         reporter = world.rank == (1 if self.is_asynchronous and world.size > 1 else 0)
         self.progress = Progress(algorithm, self.steps, config.log_every or self.eval_every, stream if reporter else None, config.progress)
         self.progress.language = getattr(dataset, "byte_level", False)
-        self.writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), truncate=not self.start) if world.rank == 0 else None
+        self.writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), truncate=not self.checkpoints.resumed) if world.rank == 0 else None
         if self.writer:
             cleanup.callback(self.writer.close)
             self.writer.write(self._run_record(hyper))
@@ -252,6 +252,7 @@ class _Run:
         self.source, self.evaluated_name = _EVALUATED[evaluates]
         self.evaluator = _Evaluator(model, dataset, world, self.source, config.precision)
         self.totals = _Totals(self.checkpoints.counters)
+        self.respawned = counted_since is not None  # a respawn's resume: the replacements' join counts, as below
         self.totals.wall_seconds += 0.0 if counted_since is None else time.perf_counter() - counted_since
         # The rate schedule acts on the groups the algorithm reads (the inner optimizer's, or DDP's optimizer's).
         groups = opt.optimizer if algorithm == DDP else opt
@@ -265,7 +266,7 @@ class _Run:
             "kind": "run", "algorithm": self.algorithm, "task": f"{config.dataset}/{config.model}",
             "config": {**asdict(config), "algorithm": self.algorithm, "hyperparameters": hyper}, "world_size": self.topology.world.size,
             "versions": versions(), "steps": self.steps, "batches_per_epoch": self.batches_per_epoch,
-            "parameters": sum(p.numel() for p in self.model.parameters()), "device": _device_name(self.device), **({"resumed_after_step": self.start} if self.start else {}),
+            "parameters": sum(p.numel() for p in self.model.parameters()), "device": _device_name(self.device), **({"resumed_after_step": self.start} if self.checkpoints.resumed else {}),
             **({"notes": NOTES} if self.algorithm == DDP else {"worker_layout": self.opt.algorithm.worker_layout()}),
         }
 
@@ -316,7 +317,8 @@ class _Run:
 
         With ``--on-failure shrink`` a lost rank's survivors go on from the step it broke (:mod:`.survival`)."""
         with _written_on_stop(self.tracer, self.trace_path):
-            step, closing = self.start, False
+            # A respawn's hand-over after the last step (a loss broke its evaluation and checkpoint): redo them.
+            step, closing = self.start, self.respawned and self.start == self.steps
             while step < self.steps or closing:
                 try:
                     if closing:  # the last step stood, but a lost rank broke its evaluation and checkpoint: redo them

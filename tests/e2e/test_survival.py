@@ -741,6 +741,30 @@ def test_respawn_goes_on_as_shrink_where_the_checkpoint_for_the_replacements_can
 
 
 @needs_ulfm
+def test_respawn_keeps_the_metrics_of_a_loss_in_step_1_and_redoes_a_final_evaluation_a_loss_broke(tmp_path):
+    """Rank 2 killed inside step 1's exchange (the survivors' checkpoint is after step 0), then rank 1 inside the
+    last step's checkpoint (after the step stood): the metrics keep the first run's header and both losses, and the
+    run resumed after the last step evaluates it at 4 ranks before its end."""
+    out = tmp_path / "run"
+    args = ["-m", "mpiopt", "train", "--algorithm", "sgd", "--steps", "6", "--eval-every", "4", "--batch-size", "16",
+            "--on-failure", "respawn", "--progress", "lines", "--out", str(out)]
+    code, output = run_killing(tmp_path, args, ["2@1:exchange", "1@6:checkpoint"], timeout=240)
+    assert code == 0, output
+    for step, lost in ((0, 2), (6, 1)):
+        joined = re.findall(rf"mpiopt: rank (\d+): (?:a replacement for|replacements joined for) lost rank\(s\) \[{lost}\]; "
+                            rf"the world is 4 ranks again, resuming after step {step}\b", output)
+        assert sorted(map(int, joined)) == [0, 1, 2, 3], output
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    runs = [r.get("resumed_after_step") for r in records if r["kind"] == "run"]
+    assert runs == [None, 0, 6], runs
+    assert [(r["step"], r["world_size"]) for r in records if r["kind"] == "lost"] == [(1, 3), (6, 3)]
+    last_run = max(i for i, r in enumerate(records) if r["kind"] == "run")
+    evaluated = [r["step"] for r in records[last_run:] if r["kind"] == "eval"]
+    assert evaluated == [6], records[last_run:]
+    assert records[-1]["kind"] == "end" and records[-1]["step"] == 6 and records[-1]["world_size"] == 4
+
+
+@needs_ulfm
 def test_respawn_starts_a_whole_island_again_when_a_rank_is_lost_as_the_run_starts(tmp_path):
     """Rank 2 of 2 islands of 2 lost during the run's set-up under respawn: rank 3 leaves with its island, and the run
     starts again at 4 ranks with processes in both places (no checkpoint: nothing had been trained)."""
