@@ -167,7 +167,7 @@ class Comparison:
             try:
                 path = surviving_the_start(partial(train, run, name, session.topology, session.dataset, folder,
                                                    counted_since=session.counted_since),
-                                           session.topology, run.islands_for(name), run.on_failure == "respawn")
+                                           session.topology, run.whole_islands, run.on_failure == "respawn")
             except Respawn as respawn:
                 go_on_with_replacements(session, respawn, self)
                 continue

@@ -75,7 +75,7 @@ def train_to_the_end(config: TrainConfig, session: Session) -> int:
             try:
                 path = surviving_the_start(lambda: train(config, config.algorithm, session.topology, session.dataset, session.out,
                                                          on_start=session.save_settings, counted_since=session.counted_since),
-                                           session.topology, config.islands_for(config.algorithm), config.on_failure == "respawn")
+                                           session.topology, config.whole_islands, config.on_failure == "respawn")
                 break
             except Respawn as respawn:
                 go_on_with_replacements(session, respawn, OneRun(config))

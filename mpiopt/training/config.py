@@ -149,6 +149,12 @@ class TrainConfig:
         """What the topology does with a lost rank: respawn is the training's (shrink, then replacements join)."""
         return "shrink" if self.on_failure == "respawn" else self.on_failure
 
+    @property
+    def whole_islands(self) -> bool:
+        """Whether a lost rank takes the other ranks of its group with it: under ``--islands`` in every run, those
+        without islands too (lsgd's in ``compare``), so that the groups stay equal islands for the runs that have them."""
+        return self.islands
+
     def islands_for(self, algorithm: str) -> bool:
         """Whether ``algorithm`` runs with each group one worker: ``--islands``, unless it refuses them (lsgd, the
         asynchronous ones; ddp is data-parallel over every rank)."""

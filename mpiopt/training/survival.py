@@ -94,7 +94,7 @@ def go_on_without_lost_ranks(run: Any, step: int, replacing: Optional[Tuple[Sequ
     the step to go on from (the failed one again, or the next where the loss came after the step was applied).
     ``--on-failure respawn`` raises :class:`Respawn` instead, for these lost ranks and ``replacing`` (the ranks lost,
     and those that left with their island, before and not yet replaced; default: ``run.unreplaced``)."""
-    respawn, islands = run.config.on_failure == "respawn", run.config.islands_for(run.algorithm)
+    respawn, islands = run.config.on_failure == "respawn", run.config.whole_islands
     try:
         recovery = run.topology.recover(whole_groups=islands)
     except IslandLeft as left:  # this rank's island lost a rank: the others' run goes on without it

@@ -431,6 +431,26 @@ def test_compare_goes_on_without_a_killed_rank(tmp_path, kill):
     assert re.search(r"^\| sgd \|", results, re.M) and re.search(r"^\| diloco \|", results, re.M), results
 
 
+@needs_ulfm
+def test_compare_with_islands_keeps_them_whole_in_a_run_without_islands(tmp_path):
+    """`compare --islands --on-failure shrink`, 2 islands of 2: rank 2 killed at the start of step 5 of lsgd's run (per rank, lsgd refuses
+    islands) takes rank 3 with it, as an island's loss would, so that diloco's island run after it finds whole
+    islands (1 of 2) rather than groups of 2 and 1, which it would refuse."""
+    out = tmp_path / "cmp"
+    args = ["-m", "mpiopt", "compare", "--algorithms", "lsgd,diloco", "--hp", "diloco.period=4", "--islands",
+            "--group-size", "2", "--steps", "8", "--eval-every", "4", "--batch-size", "16", "--on-failure", "shrink",
+            "--progress", "lines", "--out", str(out)]
+    code, output = run_killing(tmp_path, args, ["2@5"], timeout=240)
+    assert code == 0, output
+    assert "mpiopt: rank 3: lost rank 2 at step 5 (its island with it: ranks [3] leave; the other islands go on" in output, output
+    for rank in (0, 1):
+        assert (f"mpiopt: rank {rank}: lost rank 2 at step 5 (ranks [3] left with their island; the step redone); the "
+                "world is now 2 ranks") in output, output
+    ends = {name: json.loads((out / name / "metrics.jsonl").read_text().splitlines()[-1]) for name in ("lsgd", "diloco")}
+    assert {name: (end["kind"], end["step"], end["world_size"]) for name, end in ends.items()} == {
+        "lsgd": ("end", 8, 2), "diloco": ("end", 8, 2)}, ends
+
+
 def checkpoint_state(path):
     """A checkpoint's model and every rank's state, for a bitwise comparison."""
     import h5py
