@@ -49,14 +49,14 @@ def _open_mpi() -> bool:
 needs_ulfm = pytest.mark.skipif(not _open_mpi(), reason="surviving a lost rank needs Open MPI's ULFM (MPIOPT_MPI=openmpi)")
 
 
-def run_killing(tmp_path, args, kills, ranks=4, timeout=120, on_kill=lambda: None, errors=()):
+def run_killing(tmp_path, args, kills, ranks=4, timeout=120, on_kill=lambda: None, errors=(), placing=("--oversubscribe",)):
     """``mpiexec --with-ft ulfm ... python ARGS`` with ``kills`` (``"RANK@STEP[:exchange]"`` each, in order): SIGKILL
-    each rank as it pauses there, then call ``on_kill()``; ``errors`` (``"RANK@STEP:error"``): that rank raises there.
-    Returns (the launcher's exit code, its output)."""
+    each rank as it pauses there, then call ``on_kill()``; ``errors`` (``"RANK@STEP:error"``): that rank raises there;
+    ``placing``: the launcher's mapping options.  Returns (the launcher's exit code, its output)."""
     pause = tmp_path / "pause"
     env = dict(os.environ, PYTHONUNBUFFERED="1", MPIOPT_TEST_PAUSE_AT=",".join([*kills, *errors]), MPIOPT_TEST_PAUSE_FILE=str(pause),
                MPIOPT_FINALIZE_SECONDS="3")
-    command = [mpiexec(), "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
+    command = [mpiexec(), "--allow-run-as-root", *placing, "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
                "-n", str(ranks), sys.executable, *args]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
     deadline = time.monotonic() + timeout
