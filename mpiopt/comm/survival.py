@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 from mpi4py import MPI
 
-__all__ = ["ON_FAILURE", "ON_FAILURE_ENV", "LAUNCH", "RankLost", "PeerLost", "IslandLeft", "Survivable", "is_fault", "ulfm_problem", "FaultInjection",
+__all__ = ["ON_FAILURE", "ON_FAILURE_ENV", "LAUNCH", "RankLost", "PeerLost", "IslandLeft", "Survivable", "is_fault", "ulfm_problem", "respawn_caveat", "FaultInjection",
            "INJECT_ENV", "INJECTION", "revoke_quietly"]
 
 #: What a lost rank does to the job: end it (MPI's default), or go on without it.
@@ -119,6 +119,22 @@ def ulfm_problem(library: Optional[str] = None, environ: Optional[Mapping[str, s
         return (f"Open MPI's shared-memory transport hangs on a dead peer (btl is {transports or 'its default'}): "
                 f"launch with `--mca btl tcp,self`, as `{LAUNCH}`")
     return None
+
+
+def respawn_caveat(spans_nodes: bool, library: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """What a world that replacements join would meet in this process's MPI (``library`` in ``environ``), with the
+    fix; None where nothing.  Open MPI's hierarchical collectives (coll/han, its choice for a world on several nodes)
+    ran every Allreduce of a world merged with spawned processes several times slower (docs/failures.md)."""
+    library = (library or MPI.Get_library_version()).splitlines()[0].strip()
+    environ = os.environ if environ is None else environ
+    if not spans_nodes or "Open MPI" not in library:
+        return None
+    chosen = environ.get("OMPI_MCA_coll", "").replace(" ", "")
+    names = set(chosen.lstrip("^").split(","))
+    if (chosen.startswith("^") and "han" in names) or (chosen and not chosen.startswith("^") and "han" not in names):
+        return None
+    return ("Open MPI's hierarchical collectives (coll/han, its default for a world on several nodes) run every exchange "
+            "of a world that replacements joined several times slower: launch with `--mca coll ^han`")
 
 
 class FaultInjection:
