@@ -63,8 +63,8 @@ def _replace_lost(session: Session, respawn: Any, plan: Plan) -> bool:
                   f"going on with {topology.size} ranks, as --on-failure shrink would", file=sys.stderr, flush=True)
         return False
     counted = time.perf_counter() - session.counted_since  # the loss's price so far, for the replacements' clocks
-    # Where the broken run's workers were islands, their one size (only whole ones survived); else None, and the
-    # replacements follow the survivors as they are (a run without islands, lsgd's in compare, may leave a group short).
+    # Under --islands, the groups' one size (only whole ones survived, in every run); else None, and the replacements
+    # follow the survivors as they are.
     size = topology.group_sizes[0] if respawn.islands else None
     merged = merge_with_replacements(inter, (plan, respawn.lost, respawn.left, respawn.replaced, respawn.step, session.out,
                                              session.command, session.ranks_at_start, counted, size))

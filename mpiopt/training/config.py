@@ -151,8 +151,9 @@ class TrainConfig:
 
     @property
     def whole_islands(self) -> bool:
-        """Whether a lost rank takes the other ranks of its group with it: under ``--islands`` in every run, those
-        without islands too (lsgd's in ``compare``), so that the groups stay equal islands for the runs that have them."""
+        """Whether a lost rank takes the other ranks of its group with it: under ``--islands`` in every synchronous run,
+        those without islands too (lsgd's in ``compare``), so that the groups stay equal islands for the runs that
+        have them.  An asynchronous server drops one lost worker alone."""
         return self.islands
 
     def islands_for(self, algorithm: str) -> bool:

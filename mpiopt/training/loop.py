@@ -254,6 +254,7 @@ class _Run:
         self.totals = _Totals(self.checkpoints.counters)
         self.respawned = counted_since is not None  # a respawn's resume: the replacements' join counts, as below
         self.totals.wall_seconds += 0.0 if counted_since is None else time.perf_counter() - counted_since
+        self.uncounted_since = time.perf_counter()  # a loss before the first step (a redone closing) counts from here
         # The rate schedule acts on the groups the algorithm reads (the inner optimizer's, or DDP's optimizer's).
         groups = opt.optimizer if algorithm == DDP else opt
         self.scheduler = None if self.is_asynchronous else schedule(config.warmup_steps, groups, self.steps, self.start)
