@@ -15,7 +15,6 @@ their ratio, the killed run's step times before and after the kill, and the medi
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
@@ -24,24 +23,22 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from mpiopt.metrics.records import Run, read_metrics  # noqa: E402
 from tests.e2e.test_survival import run_killing  # noqa: E402  (the tests' launcher and kill)
 
 GPT = ["--dataset", "text", "--model", "gpt", "--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--block-size", "64",
        "--batch-size", "8"]
 
 
-def evaluations(out: Path) -> List[Tuple[int, float, float]]:
+def evaluations(run: Run) -> List[Tuple[int, float, float]]:
     """(step, wall_seconds, test_loss) of every evaluation in a run's metrics."""
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["wall_seconds"], r["test_loss"]) for r in records if r["kind"] == "eval"]
+    return [(r["step"], r["wall_seconds"], r["test_loss"]) for r in run.evals]
 
 
-def step_times(out: Path, kill: int) -> str:
-    """The killed run's step times (the last record of each step: the redone one) before the kill and after it."""
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    last = {r["step"]: r for r in records if r["kind"] == "step"}
-    before = [r["step_seconds"] for step, r in last.items() if step < kill]
-    after = [r["step_seconds"] for step, r in last.items() if step > kill]
+def step_times(run: Run, kill: int) -> str:
+    """The killed run's step times (each step's last record: the redone one) before the kill and after it."""
+    before = [r["step_seconds"] for r in run.steps if r["step"] < kill]
+    after = [r["step_seconds"] for r in run.steps if r["step"] > kill]
     if not before or not after:
         return "too few step records to compare"
     typical = statistics.median(before)
@@ -56,21 +53,20 @@ def time_to(evals: List[Tuple[int, float, float]], target: float) -> Optional[Tu
 
 
 def train(folder: Path, name: str, algorithm: str, steps: int, every: int, on_failure: str, placing: List[str],
-          kills: List[str]) -> List[Tuple[int, float, float]]:
+          kills: List[str]) -> Run:
     out = folder / name
     args = ["-m", "mpiopt", "train", "--algorithm", algorithm, *GPT, "--steps", str(steps), "--eval-every", str(every),
             "--on-failure", on_failure, "--progress", "lines", "--out", str(out)]
     if algorithm == "diloco":
         args += ["--hp", "diloco.period=20"]
     code, output = run_killing(folder, args, kills, timeout=900, placing=placing)
-    lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
-    ended = bool(lines) and json.loads(lines[-1]).get("kind") == "end"
-    if code != 0 and not ended:
+    run = read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else None
+    if code != 0 and (run is None or run.end is None):
         print(output)
         raise SystemExit(f"the {name} run failed (exit {code})")
     if code != 0:  # Open MPI's launcher has crashed after a run with a respawn had ended (docs/failures.md)
         print(f"the {name} run ended, its metrics complete, but mpiexec exited {code}", flush=True)
-    return evaluations(out)
+    return run
 
 
 def main() -> int:
@@ -92,10 +88,11 @@ def main() -> int:
     ratios = []
     for repeat in range(args.repeats):
         with tempfile.TemporaryDirectory() as folder:
-            unbroken = train(Path(folder), "unbroken", args.algorithm, args.steps, args.eval_every, args.on_failure, args.placing, [])
-            killed = train(Path(folder), "killed", args.algorithm, args.steps * 3 // 2, args.eval_every,
-                           args.on_failure, args.placing, [f"2@{args.steps // 2}"])
-            steps = step_times(Path(folder) / "killed", args.steps // 2)
+            unbroken = evaluations(train(Path(folder), "unbroken", args.algorithm, args.steps, args.eval_every,
+                                         args.on_failure, args.placing, []))
+            killed_run = train(Path(folder), "killed", args.algorithm, args.steps * 3 // 2, args.eval_every,
+                               args.on_failure, args.placing, [f"2@{args.steps // 2}"])
+        steps, killed = step_times(killed_run, args.steps // 2), evaluations(killed_run)
         target = unbroken[-1][2]
         step0, wall0 = time_to(unbroken, target)
         reached = time_to(killed, target)

