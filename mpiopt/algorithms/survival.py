@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -17,13 +18,16 @@ from ..arrays import array_module, to_numpy
 from ..asyncrt import SERVER, ServerLost
 from ..comm import RankLost
 
-__all__ = ["Snapshot", "Survival", "PeriodicExchange", "ServerSurvival", "survivors_state"]
+__all__ = ["Carried", "Snapshot", "Survival", "PeriodicExchange", "ServerSurvival", "survivors_state", "handed_over"]
 
 
-def survivors_state(rules: Mapping[str, Any], state: Mapping[str, Any], workers: Any, old_workers: int) -> Dict[str, Any]:
-    """This survivor's ``state`` after other workers were lost, each entry by its resize rule (:mod:`.resize`) over the
-    survivors (collective on ``workers``, their communicator or islands): kept, their mean, or a sum over the old
-    workers rescaled to them."""
+def survivors_state(rules: Mapping[str, Any], state: Mapping[str, Any], workers: Any, old_workers: int,
+                    surviving: Optional[int] = None, survivor: bool = True) -> Dict[str, Any]:
+    """This worker's ``state`` after workers were lost, each entry by its resize rule (:mod:`.resize`) over the
+    ``workers`` (collective on them, their communicator or islands): kept, the mean of the ``surviving`` ones (by
+    default all), or a sum over the old workers rescaled to them.  A replacement (not a ``survivor``) holds the state of
+    the survivor it follows (:func:`handed_over`) and adds nothing to the mean."""
+    surviving = workers.size if surviving is None else surviving
 
     def moved(key: str, value: Any) -> Any:
         rule = rules[key]
@@ -31,12 +35,47 @@ def survivors_state(rules: Mapping[str, Any], state: Mapping[str, Any], workers:
             return rule.apply([value], workers.rank, workers.size)
         if rule.survivors == "rescale":  # the resize's own rescaling, from the old number of workers to the survivors
             return rule.apply([value] * old_workers, workers.rank, workers.size)
-        total = np.array(value, dtype=np.float64)  # the mean of float32 entries rounds once, as a resize's does
+        # The mean of float32 entries rounds once, as a resize's does.
+        total = np.array(value, dtype=np.float64) if survivor else np.zeros(np.shape(value))
         workers.Allreduce(total)
-        return (total / workers.size).astype(np.asarray(value).dtype)
+        return (total / surviving).astype(np.asarray(value).dtype)
 
     return {**state, "arrays": {k: moved(k, v) for k, v in sorted(state["arrays"].items())},
             "scalars": {k: moved(k, v) for k, v in sorted(state["scalars"].items())}}
+
+
+@dataclass(frozen=True)
+class Carried:
+    """State kept outside an algorithm that a replacement takes from its survivor with the algorithm's (an inner torch
+    optimizer's): ``give()`` on the survivor, picklable; ``take(given)`` on the replacement."""
+
+    give: Callable[[], Any]
+    take: Callable[[Any], None]
+
+
+def handed_over(topology: Any, params: Any, state: Optional[Dict[str, Any]], old_workers: int,
+                carried: Optional[Carried] = None) -> Tuple[Dict[str, Any], int]:
+    """After a respawn (collective on the world): on each process that took a lost rank's place, the parameters, the
+    ``state`` (and ``old_workers``) and what is ``carried`` of the survivor it follows (:meth:`Topology.joined_from`);
+    a survivor keeps its own and passes them to its followers.  Each survivor and its followers share one small
+    communicator."""
+    group = topology.world.Split(topology.joined_from(topology.rank), topology.rank, "hand-over")
+    try:
+        shapes = None if state is None else {k: None if v is None else (v.shape, v.dtype.str) for k, v in state["arrays"].items()}
+        given = None if state is None or carried is None else carried.give()
+        header, shapes, old_workers, given = group.bcast_obj(
+            None if state is None else ({**state, "arrays": {}}, shapes, old_workers, given))
+        if state is None and carried is not None:
+            carried.take(given)
+        group.Bcast(params)
+        arrays: Dict[str, Any] = {}
+        for key, shape in sorted(shapes.items()):
+            arrays[key] = None if shape is None else state["arrays"][key] if state is not None else np.empty(*shape)
+            if shape is not None:
+                group.Bcast(arrays[key])
+    finally:
+        group.Free()
+    return {**header, "arrays": arrays}, old_workers
 
 
 class Snapshot:
@@ -87,6 +126,8 @@ class Survival:
     survival_resets: ClassVar[Mapping[str, Any]] = {}
     #: Why this algorithm cannot go on without a lost rank (None: it can).
     survival_refusal: ClassVar[Optional[str]] = None
+    #: What a replacement takes from its survivor besides this algorithm's state (set before :meth:`setup`).
+    carried: Optional[Carried] = None
     name: ClassVar[str]
     state_arrays: ClassVar[Tuple[str, ...]]
     state_scalars: ClassVar[Tuple[str, ...]]
@@ -105,6 +146,10 @@ class Survival:
         if self.survival_refusal is not None:
             raise ValueError(f"{self.name}: on_failure={self.topology.on_failure!r} is refused: {self.survival_refusal} "
                              "(docs/failures.md)")
+        if self.topology.on_failure == "respawn" and self.resize_rules is None:
+            raise ValueError(f"{self.name}: on_failure='respawn' is refused: the processes started in lost ranks' places "
+                             f"take the survivors' state by its resize rules, and {self.resize_refusal}; "
+                             "on_failure='shrink' goes on without them (docs/failures.md)")
 
     @property
     def unfinished_step(self) -> Optional[int]:
@@ -150,7 +195,7 @@ class Survival:
         optimizer, parameter groups).  The failed step is then redone by the caller.
         """
         if self.topology.on_failure == "abort":
-            raise RuntimeError(f"{self.name}: recovered() needs a Topology(on_failure='shrink')")
+            raise RuntimeError(f"{self.name}: recovered() needs a Topology(on_failure='shrink') or 'respawn'")
         if self._rollback is None or not self._rollback.pending:  # lost between steps: the state as it stands
             self._rollback = self._rollback or Snapshot()
             self._rollback.save(self, params)
@@ -163,11 +208,23 @@ class Survival:
         params[...] = start  # the set-up's own start (a mean, a broadcast) gives way to the step's start
         if self.resize_rules is None:
             raise RuntimeError(f"{self.name} cannot go on without a lost rank: {self.resize_refusal}")
-        moved = survivors_state(self.resize_rules, state, fresh.workers, self._rollback.workers)
-        # Its own hyperparameters: those derived from the number of workers (EASGD's alpha) follow the survivors'.
-        fresh.load_state_dict({**moved, "hyperparameters": fresh.hyperparameters(), "world_size": fresh.topology.size,
-                               "worker_layout": fresh.worker_layout()})
+        fresh._take_state(params, state, self._rollback.workers)
         return fresh
+
+    def _take_state(self, params: Any, state: Optional[Dict[str, Any]], old_workers: int) -> None:
+        """Load ``state`` (kept when the loss came, on ``old_workers`` workers), each entry moved by its resize rule to
+        this instance's workers (collective); after a respawn (:attr:`Topology.joined`) a replacement, whose ``state``
+        is None, first takes the parameters and state of the survivor it follows (:func:`handed_over`)."""
+        topology = self.topology
+        survivor, surviving = topology.rank not in topology.joined, None
+        if topology.joined:
+            state, old_workers = handed_over(topology, params, state, old_workers, self.carried)
+            surviving = self.worker_count - len(topology.joined) // (topology.group.size if self.islands else 1)
+        moved = survivors_state(self.resize_rules, state, self.workers, old_workers, surviving, survivor)
+        topology.joined = []  # handed over
+        # Its own hyperparameters: those derived from the number of workers (EASGD's alpha) follow the survivors'.
+        self.load_state_dict({**moved, "hyperparameters": self.hyperparameters(), "world_size": topology.size,
+                              "worker_layout": self.worker_layout()})
 
 
 class PeriodicExchange:

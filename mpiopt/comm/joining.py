@@ -8,11 +8,30 @@ collective over both sides of each.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Tuple
+from dataclasses import dataclass
+from typing import Any, Iterable, List, Optional, Tuple
 
 from mpi4py import MPI
 
-__all__ = ["disconnect", "in_order", "merge_with_replacements", "merge_with_survivors", "started_by_survivors"]
+__all__ = ["JOINS", "Joined", "disconnect", "in_order", "join_as_replacement", "merge_with_replacements",
+           "merge_with_survivors", "started_by_survivors"]
+
+#: The links of this process's joins under ``Topology(on_failure="respawn")``, closed as MPI finalizes.
+JOINS: List[MPI.Intercomm] = []
+
+
+@dataclass(frozen=True)
+class Joined:
+    """What the survivors' :meth:`Topology.recover` hands the processes it started (``on_failure="respawn"``)."""
+
+    #: The replacements' ranks in the world rebuilt with them (after the survivors).
+    ranks: List[int]
+    #: The ranks they replace, numbered as in the job's first world, in the replacements' order.
+    replaced: List[int]
+    #: The group size the world is rebuilt with (the islands' size; None: the nodes).
+    group_size: Optional[int]
+    #: Ranks that move together: the islands' size (their ranks keep their places), else 1.
+    block: int
 
 
 def merge_with_replacements(link: MPI.Intercomm, handed: Any) -> MPI.Intracomm:
@@ -48,3 +67,15 @@ def disconnect(links: Iterable[MPI.Intercomm]) -> None:
     of each: every one of them must reach it, or have been lost)."""
     for link in links:
         link.Disconnect()
+
+
+def join_as_replacement() -> Tuple[MPI.Intracomm, int, Optional[int], Joined]:
+    """In a process that the survivors' :meth:`Topology.recover` started (collective with them): the world formed with
+    them (in the order the survivors put it), the job rank this process takes, the group size to build it with, and
+    what they handed over."""
+    link, merged, joined = merge_with_survivors()
+    JOINS.append(link)
+    job_rank = joined.replaced[merged.Get_rank() - (merged.Get_size() - len(joined.replaced))]
+    if joined.block > 1:
+        merged = in_order(merged, merged.Get_rank())  # the survivors order theirs by island; this process after them
+    return merged, job_rank, joined.group_size, joined

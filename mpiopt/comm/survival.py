@@ -20,8 +20,9 @@ from .process import library_version
 __all__ = ["ON_FAILURE", "ON_FAILURE_ENV", "LAUNCH", "RankLost", "PeerLost", "IslandLeft", "Survivable", "is_fault", "ulfm_problem", "respawn_caveat", "FaultInjection",
            "INJECT_ENV", "INJECTION", "revoke_quietly"]
 
-#: What a lost rank does to the job: end it (MPI's default), or go on without it.
-ON_FAILURE = ("abort", "shrink")
+#: What a lost rank does to the job: end it (MPI's default), go on without it, or go on with a process started in its
+#: place (:meth:`Topology.recover`).
+ON_FAILURE = ("abort", "shrink", "respawn")
 ON_FAILURE_ENV = "MPIOPT_ON_FAILURE"
 #: How to launch a job that survives a lost rank (the shared-memory transport hangs on a dead peer: tcp and self).
 LAUNCH = "mpiexec --with-ft ulfm --mca btl tcp,self -n P python -m mpiopt train ... --on-failure shrink"

@@ -6,11 +6,8 @@ Groups and opting out: docs/internals-comm.md.
 
 from __future__ import annotations
 
-import atexit
-import ctypes
 import os
 import sys
-import threading
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,6 +21,8 @@ from .buffers import _parse_flag
 from .communicator import Comm
 from .islands import ISLAND, RAIL, Islands
 from .survival import ON_FAILURE, ON_FAILURE_ENV, IslandLeft, RankLost, Survivable, revoke_quietly, ulfm_problem
+from .finalizing import JOINED, finalize_at_exit
+from .joining import JOINS, Joined, in_order, join_as_replacement, merge_with_replacements, started_by_survivors
 from .launcher import check_world_size
 from .ledger import Ledger
 
@@ -73,53 +72,18 @@ def _on_failure_setting(value: Optional[str]) -> str:
     return chosen
 
 
-#: How long a survivor of a lost rank lets MPI_Finalize take before it leaves without it.
-FINALIZE_SECONDS = float(os.environ.get("MPIOPT_FINALIZE_SECONDS", "10"))
-
-
-def _finalize() -> None:
-    """Finalize MPI, leaving the process after :data:`FINALIZE_SECONDS` if that has not returned: after a rank was
-    lost, Open MPI's finalize at times waits for good in a fence that counts the dead rank (open-mpi/ompi#11404).
-
-    The call goes through ctypes, which lets go of the interpreter lock that mpi4py's ``Finalize`` holds, so that
-    the watchdog thread can run.
-    """
-    if MPI.Is_finalized():
-        return
-
-    def leave() -> None:
-        print(f"mpiopt: MPI_Finalize has not returned in {FINALIZE_SECONDS:g} s after a lost rank: leaving without it",
-              file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(0)
-
-    watchdog = threading.Timer(FINALIZE_SECONDS, leave)
-    watchdog.daemon = True
-    watchdog.start()
-    with open("/proc/self/maps") as maps:
-        library = next((p for p in maps.read().split() if os.path.basename(p).startswith("libmpi.so")), None)
-    if library is None:
-        MPI.Finalize()
-    else:
-        ctypes.CDLL(library, mode=os.RTLD_NOLOAD).MPI_Finalize()
-    watchdog.cancel()
-
-
-def _finalize_at_exit() -> None:
-    """Finalize MPI with a watchdog (:func:`_finalize`) while Python runs its exit handlers, before mpi4py's own."""
-    if not getattr(_finalize_at_exit, "registered", False):
-        atexit.register(_finalize)
-        _finalize_at_exit.registered = True  # type: ignore[attr-defined]
-
-
 @dataclass(frozen=True)
 class Recovery:
     """What :meth:`Topology.recover` did: the lost ranks (numbered as in the job's first world), the world's new size,
-    and the survivors that left with an island that lost a rank (:meth:`Topology.recover`'s ``whole_groups``)."""
+    the survivors that left with an island that lost a rank (:meth:`Topology.recover`'s ``whole_groups``) and the
+    ranks replaced."""
 
     lost: List[int]
     size: int
     left: List[int] = field(default_factory=list)
+    #: Under ``on_failure="respawn"``: the ranks (numbered as in the job's first world) whose places processes
+    #: started in took, the world back at its size; empty where none could start.
+    replaced: List[int] = field(default_factory=list)
 
 
 def _outcome(parse: Callable[[], Any]) -> Tuple[Any, Optional[Exception]]:
@@ -141,9 +105,10 @@ class Topology:
         Override the detection of GPU-aware MPI.
     abort_on_error : bool, optional
         Install the abort hooks and let :meth:`raise_or_abort` abort.  Default: ``MPIOPT_ABORT_ON_ERROR``, on.
-    on_failure : {"abort", "shrink"}, optional
+    on_failure : {"abort", "shrink", "respawn"}, optional
         What a lost rank does: end the job (MPI's default), or raise :class:`~mpiopt.comm.survival.RankLost` on the
-        survivors, who :meth:`recover` (needs Open MPI's ULFM: docs/failures.md).  Default: ``MPIOPT_ON_FAILURE``, abort.
+        survivors, who :meth:`recover` (needs Open MPI's ULFM: docs/failures.md); under ``"respawn"`` a process of
+        the same program starts in each lost rank's place and joins them.  Default: ``MPIOPT_ON_FAILURE``, abort.
     job_rank : int, optional
         This process's rank in the job's first world (:attr:`first_ranks`): a replacement's is the lost rank's.
         Default: its rank in ``MPI.COMM_WORLD``.
@@ -167,6 +132,10 @@ class Topology:
         # Before any communication, each process alone: a launcher that started another number of
         # processes than MPI's world holds (LauncherMismatchError, mpiopt.comm.launcher).
         check_world_size(MPI.COMM_WORLD.Get_size())
+        joined = None
+        if comm is None and started_by_survivors():  # survivors' recover() started this process in a lost rank's place
+            comm, job_rank, group_size, joined = join_as_replacement()
+            finalize_at_exit()
         self.ledger = Ledger()
         self.faults = Survivable()  # every communicator's: a lost rank revokes them all (on_failure other than abort)
         self.world = Comm(comm, name="world", ledger=self.ledger, gpu_aware=gpu_aware, faults=self.faults)
@@ -193,6 +162,13 @@ class Topology:
         first = MPI.COMM_WORLD.Get_rank() if job_rank is None else job_rank
         self.first_ranks: List[int] = self.world.allgather_obj(first) if survive != "abort" else []
         self._build(comm, None if size is None else self.world.rank // size)
+        #: The world ranks of the processes that took lost ranks' places at the latest :meth:`recover` (on them: at
+        #: their start), until the first algorithm set up after it has handed them its state (:attr:`joined_from`).
+        self.joined: List[int] = [] if joined is None else joined.ranks
+        self._joined_block = 1 if joined is None else joined.block
+        if joined is not None:
+            comm.Free()  # this topology's own duplicates hold the world
+            JOINED.add(self)
         if survive != "abort":
             self.faults.on_fault = self._revoke_all
 
@@ -271,10 +247,10 @@ class Topology:
         where no group is whole).
         """
         if self.on_failure == "abort":
-            raise RuntimeError("recover() needs Topology(on_failure='shrink')")
+            raise RuntimeError("recover() needs Topology(on_failure='shrink') or 'respawn'")
         whole_groups = self._islands is not None if whole_groups is None else whole_groups
         self._revoke_all()
-        _finalize_at_exit()
+        finalize_at_exit()
         old, color, sizes = self.world._comm, self.group_index, self.group_sizes
         shrunk = old.Shrink()
         members = MPI.Group.Translate_ranks(shrunk.Get_group(), list(range(shrunk.Get_size())), old.Get_group())
@@ -296,7 +272,52 @@ class Topology:
         shrunk.Free()
         self.first_ranks = first_ranks
         self._build(self.world._comm, color)
+        self.joined = []
+        if self.on_failure == "respawn":
+            return self._replace(Recovery(lost, self.size, left), sizes[0] if whole_groups else None)
         return Recovery(lost, self.size, left)
+
+    def _replace(self, recovery: Recovery, island_size: Optional[int]) -> Recovery:
+        """After the shrink under ``on_failure="respawn"`` (collective on the survivors): processes of this program take
+        the places of the lost ranks and of those that left with their islands, and the world is rebuilt with them,
+        the survivors first (with islands: in the survivors' islands, then the new ones in blocks of their size).
+        Where none can start, the survivors go on alone and rank 0 says so once."""
+        replaced = sorted(recovery.lost + recovery.left)
+        link, why = self.spawn(len(replaced), sys.orig_argv[1:])
+        if link is None:
+            if self.rank == 0:
+                print(f"mpiopt: on_failure='respawn': no process could start for rank(s) {replaced} ({why}); going on "
+                      f"with {self.size} ranks, as 'shrink' would", file=sys.stderr, flush=True)
+            return recovery
+        group_size = island_size or self.group_size_setting
+        joined = Joined(list(range(self.size, self.size + len(replaced))), replaced, group_size, island_size or 1)
+        merged = merge_with_replacements(link, joined)
+        JOINS.append(link)
+        if island_size is not None:
+            merged = in_order(merged, self.group_index * island_size + self.group.rank)
+        job_rank, gpu_aware = self.first_ranks[self.rank], self.world.gpu_aware
+        self.Free()
+        self.world = Comm(merged, name="world", ledger=self.ledger, gpu_aware=gpu_aware, faults=self.faults)
+        # As a replacement's constructor does, call for call: it agrees on these settings, gathers the job ranks, builds.
+        self.world.agree({"abort_on_error": self.abort_on_error, "group_size": group_size, "on_failure": self.on_failure},
+                         what="topology settings")
+        self.group_size_setting = group_size
+        self.first_ranks = self.world.allgather_obj(job_rank)
+        self._build(merged, None if group_size is None else self.world.rank // group_size)
+        merged.Free()
+        self.joined, self._joined_block = joined.ranks, joined.block
+        JOINED.add(self)
+        return Recovery(recovery.lost, self.size, recovery.left, replaced)
+
+    def joined_from(self, rank: int) -> int:
+        """The survivor whose parameters and state the process at world rank ``rank`` takes after a respawn (itself,
+        for a survivor): replacement ``r`` follows survivor ``r % S`` of the ``S`` survivors, as a resume on more ranks
+        does (with islands, the rank in the same place of survivor island ``i % (S / G)``)."""
+        survivors = self.size - len(self.joined)
+        if rank < survivors:
+            return rank
+        block = self._joined_block
+        return (rank // block) % (survivors // block) * block + rank % block
 
     def spawn(self, count: int, args: List[str]) -> "tuple[Optional[MPI.Intercomm], str]":
         """Start ``count`` processes of ``python ARGS`` to take lost ranks' places (collective, after :meth:`recover`):

@@ -16,6 +16,7 @@ import torch
 
 from ..algorithms import ASYNCHRONOUS, SYNCHRONOUS, Algorithm, StepRecord, create
 from ..algorithms.schema import check_positive
+from ..algorithms.survival import Carried
 from ..comm import Topology
 from ..comm.buffers import tensor_array
 from ..kernels.update import all_finite
@@ -99,6 +100,8 @@ class DistributedOptimizer(RecoveryMixin, GroupsMixin, torch.optim.Optimizer):
         self.algorithm.loss_call = "opt.step(loss=loss)"  # what a message asking for the loss tells this API's user
         if self.inner is not None:  # before anything changes: an algorithm without an inner role refuses here
             self.algorithm.use_inner(self._inner_step, type(self.inner).__name__)
+            # A replacement (on_failure="respawn") takes its survivor's inner state with the algorithm's.
+            self.algorithm.carried = Carried(self.inner.state_dict, self.inner.load_state_dict)
         alg = self.algorithm
         if overlap is None:  # as torch DDP: wherever a sum of the gradients can run during backward (over two ranks or more)
             overlap = alg.reduced_ranks > 1 and not (alg.islands and alg.exchange_keeps_gradient)
@@ -126,13 +129,14 @@ class DistributedOptimizer(RecoveryMixin, GroupsMixin, torch.optim.Optimizer):
         if self._local_keys:
             self.algorithm.use_groups(self._group_slices())
         world = self.topology.world
-        world.agree(
-            {"algorithm": algorithm, "shapes": [list(p.shape) for p in self._params], "dtype": str(self._flat_params.dtype),
-             "device": self._flat_params.device.type},  # a staged GPU buffer is other MPI calls than a host one
-            what="model passed to DistributedOptimizer",
-        )
-        world.Bcast(self._flat_params, root=0)
-        self.algorithm.setup(self._params_array)
+        if self.topology.rank not in self.topology.joined:  # a replacement's survivors are in recover(): setup matches theirs
+            world.agree(
+                {"algorithm": algorithm, "shapes": [list(p.shape) for p in self._params], "dtype": str(self._flat_params.dtype),
+                 "device": self._flat_params.device.type},  # a staged GPU buffer is other MPI calls than a host one
+                what="model passed to DistributedOptimizer",
+            )
+            world.Bcast(self._flat_params, root=0)
+        self.algorithm.setup(self._params_array)  # a replacement's: the parameters and state of a survivor
         self._hand_groups()
         self._vote = ScalerVote(self.topology.control)
         self._own_finite = True  # whether this rank's gradient was finite when synchronize() skipped the exchange

@@ -85,10 +85,11 @@ class RecoveryMixin:
     def recover(self) -> None:
         """After ``topology.recover()``, on every survivor of a lost rank: the algorithm moved to the survivors from
         the failed step's start (:meth:`~mpiopt.algorithms.base.Algorithm.recovered`), the inner optimizer's state
-        with it; then redo the step."""
+        with it; then redo the step.  Under ``on_failure="respawn"`` the replacements' ``DistributedOptimizer``
+        takes the parameters and both states of the survivor each follows meanwhile."""
 
         def prepare(fresh: Algorithm) -> None:
-            fresh.loss_call = self.algorithm.loss_call
+            fresh.loss_call, fresh.carried = self.algorithm.loss_call, self.algorithm.carried
             if self.inner is not None:
                 fresh.use_inner(self._inner_step, type(self.inner).__name__)
             if self._local_keys:

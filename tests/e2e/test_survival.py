@@ -135,13 +135,16 @@ def _alive(step, detected, lost, ranks=4):
 DILOCO = {"lr": 0.05, "momentum": 0.9, "period": 3, "outer_lr": 0.7, "outer_momentum": 0.9}
 
 
-def diloco_in_float64(workers, gradient, alive, hyper, steps=9):
+def diloco_in_float64(workers, gradient, alive, hyper, steps=9, join=None):
     """DiLoCo of ``workers`` in float64 (``hyper``: :data:`DILOCO`'s keys): worker w steps on ``gradient(w, t)``
-    while ``w in alive(t)``, and each outer step averages those alive.  Yields every worker's model after each step."""
+    while ``w in alive(t)``, and each outer step averages those alive; ``join``: ``(step, worker, source)``, before
+    that step the worker takes the source's local model and momentum.  Yields every worker's model after each step."""
     lr, mom, H, olr, omom = (hyper[k] for k in ("lr", "momentum", "period", "outer_lr", "outer_momentum"))
     x = [_start() for _ in range(workers)]
     buf, start, ob = [None] * workers, _start(), None
     for t in range(1, steps + 1):
+        if join is not None and join[0] == t:
+            x[join[1]], buf[join[1]] = x[join[2]].copy(), buf[join[2]].copy()
         for w in alive(t):
             g = gradient(w, t)
             buf[w] = g if buf[w] is None else mom * buf[w] + g
@@ -239,6 +242,127 @@ def test_island_diloco_matches_a_float64_run_that_drops_the_island(tmp_path, kil
             np.testing.assert_allclose(saved[r]["history"][t - 1], x[r // 2], rtol=0, atol=1e-5)
 
 
+def joins(output):
+    """{first rank: (the step it joined at, the world's size)} from the replacements' lines."""
+    return {int(rank): (int(step), int(size)) for rank, step, size in
+            re.findall(r"rank (\d+): joined at step (\d+); the world is (\d+)", output)}
+
+
+def check_respawned(output, saved, code, lost, replaced=None, ranks=4, flat=True):
+    """Every rank ends at the original size, the ``replaced`` ones (default: the ``lost``) replaced once, joining at
+    the step the survivors redo; returns that step.  ``flat``: the flat sample's records, checked on the survivors
+    (:func:`check_survivors`)."""
+    replaced = lost if replaced is None else replaced
+    survivors = [r for r in range(ranks) if r not in replaced]
+    assert code == 0, output
+    if flat:
+        check_survivors(output, {r: saved[r] for r in survivors}, code, survivors, [sorted(lost)])
+    told = losses(output)
+    assert all([sorted(lost) for lost, _, _ in told[r]] == [sorted(lost)] for r in survivors), output
+    assert {size for r in survivors for _, _, size in told[r]} == {ranks}, output
+    detected = told[survivors[0]][0][1]
+    assert joins(output) == {r: (detected, ranks) for r in replaced}, output
+    assert sorted(saved) == list(range(ranks)) and all(int(saved[r]["size"]) == ranks for r in saved)
+    assert all(int(saved[r]["first_step"]) == detected for r in replaced)
+    return detected
+
+
+@needs_ulfm
+@pytest.mark.parametrize("kill", ["2@5:exchange", "0@5"])
+def test_flat_api_respawns_a_killed_rank_and_equals_the_unbroken_sgd(tmp_path, kill):
+    """``Topology(on_failure="respawn")``: a process of the same program takes the lost rank's place in
+    ``recover()``, takes the survivors' parameters in its set-up (bitwise, before its first step) and steps on the
+    lost rank's gradient: the run equals an unbroken one in float64, the step the rank died in redone by all four."""
+    code, output, saved = survive(tmp_path, "sgd", {"lr": 0.1, "on_failure": "respawn"}, 9, [kill])
+    lost = int(kill.split("@")[0])
+    detected = check_respawned(output, saved, code, [lost])
+    assert detected == 5
+    survivor = saved[(lost + 1) % 4]
+    np.testing.assert_array_equal(saved[lost]["joined_with"], survivor["history"][detected - 2])
+    for r in range(4):  # identical on every rank after every step since the join
+        np.testing.assert_array_equal(saved[r]["history"][-(10 - detected):], survivor["history"][detected - 1:])
+    x = _start()
+    for t in range(1, 10):
+        x = x - 0.1 * np.mean([_grad(r, t) for r in range(4)], axis=0)
+        np.testing.assert_allclose(survivor["history"][t - 1], x, rtol=0, atol=1e-5)
+
+
+@needs_ulfm
+def test_flat_api_respawned_diloco_follows_a_survivors_local_model(tmp_path):
+    """A rank lost between outer steps, found by the next one: its replacement takes survivor 0's local model and
+    momentum at that step's start (new rank r follows survivor r % 3, as a resume on more ranks does) and the outer
+    step averages all four again, as a float64 run where worker 1 copies worker 0 there."""
+    code, output, saved = survive(tmp_path, "diloco", {**DILOCO, "on_failure": "respawn"}, 9, ["1@4"])
+    detected = check_respawned(output, saved, code, [1])
+    assert detected == 6
+    np.testing.assert_array_equal(saved[1]["joined_with"], saved[0]["history"][detected - 2])
+    for t, x in enumerate(diloco_in_float64(4, _grad, lambda t: range(4), DILOCO, join=(detected, 1, 0)), start=1):
+        for r in range(4):
+            if t >= int(saved[r]["first_step"]):
+                np.testing.assert_allclose(saved[r]["history"][t - int(saved[r]["first_step"])], x[r], rtol=0, atol=1e-5)
+
+
+@needs_ulfm
+def test_flat_api_respawns_a_whole_island(tmp_path):
+    """Islands of 2: the lost rank's island leaves whole and two processes form a new island, which follows the
+    surviving island (its ranks in their places); the world ends at 4 ranks, 2 islands, each island's ranks alike."""
+    hyper = {**DILOCO, "islands": True, "group_size": 2, "on_failure": "respawn"}
+    code, output, saved = survive(tmp_path, "diloco", hyper, 9, ["2@6:exchange"])
+    assert left_with_their_island(output) == {3: 2}, output
+    detected = check_respawned(output, saved, code, [2], replaced=[2, 3])
+    assert detected == 6
+    for r in (2, 3):
+        np.testing.assert_array_equal(saved[r]["joined_with"], saved[r - 2]["history"][detected - 2])
+    for r in (1, 3):
+        np.testing.assert_array_equal(saved[r]["history"][-4:], saved[r - 1]["history"][-4:])
+    np.testing.assert_array_equal(saved[3]["evaluated"], saved[0]["evaluated"])
+
+
+TORCH_SAMPLE = os.path.join(ROOT, "tests", "e2e", "samples", "survive_torch.py")
+
+
+def adamw_on_the_mean_gradient(ranks=4, steps=9):
+    """torch.optim.AdamW in one process on the mean of the ranks' gradients (survive_torch.py's batches): sgd with an
+    inner AdamW over ranks that all step.  Returns the parameters after each step (flat) and the last second moments."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 1, dtype=torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    history = []
+    for t in range(1, steps + 1):
+        grads = []
+        for r in range(ranks):
+            rng = np.random.default_rng([11, r, t])
+            x, y = torch.from_numpy(rng.standard_normal((8, 5))), torch.from_numpy(rng.standard_normal((8, 1)))
+            grads.append(torch.autograd.grad(torch.nn.functional.mse_loss(model(x), y), list(model.parameters())))
+        for p, *each in zip(model.parameters(), *grads):
+            p.grad = torch.stack(each).mean(0)
+        opt.step()
+        history.append(np.concatenate([p.detach().numpy().ravel() for p in model.parameters()]))
+    moments = np.concatenate([opt.state[p]["exp_avg_sq"].numpy().ravel() for p in model.parameters()])
+    return np.array(history), moments
+
+
+@needs_ulfm
+@pytest.mark.parametrize("kill", ["2@5", "0@5:exchange"])
+def test_torch_api_respawns_a_killed_rank_with_the_inner_optimizers_state(tmp_path, kill):
+    """``DistributedOptimizer`` (sgd, inner AdamW) on ``Topology(on_failure="respawn")``: the replacement's optimizer
+    takes a survivor's parameters and AdamW's moments as it is built, and the run equals torch.optim.AdamW on the
+    mean gradient of four ranks unbroken, on every rank after every step (the moments too)."""
+    code, output = run_killing(tmp_path, [TORCH_SAMPLE, "sgd", "respawn", "9", str(tmp_path)], [kill])
+    saved = {int(f.name[:-4]): dict(np.load(f)) for f in tmp_path.glob("*.npz")}
+    lost = int(kill.split("@")[0])
+    detected = check_respawned(output, saved, code, [lost], flat=False)
+    assert detected == 5
+    expected, moments = adamw_on_the_mean_gradient()
+    np.testing.assert_array_equal(saved[lost]["joined_with"], saved[(lost + 1) % 4]["history"][detected - 2])
+    for r in range(4):
+        first = int(saved[r]["first_step"])
+        np.testing.assert_allclose(saved[r]["history"], expected[first - 1:], rtol=0, atol=1e-12)
+        np.testing.assert_allclose(saved[r]["moments"], moments, rtol=1e-12, atol=0)
+
+
 @needs_ulfm
 def test_two_failures_in_one_run(tmp_path):
     code, output, saved = survive(tmp_path, "sgd", {"lr": 0.1}, 10, ["1@3:exchange", "3@7:exchange"])
@@ -255,8 +379,10 @@ REFUSALS = """
 import mpiopt, torch
 from mpiopt.torch import DistributedOptimizer
 topo = mpiopt.Topology(on_failure="shrink", group_size=2)
+respawning = mpiopt.Topology(on_failure="respawn")
 model = torch.nn.Linear(2, 1)
-for make in (lambda: DistributedOptimizer(model.parameters(), "sgd", topology=topo, overlap=True),):
+for make in (lambda: DistributedOptimizer(model.parameters(), "sgd", topology=topo, overlap=True),
+             lambda: mpiopt.create("async_msgd", respawning)):
     try:
         make()
     except ValueError as error:
@@ -267,15 +393,17 @@ topo.world.Barrier()
 
 @needs_ulfm
 def test_what_cannot_survive_yet_is_refused_on_every_rank_before_communicating(tmp_path):
-    """The torch front end's overlap (named with why); the world still works."""
+    """The torch front end's overlap, an asynchronous algorithm under respawn (each named with why); the world still
+    works."""
     command = [mpiexec(), "--allow-run-as-root", "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
                "-n", "4", sys.executable, "-c", REFUSALS]
     proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stdout
     for rank in range(4):
         lines = [line for line in proc.stdout.splitlines() if line.startswith(f"rank {rank} refused:")]
-        assert len(lines) == 1, proc.stdout
+        assert len(lines) == 2, proc.stdout
         assert "on_failure='shrink' takes overlap=False: the buckets summed during backward are not rolled back" in lines[0]
+        assert "async_msgd: on_failure='respawn' is refused: the processes started in lost ranks' places" in lines[1]
 
 
 def the_one_loss(out, lost):

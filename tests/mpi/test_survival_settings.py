@@ -17,11 +17,12 @@ pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.skipif(ulfm_problem() is None, reason="this job runs with ULFM: shrink is accepted here")
-def test_survival_refused_without_ulfm_on_every_rank(world_size):
+@pytest.mark.parametrize("on_failure", ["shrink", "respawn"])
+def test_survival_refused_without_ulfm_on_every_rank(world_size, on_failure):
     with pytest.raises(ValueError) as error:
-        Topology(on_failure="shrink")
+        Topology(on_failure=on_failure)
     text = str(error.value)
-    assert "on_failure='shrink'" in text and LAUNCH in text
+    assert f"on_failure={on_failure!r}" in text and LAUNCH in text
     # Every rank raised and none is left in a collective: the world still answers.
     from mpi4py import MPI
 
@@ -36,8 +37,8 @@ def test_survival_refused_from_the_environment(world_size, monkeypatch):
 
 
 def test_an_unknown_mode_is_named(world_size):
-    with pytest.raises(ValueError, match=r"on_failure must be one of abort, shrink, got 'respawn'"):
-        Topology(on_failure="respawn")  # a replacement that joins is not built yet
+    with pytest.raises(ValueError, match=r"on_failure must be one of abort, shrink, respawn, got 'restart'"):
+        Topology(on_failure="restart")
 
 
 def test_abort_is_the_default_and_keeps_no_rollback(world_size, monkeypatch):
@@ -76,4 +77,23 @@ def test_survivors_state_moves_each_entry_by_its_rule(world_size):
     np.testing.assert_array_equal(moved["arrays"]["sum"], (me.astype(np.float64) * world_size / 7).astype(np.float32))
     np.testing.assert_array_equal(moved["arrays"]["zeroed"], np.zeros(6, np.float32))
     assert moved["scalars"] == {"count": 4} and moved["steps"] == 3
+    topo.Free()
+
+
+def test_replacements_take_the_survivors_mean_and_add_nothing(world_size):
+    """After a respawn the first ranks stand for the survivors and the others for the replacements, which hold the
+    state of the survivor they follow: the mean is the survivors' alone, on every rank; the rest as a survivor's."""
+    from mpiopt.algorithms.resize import FOLLOW, MEAN
+    from mpiopt.algorithms.survival import survivors_state
+
+    topo = Topology()
+    surviving = max(1, world_size // 2)
+    mine = [np.random.default_rng([6, r]).standard_normal(5).astype(np.float32) for r in range(world_size)]
+    held = mine[topo.rank if topo.rank < surviving else topo.rank % surviving]  # a replacement: its survivor's
+    state = {"steps": 2, "arrays": {"mean": held.copy(), "followed": held.copy()}, "scalars": {}}
+    moved = survivors_state({"mean": MEAN, "followed": FOLLOW}, state, topo.world, old_workers=world_size,
+                            surviving=surviving, survivor=topo.rank < surviving)
+    expected = (np.sum(np.array(mine[:surviving], np.float64), axis=0) / surviving).astype(np.float32)
+    np.testing.assert_array_equal(moved["arrays"]["mean"], expected)
+    np.testing.assert_array_equal(moved["arrays"]["followed"], held)
     topo.Free()

@@ -2,7 +2,9 @@
 
 Each rank steps on a gradient of its first world rank and the step alone; a RankLost is answered by shrinking the
 topology, moving the algorithm to the survivors and redoing the step (with islands, the other ranks of an island that
-lost a rank leave with it).  Each survivor prints one line per loss and
+lost a rank leave with it).  With ``"on_failure": "respawn"`` in HYPER_JSON a process of this program starts in each
+lost rank's place, takes its state from the survivors in its set-up and goes on from the step they redo.  Each
+survivor prints one line per loss (a replacement: one as it joins) and
 saves its parameters after every step, whether its state resumed bitwise on a fresh instance, and the model the
 algorithm evaluates, to OUT/<first rank>.npz.
 """
@@ -21,13 +23,19 @@ from mpiopt.comm.survival import INJECTION
 
 name, hyper, steps, out = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 D = 40
-topo = mpiopt.Topology(on_failure="shrink", group_size=hyper.pop("group_size", None))
+topo = mpiopt.Topology(on_failure=hyper.pop("on_failure", "shrink"), group_size=hyper.pop("group_size", None))
 me = topo.first_ranks[topo.rank]
+replacement = topo.rank in topo.joined
+if replacement:
+    INJECTION.points.clear()  # the points name the first processes
 print(f"rank {me}: on {socket.gethostname()}", flush=True)
 params = np.random.default_rng(5).standard_normal(D).astype(np.float32)
 alg = mpiopt.create(name, topo, **hyper)
-alg.setup(params)
-history, t, recovered_at = [], 1, None
+alg.setup(params)  # a replacement's: the survivors' parameters and state
+history, t, recovered_at, first_step, joined_with = [], 1, None, 1, params.copy()
+if replacement:  # the survivors redo the step after the last one they all completed
+    t = first_step = alg.steps + 1
+    print(f"rank {me}: joined at step {t}; the world is {topo.size}", flush=True)
 while t <= steps:
     INJECTION.current = t
     INJECTION.reached("step", me)
@@ -64,5 +72,6 @@ evaluated = params.astype(np.float64)
 if alg.evaluates == "average":
     topo.world.Allreduce(evaluated)
     evaluated /= topo.size
-np.savez(os.path.join(out, f"{me}.npz"), history=np.array(history), evaluated=evaluated, size=topo.size, resumed=resumed)
+np.savez(os.path.join(out, f"{me}.npz"), history=np.array(history), evaluated=evaluated, size=topo.size, resumed=resumed,
+         first_step=first_step, joined_with=joined_with)
 print(f"rank {me}: done at world size {topo.size}", flush=True)
