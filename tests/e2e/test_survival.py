@@ -288,6 +288,24 @@ def test_flat_api_respawns_a_killed_rank_and_equals_the_unbroken_sgd(tmp_path, k
 
 
 @needs_ulfm
+def test_flat_api_respawns_twice_in_one_run(tmp_path):
+    """The second loss's survivors include the first loss's replacement, which starts the second one with them; the
+    run equals an unbroken float64 sgd over four ranks."""
+    code, output, saved = survive(tmp_path, "sgd", {"lr": 0.1, "on_failure": "respawn"}, 10, ["1@3:exchange", "3@7:exchange"])
+    assert code == 0, output
+    first, second = ([1], 3, 4), ([3], 7, 4)
+    # Rank 3's line is its first process's, killed later; rank 1's its replacement's.
+    assert losses(output) == {0: [first, second], 1: [second], 2: [first, second], 3: [first]}, output
+    assert joins(output) == {1: (3, 4), 3: (7, 4)}, output
+    x = _start()
+    for t in range(1, 11):
+        x = x - 0.1 * np.mean([_grad(r, t) for r in range(4)], axis=0)
+    for r in range(4):
+        assert int(saved[r]["size"]) == 4
+        np.testing.assert_allclose(saved[r]["history"][-1], x, rtol=0, atol=1e-5)
+
+
+@needs_ulfm
 def test_flat_api_respawned_diloco_follows_a_survivors_local_model(tmp_path):
     """A rank lost between outer steps, found by the next one: its replacement takes survivor 0's local model and
     momentum at that step's start (new rank r follows survivor r % 3, as a resume on more ranks does) and the outer
