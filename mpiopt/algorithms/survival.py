@@ -201,6 +201,7 @@ class Survival:
             self._rollback.save(self, params)
         state = self._rollback.state(self)
         fresh = type(self)(self.topology, **self._given)
+        fresh.carried = self.carried
         if prepare is not None:
             prepare(fresh)
         start = params.copy()

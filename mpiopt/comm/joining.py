@@ -14,7 +14,7 @@ from typing import Any, Iterable, List, Optional, Tuple
 from mpi4py import MPI
 
 __all__ = ["JOINS", "Joined", "disconnect", "in_order", "join_as_replacement", "merge_with_replacements",
-           "merge_with_survivors", "started_by_survivors"]
+           "merge_with_survivors", "started_by_survivors", "to_join"]
 
 #: The links of this process's joins under ``Topology(on_failure="respawn")``, closed as MPI finalizes.
 JOINS: List[MPI.Intercomm] = []
@@ -32,6 +32,8 @@ class Joined:
     group_size: Optional[int]
     #: Ranks that move together: the islands' size (their ranks keep their places), else 1.
     block: int
+    #: Whether the world is put in the islands' order (:func:`in_order`): islands were kept whole.
+    islands: bool
 
 
 def merge_with_replacements(link: MPI.Intercomm, handed: Any) -> MPI.Intracomm:
@@ -69,13 +71,21 @@ def disconnect(links: Iterable[MPI.Intercomm]) -> None:
         link.Disconnect()
 
 
+def to_join() -> bool:
+    """Whether this process was started by survivors and has not joined them yet (:func:`join_as_replacement`)."""
+    return not JOINS and started_by_survivors()
+
+
 def join_as_replacement() -> Tuple[MPI.Intracomm, int, Optional[int], Joined]:
     """In a process that the survivors' :meth:`Topology.recover` started (collective with them): the world formed with
     them (in the order the survivors put it), the job rank this process takes, the group size to build it with, and
     what they handed over."""
+    from .survival import INJECTION
+
+    INJECTION.points.clear()  # the test hook's points name the first world's processes, not this one
     link, merged, joined = merge_with_survivors()
     JOINS.append(link)
     job_rank = joined.replaced[merged.Get_rank() - (merged.Get_size() - len(joined.replaced))]
-    if joined.block > 1:
+    if joined.islands:
         merged = in_order(merged, merged.Get_rank())  # the survivors order theirs by island; this process after them
     return merged, job_rank, joined.group_size, joined

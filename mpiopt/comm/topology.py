@@ -20,9 +20,10 @@ from .abort import ABORT_ENV, abort_job, abort_on_exception
 from .buffers import _parse_flag
 from .communicator import Comm
 from .islands import ISLAND, RAIL, Islands
-from .survival import ON_FAILURE, ON_FAILURE_ENV, IslandLeft, RankLost, Survivable, revoke_quietly, ulfm_problem
+from .process import host
+from .survival import ON_FAILURE, ON_FAILURE_ENV, IslandLeft, RankLost, Survivable, respawn_caveat, revoke_quietly, ulfm_problem
 from .finalizing import JOINED, finalize_at_exit
-from .joining import JOINS, Joined, in_order, join_as_replacement, merge_with_replacements, started_by_survivors
+from .joining import JOINS, Joined, in_order, join_as_replacement, merge_with_replacements, to_join
 from .launcher import check_world_size
 from .ledger import Ledger
 
@@ -113,6 +114,10 @@ class Topology:
         This process's rank in the job's first world (:attr:`first_ranks`): a replacement's is the lost rank's.
         Default: its rank in ``MPI.COMM_WORLD``.
 
+    In a process that survivors started under ``on_failure="respawn"`` (:meth:`recover`), a Topology over the
+    default world (``comm`` None), the first one built, joins them instead: its world is theirs, its ``job_rank``
+    the lost rank's and its ``group_size`` theirs, whatever was given.
+
     Raises
     ------
     ValueError, TypeError
@@ -132,8 +137,9 @@ class Topology:
         # Before any communication, each process alone: a launcher that started another number of
         # processes than MPI's world holds (LauncherMismatchError, mpiopt.comm.launcher).
         check_world_size(MPI.COMM_WORLD.Get_size())
+        survive, survive_problem = _outcome(lambda: _on_failure_setting(on_failure))
         joined = None
-        if comm is None and started_by_survivors():  # survivors' recover() started this process in a lost rank's place
+        if comm is None and survive == "respawn" and to_join():  # survivors' recover() started it in a lost rank's place
             comm, job_rank, group_size, joined = join_as_replacement()
             finalize_at_exit()
         self.ledger = Ledger()
@@ -143,7 +149,6 @@ class Topology:
         if abort is True:
             abort_on_exception(override=False)
         size, size_problem = _outcome(lambda: _group_size_setting(group_size))
-        survive, survive_problem = _outcome(lambda: _on_failure_setting(on_failure))
         try:
             # What each rank made of its settings is agreed before any error is
             # raised: a bad value on one rank must not leave the others below.
@@ -171,6 +176,10 @@ class Topology:
             JOINED.add(self)
         if survive != "abort":
             self.faults.on_fault = self._revoke_all
+        if survive == "respawn" and joined is None:
+            caveat = respawn_caveat(spans_nodes=len(set(self.world.allgather_obj(host()))) > 1)
+            if caveat and self.rank == 0:
+                print(f"mpiopt: on_failure='respawn': {caveat}", file=sys.stderr, flush=True)
 
     def _build(self, comm: Optional[MPI.Intracomm], group_color: Optional[int]) -> None:
         """Groups (the nodes, or ``group_color``'s), leaders, the control communicator, from :attr:`world` (collective)."""
@@ -244,7 +253,9 @@ class Topology:
 
         ``whole_groups`` (default: whether :meth:`islands` were made here) keeps islands of one size: a group that lost
         a rank leaves whole, and its other ranks raise :class:`~mpiopt.comm.survival.IslandLeft` (every survivor does
-        where no group is whole).
+        where no group is whole).  Under ``on_failure="respawn"`` processes of this program then take the places of
+        the ranks gone, and the world is rebuilt with them at its size (:meth:`_replace`); the first algorithm set up
+        after it hands them its state.
         """
         if self.on_failure == "abort":
             raise RuntimeError("recover() needs Topology(on_failure='shrink') or 'respawn'")
@@ -281,16 +292,18 @@ class Topology:
         """After the shrink under ``on_failure="respawn"`` (collective on the survivors): processes of this program take
         the places of the lost ranks and of those that left with their islands, and the world is rebuilt with them,
         the survivors first (with islands: in the survivors' islands, then the new ones in blocks of their size).
-        Where none can start, the survivors go on alone and rank 0 says so once."""
+        Where none can start, the survivors go on alone, as under ``"shrink"`` from then on, and rank 0 says so."""
         replaced = sorted(recovery.lost + recovery.left)
         link, why = self.spawn(len(replaced), sys.orig_argv[1:])
         if link is None:
+            self.on_failure = "shrink"  # said once: later losses shrink too
             if self.rank == 0:
                 print(f"mpiopt: on_failure='respawn': no process could start for rank(s) {replaced} ({why}); going on "
-                      f"with {self.size} ranks, as 'shrink' would", file=sys.stderr, flush=True)
+                      f"with {self.size} ranks, as 'shrink' would, from here on", file=sys.stderr, flush=True)
             return recovery
         group_size = island_size or self.group_size_setting
-        joined = Joined(list(range(self.size, self.size + len(replaced))), replaced, group_size, island_size or 1)
+        joined = Joined(list(range(self.size, self.size + len(replaced))), replaced, group_size, island_size or 1,
+                        island_size is not None)
         merged = merge_with_replacements(link, joined)
         JOINS.append(link)
         if island_size is not None:
@@ -320,8 +333,8 @@ class Topology:
         return (rank // block) % (survivors // block) * block + rank % block
 
     def spawn(self, count: int, args: List[str]) -> "tuple[Optional[MPI.Intercomm], str]":
-        """Start ``count`` processes of ``python ARGS`` to take lost ranks' places (collective, after :meth:`recover`):
-        the intercommunicator to them, or None and MPI's reason where none could start (no free slot, a launcher that
+        """Start ``count`` processes of ``python ARGS`` to take lost ranks' places (collective, on a shrunk world): the
+        intercommunicator to them, or None and MPI's reason where none could start (no free slot, a launcher that
         refuses).  Both sides then merge into one world (:mod:`.joining`)."""
         try:
             return self.world._comm.Spawn(sys.executable, args=args, maxprocs=count, root=0), ""

@@ -26,7 +26,7 @@ from .survival import InnerRollback, RecoveryMixin
 from .overlap import BucketExchange
 from .pipeline import LOCAL, Exchanged, add_cost, loss_value, mean_over_passes
 from .scaler import ScalerVote, Verdict
-from .state import load_optimizer_state, optimizer_state
+from .state import load_optimizer_state, on_host, optimizer_state
 
 __all__ = ["DistributedOptimizer"]
 
@@ -101,7 +101,7 @@ class DistributedOptimizer(RecoveryMixin, GroupsMixin, torch.optim.Optimizer):
         if self.inner is not None:  # before anything changes: an algorithm without an inner role refuses here
             self.algorithm.use_inner(self._inner_step, type(self.inner).__name__)
             # A replacement (on_failure="respawn") takes its survivor's inner state with the algorithm's.
-            self.algorithm.carried = Carried(self.inner.state_dict, self.inner.load_state_dict)
+            self.algorithm.carried = Carried(lambda: on_host(self.inner.state_dict()), self.inner.load_state_dict)
         alg = self.algorithm
         if overlap is None:  # as torch DDP: wherever a sum of the gradients can run during backward (over two ranks or more)
             overlap = alg.reduced_ranks > 1 and not (alg.islands and alg.exchange_keeps_gradient)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Mapping
 import numpy as np
 import torch
 
-__all__ = ["as_tensors", "as_arrays", "optimizer_state", "load_optimizer_state"]
+__all__ = ["as_tensors", "as_arrays", "on_host", "optimizer_state", "load_optimizer_state"]
 
 
 def _map_leaves(value: Any, leaf: Callable[[Any], Any]) -> Any:
@@ -56,6 +56,12 @@ def as_arrays(state: Any) -> Any:
     were tensors) comes back as it is.
     """
     return _map_leaves(state, _array)
+
+
+def on_host(state: Any) -> Any:
+    """``state`` with its tensors on the CPU: another process may not have their device (``load_state_dict`` moves
+    each to its parameter's)."""
+    return _map_leaves(state, lambda value: value.detach().cpu() if torch.is_tensor(value) else value)
 
 
 def optimizer_state(opt: Any) -> Dict[str, Any]:

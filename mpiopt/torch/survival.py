@@ -1,4 +1,4 @@
-"""An inner torch optimizer's state rolled back with a step that a lost rank broke (``on_failure="shrink"``).
+"""An inner torch optimizer's state rolled back with a step that a lost rank broke (``on_failure`` shrink or respawn).
 
 The algorithm puts the parameters back to the failed step's start (docs/failures.md); the inner optimizer (AdamW's
 moments and step count) must go back with them, or the redone step would apply its update twice.
@@ -89,7 +89,7 @@ class RecoveryMixin:
         takes the parameters and both states of the survivor each follows meanwhile."""
 
         def prepare(fresh: Algorithm) -> None:
-            fresh.loss_call, fresh.carried = self.algorithm.loss_call, self.algorithm.carried
+            fresh.loss_call = self.algorithm.loss_call
             if self.inner is not None:
                 fresh.use_inner(self._inner_step, type(self.inner).__name__)
             if self._local_keys:

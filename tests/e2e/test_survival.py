@@ -382,6 +382,21 @@ def test_torch_api_respawns_a_killed_rank_with_the_inner_optimizers_state(tmp_pa
 
 
 @needs_ulfm
+def test_flat_api_respawns_an_island_of_one_rank(tmp_path):
+    """Islands of one rank: the replacement is a new island of one in the survivors' order (no rank leaves with it),
+    following survivor island 0, as a float64 DiLoCo of four workers in which worker 2 copies worker 0."""
+    hyper = {**DILOCO, "islands": True, "group_size": 1, "on_failure": "respawn"}
+    code, output, saved = survive(tmp_path, "diloco", hyper, 9, ["2@5"])
+    detected = check_respawned(output, saved, code, [2])
+    assert detected == 6 and not left_with_their_island(output)
+    np.testing.assert_array_equal(saved[2]["joined_with"], saved[0]["history"][detected - 2])
+    for t, x in enumerate(diloco_in_float64(4, _grad, lambda t: range(4), DILOCO, join=(detected, 2, 0)), start=1):
+        for r in range(4):
+            if t >= int(saved[r]["first_step"]):
+                np.testing.assert_allclose(saved[r]["history"][t - int(saved[r]["first_step"])], x[r], rtol=0, atol=1e-5)
+
+
+@needs_ulfm
 def test_two_failures_in_one_run(tmp_path):
     code, output, saved = survive(tmp_path, "sgd", {"lr": 0.1}, 10, ["1@3:exchange", "3@7:exchange"])
     told = check_survivors(output, saved, code, [0, 2], [[1], [3]])
