@@ -382,6 +382,22 @@ def test_torch_api_respawns_a_killed_rank_with_the_inner_optimizers_state(tmp_pa
 
 
 @needs_ulfm
+def test_flat_api_respawns_two_islands_in_one_run(tmp_path):
+    """The second loss breaks the island that survived the first, whose other rank leaves (after the first join, with
+    links open to its replacements) while new processes take both places: every rank ends at 4, each island alike."""
+    hyper = {**DILOCO, "islands": True, "group_size": 2, "on_failure": "respawn"}
+    code, output, saved = survive(tmp_path, "diloco", hyper, 10, ["2@3:exchange", "0@7:exchange"])
+    assert code == 0, output
+    assert left_with_their_island(output) == {3: 2, 1: 2}, output
+    assert joins(output) == {2: (3, 4), 3: (3, 4), 0: (7, 4), 1: (7, 4)}, output
+    assert all(int(saved[r]["size"]) == 4 for r in range(4))
+    for r in (1, 3):
+        np.testing.assert_array_equal(saved[r]["history"][-3:], saved[r - 1]["history"][-3:])
+    for r in (1, 2, 3):
+        np.testing.assert_array_equal(saved[r]["evaluated"], saved[0]["evaluated"])
+
+
+@needs_ulfm
 def test_flat_api_respawns_an_island_of_one_rank(tmp_path):
     """Islands of one rank: the replacement is a new island of one in the survivors' order (no rank leaves with it),
     following survivor island 0, as a float64 DiLoCo of four workers in which worker 2 copies worker 0."""
