@@ -382,6 +382,23 @@ def test_torch_api_respawns_a_killed_rank_with_the_inner_optimizers_state(tmp_pa
 
 
 @needs_ulfm
+def test_flat_api_respawn_goes_on_as_shrink_where_no_process_can_start(tmp_path, monkeypatch):
+    """The spawn refused (the sample stands in for MPI, which refuses without a free slot): rank 0 says so once, the
+    survivors go on at 3, and a later loss shrinks without trying again."""
+    monkeypatch.setenv("SURVIVE_SPAWN_REFUSED", "1")
+    code, output, saved = survive(tmp_path, "sgd", {"lr": 0.1, "on_failure": "respawn"}, 9, ["2@4", "3@7"])
+    check_survivors(output, saved, code, [0, 1], [[2], [3]])
+    assert output.count("no process could start") == 1, output
+    assert ("mpiopt: on_failure='respawn': no process could start for rank(s) [2] (refused by the test); going on with "
+            "3 ranks, as 'shrink' would, from here on") in output and not joins(output), output
+    assert [size for _, _, size in losses(output)[0]] == [3, 2]
+    x = _start()
+    for t in range(1, 10):
+        x = x - 0.1 * np.mean([_grad(r, t) for r in range(4) if not (r == 2 and t >= 4) and not (r == 3 and t >= 7)], axis=0)
+    np.testing.assert_allclose(saved[0]["history"][-1], x, rtol=0, atol=1e-5)
+
+
+@needs_ulfm
 def test_flat_api_respawns_two_islands_in_one_run(tmp_path):
     """The second loss breaks the island that survived the first, whose other rank leaves (after the first join, with
     links open to its replacements) while new processes take both places: every rank ends at 4, each island alike."""

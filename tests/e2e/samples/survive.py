@@ -3,7 +3,8 @@
 Each rank steps on a gradient of its first world rank and the step alone; a RankLost is answered by shrinking the
 topology, moving the algorithm to the survivors and redoing the step (with islands, the other ranks of an island that
 lost a rank leave with it).  With ``"on_failure": "respawn"`` in HYPER_JSON a process of this program starts in each
-lost rank's place, takes its state from the survivors in its set-up and goes on from the step they redo.  Each
+lost rank's place, takes its state from the survivors in its set-up and goes on from the step they redo
+(``SURVIVE_SPAWN_REFUSED=1``: the spawn is refused, as MPI refuses it without a free slot).  Each
 survivor prints one line per loss (a replacement: one as it joins) and
 saves its parameters after every step, whether its state resumed bitwise on a fresh instance, and the model the
 algorithm evaluates, to OUT/<first rank>.npz.
@@ -22,6 +23,8 @@ from mpiopt.comm import IslandLeft, RankLost
 from mpiopt.comm.survival import INJECTION
 
 name, hyper, steps, out = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+if os.environ.get("SURVIVE_SPAWN_REFUSED"):  # as MPI refuses where no slot is free (a killed process frees its own)
+    mpiopt.Topology.spawn = lambda self, count, args: (None, "refused by the test")
 D = 40
 topo = mpiopt.Topology(on_failure=hyper.pop("on_failure", "shrink"), group_size=hyper.pop("group_size", None))
 me = topo.first_ranks[topo.rank]
