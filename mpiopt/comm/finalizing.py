@@ -48,10 +48,11 @@ def _finalize() -> None:
     if JOINS:  # a respawn's: the communicators over the joined world go first (finalize crashes on them), then the links
         for topology in list(JOINED):
             topology.Free()
-        try:
-            disconnect(JOINS)  # collective over both sides of each
-        except MPI.Exception:  # a side lost since: finalize goes on, the watchdog bounds it
-            pass
+        for link in JOINS:
+            try:
+                disconnect([link])  # collective over both sides
+            except MPI.Exception:  # a side lost since: the next link, and finalize, go on; the watchdog bounds them
+                pass
         JOINS.clear()
     with open("/proc/self/maps") as maps:
         library = next((p for p in maps.read().split() if os.path.basename(p).startswith("libmpi.so")), None)

@@ -8,16 +8,19 @@ collective over both sides of each.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, List, Optional, Tuple
 
 from mpi4py import MPI
 
 __all__ = ["JOINS", "Joined", "disconnect", "in_order", "join_as_replacement", "merge_with_replacements",
-           "merge_with_survivors", "started_by_survivors", "to_join"]
+           "merge_with_survivors", "replacement_args", "started_by_survivors", "to_join", "REPLACEMENT"]
 
 #: The links of this process's joins under ``Topology(on_failure="respawn")``, closed as MPI finalizes.
 JOINS: List[MPI.Intercomm] = []
+#: The interpreter option (``-X``) that marks a process started in a lost rank's place by :meth:`Topology.recover`.
+REPLACEMENT = "mpiopt_replacement"
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,8 @@ class Joined:
     block: int
     #: Whether the world is put in the islands' order (:func:`in_order`): islands were kept whole.
     islands: bool
+    #: The survivors' ``on_failure``: a replacement's own may differ (``mpiexec -x`` does not reach it).
+    on_failure: str
 
 
 def merge_with_replacements(link: MPI.Intercomm, handed: Any) -> MPI.Intracomm:
@@ -71,9 +76,20 @@ def disconnect(links: Iterable[MPI.Intercomm]) -> None:
         link.Disconnect()
 
 
+def replacement_args() -> List[str]:
+    """The interpreter's arguments for a process of this program in a lost rank's place: this one's, marked."""
+    args = list(sys.orig_argv[1:])
+    for i in range(len(args) - 1):  # a replacement starting others: its own mark once only
+        if args[i:i + 2] == ["-X", REPLACEMENT]:
+            del args[i:i + 2]
+            break
+    return ["-X", REPLACEMENT, *args]
+
+
 def to_join() -> bool:
-    """Whether this process was started by survivors and has not joined them yet (:func:`join_as_replacement`)."""
-    return not JOINS and started_by_survivors()
+    """Whether :meth:`Topology.recover` started this process (:func:`replacement_args`) and it has not joined the
+    survivors yet (:func:`join_as_replacement`)."""
+    return REPLACEMENT in sys._xoptions and not JOINS and started_by_survivors()
 
 
 def join_as_replacement() -> Tuple[MPI.Intracomm, int, Optional[int], Joined]:

@@ -23,7 +23,7 @@ from .islands import ISLAND, RAIL, Islands
 from .process import host
 from .survival import ON_FAILURE, ON_FAILURE_ENV, IslandLeft, RankLost, Survivable, respawn_caveat, revoke_quietly, ulfm_problem
 from .finalizing import JOINED, finalize_at_exit
-from .joining import JOINS, Joined, in_order, join_as_replacement, merge_with_replacements, to_join
+from .joining import JOINS, Joined, in_order, join_as_replacement, merge_with_replacements, replacement_args, to_join
 from .launcher import check_world_size
 from .ledger import Ledger
 
@@ -114,9 +114,9 @@ class Topology:
         This process's rank in the job's first world (:attr:`first_ranks`): a replacement's is the lost rank's.
         Default: its rank in ``MPI.COMM_WORLD``.
 
-    In a process that survivors started under ``on_failure="respawn"`` (:meth:`recover`), a Topology over the
-    default world (``comm`` None), the first one built, joins them instead: its world is theirs, its ``job_rank``
-    the lost rank's and its ``group_size`` theirs, whatever was given.
+    In a process that survivors started under ``on_failure="respawn"`` (:meth:`recover`), the first Topology built
+    over the default world (``comm`` None) joins them instead: its world is theirs, its ``job_rank`` the lost rank's,
+    its ``group_size`` and ``on_failure`` theirs, whatever was given.
 
     Raises
     ------
@@ -139,8 +139,9 @@ class Topology:
         check_world_size(MPI.COMM_WORLD.Get_size())
         survive, survive_problem = _outcome(lambda: _on_failure_setting(on_failure))
         joined = None
-        if comm is None and survive == "respawn" and to_join():  # survivors' recover() started it in a lost rank's place
+        if comm is None and to_join():  # survivors' recover() started this process in a lost rank's place
             comm, job_rank, group_size, joined = join_as_replacement()
+            survive, survive_problem = joined.on_failure, None
             finalize_at_exit()
         self.ledger = Ledger()
         self.faults = Survivable()  # every communicator's: a lost rank revokes them all (on_failure other than abort)
@@ -166,6 +167,10 @@ class Topology:
         #: The job's first world rank of each of this world's ranks (a recovery renumbers the survivors).
         first = MPI.COMM_WORLD.Get_rank() if job_rank is None else job_rank
         self.first_ranks: List[int] = self.world.allgather_obj(first) if survive != "abort" else []
+        if survive == "respawn" and joined is None:  # before _build, whose ledger starts the algorithms'
+            caveat = respawn_caveat(spans_nodes=len(set(self.world.allgather_obj(host()))) > 1)
+            if caveat and self.world.rank == 0:
+                print(f"mpiopt: on_failure='respawn': {caveat}", file=sys.stderr, flush=True)
         self._build(comm, None if size is None else self.world.rank // size)
         #: The world ranks of the processes that took lost ranks' places at the latest :meth:`recover` (on them: at
         #: their start), until the first algorithm set up after it has handed them its state (:attr:`joined_from`).
@@ -176,10 +181,6 @@ class Topology:
             JOINED.add(self)
         if survive != "abort":
             self.faults.on_fault = self._revoke_all
-        if survive == "respawn" and joined is None:
-            caveat = respawn_caveat(spans_nodes=len(set(self.world.allgather_obj(host()))) > 1)
-            if caveat and self.rank == 0:
-                print(f"mpiopt: on_failure='respawn': {caveat}", file=sys.stderr, flush=True)
 
     def _build(self, comm: Optional[MPI.Intracomm], group_color: Optional[int]) -> None:
         """Groups (the nodes, or ``group_color``'s), leaders, the control communicator, from :attr:`world` (collective)."""
@@ -294,7 +295,7 @@ class Topology:
         the survivors first (with islands: in the survivors' islands, then the new ones in blocks of their size).
         Where none can start, the survivors go on alone, as under ``"shrink"`` from then on, and rank 0 says so."""
         replaced = sorted(recovery.lost + recovery.left)
-        link, why = self.spawn(len(replaced), sys.orig_argv[1:])
+        link, why = self.spawn(len(replaced), replacement_args())
         if link is None:
             self.on_failure = "shrink"  # said once: later losses shrink too
             if self.rank == 0:
@@ -303,7 +304,7 @@ class Topology:
             return recovery
         group_size = island_size or self.group_size_setting
         joined = Joined(list(range(self.size, self.size + len(replaced))), replaced, group_size, island_size or 1,
-                        island_size is not None)
+                        island_size is not None, self.on_failure)
         merged = merge_with_replacements(link, joined)
         JOINS.append(link)
         if island_size is not None:

@@ -288,6 +288,16 @@ def test_flat_api_respawns_a_killed_rank_and_equals_the_unbroken_sgd(tmp_path, k
 
 
 @needs_ulfm
+def test_flat_api_replacement_joins_with_respawn_set_by_the_launcher(tmp_path):
+    """``mpiexec -x MPIOPT_ON_FAILURE=respawn``: the setting does not reach the process started in the lost rank's
+    place, which joins all the same (the survivors' mark and setting) and the run ends at 4 ranks."""
+    args = [SAMPLE, "sgd", json.dumps({"lr": 0.1, "on_failure": None}), "9", str(tmp_path)]
+    code, output = run_killing(tmp_path, args, ["2@5"], placing=("--oversubscribe", "-x", "MPIOPT_ON_FAILURE=respawn"))
+    saved = {int(f.name[:-4]): dict(np.load(f)) for f in tmp_path.glob("*.npz")}
+    assert check_respawned(output, saved, code, [2]) == 5
+
+
+@needs_ulfm
 def test_flat_api_respawns_twice_in_one_run(tmp_path):
     """The second loss's survivors include the first loss's replacement, which starts the second one with them; the
     run equals an unbroken float64 sgd over four ranks."""
