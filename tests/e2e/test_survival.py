@@ -316,15 +316,19 @@ def test_flat_api_respawns_twice_in_one_run(tmp_path):
 
 
 @needs_ulfm
-def test_flat_api_respawned_diloco_follows_a_survivors_local_model(tmp_path):
+@pytest.mark.parametrize("islands, kill", [(False, "1@4"), (True, "2@5")], ids=["ranks", "islands-of-one"])
+def test_flat_api_respawned_diloco_follows_a_survivors_local_model(tmp_path, islands, kill):
     """A rank lost between outer steps, found by the next one: its replacement takes survivor 0's local model and
     momentum at that step's start (new rank r follows survivor r % 3, as a resume on more ranks does) and the outer
-    step averages all four again, as a float64 run where worker 1 copies worker 0 there."""
-    code, output, saved = survive(tmp_path, "diloco", {**DILOCO, "on_failure": "respawn"}, 9, ["1@4"])
-    detected = check_respawned(output, saved, code, [1])
-    assert detected == 6
-    np.testing.assert_array_equal(saved[1]["joined_with"], saved[0]["history"][detected - 2])
-    for t, x in enumerate(diloco_in_float64(4, _grad, lambda t: range(4), DILOCO, join=(detected, 1, 0)), start=1):
+    step averages all four again, as a float64 run where the lost worker copies worker 0 there.  With islands of one
+    rank the replacement is a new island of one in the survivors' order (no rank leaves with it)."""
+    hyper = {**DILOCO, "on_failure": "respawn", **({"islands": True, "group_size": 1} if islands else {})}
+    code, output, saved = survive(tmp_path, "diloco", hyper, 9, [kill])
+    lost = int(kill.split("@")[0])
+    detected = check_respawned(output, saved, code, [lost])
+    assert detected == 6 and not left_with_their_island(output)
+    np.testing.assert_array_equal(saved[lost]["joined_with"], saved[0]["history"][detected - 2])
+    for t, x in enumerate(diloco_in_float64(4, _grad, lambda t: range(4), DILOCO, join=(detected, lost, 0)), start=1):
         for r in range(4):
             if t >= int(saved[r]["first_step"]):
                 np.testing.assert_allclose(saved[r]["history"][t - int(saved[r]["first_step"])], x[r], rtol=0, atol=1e-5)
@@ -422,21 +426,6 @@ def test_flat_api_respawns_two_islands_in_one_run(tmp_path):
         np.testing.assert_array_equal(saved[r]["history"][-3:], saved[r - 1]["history"][-3:])
     for r in (1, 2, 3):
         np.testing.assert_array_equal(saved[r]["evaluated"], saved[0]["evaluated"])
-
-
-@needs_ulfm
-def test_flat_api_respawns_an_island_of_one_rank(tmp_path):
-    """Islands of one rank: the replacement is a new island of one in the survivors' order (no rank leaves with it),
-    following survivor island 0, as a float64 DiLoCo of four workers in which worker 2 copies worker 0."""
-    hyper = {**DILOCO, "islands": True, "group_size": 1, "on_failure": "respawn"}
-    code, output, saved = survive(tmp_path, "diloco", hyper, 9, ["2@5"])
-    detected = check_respawned(output, saved, code, [2])
-    assert detected == 6 and not left_with_their_island(output)
-    np.testing.assert_array_equal(saved[2]["joined_with"], saved[0]["history"][detected - 2])
-    for t, x in enumerate(diloco_in_float64(4, _grad, lambda t: range(4), DILOCO, join=(detected, 2, 0)), start=1):
-        for r in range(4):
-            if t >= int(saved[r]["first_step"]):
-                np.testing.assert_allclose(saved[r]["history"][t - int(saved[r]["first_step"])], x[r], rtol=0, atol=1e-5)
 
 
 @needs_ulfm
