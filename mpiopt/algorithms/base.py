@@ -207,7 +207,7 @@ class Algorithm(Planned, StateDict, NonFinitePolicy, LocalStepChoice, IslandWork
             raise
         self.num_params = int(params.size)
         self.dtype = np.dtype(params.dtype)
-        if self.topology.rank in self.topology.joined:  # started in a lost rank's place: the survivors' state, not ours
+        if self.topology.joining:  # started in a lost rank's place: the survivors' state, not ours
             self._take_state(params, None, 0)
 
     def _apply_step(self, params: Any, grad: Any, loss: Optional[float] = None, *, reduced: Optional[Any] = None,

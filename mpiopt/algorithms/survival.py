@@ -217,7 +217,7 @@ class Survival:
         this instance's workers (collective); after a respawn (:attr:`Topology.joined`) a replacement, whose ``state``
         is None, first takes the parameters and state of the survivor it follows (:func:`handed_over`)."""
         topology = self.topology
-        survivor, surviving = topology.rank not in topology.joined, None
+        survivor, surviving = not topology.joining, None
         if topology.joined:
             state, old_workers = handed_over(topology, params, state, old_workers, self.carried)
             surviving = self.worker_count - len(topology.joined) // (topology.group.size if self.islands else 1)

@@ -27,15 +27,13 @@ REPLACEMENT = "mpiopt_replacement"
 class Joined:
     """What the survivors' :meth:`Topology.recover` hands the processes it started (``on_failure="respawn"``)."""
 
-    #: The replacements' ranks in the world rebuilt with them (after the survivors).
-    ranks: List[int]
-    #: The ranks they replace, numbered as in the job's first world, in the replacements' order.
+    #: The ranks they replace, numbered as in the job's first world, in the replacements' order (which come after
+    #: the survivors in the world rebuilt with them).
     replaced: List[int]
     #: The group size the world is rebuilt with (the islands' size; None: the nodes).
     group_size: Optional[int]
-    #: Ranks that move together: the islands' size (their ranks keep their places), else 1.
-    block: int
-    #: Whether the world is put in the islands' order (:func:`in_order`): islands were kept whole.
+    #: Whether islands were kept whole: the world is put in their order (:func:`in_order`), and their ranks move
+    #: together, each keeping its place.
     islands: bool
     #: The survivors' ``on_failure``: a replacement's own may differ (``mpiexec -x`` does not reach it).
     on_failure: str

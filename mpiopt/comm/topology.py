@@ -150,11 +150,24 @@ class Topology:
         if abort is True:
             abort_on_exception(override=False)
         size, size_problem = _outcome(lambda: _group_size_setting(group_size))
+        first = MPI.COMM_WORLD.Get_rank() if job_rank is None else job_rank
+        self._start(comm, abort, size, survive, first, (abort_problem, size_problem, survive_problem), joined)
+        if joined is not None:
+            comm.Free()  # this topology's own duplicates hold the world
+        if survive != "abort":
+            self.faults.on_fault = self._revoke_all
+
+    def _start(self, comm: Optional[MPI.Intracomm], abort: bool, size: Optional[int], survive: str, first: int,
+               problems: Tuple[Optional[Exception], ...] = (), joined: Optional[Joined] = None) -> None:
+        """On :attr:`world` (collective): the settings agreed, then the first of ``problems`` raised on every rank; the
+        job ranks (``first``: this process's) gathered and the groups built.  The constructor's, and after a respawn
+        the survivors' and the replacements' on the world rebuilt with them, call for call (``joined``: what the
+        survivors handed over, or None at the job's start, where a respawn run on several nodes is told of coll/han)."""
         try:
             # What each rank made of its settings is agreed before any error is
             # raised: a bad value on one rank must not leave the others below.
             self.world.agree({"abort_on_error": abort, "group_size": size, "on_failure": survive}, what="topology settings")
-            for problem in (abort_problem, size_problem, survive_problem):
+            for problem in problems:
                 if problem is not None:
                     raise problem
         except Exception:
@@ -165,7 +178,6 @@ class Topology:
         #: What a lost rank does (:data:`~mpiopt.comm.survival.ON_FAILURE`).
         self.on_failure: str = survive
         #: The job's first world rank of each of this world's ranks (a recovery renumbers the survivors).
-        first = MPI.COMM_WORLD.Get_rank() if job_rank is None else job_rank
         self.first_ranks: List[int] = self.world.allgather_obj(first) if survive != "abort" else []
         if survive == "respawn" and joined is None:  # before _build, whose ledger starts the algorithms'
             caveat = respawn_caveat(spans_nodes=len(set(self.world.allgather_obj(host()))) > 1)
@@ -174,13 +186,15 @@ class Topology:
         self._build(comm, None if size is None else self.world.rank // size)
         #: The world ranks of the processes that took lost ranks' places at the latest :meth:`recover` (on them: at
         #: their start), until the first algorithm set up after it has handed them its state (:attr:`joined_from`).
-        self.joined: List[int] = [] if joined is None else joined.ranks
-        self._joined_block = 1 if joined is None else joined.block
+        self.joined: List[int] = [] if joined is None else list(range(self.size - len(joined.replaced), self.size))
+        self._joined_block = size if joined is not None and joined.islands else 1
         if joined is not None:
-            comm.Free()  # this topology's own duplicates hold the world
             JOINED.add(self)
-        if survive != "abort":
-            self.faults.on_fault = self._revoke_all
+
+    @property
+    def joining(self) -> bool:
+        """Whether this process took a lost rank's place and its first algorithm has yet to take the survivors' state."""
+        return self.rank in self.joined
 
     def _build(self, comm: Optional[MPI.Intracomm], group_color: Optional[int]) -> None:
         """Groups (the nodes, or ``group_color``'s), leaders, the control communicator, from :attr:`world` (collective)."""
@@ -302,9 +316,7 @@ class Topology:
                 print(f"mpiopt: on_failure='respawn': no process could start for rank(s) {replaced} ({why}); going on "
                       f"with {self.size} ranks, as 'shrink' would, from here on", file=sys.stderr, flush=True)
             return recovery
-        group_size = island_size or self.group_size_setting
-        joined = Joined(list(range(self.size, self.size + len(replaced))), replaced, group_size, island_size or 1,
-                        island_size is not None, self.on_failure)
+        joined = Joined(replaced, island_size or self.group_size_setting, island_size is not None, self.on_failure)
         merged = merge_with_replacements(link, joined)
         JOINS.append(link)
         if island_size is not None:
@@ -312,15 +324,8 @@ class Topology:
         job_rank, gpu_aware = self.first_ranks[self.rank], self.world.gpu_aware
         self.Free()
         self.world = Comm(merged, name="world", ledger=self.ledger, gpu_aware=gpu_aware, faults=self.faults)
-        # As a replacement's constructor does, call for call: it agrees on these settings, gathers the job ranks, builds.
-        self.world.agree({"abort_on_error": self.abort_on_error, "group_size": group_size, "on_failure": self.on_failure},
-                         what="topology settings")
-        self.group_size_setting = group_size
-        self.first_ranks = self.world.allgather_obj(job_rank)
-        self._build(merged, None if group_size is None else self.world.rank // group_size)
+        self._start(merged, self.abort_on_error, joined.group_size, self.on_failure, job_rank, joined=joined)
         merged.Free()
-        self.joined, self._joined_block = joined.ranks, joined.block
-        JOINED.add(self)
         return Recovery(recovery.lost, self.size, recovery.left, replaced)
 
     def joined_from(self, rank: int) -> int:

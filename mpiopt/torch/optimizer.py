@@ -129,7 +129,7 @@ class DistributedOptimizer(RecoveryMixin, GroupsMixin, torch.optim.Optimizer):
         if self._local_keys:
             self.algorithm.use_groups(self._group_slices())
         world = self.topology.world
-        if self.topology.rank not in self.topology.joined:  # a replacement's survivors are in recover(): setup matches theirs
+        if not self.topology.joining:  # a replacement's survivors are in recover(): setup matches theirs
             world.agree(
                 {"algorithm": algorithm, "shapes": [list(p.shape) for p in self._params], "dtype": str(self._flat_params.dtype),
                  "device": self._flat_params.device.type},  # a staged GPU buffer is other MPI calls than a host one

@@ -28,7 +28,7 @@ if os.environ.get("SURVIVE_SPAWN_REFUSED"):  # as MPI refuses where no slot is f
 D = 40
 topo = mpiopt.Topology(on_failure=hyper.pop("on_failure", "shrink"), group_size=hyper.pop("group_size", None))
 me = topo.first_ranks[topo.rank]
-replacement = topo.rank in topo.joined
+replacement = topo.joining
 print(f"rank {me}: on {socket.gethostname()}", flush=True)
 params = np.random.default_rng(5).standard_normal(D).astype(np.float32)
 alg = mpiopt.create(name, topo, **hyper)

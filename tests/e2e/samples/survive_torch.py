@@ -21,7 +21,7 @@ from mpiopt.torch import DistributedOptimizer
 algorithm, on_failure, steps, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 topo = mpiopt.Topology(on_failure=on_failure)
 me = topo.first_ranks[topo.rank]
-replacement = topo.rank in topo.joined
+replacement = topo.joining
 torch.manual_seed(0)
 model = torch.nn.Linear(5, 1, dtype=torch.float64)
 hyper = {"period": 3} if algorithm == "diloco" else {}
