@@ -179,8 +179,10 @@ class Topology:
         self.on_failure: str = survive
         #: The job's first world rank of each of this world's ranks (a recovery renumbers the survivors).
         self.first_ranks: List[int] = self.world.allgather_obj(first) if survive != "abort" else []
-        if survive == "respawn" and joined is None:  # before _build, whose ledger starts the algorithms'
-            caveat = respawn_caveat(spans_nodes=len(set(self.world.allgather_obj(host()))) > 1)
+        #: Each world rank's host (``MPI_Get_processor_name``).
+        self.hosts: List[str] = self.world.allgather_obj(host())  # before _build, whose ledger starts the algorithms'
+        if survive == "respawn" and joined is None:
+            caveat = respawn_caveat(spans_nodes=len(set(self.hosts)) > 1)
             if caveat and self.world.rank == 0:
                 print(f"mpiopt: on_failure='respawn': {caveat}", file=sys.stderr, flush=True)
         self._build(comm, None if size is None else self.world.rank // size)
@@ -282,6 +284,7 @@ class Topology:
         members = MPI.Group.Translate_ranks(shrunk.Get_group(), list(range(shrunk.Get_size())), old.Get_group())
         lost = [self.first_ranks[r] for r in sorted(set(range(old.Get_size())) - set(members))]
         first_ranks = [self.first_ranks[r] for r in members]
+        host_of = dict(zip(self.first_ranks, self.hosts))
         self._islands = None
         left: List[int] = []
         if whole_groups:  # each survivor's group: those with fewer survivors than ranks leave
@@ -296,7 +299,7 @@ class Topology:
             shrunk = kept
         self.world = Comm(shrunk, name="world", ledger=self.ledger, gpu_aware=self.world.gpu_aware, faults=self.faults)
         shrunk.Free()
-        self.first_ranks = first_ranks
+        self.first_ranks, self.hosts = first_ranks, [host_of[first] for first in first_ranks]
         self._build(self.world._comm, color)
         self.joined = []
         if self.on_failure == "respawn":

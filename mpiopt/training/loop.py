@@ -261,12 +261,12 @@ class _Run:
 
     # -- records ------------------------------------------------------------------------------
     def _run_record(self, hyper: Dict[str, Any]) -> Dict[str, Any]:
-        """The metrics file's first record: the algorithm, the settings, the versions, the run's size."""
+        """The metrics file's first record: the algorithm, the settings, the versions, the run's size and hosts."""
         config = self.config
         return {
             "kind": "run", "algorithm": self.algorithm, "task": f"{config.dataset}/{config.model}",
             "config": {**asdict(config), "algorithm": self.algorithm, "hyperparameters": hyper}, "world_size": self.topology.world.size,
-            "versions": versions(), "steps": self.steps, "batches_per_epoch": self.batches_per_epoch,
+            "hosts": self.topology.hosts, "versions": versions(), "steps": self.steps, "batches_per_epoch": self.batches_per_epoch,
             "parameters": sum(p.numel() for p in self.model.parameters()), "device": _device_name(self.device), **({"resumed_after_step": self.start} if self.checkpoints.resumed else {}),
             **({"notes": NOTES} if self.algorithm == DDP else {"worker_layout": self.opt.algorithm.worker_layout()}),
         }
