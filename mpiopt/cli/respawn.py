@@ -56,7 +56,7 @@ def _replace_lost(session: Session, respawn: Any, plan: Plan) -> bool:
     """Start the replacements, hand them ``plan`` and rebuild the session's topology and data with them (collective);
     False where no process could start (said once)."""
     topology = session.topology
-    inter, why = topology.spawn(len(respawn.replaced), PROGRAM)
+    inter, why = topology.spawn(respawn.replaced, PROGRAM)
     if inter is None:
         if topology.rank == 0:
             print(f"mpiopt: --on-failure respawn: no process could start for {_whose(respawn.lost, respawn.left)} ({why}); "

@@ -15,7 +15,7 @@ from typing import Any, Iterable, List, Optional, Tuple
 from mpi4py import MPI
 
 __all__ = ["JOINS", "Joined", "disconnect", "in_order", "join_as_replacement", "merge_with_replacements",
-           "merge_with_survivors", "replacement_args", "started_by_survivors", "to_join", "REPLACEMENT"]
+           "merge_with_survivors", "replacement_args", "spawn_replacements", "started_by_survivors", "to_join", "REPLACEMENT"]
 
 #: The links of this process's joins under ``Topology(on_failure="respawn")``, closed as MPI finalizes.
 JOINS: List[MPI.Intercomm] = []
@@ -37,6 +37,34 @@ class Joined:
     islands: bool
     #: The survivors' ``on_failure``: a replacement's own may differ (``mpiexec -x`` does not reach it).
     on_failure: str
+
+
+def spawn_replacements(comm: MPI.Intracomm, args: List[str],
+                       hosts: List[Optional[str]]) -> Tuple[Optional[MPI.Intercomm], str, Optional[str]]:
+    """Start one process of ``python ARGS`` per entry of ``hosts`` (collective over the survivors' ``comm``), each on
+    its host: the link to them (in the order of ``hosts``), or None and MPI's reason where none could start; and why
+    they could not start on ``hosts`` (None: they did), the launcher then placing them, as it does where a host is
+    unknown (None).  A lost rank's own host keeps the nodes' rank counts, and with them the exchanges' cost: a node
+    holding one rank more than before made an Allreduce across the emulated link several times slower
+    (docs/failures.md).  Open MPI's launcher still counts a lost process's slot, so each goes there oversubscribed."""
+    misplaced = None
+    if all(hosts):
+        infos = [MPI.Info.Create() for _ in hosts]
+        try:
+            for info, name in zip(infos, hosts):
+                info.Set("host", name)
+                info.Set("map_by", ":OVERSUBSCRIBE")
+            count = len(hosts)
+            return comm.Spawn_multiple([sys.executable] * count, [args] * count, [1] * count, infos, root=0), "", None
+        except MPI.Exception as error:  # a host the launcher does not know by that name: its own placement
+            misplaced = error.Get_error_string()
+        finally:
+            for info in infos:
+                info.Free()
+    try:
+        return comm.Spawn(sys.executable, args=args, maxprocs=len(hosts), root=0), "", misplaced
+    except MPI.Exception as error:
+        return None, error.Get_error_string(), misplaced
 
 
 def merge_with_replacements(link: MPI.Intercomm, handed: Any) -> MPI.Intracomm:

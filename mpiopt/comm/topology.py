@@ -23,7 +23,8 @@ from .islands import ISLAND, RAIL, Islands
 from .process import host
 from .survival import ON_FAILURE, ON_FAILURE_ENV, IslandLeft, RankLost, Survivable, respawn_caveat, revoke_quietly, ulfm_problem
 from .finalizing import JOINED, finalize_at_exit
-from .joining import JOINS, Joined, in_order, join_as_replacement, merge_with_replacements, replacement_args, to_join
+from .joining import (JOINS, Joined, in_order, join_as_replacement, merge_with_replacements, replacement_args,
+                      spawn_replacements, to_join)
 from .launcher import check_world_size
 from .ledger import Ledger
 
@@ -181,6 +182,8 @@ class Topology:
         self.first_ranks: List[int] = self.world.allgather_obj(first) if survive != "abort" else []
         #: Each world rank's host (``MPI_Get_processor_name``).
         self.hosts: List[str] = self.world.allgather_obj(host())  # before _build, whose ledger starts the algorithms'
+        #: The hosts of the job ranks lost (or left with their islands) so far: :meth:`spawn` starts replacements there.
+        self._lost_hosts: Dict[int, str] = {}
         if survive == "respawn" and joined is None:
             caveat = respawn_caveat(spans_nodes=len(set(self.hosts)) > 1)
             if caveat and self.world.rank == 0:
@@ -300,6 +303,7 @@ class Topology:
         self.world = Comm(shrunk, name="world", ledger=self.ledger, gpu_aware=self.world.gpu_aware, faults=self.faults)
         shrunk.Free()
         self.first_ranks, self.hosts = first_ranks, [host_of[first] for first in first_ranks]
+        self._lost_hosts.update((first, host_of[first]) for first in lost + left)
         self._build(self.world._comm, color)
         self.joined = []
         if self.on_failure == "respawn":
@@ -312,7 +316,7 @@ class Topology:
         the survivors first (with islands: in the survivors' islands, then the new ones in blocks of their size).
         Where none can start, the survivors go on alone, as under ``"shrink"`` from then on, and rank 0 says so."""
         replaced = sorted(recovery.lost + recovery.left)
-        link, why = self.spawn(len(replaced), replacement_args())
+        link, why = self.spawn(replaced, replacement_args())
         if link is None:
             self.on_failure = "shrink"  # said once: later losses shrink too
             if self.rank == 0:
@@ -341,14 +345,18 @@ class Topology:
         block = self._joined_block
         return (rank // block) % (survivors // block) * block + rank % block
 
-    def spawn(self, count: int, args: List[str]) -> "tuple[Optional[MPI.Intercomm], str]":
-        """Start ``count`` processes of ``python ARGS`` to take lost ranks' places (collective, on a shrunk world): the
-        intercommunicator to them, or None and MPI's reason where none could start (no free slot, a launcher that
-        refuses).  Both sides then merge into one world (:mod:`.joining`)."""
-        try:
-            return self.world._comm.Spawn(sys.executable, args=args, maxprocs=count, root=0), ""
-        except MPI.Exception as error:
-            return None, error.Get_error_string()
+    def spawn(self, replaced: List[int], args: List[str]) -> "tuple[Optional[MPI.Intercomm], str]":
+        """Start a process of ``python ARGS`` in the place of each job rank of ``replaced`` (collective, on a shrunk world),
+        on that rank's host, else (a host the launcher refuses; rank 0 says so) where the launcher puts it: the
+        intercommunicator to them, or None and MPI's reason where none could start (a launcher that refuses).  Both
+        sides then merge into one world (:mod:`.joining`)."""
+        hosts = [self._lost_hosts.get(rank) for rank in replaced]
+        link, why, misplaced = spawn_replacements(self.world._comm, args, hosts)
+        if misplaced is not None and link is not None and self.rank == 0:
+            print(f"mpiopt: on_failure='respawn': no process could start on the host(s) of rank(s) {replaced} "
+                  f"({', '.join(sorted(set(map(str, hosts))))}: {misplaced}); the launcher placed them instead, and a node "
+                  "with more ranks than before slows every exchange that crosses nodes", file=sys.stderr, flush=True)
+        return link, why
 
     @property
     def control(self) -> Comm:

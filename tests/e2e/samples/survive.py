@@ -24,7 +24,7 @@ from mpiopt.comm.survival import INJECTION
 
 name, hyper, steps, out = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 if os.environ.get("SURVIVE_SPAWN_REFUSED"):  # as MPI refuses where no slot is free (a killed process frees its own)
-    mpiopt.Topology.spawn = lambda self, count, args: (None, "refused by the test")
+    mpiopt.Topology.spawn = lambda self, replaced, args: (None, "refused by the test")
 D = 40
 topo = mpiopt.Topology(on_failure=hyper.pop("on_failure", "shrink"), group_size=hyper.pop("group_size", None))
 me = topo.first_ranks[topo.rank]
