@@ -7,7 +7,8 @@ Operations: allreduce, allgather-bits, vote-twophase, allgatherv-sparse, bcast, 
 an algorithm moves for ``d`` float32 parameters, and allreduce-gloo (not by default): torch.distributed's
 Allreduce on gloo, DDP's exchange, whose bytes bypass mpiopt's ledger.  Medians of the slowest rank's time, ledger bytes, and the
 rates against the link; ``--json`` feeds ``mpiopt bench model calibrate``.  ``--within-groups`` times them inside every
-group (node) at once, as an island run's mean gradient meets them.  Method: docs/internals-bench.md.
+group (node) at once, as an island run's mean gradient meets them; ``--after-work SECONDS`` times each call after a
+stretch of work with no barrier, as a step's exchange follows its backward pass.  Method: docs/internals-bench.md.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -43,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--within-groups", action="store_true",
                         help="time each operation inside every group (a node, or --group-size K ranks) at once, as an island run's "
                         "mean gradient and reassembly or lsgd's local pulls meet them; the JSON's world_size is then the group's")
+    parser.add_argument("--after-work", type=float, default=0.0, metavar="SECONDS",
+                        help="before each timed call, about SECONDS of memory-bound work on every rank and no barrier, as a "
+                        "training step's backward pass comes before its exchange: the call then meets cold caches and waits "
+                        "for its slowest rank as a run's does, and the time is the ranks' mean (default 0: a barrier, then "
+                        "the slowest rank's time)")
     parser.add_argument("--group-size", type=positive_int, default=None, help="ranks per emulated node (default: real nodes, or $MPIOPT_GROUP_SIZE)")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write every measurement to FILE")
 
@@ -103,12 +110,47 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--within-groups times mpiopt's collectives on each group; {GLOO_ALLREDUCE} runs on the world's gloo group")
     if not 0 < args.density <= 1:
         raise UsageError(f"--density must be in (0, 1], got {args.density}")
+    if not 0 <= args.after_work <= 10:
+        raise UsageError(f"--after-work must be from 0 to 10 seconds, got {args.after_work}")
+
+
+#: The work of ``--after-work``: passes over this many float32 (16 MB, past the caches, as a backward pass's activations).
+WORK_FLOATS = 1 << 22
+
+
+def fixed_work(topology: Topology, seconds: float) -> Callable[[], None]:
+    """The same number of passes over :data:`WORK_FLOATS` on every rank, about ``seconds`` on rank 0 (collective): a
+    fixed amount of work, so that ranks sharing cores end it at different times, as a run's ranks end a step's
+    computation."""
+    buffer = np.ones(WORK_FLOATS, np.float32)
+    started = time.perf_counter()
+    np.multiply(buffer, 1.0, out=buffer)
+    passes = topology.world.bcast_obj(max(1, round(seconds / max(time.perf_counter() - started, 1e-6))))
+
+    def work() -> None:
+        for _ in range(passes):
+            np.multiply(buffer, 1.0, out=buffer)
+
+    return work
+
+
+def mean_seconds_after(topology: Topology, work: Callable[[], None], fn: Callable[[], object]) -> float:
+    """The ranks' mean seconds of one call of ``fn`` that follows ``work`` with no barrier between (neither timed)."""
+    from ..comm import SUM
+
+    work()
+    started = time.perf_counter()
+    fn()
+    elapsed = np.array([time.perf_counter() - started])
+    topology.world.Allreduce(elapsed, op=SUM)
+    return float(elapsed[0]) / topology.size
 
 
 def measure(topology: Topology, ops: Sequence[str], sizes: Sequence[int], repeats: int, density: float,
-            within_groups: bool = False) -> List[Dict[str, Any]]:
-    """Time every operation at every size (``within_groups``: in every group at once, the slowest group's time); one
-    record per (operation, size) with seconds and ledger bytes per rank."""
+            within_groups: bool = False, after_work: float = 0.0) -> List[Dict[str, Any]]:
+    """Time every operation at every size (``within_groups``: in every group at once, the slowest group's time;
+    ``after_work``: each call after that many seconds of :func:`fixed_work`, the ranks' mean time); one record per
+    (operation, size) with seconds and ledger bytes per rank."""
     world, P = topology.world, topology.size
     cases = [(op, d) for d in sizes for op in ops]
     operations = {case: _Operation(case[0], topology, case[1], density, within_groups) for case in cases}
@@ -121,9 +163,11 @@ def measure(topology: Topology, ops: Sequence[str], sizes: Sequence[int], repeat
         sums = world.allreduce_obj(np.array([delta.bytes_sent, delta.bytes_recv], dtype=np.float64))
         bytes_per_call[case] = (float(sums[0]) / P, float(sums[1]) / P) if operations[case].ledgered else (None, None)
     seconds: Dict[tuple, List[float]] = {case: [] for case in cases}
+    work = fixed_work(topology, after_work) if after_work > 0 else None
     for rep in range(repeats):
         for case in rotated(cases, rep):
-            seconds[case].append(slowest_seconds(topology, calls[case]))
+            seconds[case].append(slowest_seconds(topology, calls[case]) if work is None
+                                 else mean_seconds_after(topology, work, calls[case]))
     records = []
     for case in cases:
         op, d = case
@@ -168,17 +212,18 @@ def run(args: argparse.Namespace) -> int:
         out("warning: one rank: nothing crosses a link (every collective moves 0 bytes); run under mpiexec -n P", file=sys.stderr)
     if args.within_groups and len(set(topology.group_sizes)) > 1:
         raise UsageError(f"--within-groups needs groups of one size, got {topology.group_sizes}")
-    records = measure(topology, args.ops, args.sizes, args.repeats, args.density, args.within_groups)
+    records = measure(topology, args.ops, args.sizes, args.repeats, args.density, args.within_groups, args.after_work)
     link_bytes = parse_rate(link) / 8 if link else None
     ranks = topology.group.size if args.within_groups else topology.size
     where = f" in each of {topology.num_groups} groups at once" if args.within_groups else ""
-    out(f"## collectives: {ranks} ranks{where}, link {link or 'not given'}, median of {args.repeats} repetitions\n")
+    after = f", each after {args.after_work:g} s of work" if args.after_work else ""
+    out(f"## collectives: {ranks} ranks{where}, link {link or 'not given'}, median of {args.repeats} repetitions{after}\n")
     out(table(records, ranks, link_bytes))
     if args.json and topology.rank == 0:
         # world_size: the ranks of one collective, as the calibration reads it; groups: how many ran side by side.
         inside = {"world_size": ranks, "groups": topology.num_groups, "within_groups": True} if args.within_groups else {}
         write_json(args.json, {"benchmark": "collectives", **environment(topology, link), **inside, "repeats": args.repeats,
-                               "density": args.density, "results": records})
+                               "density": args.density, "after_work_seconds": args.after_work, "results": records})
         out(f"\nwrote {args.json}")
     topology.Free()
     return 0

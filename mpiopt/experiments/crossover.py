@@ -10,7 +10,8 @@ driver, started with plain ``python`` as root: it starts its own MPI jobs (:mod:
    of periods whose losses tie, the longest wins;
 2. *main runs*: every variant with every seed at every rate, round by round (every variant once per seed);
 3. *calibration*: ``bench collectives`` at each rate, and between a node's two ranks (shared memory, where a
-   group's calls run), for the model's ``alpha`` and ``beta``.
+   group's calls run; inside every node at once, each call after a step's work), for the model's ``alpha`` and
+   ``beta``.
 
 Each run's result is kept as it completes (``complete.json``), so the same command resumes an interrupted
 experiment.  :mod:`.crossover_report` turns the results into the figure, the tables and the verdicts.
@@ -237,21 +238,28 @@ LINK_OPERATIONS = f"allreduce,iallreduce,allgather-bits,vote-twophase,bcast,{GLO
 #: Between a node's two ranks, where a group's calls (``lsgd``'s local pulls) and an island's run (its mean gradient,
 #: the reassembly of what its rails exchanged).
 NODE_OPERATIONS = "allreduce,iallreduce,bcast,allgather-bits,allgatherv-sparse"
+#: Inside every node at once, each call follows about this much work with no barrier (``bench collectives
+#: --after-work``): an island step's computation here, after which its mean gradient meets cold caches and waits for
+#: the node's slower rank (docs/crossover.md, "The model beside the measurements").
+GROUP_WORK_SECONDS = 0.03
 
 
 def calibrate_link(path: str, rate: str, ranks: int, operations: str, s: Dict[str, Any], what: str,
-                   within_groups: bool = False) -> None:
+                   within_groups: bool = False, after_work: float = 0.0) -> None:
     """``bench collectives`` of ``operations`` at ``ranks`` on the link at ``rate`` into ``path`` (``within_groups``: in
-    every node at once), unless done for this link (and these operations)."""
+    every node at once; ``after_work``: each call after that much work), unless done so for this link (and these
+    operations)."""
     if os.path.exists(path):
         with open(path) as handle:
             document = json.load(handle)
         timed = document.get("operations", ",".join(sorted({r["op"] for r in document["results"]})))
-        if document.get("shaping") == link(rate) and set(operations.split(",")) <= set(timed.split(",")):
+        if (document.get("shaping") == link(rate) and set(operations.split(",")) <= set(timed.split(","))
+                and document.get("after_work_seconds", 0.0) == after_work):
             return
     launch(rate, [mpiexec_path("experiment crossover"), "-n", str(ranks), sys.executable, "-m", "mpiopt", "bench", "collectives",
                   "--sizes", s["calibration_sizes"], "--repeats", str(s["calibration_repeats"]), "--ops", operations,
-                  *(["--within-groups"] if within_groups else []), "--json", path], what)
+                  *(["--within-groups"] if within_groups else []), *(["--after-work", str(after_work)] if after_work else []),
+                  "--json", path], what)
     with open(path) as handle:
         document = json.load(handle)
     write_json(path, dict(document, shaping=link(rate), operations=operations))
@@ -263,7 +271,8 @@ def main_runs(out: str, s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]]) ->
     calibrate_link(os.path.join(out, "node-collectives.json"), s["rates"][0], RANKS_PER_NODE, NODE_OPERATIONS, s,
               "calibration of a node (bench collectives)")
     calibrate_link(os.path.join(out, GROUPS_CALIBRATION), s["rates"][0], RANKS, NODE_OPERATIONS, s,
-                   "calibration within every node at once (bench collectives --within-groups)", within_groups=True)
+                   "calibration within every node at once (bench collectives --within-groups --after-work)",
+                   within_groups=True, after_work=GROUP_WORK_SECONDS)
     for rate in s["rates"]:
         runs = [run_entry(out, v, chosen[v.label], seed, s["steps"], os.path.join(rate, v.label, f"seed{seed}"), link(rate))
                 for seed in s["seeds"] for v in s["variants"]]

@@ -71,6 +71,20 @@ def test_collectives_bytes_at_two_ranks(tmp_path):
             assert len(r["seconds"]) == 2 and 0 < r["min_seconds"] <= r["median_seconds"]
 
 
+def test_collectives_after_work_times_each_call_behind_the_same_work_on_every_rank(tmp_path):
+    """``--after-work``: each call follows a fixed stretch of work with no barrier (as a step's exchange follows its
+    backward pass); the bytes are the same calls', and the JSON names the work."""
+    out = tmp_path / "coll.json"
+    code, output, _ = run_mpi(2, [*BENCH, "collectives", "--sizes", "1000", "--repeats", "3", "--ops", "allreduce",
+                                  "--after-work", "0.01", "--json", str(out)])
+    assert code == 0, output
+    assert "median of 3 repetitions, each after 0.01 s of work" in output, output
+    data = load(out)
+    (row,) = data["results"]
+    assert data["after_work_seconds"] == 0.01 and row["bytes_recv_per_rank"] == 4 * 1000
+    assert len(row["seconds"]) == 3 and 0 < row["min_seconds"] <= row["median_seconds"]
+
+
 def test_algorithms_ledger_matches_formula(tmp_path):
     out = tmp_path / "alg.json"
     code, output, _ = run_mpi(2, [*BENCH, "algorithms", "--d", "5000", "--steps", "8", "--compute-ms", "1", "--json", str(out)], timeout=180)
@@ -135,6 +149,8 @@ def test_bad_input_is_a_usage_error():
     assert code == 2 and "nope" in output, output
     code, output = run_cli(["--link", "fast", "collectives"])
     assert code == 2 and "tc's units" in output, output
+    code, output = run_cli(["collectives", "--after-work", "-1"])
+    assert code == 2 and "--after-work must be from 0 to 10 seconds, got -1.0" in output, output
     code, output = run_cli(["--link", "2gbit", "collectives", "--sizes", "10", "--repeats", "1"], env={"EMULATED_LINK_RATE": "1gbit"})
     assert code == 2 and "RATE=1gbit" in output, output
 
