@@ -41,26 +41,25 @@ class Joined:
 
 def spawn_replacements(comm: MPI.Intracomm, args: List[str],
                        hosts: List[Optional[str]]) -> Tuple[Optional[MPI.Intercomm], str, Optional[str]]:
-    """Start one process of ``python ARGS`` per entry of ``hosts`` (collective over the survivors' ``comm``), each on
-    its host: the link to them (in the order of ``hosts``), or None and MPI's reason where none could start; and why
-    they could not start on ``hosts`` (None: they did), the launcher then placing them, as it does where a host is
+    """Start one process of ``python ARGS`` per entry of ``hosts`` (collective over the survivors' ``comm``) on the
+    lost ranks' host: the link to them, or None and MPI's reason where none could start; and why they could not start
+    there (None: they did), the launcher then placing them, as it does where the ranks were on several hosts or one is
     unknown (None).  A lost rank's own host keeps the nodes' rank counts, and with them the exchanges' cost: a node
     holding one rank more than before made an Allreduce across the emulated link several times slower
-    (docs/failures.md).  Open MPI's launcher still counts a lost process's slot, so each goes there oversubscribed."""
-    misplaced = None
-    if all(hosts):
-        infos = [MPI.Info.Create() for _ in hosts]
+    (docs/failures.md).  Open MPI's launcher still counts a lost process's slot and cores, so they go there
+    oversubscribed and unbound; it maps one spawn's processes onto one host list by its own order, so one host only."""
+    places = set(hosts)
+    misplaced = None if len(places) == 1 and None not in places else f"they were on {len(places)} hosts"
+    if misplaced is None:
+        info = MPI.Info.Create()
         try:
-            for info, name in zip(infos, hosts):
-                info.Set("host", name)
-                info.Set("map_by", ":OVERSUBSCRIBE")
-            count = len(hosts)
-            return comm.Spawn_multiple([sys.executable] * count, [args] * count, [1] * count, infos, root=0), "", None
+            for key, value in (("host", hosts[0]), ("map_by", ":OVERSUBSCRIBE"), ("bind_to", "none")):
+                info.Set(key, value)
+            return comm.Spawn(sys.executable, args=args, maxprocs=len(hosts), root=0, info=info), "", None
         except MPI.Exception as error:  # a host the launcher does not know by that name: its own placement
             misplaced = error.Get_error_string()
         finally:
-            for info in infos:
-                info.Free()
+            info.Free()
     try:
         return comm.Spawn(sys.executable, args=args, maxprocs=len(hosts), root=0), "", misplaced
     except MPI.Exception as error:

@@ -347,13 +347,13 @@ class Topology:
 
     def spawn(self, replaced: List[int], args: List[str]) -> "tuple[Optional[MPI.Intercomm], str]":
         """Start a process of ``python ARGS`` in the place of each job rank of ``replaced`` (collective, on a shrunk world),
-        on that rank's host, else (a host the launcher refuses; rank 0 says so) where the launcher puts it: the
+        on their host, else (ranks on several hosts, a host the launcher refuses; rank 0 says so) where the launcher puts them: the
         intercommunicator to them, or None and MPI's reason where none could start (a launcher that refuses).  Both
         sides then merge into one world (:mod:`.joining`)."""
         hosts = [self._lost_hosts.get(rank) for rank in replaced]
         link, why, misplaced = spawn_replacements(self.world._comm, args, hosts)
         if misplaced is not None and link is not None and self.rank == 0:
-            print(f"mpiopt: on_failure='respawn': no process could start on the host(s) of rank(s) {replaced} "
+            print(f"mpiopt: on_failure='respawn': no process could start on the host of rank(s) {replaced} "
                   f"({', '.join(sorted(set(map(str, hosts))))}: {misplaced}); the launcher placed them instead, and a node "
                   "with more ranks than before slows every exchange that crosses nodes", file=sys.stderr, flush=True)
         return link, why

@@ -608,14 +608,15 @@ inside_three_slot_nodes = pytest.mark.skipif(os.environ.get("EMULATED_CLUSTER_RA
                                                     "test_replacements_start_on_their_lost_ranks_emulated_nodes")
 #: On those nodes Open MPI's hierarchical collectives are left out, as docs/failures.md says a respawn needs.
 EMULATED_PLACING = ("--mca", "coll", "^han")
-MISPLACED = "mpiopt: on_failure='respawn': no process could start on the host(s) of rank(s)"
+MISPLACED = "mpiopt: on_failure='respawn': no process could start on the host of rank(s)"
 
 
 def launcher_code(code, output, ended):
-    """``code``, or 0 where Open MPI's launcher aborted (SIGABRT) in its own teardown after every process ``ended``
-    (each line of it in ``output``): after a respawn on the emulated nodes it at times does ("double free or
+    """``code``, or 0 where Open MPI's launcher crashed (SIGABRT, SIGSEGV) in its own teardown after every process
+    ``ended`` (each line of it in ``output``): after a respawn on the emulated nodes it at times does ("double free or
     corruption", "free(): invalid next size"; docs/failures.md), with the old placement as with this one."""
-    return 0 if code == -signal.SIGABRT and all(line in output for line in ended) else code
+    crashed = code in (-signal.SIGABRT, -signal.SIGSEGV)
+    return 0 if crashed and all(line in output for line in ended) else code
 
 
 @needs_ulfm
@@ -629,6 +630,22 @@ def test_on_three_slot_nodes_a_replacement_starts_on_its_lost_ranks_full_node(tm
     code = launcher_code(code, output, [f"rank {r}: done at world size 5" for r in range(5)])
     assert check_respawned(output, saved, code, [1], ranks=5) == 5
     assert re.findall(r"rank 1: on (\S+)", output) == ["node0", "node0"], output  # the killed process, then its replacement
+    assert MISPLACED not in output, output
+
+
+@needs_ulfm
+@inside_three_slot_nodes
+def test_on_three_slot_nodes_a_broken_islands_replacements_start_on_its_node(tmp_path):
+    """Islands of 2, one a node: rank 2 killed, rank 3 leaves with it, and both replacements start on node1, the
+    broken island's node, so the new island is a node again (the launcher alone put them on node0's free slots)."""
+    hyper = {"lr": 0.05, "period": 3, "on_failure": "respawn", "islands": True, "group_size": 2}
+    code, output = run_killing(tmp_path, [SAMPLE, "diloco", json.dumps(hyper), "9", str(tmp_path)], ["2@5"],
+                               placing=("--map-by", "ppr:2:node", *EMULATED_PLACING))
+    saved = {int(f.name[:-4]): dict(np.load(f)) for f in tmp_path.glob("*.npz")}
+    code = launcher_code(code, output, [f"rank {r}: done at world size 4" for r in range(4)])
+    assert code == 0 and sorted(saved) == [0, 1, 2, 3] and all(int(saved[r]["size"]) == 4 for r in saved), output
+    for rank in (2, 3):  # the island's processes, then their replacements
+        assert re.findall(rf"rank {rank}: on (\S+)", output) == ["node1", "node1"], output
     assert MISPLACED not in output, output
 
 
@@ -650,7 +667,7 @@ def test_on_three_slot_nodes_trains_replacement_starts_on_its_lost_ranks_node(tm
 
 @needs_ulfm
 def test_replacements_start_on_their_lost_ranks_emulated_nodes():
-    """tools/emulated_cluster.sh, 2 nodes of 3 slots: the two tests above, inside it, unbound (the nodes share this
+    """tools/emulated_cluster.sh, 2 nodes of 3 slots: the three tests above, inside it, unbound (the nodes share this
     machine's cores, and a bound launcher refuses to start a replacement there)."""
     from .launch import emulated_cluster_unavailable
 
@@ -663,7 +680,7 @@ def test_replacements_start_on_their_lost_ranks_emulated_nodes():
     proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=280,
                           env=dict(os.environ, PATH=os.path.dirname(mpiexec()) + os.pathsep + os.environ.get("PATH", ""),
                                    PRTE_MCA_hwloc_default_binding_policy="none"))
-    assert proc.returncode == 0 and re.search(r"\b2 passed", proc.stdout), proc.stdout
+    assert proc.returncode == 0 and re.search(r"\b3 passed", proc.stdout), proc.stdout
 
 
 @needs_ulfm

@@ -168,42 +168,37 @@ def test_a_session_closes_its_respawn_links_only_where_every_rank_ends_alike(mon
 
 
 class _Spawner:
-    """A stand-in survivors' communicator: records each spawn, refuses the ones named in ``refuse``."""
+    """A stand-in survivors' communicator: records each spawn's placement, refuses those named in ``refuse``."""
 
     def __init__(self, refuse=()):
         self.refuse, self.calls = set(refuse), []
 
-    def Spawn_multiple(self, commands, args, counts, infos, root):
-        self.calls.append(("multiple", [(i.Get("host"), i.Get("map_by")) for i in infos], counts))
-        if "multiple" in self.refuse:
+    def Spawn(self, command, args, maxprocs, root, info=None):
+        placed = info is not None
+        self.calls.append((maxprocs, {k: info.Get(k) for k in ("host", "map_by", "bind_to")} if placed else None))
+        if ("placed" if placed else "launcher") in self.refuse:
             raise MPI.Exception(MPI.ERR_SPAWN)
-        return "placed link"
+        return "placed link" if placed else "launcher's link"
 
-    def Spawn(self, command, args, maxprocs, root):
-        self.calls.append(("launcher", maxprocs))
-        if "launcher" in self.refuse:
-            raise MPI.Exception(MPI.ERR_SPAWN)
-        return "launcher's link"
+
+ON_NODE1 = {"host": "node1", "map_by": ":OVERSUBSCRIBE", "bind_to": "none"}
+SPAWN_ERROR = MPI.Exception(MPI.ERR_SPAWN).Get_error_string()
 
 
 @pytest.mark.parametrize("hosts, refuse, link, why, misplaced, calls", [
-    # each on its lost rank's host, oversubscribed (the launcher still counts the dead process's slot)
-    (["node1", "node0"], (), "placed link", "", False, ["multiple"]),
-    # a host refused: the launcher's own placement, and why it was not the host
-    (["node1", "node0"], ("multiple",), "launcher's link", "", True, ["multiple", "launcher"]),
+    # on their lost ranks' host, oversubscribed and unbound (the launcher still counts the dead processes' slots)
+    (["node1", "node1"], (), "placed link", "", None, [(2, ON_NODE1)]),
+    # that host refused: the launcher's own placement, and why it was not the host
+    (["node1"], ("placed",), "launcher's link", "", SPAWN_ERROR, [(1, ON_NODE1), (1, None)]),
     # nowhere: no link, MPI's reason
-    (["node1", "node0"], ("multiple", "launcher"), None, MPI.Exception(MPI.ERR_SPAWN).Get_error_string(), True, ["multiple", "launcher"]),
-    # a host unknown: the launcher places them
-    (["node1", None], (), "launcher's link", "", False, ["launcher"]),
+    (["node1"], ("placed", "launcher"), None, SPAWN_ERROR, SPAWN_ERROR, [(1, ON_NODE1), (1, None)]),
+    # ranks on several hosts (one spawn maps onto a host list in its own order), or one unknown: the launcher's
+    (["node1", "node0"], (), "launcher's link", "", "they were on 2 hosts", [(2, None)]),
+    (["node1", None], (), "launcher's link", "", "they were on 2 hosts", [(2, None)]),
 ])
-def test_replacements_start_on_the_lost_ranks_hosts_before_where_the_launcher_puts_them(hosts, refuse, link, why, misplaced, calls):
+def test_replacements_start_on_the_lost_ranks_host_before_where_the_launcher_puts_them(hosts, refuse, link, why, misplaced, calls):
     from mpiopt.comm.joining import spawn_replacements
 
     comm = _Spawner(refuse)
-    got_link, got_why, got_misplaced = spawn_replacements(comm, ["-m", "x"], hosts)
-    assert (got_link, got_why, got_misplaced is not None) == (link, why, misplaced)
-    assert [c[0] for c in comm.calls] == calls
-    if all(hosts):
-        assert comm.calls[0][1:] == ([("node1", ":OVERSUBSCRIBE"), ("node0", ":OVERSUBSCRIBE")], [1, 1])
-    else:
-        assert comm.calls == [("launcher", 2)]
+    assert spawn_replacements(comm, ["-m", "x"], hosts) == (link, why, misplaced)
+    assert comm.calls == calls
