@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import textwrap
 import time
 from dataclasses import dataclass
@@ -209,13 +208,6 @@ def start_session(config: TrainConfig, command: str, algorithms: List[str]) -> S
                 groups += f"; {', '.join(per_rank)} {verb} no islands and run{'s' if len(per_rank) == 1 else ''} one worker per rank"
         print(f"mpiopt {command}: {world.size} rank{'s' if world.size > 1 else ''} in {groups}; settings (saved as {out}/config.toml{when}):")
         print(_settings_summary(settings), flush=True)
-    if config.on_failure == "respawn":
-        from ..comm.process import host
-        from ..comm.survival import respawn_caveat
-
-        caveat = respawn_caveat(spans_nodes=len(set(world.allgather_obj(host()))) > 1)
-        if caveat and world.rank == 0:
-            print(f"mpiopt: --on-failure respawn: {caveat}", file=sys.stderr, flush=True)
     session.dataset = load_data(config, world)
     if world.rank == 0:
         print(f"data: {session.dataset.description}\n", flush=True)

@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from .process import library_version
 
-__all__ = ["ON_FAILURE", "ON_FAILURE_ENV", "LAUNCH", "RankLost", "PeerLost", "IslandLeft", "Survivable", "is_fault", "ulfm_problem", "respawn_caveat", "FaultInjection",
+__all__ = ["ON_FAILURE", "ON_FAILURE_ENV", "LAUNCH", "RankLost", "PeerLost", "IslandLeft", "Survivable", "is_fault", "ulfm_problem", "han_caveat", "FaultInjection",
            "INJECT_ENV", "INJECTION", "revoke_quietly"]
 
 #: What a lost rank does to the job: end it (MPI's default), go on without it, or go on with a process started in its
@@ -124,10 +124,11 @@ def ulfm_problem(library: Optional[str] = None, environ: Optional[Mapping[str, s
     return None
 
 
-def respawn_caveat(spans_nodes: bool, library: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """What a world that replacements join would meet in this process's MPI (``library`` in ``environ``), with the
-    fix; None where nothing.  Open MPI's hierarchical collectives (coll/han, its choice for a world on several nodes)
-    ran every Allreduce of a world merged with spawned processes several times slower (docs/failures.md)."""
+def han_caveat(spans_nodes: bool, library: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """What a run that survives lost ranks would meet in this process's MPI (``library`` in ``environ``), with the fix;
+    None where nothing.  Open MPI's hierarchical collectives (coll/han, its choice for a world on several nodes) ran
+    every step of such a run, over ULFM's tcp transport, 2-3x slower, and those of a world merged with spawned
+    processes slower still (docs/failures.md)."""
     library = library or library_version()
     environ = os.environ if environ is None else environ
     if not spans_nodes or "Open MPI" not in library:
@@ -136,8 +137,9 @@ def respawn_caveat(spans_nodes: bool, library: Optional[str] = None, environ: Op
     names = set(chosen.lstrip("^").split(","))
     if (chosen.startswith("^") and "han" in names) or (chosen and not chosen.startswith("^") and "han" not in names):
         return None
-    return ("Open MPI's hierarchical collectives (coll/han, its default for a world on several nodes) run every exchange "
-            "of a world that replacements joined several times slower: launch with `--mca coll ^han`")
+    return ("Open MPI's hierarchical collectives (coll/han, its default for a world on several nodes) ran every step "
+            "of a surviving run 2-3x slower over the tcp transport, and those of a world that replacements joined "
+            "slower still (docs/failures.md): launch with `--mca coll ^han`")
 
 
 class FaultInjection:

@@ -21,7 +21,7 @@ from .buffers import _parse_flag
 from .communicator import Comm
 from .islands import ISLAND, RAIL, Islands
 from .process import host
-from .survival import ON_FAILURE, ON_FAILURE_ENV, IslandLeft, RankLost, Survivable, respawn_caveat, revoke_quietly, ulfm_problem
+from .survival import ON_FAILURE, ON_FAILURE_ENV, IslandLeft, RankLost, Survivable, han_caveat, revoke_quietly, ulfm_problem
 from .finalizing import JOINED, finalize_at_exit
 from .joining import (JOINS, Joined, in_order, join_as_replacement, merge_with_replacements, replacement_args,
                       spawn_replacements, to_join)
@@ -184,10 +184,10 @@ class Topology:
         self.hosts: List[str] = self.world.allgather_obj(host())  # before _build, whose ledger starts the algorithms'
         #: The hosts of the job ranks lost (or left with their islands) so far: :meth:`spawn` starts replacements there.
         self._lost_hosts: Dict[int, str] = {}
-        if survive == "respawn" and joined is None:
-            caveat = respawn_caveat(spans_nodes=len(set(self.hosts)) > 1)
+        if survive != "abort" and joined is None:
+            caveat = han_caveat(spans_nodes=len(set(self.hosts)) > 1)
             if caveat and self.world.rank == 0:
-                print(f"mpiopt: on_failure='respawn': {caveat}", file=sys.stderr, flush=True)
+                print(f"mpiopt: {caveat}", file=sys.stderr, flush=True)
         self._build(comm, None if size is None else self.world.rank // size)
         #: The world ranks of the processes that took lost ranks' places at the latest :meth:`recover` (on them: at
         #: their start), until the first algorithm set up after it has handed them its state (:attr:`joined_from`).

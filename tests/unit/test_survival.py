@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from mpi4py import MPI
 
-from mpiopt.comm.survival import LAUNCH, FaultInjection, INJECT_ENV, IslandLeft, PeerLost, RankLost, Survivable, respawn_caveat, ulfm_problem
+from mpiopt.comm.survival import LAUNCH, FaultInjection, INJECT_ENV, IslandLeft, PeerLost, RankLost, Survivable, han_caveat, ulfm_problem
 
 OPEN_MPI = "Open MPI v5.0.11, package: Open MPI ..."
 ULFM = {"OMPI_MCA_mpi_ft_enable": "true", "OMPI_MCA_btl": "tcp,self"}
@@ -40,9 +40,9 @@ def test_each_launch_that_cannot_survive_is_named_with_the_fix(library, environ,
     (False, OPEN_MPI, None, False),  # one node: han is not chosen
     (True, "MPICH Version:      5.0.2", None, False),
 ])
-def test_a_respawn_on_several_nodes_is_told_to_leave_open_mpis_hierarchical_collectives_out(spans_nodes, library, coll, caveat):
+def test_a_surviving_run_on_several_nodes_is_told_to_leave_open_mpis_hierarchical_collectives_out(spans_nodes, library, coll, caveat):
     environ = {**ULFM, **({} if coll is None else {"OMPI_MCA_coll": coll})}
-    said = respawn_caveat(spans_nodes, library, environ)
+    said = han_caveat(spans_nodes, library, environ)
     assert (said is not None) == caveat
     assert said is None or "`--mca coll ^han`" in said
 
