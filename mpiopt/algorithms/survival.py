@@ -8,7 +8,7 @@ once :meth:`Topology.recover` shrank the world, redo the step from where it star
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -17,6 +17,7 @@ import numpy as np
 from ..arrays import array_module, to_numpy
 from ..asyncrt import SERVER, ServerLost
 from ..comm import RankLost
+from ..comm.survival import INJECTION
 
 __all__ = ["Carried", "Snapshot", "Survival", "PeriodicExchange", "ServerSurvival", "survivors_state", "handed_over"]
 
@@ -192,7 +193,9 @@ class Survival:
         A fresh instance of the same settings is set up on ``params`` (the parameters at the failed step's start),
         and takes this one's state from that start, each entry moved by its resize rule over the survivors
         (:func:`~mpiopt.algorithms.resize.survivors_state`).  ``prepare(fresh)`` runs before its set-up (an inner
-        optimizer, parameter groups).  The failed step is then redone by the caller.
+        optimizer, parameter groups).  The failed step is then redone by the caller.  A rank lost during the move
+        raises :class:`~mpiopt.comm.RankLost` on every survivor, ``params`` back at the step's start and this instance
+        unchanged: recover the topology again and call this again (docs/failures.md).
         """
         if self.topology.on_failure == "abort":
             raise RuntimeError(f"{self.name}: recovered() needs a Topology(on_failure='shrink') or 'respawn'")
@@ -205,11 +208,17 @@ class Survival:
         if prepare is not None:
             prepare(fresh)
         start = params.copy()
-        fresh.setup(params)
-        params[...] = start  # the set-up's own start (a mean, a broadcast) gives way to the step's start
-        if self.resize_rules is None:
-            raise RuntimeError(f"{self.name} cannot go on without a lost rank: {self.resize_refusal}")
-        fresh._take_state(params, state, self._rollback.workers)
+        # The survivors alone (no replacement takes part) agree that all moved the state: a rank lost meanwhile has
+        # every one put the parameters back and raise RankLost, this instance unchanged, to recover and call again.
+        moving = nullcontext() if self.topology.joined else self.topology.agreed(
+            f"{self.name}'s move to the survivors", undo=lambda: params.__setitem__(Ellipsis, start))
+        with moving:
+            fresh.setup(params)
+            params[...] = start  # the set-up's own start (a mean, a broadcast) gives way to the step's start
+            if self.resize_rules is None:
+                raise RuntimeError(f"{self.name} cannot go on without a lost rank: {self.resize_refusal}")
+            INJECTION.reached("recovered")
+            fresh._take_state(params, state, self._rollback.workers)
         return fresh
 
     def _take_state(self, params: Any, state: Optional[Dict[str, Any]], old_workers: int) -> None:

@@ -11,14 +11,14 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, Tuple
 
 from mpi4py import MPI
 
 from .process import library_version
 
 __all__ = ["ON_FAILURE", "ON_FAILURE_ENV", "LAUNCH", "RankLost", "PeerLost", "IslandLeft", "Survivable", "is_fault", "ulfm_problem", "han_caveat", "FaultInjection",
-           "INJECT_ENV", "INJECTION", "revoke_quietly"]
+           "INJECT_ENV", "INJECTION", "revoke_quietly", "agreed_ok", "faultless", "free_quietly", "shrunk_next"]
 
 #: What a lost rank does to the job: end it (MPI's default), go on without it, or go on with a process started in its
 #: place (:meth:`Topology.recover`).
@@ -195,3 +195,44 @@ def revoke_quietly(comm: Any) -> None:
             comm.Revoke()
     except MPI.Exception:
         pass
+
+
+def agreed_ok(comm: MPI.Intracomm, ok: bool) -> bool:
+    """ULFM's agreement on ``comm``: every survivor passes ``ok`` and none knows of a lost rank (``Topology.all_ok``)."""
+    while True:
+        # An agreement refuses failures some survivor has not acknowledged: acknowledge (and count them), retry.
+        lost = comm.Ack_failed()
+        try:
+            return bool(comm.Agree(int(ok and lost == 0)))
+        except MPI.Exception as error:
+            if error.Get_error_class() != MPI.ERR_PROC_FAILED:
+                raise
+
+
+def faultless(call: Callable[[], Any]) -> Tuple[bool, Any]:
+    """``(True, call())``, or ``(False, None)`` where a lost rank broke it (the survivors then agree and shrink again)."""
+    try:
+        return True, call()
+    except RankLost:
+        return False, None
+    except MPI.Exception as error:
+        if not is_fault(error):
+            raise
+        return False, None
+
+
+def free_quietly(comm: Optional[MPI.Comm]) -> None:
+    """Free an mpi4py communicator of a recovery's, revoked or not (none, or the null one: nothing)."""
+    if comm is not None and comm != MPI.COMM_NULL:
+        try:
+            comm.Free()
+        except MPI.Exception:
+            pass
+
+
+def shrunk_next(base: MPI.Intracomm, new: MPI.Intracomm, original: MPI.Intracomm) -> MPI.Intracomm:
+    """``new``, the communicator a recovery shrinks next; ``base``, the one before it, freed unless the world's own."""
+    revoke_quietly(new)
+    if base is not original:
+        free_quietly(base)
+    return new

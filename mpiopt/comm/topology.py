@@ -21,7 +21,8 @@ from .buffers import _parse_flag
 from .communicator import Comm
 from .islands import ISLAND, RAIL, Islands
 from .process import host
-from .survival import ON_FAILURE, ON_FAILURE_ENV, IslandLeft, RankLost, Survivable, han_caveat, revoke_quietly, ulfm_problem
+from .survival import (INJECTION, ON_FAILURE, ON_FAILURE_ENV, IslandLeft, RankLost, Survivable, agreed_ok, faultless,
+                       free_quietly, han_caveat, revoke_quietly, shrunk_next, ulfm_problem)
 from .finalizing import JOINED, finalize_at_exit
 from .joining import (JOINS, Joined, in_order, join_as_replacement, merge_with_replacements, replacement_args,
                       spawn_replacements, to_join)
@@ -238,15 +239,7 @@ class Topology:
         agreement on the world: it completes on a revoked communicator and despite failures, the same answer on
         every survivor).  A collective that a rank's death broke may still return success with a wrong result (seen
         across nodes), so any loss fails the phase on every survivor, whether or not an error reached it."""
-        comm = self.world._comm
-        while True:
-            # An agreement refuses failures some survivor has not acknowledged: acknowledge (and count them), retry.
-            lost = comm.Ack_failed()
-            try:
-                return bool(comm.Agree(int(ok and lost == 0)))
-            except MPI.Exception as error:
-                if error.Get_error_class() != MPI.ERR_PROC_FAILED:
-                    raise
+        return agreed_ok(self.world._comm, ok)
 
     @contextmanager
     def agreed(self, what: str, undo: Optional[Callable[[], None]] = None) -> Iterator[None]:
@@ -282,33 +275,54 @@ class Topology:
         whole_groups = self._islands is not None if whole_groups is None else whole_groups
         self._revoke_all()
         finalize_at_exit()
-        old, color, sizes = self.world._comm, self.group_index, self.group_sizes
-        shrunk = old.Shrink()
-        members = MPI.Group.Translate_ranks(shrunk.Get_group(), list(range(shrunk.Get_size())), old.Get_group())
-        lost = [self.first_ranks[r] for r in sorted(set(range(old.Get_size())) - set(members))]
-        first_ranks = [self.first_ranks[r] for r in members]
-        host_of = dict(zip(self.first_ranks, self.hosts))
-        self._islands = None
+        color, sizes = self.group_index, self.group_sizes
+        base = original = self.world._comm
+        first_ranks, host_of = self.first_ranks, dict(zip(self.first_ranks, self.hosts))
+        lost: List[int] = []
         left: List[int] = []
-        if whole_groups:  # each survivor's group: those with fewer survivors than ranks leave
-            colors = shrunk.allgather(color)
-            broken = {c for c in colors if colors.count(c) != sizes[c]}
-            left = [first for first, c in zip(first_ranks, colors) if c in broken]
-            first_ranks = [first for first, c in zip(first_ranks, colors) if c not in broken]
-            kept = shrunk.Split(MPI.UNDEFINED if color in broken else 0, shrunk.Get_rank())
-            shrunk.Free()
-            if color in broken:  # every survivor where no group survived whole (IslandLeft.size 0)
-                raise IslandLeft(lost, left, len(first_ranks))
-            shrunk = kept
-        self.world = Comm(shrunk, name="world", ledger=self.ledger, gpu_aware=self.world.gpu_aware, faults=self.faults)
-        shrunk.Free()
+        self._islands = None
+        # A rank lost while the survivors rebuild is found by the agreement that ends each phase: they shrink again.
+        while True:
+            shrunk = base.Shrink()
+            INJECTION.reached("recover")
+            members = MPI.Group.Translate_ranks(shrunk.Get_group(), list(range(shrunk.Get_size())), base.Get_group())
+            lost += [first_ranks[r] for r in sorted(set(range(base.Get_size())) - set(members))]
+            first_ranks = [first_ranks[r] for r in members]
+            kept, leaving = shrunk, False
+            if whole_groups:  # each survivor's group: those with fewer survivors than ranks leave
+                ok, colors = faultless(lambda: shrunk.allgather(color))
+                if ok:
+                    broken = {c for c in colors if colors.count(c) != sizes[c]}
+                    leaving = color in broken
+                    ok, kept = faultless(lambda: shrunk.Split(MPI.UNDEFINED if leaving else 0, shrunk.Get_rank()))
+                if not agreed_ok(shrunk, ok):
+                    free_quietly(kept if ok and kept is not shrunk else None)
+                    base = shrunk_next(base, shrunk, original)
+                    continue
+                left += [first for first, c in zip(first_ranks, colors) if c in broken]
+                first_ranks = [first for first, c in zip(first_ranks, colors) if c not in broken]
+                free_quietly(shrunk)
+                if leaving:  # every survivor where no group survived whole (IslandLeft.size 0)
+                    raise IslandLeft(lost, left, len(first_ranks))
+            ok, _ = faultless(lambda: self._rebuild(kept, color))
+            if agreed_ok(kept, ok):
+                break
+            self._revoke_all()
+            base = shrunk_next(base, kept, original)
         self.first_ranks, self.hosts = first_ranks, [host_of[first] for first in first_ranks]
         self._lost_hosts.update((first, host_of[first]) for first in lost + left)
-        self._build(self.world._comm, color)
+        if base is not original:
+            free_quietly(base)
+        free_quietly(kept)
         self.joined = []
         if self.on_failure == "respawn":
             return self._replace(Recovery(lost, self.size, left), sizes[0] if whole_groups else None)
         return Recovery(lost, self.size, left)
+
+    def _rebuild(self, comm: MPI.Intracomm, color: int) -> None:
+        """The world from ``comm`` (the survivors), and its groups, leaders and control (collective)."""
+        self.world = Comm(comm, name="world", ledger=self.ledger, gpu_aware=self.world.gpu_aware, faults=self.faults)
+        self._build(self.world._comm, color)
 
     def _replace(self, recovery: Recovery, island_size: Optional[int]) -> Recovery:
         """After the shrink under ``on_failure="respawn"`` (collective on the survivors): processes of this program take

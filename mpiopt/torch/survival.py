@@ -86,7 +86,8 @@ class RecoveryMixin:
         """After ``topology.recover()``, on every survivor of a lost rank: the algorithm moved to the survivors from
         the failed step's start (:meth:`~mpiopt.algorithms.base.Algorithm.recovered`), the inner optimizer's state
         with it; then redo the step.  Under ``on_failure="respawn"`` the replacements' ``DistributedOptimizer``
-        takes the parameters and both states of the survivor each follows meanwhile."""
+        takes the parameters and both states of the survivor each follows meanwhile.  A rank lost during it raises
+        :class:`~mpiopt.comm.RankLost` on every survivor, this optimizer unchanged: recover the topology, call again."""
 
         def prepare(fresh: Algorithm) -> None:
             fresh.loss_call = self.algorithm.loss_call

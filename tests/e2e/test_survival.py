@@ -440,6 +440,48 @@ def test_two_failures_in_one_run(tmp_path):
     np.testing.assert_allclose(saved[0]["history"][-1], x, rtol=0, atol=1e-5)
 
 
+@needs_ulfm
+@pytest.mark.parametrize("name", ["sgd", "diloco"])
+def test_a_rank_lost_while_the_survivors_shrink_is_lost_with_the_first(tmp_path, name):
+    """Rank 3 dies inside topo.recover() from rank 2's loss (after the shrink, before the survivors rebuild): they
+    shrink again, and one Recovery names both; sgd then equals the float64 run that drops both at that step."""
+    code, output, saved = survive(tmp_path, name, SYNCHRONOUS[name], 9, ["2@6:exchange", "3@6:recover"])
+    told = check_survivors(output, saved, code, [0, 1], [[2, 3]])
+    assert [(step, size) for _, step, size in told[0]] == [(6, 2)]
+    if name == "sgd":
+        x = _start()
+        for t in range(1, 10):
+            x = x - 0.1 * np.mean([_grad(r, t) for r in (range(4) if t < 6 else (0, 1))], axis=0)
+        np.testing.assert_allclose(saved[0]["history"][-1], x, rtol=0, atol=1e-5)
+
+
+@needs_ulfm
+def test_an_island_broken_while_the_survivors_shrink_leaves_with_the_first(tmp_path):
+    """3 islands of 2: rank 4 dies inside the recovery from rank 2's loss, before the survivors agree on whose island
+    broke: both broken islands' other ranks (3, 5) leave, and the last whole island goes on alone."""
+    hyper = {**SYNCHRONOUS["diloco"], "islands": True, "group_size": 2}
+    code, output, saved = survive(tmp_path, "diloco", hyper, 9, ["2@6:exchange", "4@6:recover"], ranks=6)
+    told = check_survivors(output, saved, code, [0, 1], [[2, 4]])
+    assert [(step, size) for _, step, size in told[0]] == [(6, 2)]
+    assert left_with_their_island(output) == {3: 2, 5: 2}, output
+    np.testing.assert_array_equal(saved[0]["history"], saved[1]["history"])
+
+
+@needs_ulfm
+@pytest.mark.parametrize("name", ["sgd", "diloco", "dasgd", "topk"])
+def test_a_rank_lost_while_the_survivors_move_the_state_is_recovered_from_too(tmp_path, name):
+    """Rank 3 dies inside alg.recovered() (the state's move to the survivors of rank 2): it raises RankLost on every
+    survivor, the parameters back at the step's start, and the sample's loop recovers again."""
+    code, output, saved = survive(tmp_path, name, SYNCHRONOUS[name], 9, ["2@6:exchange", "3@6:recovered"])
+    told = check_survivors(output, saved, code, [0, 1], [[2], [3]])
+    assert [(step, size) for _, step, size in told[0]] == [(6, 3), (6, 2)]
+    if name == "sgd":
+        x = _start()
+        for t in range(1, 10):
+            x = x - 0.1 * np.mean([_grad(r, t) for r in (range(4) if t < 6 else (0, 1))], axis=0)
+        np.testing.assert_allclose(saved[0]["history"][-1], x, rtol=0, atol=1e-5)
+
+
 REFUSALS = """
 import mpiopt, torch
 from mpiopt.torch import DistributedOptimizer

@@ -44,13 +44,18 @@ while t <= steps:
     try:
         alg.step(params, grad, loss=float(np.linalg.norm(params - 1.0)))
     except RankLost:
-        try:
-            recovery = topo.recover()
-        except IslandLeft as left:  # islands: this rank's island lost a rank, and its part ends
-            print(f"rank {me}: left with its island at step {t}; the world is now {left.size}", flush=True)
-            sys.exit(0)
-        print(f"rank {me}: lost ranks {recovery.lost} at step {t}; the world is now {recovery.size}", flush=True)
-        alg = alg.recovered(params)
+        while True:  # a rank lost while the survivors move the state over: recover from that one too
+            try:
+                recovery = topo.recover()
+            except IslandLeft as left:  # islands: this rank's island lost a rank, and its part ends
+                print(f"rank {me}: left with its island at step {t}; the world is now {left.size}", flush=True)
+                sys.exit(0)
+            print(f"rank {me}: lost ranks {recovery.lost} at step {t}; the world is now {recovery.size}", flush=True)
+            try:
+                alg = alg.recovered(params)
+                break
+            except RankLost:
+                continue
         recovered_at = t
         continue
     if recovered_at == t:  # the wall clock when the redone step completed (tools/survival_latency.py)
