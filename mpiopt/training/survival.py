@@ -8,6 +8,7 @@ and go on.  One lost as a run starts (:class:`StartLost`) has the run start agai
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -89,21 +90,28 @@ class Respawn(Exception):
         return sorted([*self.lost, *self.left])
 
 
-def go_on_without_lost_ranks(run: Any, step: int, replacing: Optional[Tuple[Sequence[int], Sequence[int]]] = None) -> int:
+def go_on_without_lost_ranks(run: Any, step: int, replacing: Optional[Tuple[Sequence[int], Sequence[int]]] = None,
+                             earlier: Tuple[Sequence[int], Sequence[int]] = ((), ())) -> int:
     """On every survivor after a RankLost in step ``step + 1`` of ``run`` (a training loop's run): recover; returns
     the step to go on from (the failed one again, or the next where the loss came after the step was applied).
     ``--on-failure respawn`` raises :class:`Respawn` instead, for these lost ranks and ``replacing`` (the ranks lost,
-    and those that left with their island, before and not yet replaced; default: ``run.unreplaced``)."""
+    and those that left with their island, before and not yet replaced; default: ``run.unreplaced``).  ``earlier``:
+    the ranks lost, and those that left, in a recovery that a further loss broke (told with this one)."""
     respawn, islands = run.config.on_failure == "respawn", run.config.whole_islands
     try:
         recovery = run.topology.recover(whole_groups=islands)
     except IslandLeft as left:  # this rank's island lost a rank: the others' run goes on without it
-        _tell(run, f"{named_ranks('lost rank', left.lost)} at step {step + 1}", f"{_leaving(left, respawn)})", None)
+        _tell(run, f"{named_ranks('lost rank', [*earlier[0], *left.lost])} at step {step + 1}", f"{_leaving(left, respawn)})", None)
         raise
-    run.opt.recover()
+    recovery = dataclasses.replace(recovery, lost=[*earlier[0], *recovery.lost], left=[*earlier[1], *recovery.left])
+    try:
+        with run.topology.agreed("the move to the survivors"):  # the optimizer's state and the data's shards
+            run.opt.recover()
+            _reshard(run, reporter=0)
+    except RankLost:  # another rank lost meanwhile: recover from it too, and tell both losses as one
+        return go_on_without_lost_ranks(run, step, replacing, (recovery.lost, recovery.left))
     applied = run.applied == step + 1
     resume = step + 1 if applied else step
-    _reshard(run, reporter=0)
     redone = "kept; going on from the next" if applied else "redone"
     # The run's wall time counts the broken step (or phase after it) and the recovery: the price of the loss.
     _count_wall_time(run)

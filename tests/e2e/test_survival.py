@@ -482,6 +482,25 @@ def test_a_rank_lost_while_the_survivors_move_the_state_is_recovered_from_too(tm
         np.testing.assert_allclose(saved[0]["history"][-1], x, rtol=0, atol=1e-5)
 
 
+@needs_ulfm
+@pytest.mark.parametrize("where", ["recover", "recovered"])
+def test_train_goes_on_when_a_second_rank_is_lost_during_the_recovery(tmp_path, where):
+    """`mpiopt train`: rank 3 dies while the survivors recover from rank 2 (shrinking, or moving the optimizer's
+    state): one line per survivor names both, one lost record, the run ends at 2 ranks with a finite test loss."""
+    out = tmp_path / "run"
+    args = ["-m", "mpiopt", "train", "--algorithm", "sgd", "--steps", "12", "--eval-every", "6", "--batch-size", "16",
+            "--on-failure", "shrink", "--progress", "lines", "--out", str(out)]
+    code, output = run_killing(tmp_path, args, ["2@7:exchange", f"3@7:{where}"], timeout=240)
+    assert code == 0, output
+    for rank in (0, 1):
+        assert re.search(rf"mpiopt: rank {rank}: lost ranks 2, 3 at step 7 \(the step redone\); the world is now 2 ranks", output), output
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lost = [r for r in records if r["kind"] == "lost"]
+    assert [(r["lost"], r["world_size"], r["step"]) for r in lost] == [([2, 3], 2, 7)]
+    assert records[-1]["kind"] == "end" and records[-1]["world_size"] == 2 and records[-1]["step"] == 12
+    assert np.isfinite([r for r in records if r["kind"] == "eval"][-1]["test_loss"])
+
+
 REFUSALS = """
 import mpiopt, torch
 from mpiopt.torch import DistributedOptimizer
