@@ -683,13 +683,26 @@ def launcher_code(code, output, ended):
     return 0 if crashed and all(line in output for line in ended) else code
 
 
+def respawning_on_emulated_nodes(tmp_path, args, kills, **options):
+    """:func:`run_killing`, once more (``tmp_path`` emptied) where Open MPI's launcher itself crashed while it spawned
+    the replacement (PRRTE's ``pmix_server_dyn`` error, then SIGABRT or SIGSEGV): a fault of the launcher on these
+    emulated nodes, seen in about one run of ten, not of the run (docs/failures.md)."""
+    code, output = run_killing(tmp_path, args, kills, **options)
+    if code in (-signal.SIGABRT, -signal.SIGSEGV) and "pmix_server_dyn" in output:
+        print(f"the launcher crashed while it spawned; once more:\n{output}")
+        for entry in tmp_path.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        code, output = run_killing(tmp_path, args, kills, **options)
+    return code, output
+
+
 @needs_ulfm
 @inside_three_slot_nodes
 def test_on_three_slot_nodes_a_replacement_starts_on_its_lost_ranks_full_node(tmp_path):
     """5 ranks on nodes of 3 slots (0-2 on node0, 3-4 on node1): rank 1's replacement starts on node0, where rank 1 was,
     though the launcher counts node0 full (the dead process's slot included), not on node1's free slot."""
     args = [SAMPLE, "sgd", json.dumps({"lr": 0.1, "on_failure": "respawn"}), "9", str(tmp_path)]
-    code, output = run_killing(tmp_path, args, ["1@5"], ranks=5, placing=EMULATED_PLACING)
+    code, output = respawning_on_emulated_nodes(tmp_path, args, ["1@5"], ranks=5, placing=EMULATED_PLACING)
     saved = {int(f.name[:-4]): dict(np.load(f)) for f in tmp_path.glob("*.npz")}
     code = launcher_code(code, output, [f"rank {r}: done at world size 5" for r in range(5)])
     assert check_respawned(output, saved, code, [1], ranks=5) == 5
@@ -703,8 +716,8 @@ def test_on_three_slot_nodes_a_broken_islands_replacements_start_on_its_node(tmp
     """Islands of 2, one a node: rank 2 killed, rank 3 leaves with it, and both replacements start on node1, the
     broken island's node, so the new island is a node again (the launcher alone put them on node0's free slots)."""
     hyper = {"lr": 0.05, "period": 3, "on_failure": "respawn", "islands": True, "group_size": 2}
-    code, output = run_killing(tmp_path, [SAMPLE, "diloco", json.dumps(hyper), "9", str(tmp_path)], ["2@5"],
-                               placing=("--map-by", "ppr:2:node", *EMULATED_PLACING))
+    args = [SAMPLE, "diloco", json.dumps(hyper), "9", str(tmp_path)]
+    code, output = respawning_on_emulated_nodes(tmp_path, args, ["2@5"], placing=("--map-by", "ppr:2:node", *EMULATED_PLACING))
     saved = {int(f.name[:-4]): dict(np.load(f)) for f in tmp_path.glob("*.npz")}
     code = launcher_code(code, output, [f"rank {r}: done at world size 4" for r in range(4)])
     assert code == 0 and sorted(saved) == [0, 1, 2, 3] and all(int(saved[r]["size"]) == 4 for r in saved), output
@@ -722,7 +735,8 @@ def test_on_three_slot_nodes_trains_replacement_starts_on_its_lost_ranks_node(tm
     out = tmp_path / "run"
     args = ["-m", "mpiopt", "train", "--algorithm", "sgd", "--steps", "8", "--batch-size", "16", "--on-failure", "respawn",
             "--progress", "lines", "--out", str(out)]
-    code, output = run_killing(tmp_path, args, ["2@4"], placing=("--map-by", "ppr:2:node", *EMULATED_PLACING), timeout=240)
+    code, output = respawning_on_emulated_nodes(tmp_path, args, ["2@4"], placing=("--map-by", "ppr:2:node", *EMULATED_PLACING),
+                                                timeout=240)
     assert launcher_code(code, output, [f"results: {out / 'results.md'}"]) == 0, output
     runs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"kind": "run"' in line]
     assert [r["hosts"] for r in runs] == [["node0", "node0", "node1", "node1"]] * 2, runs  # the survivors first, then it
