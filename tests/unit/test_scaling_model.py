@@ -304,3 +304,35 @@ def test_projection_adds_island_runs():
     assert names == {"sgd", "diloco", "lsgd", "sgd@islands", "diloco@islands"}  # lsgd takes no islands
     by = {r["algorithm"]: r for r in rows}
     assert by["diloco@islands"]["seconds"] < by["diloco"]["seconds"]  # an eighth of the bytes across, at 8 workers
+
+
+def test_an_ideal_link_moves_every_collectives_wire_bytes_at_its_rate_after_its_hops():
+    link = M.ideal_link(8e9, 1e-5)  # 1 GB/s
+    # an Allreduce of 8000 bytes over 8 ranks: 2 log2 8 hops, 2 (7/8) of it on the wire at 1 ns a byte
+    assert M.comm_seconds([M.plan("sgd", 2000, 8)[0]], link) == pytest.approx(6e-5 + 14000e-9)
+    assert set(link["collectives"]) == set(M.COLLECTIVES)
+    with pytest.raises(ValueError, match="rate > 0.*got 0 bit/s"):
+        M.ideal_link(0, 1e-5)
+
+
+def test_project_prices_the_islands_mean_at_a_node_rate_instead_of_a_node_calibration(tmp_path, capsys):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(_model()))
+    common = ["project", str(path), "--models", "x=1M@10", "--ranks", "64", "--rates", "10gbit", "--algorithms", "diloco",
+              "--ranks-per-island", "8"]
+    assert M.main([*common, "--node-rate", "450gbps", "--json", str(tmp_path / "fast.json")]) == 0
+    assert M.main([*common, "--node-rate", "2gbps", "--json", str(tmp_path / "slow.json")]) == 0
+    fast, slow = ({r["algorithm"]: r["seconds"] for r in json.loads((tmp_path / f"{n}.json").read_text())["rows"]}
+                  for n in ("fast", "slow"))
+    assert fast["diloco"] == slow["diloco"]  # a worker a rank: nothing inside a node
+    # inside the node, at 2 GB/s against 450 GB/s: the island's mean of 4 MB over 8 ranks every step (2 x 7/8 of it on
+    # the wire), and every period of 8 steps the Allgatherv of the 8 rails' reduced slices (7/8 of it); the hops alike
+    wire = 2 * 7 / 8 * 4e6 + 7 / 8 * 4e6 / 8
+    assert slow["diloco@islands"] - fast["diloco@islands"] == pytest.approx(wire / 2e9 - wire / 450e9)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        M.main([*common, "--node-rate", "fast"])
+    assert exit_.value.code == 2 and "'fast'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        M.main([*common, "--node-rate", "1gbit", "--node", str(path)])
+    assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

@@ -20,13 +20,13 @@ from .._common import module_main
 from .calibration import calibrate, fit
 from .command import MODELS, add_arguments, run
 from .costs import BCAST_MIN_PROCS, COLLECTIVES, MEDIA, collective_seconds, latency_terms, wire_bytes
-from .predict import RANKS, RATES, async_seconds, at_rate, comm_seconds, plan, project, projected, step_seconds, validate
+from .predict import RANKS, RATES, async_seconds, at_rate, comm_seconds, ideal_link, plan, project, projected, step_seconds, validate
 from .report import calibration_table, plot_projection, plot_validation, projection_table, validation_table
 
 __all__ = [
     "MEDIA", "COLLECTIVES", "BCAST_MIN_PROCS", "latency_terms", "wire_bytes", "collective_seconds", "fit",
-    "calibrate", "RANKS", "RATES", "plan", "projected", "comm_seconds", "step_seconds", "async_seconds", "at_rate", "validate",
-    "project", "calibration_table", "validation_table", "projection_table", "plot_projection", "plot_validation",
+    "calibrate", "RANKS", "RATES", "plan", "projected", "comm_seconds", "step_seconds", "async_seconds", "at_rate", "ideal_link",
+    "validate", "project", "calibration_table", "validation_table", "projection_table", "plot_projection", "plot_validation",
     "MODELS", "add_arguments", "run", "main",
 ]
 

@@ -7,16 +7,18 @@ import json
 from typing import Any, Dict, List, Sequence, Tuple
 
 from ...training.config import UsageError
-from .._common import check_choices, comma_list, count, write_json
+from .._common import check_choices, comma_list, count, parse_rate, write_json
 from .calibration import calibrate
 from .costs import MEDIA
-from .predict import RANKS, RATES, project, projected, validate
+from .predict import RANKS, RATES, ideal_link, project, projected, validate
 from .report import calibration_table, plot_projection, plot_validation, projection_table, validation_table
 
 __all__ = ["MODELS", "add_arguments", "run"]
 
 #: name=parameters@compute-ms: ResNet-50 (25.6M) and a 350M-parameter model, compute per step on one accelerator.
 MODELS = ("resnet50=25.6M@100", "350M=350M@500")
+#: A hop inside a node given by ``--node-rate``: a fabric's order of latency, not this machine's scheduling.
+NODE_ALPHA = 1e-5
 
 
 def _load(paths: Sequence[str]) -> List[Dict[str, Any]]:
@@ -71,8 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="algorithms to project (default: every synchronous one, and the asynchronous ones with a server model)")
     p.add_argument("--alpha", type=float, default=None, metavar="SECONDS", help="latency per hop (default: the calibrated)")
     p.add_argument("--ranks-per-island", type=int, default=1, metavar="G",
-                   help="also project each algorithm that takes islands with islands of G ranks (needs --node)")
-    p.add_argument("--node", default=None, metavar="NODE.json", help="the node's model, for the calls within islands")
+                   help="also project each algorithm that takes islands with islands of G ranks (needs --node or --node-rate)")
+    node = p.add_mutually_exclusive_group()
+    node.add_argument("--node", default=None, metavar="NODE.json", help="the node's model, for the calls within islands")
+    node.add_argument("--node-rate", default=None, metavar="RATE",
+                      help="instead of --node: the node's links as ideal ones at RATE in tc's units (NVLink 4: 450gbps, "
+                           "PCIe 4.0 x16: 25gbps), their hops at --alpha (default 10 us)")
     p.add_argument("--json", default=None, metavar="FILE")
     p.add_argument("--plot", default=None, metavar="PNG")
 
@@ -89,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
             return 0
         (model,) = _load([args.model])
         node = _load([args.node])[0] if getattr(args, "node", None) else None
+        if getattr(args, "node_rate", None):
+            node = ideal_link(parse_rate(args.node_rate), NODE_ALPHA if args.alpha is None else args.alpha)
         if args.action == "validate":
             rows = validate(model, _load(args.measured), node)
             print(validation_table(rows, args.goal))
@@ -100,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
             if not args.world_sizes or min(args.world_sizes) < 2:
                 raise UsageError(f"--ranks must be >= 2, got {args.world_sizes}")
             if args.ranks_per_island < 1 or (args.ranks_per_island > 1 and node is None):
-                raise UsageError(f"--ranks-per-island must be >= 1, and above 1 it needs --node; got {args.ranks_per_island}")
+                raise UsageError(f"--ranks-per-island must be >= 1, and above 1 it needs --node or --node-rate; got {args.ranks_per_island}")
             rows = project(model, _parse_models(args.models), args.world_sizes, args.rates, args.algorithms, args.alpha,
                            args.ranks_per_island, node)
             print(projection_table(rows))

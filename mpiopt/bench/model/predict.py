@@ -14,10 +14,11 @@ from ...algorithms import algorithms as registered
 from ...comm.ledger import Call
 from ...training.config import training_defaults
 from .._common import parse_rate
-from .costs import latency_terms, wire_bytes
+from .costs import COLLECTIVES, latency_terms, wire_bytes
 
 __all__ = [
-    "RANKS", "RATES", "projected", "plan", "comm_seconds", "step_seconds", "async_seconds", "at_rate", "validate", "project",
+    "RANKS", "RATES", "projected", "plan", "comm_seconds", "step_seconds", "async_seconds", "at_rate", "ideal_link", "validate",
+    "project",
 ]
 
 RANKS = (64, 128, 256, 512, 1024)
@@ -130,6 +131,15 @@ def at_rate(model: Mapping[str, Any], bits_per_second: float, medium: str = "swi
     collectives = {op: {"alpha": entry["alpha"] if alpha is None else alpha, "beta": entry["beta"] * scale}
                    for op, entry in model["collectives"].items()}
     return {**model, "medium": medium, "link_bits_per_second": bits_per_second, "collectives": collectives}
+
+
+def ideal_link(bits_per_second: float, alpha: float) -> Dict[str, Any]:
+    """A switched link that moves every collective's wire bytes at ``bits_per_second`` after ``alpha`` a hop: a model of
+    links this machine does not have (a GPU node's NVLink or PCIe), where no calibration can be measured."""
+    if bits_per_second <= 0 or alpha < 0:
+        raise ValueError(f"an ideal link needs a rate > 0 and an alpha >= 0, got {bits_per_second:g} bit/s and {alpha:g} s")
+    return {"model": "ideal", "medium": "switched", "link_bits_per_second": float(bits_per_second),
+            "collectives": {op: {"alpha": float(alpha), "beta": 8.0 / bits_per_second} for op in COLLECTIVES}}
 
 
 def validate(model: Mapping[str, Any], measured: Sequence[Mapping[str, Any]],
