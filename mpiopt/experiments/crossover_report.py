@@ -12,13 +12,13 @@ import json
 import os
 import statistics
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..bench._common import markdown_table, parse_rate
 from ..bench.collectives import GLOO_ALLREDUCE
 from ..bench.model.calibration import calibrate
 from ..bench.model.predict import RANKS as PROJECTED_RANKS
-from ..bench.model.predict import at_rate, comm_seconds, plan
+from ..bench.model.predict import at_rate, comm_seconds, ideal_link, plan
 from ..metrics import read_metrics, summarize
 from ..metrics.summary import format_bytes, format_loss, format_seconds, format_speedup, format_spread
 from ..training.config import DDP
@@ -37,6 +37,11 @@ PROJECTED_RATES = ("10gbit", "100gbit")
 PROJECTED_ISLAND = 8
 #: A fabric's per-hop latency for the projection (this machine's fitted alpha is its scheduling, not a network's).
 MODEL_ALPHA = 1e-5
+#: The island's own links in the projection beside this machine's shared memory: a node of 8 GPUs on PCIe 4.0 x16, and
+#: on NVLink 4 (a GPU's rate each way), as ideal links (:func:`~mpiopt.bench.model.predict.ideal_link`).
+PROJECTED_NODE_RATES = ("25gbps", "450gbps")
+#: The projection's node priced by this machine's calibration inside one node.
+HERE = "here"
 #: Island variants reach the target in at most this fraction of their per-rank twins' steps (median of the seeds' ratios).
 GOAL_ISLAND_STEPS = 0.9
 #: ... and island diloco at the slowest rate at least this many times sooner than per-rank diloco.
@@ -150,21 +155,60 @@ def _projection(s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]], rows: List
                 baseline: str, d: int, node: Dict[str, Any]) -> List[Dict[str, Any]]:
     """Predicted speed-up to the target at 64-1024 ranks: step time (switched network, alpha 10 us) x measured steps to it.
 
-    Island variants in islands of :data:`PROJECTED_ISLAND` ranks, their calls within an island at ``node``'s cost."""
+    Island variants in islands of :data:`PROJECTED_ISLAND` ranks at their per-rank twins' computation, their calls
+    within an island at ``node``'s cost (``"node": HERE``), and again at each of :data:`PROJECTED_NODE_RATES`."""
     fastest = max(s["rates"], key=parse_rate)
     steps = {r["label"]: r["steps_to_target"] for r in rows if r["rate"] == fastest}
-    compute = {r["label"]: r["compute_step"] for r in rows if r["rate"] == fastest}
+    measured = {r["label"]: r["compute_step"] for r in rows if r["rate"] == fastest}
+    # An island's rank computes what its per-rank twin's does: what differs is communication, which the model prices,
+    # and this machine's shared cores (docs/crossover.md, "Islands in the projection").
+    compute = {v.label: measured.get(v.algorithm if v.islands else v.label, measured[v.label]) for v in s["variants"]}
+    nodes = {HERE: node, **{rate: ideal_link(parse_rate(rate), MODEL_ALPHA) for rate in PROJECTED_NODE_RATES}}
     out = []
     for rate in PROJECTED_RATES:
         moved = at_rate(model, parse_rate(rate), "switched", MODEL_ALPHA)
         for P in PROJECTED_RANKS:
-            seconds = {v.label: compute[v.label] + comm_seconds(_comm_plan(v, d, P, chosen[v.label], None, PROJECTED_ISLAND), moved,
-                                                                compute[v.label], node) for v in s["variants"]}
-            for v in s["variants"]:
-                if steps.get(v.label) and steps.get(baseline):
-                    out.append({"rate": rate, "P": P, "label": v.label, "step_seconds": seconds[v.label],
-                                "speedup": seconds[baseline] * steps[baseline] / (seconds[v.label] * steps[v.label])})
+            for where, inside in nodes.items():
+                seconds = {v.label: compute[v.label] + comm_seconds(_comm_plan(v, d, P, chosen[v.label], None, PROJECTED_ISLAND),
+                                                                    moved, compute[v.label], inside) for v in s["variants"]}
+                for v in s["variants"]:
+                    if steps.get(v.label) and steps.get(baseline) and (where == HERE or v.islands):
+                        out.append({"rate": rate, "P": P, "label": v.label, "node": where, "step_seconds": seconds[v.label],
+                                    "speedup": seconds[baseline] * steps[baseline] / (seconds[v.label] * steps[v.label])})
     return out
+
+
+def _node_name(where: str, node: Dict[str, Any]) -> str:
+    """``where`` in words: this machine's node at its Allreduce's rate, or a projected node's rate."""
+    if where == HERE:
+        return f"this machine's ({1e-9 / node['collectives']['allreduce']['beta']:.1f} GB/s)"
+    return f"{parse_rate(where) / 8e9:g} GB/s"
+
+
+def _island_gains(s: Dict[str, Any], projection: List[Dict[str, Any]]) -> Dict[Tuple[str, str, str], List[float]]:
+    """``{(island variant, fabric rate, node): [its speed-up over its per-rank twin at each projected rank count]}``."""
+    by = {(p["label"], p["rate"], p["P"], p["node"]): p["speedup"] for p in projection}
+    gains: Dict[Tuple[str, str, str], List[float]] = {}
+    for (label, rate, P, where), speedup in by.items():
+        v = next(v for v in s["variants"] if v.label == label)
+        twin = by.get((v.algorithm, rate, P, HERE))
+        if v.islands and twin:
+            gains.setdefault((label, rate, where), []).append(speedup / twin)
+    return gains
+
+
+def _islands_projected(s: Dict[str, Any], projection: List[Dict[str, Any]], node: Dict[str, Any]) -> str:
+    """The island variants' projected speed-up over their per-rank twins, by fabric and by the node's links."""
+    gains = _island_gains(s, projection)
+    wheres = [HERE, *PROJECTED_NODE_RATES]
+    labels = list(dict.fromkeys(label for label, _, _ in gains))
+    spread = lambda g: f"{min(g):.2f}x" if f"{min(g):.2f}" == f"{max(g):.2f}" else f"{min(g):.2f}-{max(g):.2f}x"  # noqa: E731
+    table = [[label, rate, *(spread(gains[(label, rate, w)]) for w in wheres)] for label in labels for rate in PROJECTED_RATES]
+    return (f"Islands in the projection (islands of {PROJECTED_ISLAND}, {PROJECTED_RANKS[0]}-{PROJECTED_RANKS[-1]} ranks, the "
+            "steps to the loss as measured): each island variant's speed-up to the loss over its per-rank twin, by the "
+            "links the island's mean gradient crosses:\n\n"
+            + markdown_table(["variant", "fabric", *(f"node: {_node_name(w, node)}" for w in wheres)], table,
+                             "ll" + "r" * len(wheres)))
 
 
 def _figure(s: Dict[str, Any], rows: List[Dict[str, Any]], projection: List[Dict[str, Any]], baseline: str, path: str) -> str:
@@ -187,7 +231,7 @@ def _figure(s: Dict[str, Any], rows: List[Dict[str, Any]], projection: List[Dict
                     linewidth=width)
         middle.plot(x, [mine[rate]["step_speedup_predicted"] for rate in rates], "x--", color=colors[v.label], linewidth=width)
         for rate, style in zip(PROJECTED_RATES, ("-", ":")):
-            pts = [p for p in projection if p["label"] == v.label and p["rate"] == rate]
+            pts = [p for p in projection if p["label"] == v.label and p["rate"] == rate and p["node"] == HERE]
             if pts:
                 right.plot([p["P"] for p in pts], [p["speedup"] for p in pts], style, color=colors[v.label], linewidth=width,
                            label=f"{v.label}, {rate}" if v.label == baseline or style == "-" else None)
@@ -215,7 +259,8 @@ def _figure(s: Dict[str, Any], rows: List[Dict[str, Any]], projection: List[Dict
     return path
 
 
-def _verdicts(s: Dict[str, Any], rows: List[Dict[str, Any]], baseline: str) -> Dict[str, Dict[str, Any]]:
+def _verdicts(s: Dict[str, Any], rows: List[Dict[str, Any]], baseline: str, projection: List[Dict[str, Any]],
+              node: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
     """The issue's goals, each with what was measured."""
     slowest, fastest = min(s["rates"], key=parse_rate), max(s["rates"], key=parse_rate)
     best = max((r for r in rows if r["rate"] == slowest and r["label"] != baseline and r["speedup"] is not None),
@@ -231,6 +276,7 @@ def _verdicts(s: Dict[str, Any], rows: List[Dict[str, Any]], baseline: str) -> D
             "met": all(abs(r["model_error"]) <= GOAL_MODEL for r in rows)},
     }
     verdicts.update(_island_verdicts(s, rows))
+    verdicts.update(_projected_verdicts(s, projection, node))
     if sgd is not None and baseline != "sgd":
         verdicts[f"sgd at {fastest}: at most 1.0x {baseline}'s time"] = {
             "measured": "not reached" if sgd["speedup"] is None else f"{1 / sgd['speedup']:.2f}x",
@@ -280,6 +326,24 @@ def _island_verdicts(s: Dict[str, Any], rows: List[Dict[str, Any]]) -> Dict[str,
             out[f"{v.label} at {slowest}: >= {GOAL_ISLAND_SPEEDUP:g}x sooner than {v.algorithm}"] = {
                 "measured": "not reached" if faster is None else f"{faster:.2f}x",
                 "met": faster is not None and faster >= GOAL_ISLAND_SPEEDUP}
+    return out
+
+
+def _projected_verdicts(s: Dict[str, Any], projection: List[Dict[str, Any]], node: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """Where the model places island diloco's gain: at islands of 8 and 64-1024 ranks, on both fabrics, on a GPU node's
+    links (every rate of :data:`PROJECTED_NODE_RATES`); this machine's node is shown beside them."""
+    gains = _island_gains(s, projection)
+    out = {}
+    for label in dict.fromkeys(label for label, _, _ in gains):
+        twin = next(v.algorithm for v in s["variants"] if v.label == label)
+        if twin != "diloco":
+            continue
+        low = {w: min(min(gains[(label, rate, w)]) for rate in PROJECTED_RATES) for w in (HERE, *PROJECTED_NODE_RATES)}
+        out[f"{label} in the projection (islands of {PROJECTED_ISLAND}, {PROJECTED_RANKS[0]}-{PROJECTED_RANKS[-1]} ranks, "
+            f"{' and '.join(PROJECTED_RATES)}) on a node of {' or '.join(_node_name(w, node) for w in PROJECTED_NODE_RATES)}: "
+            f">= {GOAL_ISLAND_SPEEDUP:g}x sooner than {twin}"] = {
+            "measured": ", ".join(f"{_node_name(w, node)} at least {x:.2f}x" for w, x in low.items()),
+            "met": min(low[w] for w in PROJECTED_NODE_RATES) >= GOAL_ISLAND_SPEEDUP}
     return out
 
 
@@ -363,7 +427,7 @@ def report(out: str, s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]], quick
     reference = "1gbit" if "1gbit" in models else s["rates"][0]
     projection = _projection(s, chosen, rows, models[reference], baseline, d, models["node"])
     figure = _figure(s, rows, projection, baseline, os.path.join(out, "results-crossover-map.png"))
-    verdicts = _verdicts(s, rows, baseline)
+    verdicts = _verdicts(s, rows, baseline, projection, models["node"])
     load = _load_samples(out)
     goals = markdown_table(["goal", "measured", "met"], [[k, v["measured"], "yes" if v["met"] else "no"] for k, v in verdicts.items()], "lll")
     task = s["task"]
@@ -373,7 +437,8 @@ def report(out: str, s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]], quick
         f"{len(s['seeds'])} seed(s); target test loss {task['target_loss']:g}. The link's token bucket: "
         + ", ".join(f"{rate} {format_bytes(b) if b else 'the default'}" for rate, b in buckets.items()) + ". Load average during the runs: median "
         f"{load['median']} ({load['min']}-{load['max']}, {load['samples']} samples of the 1-minute load, every 20 s).\n\n"
-        f"{_tables(s, rows, baseline)}\n\n{_tuning(out, chosen)}\n\nGoals:\n\n{goals}"
+        f"{_tables(s, rows, baseline)}\n\n{_tuning(out, chosen)}\n\n{_islands_projected(s, projection, models['node'])}"
+        f"\n\nGoals:\n\n{goals}"
     )
     settings = {"rates": list(s["rates"]), "seeds": list(s["seeds"]), "steps": s["steps"], "tuning_steps": s["tuning_steps"],
                 "task": task, "variants": [v._asdict() for v in s["variants"]], "chosen": chosen, "parameters": d,

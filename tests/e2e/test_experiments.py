@@ -186,7 +186,9 @@ def test_crossover_measures_each_rate_models_it_and_resumes(tmp_path):
     slow, fast = (next(r for r in rows if r["rate"] == rate and r["label"] == "sgd") for rate in ("100mbit", "1gbit"))
     assert slow["predicted_comm"] > fast["predicted_comm"] > 0  # a tenth of the rate: more time on the wire
     assert slow["final_loss"] == fast["final_loss"]  # the same seed trains the same steps at any rate
-    assert (out / "results-crossover-map.png").stat().st_size > 0 and "Goals" in (out / "results.md").read_text()
+    markdown = (out / "results.md").read_text()
+    assert (out / "results-crossover-map.png").stat().st_size > 0 and "Goals" in markdown
+    assert "| variant | fabric | node: this machine's (" in markdown  # the islands' projection by the node's links
     assert document["settings"]["burst_bytes"] == {"1gbit": 625_000, "100mbit": 62_500}  # 5 ms of each line
     islands = {r["rate"]: r for r in rows if r["label"] == "diloco-islands"}
     twin = {r["rate"]: r for r in rows if r["label"] == "diloco"}

@@ -114,3 +114,52 @@ def test_the_lowest_loss_wins_unless_a_longer_period_at_its_rate_ties_with_it():
     assert choose([(2.5, {"lr": 1e-3, "global_period": 4}), (2.51, {"lr": 1e-3, "global_period": 16})], "global_period") == {
         "lr": 1e-3, "global_period": 16}
     assert choose([(None, {"lr": 1e-3, "period": 4}), (None, {"lr": 3e-3, "period": 8})]) == {"lr": 1e-3, "period": 4}
+
+
+def _projected(compute=0.03, steps=(140, 110), d=945_000):
+    """The report's projection of ddp, diloco and island diloco from made-up rows: ``steps`` to the loss per rank and
+    with islands, ``compute`` seconds a step per rank."""
+    from mpiopt.bench.model.costs import COLLECTIVES
+    from mpiopt.experiments.crossover_report import _projection
+
+    variants = [v for v in FULL["variants"] if v.label in ("ddp", "diloco", "diloco-islands")]
+    s = dict(FULL, variants=variants)
+    # the island variant's own measured computation 20 ms more: the projection takes its twin's, the same work a rank
+    rows = [{"rate": "10gbit", "label": v.label, "compute_step": compute + 0.02 * v.islands, "steps_to_target": n}
+            for v, n in zip(variants, (100, *steps))]
+    chosen = {"ddp": {"lr": 1e-3}, "diloco": {"lr": 3e-4, "period": 64}, "diloco-islands": {"lr": 3e-4, "period": 64}}
+    link = {"medium": "switched", "link_bits_per_second": 1e9, "collectives": {op: {"alpha": 1e-4, "beta": 1e-8} for op in COLLECTIVES}}
+    node = dict(link, collectives={op: {"alpha": 1e-3, "beta": 1 / 2.4e9} for op in COLLECTIVES})  # 2.4 GB/s, as measured here
+    return s, _projection(s, chosen, rows, link, "ddp", d, node), node
+
+
+def test_the_projection_prices_the_islands_mean_at_this_machines_node_and_at_each_gpu_nodes_links():
+    from mpiopt.experiments.crossover_report import HERE, PROJECTED_NODE_RATES, _island_gains
+
+    s, projection, _ = _projected()
+    assert {p["node"] for p in projection if p["label"] != "diloco-islands"} == {HERE}  # only an island's mean moves
+    gains = _island_gains(s, projection)
+    for rate in ("10gbit", "100gbit"):
+        here, pcie, nvlink = (gains[("diloco-islands", rate, w)] for w in (HERE, *PROJECTED_NODE_RATES))
+        for P, a, b, c in zip((64, 128, 256, 512, 1024), here, pcie, nvlink):
+            assert a < b < c < 140 / 110 * 1.01, (rate, P)  # faster links inside, a cheaper mean: up to the steps saved
+            # 450 GB/s: the mean of 3.78 MB over 8 ranks (6 hops, 2 x 7/8 of it on the wire) is 0.09 ms of a 30 ms step.
+            mean = 6 * 1e-5 + 2 * 7 / 8 * 4 * 945_000 / 450e9
+            isl = next(p for p in projection if p["label"] == "diloco-islands" and p["rate"] == rate and p["P"] == P
+                       and p["node"] == "450gbps")
+            twin = next(p for p in projection if p["label"] == "diloco" and p["rate"] == rate and p["P"] == P)
+            # plus its rails' share of an exchange every 64 steps: less than the per-rank exchange of the whole vector
+            assert 0 < isl["step_seconds"] - 0.03 - mean < twin["step_seconds"] - 0.03
+
+
+def test_the_islands_projected_goal_is_judged_on_a_gpu_nodes_links_and_shows_this_machines_beside_them():
+    from mpiopt.experiments.crossover_report import _islands_projected, _projected_verdicts
+
+    s, projection, node = _projected()
+    (goal, verdict), = _projected_verdicts(s, projection, node).items()
+    assert goal.startswith("diloco-islands in the projection") and "25 GB/s or 450 GB/s" in goal and ">= 1.2x" in goal
+    assert verdict["met"] and verdict["measured"].startswith("this machine's (2.4 GB/s) at least 0.98x, 25 GB/s at least 1.2")
+    fewer = _projected(steps=(140, 130))  # too few steps saved: no node's links make up for it
+    assert not _projected_verdicts(*fewer)[goal]["met"]
+    table = _islands_projected(s, projection, node)
+    assert "| diloco-islands | 10gbit |" in table and "node: 450 GB/s" in table and "node: this machine's (2.4 GB/s)" in table
