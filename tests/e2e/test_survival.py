@@ -678,8 +678,9 @@ MISPLACED = "mpiopt: on_failure='respawn': no process could start on the host of
 def launcher_code(code, output, ended):
     """``code``, or 0 where Open MPI's launcher crashed (SIGABRT, SIGSEGV) in its own teardown after every process
     ``ended`` (each line of it in ``output``): after a respawn on the emulated nodes it at times does ("double free or
-    corruption", "free(): invalid next size"; docs/failures.md), with the old placement as with this one."""
-    crashed = code in (-signal.SIGABRT, -signal.SIGSEGV)
+    corruption", "free(): invalid next size"; docs/failures.md), with the old placement as with this one, or exits 1
+    having lost track of the job after a PMIx error in the spawn ("LAUNCHER JOB OBJECT NOT FOUND")."""
+    crashed = code in (-signal.SIGABRT, -signal.SIGSEGV) or (code == 1 and "LAUNCHER JOB OBJECT NOT FOUND" in output)
     return 0 if crashed and all(line in output for line in ended) else code
 
 
