@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..bench._common import markdown_table, parse_rate
 from ..bench.collectives import GLOO_ALLREDUCE
 from ..bench.model.calibration import calibrate
+from ..bench.model.predict import FABRIC_ALPHA as MODEL_ALPHA
 from ..bench.model.predict import RANKS as PROJECTED_RANKS
 from ..bench.model.predict import at_rate, comm_seconds, ideal_link, plan
 from ..metrics import read_metrics, summarize
@@ -35,8 +36,6 @@ GOAL_MODEL = 0.25
 PROJECTED_RATES = ("10gbit", "100gbit")
 #: Ranks per island in the projection: a node of 8 GPUs.
 PROJECTED_ISLAND = 8
-#: A fabric's per-hop latency for the projection (this machine's fitted alpha is its scheduling, not a network's).
-MODEL_ALPHA = 1e-5
 #: The island's own links in the projection beside this machine's shared memory: a node of 8 GPUs on PCIe 4.0 x16, and
 #: on NVLink 4 (a GPU's rate each way), as ideal links (:func:`~mpiopt.bench.model.predict.ideal_link`).
 PROJECTED_NODE_RATES = ("25gbps", "450gbps")

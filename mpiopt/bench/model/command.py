@@ -10,15 +10,13 @@ from ...training.config import UsageError
 from .._common import check_choices, comma_list, count, parse_rate, write_json
 from .calibration import calibrate
 from .costs import MEDIA
-from .predict import RANKS, RATES, ideal_link, project, projected, validate
+from .predict import FABRIC_ALPHA, RANKS, RATES, ideal_link, project, projected, validate
 from .report import calibration_table, plot_projection, plot_validation, projection_table, validation_table
 
 __all__ = ["MODELS", "add_arguments", "run"]
 
 #: name=parameters@compute-ms: ResNet-50 (25.6M) and a 350M-parameter model, compute per step on one accelerator.
 MODELS = ("resnet50=25.6M@100", "350M=350M@500")
-#: A hop inside a node given by ``--node-rate``: a fabric's order of latency, not this machine's scheduling.
-NODE_ALPHA = 1e-5
 
 
 def _load(paths: Sequence[str]) -> List[Dict[str, Any]]:
@@ -96,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         (model,) = _load([args.model])
         node = _load([args.node])[0] if getattr(args, "node", None) else None
         if getattr(args, "node_rate", None):
-            node = ideal_link(parse_rate(args.node_rate), NODE_ALPHA if args.alpha is None else args.alpha)
+            node = ideal_link(parse_rate(args.node_rate), FABRIC_ALPHA if args.alpha is None else args.alpha)
         if args.action == "validate":
             rows = validate(model, _load(args.measured), node)
             print(validation_table(rows, args.goal))

@@ -17,11 +17,13 @@ from .._common import parse_rate
 from .costs import COLLECTIVES, latency_terms, wire_bytes
 
 __all__ = [
-    "RANKS", "RATES", "projected", "plan", "comm_seconds", "step_seconds", "async_seconds", "at_rate", "ideal_link", "validate",
+    "RANKS", "RATES", "FABRIC_ALPHA", "projected", "plan", "comm_seconds", "step_seconds", "async_seconds", "at_rate", "ideal_link", "validate",
     "project",
 ]
 
 RANKS = (64, 128, 256, 512, 1024)
+#: A fabric's per-hop latency for projections (a calibrated alpha here is this machine's scheduling, not a network's).
+FABRIC_ALPHA = 1e-5
 RATES = ("10gbit", "100gbit")
 
 
