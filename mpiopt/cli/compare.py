@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sweep", action="append", default=[], metavar="KEY=V1,V2",
         help="before the main runs, try each value of a hyperparameter (a key of the algorithms' schemas, or lr; "
         "ALGORITHM.KEY=... for one algorithm) in a short run per value, and keep, per algorithm, the one with the lowest "
-        "test loss at the last evaluation; several --sweep flags form a grid. Runs in OUT/sweep/, scores in OUT/sweep.json and results.md",
+        "test loss at the last evaluation (a synchronous one is evaluated only there); several --sweep flags form a grid. Runs in OUT/sweep/, scores in OUT/sweep.json and results.md",
     )
     parser.add_argument(
         "--sweep-steps", type=int, default=None, metavar="N",

@@ -35,13 +35,19 @@ def tuning_config(config: TrainConfig, algorithm: str, point: Dict[str, Any], st
     or none, and loses; the sweep goes on.  A ``nan_policy`` the user set stays.
     The asynchronous algorithms cannot skip (it is decided collectively): a
     diverging candidate of theirs still ends the job, naming the step.
+
+    Only that last test loss counts, and evaluating changes no bit of a
+    synchronous run, so a synchronous candidate is evaluated once, at its end
+    (its progress lines keep their cadence).  An asynchronous run's evaluations
+    are its quiescent points, which shape it: they keep ``eval_every``.
     """
     from ..algorithms import ASYNCHRONOUS, algorithm_class
     from .config import DDP
 
-    short = dataclasses.replace(with_point(config, algorithm, point), steps=steps, epochs=None)
-    if (algorithm == DDP or algorithm_class(algorithm).protocol == ASYNCHRONOUS
-            or "nan_policy" in short.algorithm_hyperparameters(algorithm)):
+    asynchronous = algorithm != DDP and algorithm_class(algorithm).protocol == ASYNCHRONOUS
+    once = {} if asynchronous else {"eval_every": steps, "log_every": config.log_every or config.eval_every or max(1, steps // 10)}
+    short = dataclasses.replace(with_point(config, algorithm, point), steps=steps, epochs=None, **once)
+    if algorithm == DDP or asynchronous or "nan_policy" in short.algorithm_hyperparameters(algorithm):
         return short
     return with_point(short, algorithm, {"nan_policy": "skip"})
 

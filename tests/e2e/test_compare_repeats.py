@@ -69,6 +69,24 @@ def test_compare_sweep_picks_the_lowest_test_loss_and_the_main_runs_use_it(tmp_p
     assert "## sweep: 3 steps per candidate" in results and "- sgd: chose lr=" in results
 
 
+def test_a_sweeps_candidate_is_evaluated_once_and_scores_what_the_same_run_evaluated_every_few_steps_ends_at(tmp_path):
+    """Evaluating changes no bit of a synchronous run: a candidate evaluated only at its end (the sweep's) has the same
+    step losses and last test loss as the main run at its point, which is evaluated every 3 steps."""
+    out = tmp_path / "once"
+    code, output, _ = run_mpi(
+        2, ["-m", "mpiopt", "compare", "--algorithms", "sgd,diloco", *TINY, "--sweep", "lr=0.05", "--sweep", "diloco.period=2",
+            "--sweep-steps", "6", "--out", str(out)], timeout=300,
+    )
+    assert code == 0, output
+    record = json.loads((out / "sweep.json").read_text())
+    for name in ("sgd", "diloco"):
+        (candidate,) = record["candidates"][name]
+        tuned, main = read_metrics(candidate["metrics"]), read_metrics(out / name / "metrics.jsonl")
+        assert [e["step"] for e in tuned.evals] == [6] and [e["step"] for e in main.evals] == [3, 6]
+        assert [r["loss"] for r in tuned.steps] == [r["loss"] for r in main.steps] and len(main.steps) == 6
+        assert candidate["score"] == main.evals[-1]["test_loss"], name
+
+
 @pytest.mark.parametrize(
     "sweep, message",
     [

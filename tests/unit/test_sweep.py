@@ -48,6 +48,21 @@ def test_a_tuning_run_is_short_skips_non_finite_steps_and_puts_the_rate_where_th
         tuning_config(config, name, {"lr": 0.01}, 40).validate([name])
 
 
+def test_a_synchronous_tuning_run_is_evaluated_once_at_its_end_and_an_asynchronous_one_at_its_cadence():
+    """Only the last test loss scores a candidate: a synchronous one skips the evaluations before it, its progress
+    lines as they were; an asynchronous run's evaluations are quiescent points that shape it, so they stay."""
+    from mpiopt.cli.sweep import tuning_config
+    from mpiopt.training.config import TrainConfig
+
+    for config, lines in ((TrainConfig(eval_every=5), 5), (TrainConfig(eval_every=5, log_every=2), 2), (TrainConfig(), 4)):
+        for name in ("sgd", "diloco", "ddp"):
+            short = tuning_config(config, name, {"lr": 0.01}, 40)
+            assert (short.eval_every, short.log_every) == (40, lines), (name, config)
+    for name in ("async_msgd", "async_lsgd"):
+        short = tuning_config(TrainConfig(eval_every=5), name, {"lr": 0.01}, 40)
+        assert (short.eval_every, short.log_every) == (5, None)
+
+
 def test_the_choice_is_scored_when_made_from_every_tuning_runs_metrics(tmp_path):
     """Rank 0 scores every candidate as it chooses, from the metrics files: a rank that took rank 0's place after a lost
     rank (compare --on-failure shrink or respawn) scores the runs before the loss too.  An algorithm that no --sweep
