@@ -114,6 +114,10 @@ class TrainConfig:
 
         return {k: GPT_DEFAULTS[k] if getattr(self, k) is None else getattr(self, k) for k in GPT_SIZES}
 
+    def evaluation_interval(self, steps: int) -> int:
+        """Steps between two evaluations of a run of ``steps`` steps: ``eval_every``, else ten evaluations a run."""
+        return self.eval_every or max(1, steps // 10)
+
     def for_algorithm(self, algorithm: str) -> "TrainConfig":
         """These settings as ``algorithm`` trains with them.
 

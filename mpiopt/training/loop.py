@@ -227,7 +227,7 @@ class _Run:
         self.batches = Batches(dataset, config.batch_size, config.seed, config.augment, world, self.is_asynchronous, self.device)
         self.batches_per_epoch = self.batches.sampler.batches_per_epoch
         self.steps = config.steps or max(1, math.ceil((config.epochs or DEFAULT_EPOCHS) * self.batches_per_epoch))
-        self.eval_every = config.eval_every or max(1, self.steps // 10)
+        self.eval_every = config.evaluation_interval(self.steps)
         self.checkpoints = Checkpointer(CheckpointPlan.of(config, out_dir), algorithm, topology, model, opt, self.batches_per_epoch, scaler)
         cleanup.callback(self.checkpoints.close)  # signal handlers restored however the run ends
         self.start = self.applied = self.checkpoints.resume()

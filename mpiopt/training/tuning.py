@@ -45,7 +45,7 @@ def tuning_config(config: TrainConfig, algorithm: str, point: Dict[str, Any], st
     from .config import DDP
 
     asynchronous = algorithm != DDP and algorithm_class(algorithm).protocol == ASYNCHRONOUS
-    once = {} if asynchronous else {"eval_every": steps, "log_every": config.log_every or config.eval_every or max(1, steps // 10)}
+    once = {} if asynchronous else {"eval_every": steps, "log_every": config.log_every or config.evaluation_interval(steps)}
     short = dataclasses.replace(with_point(config, algorithm, point), steps=steps, epochs=None, **once)
     if algorithm == DDP or asynchronous or "nan_policy" in short.algorithm_hyperparameters(algorithm):
         return short
