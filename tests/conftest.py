@@ -61,6 +61,14 @@ def _on_timeout(item, seconds: float) -> None:
 
 
 @pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """tests/unit needs no MPI: ``one_mpi`` (.ci/run's second MPI leaves it out)."""
+    unit = os.path.join(os.path.dirname(__file__), "unit") + os.sep
+    for item in items:
+        if str(item.path).startswith(unit):
+            item.add_marker(pytest.mark.one_mpi)
+
+
 def pytest_timeout_set_timer(item, settings):
     if not settings.timeout or settings.timeout <= 0:
         return None

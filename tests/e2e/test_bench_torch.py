@@ -5,9 +5,14 @@ from __future__ import annotations
 import math
 import re
 
+import pytest
+
 from mpiopt.bench.torch_overhead import layer_shapes, resnet18_shapes
 
 from .launch import run_mpi
+
+# What these tests check does not depend on the MPI library: CI runs them under MPICH only (.ci/run).
+pytestmark = pytest.mark.one_mpi
 
 
 def test_resnet18_shapes_total():

@@ -16,6 +16,9 @@ torch = pytest.importorskip("torch")
 
 from mpiopt.checkpoint.layout import read_group  # noqa: E402  (needs h5py)
 
+# What these tests check does not depend on the MPI library: CI runs them under MPICH only (.ci/run).
+pytestmark = pytest.mark.one_mpi
+
 TEXT = ["train", "--dataset", "text", "--model", "gpt", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
         "--batch-size", "8", "--steps", "6", "--eval-every", "6", "--dropout", "0.1", "--progress", "lines", "--checkpoint-every", "3"]
 

@@ -13,6 +13,9 @@ from .launch import run_mpi
 pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 
+# What these tests check does not depend on the MPI library: CI runs them under MPICH only (.ci/run).
+pytestmark = pytest.mark.one_mpi
+
 TEXT = ["-m", "mpiopt", "train", "--dataset", "text", "--model", "gpt", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
         "--block-size", "32", "--batch-size", "8", "--steps", "5", "--eval-every", "5", "--progress", "lines"]
 

@@ -22,6 +22,7 @@ def _png(path) -> bool:
         return handle.read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(path) > 1000
 
 
+@pytest.mark.one_mpi  # its output's form, whichever MPI ran it
 def test_train_writes_every_field_and_prints_the_settings_first(tmp_path):
     out = tmp_path / "run"
     code, output, _ = run_mpi(2, ["-m", "mpiopt", "train", "--algorithm", "lsgd", *TINY, "--out", str(out)], timeout=180)
@@ -46,6 +47,7 @@ def test_train_writes_every_field_and_prints_the_settings_first(tmp_path):
     assert 'dataset = "synthetic"' in (again / "config.toml").read_text()
 
 
+@pytest.mark.one_mpi  # its output's form, whichever MPI ran it
 def test_compare_writes_the_table_and_figures_and_plot_redraws_them(tmp_path):
     out = tmp_path / "cmp"
     algorithms = "sgd,dasgd,signum,async_msgd"
@@ -103,6 +105,7 @@ def test_bad_input_gives_one_clear_message(tmp_path, args, message):
     assert "Traceback" not in output, output
 
 
+@pytest.mark.one_mpi  # its output's form, whichever MPI ran it
 def test_metrics_lines_are_json_with_numbers(tmp_path):
     out = tmp_path / "one"
     code, output, _ = run_mpi(1, ["-m", "mpiopt", "train", "--algorithm", "topk", *TINY, "--out", str(out)], timeout=120)
@@ -129,6 +132,7 @@ def test_trace_shows_every_rank_and_dasgd_averaging_in_flight_during_compute(tmp
         assert overlap_fraction(events, rank) > 0  # the averaging ran behind the next steps' forward/backward
 
 
+@pytest.mark.one_mpi  # its output's form, whichever MPI ran it
 def test_settings_from_a_file_are_type_checked(tmp_path):
     from mpiopt.training.config import TrainConfig, UsageError
 
@@ -144,6 +148,7 @@ def test_settings_from_a_file_are_type_checked(tmp_path):
     TrainConfig(hyperparameters={"lsgd": {"pull_local": 0.2}}).validate(["sgd"])  # a table for another algorithm is fine
 
 
+@pytest.mark.one_mpi  # its output's form, whichever MPI ran it
 def test_progress_bar_on_request_and_plain_lines_in_logs(tmp_path):
     code, output, _ = run_mpi(2, ["-m", "mpiopt", "train", *TINY, "--progress", "bar", "--out", str(tmp_path / "bar")], timeout=120)
     assert code == 0, output
@@ -159,6 +164,7 @@ def test_help_under_mpiexec_is_printed_once():
     assert output.count("usage: python -m mpiopt train") == 1 and output.count("Checkpoints:") == 1, output
 
 
+@pytest.mark.one_mpi  # its output's form, whichever MPI ran it
 def test_help_names_the_evaluated_model_of_every_algorithm():
     import argparse
 
@@ -178,6 +184,7 @@ def test_help_names_the_evaluated_model_of_every_algorithm():
     assert listed["async_lsgd"] == "the global leader's model" and listed["sgd"].startswith("every rank's model")
 
 
+@pytest.mark.one_mpi
 @pytest.mark.parametrize("command", ["train", "compare"])
 def test_help_documents_every_flag_and_its_default(command):
     import argparse

@@ -13,6 +13,9 @@ from .launch import run_mpi
 pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 
+# What these tests check does not depend on the MPI library: CI runs them under MPICH only (.ci/run).
+pytestmark = pytest.mark.one_mpi
+
 TINY = ["--dataset", "synthetic", "--steps", "6", "--eval-every", "3", "--batch-size", "16"]
 
 

@@ -17,6 +17,9 @@ from .launch import ROOT, emulated_cluster_unavailable, mpiexec, run_mpi
 pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 
+# What these tests check does not depend on the MPI library: CI runs them under MPICH only (.ci/run).
+pytestmark = pytest.mark.one_mpi
+
 COMMAND = ["-m", "mpiopt", "experiment"]
 
 

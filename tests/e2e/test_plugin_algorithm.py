@@ -12,6 +12,9 @@ from mpiopt.metrics import read_metrics
 
 from .launch import ROOT, run_mpi
 
+# What these tests check does not depend on the MPI library: CI runs them under MPICH only (.ci/run).
+pytestmark = pytest.mark.one_mpi
+
 PLUGINS = os.path.join(ROOT, "tests", "plugins")
 ENV = {"MPIOPT_ALGORITHMS": "toy_averaging", "PYTHONPATH": os.pathsep.join(filter(None, [PLUGINS, os.environ.get("PYTHONPATH")]))}
 TINY = ["--dataset", "synthetic", "--steps", "8", "--eval-every", "4", "--batch-size", "16"]
