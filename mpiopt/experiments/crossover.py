@@ -8,7 +8,8 @@ driver, started with plain ``python`` as root: it starts its own MPI jobs (:mod:
 1. *tuning* (at :data:`TUNING_RATE`; the loss after a number of steps does not depend on the link): every
    variant's learning rates (and periods), the same grid for everyone, each axis extended past an edge that wins;
    of periods whose losses tie, the longest wins;
-2. *main runs*: every variant with every seed at every rate, round by round (every variant once per seed);
+2. *main runs*: every variant with every seed at every rate, round by round (every variant once per seed); at the
+   slower rates evaluated once, taking the first rate's evaluations (:func:`.crossover_job.timed_metrics`);
 3. *calibration*: ``bench collectives`` at each rate, and between a node's two ranks (shared memory, where a
    group's calls run; inside every node at once, each call after a step's work), for the model's ``alpha`` and
    ``beta``.
@@ -31,9 +32,9 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 from ..bench._common import child_environment, mpiexec_path, parse_rate, repository_tool, write_json
 from ..bench.collectives import GLOO_ALLREDUCE
 from ..training.config import UsageError
-from ..training.tuning import lowest
+from ..training.tuning import evaluations_shape, lowest
 from . import EXPERIMENTS
-from .crossover_job import COMPLETE, GROUPS_CALIBRATION, pending
+from .crossover_job import COMPLETE, GROUPS_CALIBRATION, pending, timed_folder
 
 RANKS = EXPERIMENTS["crossover"].ranks
 NODES, RANKS_PER_NODE = 2, 2
@@ -148,11 +149,15 @@ def choose(scored: Sequence[Tuple[Optional[float], Dict[str, Any]]], period_name
 
 
 def run_entry(out: str, variant: Variant, point: Dict[str, Any], seed: int, steps: int, folder: str,
-              shaping: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """One run of a job file; a timed run names its link's ``shaping``, a tuning run (its loss only counts) none."""
+              shaping: Optional[Dict[str, Any]] = None, reference: Optional[str] = None) -> Dict[str, Any]:
+    """One run of a job file; a timed run names its link's ``shaping``, a tuning run (its loss only counts) none.
+
+    ``reference``: the folder (under ``out``) of the same run at a faster rate, whose evaluations it takes
+    (:func:`~.crossover_job.timed_metrics`)."""
     return {"folder": os.path.join(out, folder), "label": variant.label, "algorithm": variant.algorithm,
             "hyperparameters": variant.hyperparameters, "point": point, "seed": seed, "steps": steps,
-            "tuning": shaping is None, **({} if shaping is None else {"link": shaping}), **({"islands": True} if variant.islands else {})}
+            "tuning": shaping is None, **({} if shaping is None else {"link": shaping}), **({"islands": True} if variant.islands else {}),
+            **({} if reference is None else {"reference": os.path.join(out, reference)})}
 
 
 class LoadSampler:
@@ -273,8 +278,11 @@ def main_runs(out: str, s: Dict[str, Any], chosen: Dict[str, Dict[str, Any]]) ->
     calibrate_link(os.path.join(out, GROUPS_CALIBRATION), s["rates"][0], RANKS, NODE_OPERATIONS, s,
                    "calibration within every node at once (bench collectives --within-groups --after-work)",
                    within_groups=True, after_work=GROUP_WORK_SECONDS)
+    first = s["rates"][0]
     for rate in s["rates"]:
-        runs = [run_entry(out, v, chosen[v.label], seed, s["steps"], os.path.join(rate, v.label, f"seed{seed}"), link(rate))
+        # At a slower rate a synchronous run repeats the first rate's steps bit for bit: its test losses are taken from there.
+        runs = [run_entry(out, v, chosen[v.label], seed, s["steps"], timed_folder(rate, v.label, seed), link(rate),
+                          None if rate == first or evaluations_shape(v.algorithm) else timed_folder(first, v.label, seed))
                 for seed in s["seeds"] for v in s["variants"]]
         train_job(out, f"main-{rate}", rate, s["task"], runs)
         calibrate_link(os.path.join(out, rate, "collectives.json"), rate, RANKS, LINK_OPERATIONS, s, "calibration (bench collectives)")

@@ -20,12 +20,12 @@ from ..bench.model.calibration import calibrate
 from ..bench.model.predict import FABRIC_ALPHA as MODEL_ALPHA
 from ..bench.model.predict import RANKS as PROJECTED_RANKS
 from ..bench.model.predict import at_rate, comm_seconds, ideal_link, plan
-from ..metrics import read_metrics, summarize
+from ..metrics import summarize
 from ..metrics.summary import format_bytes, format_loss, format_seconds, format_speedup, format_spread
 from ..training.config import DDP
 from ..training.ddp import MODELLED_AS
 from ._common import new_figure, write_results
-from .crossover_job import COMPLETE, GROUPS_CALIBRATION
+from .crossover_job import COMPLETE, GROUPS_CALIBRATION, timed_folder, timed_metrics
 
 __all__ = ["report", "GOAL_SLOW", "GOAL_MODEL", "PROJECTED_RATES", "MODEL_ALPHA"]
 
@@ -96,11 +96,10 @@ def _load(out: str, s: Dict[str, Any]) -> Dict[str, Dict[str, List[Dict[str, Any
         for v in s["variants"]:
             runs[rate][v.label] = []
             for seed in s["seeds"]:
-                folder = os.path.join(out, rate, v.label, f"seed{seed}")
+                folder = os.path.join(out, timed_folder(rate, v.label, seed))
                 with open(os.path.join(folder, COMPLETE)) as handle:
                     done = json.load(handle)
-                runs[rate][v.label].append({"seed": seed, "metrics": read_metrics(os.path.join(folder, "metrics.jsonl")),
-                                            "summary": done["summary"]})
+                runs[rate][v.label].append({"seed": seed, "metrics": timed_metrics(folder, done), "summary": done["summary"]})
     return runs
 
 

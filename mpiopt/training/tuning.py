@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from .config import TrainConfig
 
-__all__ = ["with_point", "tuning_config", "lowest"]
+__all__ = ["with_point", "evaluations_shape", "tuning_config", "lowest"]
 
 
 def with_point(config: TrainConfig, algorithm: str, point: Dict[str, Any]) -> TrainConfig:
@@ -28,6 +28,15 @@ def with_point(config: TrainConfig, algorithm: str, point: Dict[str, Any]) -> Tr
     return dataclasses.replace(mine, hyperparameters=hyper, **rate)
 
 
+def evaluations_shape(algorithm: str) -> bool:
+    """Whether evaluating a run of ``algorithm`` changes its course: an asynchronous run's evaluations are its
+    quiescent points; a synchronous run (DDP's too) steps bit for bit the same however often it is evaluated."""
+    from ..algorithms import ASYNCHRONOUS, algorithm_class
+    from .config import DDP
+
+    return algorithm != DDP and algorithm_class(algorithm).protocol == ASYNCHRONOUS
+
+
 def tuning_config(config: TrainConfig, algorithm: str, point: Dict[str, Any], steps: int) -> TrainConfig:
     """The short run of ``algorithm`` at ``point``: ``steps`` steps, and a non-finite gradient skipped, not fatal.
 
@@ -41,10 +50,9 @@ def tuning_config(config: TrainConfig, algorithm: str, point: Dict[str, Any], st
     (its progress lines keep their cadence).  An asynchronous run's evaluations
     are its quiescent points, which shape it: they keep ``eval_every``.
     """
-    from ..algorithms import ASYNCHRONOUS, algorithm_class
     from .config import DDP
 
-    asynchronous = algorithm != DDP and algorithm_class(algorithm).protocol == ASYNCHRONOUS
+    asynchronous = evaluations_shape(algorithm)
     once = {} if asynchronous else {"eval_every": steps, "log_every": config.log_every or config.evaluation_interval(steps)}
     short = dataclasses.replace(with_point(config, algorithm, point), steps=steps, epochs=None, **once)
     if algorithm == DDP or asynchronous or "nan_policy" in short.algorithm_hyperparameters(algorithm):

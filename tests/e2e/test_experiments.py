@@ -174,6 +174,7 @@ CLUSTER_WHY_NOT = emulated_cluster_unavailable()
 def test_crossover_measures_each_rate_models_it_and_resumes(tmp_path):
     """2 rates x 3 variants on the emulated cluster: tuned, trained, calibrated and reported; a rerun trains only what is missing."""
     from mpiopt.experiments.crossover import QUICK
+    from mpiopt.metrics import read_metrics
 
     out = tmp_path / "crossover"
     command = [sys.executable, "-m", "mpiopt", "experiment", "crossover", "--quick", "--out", str(out)]
@@ -189,6 +190,9 @@ def test_crossover_measures_each_rate_models_it_and_resumes(tmp_path):
     slow, fast = (next(r for r in rows if r["rate"] == rate and r["label"] == "sgd") for rate in ("100mbit", "1gbit"))
     assert slow["predicted_comm"] > fast["predicted_comm"] > 0  # a tenth of the rate: more time on the wire
     assert slow["final_loss"] == fast["final_loss"]  # the same seed trains the same steps at any rate
+    # ... so the slower rate's runs are evaluated once, at their end, and take the first rate's evaluations.
+    assert [e["step"] for e in read_metrics(out / "100mbit" / "sgd" / "seed0" / "metrics.jsonl").evals] == [QUICK["steps"]]
+    assert slow["steps_to_target_seeds"] == fast["steps_to_target_seeds"]
     markdown = (out / "results.md").read_text()
     assert (out / "results-crossover-map.png").stat().st_size > 0 and "Goals" in markdown
     assert "| variant | fabric | node: this machine's (" in markdown  # the islands' projection by the node's links
@@ -213,6 +217,40 @@ def test_crossover_measures_each_rate_models_it_and_resumes(tmp_path):
     assert f"[tuning-1]: all {n} runs already done" in again.stdout and f"[main-100mbit]: all {n} runs already done" in again.stdout
     rerun = {(r["rate"], r["label"]): r for r in json.loads((out / "results.json").read_text())["numbers"]["rows"]}
     assert rerun[("1gbit", "diloco")]["final_loss"] == next(r for r in rows if r["rate"] == "1gbit" and r["label"] == "diloco")["final_loss"]
+
+
+def test_a_crossover_run_at_a_slower_rate_takes_its_reference_runs_evaluations_at_its_own_times(tmp_path):
+    """A timed run with a reference (the same run at a faster rate) is evaluated once, at its end, and takes the
+    reference's evaluations: what it would have recorded itself, to the bit, save the wall time of its own steps.
+    A run that does not repeat its reference's steps (another seed) is trained again and evaluated on its own."""
+    import dataclasses
+
+    from mpiopt.experiments.crossover_job import COMPLETE, timed_metrics, with_reference_evaluations
+    from mpiopt.metrics import read_metrics
+
+    task = dict(dataset="synthetic", batch_size=16, eval_every=2, target_loss=2.28, log_every=2)
+    base = dict(label="diloco", algorithm="diloco", hyperparameters={}, point={"lr": 0.05, "period": 2}, steps=8, tuning=False)
+    folders = {name: str(tmp_path / name) for name in ("reference", "slow", "again", "other")}
+    runs = [dict(base, folder=folders["reference"], seed=0), dict(base, folder=folders["slow"], seed=0, reference=folders["reference"]),
+            dict(base, folder=folders["again"], seed=0), dict(base, folder=folders["other"], seed=1, reference=folders["reference"])]
+    (tmp_path / "job.json").write_text(json.dumps({"tag": "[t]", "task": task, "runs": runs}))
+    code, output, _ = run_mpi(2, ["-m", "mpiopt.experiments.crossover_job", str(tmp_path / "job.json")], timeout=300)
+    assert code == 0, output
+    done = {name: json.loads((tmp_path / name / COMPLETE).read_text()) for name in folders}
+    own = {name: read_metrics(tmp_path / name / "metrics.jsonl") for name in folders}
+    assert [e["step"] for e in own["slow"].evals] == [8] and [e["step"] for e in own["reference"].evals] == [2, 4, 6, 8]
+    taken = timed_metrics(folders["slow"], done["slow"])
+    assert [e["test_loss"] for e in taken.evals] == [e["test_loss"] for e in own["reference"].evals]
+    assert [e["wall_seconds"] for e in taken.evals] == [r["wall_seconds"] for r in own["slow"].steps if r["step"] % 2 == 0]
+    assert done["slow"]["summary"]["steps_to_target"] == done["reference"]["summary"]["steps_to_target"] == 6
+    assert done["slow"]["summary"]["time_to_target"] == own["slow"].steps[5]["wall_seconds"]  # its own time to step 6
+    # The run evaluated on its own ("again"), cut to its last evaluation, gets back every field it recorded.
+    cut = dataclasses.replace(own["again"], evals=own["again"].evals[-1:])
+    rebuilt = [{k: v for k, v in e.items() if k != "borrowed_from"} for e in with_reference_evaluations(cut, own["reference"]).evals]
+    assert rebuilt == own["again"].evals
+    assert "[t]: diloco seed 1 did not repeat its reference run (step 1: training loss" in output, output
+    assert done["other"]["evaluated"] == "own" and [e["step"] for e in own["other"].evals] == [2, 4, 6, 8]
+    assert timed_metrics(folders["other"], done["other"]).evals == own["other"].evals
 
 
 def test_crossover_refuses_to_run_under_mpiexec():
