@@ -1,10 +1,12 @@
-"""The crossover experiment's tuning grid: every variant tuned alike, and a grid that grows past an edge that wins."""
+"""The crossover experiment: every variant tuned alike, a grid that grows past an edge that wins, and a slower rate's run
+taking its reference run's evaluations only where it repeated that run to the bit."""
 
 from __future__ import annotations
 
-import pytest
-
 import json
+import re
+
+import pytest
 
 from mpiopt.experiments import crossover
 from mpiopt.experiments.crossover import ADAMW_RATES, EXTENSIONS, FULL, Variant, burst_bytes, extended, grid, link, point_name, run_entry
@@ -163,3 +165,31 @@ def test_the_islands_projected_goal_is_judged_on_a_gpu_nodes_links_and_shows_thi
     assert not _projected_verdicts(*fewer)[goal]["met"]
     table = _islands_projected(s, projection, node)
     assert "| diloco-islands | 10gbit |" in table and "node: 450 GB/s" in table and "node: this machine's (2.4 GB/s)" in table
+
+
+def _run(losses, evals, path):
+    """A metrics ``Run`` of one step per loss (5 bytes and 10 ms each) and ``evals`` as ``(step, test loss)``."""
+    from mpiopt.metrics import Run
+
+    steps = [{"step": i, "loss": loss, "bytes_sent": 5, "wall_seconds": 0.01 * i} for i, loss in enumerate(losses, 1)]
+    return Run(header={}, steps=steps, evals=[{"step": s, "test_loss": t, "wall_seconds": 9.0, "bytes_sent_total": 0} for s, t in evals],
+               path=path)
+
+
+def test_a_run_takes_its_references_evaluations_only_where_it_repeated_the_reference_to_the_bit():
+    """The borrowed evaluations carry the run's own time and bytes at their step; a differing step, a differing last
+    test loss or another number of steps is refused, naming what differs."""
+    from mpiopt.experiments.crossover_job import NotRepeated, with_reference_evaluations
+
+    nan = float("nan")
+    reference = _run([3.0, nan, 2.5, 2.25], [(2, 2.9), (4, 2.4)], "ref")
+    taken = with_reference_evaluations(_run([3.0, nan, 2.5, 2.25], [(4, 2.4)], "slow"), reference)
+    assert [(e["step"], e["test_loss"], e["wall_seconds"], e["bytes_sent_total"]) for e in taken.evals] == [(2, 2.9, 0.02, 10), (4, 2.4, 9.0, 0)]
+    assert taken.evals[0]["borrowed_from"] == "ref" and "borrowed_from" not in taken.evals[1]
+    for losses, evals, message in (
+        ([3.0, nan, 2.5000001, 2.25], [(4, 2.4)], "step 3: training loss 2.5000001 in slow, 2.5 at step 3 in ref"),
+        ([3.0, nan, 2.5, 2.25], [(4, 2.41)], "the last test loss: 2.41 at step 4 in slow, 2.4 at step 4 in ref"),
+        ([3.0, nan, 2.5], [(3, 2.4)], "slow has 3 steps and 1 evaluation(s), its reference ref 4 and 2"),
+    ):
+        with pytest.raises(NotRepeated, match=re.escape(message)):
+            with_reference_evaluations(_run(losses, evals, "slow"), reference)
