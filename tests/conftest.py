@@ -60,7 +60,6 @@ def _on_timeout(item, seconds: float) -> None:
     abort_job("mpiopt tests: aborting the job after the timeout above.\n")
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """tests/unit needs no MPI: ``one_mpi`` (.ci/run's second MPI leaves it out)."""
     unit = os.path.join(os.path.dirname(__file__), "unit") + os.sep
@@ -69,6 +68,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.one_mpi)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_timeout_set_timer(item, settings):
     if not settings.timeout or settings.timeout <= 0:
         return None

@@ -102,15 +102,6 @@ def timed_metrics(folder: str, done: Dict[str, Any]) -> Run:
     return with_reference_evaluations(own, read_metrics(os.path.join(reference, "metrics.jsonl")))
 
 
-def _mismatch(run: Dict[str, Any]) -> Optional[str]:
-    """Why the run just trained cannot take its reference's evaluations; None where it can, or has no reference."""
-    try:
-        timed_metrics(run["folder"], {"run": run})
-    except NotRepeated as error:
-        return str(error)
-    return None
-
-
 def done(run: Dict[str, Any]) -> bool:
     """Whether ``run`` completed as asked: its ``complete.json`` names the same run (a changed plan trains again)."""
     path = os.path.join(run["folder"], COMPLETE)
@@ -148,16 +139,22 @@ def main(argv: Sequence[str]) -> int:
         config = run_config(job["task"], run)
         config.validate([run["algorithm"]])
         train(config, run["algorithm"], topology, dataset, run["folder"], stream=None)
-        mismatch = topology.world.bcast_obj(_mismatch(run) if rank == 0 else None)
-        if mismatch:
+        metrics, mismatch = None, None
+        if rank == 0:  # where it has a reference: did it repeat it? (the metrics are rank 0's)
+            try:
+                metrics = timed_metrics(run["folder"], {"run": run})
+            except NotRepeated as error:
+                mismatch = str(error)
+        if topology.world.bcast_obj(mismatch):
             if rank == 0:
                 print(f"{tag}: {run['label']} seed {run['seed']} did not repeat its reference run ({mismatch}): "
                       "training it again, evaluated on its own", flush=True)
-            train(run_config(job["task"], run, borrowing=False), run["algorithm"], topology, dataset, run["folder"], stream=None)
+            path = train(run_config(job["task"], run, borrowing=False), run["algorithm"], topology, dataset, run["folder"], stream=None)
+            metrics = read_metrics(path) if rank == 0 else None
         if rank == 0:
-            done = {"run": run, **({"evaluated": "own"} if mismatch else {})}
-            summary = summarize(timed_metrics(run["folder"], done), target_loss=config.target_loss)
-            write_json(os.path.join(run["folder"], COMPLETE), dict(done, summary=summary))
+            record = {"run": run, **({"evaluated": "own"} if mismatch else {})}
+            summary = summarize(metrics, target_loss=config.target_loss)
+            write_json(os.path.join(run["folder"], COMPLETE), dict(record, summary=summary))
             elapsed = time.perf_counter() - started
             reached = summary["time_to_target"]
             print(f"{tag}: {number}/{len(todo)} {run['label']} seed {run['seed']}: test loss {summary['final_loss']:.4f}, "
