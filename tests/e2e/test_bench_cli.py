@@ -30,6 +30,7 @@ def load(path):
         return json.load(handle)
 
 
+@pytest.mark.one_mpi  # its text, whichever MPI ran it
 def test_help_lists_every_benchmark_and_every_default():
     code, output = run_cli(["--help"])
     assert code == 0, output
@@ -85,6 +86,7 @@ def test_collectives_after_work_times_each_call_behind_the_same_work_on_every_ra
     assert len(row["seconds"]) == 3 and 0 < row["min_seconds"] <= row["median_seconds"]
 
 
+@pytest.mark.one_mpi  # mpiopt's ledger against its formulas, whichever MPI ran it
 def test_algorithms_ledger_matches_formula(tmp_path):
     out = tmp_path / "alg.json"
     code, output, _ = run_mpi(2, [*BENCH, "algorithms", "--d", "5000", "--steps", "8", "--compute-ms", "1", "--json", str(out)], timeout=180)
@@ -114,6 +116,7 @@ def test_ddp_trains_the_same_model_as_sgd(tmp_path):
     assert "goal, sgd step time <= 0.95 x DDP's (shared memory)" in output, output
 
 
+@pytest.mark.one_mpi  # their output's form, whichever MPI ran it
 def test_existing_benchmarks_run_as_subcommands(tmp_path):
     code, output, _ = run_mpi(2, [*BENCH, "compressed", "--d", "4096", "--steps", "1", "--reps", "2"], timeout=120)
     assert code == 0 and "| vote/auto |" in output, output
@@ -144,6 +147,7 @@ def test_averaging_times_diloco_and_streaming_diloco():
     assert code == 2 and "--outer-period of at least 12" in output, output
 
 
+@pytest.mark.one_mpi  # refused before MPI starts, whichever MPI ran it
 def test_bad_input_is_a_usage_error():
     code, output = run_cli(["collectives", "--ops", "allreduce,nope"])
     assert code == 2 and "nope" in output, output

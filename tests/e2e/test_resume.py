@@ -105,6 +105,9 @@ def _drive(size: int, runs: list, logs) -> dict:
     return {name: (codes[name], (logs / f"{name}.0.log").read_text()) for name, _ in runs}
 
 
+# What the tests of this fixture check, mpiopt's checkpoint and its resize rules, is the same whichever MPI wrote and
+# read it: they are marked one_mpi, and CI's second MPI skips the fixture's four jobs.  A resume under both MPIs stays
+# checked by the stop signal's below, tests/e2e/test_islands_resume.py and the survival tests' (Open MPI).
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every case whole and resumed; resumes on another world size; refusals.  {(size, name, part): (code, output)}."""
@@ -161,6 +164,7 @@ def _out(root, size, name, part):
     return root / str(size) / name / part
 
 
+@pytest.mark.one_mpi  # see the fixture
 @pytest.mark.parametrize("size,name", CASES)
 def test_resumed_run_ends_bitwise_equal_to_the_uninterrupted_one(runs, size, name):
     root, results = runs
@@ -198,6 +202,7 @@ def test_resumed_run_ends_bitwise_equal_to_the_uninterrupted_one(runs, size, nam
     assert read_metrics(resumed / "metrics.jsonl").end["bytes_sent_total"] == attrs["whole"]["bytes_sent_total"]
 
 
+@pytest.mark.one_mpi  # see the fixture
 def test_dropout_and_augmentation_are_on_in_the_cases(runs):
     """The bitwise equalities above cover dropout's and augmentation's randomness only if they were in use."""
     root, _ = runs
@@ -219,6 +224,7 @@ def _adamw_continues_from(inner: dict, start: dict, steps: int, beta2: float = 0
     return set(inner) == set(start) and all(np.all(inner[p]["exp_avg_sq"] >= floor * start[p]["exp_avg_sq"]) for p in start)
 
 
+@pytest.mark.one_mpi  # see the fixture
 @pytest.mark.parametrize("size,name", [(4, "sgd"), (2, "sgd"), (4, "signum-allgather"), (2, "signum-allgather"), (4, "sgd-adamw"), (2, "sgd-adamw"),
                                        (4, "diloco"), (2, "diloco"), (4, "diloco-adamw"), (2, "diloco-adamw")])
 def test_resume_on_another_world_size_moves_the_state_by_the_rule(runs, size, name):
@@ -254,6 +260,7 @@ def test_resume_on_another_world_size_moves_the_state_by_the_rule(runs, size, na
         assert first_difference(final["ranks"]["1"]["inner"], final["ranks"]["0"]["inner"]) is not None
 
 
+@pytest.mark.one_mpi  # see the fixture
 def test_resume_with_another_algorithm_is_refused_naming_both(runs):
     root, results = runs
     code, output = results[(2, "refuse-algorithm", "resumed")]
@@ -275,6 +282,7 @@ def test_resume_with_another_algorithm_is_refused_naming_both(runs):
     # a checkpoint without an inner optimizer: its settings are missing, this run's are named
     ("refuse-optimizer", "sgd/refused-optimizer", "inner: saved nothing, here 'AdamW'; lr: saved 0.05, here 0.001; "),
 ])
+@pytest.mark.one_mpi  # see the fixture
 def test_a_resume_that_does_not_fit_is_refused_once_naming_both_values(runs, case, out, message):
     root, results = runs
     code, output = results[(2, case, "resumed")]
@@ -289,6 +297,7 @@ def test_a_resume_that_does_not_fit_is_refused_once_naming_both_values(runs, cas
     assert not (root / "2" / out / "config.toml").exists() and not (root / "2" / out / "checkpoints").exists()
 
 
+@pytest.mark.one_mpi  # see the fixture
 def test_a_refused_resume_in_the_runs_own_folder_leaves_its_settings_and_files_as_they_were(runs):
     root, results = runs
     code, output = results[(2, "refuse-in-place", "resumed")]
@@ -300,6 +309,7 @@ def test_a_refused_resume_in_the_runs_own_folder_leaves_its_settings_and_files_a
     assert [r["step"] for r in read_metrics(whole / "metrics.jsonl").steps] == list(range(1, STEPS + 1))
 
 
+@pytest.mark.one_mpi  # see the fixture
 def test_override_hyperparameters_resumes_with_this_runs_values(runs):
     root, results = runs
     code, output = results[(2, "override-lr", "resumed")]
@@ -308,6 +318,7 @@ def test_override_hyperparameters_resumes_with_this_runs_values(runs):
     assert lrs == {0.01}
 
 
+@pytest.mark.one_mpi  # see the fixture
 def test_easgd_on_another_world_size_keeping_neither_alpha_nor_beta_is_refused(runs):
     root, results = runs
     code, output = results[(2, "refuse-easgd-rates", "resumed")]
