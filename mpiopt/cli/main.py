@@ -95,4 +95,5 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    sys.exit(status)  # looked up after main(), as in mpiopt/__main__.py

@@ -19,4 +19,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    sys.exit(status)  # looked up after main(), as in mpiopt/__main__.py

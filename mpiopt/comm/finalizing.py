@@ -42,7 +42,8 @@ def exit_status() -> int:
     ``KeyboardInterrupt``), else the last ``sys.exit`` call's (0 for none, an int as it is, any other value 1), else 0.
 
     A ``SystemExit`` raised other than through ``sys.exit`` as :func:`finalize_at_exit` left it (``raise
-    SystemExit(3)``, an ``exit`` imported from ``sys`` before) is not seen: it counts as 0.
+    SystemExit(3)``, an ``exit`` imported from ``sys`` before, ``sys.exit(main())``, whose ``sys.exit`` is read before
+    ``main()`` runs) is not seen: it counts as 0.
     """
     uncaught = getattr(sys, "last_value", None)
     if uncaught is not None:
