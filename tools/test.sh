@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (tools/setup.sh) and run the whole test suite:
-#   1. tests without MPI (tests/unit) and end-to-end runs of the CLI (tests/e2e), the private Slurm's beside them;
+#   1. tests without MPI (tests/unit) and end-to-end runs of the CLI (tests/e2e);
 #   2. the MPI tests (tests/mpi) under mpiexec at 1, 2, 3 and 4 ranks, and the islands' at 6;
 #   3. the asynchronous and overlapping algorithms again over TCP (4 ranks).
 # Extra arguments go to every pytest run (e.g. -k ledger, -x).  MPIOPT_MPI=openmpi runs it all under
@@ -15,17 +15,8 @@ export MPIOPT_TEST_LOGDIR="$results"
 export MPIEXEC_TIMEOUT="${MPIEXEC_TIMEOUT:-900}"
 status=0
 
-# The private Slurm's tests spend minutes waiting on Slurm (a requeued job's revoked credential, its scheduler) and
-# little on the cores: they run beside the others, their output printed after them.  Exit 5 is "-k ... selected none".
-slurm=tests/e2e/test_slurm.py
-echo "== tests without MPI: tests/unit tests/e2e ($slurm beside them, its output after theirs)"
-python -m pytest -p no:cacheprovider --junitxml="$results/junit-slurm.xml" --basetemp="$results/slurm-tmp" "$slurm" "$@" >"$results/slurm.log" 2>&1 &
-slurm_pid=$!
-python -m pytest -p no:cacheprovider --junitxml="$results/junit-serial.xml" tests/unit tests/e2e --ignore="$slurm" "$@" || status=1
-wait "$slurm_pid"; slurm_status=$?
-echo "== $slurm (ran beside the tests above)"
-cat "$results/slurm.log"
-[ "$slurm_status" = 0 ] || [ "$slurm_status" = 5 ] || status=1
+echo "== tests without MPI: tests/unit tests/e2e"
+python -m pytest -p no:cacheprovider --junitxml="$results/junit-serial.xml" tests/unit tests/e2e "$@" || status=1
 
 for n in ${MPIOPT_TEST_RANKS:-1 2 3 4}; do
     echo "== MPI tests at $n rank(s): mpiexec -n $n python tools/run_mpi_pytest.py tests/mpi"
