@@ -121,7 +121,7 @@ class Session:
             for path in paths:
                 print(f"metrics: {path}")
             print(f"done in {time.perf_counter() - self.started:.1f} s")
-        self.topology.world.Barrier()
+        self.topology.world.Barrier(sleeping=True)  # the others wait out rank 0's report without taking its cores
 
 
 def _settings_summary(settings: Dict[str, Any]) -> str:

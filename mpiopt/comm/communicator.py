@@ -31,6 +31,8 @@ ANY_SOURCE, ANY_TAG = MPI.ANY_SOURCE, MPI.ANY_TAG
 _DOUBLE_INT = np.dtype([("value", np.float64), ("rank", np.int32)], align=True)
 #: Bytes one rank contributes to an election (:meth:`Comm.elect_min`).
 ELECTION_BYTES = _DOUBLE_INT.itemsize
+#: Longest sleep between two polls of ``Comm.Barrier(sleeping=True)`` (seconds): how late its end may be noticed.
+SLEEPING_BARRIER_PAUSE = 0.01
 
 
 class Request:
@@ -85,14 +87,15 @@ class Request:
                 self._complete(0.0)
         return self.done
 
-    def Wait(self) -> None:
-        """Block until the operation completes (spinning in MPI, or polling and sleeping: :mod:`~mpiopt.comm.waiting`)."""
+    def Wait(self, longest_pause: Optional[float] = None) -> None:
+        """Block until the operation completes: spinning in MPI, or polling and sleeping (:mod:`~mpiopt.comm.waiting`)
+        under the passive policy or, whatever the policy, when ``longest_pause`` (seconds between polls) is given."""
         if self.done:
             return
         t0 = time.perf_counter()
         with self._faults.guard(self._op, self.peer):
-            if self._passive:
-                backoff = Backoff()
+            if self._passive or longest_pause is not None:
+                backoff = Backoff() if longest_pause is None else Backoff(longest=longest_pause)
                 while not self._request.Test():
                     backoff.pause()
             else:
@@ -441,9 +444,17 @@ class Comm(ObjectCalls, Decisions):
             local=lambda b: None, chunked=lambda b: self._comm.Ibcast(b, root),
         )
 
-    def Barrier(self) -> None:
-        """Wait for every rank."""
-        self._run("Barrier", 0, 0, self._comm.Barrier, [], local=lambda: None)
+    def Barrier(self, *, sleeping: bool = False) -> None:
+        """Wait for every rank.
+
+        ``sleeping``: an ``Ibarrier`` waited for with sleeps of up to :data:`SLEEPING_BARRIER_PAUSE` between polls,
+        whatever the wait policy.  For a wait that one rank's long work sets (rank 0's report): MPICH's blocking
+        wait spins, taking the cores that work needs where ranks outnumber cores.  Not for a step: it ends late.
+        """
+        if not sleeping:
+            self._run("Barrier", 0, 0, self._comm.Barrier, [], local=lambda: None)
+            return
+        self._run("Ibarrier", 0, 0, self._comm.Ibarrier, [], True, local=lambda: None).Wait(SLEEPING_BARRIER_PAUSE)
 
     # -- point to point -----------------------------------------------------------------------
     def Send(self, buf: Any, dest: int, tag: int = 0) -> None:

@@ -13,7 +13,7 @@ __all__ = ["OpStats", "Ledger", "Call", "PLANNED_OPS", "LEVELS", "call_bytes", "
 
 # Operations whose ``seconds`` run from posting to completion (overlapping
 # other work); only their ``wait_seconds`` is time this rank was blocked.
-NONBLOCKING_OPS = frozenset({"Iallreduce", "Iallgather", "Ialltoall", "Isend", "Irecv"})
+NONBLOCKING_OPS = frozenset({"Iallreduce", "Iallgather", "Ialltoall", "Ibarrier", "Isend", "Irecv"})
 
 #: The ``kind`` argument of :attr:`Ledger.listener` calls.
 SPAN_KINDS = ("blocking", "inflight", "wait")

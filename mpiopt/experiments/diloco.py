@@ -42,8 +42,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 import numpy as np
 
 from ..bench._common import markdown_table
-from ..comm import Comm, Topology
-from ..comm.waiting import Backoff
+from ..comm import Topology
 from ..metrics import Run, plot_runs, read_metrics
 from ..metrics.summary import format_bytes
 from . import EXPERIMENTS
@@ -81,13 +80,6 @@ def plan(periods: Sequence[int], streaming_period: int) -> List[Spec]:
                       {"period": streaming_period, "fragments": FRAGMENTS}))
     specs.append(Spec(f"sgd, {FEW_RANKS} ranks", "sgd", FEW_RANKS, None, {}))
     return specs + [Spec(f"diloco H={h}, {FEW_RANKS} ranks", "diloco", FEW_RANKS, h, {"period": h}) for h in periods]
-
-
-def wait_without_spinning(world: Comm) -> None:
-    """Wait for every rank of ``world``, sleeping: MPICH's blocking Barrier polls, taking a core from the ranks that train."""
-    request, backoff = world.Iallreduce(np.zeros(1)), Backoff(longest=0.05, spin=0.0)
-    while not request.Test():
-        backoff.pause()
 
 
 def train_specs(topology: Topology, specs: Sequence[Spec], out: str, steps: int) -> List[str]:
@@ -158,7 +150,7 @@ def run(out: str, quick: bool) -> Dict[str, Any]:
     if few is not None:
         paths += train_specs(few, [s for s in specs if s.ranks == FEW_RANKS], out, steps)
         few.Free()
-    wait_without_spinning(topology.world)
+    topology.world.Barrier(sleeping=True)  # the few ranks' runs take a while: the others must not take their cores
     rank = topology.rank
     topology.Free()
     if rank != 0:

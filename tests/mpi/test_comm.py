@@ -247,6 +247,23 @@ def test_nonblocking_gathers_check_sizes(comm):
         comm.Ialltoall(np.zeros(2 * comm.size, np.uint8), np.zeros(2 * comm.size + 1, np.uint8))
 
 
+def test_a_sleeping_barrier_waits_for_the_last_rank_and_sleeps_meanwhile(comm):
+    """``Barrier(sleeping=True)``: no rank leaves before rank 0 arrives 0.5 s late; the ranks waiting for it use a
+    small part of that time on a CPU (MPICH's blocking Barrier spins through all of it); one Ibarrier of 0 bytes."""
+    late = 0.5
+    comm.Barrier()
+    cpu, wall = time.process_time(), time.perf_counter()
+    if comm.rank == 0:
+        time.sleep(late)
+    comm.Barrier(sleeping=True)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    assert one(comm.ledger, "Ibarrier") == (0, 0)
+    assert comm.ledger["world.Ibarrier"].wait_seconds > 0 or comm.size == 1
+    if comm.size > 1 and comm.rank != 0:
+        assert wall > 0.8 * late
+        assert cpu < 0.25 * wall, f"{cpu:.3f} s on a CPU while waiting {wall:.3f} s"
+
+
 def test_sub_communicators_inherit_the_wait_policy():
     for policy in ("active", "passive"):
         c = Comm(wait_policy=policy)
