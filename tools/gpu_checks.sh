@@ -7,7 +7,7 @@
 # Runs: the GPU unit tests; the GPU MPI tests at 2 ranks; mpiopt train --device cuda on the text task at
 # 2 ranks (bf16 and fp16, two algorithms), checkpointed and resumed, the resumed run's last checkpoint
 # compared bitwise with the uninterrupted one's; the ddp baseline on NCCL; bench update --device cuda at
-# d = 100M.  Each part has its own time limit; a failed part is named at the end and the exit code is 1.
+# d = 100M, with each variant's kernels, launches and host waits a step (--profile).  Each part has its own time limit; a failed part is named at the end and the exit code is 1.
 # The log goes to $OUT/gpu_checks.log where OUT is set (else runs/gpu-checks/), with the benchmark's JSON.
 #
 # Where MPI is missing (an image with torch and cupy but no MPI library), wheels in .whl/ are installed
@@ -90,7 +90,11 @@ fi
 # ---- The suite's GPU tests, then the benchmarks: most wanted first, should the run be cut short ----
 part "unit GPU tests" 150 "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_cuda_kernels.py tests/unit/test_buffers.py tests/unit/test_outer_step.py \
     tests/unit/test_codecs.py tests/unit/test_signs.py tests/unit/test_sparse.py tests/unit/test_sparse_device.py
-part "bench update --device cuda --d 100M" 150 "$PY" -m mpiopt bench update --device cuda --d 100M --json "$OUT_DIR/bench-update-cuda.json"
+bench_and_profile() {  # the per-algorithm ratios, then where each variant's step goes (torch.profiler), into the log too
+    limited "$PY" -m mpiopt bench update --device cuda --d 100M --json "$OUT_DIR/bench-update-cuda.json" --profile "$OUT_DIR/profile-update-cuda.md" &&
+        cat "$OUT_DIR/profile-update-cuda.md"
+}
+part "bench update --device cuda --d 100M, profiled" 200 bench_and_profile
 
 # ---- Training on the GPU, checkpointed and resumed bitwise ------------------------------------
 TEXT=(-m mpiopt train --device cuda --dataset text --model gpt --n-layer 4 --n-embd 256 --n-head 4 --block-size 128

@@ -1,7 +1,7 @@
 """Benchmark: each algorithm's own time per step at one rank, in units of torch.optim.SGD(fused=True)'s step.
 
-``python -m mpiopt.bench.update [--d 11M] [--rounds 5] [--steps 16] [--algorithms sgd,topk] [--threads N] [--device cuda] [--json FILE]``
-(one process; plain ``python`` is one MPI rank).
+``python -m mpiopt.bench.update [--d 11M] [--rounds 5] [--steps 16] [--algorithms sgd,topk] [--threads N] [--device cuda] [--json FILE]
+[--profile FILE]`` (one process; plain ``python`` is one MPI rank).
 
 Beside the algorithms: fused and foreach torch SGD, the local update through the C loop and the array code,
 and ``np.copyto``.  Goals (issue 11): ``sgd`` <= 1.2, ``easgd``/``lsgd``/``dasgd`` <= 1.5, ``signum`` <= 2,
@@ -29,6 +29,8 @@ from ..kernels import update as update_kernels
 from ..training.config import TrainConfig, UsageError
 from ._common import check_choices, comma_list, count, environment, markdown_table, median, module_main, positive_int, rotated, write_json
 from .algorithms import synchronous
+from .profile import markdown as profile_markdown
+from .profile import profile as profile_variants
 
 __all__ = ["add_arguments", "measure", "run", "main"]
 
@@ -55,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the vectors live: cpu (numpy, torch CPU tensors) or cuda (cupy arrays, torch CUDA tensors of the current GPU)",
     )
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results to FILE")
+    parser.add_argument(
+        "--profile", default=None, metavar="FILE",
+        help="--device cuda: then run every variant's steps under torch.profiler and write, as Markdown to FILE, each one's "
+        "device time, kernels and host waits a step and its costliest kernels",
+    )
 
 
 def _algorithm(topology: Topology, name: str, grads: Sequence[Any], sync: Optional[Callable[[], None]]) -> Callable[[], float]:
@@ -130,17 +137,21 @@ def measure(
     seed: int = 0,
     topology: Optional[Topology] = None,
     device: str = "cpu",
+    profile: bool = False,
 ) -> Dict[str, Any]:
     """Time every variant; the results as a dict (what :func:`run` prints and writes as JSON).
 
-    ``device``: ``"cpu"`` (numpy, CPU tensors) or ``"cuda"`` (cupy, CUDA tensors).  ``UsageError`` for an
-    algorithm that is not synchronous or a topology of more than one rank.
+    ``device``: ``"cpu"`` (numpy, CPU tensors) or ``"cuda"`` (cupy, CUDA tensors).  ``profile`` (cuda only): then
+    ``steps`` more steps of each variant under the profiler, in ``"profile"`` (:func:`mpiopt.bench.profile.profile`).
+    ``UsageError`` for an algorithm that is not synchronous, a topology of more than one rank, or a CPU profile.
     """
     import torch
 
     algorithms = list(algorithms or synchronous())
     check_choices("--algorithms", algorithms, synchronous())
     check_choices("--device", [device], DEVICES)
+    if profile and device != "cuda":
+        raise UsageError(f"--profile needs --device cuda: on the CPU the profiler sees torch's ops, not numpy's or the C loops' (got --device {device})")
     xp, sync = np, None
     if device == "cuda":
         import cupy
@@ -172,6 +183,7 @@ def measure(
         for name in rotated(list(variants), round_):
             variants[name]()  # untimed: it would pay for the previous variant's dirty cache lines and spinning threads
             samples[name].append(sum(variants[name]() for _ in range(steps)) / steps)
+    profiled = profile_variants(variants, steps) if profile else None
     if own:
         topology.Free()
     seconds = {name: median(values) for name, values in samples.items()}
@@ -190,6 +202,7 @@ def measure(
         "ratio": ratio,
         "goals": {name: {"goal": goal, "ratio": ratio[name], "met": ratio[name] <= goal} for name, goal in goals.items()},
         "samples": {name: steps * len(values) for name, values in samples.items()},
+        **({"profile": profiled} if profiled is not None else {}),
     }
 
 
@@ -209,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     topology = Topology()
-    results = measure(args.d, args.rounds, args.steps, args.algorithms, args.seed, topology, args.device)
+    results = measure(args.d, args.rounds, args.steps, args.algorithms, args.seed, topology, args.device, args.profile is not None)
     if args.device == "cpu":
         where = ""
         host = (
@@ -224,6 +237,11 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     print(table(results))
+    if args.profile:
+        os.makedirs(os.path.dirname(args.profile) or ".", exist_ok=True)
+        with open(args.profile, "w", encoding="utf-8") as f:
+            f.write(f"# Profile: update, d = {args.d:,}, {args.steps} steps a variant ({_gpu_name()})\n\n{profile_markdown(results['profile'])}")
+        print(f"\nwrote the profile to {args.profile}", file=sys.stderr)
     if args.json:
         write_json(args.json, {"benchmark": "update", **environment(topology, None), **results})
         print(f"\nwrote {args.json}", file=sys.stderr)

@@ -270,6 +270,53 @@ def test_update_benchmark_reports_every_variant():
     assert all(count == 2 for count in results["samples"].values())
 
 
+
+def test_the_profile_counts_a_steps_kernels_and_waits_from_the_profilers_events():
+    """bench.profile.summarize on a real torch.profiler record (torch's CPU ops standing in for kernels, 4 steps of fused
+    SGD) plus two host-wait events: per-step calls and times, the waits less the step's own sync, the costliest first."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from mpiopt.bench.profile import markdown, summarize
+
+    param = torch.zeros(1000, requires_grad=True)
+    param.grad = torch.ones(1000)
+    opt = torch.optim.SGD([param], lr=0.1, momentum=0.9, fused=True)
+    opt.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(4):
+            opt.step()
+    events = list(prof.key_averages())
+    fused = next(e for e in events if e.key == "aten::_fused_sgd_")
+    assert fused.count == 4
+    host_calls = [SimpleNamespace(key=key, count=count, device_type=None) for key, count in
+                  [("cudaStreamSynchronize", 6), ("cudaDeviceSynchronize", 4), ("cudaMemcpy", 2), ("cudaMemcpyAsync", 5)]]
+    summary = summarize(events + host_calls, 4, DeviceType.CPU, wall=0.002, own_waits=1, top=50)
+    assert summary["wall_ms"] == pytest.approx(0.5)
+    assert summary["waits"] == (6 + 4 + 2 - 4) / 4  # not the asynchronous copy, nor the benchmark's own sync a step
+    names = [name for name, _, _ in summary["top"]]
+    assert "aten::_fused_sgd_" in names and "cudaStreamSynchronize" not in names
+    calls = {name: per_step for name, per_step, _ in summary["top"]}
+    assert calls["aten::_fused_sgd_"] == 1.0
+    assert summary["kernels"] == sum(e.count for e in events) / 4
+    times = [us for _, _, us in summary["top"]]
+    assert times == sorted(times, reverse=True) and summary["device_ms"] == pytest.approx(sum(times) / 1e3)
+    assert sum(times) == pytest.approx(sum(e.self_cpu_time_total for e in events) / 4)
+    text = markdown({"fused": summary, "empty": {**summary, "top": []}})
+    assert "### fused" in text and "`aten::_fused_sgd_`" in text and "(none)" in text
+
+
+def test_a_profile_on_the_cpu_is_refused_before_any_work():
+    pytest.importorskip("torch")
+    from mpiopt.bench.update import measure
+    from mpiopt.training.config import UsageError
+
+    with pytest.raises(UsageError, match="--profile needs --device cuda.*got --device cpu"):
+        measure(d=10**12, rounds=1, steps=1, algorithms=["sgd"], profile=True)  # d that large would fail if allocated
+
 # Long enough for 3 parts of at least 2**18 elements (mpiopt/kernels/_parallel.h), with a ragged end.
 SPLIT_SIZE = 3 * 2**18 + 13
 
