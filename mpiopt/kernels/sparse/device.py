@@ -17,12 +17,13 @@ from .. import _cuda
 from .._backend import C_FLOATS
 from .selection import FeedbackSelection, _workspace_plan
 
-__all__ = ["DeviceTopkWorkspace", "SELECT", "MAX_CHUNK", "chunk_topk"]
+__all__ = ["DeviceTopkWorkspace", "BLOCK_SELECT", "SELECT", "MAX_CHUNK", "chunk_topk"]
 
 # Entries per thread: one block scans THREADS * _ITEMS adjacent entries, its candidates counted, then written in order.
 _ITEMS = 16
 
-_SOURCE = _cuda.HELPERS + r"""
+#: What a kernel that selects in one block shares: the rounding helpers, block sums, rank keys, the k-th key.
+BLOCK_SELECT = _cuda.HELPERS + r"""
 #define ITEMS 16
 
 template <typename T> __device__ __forceinline__ T score_(T v, int absolute) { return absolute ? fabs(v) : v; }
@@ -53,6 +54,70 @@ __device__ __forceinline__ int block_scan_(int v, int *total) {
     return before + x - v;
 }
 
+/* The rank key of |v|: magnitudes in order, NaN below them all (as -inf in the array code), +-0.0 equal. */
+template <typename T> struct Key;
+template <> struct Key<float> { typedef unsigned type; };
+template <> struct Key<double> { typedef unsigned long long type; };
+template <typename T> __device__ __forceinline__ typename Key<T>::type key_(T v) {
+    typedef typename Key<T>::type K;
+    const K u = bits_(v) & ~ieee<K>::sign;
+    return u > ieee<K>::inf ? (K)0 : u + 1;
+}
+
+/* The k-th largest of the block's keys (thread t's are keys[0, mine), entries t * per onwards) by a radix select, a
+ * byte a round from the top; *ties gets how many keys equal to it are among the k largest. */
+template <typename K>
+__device__ __forceinline__ K kth_key_(const K (&keys)[ITEMS], int mine, int k, int *ties) {
+    __shared__ int bins[256];
+    __shared__ K chosen;
+    __shared__ int still;
+    K prefix = 0, mask = 0;
+    int remaining = k, total;
+    for (int shift = 8 * (int)sizeof(K) - 8; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) bins[b] = 0;
+        __syncthreads();
+#pragma unroll
+        for (int q = 0; q < ITEMS; ++q)
+            if (q < mine && (keys[q] & mask) == prefix) atomicAdd(&bins[(keys[q] >> shift) & 255], 1);
+        __syncthreads();
+        /* bin 255 - threadIdx.x: the entries in higher bins, and whether the remaining-th largest is in this one */
+        const int bin = 255 - (int)threadIdx.x, count = threadIdx.x < 256 ? bins[bin & 255] : 0;
+        const int above = block_scan_(count, &total);
+        if (threadIdx.x < 256 && above < remaining && remaining <= above + count) {
+            chosen = prefix | ((K)bin << shift);
+            still = remaining - above;
+        }
+        __syncthreads();
+        prefix = chosen;
+        remaining = still;
+        mask |= (K)255 << shift;
+        __syncthreads();
+    }
+    *ties = remaining;
+    return prefix;
+}
+
+/* Which of this thread's keys are among the k largest (keep[q]): those above kth, and the first `ties` equal to it in
+ * index order; returns this thread's first place among the kept, which ascend with the index. */
+template <typename K>
+__device__ __forceinline__ int kept_(const K (&keys)[ITEMS], int mine, K kth, int ties, bool (&keep)[ITEMS]) {
+    int equal = 0, total;
+#pragma unroll
+    for (int q = 0; q < ITEMS; ++q) equal += q < mine && keys[q] == kth;
+    int tie = block_scan_(equal, &total), kept = 0;
+#pragma unroll
+    for (int q = 0; q < ITEMS; ++q) {
+        const bool at_kth = q < mine && keys[q] == kth;
+        keep[q] = q < mine && (keys[q] > kth || (at_kth && tie < ties));
+        tie += at_kth;
+        kept += keep[q];
+    }
+    return block_scan_(kept, &total);
+}
+
+"""
+
+_SOURCE = BLOCK_SELECT + r"""
 /* A tile is blockDim.x * ITEMS adjacent entries, one block a tile.  Pass 1 over tile b (read coalesced, entry
  * q * blockDim.x + t by thread t): x += g first where add (bad flags a NaN or +-inf in g), then counts[b] = the
  * tile's entries whose score, |x| (absolute) or x, is >= *t (never NaN). */
@@ -111,67 +176,21 @@ __global__ void scan_write(long long n, const T *x, const T *t, int absolute, co
     }
 }
 
-/* The rank key of |v|: magnitudes in order, NaN below them all (as -inf in the array code), +-0.0 equal. */
-template <typename T> struct Key;
-template <> struct Key<float> { typedef unsigned type; };
-template <> struct Key<double> { typedef unsigned long long type; };
-template <typename T> __device__ __forceinline__ typename Key<T>::type key_(T v) {
-    typedef typename Key<T>::type K;
-    const K u = bits_(v) & ~ieee<K>::sign;
-    return u > ieee<K>::inf ? (K)0 : u + 1;
-}
-
 /* The top k of |x| in each row of chunk (<= blockDim.x * ITEMS) entries, one block a row: flat[row * k + j], the j-th
- * selected flat index, ascending; of equal magnitudes at the k-th place the lowest indices.  The k-th largest key by a
- * radix select (a byte a round, from the top), then each thread's run of adjacent entries kept in order. */
+ * selected flat index, ascending; of equal magnitudes at the k-th place the lowest indices. */
 template <typename T>
 __global__ void chunk_topk(long long rows, int chunk, int k, const T *x, long long *flat) {
     typedef typename Key<T>::type K;
-    __shared__ int bins[256];
-    __shared__ K chosen;
-    __shared__ int still;
     const long long row = blockIdx.x;
     const int per = (chunk + blockDim.x - 1) / blockDim.x, first = threadIdx.x * per;
     const int mine = max(0, min(per, chunk - first));
     K keys[ITEMS];
 #pragma unroll
     for (int q = 0; q < ITEMS; ++q) keys[q] = q < mine ? key_(x[row * chunk + first + q]) : (K)0;
-    K prefix = 0, mask = 0;
-    int remaining = k, total;
-    for (int shift = 8 * (int)sizeof(K) - 8; shift >= 0; shift -= 8) {
-        for (int b = threadIdx.x; b < 256; b += blockDim.x) bins[b] = 0;
-        __syncthreads();
-#pragma unroll
-        for (int q = 0; q < ITEMS; ++q)
-            if (q < mine && (keys[q] & mask) == prefix) atomicAdd(&bins[(keys[q] >> shift) & 255], 1);
-        __syncthreads();
-        /* bin 255 - threadIdx.x: the entries in higher bins, and whether the remaining-th largest is in this one */
-        const int bin = 255 - (int)threadIdx.x, count = threadIdx.x < 256 ? bins[bin & 255] : 0;
-        const int above = block_scan_(count, &total);
-        if (threadIdx.x < 256 && above < remaining && remaining <= above + count) {
-            chosen = prefix | ((K)bin << shift);
-            still = remaining - above;
-        }
-        __syncthreads();
-        prefix = chosen;
-        remaining = still;
-        mask |= (K)255 << shift;
-        __syncthreads();
-    }
-    /* kept: keys above the k-th, and the first `remaining` equal to it, in index order */
-    int ties = 0;
-#pragma unroll
-    for (int q = 0; q < ITEMS; ++q) ties += q < mine && keys[q] == prefix;
-    int tie = block_scan_(ties, &total), kept = 0;
+    int remaining;
+    const K kth = kth_key_<K>(keys, mine, k, &remaining);
     bool keep[ITEMS];
-#pragma unroll
-    for (int q = 0; q < ITEMS; ++q) {
-        const bool at_kth = q < mine && keys[q] == prefix;
-        keep[q] = q < mine && (keys[q] > prefix || (at_kth && tie < remaining));
-        tie += at_kth;
-        kept += keep[q];
-    }
-    int at = block_scan_(kept, &total);
+    int at = kept_<K>(keys, mine, kth, remaining, keep);
 #pragma unroll
     for (int q = 0; q < ITEMS; ++q)
         if (keep[q]) flat[row * k + at++] = row * chunk + first + q;
