@@ -50,10 +50,10 @@ class ErrorFeedback:
         residual = self.residual
         if fused.available(self.codec, feedback=True):  # one fused visit per chunk, same bits
             nbytes = self.codec.payload_nbytes(self.d)
-            payload = np.empty(nbytes, dtype=np.uint8) if out is None else out
-            check_payload("out", payload, nbytes)
-            if fused.encode(self.codec, residual, payload, x, self.beta, feedback=True):
-                return payload
+            out = array_module(residual).empty(nbytes, dtype=np.uint8) if out is None else out
+            check_payload("out", out, nbytes)
+            if fused.encode(self.codec, residual, out, x, self.beta, feedback=True):
+                return out
         if self.beta != 1.0:
             residual *= residual.dtype.type(self.beta)
         residual += x

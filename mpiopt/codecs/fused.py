@@ -1,7 +1,8 @@
-"""The codecs' optional fused C loops (``mpiopt/kernels/_codecsc.c`` and its ``_codecs_*.c``): the array code's bits, one visit per chunk.
+"""The codecs' optional fused loops: the C loops (``mpiopt/kernels/_codecsc.c`` and its ``_codecs_*.c``) for numpy, and
+for cupy ``topk``'s CUDA kernels (``mpiopt/kernels/_codecs_cuda.py``); the array code's bits, one visit per chunk.
 
-Each function returns whether the C loop did the work (C-contiguous numpy float32 and a chunk it takes); the
-caller runs its array code otherwise.  Tests set :data:`enabled` to False to compare the two.
+Each function returns whether a fused loop did the work (C-contiguous float32 and a chunk it takes); the caller
+runs its array code otherwise.  Tests set :data:`enabled` to False to compare the two.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Any, Tuple
 
 import numpy as np
 
+from ..kernels import _codecs_cuda
 from ..kernels._backend import load_extension
 from ..kernels.threads import get_num_threads
 
@@ -27,12 +29,15 @@ def _chunk(codec: Any) -> int:
 
 
 def available(codec: Any, feedback: bool = False) -> bool:
-    """Whether the C loops take ``codec`` (its name, and a chunk whose parts own whole bytes; sign: numpy's sum order).
+    """Whether the fused loops take ``codec`` (its name, and a chunk whose parts own whole bytes; sign: numpy's sum
+    order): the C loops where they were built, ``topk``'s CUDA kernels for cupy arrays (which say no to the rest).
 
     ``feedback``: whether they also do error feedback's fold and update (not ``none`` and ``bf16``).
     """
     kind = _KINDS.get(codec.name)
-    if not enabled or _codecsc is None or kind is None or (feedback and codec.name in ("none", "bf16")):
+    if not enabled or kind is None or (feedback and codec.name in ("none", "bf16")):
+        return False
+    if _codecsc is None and codec.name != "topk":
         return False
     chunk = _chunk(codec)
     return kind in (0, 4, 5, 6) or (kind in (1, 2) and chunk % 2 == 0) or (kind == 3 and chunk % 8 == 0 and chunk <= 8192)
@@ -55,8 +60,11 @@ def encode(codec: Any, e: Any, payload: Any, x: Any = None, beta: float = 1.0, f
 
     ``bf16``: the payload only; ``none``: never (numpy's copy is the copy).
     """
-    takes = available(codec, feedback or x is not None) and codec.name != "none" and _f32(e) and (x is None or _f32(x))
-    if not takes or not isinstance(payload, np.ndarray):
+    if not available(codec, feedback or x is not None) or codec.name == "none":
+        return False
+    if not isinstance(payload, np.ndarray):
+        return codec.name == "topk" and _codecs_cuda.topk_encode(e, x, float(beta), payload, codec.chunk, *_topk(codec), feedback)
+    if _codecsc is None or not _f32(e) or not (x is None or _f32(x)):
         return False
     if codec.name == "topk":
         k, bits, index_bits, first, spacing, table = _topk(codec)
@@ -69,9 +77,16 @@ def encode(codec: Any, e: Any, payload: Any, x: Any = None, beta: float = 1.0, f
 
 def decode(codec: Any, payloads: Any, out: Any, add: bool = False, divisor: float = 1.0) -> bool:
     """``out`` (= or +=) the sum of the decoded rows of ``payloads`` (1-D: one row) in order, then ``/= divisor``."""
-    if not available(codec) or not _f32(out) or not isinstance(payloads, np.ndarray):
+    if not available(codec):
         return False
     rows = 1 if payloads.ndim == 1 else payloads.shape[0]
+    if not isinstance(payloads, np.ndarray):
+        if codec.name != "topk":
+            return False
+        k, bits, index_bits, _, _, table = _topk(codec)
+        return _codecs_cuda.topk_decode(payloads, rows, out, codec.chunk, k, bits, index_bits, table, add, float(divisor))
+    if _codecsc is None or not _f32(out):
+        return False
     if codec.name == "topk":
         k, bits, index_bits, _, _, table = _topk(codec)
         _codecsc.topk_decode(payloads, rows, out, codec.chunk, k, bits, index_bits, table, add, float(divisor), get_num_threads())

@@ -14,6 +14,7 @@ import pytest
 
 from mpiopt.arrays import to_numpy
 from mpiopt.codecs import CODECS, ErrorFeedback, create, fused
+from mpiopt.codecs.bitfields import unpack_fields
 from mpiopt.codecs.scaled import E3M0_MAGNITUDES
 from mpiopt.codecs.topk import topk_levels
 from mpiopt.kernels.sparse import topk_indices
@@ -456,19 +457,19 @@ def _inputs(d, seed, special):
     return _specials(x) if special == "non-finite" else np.round(x) if special == "ties" else x
 
 
-def _everything(codec, d, special):
-    """Every output of every entry point (encode, decode, add_decoded, aggregate, error feedback) at length ``d``."""
-    x = _inputs(d, d, special)
-    rows = np.stack([codec.encode(_inputs(d, d + r, special)) for r in range(3)])
+def _everything(codec, d, special, xp=np):
+    """Every output of every entry point (encode, decode, add_decoded, aggregate, error feedback) at length ``d``, as numpy."""
+    x = xp.asarray(_inputs(d, d, special))
+    rows = xp.stack([codec.encode(xp.asarray(_inputs(d, d + r, special))) for r in range(3)])
     outputs = [codec.encode(x), codec.decode(rows[1], d), codec.add_decoded(rows[2], d, x.copy())]
-    five = np.concatenate([rows, rows[::-1][:2]])
+    five = xp.concatenate([rows, rows[::-1][:2]])
     outputs += [codec.aggregate(rows, d), codec.aggregate(rows, d, mean=True), codec.aggregate(rows[:1], d, mean=True)]
     outputs += [codec.aggregate(five[:4], d, mean=True), codec.aggregate(five, d, mean=True)]
     for beta in (1.0, 0.95):
-        feedback = ErrorFeedback(codec, d, beta=beta)
-        outputs += [feedback.encode(_inputs(d, s, special)) for s in range(3)]
+        feedback = ErrorFeedback(codec, d, beta=beta, like=x)
+        outputs += [feedback.encode(xp.asarray(_inputs(d, s, special))) for s in range(3)]
         outputs.append(feedback.residual.copy())
-    return outputs
+    return [to_numpy(a) for a in outputs]
 
 
 @pytest.mark.skipif(fused._codecsc is None, reason="the C loops are not built")
@@ -513,6 +514,44 @@ def test_the_c_loops_give_the_same_bits_on_two_threads(name):
 
 
 # ---- cupy where a GPU is: the same bits as numpy ----------------------------------------------------------
+
+
+def _same_bits_but_nans(codec, d, a, b):
+    """Equal bits, but that two NaNs are equal whatever their payload and sign (the GPU's arithmetic returns its
+    canonical NaN, x86 a negative one): floats, a payload's scales, and the sign bits of the value codes of a chunk
+    whose scale is NaN on both sides (every value of it decodes to NaN); the rest of a payload bytewise."""
+    if a.dtype != np.uint8:
+        both_nan = np.isnan(a) & np.isnan(b)
+        return a.dtype == b.dtype and np.array_equal(np.where(both_nan, 0, a).view(np.uint8), np.where(both_nan, 0, b).view(np.uint8))
+    sa, sb = codec._sections(a, d), codec._sections(b, d)
+    scales_a, scales_b = sa["scales"].copy().view(np.float32), sb["scales"].copy().view(np.float32)
+    if not (np.array_equal(sa["indices"], sb["indices"]) and _same_bits_but_nans(codec, d, scales_a, scales_b)):
+        return False
+    count = codec.selected(d)
+    codes_a, codes_b = (unpack_fields(np, s["values"], codec.bits, count) for s in (sa, sb))
+    unsigned = np.isnan(scales_a)[codec._chunk_of(np, d)]
+    sign = 1 << (codec.bits - 1)
+    return np.array_equal(np.where(unsigned, codes_a & ~sign, codes_a), np.where(unsigned, codes_b & ~sign, codes_b))
+
+
+@pytest.mark.parametrize(
+    "params", [{}, {"chunk": 64, "k": 64, "bits": 8}, {"chunk": 100, "k": 8, "bits": 3}, {"chunk": 333, "k": 1, "bits": 1}],
+    ids=["defaults", "whole-chunk", "k8-3bits", "array-code"],
+)
+def test_topks_cuda_kernels_give_the_numpy_bits(params, xp):
+    """topk on cupy (its CUDA kernels, but for k 1 of 333: the array code) against numpy (the C loops where built) at
+    awkward lengths, with NaN, +-inf, -0.0 and ties: every entry point, error feedback with and without decay."""
+    if xp is np:
+        pytest.skip("numpy is the reference; cupy and a GPU are needed")
+    from mpiopt.kernels import _codecs_cuda
+
+    codec = create("topk", **params)
+    assert _codecs_cuda.takes_topk(codec.chunk, codec.k, codec.bits, codec.index_bits, (xp.zeros(1, np.float32),), xp.zeros(1, np.uint8)) == (codec.k != 1)
+    for d in (1, 7, 257, 5000, 10001):
+        for special in ("", "non-finite", "ties"):
+            with_numpy, with_cupy = _everything(codec, d, special), _everything(codec, d, special, xp)
+            for i, (a, b) in enumerate(zip(with_numpy, with_cupy)):
+                assert _same_bits_but_nans(codec, d, a, b), (d, special, i)
 
 
 @pytest.mark.parametrize("name", list(CODECS))

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from mpiopt.kernels import _cuda
+from mpiopt.kernels import _codecs_cuda, _cuda
 from mpiopt.kernels.sparse.device import SELECT
 
 # The GPUs users train on: A100 (sm_80), H100 and H200 (sm_90).
@@ -48,7 +48,7 @@ def compile_kernels(lib, source, names, architecture):
         lib.nvrtcDestroyProgram(ctypes.byref(program))
 
 
-@pytest.mark.parametrize("program", [_cuda.UPDATE, SELECT], ids=["update", "select"])
+@pytest.mark.parametrize("program", [_cuda.UPDATE, SELECT, _codecs_cuda.TOPK], ids=["update", "select", "topk-codec"])
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_every_kernel_compiles_for_every_dtype(architecture, program):
     lib = nvrtc()
@@ -63,3 +63,8 @@ def test_a_broken_kernel_is_caught():
     lib = nvrtc()
     result, log, _ = compile_kernels(lib, _cuda._SOURCE + "\n__global__ void broken() { undeclared(); }\n", [], "compute_90")
     assert result != 0 and "undeclared" in log
+
+
+def test_a_block_has_a_thread_for_every_bin_of_the_radix_select():
+    """kth_key_ (the one-block selections: chunk_topk, topk's codec) gives each of its 256 bins a thread."""
+    assert _cuda.THREADS >= 256 and _cuda.THREADS % 32 == 0 and _cuda.THREADS <= 1024
