@@ -81,14 +81,9 @@ class CodecExchange:
     def mean(self, out: Any) -> Any:
         """The mean of the ranks' decoded vectors into ``out``: over all ranks, or (``senders``) each entry over the
         ranks that sent it, 0 where none did (docs/algorithms.md "SparseLoCo")."""
-        self.total(out=out)
         if self.senders is None:
-            out /= self.rows.shape[0]
-        else:
-            self.codec.count_senders(self.rows, self.d, out=self.senders)
-            array_module(out).maximum(self.senders, 1, out=self.senders)  # no sender: the sum is 0, and stays so
-            out /= self.senders
-        return out
+            return self.codec.aggregate(self.rows, self.d, out=out, mean=True)
+        return self.codec.senders_mean(self.rows, self.d, out, self.senders)
 
     @staticmethod
     def call(codec: Codec, d: int, ranks: int, count: float, **options: Any) -> Call:

@@ -160,6 +160,23 @@ class Codec:
             out /= payloads.shape[0]
         return out
 
+    def senders_mean(self, payloads: Any, d: int, out: Any, counts: Any) -> Any:
+        """Each entry's mean over the rows of ``payloads`` (P, nbytes) that send it, +0.0 where none does, into ``out``;
+        ``counts`` (int32, length ``d``) is left holding ``max(senders, 1)``.  SparseLoCo's aggregate: the sum in
+        row order, then ``out /= counts`` (numpy's float64 quotient); one fused pass where the loops take it."""
+        d = check_count("d", d, 1)
+        xp = check_payload("payloads", payloads, self.payload_nbytes(d), ndim=2)
+        check_vector("out", out, d)
+        if check_array("counts", counts, ndim=1, kinds="i", dtype=np.int32) is not xp or counts.shape[0] != d:
+            raise ValueError(f"counts must have length d = {d} and live where payloads do, got {type(counts).__name__} of {counts.shape[0]}")
+        if fused.decode(self, payloads, out, counts=counts):
+            return out
+        self.aggregate(payloads, d, out=out)
+        self.count_senders(payloads, d, out=counts)
+        xp.maximum(counts, 1, out=counts)  # no sender: the sum is 0, and stays so
+        out /= counts
+        return out
+
     def count_senders(self, payloads: Any, d: int, out: Any) -> Any:
         """``out[j]``: how many rows of ``payloads`` (P, nbytes) send entry ``j`` (every row, for a dense codec); returns ``out``."""
         d = check_count("d", d, 1)

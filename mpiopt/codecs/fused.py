@@ -17,7 +17,7 @@ from ..kernels.threads import get_num_threads
 
 __all__ = ["enabled", "available", "encode", "decode"]
 
-_codecsc = load_extension("_codecsc", 1)
+_codecsc = load_extension("_codecsc", 2)
 #: False runs the array code everywhere (the tests' reference).
 enabled = True
 # The C loops' codec numbers.
@@ -75,21 +75,25 @@ def encode(codec: Any, e: Any, payload: Any, x: Any = None, beta: float = 1.0, f
     return True
 
 
-def decode(codec: Any, payloads: Any, out: Any, add: bool = False, divisor: float = 1.0) -> bool:
-    """``out`` (= or +=) the sum of the decoded rows of ``payloads`` (1-D: one row) in order, then ``/= divisor``."""
-    if not available(codec):
+def decode(codec: Any, payloads: Any, out: Any, add: bool = False, divisor: float = 1.0, counts: Any = None) -> bool:
+    """``out`` (= or +=) the sum of the decoded rows of ``payloads`` (1-D: one row) in order, then ``/= divisor``.
+
+    ``counts`` (``topk`` only; int32, ``d``): also each entry's senders, at least 1, and ``out`` their mean
+    (numpy's ``out /= counts``); neither ``add`` nor a divisor with it.
+    """
+    if not available(codec) or (counts is not None and (codec.name != "topk" or counts.dtype != np.int32 or not counts.flags.c_contiguous)):
         return False
     rows = 1 if payloads.ndim == 1 else payloads.shape[0]
     if not isinstance(payloads, np.ndarray):
         if codec.name != "topk":
             return False
         k, bits, index_bits, _, _, table = _topk(codec)
-        return _codecs_cuda.topk_decode(payloads, rows, out, codec.chunk, k, bits, index_bits, table, add, float(divisor))
-    if _codecsc is None or not _f32(out):
+        return _codecs_cuda.topk_decode(payloads, rows, out, codec.chunk, k, bits, index_bits, table, add, float(divisor), counts)
+    if _codecsc is None or not _f32(out) or not (counts is None or isinstance(counts, np.ndarray)):
         return False
     if codec.name == "topk":
         k, bits, index_bits, _, _, table = _topk(codec)
-        _codecsc.topk_decode(payloads, rows, out, codec.chunk, k, bits, index_bits, table, add, float(divisor), get_num_threads())
+        _codecsc.topk_decode(payloads, rows, out, codec.chunk, k, bits, index_bits, table, add, float(divisor), counts, get_num_threads())
         return True
     _codecsc.decode(_KINDS[codec.name], payloads, rows, out, _chunk(codec), add, float(divisor), get_num_threads())
     return True

@@ -150,15 +150,19 @@ __global__ void topk_encode(long long d, int chunk, int k, int fold, int feedbac
 
 /* _codecs_topk.c's topk_decode_part, chunk c = blockIdx.x: out = (+0.0, or out with add) + every row's decoded values
  * in row order (a row's indices are distinct: its adds run in parallel), then / divisor (correctly rounded, as the
- * C loop's product by an exact reciprocal or its quotient). */
+ * C loop's product by an exact reciprocal or its quotient); with use_counts, counts = each entry's senders (at least
+ * 1) and out their mean instead, a float64 quotient rounded to float32. */
 __global__ void topk_decode(long long d, int chunk, int k, int bits, int index_bits, long long rows, long long nbytes,
                             long long indices_at, long long values_at, const unsigned char *payloads, const float *table,
-                            float *out, int add, float divisor) {
+                            float *out, int add, float divisor, int use_counts, int *counts) {
     const long long c = blockIdx.x, c0 = c * chunk, j0 = c * k;
     const int n = (int)min((long long)chunk, d - c0), kk = min(n, k);
     float *o = out + c0;
-    if (!add)
-        for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = 0.0f;
+    int *senders = counts + c0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        if (!add) o[i] = 0.0f;
+        if (use_counts) senders[i] = 0;
+    }
     __syncthreads();
     for (long long r = 0; r < rows; ++r) {
         const unsigned char *row = payloads + r * nbytes;
@@ -167,11 +171,19 @@ __global__ void topk_decode(long long d, int chunk, int k, int bits, int index_b
         for (int i = threadIdx.x; i < kk; i += blockDim.x) {
             const unsigned at = get_field_(row + indices_at, j0 + i, index_bits);
             const float value = mul_(table[get_field_(row + values_at, j0 + i, bits)], s);
-            if (at < (unsigned)n) o[at] = add_(o[at], value); /* a payload of this codec always holds at < n */
+            if (at < (unsigned)n) { /* a payload of this codec always holds at < n */
+                o[at] = add_(o[at], value);
+                if (use_counts) ++senders[at];
+            }
         }
         __syncthreads();
     }
-    if (divisor != 1.0f)
+    if (use_counts)
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            senders[i] = max(senders[i], 1);
+            o[i] = narrow_(div_(widen_(o[i]), (double)senders[i]));
+        }
+    else if (divisor != 1.0f)
         for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = div_(o[i], divisor);
 }
 """
@@ -226,10 +238,16 @@ def topk_encode(
 
 def topk_decode(
     payloads: Any, rows: int, out: Any, chunk: int, k: int, bits: int, index_bits: int, table: np.ndarray, add: bool, divisor: float,
+    counts: Any = None,
 ) -> bool:
-    """``_codecsc.topk_decode`` on cupy arrays (``payloads`` one row or ``rows`` of them): False where it cannot run."""
+    """``_codecsc.topk_decode`` on cupy arrays (``payloads`` one row or ``rows`` of them; ``counts`` None or cupy
+    int32): False where it cannot run."""
     if not takes_topk(chunk, k, bits, index_bits, (out,), payloads):
         return False
+    if counts is not None and (array_module(counts) is np or counts.dtype != np.int32 or counts.shape != out.shape or not counts.flags.c_contiguous):
+        return False
+    if counts is not None and (add or divisor != 1.0):
+        raise ValueError("topk: counts take neither add nor a divisor")
     d = out.shape[0]
     indices_at, values_at, nbytes = _layout(d, chunk, k, bits, index_bits)
     if payloads.size != rows * nbytes:
@@ -237,6 +255,7 @@ def topk_decode(
     args = (
         np.int64(d), np.int32(chunk), np.int32(k), np.int32(bits), np.int32(index_bits), np.int64(rows), np.int64(nbytes),
         np.int64(indices_at), np.int64(values_at), payloads, _table(table), out, np.int32(add), np.float32(divisor),
+        np.int32(counts is not None), out if counts is None else counts,  # out stands in for counts, never written
     )
     _cuda.launch(TOPK, "topk_decode", None, -(-d // chunk), args)
     return True

@@ -311,6 +311,7 @@ typedef struct {
     const float *table;
     float *out;
     float divisor;
+    int32_t *counts; /* NULL, or each entry's senders: then out is their mean (SparseLoCo's) */
 } topk_decode_job;
 
 static void topk_decode_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) {
@@ -320,7 +321,9 @@ static void topk_decode_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) 
         const Py_ssize_t n = hi - c0 < j->chunk ? hi - c0 : j->chunk, kk = n < j->k ? n : j->k;
         const Py_ssize_t c = c0 / j->chunk, j0 = c * j->k;
         float *restrict o = j->out + c0;
+        int32_t *restrict counts = j->counts ? j->counts + c0 : NULL;
         if (!j->add) memset(o, 0, n * sizeof(float)); /* +0.0, then each row added: numpy's zeros and scatter_add */
+        if (counts) memset(counts, 0, n * sizeof(int32_t));
         for (Py_ssize_t r = 0; r < j->rows; ++r) {
             const unsigned char *row = j->payloads + r * j->nbytes;
             float s;
@@ -329,9 +332,15 @@ static void topk_decode_part(void *ctx, Py_ssize_t lo, Py_ssize_t hi, int part) 
                 const uint32_t at = get_field(row + j->indices_at, j0 + i, j->index_bits);
                 const float v = j->table[get_field(row + j->values_at, j0 + i, j->bits)] * s;
                 o[at] = add(o[at], v);
+                if (counts) counts[at]++;
             }
         }
-        if (j->divisor != 1.0f)
+        if (counts) /* numpy's counts = max(counts, 1); out /= counts: a float64 quotient, rounded to float32 */
+            for (Py_ssize_t i = 0; i < n; ++i) {
+                counts[i] = counts[i] > 1 ? counts[i] : 1;
+                o[i] = (float)((double)o[i] / (double)counts[i]);
+            }
+        else if (j->divisor != 1.0f)
             divide(o, n, j->divisor);
     }
 }
@@ -399,18 +408,30 @@ done:
 }
 
 PyObject *mpiopt_codecs_topk_decode(PyObject *self, PyObject *args) {
-    PyObject *po, *oo, *to;
+    PyObject *po, *oo, *to, *co;
     Py_ssize_t rows, chunk, k;
     int bits, index_bits, add, threads;
     double divisor;
-    Py_buffer p = {0}, o = {0}, t = {0};
+    Py_buffer p = {0}, o = {0}, t = {0}, cnt = {0};
     (void)self;
-    if (!PyArg_ParseTuple(args, "OnOnniiOpdi", &po, &rows, &oo, &chunk, &k, &bits, &index_bits, &to, &add, &divisor, &threads))
+    if (!PyArg_ParseTuple(args, "OnOnniiOpdOi", &po, &rows, &oo, &chunk, &k, &bits, &index_bits, &to, &add, &divisor, &co,
+                          &threads))
         return NULL;
     if (mpiopt_codecs_get_floats(oo, &o, 1, -1, "topk: out") < 0) return NULL;
     PyObject *result = NULL;
     const Py_ssize_t d = o.len / 4;
     Py_ssize_t indices_at, values_at;
+    if (co != Py_None) {
+        if (PyObject_GetBuffer(co, &cnt, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+        if (cnt.len != 4 * d) { /* the caller (mpiopt.codecs.fused) passes int32 */
+            PyErr_SetString(PyExc_ValueError, "topk: counts must be d writable 4-byte integers, C-contiguous");
+            goto done;
+        }
+        if (add || divisor != 1.0) {
+            PyErr_SetString(PyExc_ValueError, "topk: counts take neither add nor a divisor");
+            goto done;
+        }
+    }
     if (get_table(to, &t, bits) < 0) goto done;
     if (PyObject_GetBuffer(po, &p, PyBUF_C_CONTIGUOUS) < 0) goto done;
     if (d < 1 || rows < 1 || chunk < 1 || k < 1 || k > chunk || index_bits < 1 || index_bits > 24) {
@@ -423,9 +444,10 @@ PyObject *mpiopt_codecs_topk_decode(PyObject *self, PyObject *args) {
         goto done;
     }
     topk_decode_job job = {add, bits, index_bits, d, chunk, k, rows, nbytes, indices_at, values_at, (const unsigned char *)p.buf,
-                           (const float *)t.buf, (float *)o.buf, (float)divisor};
+                           (const float *)t.buf, (float *)o.buf, (float)divisor, cnt.obj ? (int32_t *)cnt.buf : NULL};
     result = mpiopt_codecs_run_parts(threads, d, chunk, topk_decode_part, &job);
 done:
+    if (cnt.obj) PyBuffer_Release(&cnt);
     PyBuffer_Release(&o);
     if (t.obj) PyBuffer_Release(&t);
     if (p.obj) PyBuffer_Release(&p);

@@ -35,8 +35,9 @@ static PyMethodDef methods[] = {
      "(ties to the lowest index, NaN last), levels low + i * spacing of the mean |value|, table the decoded\n"
      "values in units of the scale."},
     {"topk_decode", mpiopt_codecs_topk_decode, METH_VARARGS,
-     "topk_decode(payloads, rows, out, chunk, k, bits, index_bits, table, add, divisor, threads) -> None\n\n"
-     "decode's sum of rows in order for TopkCodec payloads (a zero vector plus each row's entries)."},
+     "topk_decode(payloads, rows, out, chunk, k, bits, index_bits, table, add, divisor, counts, threads) -> None\n\n"
+     "decode's sum of rows in order for TopkCodec payloads (a zero vector plus each row's entries); counts\n"
+     "(None, or d int32): each entry's senders, at least 1, and out their mean (float64 quotients)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -52,6 +53,6 @@ PyMODINIT_FUNC PyInit__codecsc(void) {
     mpiopt_codecs_use_gather512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("popcnt");
 #endif
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "VERSION", 1) < 0) Py_CLEAR(m);
+    if (m && PyModule_AddIntConstant(m, "VERSION", 2) < 0) Py_CLEAR(m);
     return m;
 }

@@ -184,6 +184,27 @@ def test_topk_counts_the_senders_of_every_entry(d, chunk, k, bits):
         codec.count_senders(payloads, d, np.empty(d + 1, np.int32))
 
 
+@pytest.mark.parametrize("c_loops", [True, False], ids=["c", "array"])
+@pytest.mark.parametrize("d, chunk, k, bits", [(1, 64, 8, 2), (1001, 64, 5, 3), (10001, 4096, 64, 2), (333, 333, 1, 1)])
+def test_topk_senders_mean_is_each_entrys_mean_over_its_senders(d, chunk, k, bits, c_loops, monkeypatch):
+    """senders_mean against a float64 re-computation from the reference's picks and the decoded rows: the rows' sum in
+    row order (float32), over the senders in float64 rounded to float32, +0.0 where nobody sent; counts >= 1."""
+    monkeypatch.setattr(fused, "enabled", c_loops)
+    codec = create("topk", chunk=chunk, k=k, bits=bits)
+    vectors = [_vector(d, seed=s, heavy=True) for s in range(3)] + [np.zeros(d, np.float32), _vector(d, seed=0, heavy=True)]
+    payloads = np.stack([codec.encode(x) for x in vectors])
+    senders, total = np.zeros(d, np.int64), np.zeros(d, np.float32)
+    for x, payload in zip(vectors, payloads):
+        senders[_topk_reference(x, chunk, k)] += 1
+        total += codec.decode(payload, d)  # +0.0 off the picks: the same float32 sums
+    expected = (total.astype(np.float64) / np.maximum(senders, 1)).astype(np.float32)
+    out, counts = np.full(d, 7, np.float32), np.full(d, 7, np.int32)
+    assert codec.senders_mean(payloads, d, out, counts) is out
+    assert np.array_equal(counts, np.maximum(senders, 1)) and np.array_equal(out.view(np.uint32), expected.view(np.uint32))
+    with pytest.raises(ValueError, match="counts must have length d"):
+        codec.senders_mean(payloads, d, out, np.empty(d + 1, np.int32))
+
+
 def test_topk_ties_take_the_lowest_indices_and_nan_ranks_last():
     codec = create("topk", chunk=16, k=4, bits=2)
     x = np.zeros(48, np.float32)
@@ -465,6 +486,9 @@ def _everything(codec, d, special, xp=np):
     five = xp.concatenate([rows, rows[::-1][:2]])
     outputs += [codec.aggregate(rows, d), codec.aggregate(rows, d, mean=True), codec.aggregate(rows[:1], d, mean=True)]
     outputs += [codec.aggregate(five[:4], d, mean=True), codec.aggregate(five, d, mean=True)]
+    for payloads in (rows[:1], five):
+        counts = xp.empty(d, dtype=np.int32)
+        outputs += [codec.senders_mean(payloads, d, xp.empty(d, dtype=np.float32), counts), counts]
     for beta in (1.0, 0.95):
         feedback = ErrorFeedback(codec, d, beta=beta, like=x)
         outputs += [feedback.encode(xp.asarray(_inputs(d, s, special))) for s in range(3)]
