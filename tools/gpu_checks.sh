@@ -16,7 +16,9 @@
 #       -d .whl mpich mpi4py pytest-mpi
 # GPU_CHECKS_MPI=system takes the machine's own MPI instead (its mpiexec and the mpi4py that loads it; with
 # Open MPI, run as root and oversubscribed), and installs only pytest-mpi from .whl/: the CUDA-aware path
-# where that MPI is CUDA-aware, detected by mpiopt as a user's run would.
+# where that MPI is CUDA-aware, detected by mpiopt as a user's run would.  GPU_CHECKS_MPI=cuda-openmpi takes
+# the CUDA-aware Open MPI 4.1 that tools/build_cuda_mpi.sh builds on any Linux machine into .cuda-mpi (carry
+# it: about 9 MiB), with the machine's mpi4py (or .whl/'s) loading its libmpi: the CUDA-aware path for real.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,7 +32,23 @@ export PYTHONUNBUFFERED=1 MPIOPT_WAIT_POLICY=${MPIOPT_WAIT_POLICY:-passive}
 
 # ---- Environment ------------------------------------------------------------------------------
 MPI_FROM=${GPU_CHECKS_MPI:-wheel}
-if [[ $MPI_FROM == system ]]; then
+if [[ $MPI_FROM == cuda-openmpi ]]; then
+    P=$(realpath -e "${CUDA_MPI_PREFIX:-.cuda-mpi}") || { echo "no ${CUDA_MPI_PREFIX:-.cuda-mpi}: run tools/build_cuda_mpi.sh and carry it"; exit 1; }
+    echo "== the CUDA-aware Open MPI in $P"
+    export OPAL_PREFIX=$P PATH=$P/bin:$PATH LD_LIBRARY_PATH=$P/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    export MPI4PY_MPIABI=openmpi MPI4PY_LIBMPI=$P/lib/libmpi.so.40   # mpi4py's PyPI wheel; a build for Open MPI takes LD_LIBRARY_PATH
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+    "$PY" -c 'import mpi4py' 2>/dev/null || PYTHON_WHEELS=.whl/mpi4py-*.whl
+    if compgen -G ".whl/pytest_mpi-*.whl" >/dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-cuda-mpi \
+            .whl/pytest_mpi-*.whl ${PYTHON_WHEELS:-} || exit 1
+        export PYTHONPATH=/tmp/site-cuda-mpi${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    # libcuda must load: without it this Open MPI runs as a plain one (and says so), yet still answers 1 to
+    # MPIX_Query_cuda_support, which is compiled in.
+    "$PY" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].rstrip("\0"))' || exit 1
+    ompi_info --parsable --all | grep -aE '^mca:mpi:base:param:mpi_built_with_cuda_support:value|btl_smcuda_use_cuda_ipc:value'
+elif [[ $MPI_FROM == system ]]; then
     echo "== the machine's own MPI"
     if compgen -G ".whl/pytest_mpi-*.whl" >/dev/null; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-system .whl/pytest_mpi-*.whl || exit 1
