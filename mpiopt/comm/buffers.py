@@ -78,9 +78,26 @@ def gpu_aware_mpi(override: Optional[bool] = None) -> Tuple[bool, str]:
     try:
         query = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
         query.restype = ctypes.c_int
-        return bool(query()), "MPIX_Query_cuda_support"
+        aware = bool(query())
     except (AttributeError, OSError):
         return False, "no GPU support reported by the MPI library"
+    if aware and _CUDA_DRIVER and not _loads(_CUDA_DRIVER):
+        # Open MPI 4.1 answers from how it was built; without the driver it runs as a plain MPI (and says so)
+        return False, f"MPIX_Query_cuda_support is 1, but {_CUDA_DRIVER} does not load: the library runs without CUDA"
+    return aware, "MPIX_Query_cuda_support"
+
+
+# The CUDA driver a CUDA-aware MPI loads at run time (Linux, where these MPIs run).
+_CUDA_DRIVER = "libcuda.so.1" if os.name == "posix" else ""
+
+
+def _loads(library: str) -> bool:
+    """Whether this process can load the shared library ``library``."""
+    try:
+        ctypes.CDLL(library)
+    except OSError:
+        return False
+    return True
 
 
 def _synchronize(buf: Any) -> None:

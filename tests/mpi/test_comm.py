@@ -204,6 +204,28 @@ def test_gpu_aware_override(comm, monkeypatch):
         gpu_aware_mpi()
 
 
+def test_a_cuda_aware_answer_without_the_driver_is_staged(comm, monkeypatch):
+    """MPIX_Query_cuda_support's 1 (Open MPI 4.1's is compiled in) counts only where the CUDA driver loads."""
+    import ctypes
+
+    from mpiopt.comm import buffers
+
+    monkeypatch.delenv("MPIOPT_GPU_AWARE", raising=False)
+
+    class Library:  # an MPI library whose MPIX_Query_cuda_support answers 1; the driver as named below
+        def __init__(self, name):
+            if name == "libnothere.so.1":
+                raise OSError(f"{name}: cannot open shared object file")
+            self.MPIX_Query_cuda_support = lambda: 1
+
+    monkeypatch.setattr(ctypes, "CDLL", Library)
+    monkeypatch.setattr(buffers, "_CUDA_DRIVER", "libnothere.so.1")
+    aware, reason = buffers.gpu_aware_mpi()
+    assert not aware and "libnothere.so.1 does not load" in reason
+    monkeypatch.setattr(buffers, "_CUDA_DRIVER", "libthere.so.1")
+    assert buffers.gpu_aware_mpi() == (True, "MPIX_Query_cuda_support")
+
+
 def test_requests_in_flight_get_their_own_staging_lanes(comm):
     """Two nonblocking calls of one kind in flight use different staging buffers; a finished lane is reused."""
     P, r = comm.size, comm.rank
