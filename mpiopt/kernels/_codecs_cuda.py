@@ -26,10 +26,6 @@ _MAX_INDEX_BITS = 24  # as the C loops: a field and its offset in a byte fit 32 
 _SOURCE = BLOCK_SELECT + r"""
 #define MAX_SENT 1024
 
-/* float32 to float64 and back (rounded to nearest) without -ftz's flush: a subnormal stays one. */
-__device__ __forceinline__ double widen_(float v) { double r; asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(v)); return r; }
-__device__ __forceinline__ float narrow_(double v) { float r; asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(v)); return r; }
-
 /* numpy's pairwise float64 sum, as _codecs_topk.c's pairwise. */
 __device__ double pairwise_(const double *a, int n) {
     if (n < 8) {

@@ -14,7 +14,7 @@ import numpy as np
 from ..arrays import array_module
 from ._backend import C_FLOATS
 
-__all__ = ["Program", "HELPERS", "THREADS", "compiled", "launch", "takes", "takes_bytes", "sgd", "outer_sgd", "merge_average", "elastic_pull", "all_finite", "pack_signs", "momentum_signs", "apply_signs", "vote"]
+__all__ = ["Program", "ROUNDING", "HELPERS", "THREADS", "compiled", "launch", "takes", "takes_bytes", "sgd", "outer_sgd", "merge_average", "elastic_pull", "all_finite", "pack_signs", "momentum_signs", "apply_signs", "vote"]
 
 # Threads per block; a grid of at most _BLOCKS_PER_SM blocks per multiprocessor strides over longer arrays.
 THREADS = 256
@@ -22,8 +22,9 @@ _BLOCKS_PER_SM = 16
 # Bytes one wide access moves (sgd's and all_finite's kernels, where every array they touch is aligned to them).
 _WIDE = 16
 
-# What every program's kernels share: rounding float helpers, IEEE tests, the grid-strided loop.
-HELPERS = r"""
+#: The arithmetic every kernel rounds with: each operation rounded to nearest, never contracted into an FMA, float32
+#: subnormals kept (no ``.ftz``, which CuPy's ``-ftz=true`` would add), and float32 to float64 and back likewise.
+ROUNDING = r"""
 __device__ __forceinline__ float add_(float a, float b) { float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 __device__ __forceinline__ float sub_(float a, float b) { float r; asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 __device__ __forceinline__ float mul_(float a, float b) { float r; asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
@@ -32,6 +33,12 @@ __device__ __forceinline__ double add_(double a, double b) { return __dadd_rn(a,
 __device__ __forceinline__ double sub_(double a, double b) { return __dsub_rn(a, b); }
 __device__ __forceinline__ double mul_(double a, double b) { return __dmul_rn(a, b); }
 __device__ __forceinline__ double div_(double a, double b) { return __ddiv_rn(a, b); }
+__device__ __forceinline__ double widen_(float v) { double r; asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(v)); return r; }
+__device__ __forceinline__ float narrow_(double v) { float r; asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(v)); return r; }
+"""
+
+# What every program's kernels share: the rounding arithmetic, IEEE tests, the grid-strided loop.
+HELPERS = ROUNDING + r"""
 
 /* |v| without the sign bit, as an unsigned integer, and the same for +inf: v is finite iff the first is
  * below the second, NaN iff above; v >= 0 iff v is +0.0..+inf (sign bit clear, not NaN) or -0.0. */
