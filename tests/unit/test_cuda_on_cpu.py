@@ -1,0 +1,204 @@
+"""The CUDA kernels' own source run on the CPU (``cuda_on_cpu.h``: a block's threads as fibers), against the C loops
+and numpy, in every CI run: their logic (selection, ties, NaN, bit fields, barriers, the Python wrappers' arguments)
+checked without a GPU.  The GPU's arithmetic is the CPU's here; a lent GPU runs the same comparisons for real
+(tests/unit/test_codecs.py, test_sparse_device.py)."""
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from mpiopt.codecs import create, fused
+from mpiopt.codecs.bitfields import unpack_fields
+from mpiopt.kernels import _codecs_cuda, _cuda
+from mpiopt.kernels.sparse import device, topk_indices
+from mpiopt.kernels.sparse.selection import _sample_plan, _sample_threshold
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_CTYPES = {np.int64: ctypes.c_longlong, np.int32: ctypes.c_int, np.float32: ctypes.c_float, np.float64: ctypes.c_double}
+_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double", None: ""}
+
+
+def _shims(program):
+    """A C launcher ``run_<kernel>_<type>(blocks, its parameters)`` for every kernel of ``program``, from its signature."""
+    out = []
+    for name, types_ in [(k, ("float", "double")) for k in program.templated] + [(k, ("",)) for k in program.plain]:
+        match = re.search(r"__global__ void " + name + r"\((.*?)\)\s*\{", program.source, re.S)
+        params = " ".join(match.group(1).split())
+        for t in types_:
+            typed = re.sub(r"\bT\b", t, params) if t else params
+            names = ", ".join(re.findall(r"(\w+)\s*(?:,|$)", typed))
+            call = f"{name}<{t}>" if t else name
+            out.append(f'extern "C" void run_{name}_{t}(unsigned blocks, {typed}) {{ emu::launch(blocks, {_cuda.THREADS}, [=] {{ {call}({names}); }}); }}')
+    return "\n".join(out)
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """The programs SELECT and TOPK built for the CPU: a function ``launch(program, name, dtype, blocks, args, flag)``
+    standing in for ``_cuda.launch`` (numpy arrays for cupy's)."""
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler (g++) to build the kernels for the CPU")
+    folder = tmp_path_factory.mktemp("cuda_on_cpu")
+    libraries = {}
+    for key, program in (("select", device.SELECT), ("topk", _codecs_cuda.TOPK)):
+        source = program.source.replace(_cuda.ROUNDING, "\nROUNDING_ON_CPU\n")
+        assert "ROUNDING_ON_CPU" in source
+        path = folder / f"{key}.cpp"
+        path.write_text(f'#include "cuda_on_cpu.h"\n{source}\n{_shims(program)}\n')
+        lib = folder / f"{key}.so"
+        built = subprocess.run(
+            [compiler, "-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", f"-I{HERE}", "-o", str(lib), str(path)],
+            capture_output=True, text=True,
+        )
+        assert built.returncode == 0, built.stderr[-3000:]
+        libraries[program] = ctypes.CDLL(str(lib))
+
+    def launch(program, name, dtype, blocks, args, flag=None):
+        args = list(args)
+        if flag is not None:
+            raised = np.zeros(1, np.int32)
+            args.append(raised)
+        function = getattr(libraries[program], f"run_{name}_{_TYPES[None if dtype is None else np.dtype(dtype)]}")
+        converted = [ctypes.c_uint(blocks)]
+        for a in args:
+            converted.append(ctypes.c_void_p(a.ctypes.data) if isinstance(a, np.ndarray) else _CTYPES[type(a)](a))
+        function(*converted)
+        return bool(raised[0]) if flag else None
+
+    return launch
+
+
+@pytest.fixture
+def as_device(emulated, monkeypatch):
+    """numpy arrays taken for cupy ones by the kernels' wrappers, their launches run on the CPU."""
+    monkeypatch.setattr(_cuda, "launch", emulated)
+    monkeypatch.setattr(_cuda, "compiled", lambda program: True)
+    monkeypatch.setattr(_codecs_cuda, "array_module", lambda a: types.SimpleNamespace())
+    monkeypatch.setattr(_codecs_cuda, "_table", lambda table: table)
+    return emulated
+
+
+# ---- topk's codec: the kernels against the C loops ---------------------------------------------------------------
+
+
+def _inputs(d, seed, special):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_t(3, d) * rng.uniform(0.1, 10)).astype(np.float32)
+    if special == "ties":
+        x = np.round(x)
+    elif special == "non-finite" and d >= 300:
+        x[: min(d, 70)] = 0.0
+        x[[71, d // 3, d // 2, d - 1]] = [-0.0, np.nan, np.inf, -np.inf]
+    return x
+
+
+def _same(codec, d, a, b):
+    """Equal bits, two NaNs equal, and a NaN chunk's value codes equal but for their sign bits (which NaN is
+    negative is the compiler's operand order: the C loops' add keeps a's NaN, this build's a + b may not)."""
+    if a.dtype != np.uint8:
+        nan = np.isnan(a) & np.isnan(b)
+        return np.array_equal(np.where(nan, 0, a).view(np.uint8), np.where(nan, 0, b).view(np.uint8))
+    sa, sb = codec._sections(a, d), codec._sections(b, d)
+    scales_a, scales_b = sa["scales"].copy().view(np.float32), sb["scales"].copy().view(np.float32)
+    if not (np.array_equal(sa["indices"], sb["indices"]) and _same(codec, d, scales_a, scales_b)):
+        return False
+    codes_a, codes_b = (unpack_fields(np, s["values"], codec.bits, codec.selected(d)) for s in (sa, sb))
+    unsigned = np.isnan(scales_a)[codec._chunk_of(np, d)]
+    sign = 1 << (codec.bits - 1)
+    return np.array_equal(np.where(unsigned, codes_a & ~sign, codes_a), np.where(unsigned, codes_b & ~sign, codes_b))
+
+
+CODECS = [{}, {"chunk": 64, "k": 64, "bits": 8}, {"chunk": 100, "k": 8, "bits": 3}]
+
+
+@pytest.mark.skipif(fused._codecsc is None, reason="the C loops are not built")
+@pytest.mark.parametrize("params", CODECS, ids=["defaults", "whole-chunk", "k8-3bits"])
+def test_topk_codec_kernels_give_the_c_loops_bits(params, as_device):
+    """topk_encode (no fold, fold, fold with decay; with and without feedback) and topk_decode (one row, rows, added
+    to, divided, with the senders counted) against _codecsc's, at awkward lengths with ties, NaN, +-inf and -0.0."""
+    codec = create("topk", **params)
+    k, bits, index_bits, low, spacing, table = fused._topk(codec)
+    nbytes = codec.payload_nbytes
+    for d in (1, 7, 257, 3001):
+        for special in ("", "ties", "non-finite"):
+            x, e0 = _inputs(d, 1, special), _inputs(d, 2, special)
+            for beta, fold, feedback in ((1.0, False, False), (1.0, True, True), (0.95, True, True), (0.95, True, False)):
+                outputs = []
+                for encode in (fused._codecsc.topk_encode, _codecs_cuda.topk_encode):
+                    e, payload = e0.copy(), np.zeros(nbytes(d), np.uint8)
+                    args = (e, x if fold else None, beta, payload, codec.chunk, k, bits, index_bits, low, spacing, table, feedback)
+                    assert encode(*args, *([1] if encode is fused._codecsc.topk_encode else [])) in (None, True)
+                    outputs.append((e, payload))
+                (e_c, p_c), (e_k, p_k) = outputs
+                assert _same(codec, d, e_c, e_k) and _same(codec, d, p_c, p_k), (d, special, beta, fold, feedback)
+            rows = np.stack([codec.encode(_inputs(d, 10 + r, special)) for r in range(3)])
+            for payloads, add, divisor, counted in ((rows[0], False, 1.0, False), (rows, False, 3.0, False), (rows[:2], True, 2.0, False),
+                                                    (rows, False, 1.0, True), (np.concatenate([rows, rows[:1]]), False, 1.0, True)):
+                outputs = []
+                for decode in (fused._codecsc.topk_decode, _codecs_cuda.topk_decode):
+                    out = x.copy()
+                    counts = np.full(d, 7, np.int32) if counted else None
+                    rows_n = 1 if payloads.ndim == 1 else payloads.shape[0]
+                    args = (payloads, rows_n, out, codec.chunk, k, bits, index_bits, table, add, divisor, counts)
+                    assert decode(*args, *([1] if decode is fused._codecsc.topk_decode else [])) in (None, True)
+                    outputs += [out, counts]
+                out_c, counts_c, out_k, counts_k = outputs
+                assert _same(codec, d, out_c, out_k) and (not counted or np.array_equal(counts_c, counts_k)), (d, special, add, divisor, counted)
+
+
+def test_the_kernels_decline_what_they_do_not_take(as_device):
+    """Settings whose chunks share bytes, chunks over a block, k over MAX_SENT, float64: False, nothing written."""
+    e, payload = np.ones(100, np.float32), np.zeros(1, np.uint8)
+    for chunk, k, bits, index_bits in ((333, 1, 1, 9), (8192, 64, 2, 13), (4096, 2048, 2, 12), (100, 7, 3, 7)):
+        assert not _codecs_cuda.topk_encode(e, None, 1.0, payload, chunk, k, bits, index_bits, 0.0, 1.0, np.ones(2, np.float32), False)
+    assert not _codecs_cuda.topk_encode(e.astype(np.float64), None, 1.0, payload, 64, 8, 2, 6, 0.0, 1.0, np.ones(4, np.float32), False)
+
+
+# ---- top-k selection: chunk_topk and the scan --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("chunk, k", [(64, 1), (64, 64), (100, 7), (4096, 64), (333, 333)])
+def test_chunk_topk_selects_the_kernels_top_k_of_every_row(chunk, k, dtype, emulated):
+    """chunk_topk against topk_indices (the numpy path) per row: ascending flat indices, ties to the lowest, NaN last."""
+    rng = np.random.default_rng(chunk + k)
+    rows = np.round(rng.standard_normal((5, chunk)) * 3).astype(dtype)  # many ties
+    rows[1, ::7] = np.nan
+    rows[2, :] = -0.0
+    rows[3, ::5] = np.inf
+    flat = np.empty(rows.shape[0] * k, np.int64)
+    emulated(device.SELECT, "chunk_topk", rows.dtype, rows.shape[0], (np.int64(rows.shape[0]), np.int32(chunk), np.int32(k), rows, flat))
+    expected = np.concatenate([topk_indices(row, k).astype(np.int64) + i * chunk for i, row in enumerate(rows)])
+    assert np.array_equal(flat, expected)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("d, k", [(1, 1), (5000, 1), (5000, 50), (70001, 700), (70001, 7000)])
+def test_the_device_scan_selects_what_numpy_selects(d, k, dtype, emulated, monkeypatch):
+    """DeviceTopkWorkspace.scan_select (scan_count, scan_write, the k best of the candidates) with a gradient folded in
+    and the sampled threshold, against ``error += grad`` and topk_indices; a non-finite gradient is reported."""
+    monkeypatch.setattr(_cuda, "launch", emulated)
+    monkeypatch.setitem(sys.modules, "cupy", np)  # the workspace's buffers: numpy's, alike in what it calls
+    workspace = device.DeviceTopkWorkspace(d, k, dtype)
+    rng = np.random.default_rng(d + k)
+    error = np.round(rng.standard_normal(d) * 4).astype(dtype)  # ties at the k-th place
+    grad = np.round(rng.standard_normal(d) * 4).astype(dtype)
+    expected_error = error + grad
+    expected = topk_indices(expected_error, k)
+    stride, _, rank = _sample_plan(d, k)
+    sample = np.abs(error[::stride] + grad[::stride])
+    threshold = _sample_threshold(np, sample.copy(), rank, False, sample)
+    threshold = np.asarray(threshold, dtype=dtype)
+    got = workspace.scan_select(error, grad, threshold, True, k)
+    assert np.array_equal(error, expected_error) and got.finite
+    assert got.indices is not None and np.array_equal(got.indices, expected)  # None would be the general code's turn
+    grad[d // 2] = np.nan
+    assert workspace.scan_select(error, grad, threshold, True, k).finite is False
