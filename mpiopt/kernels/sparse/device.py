@@ -195,9 +195,14 @@ __global__ void chunk_topk(long long rows, int chunk, int k, const T *x, long lo
     for (int q = 0; q < ITEMS; ++q)
         if (keep[q]) flat[row * k + at++] = row * chunk + first + q;
 }
+
+/* The kept candidates, in order: selected[place[i] - 1] = candidates[i] where keep[i] (place: keep's running count). */
+__global__ void compact(long long n, const bool *keep, const int *place, const int *candidates, int *selected) {
+    FOR_EACH(i, n) if (keep[i]) selected[place[i] - 1] = candidates[i];
+}
 """
 
-SELECT = _cuda.Program(_SOURCE, ("scan_count", "scan_write", "chunk_topk"))
+SELECT = _cuda.Program(_SOURCE, ("scan_count", "scan_write", "chunk_topk"), ("compact",))
 #: The longest row :func:`chunk_topk` selects in (one block of THREADS threads, ITEMS entries each).
 MAX_CHUNK = _cuda.THREADS * _ITEMS
 
@@ -238,6 +243,7 @@ class DeviceTopkWorkspace:
         self.scores = cupy.empty(capacity, dtype)
         self.order = cupy.empty(capacity, dtype)
         self.selected = cupy.empty(k, np.int32)
+        self.place = cupy.empty(capacity, np.int32)
 
     @classmethod
     def create(cls, d: int, k: int, dtype: Any) -> Optional["DeviceTopkWorkspace"]:
@@ -294,5 +300,7 @@ class DeviceTopkWorkspace:
         ties = scores == kth
         missing = k - cupy.count_nonzero(keep)
         keep |= ties & (cupy.cumsum(ties, dtype=np.int32) <= missing)  # candidates ascend: the lowest tied indices
-        self.selected[...] = self.candidates[:n][keep]
+        # The kept in order without a boolean index, whose size the host would wait for.
+        place = cupy.cumsum(keep, dtype=np.int32, out=self.place[:n])
+        _cuda.launch(SELECT, "compact", None, -(-n // _cuda.THREADS), (np.int64(n), keep, place, self.candidates, self.selected))
         return self.selected
