@@ -663,6 +663,26 @@ def test_aggregate_payloads_merged_equals_scattered(rows, density):
         payloads = np.roll(payloads, 1, axis=0)  # other workers' rows at each position next step
 
 
+def test_aggregate_payloads_reads_every_rows_header_in_one_copy(monkeypatch):
+    """The rows' headers come to the host in one copy (on a GPU one wait, not one a row); a bad one is still named."""
+    from mpiopt.algorithms.topk import aggregate_payloads
+    from mpiopt.kernels.sparse import payload as wire
+
+    d, k = 1000, 10
+    rng = np.random.default_rng(5)
+    payloads = np.stack([
+        encode(np.sort(rng.choice(d, k, replace=False)).astype(np.int32), rng.standard_normal(k).astype(np.float32), d) for _ in range(4)
+    ])
+    want = aggregate_payloads(payloads, np.zeros(d, np.float32)).touched
+    copies = []
+    monkeypatch.setattr(wire, "to_numpy", lambda a: copies.append(a.shape) or np.asarray(a))
+    out = np.zeros(d, np.float32)
+    assert np.array_equal(aggregate_payloads(payloads, out).touched, want) and copies == [(4, 8)]
+    payloads[2, 4] = 0xFF  # row 2's k
+    with pytest.raises(ValueError, match="not an encoding for d = 1000"):
+        aggregate_payloads(payloads, out)
+
+
 @needs_c
 @pytest.mark.parametrize("count", [1, 2, 3])
 def test_scan_of_clustered_candidates_fills_the_outputs_exactly(count, kernel_threads):

@@ -15,7 +15,7 @@ from .._backend import C_FLOATS, check_array, check_count
 from ..signs import pack_bits, packed_nbytes, unpack_bits
 from .index_sets import _MAX_LENGTH, _check_indices, _sparsec
 
-__all__ = ["payload_format", "encoded_nbytes", "encode", "decode"]
+__all__ = ["payload_format", "encoded_nbytes", "encode", "decode", "read_headers"]
 
 _FORMATS = ("pairs", "bitmap")  # position = the code in the payload header
 _HEADER_BYTES = 8
@@ -79,9 +79,16 @@ def encode(indices: Any, values: Any, d: int, out: Any = None, dtype: Any = np.f
     return out
 
 
-def decode(payload: Any, d: int, dtype: Any = np.float32, indices_out: Any = None) -> Tuple[Any, Any]:
+def read_headers(payloads: Any) -> np.ndarray:
+    """Every row's header of ``payloads`` (rows of :func:`encode`'s bytes), on the host: one copy for all rows."""
+    return np.ascontiguousarray(to_numpy(payloads[:, :_HEADER_BYTES]))
+
+
+def decode(payload: Any, d: int, dtype: Any = np.float32, indices_out: Any = None, header: Any = None) -> Tuple[Any, Any]:
     """``(indices, values)`` of a payload of :func:`encode`, as views into it (the bitmap's indices into ``indices_out``).
 
+    ``header``: the payload's first 8 bytes as a numpy array, where the caller has read them already (a GPU
+    payload's header costs a wait for the device; :func:`read_headers` reads every row's at once).
     ``ValueError`` when the payload is not one ``encode`` makes for this ``d`` and ``dtype``.
     """
     d = check_count("d", d, 0, _MAX_LENGTH)
@@ -90,7 +97,8 @@ def decode(payload: Any, d: int, dtype: Any = np.float32, indices_out: Any = Non
     size = payload.shape[0]
     if size < _HEADER_BYTES:
         raise ValueError(f"payload must have at least {_HEADER_BYTES} bytes (the header), got {size}")
-    code, k = (int(v) for v in to_numpy(payload[:_HEADER_BYTES]).view(np.uint32))
+    header = to_numpy(payload[:_HEADER_BYTES]) if header is None else header
+    code, k = (int(v) for v in np.ascontiguousarray(header, dtype=np.uint8).view(np.uint32))
     valid = code < len(_FORMATS) and k <= d
     if not (valid and _FORMATS[code] == payload_format(k, d) and size == encoded_nbytes(k, d, dtype)):
         raise ValueError(f"payload of {size} bytes (format code {code}, k = {k}) is not an encoding for d = {d} with {dtype} values")

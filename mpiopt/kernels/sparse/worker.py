@@ -17,7 +17,7 @@ from .._backend import check_count
 from ..update import all_finite
 from .aggregation import divide_at, merge_sorted_rows, scatter_add, settle_aggregate, subtract_scaled_at, union_of_sorted, zero_at
 from .feedback import error_feedback, feedback_select, fused_feedback_available, take_and_zero
-from .payload import decode, encode, encoded_nbytes
+from .payload import decode, encode, encoded_nbytes, read_headers
 from .regtopk import regtopk_scores, regtopk_sent_factors, unsent_factor
 from .device import DeviceTopkWorkspace
 from .selection import TopkWorkspace, topk_indices
@@ -231,7 +231,8 @@ def aggregate_payloads(
         Where ``G`` is non-zero, and its values there when the merge formed them.
     """
     rows = [None] * payloads.shape[0] if indices_out is None else indices_out
-    decoded = [decode(payload, out.shape[0], out.dtype, row) for payload, row in zip(payloads, rows)]
+    headers = read_headers(payloads)  # one wait for a GPU's rows, not one a row
+    decoded = [decode(payload, out.shape[0], out.dtype, row, header) for payload, row, header in zip(payloads, rows, headers)]
     merged = None
     if union_out is not None and sums_out is not None:
         merged = merge_sorted_rows([i for i, _ in decoded], [v for _, v in decoded], out.shape[0], union_out, sums_out)
