@@ -24,6 +24,8 @@ __all__ = [
 ]
 
 GPU_AWARE_ENV = "MPIOPT_GPU_AWARE"
+# The CUDA driver a CUDA-aware MPI loads at run time (Linux, where these MPIs run).
+_CUDA_DRIVER = "libcuda.so.1" if os.name == "posix" else ""
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -85,10 +87,6 @@ def gpu_aware_mpi(override: Optional[bool] = None) -> Tuple[bool, str]:
         # Open MPI 4.1 answers from how it was built; without the driver it runs as a plain MPI (and says so)
         return False, f"MPIX_Query_cuda_support is 1, but {_CUDA_DRIVER} does not load: the library runs without CUDA"
     return aware, "MPIX_Query_cuda_support"
-
-
-# The CUDA driver a CUDA-aware MPI loads at run time (Linux, where these MPIs run).
-_CUDA_DRIVER = "libcuda.so.1" if os.name == "posix" else ""
 
 
 def _loads(library: str) -> bool:

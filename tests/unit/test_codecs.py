@@ -542,8 +542,9 @@ def test_the_c_loops_give_the_same_bits_on_two_threads(name):
 
 def _same_bits_but_nans(codec, d, a, b):
     """Equal bits, but that two NaNs are equal whatever their payload and sign (the GPU's arithmetic returns its
-    canonical NaN, x86 a negative one): floats, a payload's scales, and the sign bits of the value codes of a chunk
-    whose scale is NaN on both sides (every value of it decodes to NaN); the rest of a payload bytewise."""
+    canonical NaN, x86 a negative one, and which operand's NaN a CPU build's a + b keeps is the compiler's order):
+    floats, a payload's scales, and the sign bits of the value codes of a chunk whose scale is NaN on both sides
+    (every value of it decodes to NaN); the rest of a payload bytewise."""
     if a.dtype != np.uint8:
         both_nan = np.isnan(a) & np.isnan(b)
         return a.dtype == b.dtype and np.array_equal(np.where(both_nan, 0, a).view(np.uint8), np.where(both_nan, 0, b).view(np.uint8))

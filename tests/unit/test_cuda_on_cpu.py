@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from mpiopt.codecs import create, fused
-from mpiopt.codecs.bitfields import unpack_fields
 from mpiopt.kernels import _codecs_cuda, _cuda
 from mpiopt.kernels.sparse import device, topk_indices
 from mpiopt.kernels.sparse.selection import _sample_plan, _sample_threshold
+from test_codecs import _same_bits_but_nans
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _CTYPES = {np.int64: ctypes.c_longlong, np.int32: ctypes.c_int, np.float32: ctypes.c_float, np.float64: ctypes.c_double}
@@ -100,22 +100,6 @@ def _inputs(d, seed, special):
     return x
 
 
-def _same(codec, d, a, b):
-    """Equal bits, two NaNs equal, and a NaN chunk's value codes equal but for their sign bits (which NaN is
-    negative is the compiler's operand order: the C loops' add keeps a's NaN, this build's a + b may not)."""
-    if a.dtype != np.uint8:
-        nan = np.isnan(a) & np.isnan(b)
-        return np.array_equal(np.where(nan, 0, a).view(np.uint8), np.where(nan, 0, b).view(np.uint8))
-    sa, sb = codec._sections(a, d), codec._sections(b, d)
-    scales_a, scales_b = sa["scales"].copy().view(np.float32), sb["scales"].copy().view(np.float32)
-    if not (np.array_equal(sa["indices"], sb["indices"]) and _same(codec, d, scales_a, scales_b)):
-        return False
-    codes_a, codes_b = (unpack_fields(np, s["values"], codec.bits, codec.selected(d)) for s in (sa, sb))
-    unsigned = np.isnan(scales_a)[codec._chunk_of(np, d)]
-    sign = 1 << (codec.bits - 1)
-    return np.array_equal(np.where(unsigned, codes_a & ~sign, codes_a), np.where(unsigned, codes_b & ~sign, codes_b))
-
-
 CODECS = [{}, {"chunk": 64, "k": 64, "bits": 8}, {"chunk": 100, "k": 8, "bits": 3}]
 
 
@@ -138,7 +122,7 @@ def test_topk_codec_kernels_give_the_c_loops_bits(params, as_device):
                     assert encode(*args, *([1] if encode is fused._codecsc.topk_encode else [])) in (None, True)
                     outputs.append((e, payload))
                 (e_c, p_c), (e_k, p_k) = outputs
-                assert _same(codec, d, e_c, e_k) and _same(codec, d, p_c, p_k), (d, special, beta, fold, feedback)
+                assert _same_bits_but_nans(codec, d, e_c, e_k) and _same_bits_but_nans(codec, d, p_c, p_k), (d, special, beta, fold, feedback)
             rows = np.stack([codec.encode(_inputs(d, 10 + r, special)) for r in range(3)])
             for payloads, add, divisor, counted in ((rows[0], False, 1.0, False), (rows, False, 3.0, False), (rows[:2], True, 2.0, False),
                                                     (rows, False, 1.0, True), (np.concatenate([rows, rows[:1]]), False, 1.0, True)):
@@ -151,7 +135,7 @@ def test_topk_codec_kernels_give_the_c_loops_bits(params, as_device):
                     assert decode(*args, *([1] if decode is fused._codecsc.topk_decode else [])) in (None, True)
                     outputs += [out, counts]
                 out_c, counts_c, out_k, counts_k = outputs
-                assert _same(codec, d, out_c, out_k) and (not counted or np.array_equal(counts_c, counts_k)), (d, special, add, divisor, counted)
+                assert _same_bits_but_nans(codec, d, out_c, out_k) and (not counted or np.array_equal(counts_c, counts_k)), (d, special, add, divisor, counted)
 
 
 def test_the_kernels_decline_what_they_do_not_take(as_device):

@@ -81,7 +81,7 @@ def encode(indices: Any, values: Any, d: int, out: Any = None, dtype: Any = np.f
 
 def read_headers(payloads: Any) -> np.ndarray:
     """Every row's header of ``payloads`` (rows of :func:`encode`'s bytes), on the host: one copy for all rows."""
-    return np.ascontiguousarray(to_numpy(payloads[:, :_HEADER_BYTES]))
+    return to_numpy(payloads[:, :_HEADER_BYTES])
 
 
 def decode(payload: Any, d: int, dtype: Any = np.float32, indices_out: Any = None, header: Any = None) -> Tuple[Any, Any]:
