@@ -16,8 +16,9 @@ import pytest
 
 from mpiopt.codecs import create, fused
 from mpiopt.kernels import _codecs_cuda, _cuda
-from mpiopt.kernels.sparse import device, topk_indices
-from mpiopt.kernels.sparse.selection import _sample_plan, _sample_threshold
+from mpiopt.kernels.sparse import device, feedback_select, regtopk_scores, regtopk_sent_factors, topk_indices
+from mpiopt.kernels.sparse.index_sets import _sparsec as sparse_c
+from mpiopt.kernels.sparse.selection import TopkWorkspace, _sample_plan, _sample_threshold
 from test_codecs import _same_bits_but_nans
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -25,12 +26,17 @@ _CTYPES = {np.int64: ctypes.c_longlong, np.int32: ctypes.c_int, np.float32: ctyp
 _TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double", None: ""}
 
 
+def _signature(program, name):
+    """Kernel ``name``'s parameter list, whitespace collapsed."""
+    match = re.search(r"__global__ void " + name + r"\((.*?)\)\s*\{", program.source, re.S)
+    return " ".join(match.group(1).split())
+
+
 def _shims(program):
     """A C launcher ``run_<kernel>_<type>(blocks, its parameters)`` for every kernel of ``program``, from its signature."""
     out = []
     for name, types_ in [(k, ("float", "double")) for k in program.templated] + [(k, ("",)) for k in program.plain]:
-        match = re.search(r"__global__ void " + name + r"\((.*?)\)\s*\{", program.source, re.S)
-        params = " ".join(match.group(1).split())
+        params = _signature(program, name)
         for t in types_:
             typed = re.sub(r"\bT\b", t, params) if t else params
             names = ", ".join(re.findall(r"(\w+)\s*(?:,|$)", typed))
@@ -67,6 +73,9 @@ def emulated(tmp_path_factory):
             raised = np.zeros(1, np.int32)
             args.append(raised)
         function = getattr(libraries[program], f"run_{name}_{_TYPES[None if dtype is None else np.dtype(dtype)]}")
+        pointers = ["*" in param for param in _signature(program, name).split(",")]
+        # numpy's a[i] is a scalar where cupy's is a 0-d array: one that a pointer parameter takes becomes an array
+        args = [np.asarray(a) if pointer and isinstance(a, np.generic) else a for a, pointer in zip(args, pointers)]
         converted = [ctypes.c_uint(blocks)]
         for a in args:
             converted.append(ctypes.c_void_p(a.ctypes.data) if isinstance(a, np.ndarray) else _CTYPES[type(a)](a))
@@ -186,3 +195,38 @@ def test_the_device_scan_selects_what_numpy_selects(d, k, dtype, emulated, monke
     assert got.indices is not None and np.array_equal(got.indices, expected)  # None would be the general code's turn
     grad[d // 2] = np.nan
     assert workspace.scan_select(error, grad, threshold, True, k).finite is False
+
+
+@pytest.mark.skipif(sparse_c is None, reason="the C loops are not built")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("d, k", [(1, 1), (5000, 1), (5000, 50), (70001, 700), (70001, 7000)])
+def test_regtopks_device_factors_and_scan_select_what_the_c_loops_select(d, k, dtype, emulated, monkeypatch):
+    """RegTop-k's fused step on the device workspace (regtopk_ratio, scale_sampled, the scan with factors at last step's
+    entries) against the C loops': the same factors' bits, error and indices; sent values of 0 (delta = q), ties."""
+    monkeypatch.setattr(_cuda, "launch", emulated)
+    monkeypatch.setitem(sys.modules, "cupy", np)
+    rng = np.random.default_rng(d + k)
+    error = np.round(rng.standard_normal(d) * 4).astype(dtype)
+    grad = np.round(rng.standard_normal(d) * 4).astype(dtype)
+    # Entries at a tile's edges (the kernels' tiles are 4096 long), large, sent last step and cancelled by the
+    # others (factor 0): Top-k would take them, RegTop-k must not.
+    edges = np.array([e for e in (0, 4095, 4096, 8192, 65535) if e < d][:k], np.int32)
+    others = rng.choice(np.setdiff1d(np.arange(d), edges), k - edges.shape[0], replace=False)
+    sent = np.sort(np.concatenate([edges, others])).astype(np.int32)
+    values = np.round(rng.standard_normal(k) * 3).astype(dtype)  # some 0: delta = q there
+    prev = np.round(rng.standard_normal(d) * 2).astype(dtype)
+    prev[sent[::2]] = values[::2] / 3  # this worker's share: delta = 0
+    values[np.isin(sent, edges)], prev[edges], error[edges] = 5, 0, 100
+    results = []
+    for workspace in (TopkWorkspace(d, k, dtype), device.DeviceTopkWorkspace(d, k, dtype)):
+        factors = regtopk_sent_factors(sent, values, prev, 3, 0.5, 1e8, workspace)
+        assert factors is not None
+        e = error.copy()
+        selection = feedback_select(grad, e, k, workspace, sent_indices=sent, sent_factors=factors)
+        assert selection.finite and selection.indices is not None
+        results.append((factors.copy(), e, selection.indices.copy()))
+    (f_c, e_c, i_c), (f_k, e_k, i_k) = results
+    assert f_c.tobytes() == f_k.tobytes() and e_c.tobytes() == e_k.tobytes()
+    assert np.array_equal(i_c, i_k)
+    expected = topk_indices(regtopk_scores(error + grad, sent, values, prev, 3, 0.5), k, absolute=False)
+    assert np.array_equal(i_k, expected)  # and the general code's selection

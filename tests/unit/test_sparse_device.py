@@ -106,3 +106,37 @@ def test_chunk_topk_is_the_array_codes(dtype, kind, chunk, k):
     assert chunk_topk(rows, k, flat), "the kernel did not run"
     np.testing.assert_array_equal(cupy.asnumpy(flat), expect[: 5 * k])
     np.testing.assert_array_equal(cupy.asnumpy(codec.select(cupy, cupy.asarray(x))), expect)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("d, k", [(4097, 1), (100_003, 997), (1_000_003, 10_000)])
+def test_device_regtopk_step_is_the_c_loops(dtype, d, k):
+    """RegTop-k's fused step on the device: the ratio's bits, tanh within an ulp of numpy's, and with those factors the
+    C scan's error bits and indices (entries cancelled by the others, factor 0, among them)."""
+    rng = np.random.default_rng(d)
+    error, grad = rng.standard_normal(d).astype(dtype), rng.standard_normal(d).astype(dtype)
+    sent = np.sort(rng.choice(d, k, replace=False)).astype(np.int32)
+    values = np.round(rng.standard_normal(k) * 3).astype(dtype)
+    prev = rng.standard_normal(d).astype(dtype)
+    prev[sent[::3]] = 0
+    host, workspace = sparse.TopkWorkspace(d, k, dtype), DeviceTopkWorkspace.create(d, k, dtype)
+    expect = sparse.regtopk_sent_factors(sent, values, prev, 4, 5.0, 1e8, host).copy()
+    got = sparse.regtopk_sent_factors(cupy.asarray(sent), cupy.asarray(values), cupy.asarray(prev), 4, 5.0, 1e8, workspace)
+    np.testing.assert_array_equal(cupy.asnumpy(workspace.rows[1][:k]), host.rows[1][:k])  # the ratio, bitwise
+    np.testing.assert_array_max_ulp(cupy.asnumpy(got), expect, maxulp=1)
+    factors = cupy.asnumpy(got)
+    expect_error = error.copy()
+    expect_indices = sparse.feedback_select(grad, expect_error, k, host, sent_indices=sent, sent_factors=factors).indices
+    on_device = cupy.asarray(error)
+    selection = sparse.feedback_select(cupy.asarray(grad), on_device, k, workspace, sent_indices=cupy.asarray(sent), sent_factors=got)
+    assert selection.finite
+    np.testing.assert_array_equal(cupy.asnumpy(on_device).view(np.uint8), expect_error.view(np.uint8))
+    np.testing.assert_array_equal(cupy.asnumpy(selection.indices), expect_indices)
+
+
+def test_regtopk_reads_no_dense_aggregate_on_the_device():
+    from mpiopt.algorithms.topk import Sparsifier
+    from mpiopt.kernels.sparse.worker import SparseWorker
+
+    worker = SparseWorker(Sparsifier(density=0.01, mu=5.0), cupy.zeros(100_003, np.float32), 2)
+    assert not worker.reads_dense_aggregate  # the fused pass takes its factors on the device

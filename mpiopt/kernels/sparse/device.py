@@ -1,5 +1,5 @@
-"""Top-k selection on the GPU: ``_sparsec.scan`` as two CUDA kernels, the k best of its candidates in CuPy, and the
-``topk`` codec's per-chunk selection as one kernel.
+"""Top-k selection on the GPU: ``_sparsec.scan`` as two CUDA kernels (RegTop-k's factors applied on the way, its ratio and
+sample scaling as two more), the k best of its candidates in CuPy, and the ``topk`` codec's per-chunk selection as one kernel.
 
 The same result as the numpy path's (:func:`~mpiopt.kernels.sparse.topk_indices`, the C scan): the candidates
 are the entries whose score reaches a sampled threshold, ascending, with ``x += g`` done on the way; the k of
@@ -118,14 +118,45 @@ __device__ __forceinline__ int kept_(const K (&keys)[ITEMS], int mine, K kth, in
 """
 
 _SOURCE = BLOCK_SELECT + r"""
+/* RegTop-k's factors at last step's entries over[0, n_over) (ascending): those in this block's tile of blockDim.x *
+ * ITEMS entries from lo are over[*first, *last), found by two threads. */
+__device__ __forceinline__ void tile_overrides_(const int *over, int n_over, long long lo, int *first, int *last) {
+    __shared__ int range[2];
+    if (threadIdx.x < 2) {
+        const long long bound = lo + (long long)threadIdx.x * blockDim.x * ITEMS;
+        int a = 0, b = n_over;
+        while (a < b) {
+            const int m = (a + b) >> 1;
+            if (over[m] < bound) a = m + 1; else b = m;
+        }
+        range[threadIdx.x] = a;
+    }
+    __syncthreads();
+    *first = range[0];
+    *last = range[1];
+}
+
+/* Score s of entry i, times its factor where i is among over[first, last) (the C scan's product, rounded). */
+template <typename T>
+__device__ __forceinline__ T scaled_(T s, long long i, const int *over, const T *factors, int first, int last) {
+    int a = first, b = last;
+    while (a < b) {
+        const int m = (a + b) >> 1;
+        if (over[m] < i) a = m + 1; else b = m;
+    }
+    return a < last && over[a] == i ? mul_(factors[a], s) : s;
+}
+
 /* A tile is blockDim.x * ITEMS adjacent entries, one block a tile.  Pass 1 over tile b (read coalesced, entry
  * q * blockDim.x + t by thread t): x += g first where add (bad flags a NaN or +-inf in g), then counts[b] = the
- * tile's entries whose score, |x| (absolute) or x, is >= *t (never NaN). */
+ * tile's entries whose score, |x| (absolute) or x, times its factor at over, is >= *t (never NaN). */
 template <typename T>
-__global__ void scan_count(long long n, T *x, const T *g, const T *t, int absolute, int add, int *counts, int *bad) {
+__global__ void scan_count(long long n, T *x, const T *g, const T *t, int absolute, int add, const int *over,
+                           const T *factors, int n_over, int *counts, int *bad) {
     const long long base = (long long)blockIdx.x * blockDim.x * ITEMS + threadIdx.x;
     const T threshold = *t;
-    int count = 0;
+    int count = 0, first = 0, last = 0;
+    if (n_over) tile_overrides_(over, n_over, base - threadIdx.x, &first, &last);
     bool ok = true;
 #pragma unroll
     for (int q = 0; q < ITEMS; ++q) {
@@ -138,7 +169,8 @@ __global__ void scan_count(long long n, T *x, const T *g, const T *t, int absolu
                 v = add_(v, gi);
                 x[i] = v;
             }
-            count += score_(v, absolute) >= threshold;
+            const T s = score_(v, absolute);
+            count += (first < last ? scaled_(s, i, over, factors, first, last) : s) >= threshold;
         }
     }
     int total;
@@ -150,16 +182,19 @@ __global__ void scan_count(long long n, T *x, const T *g, const T *t, int absolu
 /* Pass 2: tile b's candidates (index, score), ascending, from ends[b] - counts[b] on (those below capacity),
  * thread t's from entry t * ITEMS of the tile: its place from the candidates of the threads before it. */
 template <typename T>
-__global__ void scan_write(long long n, const T *x, const T *t, int absolute, const int *counts, const int *ends,
-                           long long capacity, int *idx, T *scores) {
+__global__ void scan_write(long long n, const T *x, const T *t, int absolute, const int *over, const T *factors,
+                           int n_over, const int *counts, const int *ends, long long capacity, int *idx, T *scores) {
     const long long first = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * ITEMS;
     const T threshold = *t;
     if (counts[blockIdx.x] == 0) return; /* the whole block: nothing to write */
+    int lo = 0, hi = 0;
+    if (n_over) tile_overrides_(over, n_over, (long long)blockIdx.x * blockDim.x * ITEMS, &lo, &hi);
     T s[ITEMS];
     unsigned hits = 0;
 #pragma unroll
     for (int q = 0; q < ITEMS; ++q) {
         s[q] = first + q < n ? score_(x[first + q], absolute) : (T)0;
+        if (lo < hi) s[q] = scaled_(s[q], first + q, over, factors, lo, hi);
         hits |= (unsigned)(first + q < n && s[q] >= threshold) << q;
     }
     int total;
@@ -196,13 +231,33 @@ __global__ void chunk_topk(long long rows, int chunk, int k, const T *x, long lo
         if (keep[q]) flat[row * k + at++] = row * chunk + first + q;
 }
 
+/* RegTop-k's |1 + delta| / mu at the k entries sent last step (the C loops' regtopk_ratio on a dense G_prev):
+ * own = sent w; delta = (G_prev[idx] - own) / own, or q where own is 0. */
+template <typename T>
+__global__ void regtopk_ratio(long long k, const T *prev, const int *idx, const T *sent, T w, T q, T mu, T *out) {
+    FOR_EACH(i, k) {
+        const T own = mul_(sent[i], w);
+        const T delta = own != 0 ? div_(sub_(prev[idx[i]], own), own) : q;
+        out[i] = div_(fabs(add_(delta, (T)1)), mu);
+    }
+}
+
+/* sample[j / stride] = factor * it for the sent entries j that the strided sample holds (idx unique). */
+template <typename T>
+__global__ void scale_sampled(long long k, long long n, long long stride, const int *idx, const T *factors, T *sample) {
+    FOR_EACH(p, k) {
+        const long long j = idx[p];
+        if (j % stride == 0 && j / stride < n) sample[j / stride] = mul_(factors[p], sample[j / stride]);
+    }
+}
+
 /* The kept candidates, in order: selected[place[i] - 1] = candidates[i] where keep[i] (place: keep's running count). */
 __global__ void compact(long long n, const bool *keep, const int *place, const int *candidates, int *selected) {
     FOR_EACH(i, n) if (keep[i]) selected[place[i] - 1] = candidates[i];
 }
 """
 
-SELECT = _cuda.Program(_SOURCE, ("scan_count", "scan_write", "chunk_topk"), ("compact",))
+SELECT = _cuda.Program(_SOURCE, ("scan_count", "scan_write", "chunk_topk", "regtopk_ratio", "scale_sampled"), ("compact",))
 #: The longest row :func:`chunk_topk` selects in (one block of THREADS threads, ITEMS entries each).
 MAX_CHUNK = _cuda.THREADS * _ITEMS
 
@@ -221,14 +276,12 @@ def chunk_topk(rows: Any, k: int, out: Any) -> bool:
 
 
 class DeviceTopkWorkspace:
-    """:class:`~mpiopt.kernels.sparse.TopkWorkspace` for cupy arrays: buffers made once, the scan as CUDA kernels.
+    """:class:`~mpiopt.kernels.sparse.TopkWorkspace` for cupy arrays: buffers made once, the scan (with RegTop-k's
+    factors) as CUDA kernels.
 
     Sized for twice the expected candidates, as the numpy one; more (or fewer than k) fall back to the general code.
     Built by :meth:`create`, which returns None where the kernels do not compile.
     """
-
-    #: RegTop-k's factors at last step's entries are applied by the C scan only (cupy: the general selection).
-    takes_factors = False
 
     def __init__(self, d: int, k: int, dtype: Any) -> None:
         import cupy
@@ -244,6 +297,7 @@ class DeviceTopkWorkspace:
         self.order = cupy.empty(capacity, dtype)
         self.selected = cupy.empty(k, np.int32)
         self.place = cupy.empty(capacity, np.int32)
+        self.rows = cupy.empty((3, k), dtype)  # RegTop-k's k-sized temporaries, as the numpy workspace's
 
     @classmethod
     def create(cls, d: int, k: int, dtype: Any) -> Optional["DeviceTopkWorkspace"]:
@@ -264,16 +318,17 @@ class DeviceTopkWorkspace:
     ) -> FeedbackSelection:
         """``values += grad`` (where given) and the k best of the entries whose score reaches ``threshold`` (a 0-d array).
 
-        ``indices`` is None (the caller selects with the general code) when fewer than k or more candidates than the
-        workspace holds reach it, or ``grad`` is not finite (then ``finite`` is False).
+        Entries at ``over`` (ascending int32) score ``over_factors`` times their usual score.  ``indices`` is None (the
+        caller selects with the general code) when fewer than k or more candidates than the workspace holds reach
+        it, or ``grad`` is not finite (then ``finite`` is False).
         """
-        if over is not None:
-            raise ValueError("the device scan takes no factors (takes_factors is False)")
         d, dtype, add = values.shape[0], values.dtype, grad is not None
         tiles = self.counts.shape[0]
+        factors = (values, values, np.int32(0)) if over is None else (over, over_factors, np.int32(over.shape[0]))
         bad = _cuda.launch(
             SELECT, "scan_count", dtype, tiles,
-            (np.int64(d), values, grad if add else values, threshold, np.int32(absolute), np.int32(add), self.counts), flag=add,
+            (np.int64(d), values, grad if add else values, threshold, np.int32(absolute), np.int32(add), *factors, self.counts),
+            flag=add,
         )
         if bad:
             return FeedbackSelection(None, False)
@@ -284,9 +339,32 @@ class DeviceTopkWorkspace:
             return FeedbackSelection(None, True)
         _cuda.launch(
             SELECT, "scan_write", dtype, tiles,
-            (np.int64(d), values, threshold, np.int32(absolute), self.counts, self.ends, np.int64(capacity), self.candidates, self.scores),
+            (np.int64(d), values, threshold, np.int32(absolute), *factors, self.counts, self.ends, np.int64(capacity),
+             self.candidates, self.scores),
         )
         return FeedbackSelection(self._best(n, k), True)
+
+    def regtopk_ratio(
+        self, prev: Any, sent_indices: Any, sent_values: Any, out: Any, w: float, q: float, mu: float, support: Any = None,
+    ) -> bool:
+        """RegTop-k's ``|1 + delta| / mu`` at last step's entries into ``out`` from the dense ``G_prev`` (one kernel, the
+        C loop's roundings); False (nothing written) for ``G_prev`` given at a ``support``."""
+        if support is not None:
+            return False
+        k, dtype = sent_indices.shape[0], out.dtype.type
+        _cuda.launch(
+            SELECT, "regtopk_ratio", out.dtype, -(-k // _cuda.THREADS),
+            (np.int64(k), prev, sent_indices, sent_values, dtype(w), dtype(q), dtype(mu), out),
+        )
+        return True
+
+    def scale_sampled(self, sample: Any, sent_indices: Any, sent_factors: Any, stride: int) -> None:
+        """``sample[j / stride] *= factor`` for the sent entries ``j`` that the strided ``sample`` holds (one kernel)."""
+        k = sent_indices.shape[0]
+        _cuda.launch(
+            SELECT, "scale_sampled", sample.dtype, -(-k // _cuda.THREADS),
+            (np.int64(k), np.int64(sample.shape[0]), np.int64(stride), sent_indices, sent_factors, sample),
+        )
 
     def _best(self, n: int, k: int) -> Any:
         """The k candidates of highest score (numbers only), lowest index first among ties, into ``selected``."""

@@ -8,7 +8,7 @@ import numpy as np
 
 from ...arrays import array_module
 from .._backend import check_array
-from .index_sets import _TAKE_ZERO, _check_indices, _indexed, _sparsec
+from .index_sets import _TAKE_ZERO, _check_indices, _indexed
 from .selection import FeedbackSelection, _sample_plan, _sample_threshold
 
 __all__ = ["error_feedback", "take_and_zero", "fused_feedback_available", "feedback_select"]
@@ -65,8 +65,6 @@ def feedback_select(
         raise ValueError(f"k must be the workspace's k ({workspace.k}) and in [1, {error.shape[0]}], got {k!r}")
     if (sent_indices is None) != (sent_factors is None) or (sent_indices is not None and sent_indices.shape != sent_factors.shape):
         raise ValueError("give sent_indices and sent_factors together, of one length")
-    if sent_indices is not None and not workspace.takes_factors:
-        raise ValueError(f"{type(workspace).__name__} takes no sent_factors (RegTop-k's fused pass is the C loops')")
     if sent_indices is not None:
         check_array("sent_indices", sent_indices, ndim=1, kinds="i", dtype=np.int32)
         check_array("sent_factors", sent_factors, ndim=1, kinds="f", dtype=error.dtype)
@@ -77,6 +75,6 @@ def feedback_select(
     sample = xp.add(error[::stride], grad[::stride], out=workspace.sample)
     xp.abs(sample, out=sample)
     if sent_indices is not None and sent_indices.shape[0]:  # the sampled entries that were sent score their factor times |a|
-        _sparsec.scale_sampled(sample, sent_indices, sent_factors, sent_indices.shape[0], sample.dtype.itemsize, stride)
+        workspace.scale_sampled(sample, sent_indices, sent_factors, stride)
     threshold = _sample_threshold(xp, sample, rank, False, sample)
     return workspace.scan_select(error, grad, threshold, True, k, sent_indices, sent_factors)

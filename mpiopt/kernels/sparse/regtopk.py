@@ -12,9 +12,9 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
+from ...arrays import array_module
 from .._backend import check_array, check_count
-from ..threads import get_num_threads
-from .index_sets import _GATHER, _SET, _check_indices, _indexed, _sparsec
+from .index_sets import _GATHER, _SET, _check_indices, _indexed
 from .selection import TopkWorkspace
 
 __all__ = ["unsent_factor", "regtopk_sent_factors", "regtopk_scores"]
@@ -58,17 +58,16 @@ def _sent_factors(
     if workspace is None or k > workspace.k or (support is None and not workspace.fits(prev, workspace.k)):
         return None
     arrays = (sent_indices, sent_values, prev) + (() if support is None else (support,))
-    if not all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays) or sent_indices.dtype != np.int32 \
+    if not all(type(a) is type(workspace.rows) and a.flags.c_contiguous for a in arrays) or sent_indices.dtype != np.int32 \
             or sent_values.dtype != workspace.dtype or prev.dtype != workspace.dtype \
             or (support is not None and (support.dtype != np.int32 or support.shape != prev.shape)):
         return None
     ratio, factors = workspace.rows[1][:k], workspace.rows[2][:k]
-    # The expression's |1 + delta| / mu in one C loop (its operations, each rounded as numpy rounds them),
-    # then numpy's own tanh for its bits.
-    _sparsec.regtopk_ratio(
-        prev, sent_indices, sent_values, ratio, k, ratio.dtype.itemsize, 1.0 / n_workers, q, mu, get_num_threads(), support,
-    )
-    np.tanh(ratio, out=factors)
+    # The expression's |1 + delta| / mu in one loop (its operations, each rounded as numpy rounds them),
+    # then the array module's own tanh for its bits.
+    if not workspace.regtopk_ratio(prev, sent_indices, sent_values, ratio, 1.0 / n_workers, q, mu, support):
+        return None
+    array_module(ratio).tanh(ratio, out=factors)
     return factors
 
 
@@ -115,10 +114,12 @@ def regtopk_scores(
     factor = _sent_factors(sent_indices, sent_values, prev_aggregate, n_workers, mu, q, workspace) if usable else None
     if factor is not None:
         own = workspace.rows[0][:k]
-        _indexed(_GATHER, acc, sent_indices, own)
+        if not _indexed(_GATHER, acc, sent_indices, own):  # cupy's workspace
+            xp.take(acc, sent_indices, out=own)
         xp.abs(own, out=own)
         factor *= own
-        _indexed(_SET, scores, sent_indices, factor)
+        if not _indexed(_SET, scores, sent_indices, factor):
+            scores[sent_indices] = factor
         return scores
     if k:
         own = (1.0 / n_workers) * sent_values  # w * a_ref: this worker's share of G_prev

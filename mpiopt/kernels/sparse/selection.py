@@ -85,9 +85,6 @@ class TopkWorkspace:
     (:class:`~mpiopt.kernels.sparse.device.DeviceTopkWorkspace` is its twin for cupy arrays.)
     """
 
-    #: Whether :meth:`scan_select` applies RegTop-k's factors at last step's entries (``over``).
-    takes_factors = True
-
     def __init__(self, d: int, k: int, dtype: Any) -> None:
         d, k, dtype, n, capacity = _workspace_plan(d, k, dtype)
         self.d, self.k, self.dtype = d, k, dtype
@@ -113,6 +110,22 @@ class TopkWorkspace:
     ) -> FeedbackSelection:
         """One C scan (``values += grad`` first, when given) and the k best of its candidates (see ``_scan_select``)."""
         return _scan_select(values, grad, threshold, absolute, k, self, over, over_factors)
+
+    def regtopk_ratio(
+        self, prev: Any, sent_indices: Any, sent_values: Any, out: Any, w: float, q: float, mu: float, support: Any = None,
+    ) -> bool:
+        """RegTop-k's ``|1 + delta| / mu`` at last step's entries into ``out`` (one C loop, numpy's roundings); ``prev`` is
+        the dense ``G_prev``, or its values at ``support`` (ascending int32).  False (nothing written) without the C loops."""
+        if _sparsec is None:
+            return False
+        _sparsec.regtopk_ratio(
+            prev, sent_indices, sent_values, out, sent_indices.shape[0], out.dtype.itemsize, w, q, mu, get_num_threads(), support,
+        )
+        return True
+
+    def scale_sampled(self, sample: Any, sent_indices: Any, sent_factors: Any, stride: int) -> None:
+        """``sample[j / stride] *= factor`` for the sent entries ``j`` that the strided ``sample`` holds."""
+        _sparsec.scale_sampled(sample, sent_indices, sent_factors, sent_indices.shape[0], sample.dtype.itemsize, stride)
 
 
 def _candidates(xp: ModuleType, values: Any, threshold: Any, absolute: bool) -> Tuple[Any, Any]:

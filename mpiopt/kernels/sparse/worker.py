@@ -79,8 +79,7 @@ class SparseWorker:
         #: Whether :meth:`compress` reads the dense G_prev every step (RegTop-k where the fused pass cannot
         #: run); otherwise G_prev comes by its non-zero entries, and the dense one only on a rare fallback.
         self.reads_dense_aggregate = regularized and not (
-            self._fusable and self._workspace is not None and self._workspace.takes_factors
-            and self._workspace.fits(self.error, self.k)
+            self._fusable and self._workspace is not None and self._workspace.fits(self.error, self.k)
         )
 
     def compress(
@@ -124,14 +123,12 @@ class SparseWorker:
         fused = self._fusable and fused_feedback_available(grad, self.error, self._workspace)
         sent_indices = sent_factors = None
         if fused and sparsifier.regularized and self.has_history:
-            fused = self._workspace.takes_factors  # cupy's scan takes none: the general selection reads the dense G_prev
-            if fused:
-                sent_indices = self.sent_indices
-                sent_factors = regtopk_sent_factors(
-                    sent_indices, self.sent_values, None if prev_support is not None else _dense(prev_aggregate),
-                    self.n_workers, sparsifier.mu, sparsifier.q, self._workspace, prev_support=prev_support,
-                )
-                fused = sent_factors is not None
+            sent_indices = self.sent_indices
+            sent_factors = regtopk_sent_factors(
+                sent_indices, self.sent_values, None if prev_support is not None else _dense(prev_aggregate),
+                self.n_workers, sparsifier.mu, sparsifier.q, self._workspace, prev_support=prev_support,
+            )
+            fused = sent_factors is not None
         if check_finite and not fused and not all_finite(grad):  # before error changes
             return None
         if fused:
