@@ -17,6 +17,7 @@ from ..comm import Topology
 from ..comm.ledger import Call
 from ..kernels import density_to_k, encoded_nbytes, packed_nbytes, payload_format
 from ..kernels.update import reads_support
+from ..kernels.sparse.device_aggregation import DeviceAggregation
 from ..kernels.sparse.worker import SparseAggregate, SparseWorker, aggregate_payloads
 from .base import BASE, SynchronousAlgorithm
 from .local import LOCAL_SGD, LocalSGD, LocalStepState
@@ -210,6 +211,8 @@ class _SparseSGD(LocalStepState, SynchronousAlgorithm):
         self._unions = xp.empty((2, union), dtype=xp.int32)
         self._union_slot = 0  # the buffer that does not hold self._touched
         self._sums = xp.empty(union, dtype=params.dtype)  # per union entry, the workers' sum
+        # On a GPU the rows are added by kernels (no wait for the device), with buffers of their own.
+        self._device_aggregation = None if xp is np else DeviceAggregation.create(workers, self.worker.k, params.size)
         # A dense update that cannot read G's non-zero entries alone (at most P k: the union buffers' length)
         # reads all of it, as does RegTop-k's general selection; otherwise the dense G is written only when
         # asked for (the aggregate property), since writing it costs a pass over d where clearing costs P k.
@@ -237,7 +240,7 @@ class _SparseSGD(LocalStepState, SynchronousAlgorithm):
         aggregate = aggregate_payloads(
             self._payloads, out=self._aggregate, stale=self._touched, indices_out=self._indices,
             union_bits=self._union_bits, union_out=self._unions[self._union_slot], sums_out=self._sums,
-            params=params, lr=self.lr, write_out=self._write_out,
+            params=params, lr=self.lr, write_out=self._write_out, device=self._device_aggregation,
         )
         self._union_slot ^= 1  # the next union goes to the other buffer
         self._latest = None if aggregate.values is None else aggregate

@@ -16,7 +16,8 @@ import pytest
 
 from mpiopt.codecs import create, fused
 from mpiopt.kernels import _codecs_cuda, _cuda
-from mpiopt.kernels.sparse import device, feedback_select, regtopk_scores, regtopk_sent_factors, topk_indices
+from mpiopt.kernels.sparse import device, device_aggregation, encode, feedback_select, regtopk_scores, regtopk_sent_factors, topk_indices
+from mpiopt.kernels.sparse.worker import aggregate_payloads
 from mpiopt.kernels.sparse.index_sets import _sparsec as sparse_c
 from mpiopt.kernels.sparse.selection import TopkWorkspace, _sample_plan, _sample_threshold
 from test_codecs import _same_bits_but_nans
@@ -54,7 +55,7 @@ def emulated(tmp_path_factory):
         pytest.skip("no C++ compiler (g++) to build the kernels for the CPU")
     folder = tmp_path_factory.mktemp("cuda_on_cpu")
     libraries = {}
-    for key, program in (("select", device.SELECT), ("topk", _codecs_cuda.TOPK)):
+    for key, program in (("select", device.SELECT), ("topk", _codecs_cuda.TOPK), ("aggregate", device_aggregation.AGGREGATE)):
         source = program.source.replace(_cuda.ROUNDING, "\nROUNDING_ON_CPU\n")
         assert "ROUNDING_ON_CPU" in source
         path = folder / f"{key}.cpp"
@@ -230,3 +231,52 @@ def test_regtopks_device_factors_and_scan_select_what_the_c_loops_select(d, k, d
     assert np.array_equal(i_c, i_k)
     expected = topk_indices(regtopk_scores(error + grad, sent, values, prev, 3, 0.5), k, absolute=False)
     assert np.array_equal(i_k, expected)  # and the general code's selection
+
+
+# ---- the aggregation of P payloads ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("rows, d, k", [(1, 1, 1), (1, 5000, 50), (3, 70, 9), (3, 5000, 2500), (4, 100_003, 1000)])
+def test_the_device_aggregation_gives_the_array_codes_floats(rows, d, k, dtype, emulated, monkeypatch):
+    """Two calls of DeviceAggregation (the second clearing the first's entries) against aggregate_payloads' own code:
+    G's and the updated parameters' bits, the entries G may be non-zero at; entries sent by several rows, both formats."""
+    monkeypatch.setattr(_cuda, "launch", emulated)
+    monkeypatch.setitem(sys.modules, "cupy", np)
+    rng = np.random.default_rng(rows * d + k)
+    workspace = device_aggregation.DeviceAggregation(rows, k, d)
+    expected_out, got_out = np.zeros(d, dtype), np.full(d, np.nan, dtype)
+    params = rng.standard_normal(d).astype(dtype)
+    expected_params, got_params = params.copy(), params.copy()
+    expected_stale = got_stale = None
+    for call in range(2):
+        shared = rng.choice(d, min(k, 3), replace=False)  # entries every row sends
+        rest = np.setdiff1d(np.arange(d), shared)
+        payloads = np.stack([
+            encode(
+                np.sort(np.concatenate([shared, rng.choice(rest, k - shared.shape[0], replace=False)])).astype(np.int32),
+                (rng.standard_normal(k) * 10.0 ** rng.integers(-3, 3, k)).astype(dtype), d, dtype=dtype,
+            )
+            for _ in range(rows)
+        ])
+        lr = 0.1 * (call + 1)
+        expected = aggregate_payloads(payloads, expected_out, stale=expected_stale, params=expected_params, lr=lr)
+        got = aggregate_payloads(payloads, got_out, stale=got_stale, params=got_params, lr=lr, device=workspace)
+        assert got_out.tobytes() == expected_out.tobytes() and got_params.tobytes() == expected_params.tobytes(), call
+        assert np.array_equal(np.unique(got.touched), expected.touched) and got.values is None
+        assert not workspace.marks.any()  # clear between calls
+        expected_stale, got_stale = expected.touched, got.touched
+
+
+def test_the_device_aggregation_names_a_bad_row(emulated, monkeypatch):
+    monkeypatch.setattr(_cuda, "launch", emulated)
+    monkeypatch.setitem(sys.modules, "cupy", np)
+    workspace = device_aggregation.DeviceAggregation(3, 4, 100)
+    good, values = np.array([1, 5, 7, 9], np.int32), np.ones(4, np.float32)
+    for bad in ([1, 7, 5, 9], [1, 5, 7, 100], [-1, 5, 7, 9], [1, 5, 5, 9]):
+        rows = [(good, values), (np.array(bad, np.int32), values), (good, values)]
+        with pytest.raises(ValueError, match=r"payload row 1's indices must be unique, ascending and in \[0, 100\)"):
+            workspace.aggregate(rows, np.zeros(100, np.float32), None, None, 0.0)
+    out = np.zeros(100, np.float32)
+    workspace.aggregate([(good, values)] * 3, out, None, None, 0.0)  # the marks a failed call left are cleared first
+    assert np.array_equal(np.flatnonzero(out), good) and np.all(out[good] == 1)

@@ -140,3 +140,29 @@ def test_regtopk_reads_no_dense_aggregate_on_the_device():
 
     worker = SparseWorker(Sparsifier(density=0.01, mu=5.0), cupy.zeros(100_003, np.float32), 2)
     assert not worker.reads_dense_aggregate  # the fused pass takes its factors on the device
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rows, d, k", [(1, 100_003, 100), (3, 4097, 2000), (4, 1_000_003, 10_000)])
+def test_device_aggregation_is_the_numpy_aggregation(dtype, rows, d, k):
+    """The P + 2 kernels against aggregate_payloads' numpy code: G's and the updated parameters' bits, twice in a row."""
+    from mpiopt.kernels.sparse.device_aggregation import DeviceAggregation
+    from mpiopt.kernels.sparse.worker import aggregate_payloads
+
+    rng = np.random.default_rng(d)
+    workspace = DeviceAggregation.create(rows, k, d)
+    assert workspace is not None, "the aggregation kernels did not compile"
+    expect_out, params = np.zeros(d, dtype), rng.standard_normal(d).astype(dtype)
+    got_out, got_params = cupy.full(d, np.nan, dtype), cupy.asarray(params)
+    expect_stale = got_stale = None
+    for call in range(2):
+        payloads = np.stack([
+            sparse.encode(np.sort(rng.choice(d, k, replace=False)).astype(np.int32), rng.standard_normal(k).astype(dtype), d, dtype=dtype)
+            for _ in range(rows)
+        ])
+        expect = aggregate_payloads(payloads, expect_out, stale=expect_stale, params=params, lr=0.3)
+        got = aggregate_payloads(cupy.asarray(payloads), got_out, stale=got_stale, params=got_params, lr=0.3, device=workspace)
+        np.testing.assert_array_equal(cupy.asnumpy(got_out).view(np.uint8), expect_out.view(np.uint8))
+        np.testing.assert_array_equal(cupy.asnumpy(got_params).view(np.uint8), params.view(np.uint8))
+        np.testing.assert_array_equal(np.unique(cupy.asnumpy(got.touched)), expect.touched)
+        expect_stale, got_stale = expect.touched, got.touched

@@ -20,6 +20,7 @@ from .feedback import error_feedback, feedback_select, fused_feedback_available,
 from .payload import decode, encode, encoded_nbytes, read_headers
 from .regtopk import regtopk_scores, regtopk_sent_factors, unsent_factor
 from .device import DeviceTopkWorkspace
+from .device_aggregation import DeviceAggregation
 from .selection import TopkWorkspace, topk_indices
 
 __all__ = ["SparseWorker", "SparseAggregate", "aggregate_payloads"]
@@ -170,7 +171,9 @@ class SparseAggregate(NamedTuple):
     Attributes
     ----------
     touched : array of int32
-        The sorted entries that some worker sent: ``G`` is +0.0 elsewhere.
+        The sorted entries that some worker sent (from the GPU's kernels:
+        every worker's, unsorted, repeated where several sent one): ``G`` is
+        +0.0 elsewhere.
     values : array or None
         ``G[touched]`` (a view of ``sums_out``) where the rows were merged in
         sorted order; None where they were scatter-added.
@@ -183,7 +186,7 @@ class SparseAggregate(NamedTuple):
 def aggregate_payloads(
     payloads: Any, out: Any, stale: Optional[Any] = None, indices_out: Optional[Any] = None,
     union_bits: Optional[Any] = None, union_out: Optional[Any] = None, sums_out: Optional[Any] = None,
-    params: Optional[Any] = None, lr: float = 0.0, write_out: bool = True,
+    params: Optional[Any] = None, lr: float = 0.0, write_out: bool = True, device: Optional[DeviceAggregation] = None,
 ) -> SparseAggregate:
     """``G = (1/N) sum_n sent_n`` from the N workers' payloads, into ``out``.
 
@@ -221,6 +224,11 @@ def aggregate_payloads(
         False: where the rows are merged, ``G`` is only returned (``values``)
         and ``out`` is left as it was (``stale`` unread); the scatter-adding
         path writes ``out`` all the same.
+    device : DeviceAggregation, optional
+        Buffers for the GPU's kernels (cupy rows of its shape): the rows are
+        added by them, and ``touched`` is then every row's indices, an entry
+        sent by several rows listed for each (``union_*`` and ``sums_out``
+        unused).
 
     Returns
     -------
@@ -230,6 +238,8 @@ def aggregate_payloads(
     rows = [None] * payloads.shape[0] if indices_out is None else indices_out
     headers = read_headers(payloads)  # one wait for a GPU's rows, not one a row
     decoded = [decode(payload, out.shape[0], out.dtype, row, header) for payload, row, header in zip(payloads, rows, headers)]
+    if device is not None and device.takes(decoded, out, params):
+        return SparseAggregate(device.aggregate(decoded, out, stale, params, lr), None)
     merged = None
     if union_out is not None and sums_out is not None:
         merged = merge_sorted_rows([i for i, _ in decoded], [v for _, v in decoded], out.shape[0], union_out, sums_out)

@@ -1,0 +1,131 @@
+"""The aggregation of P Top-k payloads on the GPU: ``G = (1/N) sum_n sent_n`` as P + 2 kernels, no wait for the device.
+
+The array code (:func:`~mpiopt.kernels.sparse.aggregate_payloads` on cupy) checks each row's indices (three waits a
+row), scatter-adds a row in three launches, sorts the rows' union and divides and updates through fancy indexing.
+Here: the last call's entries are zeroed, each row is added in rank order by one kernel (its indices are unique:
+no two threads meet), which also marks, in a bitmap, whether an earlier row sent the entry; a last kernel divides
+``G`` and updates the parameters at each entry's first sender and clears the marks.  The same floats as the
+array code; the rows' bad indices are found by the kernels and reported after the last one (one wait).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from .. import _cuda
+from .._backend import C_FLOATS
+
+__all__ = ["AGGREGATE", "DeviceAggregation"]
+
+_SOURCE = _cuda.HELPERS + r"""
+/* The entries the last call's rows sent (duplicates among rows do no harm), zeroed. */
+template <typename T>
+__global__ void zero_sent(long long n, const int *sent, T *out) {
+    FOR_EACH(i, n) out[sent[i]] = (T)0;
+}
+
+/* Row `row` of the payloads: out[idx[i]] += v[i], kept[i] = idx[i], and first[i] = whether no earlier row sent it (its
+ * bit in marks was clear).  Indices not ascending or out of [0, d) are skipped and flag bad = row + 1. */
+template <typename T>
+__global__ void add_row(long long k, long long d, int row, const int *idx, const T *v, T *out, unsigned *marks,
+                        int *kept, unsigned char *first, int *bad) {
+    FOR_EACH(i, k) {
+        const int j = idx[i];
+        if (j < 0 || j >= d || (i > 0 && idx[i - 1] >= j)) {
+            *bad = row + 1;
+            kept[i] = 0;
+            first[i] = 0;
+            continue;
+        }
+        out[j] = add_(out[j], v[i]);
+        const unsigned bit = 1u << (j & 31);
+        first[i] = !(atomicOr(&marks[j >> 5], bit) & bit);
+        kept[i] = j;
+    }
+}
+
+/* After every row, at each entry's first sender: G = sum / divisor (where divisor is not 1), params -= lr G (where
+ * update); the entry's marks cleared (the word's other entries have read theirs already). */
+template <typename T>
+__global__ void settle_rows(long long n, const int *kept, const unsigned char *first, T divisor, T lr, int update,
+                            T *out, T *params, unsigned *marks) {
+    FOR_EACH(i, n) {
+        if (!first[i]) continue;
+        const int j = kept[i];
+        marks[j >> 5] = 0u;
+        const T g = divisor != (T)1 ? div_(out[j], divisor) : out[j];
+        out[j] = g;
+        if (update) params[j] = sub_(params[j], mul_(lr, g));
+    }
+}
+"""
+
+AGGREGATE = _cuda.Program(_SOURCE, ("zero_sent", "add_row", "settle_rows"))
+
+
+class DeviceAggregation:
+    """Buffers for aggregating ``rows`` payloads of ``k`` entries of a length-``d`` vector on the GPU, made once.
+
+    ``kept`` holds the last call's rows' indices (what :meth:`aggregate` returns as the entries ``G`` may be non-zero
+    at, duplicates included), ``marks`` a bitmap of d bits that is all clear between calls.  Built by :meth:`create`.
+    """
+
+    def __init__(self, rows: int, k: int, d: int) -> None:
+        import cupy
+
+        self.rows, self.k, self.d = rows, k, d
+        self.marks = cupy.zeros(-(-d // 32), np.uint32)
+        self.kept = cupy.empty((rows, k), np.int32)
+        self.first = cupy.empty((rows, k), np.uint8)
+        self.bad = cupy.zeros(1, np.int32)
+        self._marked = False  # True while marks may be set: a call stopped before its last kernel clears them
+
+    @classmethod
+    def create(cls, rows: int, k: int, d: int) -> Optional["DeviceAggregation"]:
+        """Buffers on the current device, or None where the kernels do not compile."""
+        return cls(rows, k, d) if _cuda.compiled(AGGREGATE) else None
+
+    def takes(self, decoded: list, out: Any, params: Optional[Any]) -> bool:
+        """Whether :meth:`aggregate` runs on these rows: ``rows`` rows of ``k`` int32 indices and values of ``out``'s
+        dtype, ``out`` (and ``params``) contiguous float32 or float64 vectors of length ``d`` on the device."""
+        arrays = [out] + ([] if params is None else [params])
+        return (
+            len(decoded) == self.rows and out.shape == (self.d,) and out.dtype in C_FLOATS
+            and all(type(a) is type(self.kept) and a.flags.c_contiguous and a.dtype == out.dtype and a.shape == out.shape for a in arrays)
+            and all(type(i) is type(self.kept) and i.dtype == np.int32 and i.shape == (self.k,) and v.dtype == out.dtype
+                    and i.flags.c_contiguous and v.flags.c_contiguous for i, v in decoded)
+        )
+
+    def aggregate(self, decoded: list, out: Any, stale: Optional[Any], params: Optional[Any], lr: float) -> Any:
+        """``out = (1/P) sum of the rows`` where sent (``stale``, or all of ``out`` for None, cleared first), and
+        ``params -= lr out`` there when given; returns ``kept`` flattened.  ``ValueError`` naming the first row whose
+        indices are not unique, ascending and in ``[0, d)``."""
+        dtype, n = out.dtype, self.rows * self.k
+        if self._marked:
+            self.marks.fill(0)
+        self._marked = True
+        if stale is None:
+            out[...] = 0
+        elif stale.shape[0]:
+            _cuda.launch(AGGREGATE, "zero_sent", dtype, -(-stale.shape[0] // _cuda.THREADS), (np.int64(stale.shape[0]), stale, out))
+        self.bad.fill(0)
+        blocks = -(-self.k // _cuda.THREADS)
+        for row, (indices, values) in enumerate(decoded):
+            _cuda.launch(
+                AGGREGATE, "add_row", dtype, blocks,
+                (np.int64(self.k), np.int64(self.d), np.int32(row), indices, values, out, self.marks, self.kept[row],
+                 self.first[row], self.bad),
+            )
+        t = dtype.type
+        _cuda.launch(
+            AGGREGATE, "settle_rows", dtype, -(-n // _cuda.THREADS),
+            (np.int64(n), self.kept, self.first, t(self.rows), t(lr), np.int32(params is not None), out,
+             out if params is None else params, self.marks),
+        )
+        bad = int(self.bad[0])  # the one wait: a bad row is an error, not a quiet wrong sum
+        self._marked = bool(bad)  # settle_rows cleared the marks of every row's good entries
+        if bad:
+            raise ValueError(f"payload row {bad - 1}'s indices must be unique, ascending and in [0, {self.d})")
+        return self.kept.reshape(n)
