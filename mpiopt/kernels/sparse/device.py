@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ...arrays import to_numpy
 from .. import _cuda
 from .._backend import C_FLOATS
 from .selection import FeedbackSelection, _workspace_plan
@@ -292,6 +293,7 @@ class DeviceTopkWorkspace:
         self.sample = cupy.empty(n, dtype)
         self.counts = cupy.empty(tiles, np.int32)
         self.ends = cupy.empty(tiles, np.int32)
+        self.status = cupy.empty(2, np.int32)  # whether the gradient was finite, and the candidates' count: one read
         self.candidates = cupy.empty(capacity, np.int32)
         self.scores = cupy.empty(capacity, dtype)
         self.order = cupy.empty(capacity, dtype)
@@ -325,15 +327,17 @@ class DeviceTopkWorkspace:
         d, dtype, add = values.shape[0], values.dtype, grad is not None
         tiles = self.counts.shape[0]
         factors = (values, values, np.int32(0)) if over is None else (over, over_factors, np.int32(over.shape[0]))
-        bad = _cuda.launch(
+        self.status.fill(0)
+        _cuda.launch(
             SELECT, "scan_count", dtype, tiles,
-            (np.int64(d), values, grad if add else values, threshold, np.int32(absolute), np.int32(add), *factors, self.counts),
-            flag=add,
+            (np.int64(d), values, grad if add else values, threshold, np.int32(absolute), np.int32(add), *factors, self.counts,
+             self.status),
         )
+        self.counts.cumsum(out=self.ends)
+        self.status[1:] = self.ends[-1:]
+        bad, n = (int(v) for v in to_numpy(self.status))  # one wait for the device: the flag and the candidates' count
         if bad:
             return FeedbackSelection(None, False)
-        self.counts.cumsum(out=self.ends)
-        n = int(self.ends[-1])  # waits for the device: the candidates' count decides what follows
         capacity = self.candidates.shape[0]
         if not k <= n <= capacity:
             return FeedbackSelection(None, True)
