@@ -17,6 +17,7 @@ import pytest
 from mpiopt.codecs import create, fused
 from mpiopt.kernels import _codecs_cuda, _cuda
 from mpiopt.kernels.sparse import device, device_aggregation, encode, feedback_select, regtopk_scores, regtopk_sent_factors, topk_indices
+from mpiopt.kernels.sparse.payload import payload_header
 from mpiopt.kernels.sparse.worker import aggregate_payloads
 from mpiopt.kernels.sparse.index_sets import _sparsec as sparse_c
 from mpiopt.kernels.sparse.selection import TopkWorkspace, _sample_plan, _sample_threshold
@@ -269,14 +270,21 @@ def test_the_device_aggregation_gives_the_array_codes_floats(rows, d, k, dtype, 
 
 
 def test_the_device_aggregation_names_a_bad_row(emulated, monkeypatch):
+    """A row with a header of another k, or indices out of order, repeated or out of range: an error naming it."""
     monkeypatch.setattr(_cuda, "launch", emulated)
     monkeypatch.setitem(sys.modules, "cupy", np)
-    workspace = device_aggregation.DeviceAggregation(3, 4, 100)
-    good, values = np.array([1, 5, 7, 9], np.int32), np.ones(4, np.float32)
-    for bad in ([1, 7, 5, 9], [1, 5, 7, 100], [-1, 5, 7, 9], [1, 5, 5, 9]):
-        rows = [(good, values), (np.array(bad, np.int32), values), (good, values)]
-        with pytest.raises(ValueError, match=r"payload row 1's indices must be unique, ascending and in \[0, 100\)"):
-            workspace.aggregate(rows, np.zeros(100, np.float32), None, None, 0.0)
-    out = np.zeros(100, np.float32)
-    workspace.aggregate([(good, values)] * 3, out, None, None, 0.0)  # the marks a failed call left are cleared first
+    d, good, values = 1000, np.array([1, 5, 7, 9], np.int32), np.ones(4, np.float32)
+    workspace = device_aggregation.DeviceAggregation(3, 4, d)
+    payload = encode(good, values, d)  # pairs: the header, the values, the indices
+    message = r"payload row 1 is not 4 of 1000 entries: its header must be \[0, 0, 0, 0, 4, 0, 0, 0\] and its indices unique"
+    for bad in ([1, 7, 5, 9], [1, 5, 7, 1000], [-1, 5, 7, 9], [1, 5, 5, 9], "header"):
+        payloads = np.stack([payload] * 3)
+        if bad == "header":
+            payloads[1, :8] = payload_header(5, d)
+        else:
+            payloads[1, 24:] = np.array(bad, np.int32).view(np.uint8)
+        with pytest.raises(ValueError, match=message):
+            aggregate_payloads(payloads, np.zeros(d, np.float32), device=workspace)
+    out = np.zeros(d, np.float32)
+    aggregate_payloads(np.stack([payload] * 3), out, device=workspace)  # the marks a failed call left are cleared first
     assert np.array_equal(np.flatnonzero(out), good) and np.all(out[good] == 1)

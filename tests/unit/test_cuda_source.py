@@ -10,6 +10,7 @@ import pytest
 
 from mpiopt.kernels import _codecs_cuda, _cuda
 from mpiopt.kernels.sparse.device import SELECT
+from mpiopt.kernels.sparse.device_aggregation import AGGREGATE
 
 # The GPUs users train on: A100 (sm_80), H100 and H200 (sm_90).
 ARCHITECTURES = ("compute_80", "compute_90")
@@ -48,7 +49,7 @@ def compile_kernels(lib, source, names, architecture):
         lib.nvrtcDestroyProgram(ctypes.byref(program))
 
 
-@pytest.mark.parametrize("program", [_cuda.UPDATE, SELECT, _codecs_cuda.TOPK], ids=["update", "select", "topk-codec"])
+@pytest.mark.parametrize("program", [_cuda.UPDATE, SELECT, _codecs_cuda.TOPK, AGGREGATE], ids=["update", "select", "topk-codec", "aggregate"])
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_every_kernel_compiles_for_every_dtype(architecture, program):
     lib = nvrtc()

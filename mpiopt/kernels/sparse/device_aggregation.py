@@ -5,7 +5,8 @@ row), scatter-adds a row in three launches, sorts the rows' union and divides an
 Here: the last call's entries are zeroed, each row is added in rank order by one kernel (its indices are unique:
 no two threads meet), which also marks, in a bitmap, whether an earlier row sent the entry; a last kernel divides
 ``G`` and updates the parameters at each entry's first sender and clears the marks.  The same floats as the
-array code; the rows' bad indices are found by the kernels and reported after the last one (one wait).
+array code; the rows' bad headers and indices are found by the kernels and reported after the last one (the one
+wait; the headers are not read first).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from .. import _cuda
 from .._backend import C_FLOATS
+from .payload import encoded_nbytes, payload_header
 
 __all__ = ["AGGREGATE", "DeviceAggregation"]
 
@@ -27,10 +29,12 @@ __global__ void zero_sent(long long n, const int *sent, T *out) {
 }
 
 /* Row `row` of the payloads: out[idx[i]] += v[i], kept[i] = idx[i], and first[i] = whether no earlier row sent it (its
- * bit in marks was clear).  Indices not ascending or out of [0, d) are skipped and flag bad = row + 1. */
+ * bit in marks was clear).  A header other than `expected` (8 bytes), or indices not ascending or out of [0, d)
+ * (skipped) flag bad = row + 1. */
 template <typename T>
-__global__ void add_row(long long k, long long d, int row, const int *idx, const T *v, T *out, unsigned *marks,
-                        int *kept, unsigned char *first, int *bad) {
+__global__ void add_row(long long k, long long d, int row, const unsigned char *header, const unsigned char *expected,
+                        const int *idx, const T *v, T *out, unsigned *marks, int *kept, unsigned char *first, int *bad) {
+    if (blockIdx.x == 0 && threadIdx.x < 8 && header[threadIdx.x] != expected[threadIdx.x]) *bad = row + 1;
     FOR_EACH(i, k) {
         const int j = idx[i];
         if (j < 0 || j >= d || (i > 0 && idx[i - 1] >= j)) {
@@ -80,6 +84,9 @@ class DeviceAggregation:
         self.kept = cupy.empty((rows, k), np.int32)
         self.first = cupy.empty((rows, k), np.uint8)
         self.bad = cupy.zeros(1, np.int32)
+        #: What every row's header must be (decode reads the rows by it; the kernels check the rows' own).
+        self.header = payload_header(k, d)
+        self._expected = cupy.asarray(self.header)
         self._marked = False  # True while marks may be set: a call stopped before its last kernel clears them
 
     @classmethod
@@ -87,21 +94,23 @@ class DeviceAggregation:
         """Buffers on the current device, or None where the kernels do not compile."""
         return cls(rows, k, d) if _cuda.compiled(AGGREGATE) else None
 
-    def takes(self, decoded: list, out: Any, params: Optional[Any]) -> bool:
-        """Whether :meth:`aggregate` runs on these rows: ``rows`` rows of ``k`` int32 indices and values of ``out``'s
-        dtype, ``out`` (and ``params``) contiguous float32 or float64 vectors of length ``d`` on the device."""
+    def takes(self, payloads: Any, out: Any, params: Optional[Any]) -> bool:
+        """Whether :meth:`aggregate` runs on these payloads: ``rows`` device rows of :func:`encode`'s bytes for ``k`` of
+        ``d`` entries in ``out``'s dtype, each row's values aligned, ``out`` (and ``params``) contiguous float32 or
+        float64 vectors of length ``d`` on the device."""
         arrays = [out] + ([] if params is None else [params])
         return (
-            len(decoded) == self.rows and out.shape == (self.d,) and out.dtype in C_FLOATS
-            and all(type(a) is type(self.kept) and a.flags.c_contiguous and a.dtype == out.dtype and a.shape == out.shape for a in arrays)
-            and all(type(i) is type(self.kept) and i.dtype == np.int32 and i.shape == (self.k,) and v.dtype == out.dtype
-                    and i.flags.c_contiguous and v.flags.c_contiguous for i, v in decoded)
+            type(payloads) is type(self.kept) and payloads.ndim == 2 and payloads.flags.c_contiguous
+            and payloads.shape == (self.rows, encoded_nbytes(self.k, self.d, out.dtype)) and out.dtype in C_FLOATS
+            and payloads.shape[1] % out.dtype.itemsize == 0
+            and all(type(a) is type(self.kept) and a.flags.c_contiguous and a.dtype == out.dtype and a.shape == (self.d,) for a in arrays)
         )
 
-    def aggregate(self, decoded: list, out: Any, stale: Optional[Any], params: Optional[Any], lr: float) -> Any:
+    def aggregate(self, payloads: Any, decoded: list, out: Any, stale: Optional[Any], params: Optional[Any], lr: float) -> Any:
         """``out = (1/P) sum of the rows`` where sent (``stale``, or all of ``out`` for None, cleared first), and
-        ``params -= lr out`` there when given; returns ``kept`` flattened.  ``ValueError`` naming the first row whose
-        indices are not unique, ascending and in ``[0, d)``."""
+        ``params -= lr out`` there when given; returns ``kept`` flattened.  ``decoded``: each payload's (indices,
+        values), read by :attr:`header`, which the kernels check.  ``ValueError`` naming the first row whose header
+        is not that or whose indices are not unique, ascending and in ``[0, d)``."""
         dtype, n = out.dtype, self.rows * self.k
         if self._marked:
             self.marks.fill(0)
@@ -115,8 +124,8 @@ class DeviceAggregation:
         for row, (indices, values) in enumerate(decoded):
             _cuda.launch(
                 AGGREGATE, "add_row", dtype, blocks,
-                (np.int64(self.k), np.int64(self.d), np.int32(row), indices, values, out, self.marks, self.kept[row],
-                 self.first[row], self.bad),
+                (np.int64(self.k), np.int64(self.d), np.int32(row), payloads[row], self._expected, indices, values, out,
+                 self.marks, self.kept[row], self.first[row], self.bad),
             )
         t = dtype.type
         _cuda.launch(
@@ -127,5 +136,8 @@ class DeviceAggregation:
         bad = int(self.bad[0])  # the one wait: a bad row is an error, not a quiet wrong sum
         self._marked = bool(bad)  # settle_rows cleared the marks of every row's good entries
         if bad:
-            raise ValueError(f"payload row {bad - 1}'s indices must be unique, ascending and in [0, {self.d})")
+            raise ValueError(
+                f"payload row {bad - 1} is not {self.k} of {self.d} entries: its header must be {self.header.tolist()} and "
+                f"its indices unique, ascending and in [0, {self.d})"
+            )
         return self.kept.reshape(n)

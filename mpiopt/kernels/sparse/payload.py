@@ -15,7 +15,7 @@ from .._backend import C_FLOATS, check_array, check_count
 from ..signs import pack_bits, packed_nbytes, unpack_bits
 from .index_sets import _MAX_LENGTH, _check_indices, _sparsec
 
-__all__ = ["payload_format", "encoded_nbytes", "encode", "decode", "read_headers"]
+__all__ = ["payload_format", "payload_header", "encoded_nbytes", "encode", "decode", "read_headers"]
 
 _FORMATS = ("pairs", "bitmap")  # position = the code in the payload header
 _HEADER_BYTES = 8
@@ -26,6 +26,11 @@ def payload_format(k: int, d: int) -> str:
     d = check_count("d", d, 0, _MAX_LENGTH)
     k = check_count("k", k, 0, d)
     return "pairs" if 4 * k <= packed_nbytes(d) else "bitmap"
+
+
+def payload_header(k: int, d: int) -> np.ndarray:
+    """The 8 bytes every payload of k of d entries starts with: its format's code and k, two little-endian uint32."""
+    return np.array([_FORMATS.index(payload_format(k, d)), k], "<u4").view(np.uint8)
 
 
 def _value_type(dtype: Any) -> np.dtype:

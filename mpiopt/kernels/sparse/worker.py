@@ -236,10 +236,12 @@ def aggregate_payloads(
         Where ``G`` is non-zero, and its values there when the merge formed them.
     """
     rows = [None] * payloads.shape[0] if indices_out is None else indices_out
-    headers = read_headers(payloads)  # one wait for a GPU's rows, not one a row
+    on_device = device is not None and device.takes(payloads, out, params)
+    # The headers: one wait for a GPU's rows, or none where the kernels check them against what they expect
+    headers = [device.header] * payloads.shape[0] if on_device else read_headers(payloads)
     decoded = [decode(payload, out.shape[0], out.dtype, row, header) for payload, row, header in zip(payloads, rows, headers)]
-    if device is not None and device.takes(decoded, out, params):
-        return SparseAggregate(device.aggregate(decoded, out, stale, params, lr), None)
+    if on_device:
+        return SparseAggregate(device.aggregate(payloads, decoded, out, stale, params, lr), None)
     merged = None
     if union_out is not None and sums_out is not None:
         merged = merge_sorted_rows([i for i, _ in decoded], [v for _, v in decoded], out.shape[0], union_out, sums_out)
