@@ -63,7 +63,7 @@ def exchange_bytes(mode: str, ranks: int, d: int, chunks: Union[int, str] = "aut
     return {key: int(value) for key, value in plan_bytes(calls, ranks).items()}
 
 
-def pipeline_bounds(d: int, chunks: Union[int, str]) -> np.ndarray:
+def pipeline_bounds(d: int, chunks: Union[int, str], ranks: int) -> np.ndarray:
     """Byte ranges ``[start, stop)`` of the packed vector that a pipelined exchange sends one by one.
 
     Parameters
@@ -72,6 +72,9 @@ def pipeline_bounds(d: int, chunks: Union[int, str]) -> np.ndarray:
         Number of parameters.
     chunks : int or "auto"
         ``pipeline_chunks`` (docs/algorithm-notes.md).
+    ranks : int
+        Workers in the vote: ``"auto"`` pipelines nothing for one, whose
+        exchange is a copy that a pipeline would not hide, only cut in pieces.
 
     Returns
     -------
@@ -81,7 +84,7 @@ def pipeline_bounds(d: int, chunks: Union[int, str]) -> np.ndarray:
     """
     nbytes = packed_nbytes(d)
     if chunks == "auto":
-        chunks = PIPELINE_CHUNKS if nbytes >= PIPELINE_CHUNKS * PIPELINE_MIN_BYTES else 1
+        chunks = PIPELINE_CHUNKS if nbytes >= PIPELINE_CHUNKS * PIPELINE_MIN_BYTES and ranks > 1 else 1
     bounds = chunk_bounds(nbytes, min(chunks, max(1, -(-nbytes // 8))))
     return bounds[bounds[:, 1] > bounds[:, 0]] if nbytes else bounds
 
@@ -138,7 +141,7 @@ class Signum(SynchronousAlgorithm):
         if mode == "allgather":
             return [Call("allgather", nbytes, ranks, count)]
         if mode == "twophase":
-            width = sum(_chunk_width(int(stop - start), ranks) for start, stop in pipeline_bounds(d, hyper["pipeline_chunks"]))
+            width = sum(_chunk_width(int(stop - start), ranks) for start, stop in pipeline_bounds(d, hyper["pipeline_chunks"], ranks))
             return [Call("twophase", width, ranks, count)]
         calls = []  # prevote: an Allgather in each group and its leader's Bcast of the outcome, then the leaders' Allgather
         for g in groups:
@@ -179,7 +182,7 @@ class Signum(SynchronousAlgorithm):
             self._leader_stack = xp.empty((topo.num_groups, nbytes), dtype=np.uint8) if topo.is_leader else None
             self.chunks = 1
             return
-        bounds = pipeline_bounds(d, self.pipeline_chunks)
+        bounds = pipeline_bounds(d, self.pipeline_chunks, P)
         self.chunks = len(bounds)
         self._plan = []
         if self.mode == "allgather":

@@ -212,7 +212,7 @@ def test_pipelined_exchange_is_bit_for_bit_the_unpipelined_one(topology, mode, m
     assert not any(op.endswith(("Iallgather", "Ialltoall")) for op in plain_ledger)
     for chunks in (2, 3, 7):
         params, pvote, pm, ledger, alg = run_signum(topology, d, 4, exchange=mode, momentum=momentum, pipeline_chunks=chunks)
-        assert alg.chunks == min(chunks, -(-d // 64)) == len(pipeline_bounds(d, chunks))
+        assert alg.chunks == min(chunks, -(-d // 64)) == len(pipeline_bounds(d, chunks, P))
         assert params.tobytes() == plain.tobytes() and pvote.tobytes() == vote.tobytes(), (chunks, d)
         assert m is None or pm.tobytes() == m.tobytes()
         if alg.chunks > 1:  # one nonblocking collective per chunk (and phase) per step, nothing blocking
@@ -228,13 +228,14 @@ def test_pipeline_bounds():
     for d in (1, 13, 64 * 5 + 1, 10**6 + 3):
         nbytes = packed_nbytes(d)
         for chunks in (1, 2, 5, 64):
-            bounds = pipeline_bounds(d, chunks)
+            bounds = pipeline_bounds(d, chunks, 1)
             assert bounds[0, 0] == 0 and bounds[-1, 1] == nbytes and np.array_equal(bounds[1:, 0], bounds[:-1, 1])
             assert np.all(bounds[:, 1] > bounds[:, 0]) and np.all(bounds[:, 0] % 8 == 0)
             assert len(bounds) == min(chunks, -(-nbytes // 8))
-    assert len(pipeline_bounds(10**5, "auto")) == 1  # small vectors: no extra latency
+    assert len(pipeline_bounds(10**5, "auto", 2)) == 1  # small vectors: no extra latency
     big = 8 * PIPELINE_CHUNKS * PIPELINE_MIN_BYTES
-    assert len(pipeline_bounds(big, "auto")) == PIPELINE_CHUNKS and len(pipeline_bounds(big - 8, "auto")) == 1
+    assert len(pipeline_bounds(big, "auto", 2)) == PIPELINE_CHUNKS and len(pipeline_bounds(big - 8, "auto", 2)) == 1
+    assert len(pipeline_bounds(big, "auto", 1)) == 1 and len(pipeline_bounds(big, 4, 1)) == 4  # one rank: nothing to hide
 
 
 @pytest.mark.parametrize("value, error", [(0, ValueError), (2.5, TypeError), ("many", TypeError), (True, TypeError)])
