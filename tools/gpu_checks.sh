@@ -113,6 +113,9 @@ bench_and_profile() {  # the per-algorithm ratios, then where each variant's ste
         cat "$OUT_DIR/profile-update-cuda.md"
 }
 part "bench update --device cuda --d 100M, profiled" 200 bench_and_profile
+# The MPI library's own GPU path (CUDA-aware where it is, detected): before the trainings, which take longest.
+part "mpiopt info, 2 ranks" 40 mpi 2 "$PY" -m mpiopt info --elements 1048576
+part "MPI GPU tests, 2 ranks" 150 mpi 2 "$PY" tools/run_mpi_pytest.py -q tests/mpi/test_comm_gpu.py tests/mpi/test_algorithms_gpu.py tests/mpi/test_staging.py
 
 # ---- Training on the GPU, checkpointed and resumed bitwise ------------------------------------
 TEXT=(-m mpiopt train --device cuda --dataset text --model gpt --n-layer 4 --n-embd 256 --n-head 4 --block-size 128
@@ -143,9 +146,7 @@ part "train bf16 sparseloco+adamw, 2 ranks, resume" 120 train_and_resume bf16-sp
 part "train topk, 2 ranks, resume" 120 train_and_resume topk --algorithm topk
 part "train regtopk, 2 ranks, resume" 120 train_and_resume regtopk --algorithm regtopk
 part "train bf16 sgd+adamw, 2 ranks, resume" 120 train_and_resume bf16-sgd --precision bf16 --algorithm sgd --optimizer adamw --clip-grad-norm 1.0
-part "MPI GPU tests, 2 ranks" 150 mpi 2 "$PY" tools/run_mpi_pytest.py -q tests/mpi/test_comm_gpu.py tests/mpi/test_algorithms_gpu.py tests/mpi/test_staging.py
 part "bench staging, 2 ranks on one GPU" 60 mpi 2 "$PY" -m mpiopt bench staging --json "$OUT_DIR/bench-staging.json"
-part "mpiopt info, 2 ranks" 40 mpi 2 "$PY" -m mpiopt info --elements 1048576
 part "train bf16 diloco+adamw, 2 ranks, resume" 120 train_and_resume bf16-diloco --precision bf16 --algorithm diloco --optimizer adamw --hp period=8
 part "train fp16 sgd, 2 ranks, resume" 120 train_and_resume fp16-sgd --precision fp16 --algorithm sgd
 # NCCL takes one GPU per rank: 2 ranks where there are 2 GPUs, else 1 (ddp takes no checkpoints).
