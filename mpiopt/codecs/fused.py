@@ -1,5 +1,6 @@
 """The codecs' optional fused loops: the C loops (``mpiopt/kernels/_codecsc.c`` and its ``_codecs_*.c``) for numpy, and
-for cupy ``topk``'s CUDA kernels (``mpiopt/kernels/_codecs_cuda.py``); the array code's bits, one visit per chunk.
+for cupy their CUDA twins (``mpiopt/kernels/_codecs_cuda.py``, ``_codecs_dense_cuda.py``); the array code's bits, one
+visit per chunk.
 
 Each function returns whether a fused loop did the work (C-contiguous float32 and a chunk it takes); the caller
 runs its array code otherwise.  Tests set :data:`enabled` to False to compare the two.
@@ -11,7 +12,7 @@ from typing import Any, Tuple
 
 import numpy as np
 
-from ..kernels import _codecs_cuda
+from ..kernels import _codecs_cuda, _codecs_dense_cuda
 from ..kernels._backend import load_extension
 from ..kernels.threads import get_num_threads
 
@@ -30,14 +31,12 @@ def _chunk(codec: Any) -> int:
 
 def available(codec: Any, feedback: bool = False) -> bool:
     """Whether the fused loops take ``codec`` (its name, and a chunk whose parts own whole bytes; sign: numpy's sum
-    order): the C loops where they were built, ``topk``'s CUDA kernels for cupy arrays (which say no to the rest).
+    order): the C loops where they were built, the CUDA kernels for cupy arrays (each may still say no).
 
     ``feedback``: whether they also do error feedback's fold and update (not ``none`` and ``bf16``).
     """
     kind = _KINDS.get(codec.name)
     if not enabled or kind is None or (feedback and codec.name in ("none", "bf16")):
-        return False
-    if _codecsc is None and codec.name != "topk":
         return False
     chunk = _chunk(codec)
     return kind in (0, 4, 5, 6) or (kind in (1, 2) and chunk % 2 == 0) or (kind == 3 and chunk % 8 == 0 and chunk <= 8192)
@@ -63,7 +62,9 @@ def encode(codec: Any, e: Any, payload: Any, x: Any = None, beta: float = 1.0, f
     if not available(codec, feedback or x is not None) or codec.name == "none":
         return False
     if not isinstance(payload, np.ndarray):
-        return codec.name == "topk" and _codecs_cuda.topk_encode(e, x, float(beta), payload, codec.chunk, *_topk(codec), feedback)
+        if codec.name == "topk":
+            return _codecs_cuda.topk_encode(e, x, float(beta), payload, codec.chunk, *_topk(codec), feedback)
+        return _codecs_dense_cuda.dense_encode(_KINDS[codec.name], e, x, float(beta), payload, _chunk(codec), feedback)
     if _codecsc is None or not _f32(e) or not (x is None or _f32(x)):
         return False
     if codec.name == "topk":
@@ -86,7 +87,7 @@ def decode(codec: Any, payloads: Any, out: Any, add: bool = False, divisor: floa
     rows = 1 if payloads.ndim == 1 else payloads.shape[0]
     if not isinstance(payloads, np.ndarray):
         if codec.name != "topk":
-            return False
+            return _codecs_dense_cuda.dense_decode(_KINDS[codec.name], payloads, rows, out, _chunk(codec), add, float(divisor))
         k, bits, index_bits, _, _, table = _topk(codec)
         return _codecs_cuda.topk_decode(payloads, rows, out, codec.chunk, k, bits, index_bits, table, add, float(divisor), counts)
     if _codecsc is None or not _f32(out) or not (counts is None or isinstance(counts, np.ndarray)):

@@ -148,6 +148,11 @@ inline unsigned atomicOr(unsigned *p, unsigned v) {
     *p = old | v;
     return old;
 }
+inline int atomicMax(int *p, int v) {
+    const int old = *p;
+    *p = old > v ? old : v;
+    return old;
+}
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline unsigned __float_as_uint(float v) {
     unsigned u;
@@ -155,6 +160,11 @@ inline unsigned __float_as_uint(float v) {
     return u;
 }
 inline float __uint_as_float(unsigned u) {
+    float v;
+    std::memcpy(&v, &u, 4);
+    return v;
+}
+inline float __int_as_float(int u) {
     float v;
     std::memcpy(&v, &u, 4);
     return v;

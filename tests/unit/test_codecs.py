@@ -14,6 +14,7 @@ import pytest
 
 from mpiopt.arrays import to_numpy
 from mpiopt.codecs import CODECS, ErrorFeedback, create, fused
+from mpiopt.codecs.base import SCALE_BYTES, Chunked
 from mpiopt.codecs.bitfields import unpack_fields
 from mpiopt.codecs.scaled import E3M0_MAGNITUDES
 from mpiopt.codecs.topk import topk_levels
@@ -543,11 +544,16 @@ def test_the_c_loops_give_the_same_bits_on_two_threads(name):
 def _same_bits_but_nans(codec, d, a, b):
     """Equal bits, but that two NaNs are equal whatever their payload and sign (the GPU's arithmetic returns its
     canonical NaN, x86 a negative one, and which operand's NaN a CPU build's a + b keeps is the compiler's order):
-    floats, a payload's scales, and the sign bits of the value codes of a chunk whose scale is NaN on both sides
-    (every value of it decodes to NaN); the rest of a payload bytewise."""
+    floats, a payload's scales, and (topk) the sign bits of the value codes of a chunk whose scale is NaN on both
+    sides (every value of it decodes to NaN); the rest of a payload bytewise."""
     if a.dtype != np.uint8:
         both_nan = np.isnan(a) & np.isnan(b)
         return a.dtype == b.dtype and np.array_equal(np.where(both_nan, 0, a).view(np.uint8), np.where(both_nan, 0, b).view(np.uint8))
+    if a.shape != b.shape:
+        return False
+    if codec.name != "topk":  # a dense codec's codes do not depend on a NaN's bits
+        at = SCALE_BYTES * codec.chunks(d) if isinstance(codec, Chunked) else 0
+        return _same_bits_but_nans(codec, d, a[:at].copy().view(np.float32), b[:at].copy().view(np.float32)) and np.array_equal(a[at:], b[at:])
     sa, sb = codec._sections(a, d), codec._sections(b, d)
     scales_a, scales_b = sa["scales"].copy().view(np.float32), sb["scales"].copy().view(np.float32)
     if not (np.array_equal(sa["indices"], sb["indices"]) and _same_bits_but_nans(codec, d, scales_a, scales_b)):
@@ -572,6 +578,25 @@ def test_topks_cuda_kernels_give_the_numpy_bits(params, xp):
 
     codec = create("topk", **params)
     assert _codecs_cuda.takes_topk(codec.chunk, codec.k, codec.bits, codec.index_bits, (xp.zeros(1, np.float32),), xp.zeros(1, np.uint8)) == (codec.k != 1)
+    for d in (1, 7, 257, 5000, 10001):
+        for special in ("", "non-finite", "ties"):
+            with_numpy, with_cupy = _everything(codec, d, special), _everything(codec, d, special, xp)
+            for i, (a, b) in enumerate(zip(with_numpy, with_cupy)):
+                assert _same_bits_but_nans(codec, d, a, b), (d, special, i)
+
+
+@pytest.mark.parametrize(
+    "name, params", [(name, {"chunk": chunk}) for name in ("int8", "int4", "fp4", "sign") for chunk in (64, 200, 4096)] + [("none", {}), ("bf16", {})],
+)
+def test_dense_cuda_kernels_give_the_numpy_bits(name, params, xp):
+    """The dense codecs on cupy (their CUDA kernels) against numpy (the C loops where built) at awkward lengths, with
+    NaN, +-inf, -0.0 and ties: every entry point, error feedback with and without decay."""
+    if xp is np:
+        pytest.skip("numpy is the reference; cupy and a GPU are needed")
+    from mpiopt.kernels import _codecs_dense_cuda
+
+    codec = create(name, **params)
+    assert _codecs_dense_cuda.takes_dense(fused._KINDS[name], fused._chunk(codec), (xp.zeros(1, np.float32),), xp.zeros(1, np.uint8))
     for d in (1, 7, 257, 5000, 10001):
         for special in ("", "non-finite", "ties"):
             with_numpy, with_cupy = _everything(codec, d, special), _everything(codec, d, special, xp)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from mpiopt.codecs import create, fused
-from mpiopt.kernels import _codecs_cuda, _cuda
+from mpiopt.kernels import _codecs_cuda, _codecs_dense_cuda, _cuda
 from mpiopt.kernels.sparse import device, device_aggregation, encode, feedback_select, regtopk_scores, regtopk_sent_factors, topk_indices
 from mpiopt.kernels.sparse.payload import payload_header
 from mpiopt.kernels.sparse.worker import aggregate_payloads
@@ -56,7 +56,9 @@ def emulated(tmp_path_factory):
         pytest.skip("no C++ compiler (g++) to build the kernels for the CPU")
     folder = tmp_path_factory.mktemp("cuda_on_cpu")
     libraries = {}
-    for key, program in (("select", device.SELECT), ("topk", _codecs_cuda.TOPK), ("aggregate", device_aggregation.AGGREGATE)):
+    programs = (("select", device.SELECT), ("topk", _codecs_cuda.TOPK), ("dense", _codecs_dense_cuda.DENSE),
+                ("aggregate", device_aggregation.AGGREGATE))
+    for key, program in programs:
         source = program.source.replace(_cuda.ROUNDING, "\nROUNDING_ON_CPU\n")
         assert "ROUNDING_ON_CPU" in source
         path = folder / f"{key}.cpp"
@@ -93,6 +95,7 @@ def as_device(emulated, monkeypatch):
     monkeypatch.setattr(_cuda, "launch", emulated)
     monkeypatch.setattr(_cuda, "compiled", lambda program: True)
     monkeypatch.setattr(_codecs_cuda, "array_module", lambda a: types.SimpleNamespace())
+    monkeypatch.setattr(_codecs_dense_cuda, "array_module", lambda a: types.SimpleNamespace())
     monkeypatch.setattr(_codecs_cuda, "_table", lambda table: table)
     return emulated
 
@@ -147,6 +150,53 @@ def test_topk_codec_kernels_give_the_c_loops_bits(params, as_device):
                     outputs += [out, counts]
                 out_c, counts_c, out_k, counts_k = outputs
                 assert _same_bits_but_nans(codec, d, out_c, out_k) and (not counted or np.array_equal(counts_c, counts_k)), (d, special, add, divisor, counted)
+
+
+DENSE_CODECS = [("int8", {}), ("int8", {"chunk": 100}), ("int4", {"chunk": 64}), ("fp4", {}), ("fp4", {"chunk": 6}),
+                ("sign", {}), ("sign", {"chunk": 8}), ("sign", {"chunk": 8192}), ("bf16", {}), ("none", {})]
+
+
+@pytest.mark.skipif(fused._codecsc is None, reason="the C loops are not built")
+@pytest.mark.parametrize("name, params", DENSE_CODECS, ids=[f"{n}-{p.get('chunk', 'default')}" for n, p in DENSE_CODECS])
+def test_dense_codec_kernels_give_the_c_loops_bits(name, params, as_device):
+    """dense_encode (no fold, fold, fold with decay; with and without feedback; bf16's rounding) and dense_decode (one
+    row, rows, added to, divided) against _codecsc's, at awkward lengths with ties, NaN, +-inf, -0.0 and subnormals."""
+    codec = create(name, **params)
+    kind, chunk = fused._KINDS[name], fused._chunk(codec)
+    for d in (1, 7, 257, 9001 if chunk >= 64 else 1001):  # the emulator's time goes by blocks: one a chunk
+        for special in ("", "ties", "non-finite", "tiny", "wide", "edges"):
+            x, e0 = _inputs(d, 1, special), _inputs(d, 2, special)
+            if special == "edges":  # a chunk of zeros, then rint's ties and E3M0's edges at an absmax of 127
+                edges = np.array([127, 2.5, 3.5, -2.5, -0.5, 0.5, 1.5, 127 / 128, -127 / 128, 1.5 * 127 / 128, 127 / 64, 63.5], np.float32)
+                x = np.resize(edges, d)
+                x[: min(d // 2, 4096)], e0 = 0, np.zeros(d, np.float32)
+            if special == "tiny":  # subnormal chunks: their scale and codes (the kernels read the bits, never -ftz's compare)
+                x, e0 = x * np.float32(1e-41), e0 * np.float32(1e-40)
+            elif special == "wide":  # magnitudes 1e-30 to 1e30: sign's float64 sum rounds, in numpy's order
+                x, e0 = (v * np.float32(10.0) ** np.random.default_rng(d).integers(-30, 30, d).astype(np.float32) for v in (x, e0))
+            encodes = [(1.0, False, False)] if name in ("bf16", "none") else [(1.0, False, False), (1.0, True, True), (0.95, True, True), (0.95, True, False)]
+            for beta, fold, feedback in encodes if name != "none" else []:
+                outputs = []
+                for kernel in (True, False):
+                    e, payload = e0.copy(), np.zeros(codec.payload_nbytes(d), np.uint8)
+                    if kernel:
+                        assert _codecs_dense_cuda.dense_encode(kind, e, x if fold else None, beta, payload, chunk, feedback)
+                    else:
+                        fused._codecsc.encode(kind, e, x if fold else None, beta, payload, chunk, feedback, 1)
+                    outputs.append((e, payload))
+                (e_k, p_k), (e_c, p_c) = outputs
+                assert _same_bits_but_nans(codec, d, e_c, e_k) and _same_bits_but_nans(codec, d, p_c, p_k), (d, special, beta, fold, feedback)
+            rows = np.stack([codec.encode(_inputs(d, 10 + r, special)) for r in range(5)])
+            for payloads, add, divisor in ((rows[0], False, 1.0), (rows, False, 5.0), (rows[:2], True, 2.0), (rows[:3], False, 3.0)):
+                outputs = []
+                for kernel in (True, False):
+                    out, n = x.copy(), 1 if payloads.ndim == 1 else payloads.shape[0]
+                    if kernel:
+                        assert _codecs_dense_cuda.dense_decode(kind, payloads, n, out, chunk, add, divisor)
+                    else:
+                        fused._codecsc.decode(kind, payloads, n, out, chunk, add, divisor, 1)
+                    outputs.append(out)
+                assert _same_bits_but_nans(codec, d, *outputs), (d, special, add, divisor)
 
 
 def test_the_kernels_decline_what_they_do_not_take(as_device):

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from mpiopt.kernels import _codecs_cuda, _cuda
+from mpiopt.kernels import _codecs_cuda, _codecs_dense_cuda, _cuda
 from mpiopt.kernels.sparse.device import SELECT
 from mpiopt.kernels.sparse.device_aggregation import AGGREGATE
 
@@ -49,7 +49,7 @@ def compile_kernels(lib, source, names, architecture):
         lib.nvrtcDestroyProgram(ctypes.byref(program))
 
 
-@pytest.mark.parametrize("program", [_cuda.UPDATE, SELECT, _codecs_cuda.TOPK, AGGREGATE], ids=["update", "select", "topk-codec", "aggregate"])
+@pytest.mark.parametrize("program", [_cuda.UPDATE, SELECT, _codecs_cuda.TOPK, _codecs_dense_cuda.DENSE, AGGREGATE], ids=["update", "select", "topk-codec", "dense-codecs", "aggregate"])
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_every_kernel_compiles_for_every_dtype(architecture, program):
     lib = nvrtc()
