@@ -96,6 +96,7 @@ def as_device(emulated, monkeypatch):
     monkeypatch.setattr(_cuda, "compiled", lambda program: True)
     monkeypatch.setattr(_codecs_cuda, "array_module", lambda a: types.SimpleNamespace())
     monkeypatch.setattr(_codecs_dense_cuda, "array_module", lambda a: types.SimpleNamespace())
+    monkeypatch.setattr(device, "array_module", lambda a: types.SimpleNamespace())
     monkeypatch.setattr(_codecs_cuda, "_table", lambda table: table)
     return emulated
 
@@ -282,6 +283,18 @@ def test_regtopks_device_factors_and_scan_select_what_the_c_loops_select(d, k, d
     assert np.array_equal(i_c, i_k)
     expected = topk_indices(regtopk_scores(error + grad, sent, values, prev, 3, 0.5), k, absolute=False)
     assert np.array_equal(i_k, expected)  # and the general code's selection
+
+
+def test_take_zero_sends_and_clears_the_selected_entries(as_device):
+    """take_zero, error feedback's send on the device, against numpy's indexing."""
+    for dtype in (np.float32, np.float64):
+        error = np.random.default_rng(0).standard_normal(70001).astype(dtype)
+        indices = np.sort(np.random.default_rng(1).choice(70001, 700, replace=False)).astype(np.int32)
+        expected_values, expected_error = error[indices], error.copy()
+        expected_error[indices] = 0
+        values = np.full(1000, np.nan, dtype)
+        assert device.take_zero(error, indices, values[:700])
+        assert np.array_equal(values[:700], expected_values) and np.array_equal(error, expected_error)
 
 
 # ---- the aggregation of P payloads ------------------------------------------------------------------------------

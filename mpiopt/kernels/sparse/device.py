@@ -13,12 +13,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ...arrays import to_numpy
+from ...arrays import array_module, to_numpy
 from .. import _cuda
 from .._backend import C_FLOATS
 from .selection import FeedbackSelection, _workspace_plan
 
-__all__ = ["DeviceTopkWorkspace", "BLOCK_SELECT", "SELECT", "MAX_CHUNK", "chunk_topk"]
+__all__ = ["DeviceTopkWorkspace", "BLOCK_SELECT", "SELECT", "MAX_CHUNK", "chunk_topk", "take_zero"]
 
 # Entries per thread: one block scans THREADS * _ITEMS adjacent entries, its candidates counted, then written in order.
 _ITEMS = 16
@@ -252,13 +252,22 @@ __global__ void scale_sampled(long long k, long long n, long long stride, const 
     }
 }
 
+/* Error feedback's send: values[i] = e[idx[i]], then e[idx[i]] = 0 (idx unique). */
+template <typename T>
+__global__ void take_zero(long long k, const int *idx, T *e, T *values) {
+    FOR_EACH(i, k) {
+        values[i] = e[idx[i]];
+        e[idx[i]] = (T)0;
+    }
+}
+
 /* The kept candidates, in order: selected[place[i] - 1] = candidates[i] where keep[i] (place: keep's running count). */
 __global__ void compact(long long n, const bool *keep, const int *place, const int *candidates, int *selected) {
     FOR_EACH(i, n) if (keep[i]) selected[place[i] - 1] = candidates[i];
 }
 """
 
-SELECT = _cuda.Program(_SOURCE, ("scan_count", "scan_write", "chunk_topk", "regtopk_ratio", "scale_sampled"), ("compact",))
+SELECT = _cuda.Program(_SOURCE, ("scan_count", "scan_write", "chunk_topk", "regtopk_ratio", "scale_sampled", "take_zero"), ("compact",))
 #: The longest row :func:`chunk_topk` selects in (one block of THREADS threads, ITEMS entries each).
 MAX_CHUNK = _cuda.THREADS * _ITEMS
 
@@ -273,6 +282,19 @@ def chunk_topk(rows: Any, k: int, out: Any) -> bool:
     if not _cuda.compiled(SELECT):
         return False
     _cuda.launch(SELECT, "chunk_topk", rows.dtype, n, (np.int64(n), np.int32(chunk), np.int32(k), rows, out))
+    return True
+
+
+def take_zero(error: Any, indices: Any, values: Any) -> bool:
+    """``values[:] = error[indices]; error[indices] = 0`` in one kernel (``indices`` unique int32, ``values`` their length);
+    False (nothing done) for numpy arrays or where the kernels do not compile."""
+    arrays = (error, indices, values)
+    if array_module(error) is np or any(type(a) is not type(error) or not a.flags.c_contiguous for a in arrays):
+        return False
+    if error.dtype not in C_FLOATS or values.dtype != error.dtype or indices.dtype != np.int32 or not _cuda.compiled(SELECT):
+        return False
+    k = indices.shape[0]
+    _cuda.launch(SELECT, "take_zero", error.dtype, -(-k // _cuda.THREADS), (np.int64(k), indices, error, values))
     return True
 
 

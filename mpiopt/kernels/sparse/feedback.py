@@ -8,6 +8,7 @@ import numpy as np
 
 from ...arrays import array_module
 from .._backend import check_array
+from .device import take_zero
 from .index_sets import _TAKE_ZERO, _check_indices, _indexed
 from .selection import FeedbackSelection, _sample_plan, _sample_threshold
 
@@ -33,8 +34,10 @@ def error_feedback(grad: Any, error: Any, select: Callable[[Any], Any], values_o
 
 def take_and_zero(error: Any, indices: Any, values_out: Any = None) -> Any:
     """``values = error[indices]; error[indices] = 0``: what error feedback sends, and what it keeps."""
-    if values_out is not None and _indexed(_TAKE_ZERO, error, indices, values_out[: indices.shape[0]]):
-        return values_out[: indices.shape[0]]
+    if values_out is not None:
+        values = values_out[: indices.shape[0]]
+        if _indexed(_TAKE_ZERO, error, indices, values) or take_zero(error, indices, values):
+            return values
     values = error[indices]
     error[indices] = 0
     return values
