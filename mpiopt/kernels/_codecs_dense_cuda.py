@@ -30,8 +30,6 @@ enum { INT8, INT4, FP4, SIGN, NONE, BF16 };
 
 /* v < 0 as the C loops compare (NaN and -0.0 not), from the bits. */
 __device__ __forceinline__ bool negative_(float v) { return !nonnegative_(v) && !nan_(v); }
-/* |v| by the bits (fabsf may flush a subnormal to 0 under -ftz). */
-__device__ __forceinline__ float magnitude_(float v) { return __uint_as_float(__float_as_uint(v) & 0x7fffffffu); }
 /* A float32 at any byte address, little-endian. */
 __device__ __forceinline__ float load_float_(const unsigned char *p) {
     return __uint_as_float((unsigned)p[0] | (unsigned)p[1] << 8 | (unsigned)p[2] << 16 | (unsigned)p[3] << 24);
@@ -50,17 +48,18 @@ __device__ __forceinline__ float unit_(int kind, unsigned q) {
 __device__ __forceinline__ unsigned code_(int kind, float v, float safe) {
     if (kind == SIGN) return nonnegative_(v) ? 1u : 0u;
     if (kind == FP4) {
-        const float t = div_(magnitude_(v), safe);
+        const float t = div_(abs_(v), safe);
         int index = (int)((__float_as_uint(t) + 0x400000u) >> 23) - 120;
         index = min(max(index, 0), 7);
         index = max(index, __float_as_uint(t) >= 0x3c000000u && !nan_(t) ? 1 : 0); /* t >= 2**-7 */
+        if (nan_(t) && !nan_(v) && !nan_(safe)) index = 0; /* inf / inf: x86's NaN, whose sign bit gives index 0 */
         return (unsigned)index | (negative_(v) ? 8u : 0u);
     }
     const float qmax = kind == INT8 ? 127.0f : 7.0f;
     float t = div_(v, safe);
     t = t > qmax ? qmax : t;
     t = t < -qmax ? -qmax : t;
-    const float r = sub_(add_(magnitude_(t), 0x1p23f), 0x1p23f); /* rint, ties to even */
+    const float r = sub_(add_(abs_(t), 0x1p23f), 0x1p23f); /* rint, ties to even */
     const int k = nan_(t) ? 0 : (int)r;                           /* NaN: 0, as numpy's cast */
     return (unsigned)(negative_(t) ? -k : k) & 255u;
 }
@@ -245,7 +244,7 @@ def dense_decode(kind: int, payloads: Any, rows: int, out: Any, chunk: int, add:
         return False
     d = out.shape[0]
     values_at, nbytes = _layout(kind, d, chunk)
-    if payloads.size != rows * nbytes:
+    if rows < 1 or payloads.size != rows * nbytes:
         raise ValueError(f"codec {kind}: {payloads.size} payload bytes, not {rows} rows of the codec's {nbytes}")
     args = (np.int64(d), np.int32(kind), np.int32(chunk), np.int64(rows), np.int64(nbytes), np.int64(values_at), payloads, out,
             np.int32(add), np.float32(divisor))

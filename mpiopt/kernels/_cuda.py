@@ -23,7 +23,8 @@ _BLOCKS_PER_SM = 16
 _WIDE = 16
 
 #: The arithmetic every kernel rounds with: each operation rounded to nearest, never contracted into an FMA, float32
-#: subnormals kept (no ``.ftz``, which CuPy's ``-ftz=true`` would add), and float32 to float64 and back likewise.
+#: subnormals kept (no ``.ftz``, which CuPy's ``-ftz=true`` would add), and float32 to float64 and back likewise;
+#: ``abs_`` and the comparison ``ge_`` keep them too.
 ROUNDING = r"""
 __device__ __forceinline__ float add_(float a, float b) { float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 __device__ __forceinline__ float sub_(float a, float b) { float r; asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
@@ -35,6 +36,14 @@ __device__ __forceinline__ double mul_(double a, double b) { return __dmul_rn(a,
 __device__ __forceinline__ double div_(double a, double b) { return __ddiv_rn(a, b); }
 __device__ __forceinline__ double widen_(float v) { double r; asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(v)); return r; }
 __device__ __forceinline__ float narrow_(double v) { float r; asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(v)); return r; }
+__device__ __forceinline__ float abs_(float v) { float r; asm("abs.f32 %0, %1;" : "=f"(r) : "f"(v)); return r; }
+__device__ __forceinline__ double abs_(double v) { return fabs(v); }
+__device__ __forceinline__ bool ge_(float a, float b) {
+    unsigned r;
+    asm("{ .reg .pred p; setp.ge.f32 p, %1, %2; selp.u32 %0, 1, 0, p; }" : "=r"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ bool ge_(double a, double b) { return a >= b; }
 """
 
 # What every program's kernels share: the rounding arithmetic, IEEE tests, the grid-strided loop.

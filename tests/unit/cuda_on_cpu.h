@@ -3,7 +3,7 @@
  * __syncthreads and at a warp's shuffle; a thread waiting at a barrier resumes only when every live thread of
  * its block (its warp, for a shuffle) waits at one, and a barrier some threads never reach is reported, not
  * hung on.  __shared__ variables are statics (one block runs at a time); atomics are plain (one OS thread).
- * What it cannot show: the GPU's arithmetic (-ftz, FMA contraction, canonical NaNs: _cuda.ROUNDING's
+ * What it cannot show: the GPU's arithmetic beyond its canonical NaN (-ftz, FMA contraction: _cuda.ROUNDING's
  * instructions are replaced by the CPU's), its memory model, or its speed.
  */
 #pragma once
@@ -148,6 +148,11 @@ inline unsigned atomicOr(unsigned *p, unsigned v) {
     *p = old | v;
     return old;
 }
+inline int atomicCAS(int *p, int compare, int v) {
+    const int old = *p;
+    if (old == compare) *p = v;
+    return old;
+}
 inline int atomicMax(int *p, int v) {
     const int old = *p;
     *p = old > v ? old : v;
@@ -175,15 +180,27 @@ inline long long __double_as_longlong(double v) {
     return u;
 }
 
-/* _cuda.ROUNDING's operations, the CPU's (SSE: rounded to nearest, subnormals kept; built with -ffp-contract=off). */
+/* _cuda.ROUNDING's operations, the CPU's (SSE: rounded to nearest, subnormals kept; built with -ffp-contract=off),
+ * with the GPU's canonical NaN as every result that is NaN (x86 keeps an operand's, or makes a negative one). */
+inline float gpu_nan_(float r) { return r != r ? __uint_as_float(0x7fffffffu) : r; }
+inline double gpu_nan_(double r) {
+    const unsigned long long u = 0x7fffffffffffffffull;
+    double v;
+    std::memcpy(&v, &u, 8);
+    return r != r ? v : r;
+}
 #define ROUNDING_ON_CPU                                                                     \
-    inline float add_(float a, float b) { return a + b; }                                   \
-    inline float sub_(float a, float b) { return a - b; }                                   \
-    inline float mul_(float a, float b) { return a * b; }                                   \
-    inline float div_(float a, float b) { return a / b; }                                   \
-    inline double add_(double a, double b) { return a + b; }                                \
-    inline double sub_(double a, double b) { return a - b; }                                \
-    inline double mul_(double a, double b) { return a * b; }                                \
-    inline double div_(double a, double b) { return a / b; }                                \
-    inline double widen_(float v) { return (double)v; }                                     \
-    inline float narrow_(double v) { return (float)v; }
+    inline float add_(float a, float b) { return gpu_nan_(a + b); }                         \
+    inline float sub_(float a, float b) { return gpu_nan_(a - b); }                         \
+    inline float mul_(float a, float b) { return gpu_nan_(a * b); }                         \
+    inline float div_(float a, float b) { return gpu_nan_(a / b); }                         \
+    inline double add_(double a, double b) { return gpu_nan_(a + b); }                      \
+    inline double sub_(double a, double b) { return gpu_nan_(a - b); }                      \
+    inline double mul_(double a, double b) { return gpu_nan_(a * b); }                      \
+    inline double div_(double a, double b) { return gpu_nan_(a / b); }                      \
+    inline double widen_(float v) { return gpu_nan_((double)v); }                           \
+    inline float narrow_(double v) { return gpu_nan_((float)v); }                           \
+    inline float abs_(float v) { return std::fabs(v); }                                     \
+    inline double abs_(double v) { return std::fabs(v); }                                   \
+    inline bool ge_(float a, float b) { return a >= b; }                                    \
+    inline bool ge_(double a, double b) { return a >= b; }

@@ -346,8 +346,11 @@ def test_the_device_aggregation_names_a_bad_row(emulated, monkeypatch):
             payloads[1, :8] = payload_header(5, d)
         else:
             payloads[1, 24:] = np.array(bad, np.int32).view(np.uint8)
+        payloads[2, :8] = payload_header(3, d)  # a later bad row: the first is named
+        params = np.ones(d, np.float32)
         with pytest.raises(ValueError, match=message):
-            aggregate_payloads(payloads, np.zeros(d, np.float32), device=workspace)
+            aggregate_payloads(payloads, np.zeros(d, np.float32), params=params, lr=0.5, device=workspace)
+        assert np.all(params == 1)  # no update from a bad exchange
     out = np.zeros(d, np.float32)
     aggregate_payloads(np.stack([payload] * 3), out, device=workspace)  # the marks a failed call left are cleared first
     assert np.array_equal(np.flatnonzero(out), good) and np.all(out[good] == 1)

@@ -27,7 +27,7 @@ _ITEMS = 16
 BLOCK_SELECT = _cuda.HELPERS + r"""
 #define ITEMS 16
 
-template <typename T> __device__ __forceinline__ T score_(T v, int absolute) { return absolute ? fabs(v) : v; }
+template <typename T> __device__ __forceinline__ T score_(T v, int absolute) { return absolute ? abs_(v) : v; }
 
 /* An exclusive sum over the block's threads of v (blockDim.x a multiple of 32, at most 1024); *total gets the whole sum. */
 __device__ __forceinline__ int block_scan_(int v, int *total) {
@@ -171,7 +171,7 @@ __global__ void scan_count(long long n, T *x, const T *g, const T *t, int absolu
                 x[i] = v;
             }
             const T s = score_(v, absolute);
-            count += (first < last ? scaled_(s, i, over, factors, first, last) : s) >= threshold;
+            count += ge_(first < last ? scaled_(s, i, over, factors, first, last) : s, threshold);
         }
     }
     int total;
@@ -196,7 +196,7 @@ __global__ void scan_write(long long n, const T *x, const T *t, int absolute, co
     for (int q = 0; q < ITEMS; ++q) {
         s[q] = first + q < n ? score_(x[first + q], absolute) : (T)0;
         if (lo < hi) s[q] = scaled_(s[q], first + q, over, factors, lo, hi);
-        hits |= (unsigned)(first + q < n && s[q] >= threshold) << q;
+        hits |= (unsigned)(first + q < n && ge_(s[q], threshold)) << q;
     }
     int total;
     long long at = (long long)ends[blockIdx.x] - counts[blockIdx.x] + block_scan_(__popc(hits), &total);
@@ -238,8 +238,8 @@ template <typename T>
 __global__ void regtopk_ratio(long long k, const T *prev, const int *idx, const T *sent, T w, T q, T mu, T *out) {
     FOR_EACH(i, k) {
         const T own = mul_(sent[i], w);
-        const T delta = own != 0 ? div_(sub_(prev[idx[i]], own), own) : q;
-        out[i] = div_(fabs(add_(delta, (T)1)), mu);
+        const T delta = bits_(own) << 1 ? div_(sub_(prev[idx[i]], own), own) : q; /* own != 0, -ftz-proof */
+        out[i] = div_(abs_(add_(delta, (T)1)), mu);
     }
 }
 

@@ -1,4 +1,4 @@
-"""The aggregation of P Top-k payloads on the GPU: ``G = (1/N) sum_n sent_n`` as P + 2 kernels, no wait for the device.
+"""The aggregation of P Top-k payloads on the GPU: ``G = (1/N) sum_n sent_n`` as P + 2 kernels and one wait.
 
 The array code (:func:`~mpiopt.kernels.sparse.aggregate_payloads` on cupy) checks each row's indices (three waits a
 row), scatter-adds a row in three launches, sorts the rows' union and divides and updates through fancy indexing.
@@ -6,7 +6,8 @@ Here: the last call's entries are zeroed, each row is added in rank order by one
 no two threads meet), which also marks, in a bitmap, whether an earlier row sent the entry; a last kernel divides
 ``G`` and updates the parameters at each entry's first sender and clears the marks.  The same floats as the
 array code; the rows' bad headers and indices are found by the kernels and reported after the last one (the one
-wait; the headers are not read first).
+wait for pairs payloads: the headers are not read first; a bitmap's decode waits once a row), the parameters then
+left as they were.
 """
 
 from __future__ import annotations
@@ -30,15 +31,15 @@ __global__ void zero_sent(long long n, const int *sent, T *out) {
 
 /* Row `row` of the payloads: out[idx[i]] += v[i], kept[i] = idx[i], and first[i] = whether no earlier row sent it (its
  * bit in marks was clear).  A header other than `expected` (8 bytes), or indices not ascending or out of [0, d)
- * (skipped) flag bad = row + 1. */
+ * (skipped) flag bad = row + 1, unless an earlier row did. */
 template <typename T>
 __global__ void add_row(long long k, long long d, int row, const unsigned char *header, const unsigned char *expected,
                         const int *idx, const T *v, T *out, unsigned *marks, int *kept, unsigned char *first, int *bad) {
-    if (blockIdx.x == 0 && threadIdx.x < 8 && header[threadIdx.x] != expected[threadIdx.x]) *bad = row + 1;
+    if (blockIdx.x == 0 && threadIdx.x < 8 && header[threadIdx.x] != expected[threadIdx.x]) atomicCAS(bad, 0, row + 1);
     FOR_EACH(i, k) {
         const int j = idx[i];
         if (j < 0 || j >= d || (i > 0 && idx[i - 1] >= j)) {
-            *bad = row + 1;
+            atomicCAS(bad, 0, row + 1);
             kept[i] = 0;
             first[i] = 0;
             continue;
@@ -51,14 +52,16 @@ __global__ void add_row(long long k, long long d, int row, const unsigned char *
 }
 
 /* After every row, at each entry's first sender: G = sum / divisor (where divisor is not 1), params -= lr G (where
- * update); the entry's marks cleared (the word's other entries have read theirs already). */
+ * update, and no row was bad); the entry's marks cleared (the word's other entries have read theirs already). */
 template <typename T>
 __global__ void settle_rows(long long n, const int *kept, const unsigned char *first, T divisor, T lr, int update,
-                            T *out, T *params, unsigned *marks) {
+                            T *out, T *params, unsigned *marks, const int *bad) {
+    const bool good = *bad == 0;
     FOR_EACH(i, n) {
         if (!first[i]) continue;
         const int j = kept[i];
         marks[j >> 5] = 0u;
+        if (!good) continue;
         const T g = divisor != (T)1 ? div_(out[j], divisor) : out[j];
         out[j] = g;
         if (update) params[j] = sub_(params[j], mul_(lr, g));
@@ -110,7 +113,7 @@ class DeviceAggregation:
         """``out = (1/P) sum of the rows`` where sent (``stale``, or all of ``out`` for None, cleared first), and
         ``params -= lr out`` there when given; returns ``kept`` flattened.  ``decoded``: each payload's (indices,
         values), read by :attr:`header`, which the kernels check.  ``ValueError`` naming the first row whose header
-        is not that or whose indices are not unique, ascending and in ``[0, d)``."""
+        is not that or whose indices are not unique, ascending and in ``[0, d)`` (``params`` then unchanged)."""
         dtype, n = out.dtype, self.rows * self.k
         if self._marked:
             self.marks.fill(0)
@@ -131,7 +134,7 @@ class DeviceAggregation:
         _cuda.launch(
             AGGREGATE, "settle_rows", dtype, -(-n // _cuda.THREADS),
             (np.int64(n), self.kept, self.first, t(self.rows), t(lr), np.int32(params is not None), out,
-             out if params is None else params, self.marks),
+             out if params is None else params, self.marks, self.bad),
         )
         bad = int(self.bad[0])  # the one wait: a bad row is an error, not a quiet wrong sum
         self._marked = bool(bad)  # settle_rows cleared the marks of every row's good entries
