@@ -16,6 +16,7 @@ from ..arrays import array_module, empty_apart
 from ..comm import Topology
 from ..comm.ledger import Call
 from ..kernels import density_to_k, encoded_nbytes, packed_nbytes, payload_format
+from ..kernels.sparse import check_indices
 from ..kernels.update import reads_support
 from ..kernels.sparse.device_aggregation import DeviceAggregation
 from ..kernels.sparse.worker import SparseAggregate, SparseWorker, aggregate_payloads
@@ -252,6 +253,10 @@ class _SparseSGD(LocalStepState, SynchronousAlgorithm):
         return self.aggregate  # dense: the caller applies (and may clip) it
 
     def load_state_dict(self, state: Any, *, override_hyperparameters: bool = False) -> None:
+        sent = state.get("arrays", {}).get("sent_indices")
+        if sent is not None and state.get("scalars", {}).get("has_history") and self.num_params is not None:
+            # The step indexes with them unchecked (the GPU's kernels, too): a bad file is refused here, nothing loaded.
+            check_indices("the state's sent_indices", sent, self.num_params)
         super().load_state_dict(state, override_hyperparameters=override_hyperparameters)
         self._touched = None  # the restored G may be non-zero anywhere
         self._latest, self._aggregate_written = None, True

@@ -175,6 +175,21 @@ def test_defaults(topology):
     assert one.k == 8
 
 
+def test_a_state_with_bad_sent_indices_is_refused_before_loading(topology):
+    """RegTop-k's step indexes with last step's sent entries unchecked: a state holding others is refused, naming them."""
+    alg = mpiopt.create("regtopk", topology, k=3, mu=4.0)
+    params = np.zeros(16, np.float32)
+    alg.setup(params)
+    alg.step(params, np.arange(16, dtype=np.float32))
+    state, before = alg.state_dict(), alg.sent_indices.copy()
+    for bad in ([3, 1, 7], [3, 7, 16], [-1, 3, 7], [3, 3, 7]):
+        broken = {**state, "arrays": {**state["arrays"], "sent_indices": np.array(bad, np.int32)}}
+        with pytest.raises(ValueError, match=r"the state's sent_indices must be unique indices in \[0, 16\) sorted ascending"):
+            alg.load_state_dict(broken)
+        assert np.array_equal(alg.sent_indices, before)  # nothing loaded
+    alg.load_state_dict(state)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_ranks_must_agree_on_k(topology):
     alg = mpiopt.create("topk", topology, k=2 + topology.rank % 2)

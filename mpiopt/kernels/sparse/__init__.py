@@ -44,11 +44,13 @@ from .aggregation import (
     zero_at,
 )
 from .feedback import error_feedback, feedback_select, fused_feedback_available, take_and_zero
+from .index_sets import _check_indices as check_indices
 from .payload import decode, encode, encoded_nbytes, payload_format
 from .regtopk import regtopk_scores, regtopk_sent_factors, unsent_factor
 from .selection import FeedbackSelection, TopkWorkspace, density_to_k, topk_indices
 
 __all__ = [
+    "check_indices",
     "density_to_k",
     "TopkWorkspace",
     "topk_indices",
