@@ -261,13 +261,48 @@ __global__ void take_zero(long long k, const int *idx, T *e, T *values) {
     }
 }
 
-/* The kept candidates, in order: selected[place[i] - 1] = candidates[i] where keep[i] (place: keep's running count). */
-__global__ void compact(long long n, const bool *keep, const int *place, const int *candidates, int *selected) {
-    FOR_EACH(i, n) if (keep[i]) selected[place[i] - 1] = candidates[i];
+/* The k candidates of highest score (scores[0, n), no NaN; *kth the k-th highest), the lowest index first among ties
+ * at the k-th, into selected in index order: one block, counting those above *kth, then each tile's kept ones at
+ * their places (thread t's ITEMS adjacent candidates, their places from the threads' and tiles' before). */
+template <typename T>
+__global__ void keep_best(long long n, int k, const T *kth, const int *candidates, const T *scores, int *selected) {
+    const T t = *kth;
+    int above = 0, total;
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) above += !ge_(t, scores[i]); /* > t: -ftz-proof */
+    block_scan_(above, &total);
+    const long long ties = k - total; /* taken from the lowest indices */
+    long long tie = 0, place = 0;      /* ties and kept candidates in the tiles before */
+    for (long long tile = 0; tile < n; tile += (long long)blockDim.x * ITEMS) {
+        const long long first = tile + (long long)threadIdx.x * ITEMS;
+        const int mine = (int)max(0LL, min((long long)ITEMS, n - first));
+        int equal = 0;
+        T v[ITEMS];
+#pragma unroll
+        for (int q = 0; q < ITEMS; ++q) {
+            v[q] = q < mine ? scores[first + q] : t;
+            equal += q < mine && ge_(v[q], t) && ge_(t, v[q]);
+        }
+        long long my_tie = tie + block_scan_(equal, &total);
+        tie += total;
+        bool keep[ITEMS];
+        int kept = 0;
+#pragma unroll
+        for (int q = 0; q < ITEMS; ++q) {
+            const bool at_kth = q < mine && ge_(v[q], t) && ge_(t, v[q]);
+            keep[q] = q < mine && (!ge_(t, v[q]) || (at_kth && my_tie < ties));
+            my_tie += at_kth;
+            kept += keep[q];
+        }
+        long long at = place + block_scan_(kept, &total);
+        place += total;
+#pragma unroll
+        for (int q = 0; q < ITEMS; ++q)
+            if (keep[q]) selected[at++] = candidates[first + q];
+    }
 }
 """
 
-SELECT = _cuda.Program(_SOURCE, ("scan_count", "scan_write", "chunk_topk", "regtopk_ratio", "scale_sampled", "take_zero"), ("compact",))
+SELECT = _cuda.Program(_SOURCE, ("scan_count", "scan_write", "chunk_topk", "regtopk_ratio", "scale_sampled", "take_zero", "keep_best"))
 #: The longest row :func:`chunk_topk` selects in (one block of THREADS threads, ITEMS entries each).
 MAX_CHUNK = _cuda.THREADS * _ITEMS
 
@@ -320,7 +355,6 @@ class DeviceTopkWorkspace:
         self.scores = cupy.empty(capacity, dtype)
         self.order = cupy.empty(capacity, dtype)
         self.selected = cupy.empty(k, np.int32)
-        self.place = cupy.empty(capacity, np.int32)
         self.rows = cupy.empty((3, k), dtype)  # RegTop-k's k-sized temporaries, as the numpy workspace's
 
     @classmethod
@@ -393,18 +427,10 @@ class DeviceTopkWorkspace:
         )
 
     def _best(self, n: int, k: int) -> Any:
-        """The k candidates of highest score (numbers only), lowest index first among ties, into ``selected``."""
-        import cupy
-
-        scores, order = self.scores[:n], self.order[:n]
-        order[...] = scores
+        """The k candidates of highest score (numbers only), lowest index first among ties, into ``selected``: CuPy's
+        sort finds the k-th score, one kernel keeps the k in index order."""
+        order = self.order[:n]
+        order[...] = self.scores[:n]
         order.sort()
-        kth = order[n - k]  # stays on the device
-        keep = scores > kth
-        ties = scores == kth
-        missing = k - cupy.count_nonzero(keep)
-        keep |= ties & (cupy.cumsum(ties, dtype=np.int32) <= missing)  # candidates ascend: the lowest tied indices
-        # The kept in order without a boolean index, whose size the host would wait for.
-        place = cupy.cumsum(keep, dtype=np.int32, out=self.place[:n])
-        _cuda.launch(SELECT, "compact", None, -(-n // _cuda.THREADS), (np.int64(n), keep, place, self.candidates, self.selected))
+        _cuda.launch(SELECT, "keep_best", self.dtype, 1, (np.int64(n), np.int32(k), order[n - k :], self.candidates, self.scores, self.selected))
         return self.selected
