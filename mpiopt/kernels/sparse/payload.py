@@ -6,6 +6,7 @@ Allgather, not Allgatherv).  Layout: docs/internals-kernels.md, "Sparse vectors"
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Tuple
 
 import numpy as np
@@ -21,6 +22,7 @@ _FORMATS = ("pairs", "bitmap")  # position = the code in the payload header
 _HEADER_BYTES = 8
 
 
+@functools.lru_cache(maxsize=256)  # called several times a step with the same (k, d)
 def payload_format(k: int, d: int) -> str:
     """The smaller encoding of k of d entries: ``"pairs"`` (8k bytes) or ``"bitmap"`` (ceil(d/8) + 4k bytes); ties to pairs."""
     d = check_count("d", d, 0, _MAX_LENGTH)
@@ -40,6 +42,7 @@ def _value_type(dtype: Any) -> np.dtype:
     return dtype
 
 
+@functools.lru_cache(maxsize=256)
 def encoded_nbytes(k: int, d: int, dtype: Any = np.float32) -> int:
     """Bytes of :func:`encode`'s payload for k of d entries: ``8 + s k + min(4k, ceil(d / 8))``, ``s`` the value size."""
     index_bytes = 4 * k if payload_format(k, d) == "pairs" else packed_nbytes(d)
