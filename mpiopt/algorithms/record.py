@@ -54,12 +54,12 @@ def record_step(ledger: Any, before: Any, started: float, step: int, loss: Optio
     elapsed = time.perf_counter() - started
     delta = ledger.since(before)
     comm, wait = delta.blocked_seconds()
-    island = delta.total(ISLAND)
+    island, everything = delta.total(ISLAND), delta.total()
     return StepRecord(
         step=step,
         loss=None if loss is None else float(loss),
-        bytes_sent=delta.bytes_sent,
-        bytes_recv=delta.bytes_recv,
+        bytes_sent=everything.bytes_sent,
+        bytes_recv=everything.bytes_recv,
         comm_seconds=comm,
         wait_seconds=wait,
         algo_seconds=max(0.0, elapsed - comm - wait),

@@ -29,14 +29,17 @@ class OpStats:
     seconds: float = 0.0
     wait_seconds: float = 0.0
 
+    # Field by field, not through dataclasses.fields: every step reads its ledger's totals.
     def __sub__(self, other: "OpStats") -> "OpStats":
-        return OpStats(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
+        return OpStats(self.calls - other.calls, self.bytes_sent - other.bytes_sent, self.bytes_recv - other.bytes_recv,
+                       self.seconds - other.seconds, self.wait_seconds - other.wait_seconds)
 
     def __add__(self, other: "OpStats") -> "OpStats":
-        return OpStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+        return OpStats(self.calls + other.calls, self.bytes_sent + other.bytes_sent, self.bytes_recv + other.bytes_recv,
+                       self.seconds + other.seconds, self.wait_seconds + other.wait_seconds)
 
     def as_tuple(self) -> tuple:
-        return tuple(getattr(self, f.name) for f in fields(self))
+        return (self.calls, self.bytes_sent, self.bytes_recv, self.seconds, self.wait_seconds)
 
 
 @dataclass

@@ -36,3 +36,14 @@ def test_dict_round_trip_and_table():
     assert "| world.Allgather | 1 | 1 | 3 |" in ledger.table("t")
     ledger.reset()
     assert list(ledger) == [] and ledger.total() == OpStats()
+
+
+def test_opstats_arithmetic_covers_every_field():
+    """+, - and as_tuple name the fields one by one (for speed): a field added to OpStats must be added there too."""
+    from dataclasses import fields
+
+    names = [f.name for f in fields(OpStats)]
+    a, b = OpStats(*range(1, len(names) + 1)), OpStats(*(10 * v for v in range(1, len(names) + 1)))
+    assert (b - a).as_tuple() == tuple(9 * v for v in range(1, len(names) + 1))
+    assert (a + b).as_tuple() == tuple(11 * v for v in range(1, len(names) + 1))
+    assert a.as_tuple() == tuple(getattr(a, name) for name in names)
