@@ -254,7 +254,9 @@ class _SparseSGD(LocalStepState, SynchronousAlgorithm):
 
     def load_state_dict(self, state: Any, *, override_hyperparameters: bool = False) -> None:
         sent = state.get("arrays", {}).get("sent_indices")
-        if sent is not None and state.get("scalars", {}).get("has_history") and self.num_params is not None:
+        mine = None if self.worker is None else self.worker.sent_indices
+        if mine is not None and state.get("scalars", {}).get("has_history") and getattr(sent, "shape", None) == mine.shape \
+                and np.dtype(sent.dtype).kind in "iu":  # other shapes and dtypes: the base class names them
             # The step indexes with them unchecked (the GPU's kernels, too): a bad file is refused here, nothing loaded.
             check_indices("the state's sent_indices", sent, self.num_params)
         super().load_state_dict(state, override_hyperparameters=override_hyperparameters)

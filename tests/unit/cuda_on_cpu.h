@@ -181,24 +181,19 @@ inline long long __double_as_longlong(double v) {
 }
 
 /* _cuda.ROUNDING's operations, the CPU's (SSE: rounded to nearest, subnormals kept; built with -ffp-contract=off),
- * with the GPU's canonical NaN as every result that is NaN (x86 keeps an operand's, or makes a negative one). */
+ * with the GPU's canonical NaN as every float32 result that is NaN (x86 keeps an operand's, or makes a negative
+ * one; PTX promises the canonical NaN for float32 only). */
 inline float gpu_nan_(float r) { return r != r ? __uint_as_float(0x7fffffffu) : r; }
-inline double gpu_nan_(double r) {
-    const unsigned long long u = 0x7fffffffffffffffull;
-    double v;
-    std::memcpy(&v, &u, 8);
-    return r != r ? v : r;
-}
 #define ROUNDING_ON_CPU                                                                     \
     inline float add_(float a, float b) { return gpu_nan_(a + b); }                         \
     inline float sub_(float a, float b) { return gpu_nan_(a - b); }                         \
     inline float mul_(float a, float b) { return gpu_nan_(a * b); }                         \
     inline float div_(float a, float b) { return gpu_nan_(a / b); }                         \
-    inline double add_(double a, double b) { return gpu_nan_(a + b); }                      \
-    inline double sub_(double a, double b) { return gpu_nan_(a - b); }                      \
-    inline double mul_(double a, double b) { return gpu_nan_(a * b); }                      \
-    inline double div_(double a, double b) { return gpu_nan_(a / b); }                      \
-    inline double widen_(float v) { return gpu_nan_((double)v); }                           \
+    inline double add_(double a, double b) { return a + b; }                                \
+    inline double sub_(double a, double b) { return a - b; }                                \
+    inline double mul_(double a, double b) { return a * b; }                                \
+    inline double div_(double a, double b) { return a / b; }                                \
+    inline double widen_(float v) { return (double)v; }                                     \
     inline float narrow_(double v) { return gpu_nan_((float)v); }                           \
     inline float abs_(float v) { return std::fabs(v); }                                     \
     inline double abs_(double v) { return std::fabs(v); }                                   \

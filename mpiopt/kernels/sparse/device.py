@@ -297,7 +297,7 @@ __global__ void keep_best(long long n, int k, const T *kth, const int *candidate
         place += total;
 #pragma unroll
         for (int q = 0; q < ITEMS; ++q)
-            if (keep[q]) selected[at++] = candidates[first + q];
+            if (keep[q] && at < k) selected[at++] = candidates[first + q]; /* k at most, whatever the scores */
     }
 }
 """

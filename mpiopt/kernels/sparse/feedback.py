@@ -33,7 +33,8 @@ def error_feedback(grad: Any, error: Any, select: Callable[[Any], Any], values_o
 
 
 def take_and_zero(error: Any, indices: Any, values_out: Any = None) -> Any:
-    """``values = error[indices]; error[indices] = 0``: what error feedback sends, and what it keeps."""
+    """``values = error[indices]; error[indices] = 0``: what error feedback sends, and what it keeps (``indices``
+    unique, as a selection's; ``values_out``, when given, holds at least as many)."""
     if values_out is not None:
         values = values_out[: indices.shape[0]]
         if _indexed(_TAKE_ZERO, error, indices, values) or take_zero(error, indices, values):
