@@ -38,11 +38,7 @@ __device__ __forceinline__ double widen_(float v) { double r; asm("cvt.f64.f32 %
 __device__ __forceinline__ float narrow_(double v) { float r; asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(v)); return r; }
 __device__ __forceinline__ float abs_(float v) { float r; asm("abs.f32 %0, %1;" : "=f"(r) : "f"(v)); return r; }
 __device__ __forceinline__ double abs_(double v) { return fabs(v); }
-__device__ __forceinline__ bool ge_(float a, float b) {
-    unsigned r;
-    asm("{ .reg .pred p; setp.ge.f32 p, %1, %2; selp.u32 %0, 1, 0, p; }" : "=r"(r) : "f"(a), "f"(b));
-    return r;
-}
+__device__ __forceinline__ bool ge_(float a, float b) { unsigned r; asm("{ .reg .pred p; setp.ge.f32 p, %1, %2; selp.u32 %0, 1, 0, p; }" : "=r"(r) : "f"(a), "f"(b)); return r; }
 __device__ __forceinline__ bool ge_(double a, double b) { return a >= b; }
 """
 
@@ -241,25 +237,27 @@ __global__ void all_finite(long long n, const T *x, int wide, int *bad) {
     if (!ok) *bad = 1;
 }
 
-/* One byte of signs per thread: bit j of out[k] is (v[8k + j] >= 0); pad bits 0.  With momentum (m != 0)
+/* Bit j of out[k] is (v[8k + j] >= 0); pad bits 0.  One entry per lane, read and written coalesced; a warp's ballot
+ * is the 4 bytes of its 32 entries (little-endian: entry 8k + j at bit j of byte k).  With momentum (m != 0)
  * v = m = m * beta + g * omb is formed and stored first (_signsc.c's momentum_signs); bad flags a NaN. */
 template <typename T>
 __global__ void pack_signs(long long n, T *v, const T *g, T beta, T omb, int momentum, unsigned char *out, int *bad) {
     bool nan = false;
-    FOR_EACH(k, (n + 7) / 8) {
-        unsigned bits = 0;
-        for (int j = 0; j < 8; ++j) {
-            const long long i = 8 * k + j;
-            if (i >= n) break;
+    const long long nbytes = (n + 7) / 8, whole = (n + 31) / 32 * 32; /* every lane of a warp loops alike */
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < whole; i += (long long)blockDim.x * gridDim.x) {
+        bool bit = false;
+        if (i < n) {
             T vi = v[i];
             if (momentum) {
                 vi = add_(mul_(vi, beta), mul_(g[i], omb));
                 v[i] = vi;
             }
-            bits |= (unsigned)nonnegative_(vi) << j;
+            bit = nonnegative_(vi);
             nan |= nan_(vi);
         }
-        out[k] = (unsigned char)bits;
+        const unsigned word = __ballot_sync(0xffffffffu, bit);
+        const long long at = (i >> 5) * 4 + (threadIdx.x & 31);
+        if ((threadIdx.x & 31) < 4 && at < nbytes) out[at] = (unsigned char)(word >> (8 * (threadIdx.x & 31)));
     }
     if (nan) *bad = 1;
 }
@@ -474,14 +472,14 @@ def pack_signs(x: Any, out: Any, check_nan: bool = True) -> bool:
     """Pack the signs of ``x`` into ``out``; with ``check_nan``, whether ``x`` holds a NaN (a sync), else False (none)."""
     T = x.dtype.type
     args = (np.int64(x.shape[0]), x, x, T(0), T(0), np.int32(0), out)
-    return bool(_launch("pack_signs", x.dtype, -(-x.shape[0] // 8), args, flag=check_nan))
+    return bool(_launch("pack_signs", x.dtype, x.shape[0], args, flag=check_nan))
 
 
 def momentum_signs(m: Any, g: Any, beta: float, out: Any) -> None:
     """``m = m * beta + g * (1 - beta)``, then its signs packed into ``out``, in one pass (no sync)."""
     T = m.dtype.type
     args = (np.int64(m.shape[0]), m, g, T(beta), T(1.0 - beta), np.int32(1), out)
-    _launch("pack_signs", m.dtype, -(-m.shape[0] // 8), args, flag=False)
+    _launch("pack_signs", m.dtype, m.shape[0], args, flag=False)
 
 
 def apply_signs(packed: Any, x: Any, lr: float, decay: float) -> None:

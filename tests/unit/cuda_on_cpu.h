@@ -22,6 +22,14 @@
 #define __forceinline__ inline
 #define __shared__ static
 
+/* CUDA's vector types that the kernels load wide. */
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+struct alignas(16) double2 {
+    double x, y;
+};
+
 struct dim3_ {
     unsigned x = 0, y = 0, z = 0;
 };
@@ -148,6 +156,17 @@ inline unsigned atomicOr(unsigned *p, unsigned v) {
     *p = old | v;
     return old;
 }
+/* Bit l: lane l's predicate (every lane of the warp takes part, as in mpiopt's kernels). */
+inline unsigned __ballot_sync(unsigned, int predicate) {
+    const unsigned me = threadIdx.x, base = me & ~31u;
+    emu::shuffled[me] = predicate != 0;
+    emu::yield(emu::WARP);  /* every lane has written */
+    unsigned word = 0;
+    for (unsigned l = 0; l < 32 && base + l < blockDim.x; ++l) word |= (unsigned)(emu::shuffled[base + l] & 1u) << l;
+    emu::yield(emu::WARP);  /* every lane has read */
+    return word;
+}
+
 inline int atomicCAS(int *p, int compare, int v) {
     const int old = *p;
     if (old == compare) *p = v;
