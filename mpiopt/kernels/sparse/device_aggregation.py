@@ -90,7 +90,7 @@ class DeviceAggregation:
         #: What every row's header must be (decode reads the rows by it; the kernels check the rows' own).
         self.header = payload_header(k, d)
         self._expected = cupy.asarray(self.header)
-        self._marked = False  # True while marks may be set: a call stopped before its last kernel clears them
+        self._marked = False  # True from a call's first kernel to its last, which clears every mark the call set
 
     @classmethod
     def create(cls, rows: int, k: int, d: int) -> Optional["DeviceAggregation"]:
@@ -137,7 +137,7 @@ class DeviceAggregation:
              out if params is None else params, self.marks, self.bad),
         )
         bad = int(self.bad[0])  # the one wait: a bad row is an error, not a quiet wrong sum
-        self._marked = bool(bad)  # settle_rows cleared the marks of every row's good entries
+        self._marked = False  # a bad entry was never marked
         if bad:
             raise ValueError(
                 f"payload row {bad - 1} is not {self.k} of {self.d} entries: its header must be {self.header.tolist()} and "

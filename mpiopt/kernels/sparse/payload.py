@@ -31,8 +31,9 @@ def payload_format(k: int, d: int) -> str:
 
 
 def payload_header(k: int, d: int) -> np.ndarray:
-    """The 8 bytes every payload of k of d entries starts with: its format's code and k, two little-endian uint32."""
-    return np.array([_FORMATS.index(payload_format(k, d)), k], "<u4").view(np.uint8)
+    """The 8 bytes every payload of k of d entries starts with: its format's code and k, two native uint32 (as
+    :func:`encode` writes them and :func:`decode` reads them)."""
+    return np.array([_FORMATS.index(payload_format(k, d)), k], np.uint32).view(np.uint8)
 
 
 def _value_type(dtype: Any) -> np.dtype:
