@@ -1,13 +1,16 @@
 #!/bin/bash
 # The GPU checks of docs/gpu.md ("Measured"), as one script for a machine with an NVIDIA GPU.
 #
-#   bash tools/gpu_checks.sh            # from the repository root; about 6 to 9 minutes on one H100
+#   bash tools/gpu_checks.sh            # from the repository root; within 8 minutes on one H200
 #   PARTS='train|MPI' bash tools/gpu_checks.sh   # only the parts whose names match
 #
-# Runs: the GPU unit tests; the GPU MPI tests at 2 ranks; mpiopt train --device cuda on the text task at
-# 2 ranks (bf16 and fp16, two algorithms), checkpointed and resumed, the resumed run's last checkpoint
-# compared bitwise with the uninterrupted one's; the ddp baseline on NCCL; bench update --device cuda at
-# d = 100M, with each variant's kernels, launches and host waits a step (--profile).  Each part has its own time limit; a failed part is named at the end and the exit code is 1.
+# First the checks, side by side (none is timed, and one GPU and 16 cores hold them all): the GPU unit tests;
+# mpiopt info and the GPU MPI tests at 2 ranks; mpiopt train --device cuda on the text task at 2 ranks (bf16
+# and fp16, several algorithms), checkpointed and resumed, the resumed run's last checkpoint compared bitwise
+# with the uninterrupted one's; the ddp baseline on NCCL.  Their logs follow in order once all have ended.
+# Then the measurements, one at a time on an otherwise idle machine: bench update --device cuda at d = 100M,
+# with each variant's kernels, launches and host waits a step (--profile), and bench staging.  Each part has
+# its own time limit; a failed part is named at the end and the exit code is 1.
 # The log goes to $OUT/gpu_checks.log where OUT is set (else runs/gpu-checks/), with the benchmark's JSON.
 #
 # Where MPI is missing (an image with torch and cupy but no MPI library), wheels in .whl/ are installed
@@ -38,6 +41,8 @@ if [[ $MPI_FROM == cuda-openmpi ]]; then
     export OPAL_PREFIX=$P PATH=$P/bin:$PATH LD_LIBRARY_PATH=$P/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     export MPI4PY_MPIABI=openmpi MPI4PY_LIBMPI=$P/lib/libmpi.so.40   # mpi4py's PyPI wheel; a build for Open MPI takes LD_LIBRARY_PATH
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+    # CMA (process_vm_readv) can be refused in a VM or container; copies through shared memory always work
+    export OMPI_MCA_btl_vader_single_copy_mechanism=none
     "$PY" -c 'import mpi4py' 2>/dev/null || PYTHON_WHEELS=.whl/mpi4py-*.whl
     if compgen -G ".whl/pytest_mpi-*.whl" >/dev/null; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-cuda-mpi \
@@ -80,7 +85,6 @@ SHARE=()
 if [[ $GPUS -lt 2 ]]; then SHARE=(--share-gpus); fi   # 2 ranks on one GPU: sharing asked for
 echo "mpiexec: ${MPIEXEC:-none}; GPUs: $GPUS; ${SHARE[*]:-one GPU per rank}"
 
-failed=()
 LIMIT=60
 limited() { timeout --kill-after=10 "$LIMIT" "$@"; }
 part() {  # part NAME SECONDS COMMAND...: a program under that time limit, or a function whose programs each take it
@@ -96,8 +100,24 @@ part() {  # part NAME SECONDS COMMAND...: a program under that time limit, or a 
         echo "== $name: passed in $((SECONDS - started)) s"
     else
         echo "== $name: FAILED (exit $?) after $((SECONDS - started)) s"
-        failed+=("$name")
+        echo "$name" >>"$WORK/failed"   # a file: a part in the background is a subshell
     fi
+}
+LOGS=() PIDS=()
+beside() {  # beside NAME SECONDS COMMAND...: part in the background, its output held in a log of its own
+    [[ -n ${PARTS:-} && ! $1 =~ $PARTS ]] && return 0
+    local log=$WORK/part-${#LOGS[@]}.log
+    echo "started: $1"
+    # some 20 processes share the cores: the work is the GPU's
+    (export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}; part "$@") >"$log" 2>&1 &
+    LOGS+=("$log") PIDS+=($!)
+}
+gather() {  # waits for the parts started beside, then shows their logs in the order they were started
+    local started=$SECONDS log
+    [[ ${#PIDS[@]} -gt 0 ]] && wait "${PIDS[@]}"
+    echo "== ${#LOGS[@]} parts side by side ended in $((SECONDS - started)) s"
+    for log in "${LOGS[@]}"; do cat "$log"; done
+    LOGS=() PIDS=()
 }
 mpi() { limited "$MPIEXEC" -n "$1" "${@:2}"; }
 if [[ -z $MPIEXEC ]]; then
@@ -105,19 +125,7 @@ if [[ -z $MPIEXEC ]]; then
     mpi() { return 127; }
 fi
 
-# ---- The suite's GPU tests, then the benchmarks: most wanted first, should the run be cut short ----
-part "unit GPU tests" 150 "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_cuda_kernels.py tests/unit/test_buffers.py tests/unit/test_outer_step.py \
-    tests/unit/test_codecs.py tests/unit/test_signs.py tests/unit/test_sparse.py tests/unit/test_sparse_device.py
-bench_and_profile() {  # the per-algorithm ratios, then where each variant's step goes (torch.profiler), into the log too
-    limited "$PY" -m mpiopt bench update --device cuda --d 100M --json "$OUT_DIR/bench-update-cuda.json" --profile "$OUT_DIR/profile-update-cuda.md" &&
-        cat "$OUT_DIR/profile-update-cuda.md"
-}
-part "bench update --device cuda --d 100M, profiled" 200 bench_and_profile
-# The MPI library's own GPU path (CUDA-aware where it is, detected): before the trainings, which take longest.
-part "mpiopt info, 2 ranks" 40 mpi 2 "$PY" -m mpiopt info --elements 1048576
-part "MPI GPU tests, 2 ranks" 150 mpi 2 "$PY" tools/run_mpi_pytest.py -q tests/mpi/test_comm_gpu.py tests/mpi/test_algorithms_gpu.py tests/mpi/test_staging.py
-
-# ---- Training on the GPU, checkpointed and resumed bitwise ------------------------------------
+# ---- The checks, side by side: correctness only, so that sharing the GPU and the cores changes no result ---
 TEXT=(-m mpiopt train --device cuda --dataset text --model gpt --n-layer 4 --n-embd 256 --n-head 4 --block-size 128
       --batch-size 16 --dropout 0.1 --steps 40 --eval-every 20 --checkpoint-every 20 --progress lines "${SHARE[@]}")
 same_checkpoints() {  # same_checkpoints A B: the two files' model and every rank's state bitwise equal
@@ -142,24 +150,48 @@ train_and_resume() {  # train_and_resume NAME FLAGS...: 40 steps whole, and from
     grep -h '"device"' "$dir/whole/metrics.jsonl" | head -1 | "$PY" -c 'import json, sys; print("trained on", json.loads(sys.stdin.read())["device"])'
     same_checkpoints "$dir/whole/checkpoints/ckpt-000000040.h5" "$dir/resumed/checkpoints/ckpt-000000040.h5"
 }
-part "train bf16 sparseloco+adamw, 2 ranks, resume" 120 train_and_resume bf16-sparseloco --precision bf16 --algorithm sparseloco --optimizer adamw --hp period=8
-part "train topk, 2 ranks, resume" 120 train_and_resume topk --algorithm topk
-part "train regtopk, 2 ranks, resume" 120 train_and_resume regtopk --algorithm regtopk
-part "train bf16 sgd+adamw, 2 ranks, resume" 120 train_and_resume bf16-sgd --precision bf16 --algorithm sgd --optimizer adamw --clip-grad-norm 1.0
-part "bench staging, 2 ranks on one GPU" 60 mpi 2 "$PY" -m mpiopt bench staging --json "$OUT_DIR/bench-staging.json"
-part "train bf16 diloco+adamw, 2 ranks, resume" 120 train_and_resume bf16-diloco --precision bf16 --algorithm diloco --optimizer adamw --hp period=8
-part "train fp16 sgd, 2 ranks, resume" 120 train_and_resume fp16-sgd --precision fp16 --algorithm sgd
+mpi_gpu() {  # the MPI library's own GPU path (CUDA-aware where it is, detected, not forced)
+    mpi 2 "$PY" -m mpiopt info --elements 1048576 &&
+        mpi 2 "$PY" tools/run_mpi_pytest.py -q tests/mpi/test_comm_gpu.py tests/mpi/test_algorithms_gpu.py tests/mpi/test_staging.py
+}
 # NCCL takes one GPU per rank: 2 ranks where there are 2 GPUs, else 1 (ddp takes no checkpoints).
 DDP=(-m mpiopt train --device cuda --precision bf16 --dataset text --model gpt --n-layer 4 --n-embd 256 --n-head 4
      --block-size 128 --batch-size 16 --steps 20 --eval-every 20 --progress lines --algorithm ddp "${SHARE[@]}")
-part "ddp baseline on NCCL" 90 mpi $((GPUS >= 2 ? 2 : 1)) "$PY" "${DDP[@]}" --out "$WORK/ddp"
+echo
+echo "== the checks side by side ($(date +%T)); their logs follow when all have ended"
+UNIT=tests/unit
+beside "unit GPU tests: kernels" 240 "$PY" -m pytest -q -p no:cacheprovider $UNIT/test_cuda_kernels.py \
+    $UNIT/test_sparse_device.py $UNIT/test_sparse.py
+beside "unit GPU tests: codecs, signs, buffers, outer step" 240 "$PY" -m pytest -q -p no:cacheprovider \
+    $UNIT/test_codecs.py $UNIT/test_signs.py $UNIT/test_buffers.py $UNIT/test_outer_step.py
+beside "mpiopt info and MPI GPU tests, 2 ranks" 200 mpi_gpu
+beside "train topk, 2 ranks, resume" 200 train_and_resume topk --algorithm topk
+beside "train regtopk, 2 ranks, resume" 200 train_and_resume regtopk --algorithm regtopk
+beside "train bf16 sparseloco+adamw, 2 ranks, resume" 200 train_and_resume bf16-sparseloco --precision bf16 \
+    --algorithm sparseloco --optimizer adamw --hp period=8
+beside "train bf16 sgd+adamw, 2 ranks, resume" 200 train_and_resume bf16-sgd --precision bf16 --algorithm sgd \
+    --optimizer adamw --clip-grad-norm 1.0
+beside "train bf16 diloco+adamw, 2 ranks, resume" 200 train_and_resume bf16-diloco --precision bf16 --algorithm diloco \
+    --optimizer adamw --hp period=8
+beside "train fp16 sgd, 2 ranks, resume" 200 train_and_resume fp16-sgd --precision fp16 --algorithm sgd
+beside "ddp baseline on NCCL" 120 mpi $((GPUS >= 2 ? 2 : 1)) "$PY" "${DDP[@]}" --out "$WORK/ddp"
+gather
+
+# ---- The measurements, one at a time on the otherwise idle machine ----------------------------
+part "bench update --device cuda --d 100M" 200 "$PY" -m mpiopt bench update --device cuda --d 100M \
+    --json "$OUT_DIR/bench-update-cuda.json"
+# Where each variant's step goes (torch.profiler), into the log too: a run of its own, so that the ratios stand alone.
+profiled() { limited "$PY" -m mpiopt bench update --device cuda --d 100M --rounds 1 --profile "$1" && cat "$1"; }
+part "bench update --device cuda --d 100M --profile" 200 profiled "$OUT_DIR/profile-update-cuda.md"
+part "bench staging, 2 ranks on one GPU" 60 mpi 2 "$PY" -m mpiopt bench staging --json "$OUT_DIR/bench-staging.json"
 
 echo
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | sed 's/^/GPU: /'
 echo "date: $(date -u +%FT%TZ); log: $LOG"
+failed=$(cat "$WORK/failed" 2>/dev/null)
 rm -rf "$WORK"
-if [[ ${#failed[@]} -gt 0 ]]; then
-    printf 'FAILED: %s\n' "${failed[@]}"
+if [[ -n $failed ]]; then
+    echo "$failed" | sed 's/^/FAILED: /'
     exit 1
 fi
 echo "all GPU checks passed"
