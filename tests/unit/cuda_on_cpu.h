@@ -178,6 +178,7 @@ inline int atomicMax(int *p, int v) {
     return old;
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
 inline unsigned __float_as_uint(float v) {
     unsigned u;
     std::memcpy(&u, &v, 4);
@@ -197,6 +198,11 @@ inline long long __double_as_longlong(double v) {
     long long u;
     std::memcpy(&u, &v, 8);
     return u;
+}
+inline double __longlong_as_double(long long u) {
+    double v;
+    std::memcpy(&v, &u, 8);
+    return v;
 }
 
 /* _cuda.ROUNDING's operations, the CPU's (SSE: rounded to nearest, subnormals kept; built with -ffp-contract=off),

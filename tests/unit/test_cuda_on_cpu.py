@@ -375,10 +375,13 @@ def test_vote_and_apply_signs_kernels_give_the_c_loops_bits(emulated):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
-@pytest.mark.parametrize("rows, d, k", [(1, 1, 1), (1, 5000, 50), (3, 70, 9), (3, 5000, 2500), (4, 100_003, 1000)])
+@pytest.mark.parametrize(
+    "rows, d, k", [(1, 1, 1), (1, 5000, 50), (3, 1000, 7), (3, 70, 9), (3, 5000, 2500), (4, 100_003, 1000), (3, 100_003, 5000)],
+)
 def test_the_device_aggregation_gives_the_array_codes_floats(rows, d, k, dtype, emulated, monkeypatch):
     """Two calls of DeviceAggregation (the second clearing the first's entries) against aggregate_payloads' own code:
-    G's and the updated parameters' bits, the entries G may be non-zero at; entries sent by several rows, both formats."""
+    G's and the updated parameters' bits, the entries G may be non-zero at; entries sent by several rows, both formats
+    (bitmaps of one tile and of 13, decoded by the kernels), rows of any alignment (float64 pairs of odd k, bitmaps)."""
     monkeypatch.setattr(_cuda, "launch", emulated)
     monkeypatch.setitem(sys.modules, "cupy", np)
     rng = np.random.default_rng(rows * d + k)
@@ -398,6 +401,7 @@ def test_the_device_aggregation_gives_the_array_codes_floats(rows, d, k, dtype, 
             for _ in range(rows)
         ])
         lr = 0.1 * (call + 1)
+        assert workspace.takes(payloads, got_out, got_params)  # no quiet fallback to the array code
         expected = aggregate_payloads(payloads, expected_out, stale=expected_stale, params=expected_params, lr=lr)
         got = aggregate_payloads(payloads, got_out, stale=got_stale, params=got_params, lr=lr, device=workspace)
         assert got_out.tobytes() == expected_out.tobytes() and got_params.tobytes() == expected_params.tobytes(), call
@@ -428,3 +432,42 @@ def test_the_device_aggregation_names_a_bad_row(emulated, monkeypatch):
     out = np.zeros(d, np.float32)
     aggregate_payloads(np.stack([payload] * 3), out, device=workspace)  # the marks a failed call left are cleared first
     assert np.array_equal(np.flatnonzero(out), good) and np.all(out[good] == 1)
+
+
+def test_the_device_aggregation_reads_a_bitmap_as_the_array_code_does(emulated, monkeypatch):
+    """Bitmap rows: bits past d ignored, as the array code's decode does; a bitmap of another count than k (a bit more or
+    less) an error naming the first such row, the parameters unchanged."""
+    monkeypatch.setattr(_cuda, "launch", emulated)
+    monkeypatch.setitem(sys.modules, "cupy", np)
+    d, k, rows = 1003, 40, 3  # 4k > ceil(d / 8) = 126: a bitmap, its last byte's 5 high bits past d
+    rng = np.random.default_rng(7)
+    payloads = np.stack([
+        encode(np.sort(rng.choice(d, k, replace=False)).astype(np.int32), rng.standard_normal(k).astype(np.float32), d)
+        for _ in range(rows)
+    ])
+    last = payloads.shape[1] - 1
+    assert not (payloads[:, last] & 0xF8).any()
+    payloads[:, last] |= 0xF8  # the padding bits set
+    workspace = device_aggregation.DeviceAggregation(rows, k, d)
+    assert workspace.bitmap and workspace.takes(payloads, np.zeros(d, np.float32), None)
+    expected, got = np.zeros(d, np.float32), np.zeros(d, np.float32)
+    aggregate_payloads(payloads, expected)
+    aggregate_payloads(payloads, got, device=workspace)
+    assert got.tobytes() == expected.tobytes() and np.count_nonzero(got) > k
+    bitmap = 8 + 4 * k  # where each row's bitmap starts
+    message = r"payload row 1 is not 40 of 1003 entries: its header must be \[1, 0, 0, 0, 40, 0, 0, 0\] and its bitmap must mark k = 40"
+    for change in ("a bit more", "a bit less"):
+        bad = payloads.copy()
+        for row in (1, 2):  # a later bad row too: the first is named
+            bits = np.unpackbits(bad[row, bitmap:], bitorder="little")[:d]
+            bits[np.flatnonzero(bits == (change == "a bit less"))[0]] ^= 1
+            bad[row, bitmap:] = np.packbits(bits, bitorder="little")
+        with pytest.raises(ValueError, match="payload bitmap marks"):
+            aggregate_payloads(bad, np.zeros(d, np.float32))  # the array code refuses it too
+        params = np.ones(d, np.float32)
+        with pytest.raises(ValueError, match=message):
+            aggregate_payloads(bad, np.zeros(d, np.float32), params=params, lr=0.5, device=workspace)
+        assert np.all(params == 1)
+    got[...] = np.nan
+    aggregate_payloads(payloads, got, device=workspace)  # after the failed calls, the same sum again
+    assert got.tobytes() == expected.tobytes()

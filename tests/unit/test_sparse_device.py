@@ -143,9 +143,10 @@ def test_regtopk_reads_no_dense_aggregate_on_the_device():
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("rows, d, k", [(1, 100_003, 100), (3, 4097, 2000), (4, 1_000_003, 10_000)])
+@pytest.mark.parametrize("rows, d, k", [(1, 100_003, 100), (3, 1001, 7), (3, 4097, 2000), (3, 100_003, 5000), (4, 1_000_003, 10_000)])
 def test_device_aggregation_is_the_numpy_aggregation(dtype, rows, d, k):
-    """The P + 2 kernels against aggregate_payloads' numpy code: G's and the updated parameters' bits, twice in a row."""
+    """The P + 2 kernels against aggregate_payloads' numpy code: G's and the updated parameters' bits, twice in a row;
+    pairs and bitmap rows (decoded by kernels), rows of any alignment."""
     from mpiopt.kernels.sparse.device_aggregation import DeviceAggregation
     from mpiopt.kernels.sparse.worker import aggregate_payloads
 
@@ -161,6 +162,7 @@ def test_device_aggregation_is_the_numpy_aggregation(dtype, rows, d, k):
             for _ in range(rows)
         ])
         expect = aggregate_payloads(payloads, expect_out, stale=expect_stale, params=params, lr=0.3)
+        assert workspace.takes(cupy.asarray(payloads), got_out, got_params)  # no quiet fallback to the array code
         got = aggregate_payloads(cupy.asarray(payloads), got_out, stale=got_stale, params=got_params, lr=0.3, device=workspace)
         np.testing.assert_array_equal(cupy.asnumpy(got_out).view(np.uint8), expect_out.view(np.uint8))
         np.testing.assert_array_equal(cupy.asnumpy(got_params).view(np.uint8), params.view(np.uint8))

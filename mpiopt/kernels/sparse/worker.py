@@ -226,22 +226,20 @@ def aggregate_payloads(
         path writes ``out`` all the same.
     device : DeviceAggregation, optional
         Buffers for the GPU's kernels (cupy rows of its shape): the rows are
-        added by them, and ``touched`` is then every row's indices, an entry
-        sent by several rows listed for each (``union_*`` and ``sums_out``
-        unused).
+        decoded and added by them, and ``touched`` is then every row's
+        indices, an entry sent by several rows listed for each
+        (``indices_out``, ``union_*`` and ``sums_out`` unused).
 
     Returns
     -------
     SparseAggregate
         Where ``G`` is non-zero, and its values there when the merge formed them.
     """
+    if device is not None and device.takes(payloads, out, params):  # the kernels decode and check the rows themselves
+        return SparseAggregate(device.aggregate(payloads, out, stale, params, lr), None)
     rows = [None] * payloads.shape[0] if indices_out is None else indices_out
-    on_device = device is not None and device.takes(payloads, out, params)
-    # The headers: one wait for a GPU's rows, or none where the kernels check them against what they expect
-    headers = [device.header] * payloads.shape[0] if on_device else read_headers(payloads)
-    decoded = [decode(payload, out.shape[0], out.dtype, row, header) for payload, row, header in zip(payloads, rows, headers)]
-    if on_device:
-        return SparseAggregate(device.aggregate(payloads, decoded, out, stale, params, lr), None)
+    # The headers: one copy (one wait for a GPU's rows), not one a row
+    decoded = [decode(payload, out.shape[0], out.dtype, row, header) for payload, row, header in zip(payloads, rows, read_headers(payloads))]
     merged = None
     if union_out is not None and sums_out is not None:
         merged = merge_sorted_rows([i for i, _ in decoded], [v for _, v in decoded], out.shape[0], union_out, sums_out)
