@@ -202,22 +202,24 @@ class _SparseSGD(LocalStepState, SynchronousAlgorithm):
         self._aggregate = empty_apart(params, zero=True)
         self._payload = xp.empty(self.worker.payload_nbytes, dtype=xp.uint8)
         self._payloads = xp.empty((workers, self.worker.payload_nbytes), dtype=xp.uint8)
-        bitmaps = payload_format(self.worker.k, self.worker.num_params) == "bitmap"
-        # Bitmap payloads' indices are decoded here each step (pairs payloads' are read in place).
-        self._indices = xp.empty((workers, self.worker.k), dtype=xp.int32) if bitmaps else None
-        # Where the union of the sent indices is formed and kept as the next step's stale entries: two
-        # buffers used in turn, as a step's union must not overwrite the stale entries it clears.
-        self._union_bits = xp.empty(packed_nbytes(params.size), dtype=xp.uint8)
-        union = min(params.size, workers * self.worker.k)
-        self._unions = xp.empty((2, union), dtype=xp.int32)
-        self._union_slot = 0  # the buffer that does not hold self._touched
-        self._sums = xp.empty(union, dtype=params.dtype)  # per union entry, the workers' sum
-        # On a GPU the rows are added by kernels (no wait for the device), with buffers of their own.
+        # On a GPU the rows are decoded and added by kernels (one wait for the device), with buffers of their own.
         self._device_aggregation = None if xp is np else DeviceAggregation.create(workers, self.worker.k, params.size)
+        self._indices = self._union_bits = self._unions = self._sums = None
+        self._union_slot = 0  # the union buffer that does not hold self._touched
+        if self._device_aggregation is None:
+            bitmaps = payload_format(self.worker.k, self.worker.num_params) == "bitmap"
+            # Bitmap payloads' indices are decoded here each step (pairs payloads' are read in place).
+            self._indices = xp.empty((workers, self.worker.k), dtype=xp.int32) if bitmaps else None
+            # Where the union of the sent indices is formed and kept as the next step's stale entries: two
+            # buffers used in turn, as a step's union must not overwrite the stale entries it clears.
+            self._union_bits = xp.empty(packed_nbytes(params.size), dtype=xp.uint8)
+            union = min(params.size, workers * self.worker.k)
+            self._unions = xp.empty((2, union), dtype=xp.int32)
+            self._sums = xp.empty(union, dtype=params.dtype)  # per union entry, the workers' sum
         # A dense update that cannot read G's non-zero entries alone (at most P k: the union buffers' length)
         # reads all of it, as does RegTop-k's general selection; otherwise the dense G is written only when
         # asked for (the aggregate property), since writing it costs a pass over d where clearing costs P k.
-        self._reads_support = self._dense and self.inner is None and len(self.local.groups or [0]) == 1 and reads_support(params, (self._unions[0], self._sums))
+        self._reads_support = self._dense and self.inner is None and len(self.local.groups or [0]) == 1 and reads_support(params, None if self._sums is None else (self._unions[0], self._sums))
         self._write_out = (self._dense and not self._reads_support) or self.worker.reads_dense_aggregate
 
     def _step(self, params: Any, grad: Any, loss: Optional[float]) -> None:
@@ -240,7 +242,7 @@ class _SparseSGD(LocalStepState, SynchronousAlgorithm):
         # gives the dense update's floats.
         aggregate = aggregate_payloads(
             self._payloads, out=self._aggregate, stale=self._touched, indices_out=self._indices,
-            union_bits=self._union_bits, union_out=self._unions[self._union_slot], sums_out=self._sums,
+            union_bits=self._union_bits, union_out=None if self._unions is None else self._unions[self._union_slot], sums_out=self._sums,
             params=params, lr=self.lr, write_out=self._write_out, device=self._device_aggregation,
         )
         self._union_slot ^= 1  # the next union goes to the other buffer
