@@ -3,102 +3,19 @@ and numpy, in every CI run: their logic (selection, ties, NaN, bit fields, barri
 checked without a GPU.  The GPU's arithmetic is the CPU's here; a lent GPU runs the same comparisons for real
 (tests/unit/test_codecs.py, test_sparse_device.py)."""
 
-import ctypes
-import os
-import re
-import shutil
-import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
 
 from mpiopt.codecs import create, fused
-from mpiopt.kernels import _codecs_cuda, _codecs_dense_cuda, _cuda, signs
+from mpiopt.kernels import _codecs_cuda, _codecs_dense_cuda, _cuda
 from mpiopt.kernels.sparse import device, device_aggregation, encode, feedback_select, regtopk_scores, regtopk_sent_factors, topk_indices
 from mpiopt.kernels.sparse.payload import payload_header
 from mpiopt.kernels.sparse.worker import aggregate_payloads
 from mpiopt.kernels.sparse.index_sets import _sparsec as sparse_c
 from mpiopt.kernels.sparse.selection import TopkWorkspace, _sample_plan, _sample_threshold
 from test_codecs import _same_bits_but_nans
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-_CTYPES = {np.int64: ctypes.c_longlong, np.int32: ctypes.c_int, np.float32: ctypes.c_float, np.float64: ctypes.c_double}
-_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double", None: ""}
-
-
-def _signature(program, name):
-    """Kernel ``name``'s parameter list, whitespace collapsed."""
-    match = re.search(r"__global__ void " + name + r"\((.*?)\)\s*\{", program.source, re.S)
-    return " ".join(match.group(1).split())
-
-
-def _shims(program):
-    """A C launcher ``run_<kernel>_<type>(blocks, its parameters)`` for every kernel of ``program``, from its signature."""
-    out = []
-    for name, types_ in [(k, ("float", "double")) for k in program.templated] + [(k, ("",)) for k in program.plain]:
-        params = _signature(program, name)
-        for t in types_:
-            typed = re.sub(r"\bT\b", t, params) if t else params
-            names = ", ".join(re.findall(r"(\w+)\s*(?:,|$)", typed))
-            call = f"{name}<{t}>" if t else name
-            out.append(f'extern "C" void run_{name}_{t}(unsigned blocks, {typed}) {{ emu::launch(blocks, {_cuda.THREADS}, [=] {{ {call}({names}); }}); }}')
-    return "\n".join(out)
-
-
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    """The programs SELECT and TOPK built for the CPU: a function ``launch(program, name, dtype, blocks, args, flag)``
-    standing in for ``_cuda.launch`` (numpy arrays for cupy's)."""
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        pytest.skip("no C++ compiler (g++) to build the kernels for the CPU")
-    folder = tmp_path_factory.mktemp("cuda_on_cpu")
-    libraries = {}
-    programs = (("select", device.SELECT), ("topk", _codecs_cuda.TOPK), ("dense", _codecs_dense_cuda.DENSE),
-                ("aggregate", device_aggregation.AGGREGATE), ("update", _cuda.UPDATE))
-    for key, program in programs:
-        source = program.source.replace(_cuda.ROUNDING, "\nROUNDING_ON_CPU\n")
-        assert "ROUNDING_ON_CPU" in source
-        path = folder / f"{key}.cpp"
-        path.write_text(f'#include "cuda_on_cpu.h"\n{source}\n{_shims(program)}\n')
-        lib = folder / f"{key}.so"
-        built = subprocess.run(
-            [compiler, "-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", f"-I{HERE}", "-o", str(lib), str(path)],
-            capture_output=True, text=True,
-        )
-        assert built.returncode == 0, built.stderr[-3000:]
-        libraries[program] = ctypes.CDLL(str(lib))
-
-    def launch(program, name, dtype, blocks, args, flag=None):
-        args = list(args)
-        if flag is not None:
-            raised = np.zeros(1, np.int32)
-            args.append(raised)
-        function = getattr(libraries[program], f"run_{name}_{_TYPES[None if dtype is None else np.dtype(dtype)]}")
-        pointers = ["*" in param for param in _signature(program, name).split(",")]
-        # numpy's a[i] is a scalar where cupy's is a 0-d array: one that a pointer parameter takes becomes an array
-        args = [np.asarray(a) if pointer and isinstance(a, np.generic) else a for a, pointer in zip(args, pointers)]
-        converted = [ctypes.c_uint(blocks)]
-        for a in args:
-            converted.append(ctypes.c_void_p(a.ctypes.data) if isinstance(a, np.ndarray) else _CTYPES[type(a)](a))
-        function(*converted)
-        return bool(raised[0]) if flag else None
-
-    return launch
-
-
-@pytest.fixture
-def as_device(emulated, monkeypatch):
-    """numpy arrays taken for cupy ones by the kernels' wrappers, their launches run on the CPU."""
-    monkeypatch.setattr(_cuda, "launch", emulated)
-    monkeypatch.setattr(_cuda, "compiled", lambda program: True)
-    monkeypatch.setattr(_codecs_cuda, "array_module", lambda a: types.SimpleNamespace())
-    monkeypatch.setattr(_codecs_dense_cuda, "array_module", lambda a: types.SimpleNamespace())
-    monkeypatch.setattr(device, "array_module", lambda a: types.SimpleNamespace())
-    monkeypatch.setattr(_codecs_cuda, "_table", lambda table: table)
-    return emulated
 
 
 # ---- topk's codec: the kernels against the C loops ---------------------------------------------------------------
@@ -313,62 +230,6 @@ def test_take_zero_sends_and_clears_the_selected_entries(as_device):
         values = np.full(1000, np.nan, dtype)
         assert device.take_zero(error, indices, values[:700])
         assert np.array_equal(values[:700], expected_values) and np.array_equal(error, expected_error)
-
-
-# ---- the update program: the sign pack -------------------------------------------------------------------------
-
-
-@pytest.mark.skipif(signs._signsc is None, reason="the C loops are not built")
-@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
-def test_pack_signs_kernel_gives_the_c_loops_bits(dtype, emulated):
-    """pack_signs (a warp's ballot a word of signs), with and without Signum's momentum, against _signsc: the packed
-    bytes (pad bits 0, nothing written past them), the momentum's bits and the NaN flag, at lengths around a warp's
-    32 and a grid-stride loop's turns; +-0.0, subnormals, NaN."""
-    T = np.dtype(dtype).type
-    for n in (1, 7, 31, 32, 33, 1000, 5003):
-        rng = np.random.default_rng(n)
-        x, g = rng.standard_normal(n).astype(dtype), rng.standard_normal(n).astype(dtype)
-        x[::5], x[1::7], x[2::11] = 0.0, -0.0, np.finfo(dtype).tiny * T(-0.25)
-        for momentum, nan in ((False, False), (True, False), (False, True), (True, True)):
-            v, nbytes = x.copy(), -(-n // 8)
-            if nan:
-                v[n // 2] = np.nan
-            expect_v, expect = v.copy(), np.zeros(nbytes, np.uint8)
-            if momentum:
-                signs._signsc.momentum_signs(expect_v, g, n, v.dtype.itemsize, 0.9, expect, 1)
-            else:
-                signs._signsc.pack_signs(expect_v, n, v.dtype.itemsize, expect, 1)
-            out = np.full(nbytes + 5, 0x55, np.uint8)
-            args = (np.int64(n), v, g if momentum else v, T(0.9), T(1.0 - 0.9), np.int32(momentum), out)
-            raised = emulated(_cuda.UPDATE, "pack_signs", dtype, 3, args, flag=True)  # 768 threads: loops for n = 5003
-            assert out[:nbytes].tobytes() == expect.tobytes() and np.all(out[nbytes:] == 0x55), (n, momentum, nan)
-            assert _same_bits_but_nans(None, n, v, expect_v) and raised == nan, (n, momentum, nan)
-
-
-@pytest.mark.skipif(signs._signsc is None, reason="the C loops are not built")
-def test_vote_and_apply_signs_kernels_give_the_c_loops_bits(emulated):
-    """vote (bit planes over P rows; aligned rows and not, ragged last word) and apply_signs (with and without decay)
-    against _signsc's."""
-    for voters, nbytes in ((1, 1), (2, 13), (3, 64), (7, 1001)):
-        rng = np.random.default_rng(voters * nbytes)
-        for width in (nbytes, -(-nbytes // 8) * 8 + 8):  # rows packed end to end, and 8-byte aligned rows
-            rows = rng.integers(0, 256, (voters, width), dtype=np.uint8)
-            threshold = (voters + 1) // 2
-            expect, out = np.zeros(nbytes, np.uint8), np.full(nbytes + 3, 0x55, np.uint8)
-            signs._signsc.vote(rows, voters, width, nbytes, threshold, expect)
-            aligned = rows.ctypes.data % 8 == 0 and width % 8 == 0 and out.ctypes.data % 8 == 0
-            args = (np.int64(voters), np.int64(width), np.int64(nbytes), np.int64(threshold), np.int32(voters.bit_length()), np.int32(aligned), rows, out)
-            emulated(_cuda.UPDATE, "vote", None, 2, args)
-            assert out[:nbytes].tobytes() == expect.tobytes() and np.all(out[nbytes:] == 0x55), (voters, nbytes, width)
-    for dtype in (np.float32, np.float64):
-        T, n = np.dtype(dtype).type, 1003
-        packed = np.random.default_rng(n).integers(0, 256, -(-n // 8), dtype=np.uint8)
-        x = np.random.default_rng(1).standard_normal(n).astype(dtype)
-        for decay in (1.0, 0.999):
-            expect, got = x.copy(), x.copy()
-            signs._signsc.apply_signs(packed, n, x.dtype.itemsize, expect, 0.01, decay, 1)
-            emulated(_cuda.UPDATE, "apply_signs", dtype, 2, (np.int64(n), packed, got, T(0.01), T(decay), np.int32(decay != 1.0)))
-            assert got.tobytes() == expect.tobytes(), (dtype, decay)
 
 
 # ---- the aggregation of P payloads ------------------------------------------------------------------------------
