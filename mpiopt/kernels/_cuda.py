@@ -406,6 +406,11 @@ def launch(program: Program, name: str, dtype: np.dtype, blocks: int, args: Tupl
     return _launch(name, dtype, blocks, args, flag, program, blocks)
 
 
+def _wide(*arrays: Any) -> bool:
+    """Whether every one of ``arrays`` starts on a 16-byte boundary: the kernels then move whole 16-byte vectors."""
+    return all(a.data.ptr % _WIDE == 0 for a in arrays)
+
+
 def _items(x: Any, wide: bool) -> int:
     """Threads a kernel over ``x`` needs: one per 16-byte vector with ``wide`` (and one for a shorter tail), else one per element."""
     return -(-x.shape[0] // (_WIDE // x.dtype.itemsize)) if wide else x.shape[0]
@@ -426,10 +431,8 @@ def sgd(
         T(lr), T(wd), T(mom), T(1.0 - dampening), T(divisor), T(world), T(p), T(1.0 - p),
         *(np.int32(v) for v in (divisor != 1, len(copies), rule, wd != 0, mom != 0, first, dampening != 0 and not nesterov, nesterov)),
     )
-    used = [x, g, *copies] + ([b] if mom else []) + ([total] if merge is not None else []) + ([snapshot] if rule == 1 else [])
-    wide = all(arr.data.ptr % _WIDE == 0 for arr in used)
-    args += (np.int32(wide),)
-    bad = _launch("sgd", x.dtype, _items(x, wide), args, flag=check)
+    wide = _wide(x, g, *copies, *([b] if mom else []), *([total] if merge is not None else []), *([snapshot] if rule == 1 else []))
+    bad = _launch("sgd", x.dtype, _items(x, wide), args + (np.int32(wide),), flag=check)
     return None if bad is None else not bad
 
 
@@ -438,8 +441,7 @@ def outer_sgd(
 ) -> None:
     """``_updatec.outer_sgd`` on the GPU (``b`` None without momentum, ``out`` None for no copy or mix)."""
     T = x.dtype.type
-    used = [x, total] + ([b] if mom else []) + ([out] if out is not None else [])
-    wide = all(arr.data.ptr % _WIDE == 0 for arr in used)
+    wide = _wide(x, total, *([b] if mom else []), *([out] if out is not None else []))
     copy = 0 if out is None else 2 if alpha != 0.0 else 1
     args = (
         np.int64(x.shape[0]), x, total, x if b is None else b, x if out is None else out, T(world_size), T(lr), T(mom),
@@ -464,7 +466,7 @@ def elastic_pull(x: Any, center: Any, total: Any, world_size: int, alpha: float,
 
 def all_finite(x: Any) -> bool:
     """Whether every element of ``x`` is finite (one pass, then a sync to read the answer)."""
-    wide = x.data.ptr % _WIDE == 0
+    wide = _wide(x)
     return not _launch("all_finite", x.dtype, _items(x, wide), (np.int64(x.shape[0]), x, np.int32(wide)), flag=True)
 
 

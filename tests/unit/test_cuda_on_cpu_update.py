@@ -1,13 +1,117 @@
-"""The update program's CUDA kernels (``_cuda.UPDATE``) run on the CPU (``cuda_on_cpu.h``) against the C loops: the
-sign pack, vote and apply.  A lent GPU runs the same comparisons for real (tests/unit/test_signs.py)."""
+"""The update program's CUDA kernels (``_cuda.UPDATE``) run on the CPU (``cuda_on_cpu.h``) against the C loops:
+the fused SGD step, DaSGD's merge, EASGD's pull, DiLoCo's outer step, the finite check, the sign pack, vote and
+apply, through ``_cuda``'s own wrappers where they have one (their arguments checked too), with aligned (whole
+16-byte vectors) and misaligned arrays and lengths around a vector's and a grid-stride loop's turns.  A lent GPU
+runs the same comparisons for real (tests/unit/test_cuda_kernels.py)."""
 
 import numpy as np
 import pytest
 
 from mpiopt.kernels import _cuda, signs
+from mpiopt.kernels.update import _updatec
 from test_codecs import _same_bits_but_nans
 
-pytestmark = pytest.mark.skipif(signs._signsc is None, reason="the C loops are not built")
+pytestmark = pytest.mark.skipif(_updatec is None or signs._signsc is None, reason="the C loops are not built")
+
+LENGTHS = (1, 3, 4, 5, 8, 1003)
+
+
+@pytest.fixture
+def kernels(emulated, monkeypatch):
+    """``_cuda``'s wrappers on numpy arrays, their launches run on the CPU in at most 3 blocks (so the loops turn)."""
+
+    def launch(name, dtype, items, args, flag=None, program=_cuda.UPDATE, blocks=None):
+        if not items:
+            return False if flag else None
+        return emulated(program, name, dtype, blocks or min(-(-items // _cuda.THREADS), 3), args, flag)
+
+    monkeypatch.setattr(_cuda, "_launch", launch)
+    monkeypatch.setattr(_cuda, "_wide", lambda *arrays: all(a.ctypes.data % 16 == 0 for a in arrays))
+    return _cuda
+
+
+def _vectors(count, n, dtype, aligned, seed):
+    """``count`` vectors of length n: normal values with +-0.0, subnormals and a large one, 16-byte aligned or not."""
+    rng, out = np.random.default_rng(seed), []
+    for _ in range(count):
+        buffer = np.empty(n + 4 * 16, dtype)
+        start = (-buffer.ctypes.data % 16) // buffer.itemsize + (0 if aligned else 1)
+        v = buffer[start : start + n]
+        v[...] = rng.standard_normal(n)
+        v[::7], v[1::11], v[2::13] = 0.0, -0.0, np.finfo(dtype).tiny * 0.25
+        v[n // 2] = 1e30
+        out.append(v)
+    return out
+
+
+def _same(got, expected):
+    return all(_same_bits_but_nans(None, a.shape[0], a, b) for a, b in zip(got, expected))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "misaligned"])
+def test_sgd_kernel_gives_the_c_loops_bits(dtype, aligned, kernels):
+    """The fused step: weight decay, a divisor, momentum (first step and after, dampening, Nesterov), copies, the
+    finite flag (an inf in the gradient) and both of DaSGD's merges."""
+    cases = [  # divisor, wd, mom, dampening, nesterov, copies, merge (None, "delayed" or a proportion)
+        (1, 0.0, 0.0, 0.0, False, 0, None), (4, 0.01, 0.9, 0.0, False, 1, None), (1, 0.0, 0.9, 0.1, False, 2, None),
+        (2, 0.01, 0.9, 0.0, True, 0, None), (1, 0.0, 0.9, 0.0, False, 0, "delayed"), (3, 0.0, 0.0, 0.0, False, 0, 0.3),
+    ]
+    for n in LENGTHS:
+        for case, (divisor, wd, mom, dampening, nesterov, copies, merge) in enumerate(cases):
+            for first in (True, False):
+                x, g, b, c, c2, snapshot, total = _vectors(7, n, dtype, aligned, n + case)
+                if case == 1:
+                    g[-1] = np.inf
+                c_merge = None if merge is None else (snapshot, total, 4, None if merge == "delayed" else merge)
+                ours = [a.copy() for a in (x, b, c, c2)]
+                outputs = [c, c2][:copies] + [None] * (2 - copies)
+                finite = _updatec.sgd(x, g, b if mom else None, *outputs, c_merge, divisor, 0.1, wd, mom, dampening, nesterov, first, 1)
+                ours_merge = None if merge is None else (snapshot, total.copy(), 4, c_merge[3])
+                got = kernels.sgd(ours[0], g, ours[1] if mom else None, tuple(ours[2:2 + copies]), ours_merge, divisor, 0.1, wd, mom,
+                                  dampening, nesterov, first, True)
+                assert got == finite == (case != 1), (n, case, first)
+                assert _same(ours, [x, b, c, c2]), (n, case, first)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "misaligned"])
+def test_outer_step_merge_and_pull_kernels_give_the_c_loops_bits(dtype, aligned, kernels):
+    """DiLoCo's outer step (momentum, Nesterov; no copy, a copy, Streaming DiLoCo's mix), two steps in a row; DaSGD's
+    merge (both rules) and EASGD's pull."""
+    for n in LENGTHS:
+        for mom, nesterov in ((0.0, False), (0.9, False), (0.9, True)):
+            for alpha, copy in ((0.0, False), (0.0, True), (0.3, True)):
+                x, total, b, out = _vectors(4, n, dtype, aligned, n)
+                b[...] = 0
+                ours = [a.copy() for a in (x, b, out)]
+                for _ in range(2):
+                    _updatec.outer_sgd(x, total, b if mom else None, out if copy else None, 4.0, 0.7, mom, alpha, nesterov, 1)
+                    kernels.outer_sgd(ours[0], total, ours[1] if mom else None, ours[2] if copy else None, 4, 0.7, mom, alpha, nesterov)
+                assert _same(ours, [x, b, out]), (n, mom, nesterov, alpha, copy)
+        for proportion in (None, 0.3):
+            x, snapshot, total = _vectors(3, n, dtype, aligned, n + 1)
+            ours = x.copy()
+            _updatec.merge_average(x, snapshot, total, 4.0, proportion, 1)
+            kernels.merge_average(ours, snapshot, total, 4, proportion)
+            assert _same([ours], [x]), (n, proportion)
+        x, center, total = _vectors(3, n, dtype, aligned, n + 2)
+        ours = [x.copy(), center.copy()]
+        _updatec.elastic_pull(x, center, total, 4.0, 0.1, 0.05, 1)
+        kernels.elastic_pull(*ours, total, 4, 0.1, 0.05)
+        assert _same(ours, [x, center]), n
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "misaligned"])
+def test_all_finite_kernel_finds_every_non_finite_entry(aligned, kernels):
+    for dtype in (np.float32, np.float64):
+        for n in LENGTHS:
+            for at in sorted({0, n // 2, n - 1}):
+                for bad in (None, np.inf, -np.inf, np.nan):
+                    (x,) = _vectors(1, n, dtype, aligned, n)
+                    if bad is not None:
+                        x[at] = bad
+                    assert kernels.all_finite(x) == _updatec.all_finite(x, 1) == (bad is None), (dtype, n, at, bad)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
