@@ -190,8 +190,8 @@ TOPK = _cuda.Program(_SOURCE, (), ("topk_encode", "topk_decode"))
 
 def takes_topk(chunk: int, k: int, bits: int, index_bits: int, vectors: Tuple[Any, ...], payloads: Any) -> bool:
     """Whether the kernels encode or decode with these parameters: a chunk one block holds, at most :data:`MAX_SENT`
-    sent, every chunk's fields on whole bytes, C-contiguous cupy float32 ``vectors`` and uint8 ``payloads``."""
-    fits = chunk <= MAX_CHUNK and k <= MAX_SENT and index_bits <= _MAX_INDEX_BITS and (k * bits) % 8 == 0 and (k * index_bits) % 8 == 0
+    sent, values of at most 8 bits (the shared value words' size), every chunk's fields on whole bytes, C-contiguous cupy float32 ``vectors`` and uint8 ``payloads``."""
+    fits = chunk <= MAX_CHUNK and k <= MAX_SENT and bits <= 8 and index_bits <= _MAX_INDEX_BITS and (k * bits) % 8 == 0 and (k * index_bits) % 8 == 0
     typed = [(a, np.float32) for a in vectors] + [(payloads, np.uint8)]
     kinds = all(array_module(a) is not np and a.dtype == dtype and a.flags.c_contiguous for a, dtype in typed)
     return fits and kinds and _cuda.compiled(TOPK)

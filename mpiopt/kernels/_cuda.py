@@ -492,8 +492,9 @@ def apply_signs(packed: Any, x: Any, lr: float, decay: float) -> None:
 
 def vote(rows: Any, voters: int, nbytes: int, threshold: int, out: Any) -> None:
     """``_signsc.vote`` on the GPU: bytes ``[0, nbytes)`` of ``out`` get the bitwise ``count >= threshold`` over the rows."""
-    stride = rows.strides[0]
+    if not 0 <= threshold <= voters:  # the count has voters' bits: a higher threshold's would go unread
+        raise ValueError(f"vote: threshold must be in [0, voters = {voters}], got {threshold}")
+    stride, levels = rows.strides[0], int(voters).bit_length()
     aligned = rows.data.ptr % 8 == 0 and stride % 8 == 0 and out.data.ptr % 8 == 0
-    levels = int(voters).bit_length()
     args = (np.int64(voters), np.int64(stride), np.int64(nbytes), np.int64(threshold), np.int32(levels), np.int32(aligned), rows, out)
     _launch("vote", None, -(-nbytes // 8), args)

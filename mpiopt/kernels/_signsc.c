@@ -127,7 +127,8 @@ static PyObject *py_vote(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "y*nnnnw*", &rows, &voters, &stride, &nbytes, &threshold, &out)) return NULL;
     PyObject *result = NULL;
-    if (voters < 1 || bit_length(voters) > MAX_LEVELS || nbytes < 0 || stride < nbytes || threshold < 0) {
+    /* threshold <= voters: the counters have voters' bits, and a higher threshold's would go unread */
+    if (voters < 1 || bit_length(voters) > MAX_LEVELS || nbytes < 0 || stride < nbytes || threshold < 0 || threshold > voters) {
         PyErr_Format(PyExc_ValueError, "vote: bad shape voters=%zd stride=%zd nbytes=%zd threshold=%zd",
                      voters, stride, nbytes, threshold);
     } else if (rows.len < (voters - 1) * stride + nbytes || out.len < nbytes) {

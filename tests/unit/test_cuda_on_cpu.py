@@ -118,9 +118,10 @@ def test_dense_codec_kernels_give_the_c_loops_bits(name, params, as_device):
 
 
 def test_the_kernels_decline_what_they_do_not_take(as_device):
-    """Settings whose chunks share bytes, chunks over a block, k over MAX_SENT, float64: False, nothing written."""
+    """Settings whose chunks share bytes, chunks over a block, k over MAX_SENT, values over 8 bits (the kernel's shared
+    value words), float64: False, nothing written."""
     e, payload = np.ones(100, np.float32), np.zeros(1, np.uint8)
-    for chunk, k, bits, index_bits in ((333, 1, 1, 9), (8192, 64, 2, 13), (4096, 2048, 2, 12), (100, 7, 3, 7)):
+    for chunk, k, bits, index_bits in ((333, 1, 1, 9), (8192, 64, 2, 13), (4096, 2048, 2, 12), (100, 7, 3, 7), (64, 8, 16, 6)):
         assert not _codecs_cuda.topk_encode(e, None, 1.0, payload, chunk, k, bits, index_bits, 0.0, 1.0, np.ones(2, np.float32), False)
     assert not _codecs_cuda.topk_encode(e.astype(np.float64), None, 1.0, payload, 64, 8, 2, 6, 0.0, 1.0, np.ones(4, np.float32), False)
 
@@ -141,6 +142,15 @@ def test_chunk_topk_selects_the_kernels_top_k_of_every_row(chunk, k, dtype, emul
     emulated(device.SELECT, "chunk_topk", rows.dtype, rows.shape[0], (np.int64(rows.shape[0]), np.int32(chunk), np.int32(k), rows, flat))
     expected = np.concatenate([topk_indices(row, k).astype(np.int64) + i * chunk for i, row in enumerate(rows)])
     assert np.array_equal(flat, expected)
+
+
+def test_chunk_topk_refuses_a_k_its_select_cannot_find(as_device):
+    """k = 0 or k over the chunk: no k-th key, and the kernel would write past ``out``; an error naming k, nothing run."""
+    rows, flat = np.ones((2, 8), np.float32), np.full(20, -1, np.int64)
+    for k in (0, 9):
+        with pytest.raises(ValueError, match=f"k must be in \\[1, chunk = 8\\], got {k}"):
+            device.chunk_topk(rows, k, flat)
+    assert np.all(flat == -1)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])

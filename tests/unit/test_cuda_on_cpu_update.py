@@ -163,3 +163,15 @@ def test_vote_and_apply_signs_kernels_give_the_c_loops_bits(emulated):
             signs._signsc.apply_signs(packed, n, x.dtype.itemsize, expect, 0.01, decay, 1)
             emulated(_cuda.UPDATE, "apply_signs", dtype, 2, (np.int64(n), packed, got, T(0.01), T(decay), np.int32(decay != 1.0)))
             assert got.tobytes() == expect.tobytes(), (dtype, decay)
+
+
+def test_vote_refuses_a_threshold_over_the_voters():
+    """The count has the voters' bits: a threshold above them would go unread (all ones), so both the kernel's wrapper
+    and the C loop refuse it, naming it."""
+    rows, out = np.zeros((3, 8), np.uint8), np.zeros(8, np.uint8)
+    with pytest.raises(ValueError, match=r"threshold must be in \[0, voters = 3\], got 4"):
+        _cuda.vote(rows, 3, 8, 4, out)
+    with pytest.raises(ValueError, match="threshold=4"):
+        signs._signsc.vote(rows, 3, 8, 8, 4, out)
+    signs._signsc.vote(rows, 3, 8, 8, 3, out)  # every count is 0: below 3
+    assert not out.any()

@@ -312,6 +312,8 @@ def chunk_topk(rows: Any, k: int, out: Any) -> bool:
     index first among ties, NaN below every number.  False (nothing written) where the kernel cannot run: numpy or
     non-contiguous rows, rows longer than :data:`MAX_CHUNK`, or kernels that do not compile."""
     n, chunk = rows.shape
+    if not 1 <= k <= chunk:  # the kernel's radix select finds no k-th key then, and would write past out
+        raise ValueError(f"k must be in [1, chunk = {chunk}], got {k}")
     if type(rows) is np.ndarray or rows.dtype not in C_FLOATS or not rows.flags.c_contiguous or chunk > MAX_CHUNK:
         return False
     if not _cuda.compiled(SELECT):
