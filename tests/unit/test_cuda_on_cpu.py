@@ -213,12 +213,13 @@ def test_regtopks_device_factors_and_scan_select_what_the_c_loops_select(d, k, d
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
-@pytest.mark.parametrize("n, k", [(1, 1), (300, 1), (300, 300), (9000, 17), (9000, 4500)])
-def test_keep_best_keeps_the_k_highest_scores(n, k, dtype, emulated):
-    """keep_best (one block over n candidates, several tiles) against the array code's choice: signed scores, -0.0
-    equal to +0.0, ties at the k-th to the lowest index, +-inf."""
+@pytest.mark.parametrize("n, k", [(1, 1), (300, 1), (300, 300), (9000, 17), (9000, 4500), (20000, 9999)])
+def test_keep_best_keeps_the_k_highest_scores(n, k, dtype, emulated, monkeypatch):
+    """keep_best (two kernels over tiles of 4,096 candidates, up to 5 of them) against the array code's choice: signed
+    scores, -0.0 equal to +0.0, ties at the k-th to the lowest index across tiles, +-inf."""
     from mpiopt.kernels.sparse.selection import _select
 
+    monkeypatch.setattr(_cuda, "launch", emulated)
     rng = np.random.default_rng(n + k)
     scores = (rng.integers(-3, 4, n) * rng.choice([1.0, -1.0], n)).astype(dtype)  # many ties, +-0.0
     scores[:: max(1, n // 7)] = np.inf
@@ -226,7 +227,8 @@ def test_keep_best_keeps_the_k_highest_scores(n, k, dtype, emulated):
     candidates = np.sort(rng.choice(10 * n, n, replace=False)).astype(np.int32)
     selected = np.full(k, -1, np.int32)
     kth = np.sort(scores)[n - k : n - k + 1]
-    emulated(device.SELECT, "keep_best", dtype, 1, (np.int64(n), np.int32(k), kth, candidates, scores, selected))
+    counts, ends = np.full(13, -1, np.int32), np.full(13, -1, np.int32)
+    device.keep_best(kth, candidates, scores, k, counts, ends, selected)
     assert np.array_equal(selected, _select(np, candidates, scores, k))
 
 

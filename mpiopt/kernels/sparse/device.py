@@ -18,7 +18,7 @@ from .. import _cuda
 from .._backend import C_FLOATS
 from .selection import FeedbackSelection, _workspace_plan
 
-__all__ = ["DeviceTopkWorkspace", "BLOCK_SELECT", "SELECT", "MAX_CHUNK", "chunk_topk", "take_zero"]
+__all__ = ["DeviceTopkWorkspace", "BLOCK_SELECT", "SELECT", "MAX_CHUNK", "chunk_topk", "take_zero", "keep_best"]
 
 # Entries per thread: one block scans THREADS * _ITEMS adjacent entries, its candidates counted, then written in order.
 _ITEMS = 16
@@ -262,47 +262,64 @@ __global__ void take_zero(long long k, const int *idx, T *e, T *values) {
 }
 
 /* The k candidates of highest score (scores[0, n), no NaN; *kth the k-th highest), the lowest index first among ties
- * at the k-th, into selected in index order: one block, counting those above *kth, then each tile's kept ones at
- * their places (thread t's ITEMS adjacent candidates, their places from the threads' and tiles' before). */
+ * at the k-th, into selected in index order, in two passes over tiles of blockDim.x * ITEMS, a block a tile.
+ * Pass 1: tile b's candidates above *kth in counts[b], equal to it in counts[gridDim.x + b]. */
 template <typename T>
-__global__ void keep_best(long long n, int k, const T *kth, const int *candidates, const T *scores, int *selected) {
+__global__ void keep_count(long long n, const T *kth, const T *scores, int *counts) {
     const T t = *kth;
-    int above = 0, total;
-    for (long long i = threadIdx.x; i < n; i += blockDim.x) above += !ge_(t, scores[i]); /* > t: -ftz-proof */
-    block_scan_(above, &total);
-    const long long ties = k - total; /* taken from the lowest indices */
-    long long tie = 0, place = 0;      /* ties and kept candidates in the tiles before */
-    for (long long tile = 0; tile < n; tile += (long long)blockDim.x * ITEMS) {
-        const long long first = tile + (long long)threadIdx.x * ITEMS;
-        const int mine = (int)max(0LL, min((long long)ITEMS, n - first));
-        int equal = 0;
-        T v[ITEMS];
+    const long long tile = (long long)blockIdx.x * blockDim.x * ITEMS;
+    int above = 0, equal = 0, total;
 #pragma unroll
-        for (int q = 0; q < ITEMS; ++q) {
-            v[q] = q < mine ? scores[first + q] : t;
-            equal += q < mine && ge_(v[q], t) && ge_(t, v[q]);
+    for (int q = 0; q < ITEMS; ++q) {
+        const long long i = tile + (long long)q * blockDim.x + threadIdx.x; /* coalesced: a count needs no order */
+        if (i < n) {
+            const T v = scores[i];
+            above += !ge_(t, v); /* > t: -ftz-proof */
+            equal += ge_(v, t) && ge_(t, v);
         }
-        long long my_tie = tie + block_scan_(equal, &total);
-        tie += total;
-        bool keep[ITEMS];
-        int kept = 0;
-#pragma unroll
-        for (int q = 0; q < ITEMS; ++q) {
-            const bool at_kth = q < mine && ge_(v[q], t) && ge_(t, v[q]);
-            keep[q] = q < mine && (!ge_(t, v[q]) || (at_kth && my_tie < ties));
-            my_tie += at_kth;
-            kept += keep[q];
-        }
-        long long at = place + block_scan_(kept, &total);
-        place += total;
-#pragma unroll
-        for (int q = 0; q < ITEMS; ++q)
-            if (keep[q] && at < k) selected[at++] = candidates[first + q]; /* k at most, whatever the scores */
     }
+    block_scan_(above, &total);
+    if (threadIdx.x == 0) counts[blockIdx.x] = total;
+    block_scan_(equal, &total);
+    if (threadIdx.x == 0) counts[gridDim.x + blockIdx.x] = total;
+}
+
+/* Pass 2 (ends: each half's running sums of counts): tile b's kept candidates at their places, thread t's ITEMS
+ * adjacent ones in order; kept are those above *kth and, of those equal to it, the first k - (all above). */
+template <typename T>
+__global__ void keep_write(long long n, int k, const T *kth, const int *candidates, const T *scores, const int *counts,
+                           const int *ends, int *selected) {
+    const long long tiles = gridDim.x, b = blockIdx.x;
+    const long long ties = max(0LL, (long long)k - ends[tiles - 1]); /* equal ones kept, the lowest indices first */
+    const long long equal_before = ends[tiles + b] - counts[tiles + b];
+    if (counts[b] == 0 && (counts[tiles + b] == 0 || equal_before >= ties)) return; /* the whole block: none kept */
+    const T t = *kth;
+    const long long first = b * blockDim.x * ITEMS + (long long)threadIdx.x * ITEMS;
+    const int mine = (int)max(0LL, min((long long)ITEMS, n - first));
+    int equal = 0, kept = 0, total;
+    T v[ITEMS];
+#pragma unroll
+    for (int q = 0; q < ITEMS; ++q) {
+        v[q] = q < mine ? scores[first + q] : t;
+        equal += q < mine && ge_(v[q], t) && ge_(t, v[q]);
+    }
+    long long tie = equal_before + block_scan_(equal, &total);
+    bool keep[ITEMS];
+#pragma unroll
+    for (int q = 0; q < ITEMS; ++q) {
+        const bool at_kth = q < mine && ge_(v[q], t) && ge_(t, v[q]);
+        keep[q] = q < mine && (!ge_(t, v[q]) || (at_kth && tie < ties));
+        tie += at_kth;
+        kept += keep[q];
+    }
+    long long at = ends[b] - counts[b] + min(equal_before, ties) + block_scan_(kept, &total);
+#pragma unroll
+    for (int q = 0; q < ITEMS; ++q)
+        if (keep[q] && at < k) selected[at++] = candidates[first + q]; /* k at most, whatever the scores */
 }
 """
 
-SELECT = _cuda.Program(_SOURCE, ("scan_count", "scan_write", "chunk_topk", "regtopk_ratio", "scale_sampled", "take_zero", "keep_best"))
+SELECT = _cuda.Program(_SOURCE, ("scan_count", "scan_write", "chunk_topk", "regtopk_ratio", "scale_sampled", "take_zero", "keep_count", "keep_write"))
 #: The longest row :func:`chunk_topk` selects in (one block of THREADS threads, ITEMS entries each).
 MAX_CHUNK = _cuda.THREADS * _ITEMS
 
@@ -335,6 +352,19 @@ def take_zero(error: Any, indices: Any, values: Any) -> bool:
     return True
 
 
+def keep_best(kth: Any, candidates: Any, scores: Any, k: int, counts: Any, ends: Any, selected: Any) -> None:
+    """The k of ``candidates`` of highest ``scores`` (numbers only; ``kth``: a device array starting at the k-th
+    highest), the lowest index first among ties at the k-th, into ``selected`` in index order: two kernels over
+    tiles of ``THREADS * ITEMS`` candidates, a block a tile, and each tile's counts' running sums between
+    (``counts``, ``ends``: int32 scratch of at least twice the tiles)."""
+    n = scores.shape[0]
+    tiles = -(-n // (_cuda.THREADS * _ITEMS))
+    counts, ends = counts[: 2 * tiles], ends[: 2 * tiles]
+    _cuda.launch(SELECT, "keep_count", scores.dtype, tiles, (np.int64(n), kth, scores, counts))
+    counts.reshape(2, tiles).cumsum(axis=1, out=ends.reshape(2, tiles))
+    _cuda.launch(SELECT, "keep_write", scores.dtype, tiles, (np.int64(n), np.int32(k), kth, candidates, scores, counts, ends, selected))
+
+
 class DeviceTopkWorkspace:
     """:class:`~mpiopt.kernels.sparse.TopkWorkspace` for cupy arrays: buffers made once, the scan (with RegTop-k's
     factors) as CUDA kernels.
@@ -357,6 +387,8 @@ class DeviceTopkWorkspace:
         self.scores = cupy.empty(capacity, dtype)
         self.order = cupy.empty(capacity, dtype)
         self.selected = cupy.empty(k, np.int32)
+        self.keep_counts = cupy.empty(2 * -(-capacity // (_cuda.THREADS * _ITEMS)), np.int32)  # keep_best's scratch
+        self.keep_ends = cupy.empty_like(self.keep_counts)
         self.rows = cupy.empty((3, k), dtype)  # RegTop-k's k-sized temporaries, as the numpy workspace's
 
     @classmethod
@@ -430,9 +462,9 @@ class DeviceTopkWorkspace:
 
     def _best(self, n: int, k: int) -> Any:
         """The k candidates of highest score (numbers only), lowest index first among ties, into ``selected``: CuPy's
-        sort finds the k-th score, one kernel keeps the k in index order."""
+        sort finds the k-th score, :func:`keep_best` keeps the k in index order."""
         order = self.order[:n]
         order[...] = self.scores[:n]
         order.sort()
-        _cuda.launch(SELECT, "keep_best", self.dtype, 1, (np.int64(n), np.int32(k), order[n - k :], self.candidates, self.scores, self.selected))
+        keep_best(order[n - k :], self.candidates[:n], self.scores[:n], k, self.keep_counts, self.keep_ends, self.selected)
         return self.selected
