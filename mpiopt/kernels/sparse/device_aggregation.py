@@ -82,7 +82,7 @@ template <typename T>
 __global__ void add_row(long long k, long long d, int row, long long row_bytes, const unsigned char *payloads,
                         const unsigned char *expected, int bitmap, const int *decoded, const int *ends, int tiles, T *out,
                         unsigned *marks, int *kept, unsigned char *first, int *bad) {
-    typedef typename Key<T>::type U;
+    typedef decltype(bits_((T)0)) U; /* T's bits as an unsigned integer */
     const unsigned char *header = payloads + row * row_bytes, *values = header + 8, *pairs = values + sizeof(T) * k;
     if (blockIdx.x == 0 && threadIdx.x < 8 && header[threadIdx.x] != expected[threadIdx.x]) atomicCAS(bad, 0, row + 1);
     if (bitmap && blockIdx.x == 0 && threadIdx.x == 0 && ends[(long long)row * tiles + tiles - 1] != k) atomicCAS(bad, 0, row + 1);
@@ -103,6 +103,7 @@ __global__ void add_row(long long k, long long d, int row, long long row_bytes, 
         kept[i] = j;
     }
 }
+
 /* After every row, at each entry's first sender: G = sum / divisor (where divisor is not 1), params -= lr G (where
  * update, and no row was bad); the entry's marks cleared (the word's other entries have read theirs already). */
 template <typename T>
